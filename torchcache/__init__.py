@@ -1,0 +1,42 @@
+"""torchcache: cache the per-item outputs of frozen PyTorch modules and functions.
+
+>>> import torch
+>>> from torchcache import torchcache
+>>> @torchcache()
+... class Frozen(torch.nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.linear = torch.nn.Linear(4, 2).requires_grad_(False)
+...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+...         return self.linear(x)
+>>> model = Frozen()
+>>> x = torch.randn(8, 4)
+>>> torch.equal(model(x), model(x))
+True
+>>> model.cache_instance.stats().hits
+8
+"""
+
+from ._log import configure_from_env, set_logger_config
+from ._version import __version__
+from .decorator import torchcache
+from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
+from .stats import CacheStats, TierStats
+from .writer import flush_all
+
+__all__ = [
+    "CacheStats",
+    "CacheWarning",
+    "ConfigError",
+    "CorruptEntryError",
+    "KeyingError",
+    "StoreError",
+    "TierStats",
+    "TorchCacheError",
+    "__version__",
+    "flush_all",
+    "set_logger_config",
+    "torchcache",
+]
+
+configure_from_env()

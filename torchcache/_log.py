@@ -1,0 +1,111 @@
+"""The ``torchcache`` logger and its configuration from the environment.
+
+Importing torchcache only ever touches the ``torchcache`` logger: the root logger and
+every other logger are left alone. Without any ``TORCHCACHE_LOG_*`` variable the logger
+has a :class:`logging.NullHandler`, so messages propagate to whatever the application
+configured (and warnings reach stderr through Python's last-resort handler). Setting a
+variable, or calling :func:`set_logger_config`, gives the logger its own handler and
+stops propagation so that messages are not printed twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import TextIO
+
+__all__ = ["DEFAULT_DATEFMT", "DEFAULT_FMT", "logger", "set_logger_config"]
+
+logger = logging.getLogger("torchcache")
+
+DEFAULT_FMT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DEFAULT_DATEFMT = "%Y-%m-%d %H:%M:%S"
+DEFAULT_LEVEL = logging.WARNING
+_ENV_VARS = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
+_OWN_HANDLER_ATTR = "_torchcache_handler"
+
+
+def _parse_level(level: int | str | None) -> int:
+    """Turn a level name or number into a logging level; warn once and use WARNING if invalid."""
+    if level is None:
+        return DEFAULT_LEVEL
+    if isinstance(level, int) and not isinstance(level, bool):
+        return level
+    if isinstance(level, str):
+        text = level.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        value = logging.getLevelName(text.upper())
+        if isinstance(value, int):
+            return value
+    warnings.warn(
+        f"torchcache: invalid log level {level!r}; expected one of DEBUG, INFO, WARNING, ERROR, "
+        "CRITICAL or a number. Using WARNING.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return DEFAULT_LEVEL
+
+
+def set_logger_config(
+    level: int | str | None = None,
+    fmt: str | None = None,
+    datefmt: str | None = None,
+    stream: TextIO | None = None,
+    filename: str | os.PathLike[str] | None = None,
+) -> logging.Logger:
+    """Configure the ``torchcache`` logger (and only that logger).
+
+    Replaces the handler a previous call installed. Messages go to ``filename`` when
+    given, else to ``stream``, else to stderr.
+
+    Args:
+        level: A level name (``"INFO"``) or number. Invalid values warn and use WARNING.
+        fmt: A :mod:`logging` format string.
+        datefmt: A :func:`time.strftime` format for ``%(asctime)s``.
+        stream: The stream to write to when no ``filename`` is given.
+        filename: A file to append to.
+
+    Returns:
+        The configured ``torchcache`` logger.
+
+    Example:
+        >>> import io
+        >>> buf = io.StringIO()
+        >>> log = set_logger_config(level="INFO", fmt="%(levelname)s %(message)s", stream=buf)
+        >>> log.info("hello")
+        >>> buf.getvalue()
+        'INFO hello\\n'
+        >>> _ = set_logger_config()
+    """
+    for handler in list(logger.handlers):
+        if getattr(handler, _OWN_HANDLER_ATTR, False) or isinstance(handler, logging.NullHandler):
+            logger.removeHandler(handler)
+            handler.close()
+    handler: logging.Handler
+    if filename is not None:
+        handler = logging.FileHandler(os.fspath(filename), encoding="utf-8")
+    else:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt or DEFAULT_FMT, datefmt or DEFAULT_DATEFMT))
+    setattr(handler, _OWN_HANDLER_ATTR, True)
+    logger.addHandler(handler)
+    logger.setLevel(_parse_level(level))
+    logger.propagate = False
+    return logger
+
+
+def configure_from_env() -> None:
+    """Apply the ``TORCHCACHE_LOG_*`` environment variables, if any is set."""
+    if not any(os.environ.get(name) for name in _ENV_VARS):
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+        return
+    set_logger_config(
+        level=os.environ.get("TORCHCACHE_LOG_LEVEL") or None,
+        fmt=os.environ.get("TORCHCACHE_LOG_FMT") or None,
+        datefmt=os.environ.get("TORCHCACHE_LOG_DATEFMT") or None,
+        filename=os.environ.get("TORCHCACHE_LOG_FILE") or None,
+    )

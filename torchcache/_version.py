@@ -1,0 +1,3 @@
+"""The package version."""
+
+__version__ = "1.0.0"

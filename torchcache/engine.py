@@ -1,0 +1,393 @@
+"""The cache of one decorated module instance or function: lookup, compute misses, merge.
+
+One call hashes every item of the batch, looks the keys up in the memory tier, then
+the disk tier, runs the wrapped callable on the items found nowhere (only those), and
+returns outputs in input order. Hits come back as new tensors with the dtype and device
+a real call would give. Faults of the cache become one :class:`CacheWarning` per kind
+and a recompute; they never break the call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._log import logger
+from ._version import __version__
+from .config import Settings, resolve_root
+from .errors import CacheWarning, KeyingError, StoreError
+from .keys import FORMAT_VERSION, Context, encode_value, hash_items
+from .persist import DiskTier
+from .stats import CacheStats, TierStats
+from .stores.memory import MemoryTier, Slab
+from .tree import Layout, flatten, unflatten
+
+__all__ = ["Cache"]
+
+_TENSOR = b"\x00T"
+
+
+class Cache:
+    """The cache behind a decorated module instance or function (``.cache_instance``).
+
+    Args:
+        settings: Validated settings.
+        name: Qualified name of the class or function (for metadata and logs).
+        kind: ``"module"`` or ``"function"``.
+        signature: The signature calls are bound to (without ``self``).
+        fingerprint: Computes the module key; called once, at the first call (or the first
+            access of :attr:`module_hash`), unless ``persistent_module_hash`` is set.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        kind: str,
+        signature: inspect.Signature,
+        fingerprint: Callable[[], str],
+    ) -> None:
+        self.settings = settings
+        self.name = name
+        self.kind = kind
+        self._signature = signature
+        self._var_kinds = {
+            p.name: p.kind
+            for p in signature.parameters.values()
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        }
+        self._fingerprint = fingerprint
+        self._module_hash: str | None = settings.persistent_module_hash
+        if self._module_hash is not None:
+            logger.warning(
+                "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
+                "or weights will not invalidate its cache",
+                name,
+                self._module_hash,
+            )
+        self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
+        self._disk: DiskTier | None = None
+        self._disk_ready = not settings.persistent
+        self._warned: set[str] = set()
+        self._pending_faults: list[tuple[str, str]] = []
+        self._lock = threading.RLock()
+        self._hits = 0
+        self._misses = 0
+        self._memory_hits = 0
+        self._out_device: torch.device | None = None
+        self._last_summary = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"<torchcache.Cache of {self.name} memory={self.memory!r} disk={self._disk!r}>"
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def module_hash(self) -> str:
+        """The module key (32 hex digits, or ``persistent_module_hash``).
+
+        Fixed at the first call. Before it, reading this gives the key the current
+        weights would give, without fixing it.
+        """
+        if self._module_hash is not None:
+            return self._module_hash
+        return self._fingerprint()
+
+    def _freeze_key(self) -> str:
+        if self._module_hash is None:
+            self._module_hash = self._fingerprint()
+            logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+        return self._module_hash
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """Directory of this module's entries, or ``None`` when not persistent."""
+        if not self.settings.persistent:
+            return None
+        return resolve_root(self.settings.persistent_cache_dir) / self.module_hash
+
+    def _disk_tier(self) -> DiskTier | None:
+        if not self._disk_ready:
+            self._disk_ready = True
+            directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
+            meta = {
+                "torchcache_version": __version__,
+                "format_version": FORMAT_VERSION,
+                "name": self.name,
+                "kind": self.kind,
+                "module_key": self._module_hash,
+                "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
+            }
+            try:
+                self._disk = DiskTier(
+                    directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, self._report
+                )
+            except StoreError as exc:
+                self._warn("write", f"{exc}; caching in memory only")
+        return self._disk
+
+    # -- faults -----------------------------------------------------------------------
+    def _report(self, kind: str, message: str) -> None:
+        """Record a fault from any thread; it is warned about on the caller's thread."""
+        with self._lock:
+            self._pending_faults.append((kind, message))
+
+    def _warn(self, kind: str, message: str) -> None:
+        text = f"torchcache ({self.name}): {message}"
+        if kind in self._warned:
+            logger.debug(text)
+            return
+        self._warned.add(kind)
+        logger.warning(text)
+        warnings.warn(text, CacheWarning, stacklevel=4)
+
+    def _emit_faults(self) -> None:
+        if self._pending_faults:
+            with self._lock:
+                faults, self._pending_faults = self._pending_faults, []
+            for kind, message in faults:
+                self._warn(kind, message)
+
+    # -- public API -------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Hits and misses (batch items, every tier together) and each tier's size."""
+        disk = self._disk
+        total = self._hits + self._misses
+        return CacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            hit_rate=self._hits / total if total else 0.0,
+            memory=TierStats(len(self.memory), self.memory.nbytes, self.memory.max_bytes, self._memory_hits),
+            disk=None
+            if not self.settings.persistent
+            else TierStats(
+                len(disk.store) if disk else 0,
+                disk.store.nbytes if disk else 0,
+                self.settings.max_persistent_cache_size,
+                disk.hits if disk else 0,
+            ),
+        )
+
+    def flush(self) -> None:
+        """Wait until every pending write is on disk."""
+        if self._disk is not None:
+            self._disk.flush()
+            self._disk.touch()
+        self._emit_faults()
+
+    def clear(self) -> None:
+        """Remove this module's entries from memory and from disk."""
+        with self._lock:
+            self.memory.clear()
+            disk = self._disk_tier() if self.settings.persistent else None
+            if disk is not None:
+                try:
+                    disk.clear()
+                except StoreError as exc:
+                    self._warn("write", f"could not clear the disk cache: {exc}")
+        self._emit_faults()
+
+    # -- the call ---------------------------------------------------------------------
+    def __call__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None = None
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)`` through the cache."""
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        tensors, context = self._split(bound.arguments, training)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            self._warn("grad", "an input requires grad: calls with such inputs are not cached")
+            return fn(*args, **kwargs)
+        self._emit_faults()
+        keys = hash_items(context, tensors, self.settings.subsample_count)
+        batch = len(keys)
+        device = self._out_device or tensors[0].device
+        with self.memory.lock:
+            found = self.memory.find(keys)
+            slab = found[0][0] if found and found[0] is not None else None
+            if slab is not None and all(f is not None and f[0] is slab for f in found):
+                rows = torch.tensor([f[1] for f in found if f is not None], device=slab.device)  # type: ignore[union-attr]
+                leaves = [t.index_select(0, rows) for t in slab.leaves]
+                self._hits += batch
+                self._memory_hits += batch
+                return unflatten(slab.layout.spec, _returned(leaves, slab.layout, device))
+        return self._call_mixed(fn, bound, keys, found, tensors, device)
+
+    def _split(self, arguments: dict[str, Any], training: bool | None) -> tuple[list[torch.Tensor], bytes]:
+        context = Context(self._freeze_key())
+        tensors: list[torch.Tensor] = []
+        batch = -1
+        for name, value in arguments.items():
+            kind = self._var_kinds.get(name)
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                items = [(key, value[key]) for key in sorted(value)]
+            else:
+                items = [(name, value)]
+            for label, item in items:
+                context.add(label.encode())
+                if isinstance(item, torch.Tensor):
+                    if item.dim() == 0:
+                        raise ValueError(
+                            f"argument {label!r}: expected a tensor shaped (batch, ...), got a 0-d tensor; "
+                            "add a batch dimension (x.unsqueeze(0)) or pass a Python number"
+                        )
+                    if batch < 0:
+                        batch = item.shape[0]
+                    elif item.shape[0] != batch:
+                        raise ValueError(
+                            f"argument {label!r}: batch size {item.shape[0]} does not match the batch size "
+                            f"{batch} of the tensor arguments before it; every tensor argument must be "
+                            "shaped (batch, ...) with the same batch"
+                        )
+                    context.add(_TENSOR + str(item.dtype).encode() + repr(tuple(item.shape[1:])).encode())
+                    tensors.append(item)
+                else:
+                    context.add(encode_value(item, f"argument {label!r}"))
+        if not tensors:
+            raise KeyingError("torchcache needs at least one tensor argument shaped (batch, ...) to key items by")
+        if training is not None:
+            context.add(b"training" if training else b"eval")
+        return tensors, context.digest()
+
+    def _call_mixed(
+        self,
+        fn: Callable[..., Any],
+        bound: inspect.BoundArguments,
+        keys: list[bytes],
+        found: list[tuple[Slab, int] | None],
+        tensors: list[torch.Tensor],
+        device: torch.device,
+    ) -> Any:
+        batch = len(keys)
+        layout: Layout | None = None
+        parts: list[tuple[list[int], list[torch.Tensor]]] = []  # (positions, leaves at stored dtype)
+        with self.memory.lock:
+            by_slab: dict[int, tuple[Slab, list[int], list[int]]] = {}
+            for pos, hit in enumerate(found):
+                if hit is not None:
+                    entry = by_slab.setdefault(id(hit[0]), (hit[0], [], []))
+                    entry[1].append(pos)
+                    entry[2].append(hit[1])
+            for slab, positions, rows in by_slab.values():
+                if layout is not None and slab.layout != layout:
+                    continue
+                layout = slab.layout
+                index = torch.tensor(rows, device=slab.device)
+                parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
+        memory_hits = sum(len(p) for p, _ in parts)
+        covered = {pos for positions, _ in parts for pos in positions}
+        missing = [pos for pos in range(batch) if pos not in covered]
+
+        disk = self._disk_tier() if self.settings.persistent else None
+        disk_hits = 0
+        if disk is not None and missing:
+            hex_keys = [keys[pos].hex() for pos in missing]
+            found_at, disk_layout, disk_leaves = disk.read(hex_keys)
+            if found_at and (layout is None or disk_layout == layout):
+                layout = disk_layout
+                positions = [missing[i] for i in found_at]
+                parts.append((positions, disk_leaves))
+                disk_hits = len(positions)
+                self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
+                taken = set(positions)
+                missing = [pos for pos in missing if pos not in taken]
+            self._emit_faults()
+
+        computed: Any = None
+        if missing:
+            sub = bound if len(missing) == batch else _select(bound, self._var_kinds, missing, tensors[0].device)
+            computed = fn(*sub.args, **sub.kwargs)
+            spec, leaves = flatten(computed)
+            for leaf in leaves:
+                if leaf.dim() == 0 or leaf.shape[0] != len(missing):
+                    raise ValueError(
+                        f"{self.name} returned a tensor shaped {tuple(leaf.shape)} for {len(missing)} items: "
+                        "torchcache caches outputs per item, so every output tensor must be shaped (batch, ...)"
+                    )
+            new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
+            if layout is not None and new_layout != layout:
+                self._warn("layout", "cached outputs do not match the shapes just computed; computing the whole batch")
+                self._misses += batch
+                return fn(*bound.args, **bound.kwargs)
+            layout = new_layout
+            if leaves:
+                self._out_device = leaves[0].device
+            self._store(keys, missing, layout, leaves)
+            if len(missing) == batch:
+                self._misses += batch
+                return computed
+            parts.append((missing, leaves))
+        self._hits += batch - len(missing)
+        self._misses += len(missing)
+        self._memory_hits += memory_hits
+        assert layout is not None
+        return unflatten(layout.spec, _merge(parts, batch, layout, device))
+
+    def _store(self, keys: list[bytes], positions: list[int], layout: Layout, leaves: list[torch.Tensor]) -> None:
+        item_keys = [keys[p] for p in positions]
+        disk = self._disk
+        stored = None
+        if disk is not None:
+            stored = [
+                leaf.detach().to(device="cpu", dtype=spec.dtype, copy=True).contiguous()
+                for leaf, spec in zip(leaves, layout.leaves)
+            ]
+            disk.write([k.hex() for k in item_keys], layout, stored)
+        cpu_memory = self.memory.device is not None and self.memory.device.type == "cpu"
+        with self.memory.lock:
+            self.memory.put(
+                item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
+            )
+
+
+def _returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    """Cast gathered leaves to the dtype and device a real call returns."""
+    return [t.to(device=device, dtype=spec.out_dtype) for t, spec in zip(leaves, layout.leaves)]
+
+
+def _merge(
+    parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
+) -> list[torch.Tensor]:
+    """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order."""
+    indices = [torch.tensor(positions, device=device) for positions, _ in parts]
+    outs = []
+    for i, spec in enumerate(layout.leaves):
+        out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device)
+        for index, (_, leaves) in zip(indices, parts):
+            out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
+        outs.append(out)
+    return outs
+
+
+def _select(
+    bound: inspect.BoundArguments, var_kinds: dict[str, Any], positions: list[int], device: torch.device
+) -> inspect.BoundArguments:
+    """A copy of the bound arguments with every tensor restricted to ``positions``."""
+    cache: dict[torch.device, torch.Tensor] = {}
+
+    def pick(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        index = cache.get(value.device)
+        if index is None:
+            index = cache[value.device] = torch.tensor(positions, device=value.device)
+        return value.index_select(0, index)
+
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = var_kinds.get(name)
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            arguments[name] = tuple(pick(v) for v in value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            arguments[name] = {k: pick(v) for k, v in value.items()}
+        else:
+            arguments[name] = pick(value)
+    return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]

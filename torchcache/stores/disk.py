@@ -1,0 +1,238 @@
+"""One file per entry under a module directory, with a byte budget that spans runs.
+
+Files live at ``<directory>/<first 3 hex digits>/<key>.tce``: 4,096 subdirectories keep
+every directory to a few thousand files up to about ten million entries. Writes go to
+a temporary file in the same subdirectory and are renamed into place, so a reader in
+any process sees a whole entry or none, and a killed writer leaves at most a temporary
+file (removed by the next scan once it is an hour old, or by ``torchcache verify --fix``).
+
+The budget counts every entry in the directory, including those earlier runs left: the
+first write (or size query) scans the directory once, ordering entries by modification
+time. Several processes may share a directory; each enforces the budget on what it has
+seen, so together they can pass it briefly by what the others wrote since their scan.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import StoreError
+from ..policy import MruPolicy
+from .base import Store
+
+__all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore"]
+
+ENTRY_SUFFIX = ".tce"
+TMP_SUFFIX = ".tmp"
+_STALE_TMP_SECONDS = 3600.0
+
+
+def _is_key(name: str) -> bool:
+    return len(name) >= 4 and all(c in "0123456789abcdef" for c in name)
+
+
+class DiskStore(Store):
+    """A directory of entry files with a byte budget and an eviction policy.
+
+    Args:
+        directory: The module directory (created on first write).
+        max_bytes: The budget for the sum of entry file sizes.
+        policy: Eviction order; MRU by default.
+
+    Example:
+        >>> import tempfile
+        >>> store = DiskStore(Path(tempfile.mkdtemp()), max_bytes=100)
+        >>> store.put("abcd01", b"x" * 60), store.put("abcd02", b"y" * 60)
+        (True, True)
+        >>> len(store), store.nbytes, store.get("abcd01")
+        (1, 60, None)
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, policy: MruPolicy[str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = int(max_bytes)
+        self._policy: MruPolicy[str] = policy if policy is not None else MruPolicy()
+        self._sizes: dict[str, int] = {}
+        self._used = 0
+        self._scanned = False
+        self._lock = threading.RLock()
+        self._made_dirs: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"DiskStore({str(self.directory)!r}, max_bytes={self.max_bytes}, nbytes={self.nbytes})"
+
+    def path(self, key: str) -> Path:
+        """Where the entry of ``key`` lives."""
+        return self.directory / key[:3] / (key + ENTRY_SUFFIX)
+
+    # -- index -------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index the entries already on disk (oldest first) and drop stale temporaries."""
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        try:
+            subdirs = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            subdirs = []
+        except OSError as exc:
+            raise StoreError(f"cannot list cache directory {self.directory}: {exc}") from exc
+        for sub in subdirs:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for entry in entries:
+                name = entry.name
+                try:
+                    if name.endswith(ENTRY_SUFFIX) and _is_key(name[: -len(ENTRY_SUFFIX)]):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((st.st_mtime, name[: -len(ENTRY_SUFFIX)], st.st_size))
+                    elif name.endswith(TMP_SUFFIX) and name.startswith("."):
+                        if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_SECONDS:
+                            os.unlink(entry.path)
+                except OSError:
+                    continue
+        found.sort()
+        for _, key, size in found:
+            if key not in self._sizes:
+                self._sizes[key] = size
+                self._used += size
+                self._policy.add(key)
+        self._scanned = True
+
+    def _ensure_scanned(self) -> None:
+        if not self._scanned:
+            with self._lock:
+                if not self._scanned:
+                    self._scan()
+
+    def _forget(self, key: str) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+            self._policy.discard(key)
+
+    # -- primitives ----------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """Read an entry's bytes, or ``None`` if there is no such file."""
+        try:
+            with open(self.path(key), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot read cache entry {self.path(key)}: {exc}") from exc
+        with self._lock:
+            if key in self._sizes:
+                self._policy.touch(key)
+            elif self._scanned:
+                self._sizes[key] = len(data)
+                self._used += len(data)
+                self._policy.add(key)
+        return data
+
+    def put(self, key: str, data: bytes) -> bool:
+        """Write an entry atomically (temporary file, then rename), evicting as needed."""
+        size = len(data)
+        if size > self.max_bytes:
+            return False
+        self._ensure_scanned()
+        with self._lock:
+            self._forget(key)
+            while self._used + size > self.max_bytes and len(self._policy):
+                self._remove_file(self._policy.victim())
+            self._write(key, data)
+            self._sizes[key] = size
+            self._used += size
+            self._policy.add(key)
+        return True
+
+    def _remove_file(self, key: str) -> None:
+        size = self._sizes.pop(key, 0)
+        self._used -= size
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot remove cache entry {self.path(key)}: {exc}") from exc
+
+    def _write(self, key: str, data: bytes) -> None:
+        sub = key[:3]
+        final = self.path(key)
+        if sub not in self._made_dirs:
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create cache directory {final.parent}: {exc}") from exc
+            self._made_dirs.add(sub)
+        tmp = final.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, FileNotFoundError):
+                self._made_dirs.discard(sub)
+            raise StoreError(f"cannot write cache entry {final}: {exc}") from exc
+
+    def delete(self, key: str) -> bool:
+        """Remove an entry's file; return whether it existed."""
+        with self._lock:
+            self._forget(key)
+            try:
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise StoreError(f"cannot remove cache entry {self.path(key)}: {exc}") from exc
+        return True
+
+    def keys(self) -> Iterator[str]:
+        """Iterate over the indexed keys (the directory is scanned first if needed)."""
+        self._ensure_scanned()
+        with self._lock:
+            return iter(list(self._sizes))
+
+    def clear(self) -> None:
+        """Remove every entry file (other files in the directory are kept)."""
+        self._ensure_scanned()
+        with self._lock:
+            for key in list(self._sizes):
+                self._remove_file(key)
+            self._policy.clear()
+            self._scanned = False
+            self._made_dirs.clear()
+            self._scan()
+            for key in list(self._sizes):
+                self._remove_file(key)
+            self._policy.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Sum of the sizes of the indexed entry files."""
+        self._ensure_scanned()
+        return self._used
+
+    def __len__(self) -> int:
+        self._ensure_scanned()
+        return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.path(key).exists()

@@ -1,0 +1,107 @@
+"""A background thread that encodes and writes entries, with bounded pending bytes.
+
+Writing on a thread lets the forward pass go on while brotli and the file system work
+(both release the GIL). Pending work is bounded: ``submit`` blocks while more than
+``max_pending_bytes`` wait, so memory stays bounded when the disk is slower than the
+model. ``flush`` waits until everything submitted is written; interpreter exit flushes
+every writer. A crash loses pending writes but never leaves a partial entry, because
+each entry is written to a temporary file and renamed.
+
+Errors in the thread are never raised there: they are handed to ``on_error`` (the
+engine turns them into one warning, on the caller's thread).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ._log import logger
+
+__all__ = ["BackgroundWriter", "flush_all"]
+
+_writers: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+_DEFAULT_PENDING = 256 * 2**20
+
+
+class BackgroundWriter:
+    """Runs ``sink(job)`` for submitted jobs on one daemon thread, in order.
+
+    Args:
+        sink: Called with each job on the writer thread.
+        on_error: Called with the exception if ``sink`` raises.
+        max_pending_bytes: Back-pressure threshold for ``submit``.
+    """
+
+    def __init__(
+        self,
+        sink: Callable[[Any], None],
+        on_error: Callable[[BaseException], None],
+        max_pending_bytes: int = _DEFAULT_PENDING,
+    ) -> None:
+        self._sink = sink
+        self._on_error = on_error
+        self._max_pending = max_pending_bytes
+        self._jobs: deque[tuple[Any, int]] = deque()
+        self._pending_bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        _writers.add(self)
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet written."""
+        with self._cond:
+            return len(self._jobs) + int(self._busy)
+
+    def submit(self, job: Any, nbytes: int) -> None:
+        """Queue a job; block while too many bytes are pending."""
+        with self._cond:
+            while self._pending_bytes and self._pending_bytes + nbytes > self._max_pending:
+                self._cond.wait()
+            self._jobs.append((job, nbytes))
+            self._pending_bytes += nbytes
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="torchcache-writer", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job is done; return ``False`` on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: bool(self._jobs), timeout=5.0):
+                    self._thread = None
+                    return
+                job, nbytes = self._jobs.popleft()
+                self._busy = True
+            try:
+                self._sink(job)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller's thread
+                try:
+                    self._on_error(exc)
+                except Exception:  # pragma: no cover - last resort
+                    logger.exception("torchcache: error while reporting a write failure")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._pending_bytes -= nbytes
+                    self._cond.notify_all()
+
+
+def flush_all() -> None:
+    """Flush every live writer (run at interpreter exit)."""
+    for writer in list(_writers):
+        writer.flush()
+
+
+atexit.register(flush_all)
