@@ -56,7 +56,7 @@ def set_logger_config(
     stream: TextIO | None = None,
     filename: str | os.PathLike[str] | None = None,
 ) -> logging.Logger:
-    """Configure the ``torchcache`` logger (and only that logger).
+    r"""Configure the ``torchcache`` logger (and only that logger).
 
     Replaces the handler a previous call installed. Messages go to ``filename`` when
     given, else to ``stream``, else to stderr.
@@ -77,21 +77,21 @@ def set_logger_config(
         >>> log = set_logger_config(level="INFO", fmt="%(levelname)s %(message)s", stream=buf)
         >>> log.info("hello")
         >>> buf.getvalue()
-        'INFO hello\\n'
+        'INFO hello\n'
         >>> _ = set_logger_config()
     """
     for handler in list(logger.handlers):
         if getattr(handler, _OWN_HANDLER_ATTR, False) or isinstance(handler, logging.NullHandler):
             logger.removeHandler(handler)
             handler.close()
-    handler: logging.Handler
+    new: logging.Handler
     if filename is not None:
-        handler = logging.FileHandler(os.fspath(filename), encoding="utf-8")
+        new = logging.FileHandler(os.fspath(filename), encoding="utf-8")
     else:
-        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt or DEFAULT_FMT, datefmt or DEFAULT_DATEFMT))
-    setattr(handler, _OWN_HANDLER_ATTR, True)
-    logger.addHandler(handler)
+        new = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    new.setFormatter(logging.Formatter(fmt or DEFAULT_FMT, datefmt or DEFAULT_DATEFMT))
+    setattr(new, _OWN_HANDLER_ATTR, True)
+    logger.addHandler(new)
     logger.setLevel(_parse_level(level))
     logger.propagate = False
     return logger

@@ -51,7 +51,7 @@ PREFIX_SIZE = _PREFIX.size
 _MAX_HEADER = 1 << 20
 
 
-def _checksum(prefix: bytes, header: bytes, payload: bytes | memoryview) -> int:
+def _checksum(prefix: bytes | memoryview, header: bytes | memoryview, payload: bytes | memoryview) -> int:
     h = xxhash.xxh3_64(prefix)
     h.update(header)
     h.update(payload)
@@ -64,7 +64,7 @@ def window_bits(size: int) -> int:
 
 
 def encode_frame(header: dict[str, Any], payload: bytes | memoryview, quality: int | None) -> bytes:
-    """Build a frame.
+    r"""Build a frame.
 
     Args:
         header: JSON-able metadata (the entry's layout).

@@ -25,6 +25,7 @@ __all__ = ["LEGACY_OPTIONS", "Settings", "resolve_root"]
 
 #: Options of torchcache 0.6.0 that are accepted and ignored (brotli replaced zstd).
 LEGACY_OPTIONS = ("zstd_compression", "zstd_compression_level", "zstd_compression_threads", "use_mmap_on_load")
+_CPU = torch.device("cpu")
 _HASH_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -38,7 +39,7 @@ class Settings:
     persistent_module_hash: str | None = None
     max_memory_cache_size: int = int(1e9)
     max_persistent_cache_size: int = int(10e9)
-    memory_cache_device: torch.device | None = torch.device("cpu")
+    memory_cache_device: torch.device | None = _CPU
     subsample_count: int | None = 10000
     cache_dtype: torch.dtype | None = None
     brotli_quality: int = DEFAULT_QUALITY

@@ -287,7 +287,6 @@ class Cache:
         missing = [pos for pos in range(batch) if pos not in covered]
 
         disk = self._disk_tier() if self.settings.persistent else None
-        disk_hits = 0
         if disk is not None and missing:
             hex_keys = [keys[pos].hex() for pos in missing]
             found_at, disk_layout, disk_leaves = disk.read(hex_keys)
@@ -295,7 +294,6 @@ class Cache:
                 layout = disk_layout
                 positions = [missing[i] for i in found_at]
                 parts.append((positions, disk_leaves))
-                disk_hits = len(positions)
                 self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
                 taken = set(positions)
                 missing = [pos for pos in missing if pos not in taken]

@@ -181,7 +181,7 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
     flags = bytearray()
     for tensor in tensors:
         rows, subsampled = item_rows(tensor, subsample_count)
-        views.append((memoryview(rows.reshape(-1)), rows.shape[1]))
+        views.append((memoryview(rows.reshape(-1)), rows.shape[1]))  # type: ignore[arg-type]
         flags.append(subsampled)
     new = xxhash.xxh3_128
     prefix = context + bytes(flags)
@@ -214,7 +214,7 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
             data = data.to_dense()
         data = data.reshape(1, -1) if data.numel() else data.reshape(1, 0)
         rows, _ = item_rows(data, None)
-        h.update(memoryview(rows.reshape(-1)))
+        h.update(memoryview(rows.reshape(-1)))  # type: ignore[arg-type]
     return h.hexdigest()
 
 
@@ -223,7 +223,7 @@ def _describe_object(value: object, name: str) -> bytes:
     if isinstance(value, torch.Tensor):
         return _tag(b"X", tensor_digest([("", value)]).encode())
     if isinstance(value, torch.nn.Module):
-        cls = type(value)
+        cls: type = type(value)
         state = tensor_digest(value.state_dict().items())
         text = _ADDRESS_RE.sub("", repr(value))
         return _tag(b"M", f"{cls.__module__}.{cls.__qualname__}|{text}|{state}".encode())
@@ -289,7 +289,7 @@ def fingerprint_module(module: torch.nn.Module, init_digest: bytes, settings: Ma
         h.update(_tag(b"c", f"{klass.__module__}.{klass.__qualname__}".encode()))
         h.update(_tag(b"S", _source(klass).encode()))
     h.update(_tag(b"a", init_digest))
-    named = list(module.named_parameters(remove_duplicate=False))
+    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     named += list(module.named_buffers(remove_duplicate=False))
     h.update(_tag(b"w", tensor_digest(named).encode()))
     h.update(_settings_bytes(settings))

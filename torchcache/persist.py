@@ -13,6 +13,7 @@ tier. The engine turns each kind of report into one warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -120,10 +121,8 @@ class DiskTier:
     def touch(self) -> None:
         """Mark the module directory as used now (its metadata file's mtime)."""
         self._last_touch = time.time()
-        try:
+        with contextlib.suppress(OSError):
             os.utime(self.directory / META_NAME)
-        except OSError:
-            pass
 
     # -- reads -----------------------------------------------------------------------
     def _read_one(self, key: str) -> tuple[bytes, bytes | memoryview] | None:
@@ -141,10 +140,8 @@ class DiskTier:
             return None
 
     def _drop(self, key: str, exc: Exception) -> None:
-        try:
+        with contextlib.suppress(StoreError):
             self.store.delete(key)
-        except StoreError:
-            pass
         self._report("corrupt", f"removed corrupt cache entry {self.store.path(key)} ({exc}); recomputing it")
 
     def _read_many(self, keys: Sequence[str]) -> list[tuple[bytes, bytes | memoryview] | None]:

@@ -40,7 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 ALIGN = 8
 
-Spec = Union[str, list[Any]]
+Spec = Union[str, list[Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 
 
 def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tensor]]:
@@ -61,12 +61,12 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
         if isinstance(node, torch.Tensor):
             leaves.append(node)
             return "T"
-        if type(node) in (tuple, list):
+        if isinstance(node, (tuple, list)) and type(node) in (tuple, list):
             kind = "tuple" if type(node) is tuple else "list"
-            return [kind, [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]]  # type: ignore[attr-defined]
-        if type(node) is dict:
-            items = []
-            for key, value in node.items():  # type: ignore[attr-defined]
+            return [kind, [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]]
+        if isinstance(node, dict) and type(node) is dict:
+            items: list[Any] = []
+            for key, value in node.items():
                 if not isinstance(key, str):
                     raise KeyingError(f"{path}: dict keys must be str to be cached, got {key!r}")
                 items.append([key, walk(value, f"{path}[{key!r}]")])
@@ -84,7 +84,7 @@ def unflatten(spec: Spec, leaves: list[torch.Tensor]) -> Any:
     it = iter(leaves)
 
     def build(node: Spec) -> Any:
-        if node == "T":
+        if isinstance(node, str):
             return next(it)
         kind, items = node
         if kind == "dict":

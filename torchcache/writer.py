@@ -89,7 +89,7 @@ class BackgroundWriter:
             except BaseException as exc:  # noqa: BLE001 - reported to the caller's thread
                 try:
                     self._on_error(exc)
-                except Exception:  # pragma: no cover - last resort
+                except Exception:  # noqa: BLE001 # pragma: no cover - last resort
                     logger.exception("torchcache: error while reporting a write failure")
             finally:
                 with self._cond:

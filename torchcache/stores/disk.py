@@ -14,6 +14,7 @@ seen, so together they can pass it briefly by what the others wrote since their 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -94,9 +95,12 @@ class DiskStore(Store):
                     if name.endswith(ENTRY_SUFFIX) and _is_key(name[: -len(ENTRY_SUFFIX)]):
                         st = entry.stat(follow_symlinks=False)
                         found.append((st.st_mtime, name[: -len(ENTRY_SUFFIX)], st.st_size))
-                    elif name.endswith(TMP_SUFFIX) and name.startswith("."):
-                        if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_SECONDS:
-                            os.unlink(entry.path)
+                    elif (
+                        name.endswith(TMP_SUFFIX)
+                        and name.startswith(".")
+                        and now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_SECONDS
+                    ):
+                        os.unlink(entry.path)
                 except OSError:
                     continue
         found.sort()
@@ -184,10 +188,8 @@ class DiskStore(Store):
                 os.close(fd)
             os.replace(tmp, final)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             if isinstance(exc, FileNotFoundError):
                 self._made_dirs.discard(sub)
             raise StoreError(f"cannot write cache entry {final}: {exc}") from exc
