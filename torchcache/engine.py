@@ -9,10 +9,13 @@ and a recompute; they never break the call.
 
 from __future__ import annotations
 
+import atexit
 import inspect
+import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from .config import Settings, resolve_root
 from .errors import CacheWarning, KeyingError, StoreError
 from .keys import FORMAT_VERSION, Context, encode_value, hash_items
 from .persist import DiskTier
+from .policy import format_size
 from .stats import CacheStats, TierStats
 from .stores.memory import MemoryTier, Slab
 from .tree import Layout, flatten, unflatten
@@ -32,6 +36,9 @@ from .tree import Layout, flatten, unflatten
 __all__ = ["Cache"]
 
 _TENSOR = b"\x00T"
+#: Seconds between the INFO-level summaries a cache logs while it is being called.
+SUMMARY_INTERVAL = 60.0
+_caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 
 
 class Cache:
@@ -83,6 +90,7 @@ class Cache:
         self._memory_hits = 0
         self._out_device: torch.device | None = None
         self._last_summary = time.monotonic()
+        _caches.add(self)
 
     def __repr__(self) -> str:
         return f"<torchcache.Cache of {self.name} memory={self.memory!r} disk={self._disk!r}>"
@@ -174,6 +182,24 @@ class Cache:
             ),
         )
 
+    def summary(self) -> str:
+        """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
+        s = self.stats()
+        tiers = [f"memory {s.memory.entries} entries {format_size(s.memory.bytes)}/{format_size(s.memory.max_bytes)}"]
+        if s.disk is not None:
+            tiers.append(f"disk {s.disk.entries} entries {format_size(s.disk.bytes)}/{format_size(s.disk.max_bytes)}")
+        return (
+            f"torchcache {self.name} [{self._module_hash or '-'}]: {s.hits} hits, {s.misses} misses, "
+            f"hit rate {s.hit_rate:.1%}; {'; '.join(tiers)}"
+        )
+
+    def _maybe_summarize(self) -> None:
+        now = time.monotonic()
+        if now - self._last_summary >= SUMMARY_INTERVAL:
+            self._last_summary = now
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(self.summary())
+
     def flush(self) -> None:
         """Wait until every pending write is on disk."""
         if self._disk is not None:
@@ -205,6 +231,7 @@ class Cache:
             self._warn("grad", "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
         self._emit_faults()
+        self._maybe_summarize()
         keys = hash_items(context, tensors, self.settings.subsample_count)
         batch = len(keys)
         device = self._out_device or tensors[0].device
@@ -389,3 +416,15 @@ def _select(
         else:
             arguments[name] = pick(value)
     return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]
+
+
+def _summarize_at_exit() -> None:
+    """Flush every cache and log its summary at INFO level (interpreter exit)."""
+    for cache in list(_caches):
+        if cache._hits or cache._misses:
+            cache.flush()
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(cache.summary())
+
+
+atexit.register(_summarize_at_exit)
