@@ -88,7 +88,7 @@ class Cache:
         self._hits = 0
         self._misses = 0
         self._memory_hits = 0
-        self._out_device: torch.device | None = None
+        self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
         self._last_summary = time.monotonic()
         _caches.add(self)
 
@@ -234,17 +234,18 @@ class Cache:
         self._maybe_summarize()
         keys = hash_items(context, tensors, self.settings.subsample_count)
         batch = len(keys)
-        device = self._out_device or tensors[0].device
+        device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
-            slab = found[0][0] if found and found[0] is not None else None
+            slab = found[0][0] if found[0] is not None else None
             if slab is not None and all(f is not None and f[0] is slab for f in found):
-                rows = torch.tensor([f[1] for f in found if f is not None], device=slab.device)  # type: ignore[union-attr]
+                rows = torch.tensor([f[1] for f in found], device=slab.device)  # type: ignore[index]
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
                 self._hits += batch
                 self._memory_hits += batch
                 return unflatten(slab.layout.spec, _returned(leaves, slab.layout, device))
-        return self._call_mixed(fn, bound, keys, found, tensors, device)
+            layout, parts = _gather(found)
+        return self._call_mixed(fn, bound, keys, layout, parts, tensors, device)
 
     def _split(self, arguments: dict[str, Any], training: bool | None) -> tuple[list[torch.Tensor], bytes]:
         context = Context(self._freeze_key())
@@ -289,26 +290,13 @@ class Cache:
         fn: Callable[..., Any],
         bound: inspect.BoundArguments,
         keys: list[bytes],
-        found: list[tuple[Slab, int] | None],
+        layout: Layout | None,
+        parts: list[tuple[list[int], list[torch.Tensor]]],
         tensors: list[torch.Tensor],
         device: torch.device,
     ) -> Any:
+        """Fill the memory misses from disk, compute the rest, merge in input order."""
         batch = len(keys)
-        layout: Layout | None = None
-        parts: list[tuple[list[int], list[torch.Tensor]]] = []  # (positions, leaves at stored dtype)
-        with self.memory.lock:
-            by_slab: dict[int, tuple[Slab, list[int], list[int]]] = {}
-            for pos, hit in enumerate(found):
-                if hit is not None:
-                    entry = by_slab.setdefault(id(hit[0]), (hit[0], [], []))
-                    entry[1].append(pos)
-                    entry[2].append(hit[1])
-            for slab, positions, rows in by_slab.values():
-                if layout is not None and slab.layout != layout:
-                    continue
-                layout = slab.layout
-                index = torch.tensor(rows, device=slab.device)
-                parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
         memory_hits = sum(len(p) for p, _ in parts)
         covered = {pos for positions, _ in parts for pos in positions}
         missing = [pos for pos in range(batch) if pos not in covered]
@@ -344,7 +332,7 @@ class Cache:
                 return fn(*bound.args, **bound.kwargs)
             layout = new_layout
             if leaves:
-                self._out_device = leaves[0].device
+                self._devices[tensors[0].device] = leaves[0].device
             self._store(keys, missing, layout, leaves)
             if len(missing) == batch:
                 self._misses += batch
@@ -371,6 +359,32 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
+
+
+def _gather(
+    found: Sequence[tuple[Slab, int] | None],
+) -> tuple[Layout | None, list[tuple[list[int], list[torch.Tensor]]]]:
+    """Copy the memory hits out of their slabs (call with the memory tier's lock held).
+
+    Returns:
+        The layout of the hits, and per slab the batch positions and gathered leaves.
+        Hits whose layout differs from the first slab's are left out (recomputed).
+    """
+    by_slab: dict[int, tuple[Slab, list[int], list[int]]] = {}
+    for pos, hit in enumerate(found):
+        if hit is not None:
+            entry = by_slab.setdefault(id(hit[0]), (hit[0], [], []))
+            entry[1].append(pos)
+            entry[2].append(hit[1])
+    layout: Layout | None = None
+    parts: list[tuple[list[int], list[torch.Tensor]]] = []
+    for slab, positions, rows in by_slab.values():
+        if layout is not None and slab.layout != layout:
+            continue
+        layout = slab.layout
+        index = torch.tensor(rows, device=slab.device)
+        parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
+    return layout, parts
 
 
 def _returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
