@@ -41,6 +41,8 @@ _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
 _RETRY_EVERY = 32
 _GIVE_UP_AFTER = 8
+_WRITERS = 2
+_WRITE_CHUNK = 64
 
 
 def _read_pool() -> ThreadPoolExecutor:
@@ -106,7 +108,7 @@ class DiskTier:
         self._raw_streak: dict[Layout, int] = {}
         self._writes_enabled = True
         self._last_touch = 0.0
-        self._writer = BackgroundWriter(self._write_job, self._write_failed)
+        self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if read_meta(directory) is None:
@@ -216,7 +218,10 @@ class DiskTier:
         """Queue entries for writing; ``leaves`` must be CPU tensors nobody else changes."""
         if not self._writes_enabled or not keys:
             return
-        self._writer.submit(_WriteJob(list(keys), layout, list(leaves)), layout.row_bytes * len(keys))
+        for start in range(0, len(keys), _WRITE_CHUNK):
+            part = list(keys[start : start + _WRITE_CHUNK])
+            chunk = [leaf[start : start + _WRITE_CHUNK] for leaf in leaves]
+            self._writer.submit(_WriteJob(part, layout, chunk), layout.row_bytes * len(part))
 
     def _write_job(self, job: _WriteJob) -> None:
         if not self._writes_enabled:

@@ -32,9 +32,11 @@ class BackgroundWriter:
     """Runs ``sink(job)`` for submitted jobs on one daemon thread, in order.
 
     Args:
-        sink: Called with each job on the writer thread.
+        sink: Called with each job on a writer thread.
         on_error: Called with the exception if ``sink`` raises.
         max_pending_bytes: Back-pressure threshold for ``submit``.
+        workers: Writer threads. With one, jobs run in submission order; with more, jobs
+            overlap (``sink`` must then be thread-safe).
     """
 
     def __init__(
@@ -42,22 +44,24 @@ class BackgroundWriter:
         sink: Callable[[Any], None],
         on_error: Callable[[BaseException], None],
         max_pending_bytes: int = _DEFAULT_PENDING,
+        workers: int = 1,
     ) -> None:
         self._sink = sink
         self._on_error = on_error
         self._max_pending = max_pending_bytes
         self._jobs: deque[tuple[Any, int]] = deque()
         self._pending_bytes = 0
-        self._busy = False
+        self._busy = 0
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._workers = max(1, workers)
+        self._threads = 0
         _writers.add(self)
 
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet written."""
         with self._cond:
-            return len(self._jobs) + int(self._busy)
+            return len(self._jobs) + self._busy
 
     def submit(self, job: Any, nbytes: int) -> None:
         """Queue a job; block while too many bytes are pending."""
@@ -66,9 +70,9 @@ class BackgroundWriter:
                 self._cond.wait()
             self._jobs.append((job, nbytes))
             self._pending_bytes += nbytes
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="torchcache-writer", daemon=True)
-                self._thread.start()
+            if self._threads < min(self._workers, len(self._jobs) + self._busy):
+                self._threads += 1
+                threading.Thread(target=self._run, name="torchcache-writer", daemon=True).start()
             self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -80,10 +84,10 @@ class BackgroundWriter:
         while True:
             with self._cond:
                 if not self._cond.wait_for(lambda: bool(self._jobs), timeout=5.0):
-                    self._thread = None
+                    self._threads -= 1
                     return
                 job, nbytes = self._jobs.popleft()
-                self._busy = True
+                self._busy += 1
             try:
                 self._sink(job)
             except BaseException as exc:  # noqa: BLE001 - reported to the caller's thread
@@ -93,7 +97,7 @@ class BackgroundWriter:
                     logger.exception("torchcache: error while reporting a write failure")
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy -= 1
                     self._pending_bytes -= nbytes
                     self._cond.notify_all()
 

@@ -149,12 +149,21 @@ class DiskStore(Store):
             return False
         self._ensure_scanned()
         with self._lock:
+            # Reserve the bytes first (evicting as needed), write outside the lock so that
+            # several writer threads overlap, then index the key once its file exists.
             self._forget(key)
             while self._used + size > self.max_bytes and len(self._policy):
                 self._remove_file(self._policy.victim())
-            self._write(key, data)
-            self._sizes[key] = size
             self._used += size
+        try:
+            self._write(key, data)
+        except BaseException:
+            with self._lock:
+                self._used -= size
+            raise
+        with self._lock:
+            self._forget(key)
+            self._sizes[key] = size
             self._policy.add(key)
         return True
 
