@@ -234,6 +234,8 @@ class Cache:
         self._maybe_summarize()
         keys = hash_items(context, tensors, self.settings.subsample_count)
         batch = len(keys)
+        if batch == 0:
+            return fn(*args, **kwargs)
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)

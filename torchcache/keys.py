@@ -46,6 +46,7 @@ __all__ = [
 FORMAT_VERSION = 1
 
 _SUBSAMPLE_RUNS = 64
+_MAX_DEPTH = 8
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
 
@@ -177,6 +178,8 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
         (3, 3, True)
     """
     batch = tensors[0].shape[0]
+    if batch == 0:
+        return []
     views: list[tuple[memoryview, int]] = []
     flags = bytearray()
     for tensor in tensors:
@@ -218,21 +221,32 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def _describe_object(value: object, name: str) -> bytes:
-    """Encode an init argument: exact for plain values and tensors, by repr otherwise."""
+def _describe_object(value: object, name: str, depth: int = 0) -> bytes:
+    """Encode an init argument: exact for plain values, tensors and arrays, by state otherwise.
+
+    Objects whose ``repr`` is the default one (a class name and a memory address) are
+    described by their class and their attributes, so that two configurations of one
+    class never share a key; other objects by their ``repr`` without memory addresses.
+    """
     if isinstance(value, torch.Tensor):
         return _tag(b"X", tensor_digest([("", value)]).encode())
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        h = xxhash.xxh3_128(f"{value.dtype.str}|{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).view(np.uint8).reshape(-1).data)
+        return _tag(b"A", h.digest())
     if isinstance(value, torch.nn.Module):
         cls: type = type(value)
         state = tensor_digest(value.state_dict().items())
         text = _ADDRESS_RE.sub("", repr(value))
         return _tag(b"M", f"{cls.__module__}.{cls.__qualname__}|{text}|{state}".encode())
+    if depth > _MAX_DEPTH:
+        return _tag(b"R", _ADDRESS_RE.sub("", repr(value)).encode())
     if type(value) in (tuple, list):
         seq: Sequence[object] = value  # type: ignore[assignment]
-        return _tag(b"L", b"".join(_describe_object(v, name) for v in seq))
+        return _tag(b"L", b"".join(_describe_object(v, name, depth + 1) for v in seq))
     if type(value) is dict:
         mapping: Mapping[object, object] = value  # type: ignore[assignment]
-        items = sorted((repr(k), _describe_object(v, name)) for k, v in mapping.items())
+        items = sorted((repr(k), _describe_object(v, name, depth + 1)) for k, v in mapping.items())
         return _tag(b"D", b"".join(k.encode() + v for k, v in items))
     try:
         return encode_value(value, name)
@@ -242,8 +256,12 @@ def _describe_object(value: object, name: str) -> bytes:
         module = getattr(value, "__module__", "")
         return _tag(b"C", f"{module}.{value.__qualname__}".encode())
     cls = type(value)
+    qualname = f"{cls.__module__}.{cls.__qualname__}"
+    attributes = getattr(value, "__dict__", None)
+    if cls.__repr__ is object.__repr__ and isinstance(attributes, dict):
+        return _tag(b"O", qualname.encode() + _describe_object(dict(attributes), name, depth + 1))
     text = _ADDRESS_RE.sub("", repr(value))
-    return _tag(b"R", f"{cls.__module__}.{cls.__qualname__}|{text}".encode())
+    return _tag(b"R", f"{qualname}|{text}".encode())
 
 
 def _source(obj: Callable[..., Any] | type) -> str:

@@ -9,8 +9,10 @@ MRU keeps a stable subset and settles near a hit rate of capacity / items.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Hashable, Iterator
+from decimal import Decimal, InvalidOperation
 from typing import Generic, TypeVar
 
 from .errors import ConfigError
@@ -58,21 +60,29 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be a byte count such as 1e9 or '2GB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number = float(value)
+    if isinstance(value, int):
+        number = Decimal(value)
+        unit = 1
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite, non-negative byte count, got {value!r}")
+        number = Decimal(value)
         unit = 1
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         unit_name = match.group(2).upper() if match else None
         if match is None or unit_name not in _UNITS:
             raise ConfigError(f"{name} must be a byte count such as 1e9, '2GB' or '500MiB', got {value!r}")
-        number = float(match.group(1))
+        try:
+            number = Decimal(match.group(1))  # exact: "2.01kB" is 2010 bytes, not 2009
+        except InvalidOperation:  # pragma: no cover - the pattern only admits decimals
+            raise ConfigError(f"{name} must be a byte count such as '2GB', got {value!r}") from None
         unit = _UNITS[unit_name]
     else:
         raise ConfigError(
             f"{name} must be a byte count (int, float or a string such as '2GB'), got {type(value).__name__}"
         )
-    if number != number or number < 0 or number == float("inf"):
+    if number < 0:
         raise ConfigError(f"{name} must be a finite, non-negative byte count, got {value!r}")
     return int(number * unit)
 

@@ -129,7 +129,7 @@ class DiskStore(Store):
         try:
             with open(self.path(key), "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry can exist at that path
             return None
         except OSError as exc:
             raise StoreError(f"cannot read cache entry {self.path(key)}: {exc}") from exc

@@ -1,0 +1,155 @@
+"""Small frozen modules and helpers shared by the behaviour tests.
+
+Modules get their weights from a seeded generator, so equal init arguments give equal
+weights in every process (the cross-process tests rely on that).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcache import torchcache
+from torchcache.codec import decode_frame
+
+
+def _weights(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with elementwise ops only, so each row's result is bit-identical
+    whatever the batch holds (BLAS kernels differ between batch sizes)."""
+    out = x[:, :1] * weight[:, 0]
+    for k in range(1, x.shape[1]):
+        out = out + x[:, k : k + 1] * weight[:, k]
+    return out
+
+
+class Counting(nn.Module):
+    """A frozen linear map that records the batch size of every forward call."""
+
+    def __init__(self, dim_in: int = 4, dim_out: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_weights(dim_out, dim_in, seed=seed))
+        self.bias = nn.Parameter(_weights(dim_out, seed=seed + 1))
+        self.seen: list[int] = []
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        return _linear(x, self.weight) + self.bias
+
+    @property
+    def items(self) -> int:
+        """Items the forward received, over every call."""
+        return sum(self.seen)
+
+
+class MultiOut(nn.Module):
+    """Nested outputs of mixed dtypes and shapes: a dict holding a tuple holding a list."""
+
+    def __init__(self, dim_in: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(_weights(6, dim_in, seed=seed))
+        self.seen: list[int] = []
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        self.seen.append(x.shape[0])
+        h = _linear(x, self.proj)
+        return {
+            "emb": h,
+            "pair": (h.double().reshape(-1, 2, 3), [(h > 0).sum(dim=1), h[:, 0] > 0]),
+        }
+
+    @property
+    def items(self) -> int:
+        return sum(self.seen)
+
+
+class ConvBackbone(nn.Module):
+    """A tiny conv net on ``(B, 3, 8, 8)`` images, returning ``(B, 16)`` features."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        with torch.no_grad():
+            for i, p in enumerate(self.net.parameters()):
+                p.copy_(_weights(*p.shape, seed=seed + i))
+        self.seen: list[int] = []
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        # one item at a time: conv kernels give other bits for a batch of one
+        return torch.cat([self.net(x[i : i + 1]) for i in range(x.shape[0])])
+
+    @property
+    def items(self) -> int:
+        return sum(self.seen)
+
+
+def cached(base: type[nn.Module], **options: Any) -> type[Any]:
+    """A decorated subclass of ``base`` (``base`` itself stays the plain twin)."""
+    sub = type(f"{base.__name__}Cached", (base,), {"__module__": base.__module__})
+    return torchcache(**options)(sub)
+
+
+def entry_files(root: Path) -> list[Path]:
+    """Every entry file under ``root``."""
+    return sorted(root.rglob("*.tce"))
+
+
+def disk_bytes(root: Path) -> int:
+    """Sum of the sizes of the entry files under ``root``."""
+    return sum(p.stat().st_size for p in entry_files(root))
+
+
+def assert_all_entries_decode(root: Path) -> None:
+    """Every entry file under ``root`` is a whole, valid frame."""
+    for path in entry_files(root):
+        decode_frame(path.read_bytes())
+
+
+def assert_same(got: Any, want: Any) -> None:
+    """Same structure, and tensors equal in values, dtype, shape and device."""
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype
+        assert got.shape == want.shape
+        assert got.device == want.device
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for key in want:
+            assert_same(got[key], want[key])
+    else:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(
+    script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c script args`` from the repository root; return the completed process."""
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

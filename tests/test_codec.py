@@ -1,0 +1,325 @@
+"""Entry frames: round trips, compression, and rejection of corrupt or foreign data."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchcache.codec import (
+    CODEC_BROTLI,
+    CODEC_RAW,
+    MAGIC,
+    PREFIX_SIZE,
+    decode_frame,
+    decode_header,
+    encode_frame,
+    split_frame,
+)
+from torchcache.errors import CorruptEntryError
+
+HEADER = {"tree": "T", "leaves": [{"dtype": "float32", "shape": [3, 4], "offset": 0}], "note": "ünïcode"}
+
+_json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+_headers = st.dictionaries(st.text(max_size=12), _json_values, max_size=6)
+_qualities = st.one_of(st.none(), st.integers(0, 11))
+_payloads = st.one_of(
+    st.binary(max_size=2000),
+    st.builds(lambda chunk, n: chunk * n, st.binary(min_size=1, max_size=16), st.integers(1, 500)),
+)
+
+
+def _compact_json(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _fields(frame: bytes) -> tuple[Any, ...]:
+    """``(magic, version, codec, reserved, header_len, stored_len, raw_len, checksum)``."""
+    return struct.unpack_from("<4sBBHIQQQ", frame)
+
+
+def _reseal(frame: bytearray) -> bytes:
+    """Recompute the checksum of a frame whose fields were edited on purpose."""
+    header_len = _fields(bytes(frame))[4]
+    h = xxhash.xxh3_64(bytes(frame[: PREFIX_SIZE - 8]))
+    h.update(bytes(frame[PREFIX_SIZE:]))
+    assert PREFIX_SIZE + header_len <= len(frame)
+    struct.pack_into("<Q", frame, PREFIX_SIZE - 8, h.intdigest())
+    return bytes(frame)
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(_headers, _payloads, _qualities)
+def test_round_trip(header: dict[str, Any], payload: bytes, quality: int | None) -> None:
+    frame = encode_frame(header, payload, quality)
+    assert frame[:4] == MAGIC
+    decoded_header, decoded_payload = decode_frame(frame)
+    assert decoded_header == header
+    assert bytes(decoded_payload) == payload
+    assert decode_header(frame) == header
+    header_bytes, split_payload = split_frame(frame)
+    assert json.loads(header_bytes) == header
+    assert bytes(split_payload) == payload
+
+
+@settings(max_examples=30, deadline=None)
+@given(_headers, _payloads, _qualities)
+def test_round_trip_from_a_memoryview(header: dict[str, Any], payload: bytes, quality: int | None) -> None:
+    frame = encode_frame(header, memoryview(payload), quality)
+    assert frame == encode_frame(header, payload, quality)
+    decoded_header, decoded_payload = decode_frame(memoryview(bytearray(frame)))
+    assert decoded_header == header
+    assert bytes(decoded_payload) == payload
+
+
+def test_equal_inputs_give_equal_frames() -> None:
+    payload = torch.relu(torch.randn(256)).numpy().tobytes()
+    reordered = dict(reversed(list(HEADER.items())))
+    assert encode_frame(HEADER, payload, 5) == encode_frame(reordered, payload, 5)
+
+
+def test_float_tensor_payload_round_trips_bit_exactly() -> None:
+    values = torch.relu(torch.randn(64, 33))
+    values[0, 0] = float("nan")
+    values[0, 1] = -0.0
+    frame = encode_frame(HEADER, values.numpy().tobytes(), 5)
+    _, payload = decode_frame(frame)
+    restored = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(64, 33)
+    assert torch.equal(restored.view(torch.int32), values.view(torch.int32))
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(min_size=1, max_size=8), st.integers(200, 2000), st.integers(0, 11))
+def test_compressible_payloads_get_smaller(chunk: bytes, repeats: int, quality: int) -> None:
+    payload = chunk * repeats
+    frame = encode_frame(HEADER, payload, quality)
+    assert len(frame) < len(payload)
+    assert _fields(frame)[2] == CODEC_BROTLI
+    assert bytes(decode_frame(frame)[1]) == payload
+
+
+def test_relu_outputs_are_compressed() -> None:
+    payload = torch.relu(torch.randn(4096)).numpy().tobytes()
+    frame = encode_frame(HEADER, payload, 5)
+    assert len(frame) < 0.9 * len(payload)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 1000, 100_000])
+@pytest.mark.parametrize("quality", [None, 0, 5, 11])
+def test_incompressible_payloads_are_stored_raw(size: int, quality: int | None) -> None:
+    payload = os.urandom(size)
+    frame = encode_frame(HEADER, payload, quality)
+    assert len(frame) <= size + len(_compact_json(HEADER)) + PREFIX_SIZE
+    assert _fields(frame)[2] == CODEC_RAW
+    assert frame.endswith(payload)
+    assert bytes(decode_frame(frame)[1]) == payload
+
+
+def test_quality_none_never_compresses() -> None:
+    payload = b"\x00" * 10_000
+    frame = encode_frame(HEADER, payload, None)
+    assert _fields(frame)[2] == CODEC_RAW
+    assert len(frame) == PREFIX_SIZE + len(_compact_json(HEADER)) + len(payload)
+
+
+# -- corruption -----------------------------------------------------------------------------
+
+
+def _sample_positions(frame: bytes) -> list[int]:
+    header_len = _fields(frame)[4]
+    payload_start = PREFIX_SIZE + header_len
+    positions = set(range(min(len(frame), payload_start)))  # every prefix and header byte
+    positions.update(range(payload_start, len(frame), max(1, (len(frame) - payload_start) // 50)))
+    positions.update(range(max(payload_start, len(frame) - 8), len(frame)))
+    return sorted(positions)
+
+
+_FRAMES = {
+    "raw": lambda: encode_frame(HEADER, os.urandom(3000), 5),
+    "brotli": lambda: encode_frame(HEADER, torch.relu(torch.randn(1000)).numpy().tobytes(), 5),
+    "empty-payload": lambda: encode_frame(HEADER, b"", 5),
+    "empty-header": lambda: encode_frame({}, b"\x01\x02" * 100, None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FRAMES))
+def test_every_single_byte_flip_is_rejected(kind: str) -> None:
+    frame = _FRAMES[kind]()
+    assert decode_frame(frame)
+    positions = _sample_positions(frame)
+    assert positions[0] == 0 and positions[-1] == len(frame) - 1
+    for pos in positions:
+        for mask in (0x01, 0x80, 0xFF):
+            damaged = bytearray(frame)
+            damaged[pos] ^= mask
+            with pytest.raises(CorruptEntryError):
+                decode_frame(bytes(damaged))
+
+
+@pytest.mark.parametrize("kind", list(_FRAMES))
+def test_every_truncation_is_rejected(kind: str) -> None:
+    frame = _FRAMES[kind]()
+    for length in [*range(0, PREFIX_SIZE + 40), *range(PREFIX_SIZE + 40, len(frame), 7), len(frame) - 1]:
+        if length >= len(frame):
+            continue
+        with pytest.raises(CorruptEntryError):
+            decode_frame(frame[:length])
+
+
+@pytest.mark.parametrize("extra", [b"\x00", b"junk", os.urandom(100)])
+def test_trailing_bytes_are_rejected(extra: bytes) -> None:
+    frame = encode_frame(HEADER, os.urandom(100), 5)
+    with pytest.raises(CorruptEntryError):
+        decode_frame(frame + extra)
+
+
+def test_bad_magic_is_rejected() -> None:
+    frame = bytearray(encode_frame(HEADER, b"abc" * 100, 5))
+    frame[:4] = b"TCHX"
+    with pytest.raises(CorruptEntryError, match="magic"):
+        decode_frame(_reseal(frame))
+    with pytest.raises(CorruptEntryError, match="magic"):
+        decode_header(bytes(frame))
+
+
+@pytest.mark.parametrize("version", [0, 2, 255])
+def test_unknown_version_is_rejected(version: int) -> None:
+    frame = bytearray(encode_frame(HEADER, b"abc" * 100, 5))
+    assert frame[4] == 1
+    frame[4] = version
+    sealed = _reseal(frame)
+    with pytest.raises(CorruptEntryError, match="version"):
+        decode_frame(sealed)
+    with pytest.raises(CorruptEntryError, match="version"):
+        decode_header(sealed)
+
+
+def test_unknown_codec_is_rejected_even_with_a_valid_checksum() -> None:
+    frame = bytearray(encode_frame(HEADER, b"abc" * 100, None))
+    frame[5] = 7
+    with pytest.raises(CorruptEntryError):
+        decode_frame(_reseal(frame))
+
+
+def test_undecodable_brotli_payload_is_rejected_even_with_a_valid_checksum() -> None:
+    frame = bytearray(encode_frame(HEADER, b"\xff" * 200, None))
+    frame[5] = CODEC_BROTLI
+    with pytest.raises(CorruptEntryError):
+        decode_frame(_reseal(frame))
+
+
+def test_wrong_raw_length_is_rejected_even_with_a_valid_checksum() -> None:
+    for quality in (None, 5):
+        frame = bytearray(encode_frame(HEADER, b"\x00" * 500, quality))
+        struct.pack_into("<Q", frame, 20, 499)
+        with pytest.raises(CorruptEntryError):
+            decode_frame(_reseal(frame))
+
+
+@pytest.mark.parametrize("header", [b"[1, 2]", b'"text"', b"{not json", b"\xff\xfe", b"null"])
+def test_header_that_is_not_a_json_object_is_rejected(header: bytes) -> None:
+    frame = bytearray(encode_frame({}, b"payload", None))
+    header_len = _fields(bytes(frame))[4]
+    rebuilt = bytearray(frame[:PREFIX_SIZE] + header + frame[PREFIX_SIZE + header_len :])
+    struct.pack_into("<I", rebuilt, 8, len(header))
+    sealed = _reseal(rebuilt)
+    with pytest.raises(CorruptEntryError):
+        decode_frame(sealed)
+    with pytest.raises(CorruptEntryError):
+        decode_header(sealed)
+
+
+@pytest.mark.parametrize("data", [b"", b"TCHE", b"\x00" * PREFIX_SIZE, os.urandom(500)])
+def test_foreign_bytes_are_rejected(data: bytes) -> None:
+    with pytest.raises(CorruptEntryError):
+        decode_frame(data)
+
+
+# -- no code runs on read -------------------------------------------------------------------
+
+_RAN: dict[str, bool] = {"flag": False}
+
+
+def _set_flag() -> None:
+    _RAN["flag"] = True
+
+
+class _Exploit:
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_set_flag, ())
+
+
+class _ShellExploit:
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (os.system, ("false",))
+
+
+@pytest.fixture
+def armed_pickle() -> bytes:
+    payload = pickle.dumps(_Exploit())
+    _RAN["flag"] = False
+    pickle.loads(payload)  # the payload is live: loading it runs code
+    assert _RAN["flag"]
+    _RAN["flag"] = False
+    return payload
+
+
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_pickle_where_a_frame_is_expected_is_rejected_without_running(armed_pickle: bytes, protocol: int) -> None:
+    for data in (armed_pickle, pickle.dumps(_Exploit(), protocol=protocol), pickle.dumps(_ShellExploit())):
+        with pytest.raises(CorruptEntryError):
+            decode_frame(data)
+        with pytest.raises(CorruptEntryError):
+            decode_header(data)
+    assert not _RAN["flag"]
+
+
+def test_torch_save_file_where_a_frame_is_expected_is_rejected(armed_pickle: bytes) -> None:
+    buffer = io.BytesIO()
+    torch.save({"x": torch.zeros(3), "evil": _Exploit()}, buffer)
+    _RAN["flag"] = False
+    with pytest.raises(CorruptEntryError):
+        decode_frame(buffer.getvalue())
+    assert not _RAN["flag"]
+
+
+def test_pickle_inside_a_valid_frame_is_returned_as_bytes(armed_pickle: bytes) -> None:
+    for quality in (None, 5):
+        header, payload = decode_frame(encode_frame({"p": 1}, armed_pickle, quality))
+        assert header == {"p": 1}
+        assert bytes(payload) == armed_pickle
+    assert not _RAN["flag"]
+
+
+def test_pickle_prefixed_with_magic_is_rejected(armed_pickle: bytes) -> None:
+    with pytest.raises(CorruptEntryError):
+        decode_frame(MAGIC + armed_pickle)
+    with pytest.raises(CorruptEntryError):
+        decode_frame(MAGIC + b"\x01\x00\x00\x00" + armed_pickle)
+    assert not _RAN["flag"]
