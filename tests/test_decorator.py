@@ -648,6 +648,49 @@ def test_weights_loaded_before_the_first_forward_change_the_key(cache_root: Path
     assert_same(mem(x), other(x))
 
 
+def test_weights_loaded_after_the_first_forward_are_not_answered_from_the_old_key(cache_root: Path) -> None:
+    model = cached(Counting, persistent=True)()
+    other = Counting(seed=7)
+    x = torch.randn(6, 4)
+    assert_same(model(x), Counting()(x))
+    old_key, old_dir = model.cache_instance.module_hash, model.cache_instance.cache_dir
+    model.load_state_dict(other.state_dict())
+    assert_same(model(x), other(x))
+    assert model.seen == [6, 6]
+    assert model.cache_instance.module_hash != old_key
+    assert model.cache_instance.cache_dir != old_dir
+    assert model.cache_instance.stats().memory.entries == 6
+    assert_same(model(x), other(x))
+    assert model.seen == [6, 6]
+
+
+def test_loading_weights_into_a_parent_module_rekeys_the_cached_child() -> None:
+    child = cached(Counting)()
+    parent = torch.nn.Sequential(child)
+    x = torch.randn(3, 4)
+    parent(x)
+    parent.load_state_dict(torch.nn.Sequential(Counting(seed=3)).state_dict())
+    assert_same(parent(x), Counting(seed=3)(x))
+    assert child.seen == [3, 3]
+
+
+def test_dtype_conversion_rekeys_and_a_device_move_keeps_the_entries() -> None:
+    model = cached(Counting)()
+    x = torch.randn(4, 4)
+    model(x)
+    key = model.cache_instance.module_hash
+    model.to("cpu")
+    model(x)
+    assert model.seen == [4]
+    assert model.cache_instance.module_hash == key
+    model.double()
+    out = model(x.double())
+    assert out.dtype == torch.float64
+    assert_same(out, Counting().double()(x.double()))
+    assert model.seen == [4, 4]
+    assert model.cache_instance.module_hash != key
+
+
 def test_persistent_module_hash_overrides_the_key_with_a_warning(cache_root: Path) -> None:
     with torchcache_log() as records:
         model = cached(Counting, persistent=True, persistent_module_hash="my-encoder.v1")()

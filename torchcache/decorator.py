@@ -170,7 +170,12 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             _check_frozen(module, type(module).__qualname__)
             return fingerprint_module(module, init_digest, key_settings)
 
-        self.__dict__["cache_instance"] = Cache(instance_settings, name, "module", signature, fingerprint)
+        cache = Cache(instance_settings, name, "module", signature, fingerprint)
+        self.__dict__["cache_instance"] = cache
+        # load_state_dict() on this module or on any module that contains it runs this hook.
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            lambda module, incompatible: cache.weights_changed()
+        )
 
     @functools.wraps(original_forward)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -179,7 +184,19 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             return original_forward(self, *args, **kwargs)
         return cache(functools.partial(original_forward, self), args, kwargs, self.training)
 
+    original_apply: Callable[..., Any] = cls._apply
+
+    @functools.wraps(original_apply)
+    def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # .to(), .half(), .cuda() and the like: a dtype change gives other outputs.
+        result = original_apply(self, fn, *args, **kwargs)
+        cache: Cache | None = self.__dict__.get("cache_instance")
+        if cache is not None:
+            cache.weights_changed()
+        return result
+
     cls.__init__ = __init__  # type: ignore[method-assign]
+    cls._apply = _apply  # type: ignore[method-assign]
     cls.forward = forward  # type: ignore[method-assign]
     return cls
 

@@ -72,6 +72,7 @@ class Cache:
         }
         self._fingerprint = fingerprint
         self._module_hash: str | None = settings.persistent_module_hash
+        self._stale = False
         if self._module_hash is not None:
             logger.warning(
                 "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
@@ -108,10 +109,39 @@ class Cache:
         return self._fingerprint()
 
     def _freeze_key(self) -> str:
+        if self._stale:
+            self._rekey()
         if self._module_hash is None:
             self._module_hash = self._fingerprint()
             logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
         return self._module_hash
+
+    def weights_changed(self) -> None:
+        """Take the module key again at the next call (the weights may have changed).
+
+        The decorator calls this after ``load_state_dict()`` and after conversions such as
+        ``.to()``, ``.half()`` and ``.cuda()``. A key that comes out the same (a move to
+        another device) keeps every entry; a new key starts from an empty memory tier and
+        the disk directory of the new key.
+        """
+        if self.settings.persistent_module_hash is None and self._module_hash is not None:
+            self._stale = True
+
+    def _rekey(self) -> None:
+        with self._lock:
+            self._stale = False
+            key = self._fingerprint()
+            if key == self._module_hash:
+                return
+            logger.info("torchcache: %s changed its weights; new module key %s", self.name, key)
+            if self._disk is not None:
+                self._disk.flush()
+            self._module_hash = key
+            self._disk = None
+            self._disk_ready = not self.settings.persistent
+            self._devices.clear()
+            with self.memory.lock:
+                self.memory.clear()
 
     @property
     def cache_dir(self) -> Path | None:
