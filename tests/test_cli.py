@@ -1,0 +1,437 @@
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchcache import CacheWarning, torchcache
+from torchcache.cli import _Progress, main
+from torchcache.codec import encode_frame
+from torchcache.inspect_cache import TMP_GRACE_SECONDS, parse_duration
+from torchcache.persist import META_NAME
+from torchcache.tree import Layout, flatten
+
+
+@torchcache(persistent=True)
+class Tiny(nn.Module):
+    def __init__(self, out: int = 3) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, out).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def make_cache(out: int = 3, items: int = 6) -> tuple[Tiny, torch.Tensor, Path]:
+    model = Tiny(out)
+    x = torch.randn(items, 4)
+    model(x)
+    model.cache_instance.flush()
+    directory = model.cache_instance.cache_dir
+    assert directory is not None and (directory / META_NAME).is_file()
+    return model, x, directory
+
+
+def twin(model: Tiny) -> Tiny:
+    """A new instance with the same init arguments and weights, so the same module key."""
+    other = Tiny(model.linear.out_features)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def entry_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*/*.tce"))
+
+
+def set_last_used(directory: Path, seconds_ago: float) -> None:
+    t = time.time() - seconds_ago
+    os.utime(directory / META_NAME, (t, t))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+# -- general ---------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [[], ["ls"], ["info"], ["verify"], ["prune"], ["clear"]])
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    code, out, _ = run(capsys, *command, "--help")
+    assert code == 0
+    assert out.startswith(f"usage: torchcache {' '.join(command)}".rstrip())
+
+
+def test_usage_errors_are_one_line_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("torchcache: error: ")
+    code, _, err = run(capsys, "prune", "--older-than", "3x")
+    assert code == 2
+    assert err.splitlines()[-1].startswith("torchcache: error: argument --older-than: invalid duration '3x'")
+    code, _, err = run(capsys, "prune", "--keep", "1", "--max-size", "1GB")
+    assert code == 2 and "not allowed with argument" in err
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(t) for t in ("30d", "12h", "90m", "2w", "45s", "1.5H")] == [
+        30 * 86400,
+        12 * 3600,
+        90 * 60,
+        14 * 86400,
+        45,
+        5400,
+    ]
+    for bad in ("", "30", "d", "-1d", "3x", "1d2h"):
+        with pytest.raises(ValueError, match="invalid duration"):
+            parse_duration(bad)
+
+
+# -- ls --------------------------------------------------------------------------------
+def test_ls_empty_and_missing_root(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    code, out, err = run(capsys, "ls")
+    assert (code, err) == (0, "") and out == f"no module caches under {cache_root}\n"
+    code, out, _ = run(capsys, "ls", "--json")
+    assert code == 0 and json.loads(out) == {"root": str(cache_root), "caches": []}
+    monkeypatch.setenv("TORCHCACHE_DIR", str(tmp_path / "never-used"))
+    assert run(capsys, "ls")[0] == 0  # a default root that does not exist yet holds nothing
+    code, out, err = run(capsys, "ls", str(tmp_path / "missing"))
+    assert code == 1 and out == ""
+    assert err == f"torchcache: error: {tmp_path / 'missing'} does not exist\n"
+
+
+def make_unrelated(root: Path) -> list[Path]:
+    (root / "notes").mkdir()
+    (root / "notes" / "todo.txt").write_text("keep me")
+    (root / "broken").mkdir()
+    (root / "broken" / META_NAME).write_text("{not json")
+    (root / "listy").mkdir()
+    (root / "listy" / META_NAME).write_text("[1, 2]")
+    (root / "listy" / "abc").mkdir()
+    (root / "listy" / "abc" / "abcdef.tce").write_bytes(b"not ours")
+    (root / "foreign").mkdir()
+    (root / "foreign" / META_NAME).write_text('{"name": "another tool"}')
+    (root / "README").write_text("a file at the root")
+    made = [root / "notes", root / "broken", root / "listy", root / "foreign", root / "README"]
+    return sorted([*made, *(p for d in made for p in d.rglob("*"))])
+
+
+def test_ls_ignores_unrelated_directories(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    _, _, directory = make_cache(items=5)
+    unrelated = make_unrelated(cache_root)
+    code, out, _ = run(capsys, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["KEY", "NAME", "ENTRIES", "SIZE", "CREATED", "LAST", "USED", "VERSION"]
+    assert lines[1].split()[:3] == [directory.name[:12], f"{Tiny.__module__}.Tiny", "5"]
+    assert lines[-1].startswith("1 module cache, 5 entries, ")
+    caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
+    assert [c["key"] for c in caches] == [directory.name]
+    assert caches[0]["entries"] == 5 and caches[0]["torchcache_version"] is not None
+    assert caches[0]["bytes"] == sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    assert all(p.exists() for p in unrelated)
+
+
+def test_ls_sorts_by_last_used(capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = [make_cache(out=n)[2] for n in (2, 3, 4)]
+    for age, directory in zip((50, 10, 300), dirs):
+        set_last_used(directory, age)
+    caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
+    assert [c["key"] for c in caches] == [dirs[1].name, dirs[0].name, dirs[2].name]
+
+
+# -- info ------------------------------------------------------------------------------
+def test_info_by_prefix_directory_and_json(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    _, _, directory = make_cache(items=7)
+    code, out, _ = run(capsys, "info", directory.name[:5])
+    assert code == 0
+    fields = dict(line.split(None, 1) for line in out.splitlines()[:2])
+    assert fields == {"directory": str(directory), "module": f"key       {directory.name}"}
+    assert "size limit       10.0 GB" in out and "\nentries          7\n" in out
+    assert out.splitlines()[-1].split() == ["7", "12", "B", "float32[3]"]
+    code, out, _ = run(capsys, "info", str(directory), "--json", "--sample", "3")
+    data = json.loads(out)
+    assert code == 0 and data["key"] == directory.name and data["max_bytes"] == int(10e9)
+    assert data["meta"]["kind"] == "module" and data["sampled_entries"] == 3
+    assert data["layouts"] == [{"layout": "float32[3]", "entries": 3, "item_bytes": 12}]
+
+
+def test_info_lookup_errors(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    _, _, directory = make_cache()
+    for name in ("abcd0001", "abcd0002"):
+        shutil.copytree(directory, cache_root / name)
+    code, out, err = run(capsys, "info", "abcd")
+    assert code == 1 and out == ""
+    assert err.startswith("torchcache: error: 'abcd' matches 2 module caches") and err.count("\n") == 1
+    assert run(capsys, "info", "abcd0002")[0] == 0
+    code, _, err = run(capsys, "info", "ffff" if not directory.name.startswith("ffff") else "eeee")
+    assert code == 1 and "has a key starting with" in err
+    (cache_root / "plain").mkdir()
+    code, _, err = run(capsys, "info", str(cache_root / "plain"))
+    assert code == 1 and "is not a torchcache module cache" in err
+
+
+# -- verify ----------------------------------------------------------------------------
+def test_verify_clean_cache(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    make_cache(items=4)
+    _, _, other = make_cache(out=5, items=3)
+    code, out, err = run(capsys, "verify")
+    assert (code, err) == (0, "")
+    assert out == f"checked 7 entries in 2 module caches under {cache_root}\nno problems found\n"
+    code, out, _ = run(capsys, "verify", str(other))
+    assert code == 0 and out.startswith("checked 3 entries in 1 module cache under")
+
+
+def damage(directory: Path) -> dict[str, Path]:
+    """Damage a cache in every way verify knows; return the bad files by kind."""
+    files = entry_files(directory)
+    flipped, truncated, garbage, wrong_size, bad_header = files[:5]
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-3])
+    garbage.write_bytes(b"garbage")
+    spec, leaves = flatten(torch.zeros(1, 3))
+    header = Layout.of(spec, leaves, None).to_header()
+    wrong_size.write_bytes(encode_frame(header, b"\x00" * 12, None))  # 12 bytes, the layout says 16
+    bad_header.write_bytes(encode_frame({"no": "leaves"}, b"\x00" * 16, None))
+    old = time.time() - 2 * TMP_GRACE_SECONDS
+    stray = files[5].parent / f".{files[5].stem}.123.deadbeef.tmp"
+    stray.write_bytes(b"half an entry")
+    os.utime(stray, (old, old))
+    stray_meta = directory / ".torchcache.json.123.456.tmp"
+    stray_meta.write_text("{")
+    os.utime(stray_meta, (old, old))
+    fresh = files[6].parent / ".fresh.999.tmp"
+    fresh.write_bytes(b"being written")
+    return {
+        "flipped": flipped,
+        "truncated": truncated,
+        "garbage": garbage,
+        "wrong_size": wrong_size,
+        "bad_header": bad_header,
+        "stray": stray,
+        "stray_meta": stray_meta,
+        "fresh": fresh,
+    }
+
+
+def test_verify_reports_and_fixes_corrupt_and_temporary_files(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    model, x, directory = make_cache(items=12)
+    _, _, healthy = make_cache(out=2, items=3)
+    bad = damage(directory)
+    (directory / "notes.txt").write_text("not torchcache's")
+    before = sorted(p for p in cache_root.rglob("*"))
+
+    code, out, err = run(capsys, "verify")
+    assert code == 1
+    assert err == "torchcache: error: 7 problems found; run `torchcache verify --fix` to remove them\n"
+    assert "checked 15 entries in 2 module caches" in out
+    reasons = {line.split()[-1]: line for line in out.splitlines()[2:9]}
+    rel = {k: str(p.relative_to(cache_root)) for k, p in bad.items()}
+    assert "checksum mismatch" in reasons[rel["flipped"]]
+    assert "does not match its prefix" in reasons[rel["truncated"]]
+    assert "truncated frame" in reasons[rel["garbage"]]
+    assert "payload is 12 bytes, its header describes 16" in reasons[rel["wrong_size"]]
+    assert "missing field 'leaves'" in reasons[rel["bad_header"]]
+    assert reasons[rel["stray"]].startswith("temporary") and rel["stray_meta"] in reasons
+    assert rel["fresh"] not in out and "left 1 recent temporary file alone" in out
+    assert sorted(p for p in cache_root.rglob("*")) == before  # reporting removes nothing
+
+    report = json.loads(run(capsys, "verify", "--json")[1])
+    assert report["ok"] is False and report["entries_checked"] == 15
+    assert {Path(p["path"]) for p in report["problems"]} == {p for k, p in bad.items() if k != "fresh"}
+
+    code, out, err = run(capsys, "verify", "--fix")
+    assert (code, err) == (0, "") and "removed 7 files" in out
+    assert [k for k, p in bad.items() if p.exists()] == ["fresh"]
+    assert (directory / "notes.txt").exists() and (directory / META_NAME).exists()
+    assert len(entry_files(directory)) == 7 and len(entry_files(healthy)) == 3
+    assert run(capsys, "verify") == (
+        0,
+        f"checked 10 entries in 2 module caches under {cache_root}\n"
+        "left 1 recent temporary file alone (a write may be in progress)\n"
+        "no problems found\n",
+        "",
+    )
+
+    # The entries left are sound: a fresh instance with the same weights reads them back.
+    fresh = twin(model)
+    torch.testing.assert_close(fresh(x), model.linear(x))
+    stats = fresh.cache_instance.stats()
+    assert (stats.hits, stats.misses) == (7, 5)
+
+
+def test_progress_is_plain_off_a_terminal_and_a_bar_on_one() -> None:
+    plain = io.StringIO()
+    progress = _Progress(4, "verify", stream=plain, interval=0.0)
+    for _ in range(4):
+        progress.update()
+    progress.close()
+    assert plain.getvalue().splitlines() == [f"verify: {i}/4 entries ({i / 4:.0%})" for i in range(1, 5)]
+    quiet = io.StringIO()
+    progress = _Progress(4, "verify", stream=quiet)  # the default interval: nothing for a short run
+    progress.update(4)
+    progress.close()
+    assert quiet.getvalue() == ""
+    tty = FakeTty()
+    progress = _Progress(4, "verify", stream=tty)
+    progress.update(4)
+    progress.close()
+    assert tty.getvalue().startswith("\rverify:") and "/4 [" in tty.getvalue()
+
+
+# -- prune -----------------------------------------------------------------------------
+def make_three(ages: tuple[float, float, float] = (3000, 2000, 1000)) -> list[Path]:
+    dirs = [make_cache(out=n, items=4)[2] for n in (2, 3, 4)]
+    for age, directory in zip(ages, dirs):
+        set_last_used(directory, age)
+    return dirs
+
+
+def cache_sizes(capsys: pytest.CaptureFixture[str]) -> dict[str, int]:
+    return {c["key"]: c["bytes"] for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]}
+
+
+def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    oldest, middle, newest = make_three()
+    unrelated = make_unrelated(cache_root)
+    sizes = cache_sizes(capsys)
+    limit = sizes[middle.name] + sizes[newest.name]
+
+    code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--dry-run")
+    assert code == 0 and oldest.exists()
+    assert out.splitlines()[1].startswith(oldest.name[:12]) and len(out.splitlines()) == 4
+    assert out.splitlines()[-1].startswith("would remove 1 module cache (")
+
+    code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["dry_run"] is False
+    assert [c["key"] for c in data["removed"]] == [oldest.name]
+    assert [c["key"] for c in data["kept"]] == [newest.name, middle.name]
+    assert data["freed_bytes"] == sizes[oldest.name]
+    assert not oldest.exists() and middle.exists() and newest.exists()
+    assert all(p.exists() for p in unrelated)
+
+    code, out, _ = run(capsys, "prune", "--max-size", str(limit))
+    assert code == 0 and out.startswith("nothing to prune: 2 module caches, 8 entries")
+    assert run(capsys, "prune", "--max-size", "1")[0] == 0
+    assert cache_sizes(capsys) == {}
+    assert sorted(p for p in cache_root.rglob("*")) == unrelated
+
+
+def test_prune_older_than_and_keep(capsys: pytest.CaptureFixture[str]) -> None:
+    oldest, middle, newest = make_three(ages=(40 * 86400, 10 * 86400, 60))
+    code, out, _ = run(capsys, "prune", "--older-than", "30d")
+    assert code == 0 and "removed 1 module cache" in out
+    assert not oldest.exists() and middle.exists()
+    assert run(capsys, "prune", "--older-than", "2w")[0] == 0 and middle.exists()
+    assert run(capsys, "prune", "--keep", "1")[0] == 0
+    assert not middle.exists() and newest.exists()
+
+
+# -- clear -----------------------------------------------------------------------------
+def test_clear_refuses_without_yes_when_not_interactive(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, directory = make_cache()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = run(capsys, "clear", directory.name)
+    assert code == 1 and out == ""
+    assert err.startswith("torchcache: error: refusing to remove module cache") and err.count("\n") == 1
+    assert "pass --yes" in err and len(entry_files(directory)) == 6
+    assert run(capsys, "clear", "--all")[0] == 1 and directory.exists()
+
+
+def test_clear_asks_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, directory = make_cache()
+    monkeypatch.setattr(sys, "stdin", FakeTty("n\n"))
+    code, _, err = run(capsys, "clear", directory.name[:6])
+    assert code == 1 and "? [y/N] aborted; nothing removed" in err and directory.exists()
+    monkeypatch.setattr(sys, "stdin", FakeTty("y\n"))
+    code, out, _ = run(capsys, "clear", directory.name[:6])
+    assert code == 0 and out.startswith("removed 1 module cache (") and not directory.exists()
+
+
+def test_clear_removes_only_torchcache_files(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    _, _, directory = make_cache()
+    _, _, other = make_cache(out=5)
+    shard = entry_files(directory)[0].parent
+    (shard / "mine.txt").write_text("not torchcache's")
+    (directory / "data").mkdir()
+    (directory / "data" / "x.tce").write_text("not in a shard directory")
+    code, out, err = run(capsys, "clear", str(directory), "--yes")
+    assert code == 0 and out.startswith("removed 1 module cache")
+    assert err == f"torchcache: kept {directory}: it holds files that torchcache did not write\n"
+    left = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    assert left == sorted(["data", "data/x.tce", shard.name, f"{shard.name}/mine.txt"])
+    assert other.exists() and len(entry_files(other)) == 6
+    assert [c["key"] for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]] == [other.name]
+
+
+def test_clear_all_leaves_unrelated_directories(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    make_three()
+    unrelated = make_unrelated(cache_root)
+    code, out, _ = run(capsys, "clear", "--all", "-y")
+    assert code == 0 and out.startswith("removed 3 module caches (")
+    assert sorted(p for p in cache_root.rglob("*")) == unrelated
+    assert run(capsys, "clear", "--all", "-y")[1] == f"nothing to clear: no module caches under {cache_root}\n"
+
+
+def test_clearing_a_cache_in_use_keeps_its_user_correct(capsys: pytest.CaptureFixture[str]) -> None:
+    model, x, directory = make_cache()
+    reader = twin(model)
+    reader(x[:2])  # the reader's disk tier is open
+    assert run(capsys, "clear", directory.name, "-y")[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)  # its later writes may be turned off
+        torch.testing.assert_close(reader(x), model.linear(x))
+    assert reader.cache_instance.stats().misses == 4
+
+
+# -- as a program ----------------------------------------------------------------------
+def run_module(*argv: str, root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TORCHCACHE_DIR": str(root)}
+    return subprocess.run(
+        [sys.executable, "-m", "torchcache", *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_python_dash_m_ls_json(cache_root: Path) -> None:
+    _, _, directory = make_cache(items=3)
+    done = run_module("ls", "--json", root=cache_root)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert [(c["key"], c["entries"]) for c in json.loads(done.stdout)["caches"]] == [(directory.name, 3)]
+
+
+def test_python_dash_m_clear_refuses_without_a_terminal(cache_root: Path) -> None:
+    _, _, directory = make_cache(items=3)
+    done = run_module("clear", "--all", root=cache_root)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("torchcache: error: refusing to remove 1 module cache (")
+    assert done.stderr.count("\n") == 1
+    assert len(entry_files(directory)) == 3
