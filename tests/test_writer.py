@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from torchcache.writer import BackgroundWriter
+from torchcache.writer import WRITER_NICENESS, BackgroundWriter
 
 # Generous bounds for waits that only end early when the writer misbehaves; no test
 # depends on how long anything takes.
@@ -188,3 +190,17 @@ def test_an_error_in_on_error_does_not_stop_the_writer(recorder: _Recorder) -> N
     assert writer.flush(timeout=_HANG)
     assert recorder.done == ["next"]
     assert len(recorder.errors) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are a Linux feature")
+def test_writer_threads_run_at_a_lower_priority_than_the_caller() -> None:
+    seen: list[int] = []
+
+    def sink(job: Any) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    writer = BackgroundWriter(sink, lambda exc: None)
+    writer.submit("job", 1)
+    assert writer.flush(_HANG)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(caller + WRITER_NICENESS, 19)]

@@ -32,6 +32,7 @@ __all__ = [
     "decode_frame",
     "decode_header",
     "encode_frame",
+    "encode_header",
     "parse_header",
     "split_frame",
 ]
@@ -63,11 +64,17 @@ def window_bits(size: int) -> int:
     return max(10, min(24, size.bit_length() + 1))
 
 
-def encode_frame(header: dict[str, Any], payload: bytes | memoryview, quality: int | None) -> bytes:
+def encode_header(header: dict[str, Any]) -> bytes:
+    """The canonical JSON bytes of a header (sorted keys, no spaces)."""
+    return json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+
+
+def encode_frame(header: dict[str, Any] | bytes, payload: bytes | memoryview, quality: int | None) -> bytes:
     r"""Build a frame.
 
     Args:
-        header: JSON-able metadata (the entry's layout).
+        header: JSON-able metadata (the entry's layout), or its :func:`encode_header`
+            bytes (callers that write many entries of one layout encode it once).
         payload: The raw payload bytes.
         quality: brotli quality 0-11, or ``None`` to store raw without trying.
 
@@ -79,7 +86,7 @@ def encode_frame(header: dict[str, Any], payload: bytes | memoryview, quality: i
         >>> len(frame) < 200, decode_frame(frame) == ({"a": 1}, b"\\x00" * 1000)
         (True, True)
     """
-    header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    header_bytes = header if isinstance(header, bytes) else encode_header(header)
     raw_len = len(payload)
     stored: bytes | memoryview = payload
     codec = CODEC_RAW

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import encode_frame, parse_header, split_frame
+from .codec import encode_frame, encode_header, parse_header, split_frame
 from .errors import CorruptEntryError, StoreError
 from .stores.disk import DiskStore
 from .tree import Layout
@@ -104,7 +104,7 @@ class DiskTier:
         self.hits = 0
         self._report = report
         self._layouts: dict[bytes, Layout] = {}
-        self._headers: dict[Layout, dict[str, Any]] = {}
+        self._headers: dict[Layout, bytes] = {}
         self._raw_streak: dict[Layout, int] = {}
         self._writes_enabled = True
         self._last_touch = 0.0
@@ -229,7 +229,7 @@ class DiskTier:
         layout, n = job.layout, len(job.keys)
         header = self._headers.get(layout)
         if header is None:
-            header = self._headers[layout] = layout.to_header()
+            header = self._headers[layout] = encode_header(layout.to_header())
         if len(job.leaves) == 1 and layout.row_bytes == layout.nbytes:
             packed = job.leaves[0].reshape(n, -1).view(torch.uint8).numpy()
         else:

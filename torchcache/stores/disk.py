@@ -15,6 +15,7 @@ seen, so together they can pass it briefly by what the others wrote since their 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -31,6 +32,20 @@ __all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore"]
 ENTRY_SUFFIX = ".tce"
 TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 3600.0
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
+
+_tmp_counter = itertools.count()
+_token: tuple[int, str] = (-1, "")
+
+
+def _writer_token() -> str:
+    """``<pid>-<random hex>`` of this process (taken again after a fork)."""
+    global _token
+    pid = os.getpid()
+    if _token[0] != pid:
+        _token = (pid, f"{pid}-{uuid.uuid4().hex[:8]}")
+    return _token[1]
 
 
 def _is_key(name: str) -> bool:
@@ -56,6 +71,7 @@ class DiskStore(Store):
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, policy: MruPolicy[str] | None = None) -> None:
         self.directory = Path(directory)
+        self._root = os.fspath(self.directory)
         self.max_bytes = int(max_bytes)
         self._policy: MruPolicy[str] = policy if policy is not None else MruPolicy()
         self._sizes: dict[str, int] = {}
@@ -126,13 +142,27 @@ class DiskStore(Store):
     # -- primitives ----------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
         """Read an entry's bytes, or ``None`` if there is no such file."""
+        # Plain strings and os-level calls: pathlib and buffered files cost more than the
+        # read itself for small entries (about 10 us against 19 us per 3 KB entry).
+        path = f"{self._root}/{key[:3]}/{key}{ENTRY_SUFFIX}"
         try:
-            with open(self.path(key), "rb") as f:
-                data = f.read()
+            fd = os.open(path, os.O_RDONLY | _O_BINARY)
         except (FileNotFoundError, NotADirectoryError):  # no entry can exist at that path
             return None
         except OSError as exc:
-            raise StoreError(f"cannot read cache entry {self.path(key)}: {exc}") from exc
+            raise StoreError(f"cannot read cache entry {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size)
+            while len(data) < size:  # short reads: large files, some file systems
+                more = os.read(fd, size - len(data))
+                if not more:
+                    break
+                data += more
+        except OSError as exc:
+            raise StoreError(f"cannot read cache entry {path}: {exc}") from exc
+        finally:
+            os.close(fd)
         with self._lock:
             if key in self._sizes:
                 self._policy.touch(key)
@@ -179,16 +209,19 @@ class DiskStore(Store):
 
     def _write(self, key: str, data: bytes) -> None:
         sub = key[:3]
-        final = self.path(key)
+        folder = f"{self._root}/{sub}"
+        final = f"{folder}/{key}{ENTRY_SUFFIX}"
         if sub not in self._made_dirs:
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
+                os.makedirs(folder, exist_ok=True)
             except OSError as exc:
-                raise StoreError(f"cannot create cache directory {final.parent}: {exc}") from exc
+                raise StoreError(f"cannot create cache directory {folder}: {exc}") from exc
             self._made_dirs.add(sub)
-        tmp = final.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        # Unique per process (pid and a random token) and per write (a counter), so that
+        # threads and processes writing the same key never share a temporary file.
+        tmp = f"{folder}/.{key}.{_writer_token()}.{next(_tmp_counter)}{TMP_SUFFIX}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o644)
             try:
                 view = memoryview(data)
                 while view:
