@@ -20,6 +20,7 @@ from ..tree import Layout
 __all__ = ["MemoryTier", "Slab"]
 
 _MIN_ROWS = 16
+_DOUBLE_BELOW = 64 * 2**20
 
 
 class Slab:
@@ -45,7 +46,11 @@ class Slab:
         need = n - len(rows)
         if need:
             if self.count + need > self.capacity:
-                self._grow(min(max(self.count + need, 2 * self.capacity, _MIN_ROWS), max(max_rows, self.count + need)))
+                # Double small slabs; grow large ones by a quarter, so that room allocated
+                # ahead of use stays a small share of what the tier holds.
+                factor = 2.0 if self.capacity * self.layout.nbytes < _DOUBLE_BELOW else 1.25
+                grown = max(self.count + need, int(factor * self.capacity), _MIN_ROWS)
+                self._grow(min(grown, max(max_rows, self.count + need)))
             rows.extend(range(self.count, self.count + need))
             self.count += need
         self.live += n
