@@ -199,3 +199,10 @@ def test_no_bar_off_a_terminal_or_without_tqdm(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails as if tqdm were missing
     stats = precompute(Encoder(), [torch.randn(3, 4)], progress=True)
     assert stats.misses == 3 and tty.getvalue() == ""
+
+
+def test_precompute_is_exported_as_a_function() -> None:
+    import torchcache
+
+    assert torchcache.precompute is precompute
+    assert "precompute" in torchcache.__all__

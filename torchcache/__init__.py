@@ -21,6 +21,7 @@ from ._log import configure_from_env, set_logger_config
 from ._version import __version__
 from .decorator import torchcache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
+from .precompute import precompute
 from .stats import CacheStats, TierStats
 from .writer import flush_all
 
@@ -35,6 +36,7 @@ __all__ = [
     "TorchCacheError",
     "__version__",
     "flush_all",
+    "precompute",
     "set_logger_config",
     "torchcache",
 ]
