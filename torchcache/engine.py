@@ -30,7 +30,7 @@ from .keys import FORMAT_VERSION, Context, encode_value, hash_items
 from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
-from .stores.memory import MemoryTier, Slab
+from .stores.memory import MemoryTier, Slab, index_tensor
 from .tree import Layout, flatten, unflatten
 
 __all__ = ["Cache"]
@@ -269,9 +269,11 @@ class Cache:
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
-            slab = found[0][0] if found[0] is not None else None
-            if slab is not None and all(f is not None and f[0] is slab for f in found):
-                rows = torch.tensor([f[1] for f in found], device=slab.device)  # type: ignore[index]
+            first = found[0]
+            slab = first[0] if first is not None else None
+            hit_rows = [f[1] for f in found if f is not None and f[0] is slab]
+            if len(hit_rows) == batch and slab is not None:  # every item, from one slab
+                rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
                 self._hits += batch
                 self._memory_hits += batch
@@ -414,7 +416,7 @@ def _gather(
         if layout is not None and slab.layout != layout:
             continue
         layout = slab.layout
-        index = torch.tensor(rows, device=slab.device)
+        index = index_tensor(rows, slab.device)
         parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
     return layout, parts
 
@@ -428,7 +430,7 @@ def _merge(
     parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
 ) -> list[torch.Tensor]:
     """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order."""
-    indices = [torch.tensor(positions, device=device) for positions, _ in parts]
+    indices = [index_tensor(positions, device) for positions, _ in parts]
     outs = []
     for i, spec in enumerate(layout.leaves):
         out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device)
@@ -449,7 +451,7 @@ def _select(
             return value
         index = cache.get(value.device)
         if index is None:
-            index = cache[value.device] = torch.tensor(positions, device=value.device)
+            index = cache[value.device] = index_tensor(positions, value.device)
         return value.index_select(0, index)
 
     arguments: dict[str, Any] = {}
