@@ -278,3 +278,37 @@ def test_process_sigkilled_while_writing_leaves_no_partial_entry(cache_root: Pat
     assert rerun.cache_instance.stats().hits >= 64
     rerun.cache_instance.flush()
     assert_all_entries_decode(cache_root)
+
+
+def test_a_full_disk_warns_once_and_leaves_no_partial_entry(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import torchcache.stores.disk as disk_module
+
+    real_write = os.write
+    written: list[int] = []
+
+    def write_until_full(fd: int, data: Any) -> int:
+        if len(written) >= 3:  # three entries fit, then the disk is full in the middle of one
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(fd)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(disk_module.os, "write", write_until_full)
+    model = cached(Counting, persistent=True)()
+    plain = Counting()
+    x = torch.randn(10, 4)
+    with cache_warnings() as caught:
+        first = model(x)
+        model.cache_instance.flush()
+        second = model(x)
+        model.cache_instance.flush()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "No space left" in str(caught[0].message)
+    assert_same(first, plain(x))
+    assert_same(second, plain(x))
+    assert model.items == 10
+    files = entry_files(cache_root)
+    assert len(files) == 3
+    assert_all_entries_decode(cache_root)
+    assert not [p for p in cache_root.rglob("*.tmp")]
