@@ -39,6 +39,7 @@ META_NAME = "torchcache.json"
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
+_READ_CHUNKS = 8
 _RETRY_EVERY = 32
 _GIVE_UP_AFTER = 8
 _WRITERS = 2
@@ -67,6 +68,9 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+_Frame = tuple[bytes, bytes | memoryview]  # header bytes, payload
 
 
 @dataclass
@@ -127,30 +131,36 @@ class DiskTier:
             os.utime(self.directory / META_NAME)
 
     # -- reads -----------------------------------------------------------------------
-    def _read_one(self, key: str) -> tuple[bytes, bytes | memoryview] | None:
+    def _get(self, key: str) -> bytes | None:
         try:
-            data = self.store.get(key)
+            return self.store.get(key)
         except StoreError as exc:
             self._report("read", f"cannot read a cache entry, recomputing it: {exc}")
             return None
-        if data is None:
-            return None
-        try:
-            return split_frame(data)
-        except CorruptEntryError as exc:
-            self._drop(key, exc)
-            return None
+
+    def _decode(self, keys: Sequence[str], datas: Sequence[bytes | None]) -> list[_Frame | None]:
+        frames: list[_Frame | None] = []
+        for key, data in zip(keys, datas):
+            frame = None
+            if data is not None:
+                try:
+                    frame = split_frame(data)
+                except CorruptEntryError as exc:
+                    self._drop(key, exc)
+            frames.append(frame)
+        return frames
 
     def _drop(self, key: str, exc: Exception) -> None:
         with contextlib.suppress(StoreError):
             self.store.delete(key)
         self._report("corrupt", f"removed corrupt cache entry {self.store.path(key)} ({exc}); recomputing it")
 
-    def _read_many(self, keys: Sequence[str]) -> list[tuple[bytes, bytes | memoryview] | None]:
-        return [self._read_one(key) for key in keys]
-
     def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
         """Read entries for ``keys``.
+
+        Files are read on the calling thread, chunk by chunk, and each chunk is checked
+        and decompressed on the shared pool while the next one is read: reading is
+        mostly Python (it holds the GIL), brotli is not, so the two overlap.
 
         Returns:
             The positions (into ``keys``) that were found, their common layout, and one
@@ -159,12 +169,15 @@ class DiskTier:
         """
         n = len(keys)
         if n >= _PARALLEL_MIN_ITEMS:
-            workers = min(4, os.cpu_count() or 1)
-            size = -(-n // workers)
-            chunks = [keys[i : i + size] for i in range(0, n, size)]
-            frames = [f for part in _read_pool().map(self._read_many, chunks) for f in part]
+            pool = _read_pool()
+            size = max(_PARALLEL_MIN_ITEMS // 2, -(-n // _READ_CHUNKS))
+            futures = []
+            for start in range(0, n, size):
+                part = keys[start : start + size]
+                futures.append(pool.submit(self._decode, part, [self._get(key) for key in part]))
+            frames = [frame for future in futures for frame in future.result()]
         else:
-            frames = self._read_many(keys)
+            frames = self._decode(keys, [self._get(key) for key in keys])
         positions: list[int] = []
         payloads: list[bytes | memoryview] = []
         layout: Layout | None = None
