@@ -277,3 +277,15 @@ def test_from_header_rejects_missing_fields(missing: str) -> None:
     del header[missing]
     with pytest.raises((ValueError, KeyError)):
         Layout.from_header(header)
+
+
+def test_header_names_out_dtype_only_when_it_differs() -> None:
+    spec, leaves = flatten((torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.int64)))
+    plain = Layout.of(spec, leaves, None).to_header()
+    assert ["out_dtype" in leaf for leaf in plain["leaves"]] == [False, False]
+    halved = Layout.of(spec, leaves, torch.float16).to_header()
+    assert [leaf.get("out_dtype") for leaf in halved["leaves"]] == ["float32", None]
+    for header in (plain, halved):
+        assert Layout.from_header(header) == Layout.of(spec, leaves, None if header is plain else torch.float16)
+    spelled_out = {**plain, "leaves": [dict(leaf, out_dtype=leaf["dtype"]) for leaf in plain["leaves"]]}
+    assert Layout.from_header(spelled_out) == Layout.from_header(plain)

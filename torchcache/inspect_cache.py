@@ -418,7 +418,8 @@ def _describe(header: dict[str, Any]) -> str:
         if node == "T":
             leaf = next(leaves)
             text = f"{leaf['dtype']}[{','.join(str(d) for d in leaf['shape'])}]"
-            return text if leaf["out_dtype"] == leaf["dtype"] else f"{text} as {leaf['out_dtype']}"
+            out_dtype = leaf.get("out_dtype", leaf["dtype"])
+            return text if out_dtype == leaf["dtype"] else f"{text} as {out_dtype}"
         kind, items = node
         if kind == "dict":
             return "{" + ", ".join(f"{key!r}: {walk(value)}" for key, value in items) + "}"

@@ -162,18 +162,13 @@ class Layout:
 
     def to_header(self) -> dict[str, Any]:
         """A JSON-able description, the header of a stored entry."""
-        return {
-            "tree": json.loads(self.spec_json),
-            "leaves": [
-                {
-                    "dtype": _NAMES[leaf.dtype],
-                    "out_dtype": _NAMES[leaf.out_dtype],
-                    "shape": list(leaf.shape),
-                    "offset": offset,
-                }
-                for leaf, offset in zip(self.leaves, self.offsets)
-            ],
-        }
+        leaves = []
+        for leaf, offset in zip(self.leaves, self.offsets):
+            item: dict[str, Any] = {"dtype": _NAMES[leaf.dtype], "shape": list(leaf.shape), "offset": offset}
+            if leaf.out_dtype != leaf.dtype:  # only with cache_dtype; absent means "same as dtype"
+                item["out_dtype"] = _NAMES[leaf.out_dtype]
+            leaves.append(item)
+        return {"tree": json.loads(self.spec_json), "leaves": leaves}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Layout:
@@ -187,7 +182,8 @@ class Layout:
             shape = item["shape"]
             if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"invalid shape {shape!r}")
-            leaves.append(LeafSpec(tuple(shape), DTYPES[item["dtype"]], DTYPES[item["out_dtype"]]))
+            dtype = DTYPES[item["dtype"]]
+            leaves.append(LeafSpec(tuple(shape), dtype, DTYPES[item["out_dtype"]] if "out_dtype" in item else dtype))
         layout = cls(json.dumps(header["tree"], separators=(",", ":")), tuple(leaves))
         if [item["offset"] for item in header["leaves"]] != layout.offsets:
             raise ValueError("leaf offsets do not match the layout")
