@@ -169,3 +169,42 @@ def test_disk_tier_mru_hit_rate(cache_root: Path, tmp_path: Path) -> None:
     assert ROOM <= room <= limit // min(sizes)
     assert rate == pytest.approx(room / N_ITEMS, abs=0.1)
     assert model.cache_instance.stats().memory.hits == 0
+
+
+@pytest.mark.parametrize("config", ["memory-small", "both-small"])
+def test_threads_calling_one_cached_module_get_the_plain_outputs(config: str, cache_root: Path) -> None:
+    import threading
+
+    options = dict(CONFIGS[config])
+    item = 16 * 4  # Counting returns 16 float32 per item
+    for name in ("max_memory_cache_size", "max_persistent_cache_size"):
+        if options.get(name) == "small":
+            options[name] = 10 * item  # far fewer than the pool: constant eviction
+    model = cached(Counting, **options)()
+    plain = Counting()
+    pool = torch.randn(POOL, 4)
+    expected = plain(pool)
+    errors: list[str] = []
+    requested: list[int] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(30):
+            idx = rng.sample(range(POOL), rng.randint(1, 12))
+            requested.append(len(idx))
+            got = model(pool[idx])
+            if not torch.equal(got, expected[idx]):
+                errors.append(f"thread {seed}: wrong outputs for items {idx}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    model.cache_instance.flush()
+    assert errors == []
+    stats = model.cache_instance.stats()
+    assert stats.hits + stats.misses == sum(requested)
+    assert stats.misses == model.items
+    if options.get("persistent"):
+        assert_all_entries_decode(cache_root)

@@ -112,8 +112,10 @@ class Cache:
         if self._stale:
             self._rekey()
         if self._module_hash is None:
-            self._module_hash = self._fingerprint()
-            logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+            with self._lock:  # threads making the first calls at once fingerprint once
+                if self._module_hash is None:
+                    self._module_hash = self._fingerprint()
+                    logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
         return self._module_hash
 
     def weights_changed(self) -> None:
@@ -152,23 +154,29 @@ class Cache:
 
     def _disk_tier(self) -> DiskTier | None:
         if not self._disk_ready:
-            self._disk_ready = True
-            directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
-            meta = {
-                "torchcache_version": __version__,
-                "format_version": FORMAT_VERSION,
-                "name": self.name,
-                "kind": self.kind,
-                "module_key": self._module_hash,
-                "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
-            }
-            try:
-                self._disk = DiskTier(
-                    directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, self._report
-                )
-            except StoreError as exc:
-                self._warn("write", f"{exc}; caching in memory only")
+            with self._lock:
+                if not self._disk_ready:
+                    self._open_disk_tier()
         return self._disk
+
+    def _open_disk_tier(self) -> None:
+        """Create the disk tier (call with ``_lock`` held); on failure, warn and stay in memory."""
+        directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
+        meta = {
+            "torchcache_version": __version__,
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "kind": self.kind,
+            "module_key": self._module_hash,
+            "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
+        }
+        try:
+            self._disk = DiskTier(
+                directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, self._report
+            )
+        except StoreError as exc:
+            self._warn("write", f"{exc}; caching in memory only")
+        self._disk_ready = True
 
     # -- faults -----------------------------------------------------------------------
     def _report(self, kind: str, message: str) -> None:
@@ -275,8 +283,7 @@ class Cache:
             if len(hit_rows) == batch and slab is not None:  # every item, from one slab
                 rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
-                self._hits += batch
-                self._memory_hits += batch
+                self._count(hits=batch, memory_hits=batch)
                 return unflatten(slab.layout.spec, _returned(leaves, slab.layout, device))
             layout, parts = _gather(found)
         return self._call_mixed(fn, bound, keys, layout, parts, tensors, device)
@@ -343,7 +350,8 @@ class Cache:
                 layout = disk_layout
                 positions = [missing[i] for i in found_at]
                 parts.append((positions, disk_leaves))
-                self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
+                with self.memory.lock:
+                    self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
                 taken = set(positions)
                 missing = [pos for pos in missing if pos not in taken]
             self._emit_faults()
@@ -362,21 +370,25 @@ class Cache:
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
                 self._warn("layout", "cached outputs do not match the shapes just computed; computing the whole batch")
-                self._misses += batch
+                self._count(misses=batch)
                 return fn(*bound.args, **bound.kwargs)
             layout = new_layout
             if leaves:
                 self._devices[tensors[0].device] = leaves[0].device
             self._store(keys, missing, layout, leaves)
             if len(missing) == batch:
-                self._misses += batch
+                self._count(misses=batch)
                 return computed
             parts.append((missing, leaves))
-        self._hits += batch - len(missing)
-        self._misses += len(missing)
-        self._memory_hits += memory_hits
+        self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
         assert layout is not None
         return unflatten(layout.spec, _merge(parts, batch, layout, device))
+
+    def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
+        with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
+            self._hits += hits
+            self._misses += misses
+            self._memory_hits += memory_hits
 
     def _store(self, keys: list[bytes], positions: list[int], layout: Layout, leaves: list[torch.Tensor]) -> None:
         item_keys = [keys[p] for p in positions]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ FORMAT_VERSION = 2
 
 _SUBSAMPLE_RUNS = 64
 _MAX_DEPTH = 8
+_source_lock = threading.Lock()
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
 
@@ -257,10 +259,13 @@ def _describe_object(value: object, name: str, depth: int = 0) -> bytes:
 
 
 def _source(obj: Callable[..., Any] | type) -> str:
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
+    # inspect.getsource parses the file with ast, which is not thread-safe in CPython 3.11
+    # ("AST constructor recursion depth mismatch" when two threads parse at once).
+    with _source_lock:
+        try:
+            return inspect.getsource(obj)
+        except (OSError, TypeError):
+            return ""
 
 
 def _own_classes(cls: type) -> list[type]:
