@@ -153,3 +153,39 @@ def test_disk_limit_counts_what_an_earlier_run_left(cache_root: Path, tmp_path: 
     # without counting the first run's entries both runs' 2 * n entries would be kept
     assert len(set(entry_files(cache_root)) - first_files) < n
     assert_all_entries_decode(cache_root)
+
+
+FORKED = PREAMBLE + textwrap.dedent(
+    """
+    import os, signal, traceback
+    x = inputs(200, 41)
+    plain = Counting()
+    model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    model(x[:100])
+    model.cache_instance.flush()
+    assert torch.equal(model(x[:100]), plain(x[:100]))  # disk hits: the read pool has threads now
+    model(x[150:])  # writes in flight while forking
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a hang ends the child (status -14) instead of the test run
+        try:
+            equal = torch.equal(model(x[100:150]), plain(x[100:150]))  # new items: written by the child
+            equal &= torch.equal(model(x[:100]), plain(x[:100]))  # disk hits through a new read pool
+            model.cache_instance.flush()
+            os._exit(0 if equal else 3)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    model.cache_instance.flush()
+    print(json.dumps({"child": os.waitstatus_to_exitcode(status)}))
+    """
+)
+
+
+def test_a_forked_child_reads_writes_and_flushes_without_hanging(cache_root: Path) -> None:
+    result = run_python(FORKED)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"child": 0}, result.stderr
+    assert len(entry_files(cache_root)) == 200
+    assert_all_entries_decode(cache_root)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
+import os
 import threading
 import time
 import warnings
@@ -476,6 +477,15 @@ def _select(
         else:
             arguments[name] = pick(value)
     return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]
+
+
+def _new_locks_after_fork() -> None:
+    for cache in list(_caches):
+        cache._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def _summarize_at_exit() -> None:

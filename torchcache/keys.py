@@ -20,6 +20,7 @@ Non-tensor arguments are encoded canonically with a type tag, so ``True``, ``1``
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import struct
 import threading
@@ -256,6 +257,15 @@ def _describe_object(value: object, name: str, depth: int = 0) -> bytes:
         return _tag(b"O", qualname.encode() + _describe_object(dict(attributes), name, depth + 1))
     text = _ADDRESS_RE.sub("", repr(value))
     return _tag(b"R", f"{qualname}|{text}".encode())
+
+
+def _new_source_lock_after_fork() -> None:
+    global _source_lock
+    _source_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # the lock may have been held by another thread at fork
+    os.register_at_fork(after_in_child=_new_source_lock_after_fork)
 
 
 def _source(obj: Callable[..., Any] | type) -> str:

@@ -54,6 +54,16 @@ def _read_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the pool's threads: make a new pool when it needs one."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def read_meta(directory: Path) -> dict[str, Any] | None:
     """The metadata of a module directory, or ``None`` if it has none or it is invalid."""
     try:

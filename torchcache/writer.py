@@ -62,6 +62,14 @@ class BackgroundWriter:
         self._threads = 0
         _writers.add(self)
 
+    def _reset_after_fork(self) -> None:
+        """Forget the parent's threads and queue (the parent writes its own jobs)."""
+        self._cond = threading.Condition()
+        self._jobs.clear()
+        self._pending_bytes = 0
+        self._busy = 0
+        self._threads = 0
+
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet written."""
@@ -129,4 +137,13 @@ def flush_all() -> None:
         writer.flush()
 
 
+def _after_fork_in_child() -> None:
+    for writer in list(_writers):
+        writer._reset_after_fork()
+
+
 atexit.register(flush_all)
+if hasattr(os, "register_at_fork"):
+    # A forked child (a DataLoader worker on Linux) has none of the parent's threads: a
+    # writer that counted on them would wait forever in flush().
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,19 @@ def _writer_token() -> str:
     if _token[0] != pid:
         _token = (pid, f"{pid}-{uuid.uuid4().hex[:8]}")
     return _token[1]
+
+
+_stores: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    """A lock held by one of the parent's writer threads at fork would never be released."""
+    for store in list(_stores):
+        store._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def _is_key(name: str) -> bool:
@@ -79,6 +93,7 @@ class DiskStore(Store):
         self._scanned = False
         self._lock = threading.RLock()
         self._made_dirs: set[str] = set()
+        _stores.add(self)
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.directory)!r}, max_bytes={self.max_bytes}, nbytes={self.nbytes})"

@@ -9,7 +9,9 @@ released. ``nbytes`` counts the rows that hold entries.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +29,18 @@ def index_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> t
     """An int64 index tensor of ``values`` (through numpy: 6x faster than ``torch.tensor(list)``)."""
     index = torch.from_numpy(np.array(values, dtype=np.int64))
     return index if torch.device(device).type == "cpu" else index.to(device)
+
+
+_tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for tier in list(_tiers):
+        tier.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 class Slab:
@@ -93,6 +107,7 @@ class MemoryTier:
         self._slabs: dict[tuple[Layout, str], Slab] = {}
         self._used = 0
         self.lock = threading.RLock()
+        _tiers.add(self)
 
     def __repr__(self) -> str:
         return (
