@@ -189,3 +189,86 @@ def test_a_forked_child_reads_writes_and_flushes_without_hanging(cache_root: Pat
     assert json.loads(result.stdout) == {"child": 0}, result.stderr
     assert len(entry_files(cache_root)) == 200
     assert_all_entries_decode(cache_root)
+
+
+CHILDREN = PREAMBLE + textwrap.dedent(
+    """
+    import multiprocessing, multiprocessing.util, threading
+    import torchcache.persist
+
+    def work(seed, start):
+        # Hold every write back until the child is exiting, so that only a flush at exit
+        # can put the entries on disk (finalizers of higher priority run first).
+        exiting = threading.Event()
+        multiprocessing.util.Finalize(None, exiting.set, exitpriority=100)
+        real_job = torchcache.persist.DiskTier._write_job
+
+        def held_back(self, job):
+            assert exiting.wait(60), "the child never started exiting"
+            real_job(self, job)
+
+        torchcache.persist.DiskTier._write_job = held_back
+        model = cached(Counting, persistent=True)()
+        model(inputs(40, seed)[start : start + 20])  # no flush(): the child's exit must write the entries
+
+    if __name__ == "__main__":
+        for seed, method in enumerate(("fork", "spawn")):
+            context = multiprocessing.get_context(method)
+            children = [context.Process(target=work, args=(seed, start)) for start in (0, 20)]
+            for child in children:
+                child.start()
+            for child in children:
+                child.join(120)
+            print(method, [child.exitcode for child in children])
+    """
+)
+
+
+def test_multiprocessing_children_flush_their_writes_at_exit(cache_root: Path, tmp_path: Path) -> None:
+    script = tmp_path / "children.py"
+    script.write_text(CHILDREN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["fork [0, 0]", "spawn [0, 0]"], result.stderr
+    assert len(entry_files(cache_root)) == 80  # 40 items of each start method
+    assert_all_entries_decode(cache_root)
+
+
+LOADER = PREAMBLE + textwrap.dedent(
+    """
+    from torch.utils.data import DataLoader, Dataset
+    from torchcache import torchcache
+
+    @torchcache(persistent=True)
+    def embed(x):
+        return x * 2 + 1
+
+    class Samples(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return embed(inputs(32, 61)[i : i + 1])[0]  # cached in the worker, never flushed by hand
+
+    if __name__ == "__main__":
+        loader = DataLoader(Samples(), batch_size=8, num_workers=2, multiprocessing_context="fork")
+        out = torch.cat(list(loader))
+        print(json.dumps({"equal": torch.equal(out, inputs(32, 61) * 2 + 1)}))
+    """
+)
+
+
+def test_dataloader_workers_write_their_entries(cache_root: Path, tmp_path: Path) -> None:
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"equal": True}
+    assert len(entry_files(cache_root)) == 32
+    assert_all_entries_decode(cache_root)

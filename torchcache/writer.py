@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -142,7 +143,23 @@ def _after_fork_in_child() -> None:
         writer._reset_after_fork()
 
 
+class _FlushAtProcessExit:
+    """Flush in multiprocessing's exit finalizers too.
+
+    Forked multiprocessing children (DataLoader workers on Linux) end with ``os._exit``,
+    which skips ``atexit``, but run multiprocessing's exit finalizers first. A child
+    starts with none of the parent's finalizers, so the registration is made again in
+    each child, after fork.
+    """
+
+    def register(self) -> None:
+        multiprocessing.util.Finalize(None, flush_all, exitpriority=0)
+
+
 atexit.register(flush_all)
+_flush_at_process_exit = _FlushAtProcessExit()
+_flush_at_process_exit.register()
+multiprocessing.util.register_after_fork(_flush_at_process_exit, _FlushAtProcessExit.register)
 if hasattr(os, "register_at_fork"):
     # A forked child (a DataLoader worker on Linux) has none of the parent's threads: a
     # writer that counted on them would wait forever in flush().
