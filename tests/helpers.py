@@ -140,13 +140,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_python(
-    script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120, path: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c script args`` from the repository root; return the completed process."""
+    """Run ``python -c script args`` from the repository root; return the completed process.
+
+    With ``path``, the script is written there and run as a file instead (``spawn``
+    children of multiprocessing need a main module they can import again).
+    """
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    if path is not None:
+        path.write_text(script)
     return subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, *(["-c", script] if path is None else [str(path)]), *args],
         cwd=REPO,
         env=full_env,
         capture_output=True,

@@ -225,12 +225,7 @@ CHILDREN = PREAMBLE + textwrap.dedent(
 
 
 def test_multiprocessing_children_flush_their_writes_at_exit(cache_root: Path, tmp_path: Path) -> None:
-    script = tmp_path / "children.py"
-    script.write_text(CHILDREN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(CHILDREN, path=tmp_path / "children.py", timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["fork [0, 0]", "spawn [0, 0]"], result.stderr
     assert len(entry_files(cache_root)) == 80  # 40 items of each start method
@@ -262,12 +257,7 @@ LOADER = PREAMBLE + textwrap.dedent(
 
 
 def test_dataloader_workers_write_their_entries(cache_root: Path, tmp_path: Path) -> None:
-    script = tmp_path / "loader.py"
-    script.write_text(LOADER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(LOADER, path=tmp_path / "loader.py", timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"equal": True}
     assert len(entry_files(cache_root)) == 32

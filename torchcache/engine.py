@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,14 @@ import torch
 
 from ._log import logger
 from ._version import __version__
+from .batch import cast_returned, gather_hits, index_tensor, merge_parts, select_items
 from .config import Settings, resolve_root
 from .errors import CacheWarning, KeyingError, StoreError
 from .keys import FORMAT_VERSION, Context, encode_value, hash_items
 from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
-from .stores.memory import MemoryTier, Slab, index_tensor
+from .stores.memory import MemoryTier
 from .tree import Layout, flatten, unflatten
 
 __all__ = ["Cache"]
@@ -285,8 +286,8 @@ class Cache:
                 rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
                 self._count(hits=batch, memory_hits=batch)
-                return unflatten(slab.layout.spec, _returned(leaves, slab.layout, device))
-            layout, parts = _gather(found)
+                return unflatten(slab.layout.spec, cast_returned(leaves, slab.layout, device))
+            layout, parts = gather_hits(found)
         return self._call_mixed(fn, bound, keys, layout, parts, tensors, device)
 
     def _split(self, arguments: dict[str, Any], training: bool | None) -> tuple[list[torch.Tensor], bytes]:
@@ -359,7 +360,7 @@ class Cache:
 
         computed: Any = None
         if missing:
-            sub = bound if len(missing) == batch else _select(bound, self._var_kinds, missing, tensors[0].device)
+            sub = bound if len(missing) == batch else select_items(bound, self._var_kinds, missing)
             computed = fn(*sub.args, **sub.kwargs)
             spec, leaves = flatten(computed)
             for leaf in leaves:
@@ -383,7 +384,7 @@ class Cache:
             parts.append((missing, leaves))
         self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
         assert layout is not None
-        return unflatten(layout.spec, _merge(parts, batch, layout, device))
+        return unflatten(layout.spec, merge_parts(parts, batch, layout, device))
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
@@ -406,77 +407,6 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
-
-
-def _gather(
-    found: Sequence[tuple[Slab, int] | None],
-) -> tuple[Layout | None, list[tuple[list[int], list[torch.Tensor]]]]:
-    """Copy the memory hits out of their slabs (call with the memory tier's lock held).
-
-    Returns:
-        The layout of the hits, and per slab the batch positions and gathered leaves.
-        Hits whose layout differs from the first slab's are left out (recomputed).
-    """
-    by_slab: dict[int, tuple[Slab, list[int], list[int]]] = {}
-    for pos, hit in enumerate(found):
-        if hit is not None:
-            entry = by_slab.setdefault(id(hit[0]), (hit[0], [], []))
-            entry[1].append(pos)
-            entry[2].append(hit[1])
-    layout: Layout | None = None
-    parts: list[tuple[list[int], list[torch.Tensor]]] = []
-    for slab, positions, rows in by_slab.values():
-        if layout is not None and slab.layout != layout:
-            continue
-        layout = slab.layout
-        index = index_tensor(rows, slab.device)
-        parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
-    return layout, parts
-
-
-def _returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
-    """Cast gathered leaves to the dtype and device a real call returns."""
-    return [t.to(device=device, dtype=spec.out_dtype) for t, spec in zip(leaves, layout.leaves)]
-
-
-def _merge(
-    parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
-) -> list[torch.Tensor]:
-    """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order."""
-    indices = [index_tensor(positions, device) for positions, _ in parts]
-    outs = []
-    for i, spec in enumerate(layout.leaves):
-        out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device)
-        for index, (_, leaves) in zip(indices, parts):
-            out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
-        outs.append(out)
-    return outs
-
-
-def _select(
-    bound: inspect.BoundArguments, var_kinds: dict[str, Any], positions: list[int], device: torch.device
-) -> inspect.BoundArguments:
-    """A copy of the bound arguments with every tensor restricted to ``positions``."""
-    cache: dict[torch.device, torch.Tensor] = {}
-
-    def pick(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        index = cache.get(value.device)
-        if index is None:
-            index = cache[value.device] = index_tensor(positions, value.device)
-        return value.index_select(0, index)
-
-    arguments: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = var_kinds.get(name)
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            arguments[name] = tuple(pick(v) for v in value)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            arguments[name] = {k: pick(v) for k, v in value.items()}
-        else:
-            arguments[name] = pick(value)
-    return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]
 
 
 def _new_locks_after_fork() -> None:

@@ -14,21 +14,15 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from ..batch import index_tensor
 from ..policy import MruPolicy
 from ..tree import Layout
 
-__all__ = ["MemoryTier", "Slab", "index_tensor"]
+__all__ = ["MemoryTier", "Slab"]
 
 _MIN_ROWS = 16
-
-
-def index_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """An int64 index tensor of ``values`` (through numpy: 6x faster than ``torch.tensor(list)``)."""
-    index = torch.from_numpy(np.array(values, dtype=np.int64))
-    return index if torch.device(device).type == "cpu" else index.to(device)
 
 
 _tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()

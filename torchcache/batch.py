@@ -1,0 +1,101 @@
+"""Batch assembly: pick the items to compute, gather hits, merge parts in input order.
+
+Every step is a constant number of tensor operations per batch (``index_select``,
+``index_copy_``), never one per item. Index tensors are built through numpy, which is
+several times faster than ``torch.tensor`` on a list of ints.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .tree import Layout
+
+if TYPE_CHECKING:
+    from .stores.memory import Slab
+
+__all__ = ["cast_returned", "gather_hits", "index_tensor", "merge_parts", "select_items"]
+
+Parts = list[tuple[list[int], list[torch.Tensor]]]
+
+
+def index_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """An int64 index tensor of ``values`` (through numpy: 6x faster than ``torch.tensor(list)``)."""
+    index = torch.from_numpy(np.array(values, dtype=np.int64))
+    return index if torch.device(device).type == "cpu" else index.to(device)
+
+
+def gather_hits(
+    found: Sequence[tuple[Slab, int] | None],
+) -> tuple[Layout | None, Parts]:
+    """Copy the memory hits out of their slabs (call with the memory tier's lock held).
+
+    Returns:
+        The layout of the hits, and per slab the batch positions and gathered leaves.
+        Hits whose layout differs from the first slab's are left out (recomputed).
+    """
+    by_slab: dict[int, tuple[Slab, list[int], list[int]]] = {}
+    for pos, hit in enumerate(found):
+        if hit is not None:
+            entry = by_slab.setdefault(id(hit[0]), (hit[0], [], []))
+            entry[1].append(pos)
+            entry[2].append(hit[1])
+    layout: Layout | None = None
+    parts: Parts = []
+    for slab, positions, rows in by_slab.values():
+        if layout is not None and slab.layout != layout:
+            continue
+        layout = slab.layout
+        index = index_tensor(rows, slab.device)
+        parts.append((positions, [t.index_select(0, index) for t in slab.leaves]))
+    return layout, parts
+
+
+def cast_returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    """Cast gathered leaves to the dtype and device a real call returns."""
+    return [t.to(device=device, dtype=spec.out_dtype) for t, spec in zip(leaves, layout.leaves)]
+
+
+def merge_parts(
+    parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
+) -> list[torch.Tensor]:
+    """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order."""
+    indices = [index_tensor(positions, device) for positions, _ in parts]
+    outs = []
+    for i, spec in enumerate(layout.leaves):
+        out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device)
+        for index, (_, leaves) in zip(indices, parts):
+            out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
+        outs.append(out)
+    return outs
+
+
+def select_items(
+    bound: inspect.BoundArguments, var_kinds: dict[str, Any], positions: list[int]
+) -> inspect.BoundArguments:
+    """A copy of the bound arguments with every tensor restricted to ``positions``."""
+    cache: dict[torch.device, torch.Tensor] = {}
+
+    def pick(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        index = cache.get(value.device)
+        if index is None:
+            index = cache[value.device] = index_tensor(positions, value.device)
+        return value.index_select(0, index)
+
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = var_kinds.get(name)
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            arguments[name] = tuple(pick(v) for v in value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            arguments[name] = {k: pick(v) for k, v in value.items()}
+        else:
+            arguments[name] = pick(value)
+    return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]
