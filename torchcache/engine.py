@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
-import os
 import threading
 import time
 import warnings
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts, select_items
@@ -94,6 +94,7 @@ class Cache:
         self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
         self._last_summary = time.monotonic()
         _caches.add(self)
+        renew_lock_after_fork(self, "_lock")
 
     def __repr__(self) -> str:
         return f"<torchcache.Cache of {self.name} memory={self.memory!r} disk={self._disk!r}>"
@@ -407,15 +408,6 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
-
-
-def _new_locks_after_fork() -> None:
-    for cache in list(_caches):
-        cache._lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def _summarize_at_exit() -> None:

@@ -20,7 +20,6 @@ Non-tensor arguments are encoded canonically with a type tag, so ``True``, ``1``
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import struct
 import threading
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ._fork import after_fork
 from .errors import KeyingError
 
 __all__ = [
@@ -264,8 +264,7 @@ def _new_source_lock_after_fork() -> None:
     _source_lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):  # the lock may have been held by another thread at fork
-    os.register_at_fork(after_in_child=_new_source_lock_after_fork)
+after_fork(_new_source_lock_after_fork)  # another thread may have held it at fork
 
 
 def _source(obj: Callable[..., Any] | type) -> str:

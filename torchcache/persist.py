@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._fork import after_fork
 from .codec import encode_frame, encode_header, parse_header, split_frame
 from .errors import CorruptEntryError, StoreError
 from .stores.disk import DiskStore
@@ -60,8 +61,7 @@ def _forget_pool_after_fork() -> None:
     _pool, _pool_lock = None, threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+after_fork(_forget_pool_after_fork)
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:

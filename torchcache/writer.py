@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ._fork import after_fork
 from ._log import logger
 
 __all__ = ["BackgroundWriter", "flush_all"]
@@ -160,7 +161,6 @@ atexit.register(flush_all)
 _flush_at_process_exit = _FlushAtProcessExit()
 _flush_at_process_exit.register()
 multiprocessing.util.register_after_fork(_flush_at_process_exit, _FlushAtProcessExit.register)
-if hasattr(os, "register_at_fork"):
-    # A forked child (a DataLoader worker on Linux) has none of the parent's threads: a
-    # writer that counted on them would wait forever in flush().
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# A forked child (a DataLoader worker on Linux) has none of the parent's threads: a
+# writer that counted on them would wait forever in flush().
+after_fork(_after_fork_in_child)

@@ -20,10 +20,10 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+from .._fork import renew_lock_after_fork
 from ..errors import StoreError
 from ..policy import MruPolicy
 from .base import Store
@@ -47,19 +47,6 @@ def _writer_token() -> str:
     if _token[0] != pid:
         _token = (pid, f"{pid}-{uuid.uuid4().hex[:8]}")
     return _token[1]
-
-
-_stores: weakref.WeakSet[DiskStore] = weakref.WeakSet()
-
-
-def _new_locks_after_fork() -> None:
-    """A lock held by one of the parent's writer threads at fork would never be released."""
-    for store in list(_stores):
-        store._lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def _is_key(name: str) -> bool:
@@ -93,7 +80,7 @@ class DiskStore(Store):
         self._scanned = False
         self._lock = threading.RLock()
         self._made_dirs: set[str] = set()
-        _stores.add(self)
+        renew_lock_after_fork(self, "_lock")
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.directory)!r}, max_bytes={self.max_bytes}, nbytes={self.nbytes})"

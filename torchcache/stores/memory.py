@@ -9,13 +9,12 @@ released. ``nbytes`` counts the rows that hold entries.
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections.abc import Sequence
 
 import torch
 
+from .._fork import renew_lock_after_fork
 from ..batch import index_tensor
 from ..policy import MruPolicy
 from ..tree import Layout
@@ -23,18 +22,6 @@ from ..tree import Layout
 __all__ = ["MemoryTier", "Slab"]
 
 _MIN_ROWS = 16
-
-
-_tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()
-
-
-def _new_locks_after_fork() -> None:
-    for tier in list(_tiers):
-        tier.lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 class Slab:
@@ -101,7 +88,7 @@ class MemoryTier:
         self._slabs: dict[tuple[Layout, str], Slab] = {}
         self._used = 0
         self.lock = threading.RLock()
-        _tiers.add(self)
+        renew_lock_after_fork(self, "lock")
 
     def __repr__(self) -> str:
         return (
