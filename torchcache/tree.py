@@ -143,9 +143,9 @@ class Layout:
         """Bytes of one packed row, padding included."""
         return sum(-(-leaf.nbytes // ALIGN) * ALIGN for leaf in self.leaves)
 
-    @property
+    @cached_property
     def spec(self) -> Spec:
-        """The structure spec."""
+        """The structure spec (parsed once; read on every hit, never changed)."""
         return json.loads(self.spec_json)  # type: ignore[no-any-return]
 
     @classmethod
