@@ -112,6 +112,22 @@ def stats_of(module: nn.Module) -> str:
     return repr(getattr(module.cache_instance, "stats", lambda: "")())
 
 
+def record_warm_and_cold(run: Run, key: str, fn: Callable[[Any], object], batches: list[Any]) -> None:
+    """Record passes of ``fn`` over ``batches`` with a warm page cache, then after dropping it.
+
+    Cold passes are recorded only where the page cache can be dropped (root).
+    """
+    warm = [wl.pass_times(fn, batches) for _ in range(run.reps(5, 3))]
+    run.record(f"{key}/warm", "ms/batch", wl.per_batch_ms(warm, len(batches)))
+    cold: list[float] = []
+    for _ in range(run.reps(3, 2)):
+        if not wl.drop_page_cache():
+            break
+        cold.append(wl.pass_times(fn, batches))
+    if cold:
+        run.record(f"{key}/cold", "ms/batch", wl.per_batch_ms(cold, len(batches)))
+
+
 def fill_time(m: nn.Module, xs: list[Tensor]) -> float:
     """Time one pass over ``xs`` plus the wait for pending disk writes."""
     t0 = time.perf_counter()
@@ -212,15 +228,7 @@ def task_w3read(run: Run, directory: Path, only: set[str]) -> None:
             count = wl.Computed(m, kind)
             key = f"W3/{kind}"
             run.record(f"{key}/fresh", "ms/batch", wl.per_batch_ms([wl.pass_times(m, xs)], 4))
-            warm = [wl.pass_times(m, xs) for _ in range(run.reps(5, 3))]
-            run.record(f"{key}/warm", "ms/batch", wl.per_batch_ms(warm, len(xs)))
-            cold: list[float] = []
-            for _ in range(run.reps(3, 2)):
-                if not wl.drop_page_cache():
-                    break
-                cold.append(wl.pass_times(m, xs))
-            if cold:
-                run.record(f"{key}/cold", "ms/batch", wl.per_batch_ms(cold, len(xs)))
+            record_warm_and_cold(run, key, m, xs)
             verify(run, f"W3 {kind} disk hits equal plain", m, xs, refs)
             run.check(
                 f"W3 {kind} disk passes computed nothing",
@@ -253,15 +261,7 @@ def task_w3ref(run: Run, directory: Path, only: set[str]) -> None:
             ok = all(torch.equal(wl.raw_read(p, shape), r) for p, r in zip(paths, refs))
             run.check(f"W3 raw read {kind} equal", ok)
             read = functools.partial(wl.raw_read, item_shape=shape)
-            warm = [wl.pass_times(read, paths) for _ in range(run.reps(5, 3))]
-            run.record(f"{key}/warm", "ms/batch", wl.per_batch_ms(warm, len(xs)))
-            cold: list[float] = []
-            for _ in range(run.reps(3, 2)):
-                if not wl.drop_page_cache():
-                    break
-                cold.append(wl.pass_times(read, paths))
-            if cold:
-                run.record(f"{key}/cold", "ms/batch", wl.per_batch_ms(cold, len(xs)))
+            record_warm_and_cold(run, key, read, paths)
             payloads = [wl.brotli_payloads(r, quality) for r in refs]
             ok = all(torch.equal(wl.brotli_decode(pool, p, shape), r) for p, r in zip(payloads, refs))
             run.check(f"W3 brotli decode {kind} equal", ok)
