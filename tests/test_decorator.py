@@ -26,7 +26,7 @@ from tests.helpers import (
     disk_bytes,
     entry_files,
 )
-from torchcache import CacheStats, ConfigError, TierStats, torchcache
+from torchcache import CacheStats, CacheWarning, ConfigError, TierStats, torchcache
 from torchcache.codec import decode_frame
 
 
@@ -307,17 +307,27 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("enabled", "yes"),
         ("persistent", 1),
         ("persistent_cache_dir", 42),
-        ("persistent_module_hash", "a/b"),
+        ("persistent_cache_dir", ""),
+        ("persistent_cache_dir", "cache\0dir"),
         ("persistent_module_hash", ""),
+        ("persistent_module_hash", 3),
         ("max_memory_cache_size", -1),
         ("max_memory_cache_size", "2XB"),
         ("max_persistent_cache_size", "lots"),
         ("max_persistent_cache_size", float("nan")),
         ("memory_cache_device", "not-a-device"),
+        ("memory_cache_device", "meta"),
+        ("max_memory_cache_size", "1e999999999"),
+        ("max_persistent_cache_size", "1e999999999 GB"),
         ("subsample_count", 0),
         ("subsample_count", 1.5),
         ("cache_dtype", torch.int32),
         ("cache_dtype", "float16"),
+        ("cache_dtype", torch.float8_e4m3fn),
+        ("shared_args", "mask"),
+        ("batch_dims", {"x": -1}),
+        ("batch_dims", ["x"]),
+        ("keep_eval", 1),
         ("brotli_quality", 12),
         ("brotli_quality", -1),
     ],
@@ -534,7 +544,7 @@ def test_non_tensor_arguments_are_keyed_by_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "value", [object(), {1, 2}, b"bytes", [1, object()], {"k": torch.zeros(2)}, (torch.zeros(3, 1),)]
+    "value", [object(), {1, 2}, b"bytes", [1, object()], {1: torch.zeros(2)}, (torch.zeros(3, 1),)]
 )
 def test_unsupported_argument_type_raises_type_error_naming_it(value: object) -> None:
     @torchcache()
@@ -588,7 +598,8 @@ def test_training_flag_separates_outputs_of_a_dropout_module() -> None:
     model = torchcache()(Drop)()
     x = torch.ones(64, 8)
     model.train()
-    trained = model(x)
+    with pytest.warns(CacheWarning, match="training mode"):
+        trained = model(x)
     assert not torch.equal(trained, x)
     model.eval()
     assert_same(model(x), x)

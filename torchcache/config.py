@@ -11,22 +11,27 @@ import dataclasses
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from .codec import DEFAULT_QUALITY
 from .errors import ConfigError
 from .policy import parse_size
+from .tree import DTYPES
 
-__all__ = ["LEGACY_OPTIONS", "Settings", "resolve_root"]
+__all__ = ["LEGACY_OPTIONS", "Settings", "module_dir_name", "resolve_root"]
 
 #: Options of torchcache 0.6.0 that are accepted and ignored (brotli replaced zstd).
 LEGACY_OPTIONS = ("zstd_compression", "zstd_compression_level", "zstd_compression_threads", "use_mmap_on_load")
 _CPU = torch.device("cpu")
 _HASH_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
+_STORED_DTYPES = frozenset(DTYPES.values())
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,18 @@ class Settings:
     subsample_count: int | None = 10000
     cache_dtype: torch.dtype | None = None
     brotli_quality: int = DEFAULT_QUALITY
+    shared_args: frozenset[str] = frozenset()
+    batch_dims: Mapping[str, int] = field(default_factory=dict)
+    keep_eval: bool = False
 
     @classmethod
-    def create(cls, **options: Any) -> Settings:
+    def create(cls, stacklevel: int = 3, **options: Any) -> Settings:
         """Validate raw options into settings.
+
+        Args:
+            stacklevel: Where the warning about options of torchcache 0.6 points (the
+                default, 3, is the caller of the function that calls ``create``).
+            **options: The options, by name.
 
         Raises:
             ConfigError: If a value is invalid (the message names the argument).
@@ -60,7 +73,7 @@ class Settings:
                 "compatibility with torchcache 0.6 and ignored: entries are brotli-compressed "
                 "when it pays (see brotli_quality)",
                 DeprecationWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
         values = {name: _validate(name, value) for name, value in options.items()}
         return cls(**values)
@@ -73,10 +86,16 @@ class Settings:
 
     def key_settings(self) -> dict[str, object]:
         """The settings that change what is stored, and so belong in the module key."""
-        return {
+        settings: dict[str, object] = {
             "cache_dtype": None if self.cache_dtype is None else str(self.cache_dtype),
             "subsample_count": self.subsample_count,
         }
+        # Only when set, so that caches made without them keep their keys.
+        if self.shared_args:
+            settings["shared_args"] = sorted(self.shared_args)
+        if self.batch_dims:
+            settings["batch_dims"] = {name: self.batch_dims[name] for name in sorted(self.batch_dims)}
+        return settings
 
 
 def _bool(name: str, value: object) -> bool:
@@ -86,34 +105,16 @@ def _bool(name: str, value: object) -> bool:
 
 
 def _validate(name: str, value: Any) -> Any:
-    if name in ("enabled", "persistent"):
+    if name in ("enabled", "persistent", "keep_eval"):
         return _bool(name, value)
     if name == "persistent_cache_dir":
-        if value is None:
-            return None
-        if not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(f"persistent_cache_dir must be a path (str or os.PathLike) or None, got {value!r}")
-        return Path(value).expanduser()
+        return _cache_dir(value)
     if name == "persistent_module_hash":
-        if value is None:
-            return None
-        if not isinstance(value, str) or not _HASH_RE.match(value) or value in (".", ".."):
-            raise ConfigError(
-                "persistent_module_hash must be a string of 1-128 letters, digits, '_', '-' or '.', "
-                f"usable as a directory name, got {value!r}"
-            )
-        return value
+        return module_dir_name(value)
     if name in ("max_memory_cache_size", "max_persistent_cache_size"):
         return parse_size(value, name)
     if name == "memory_cache_device":
-        if value is None:
-            return None
-        try:
-            return torch.device(value)
-        except (RuntimeError, TypeError):
-            raise ConfigError(
-                f"memory_cache_device must be a device such as 'cpu' or 'cuda:0', or None, got {value!r}"
-            ) from None
+        return _device(value)
     if name == "subsample_count":
         if value is None:
             return None
@@ -123,16 +124,102 @@ def _validate(name: str, value: Any) -> Any:
     if name == "cache_dtype":
         if value is None:
             return None
-        if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise ConfigError(
-                f"cache_dtype must be a floating torch.dtype such as torch.float16, or None, got {value!r}"
-            )
+        if not isinstance(value, torch.dtype) or not value.is_floating_point or value not in _STORED_DTYPES:
+            allowed = ", ".join(str(dt) for dt in DTYPES.values() if dt.is_floating_point)
+            raise ConfigError(f"cache_dtype must be None or one of {allowed}, got {value!r}")
         return value
     if name == "brotli_quality":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 11:
             raise ConfigError(f"brotli_quality must be an int from 0 to 11, got {value!r}")
         return value
+    if name == "shared_args":
+        if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"shared_args must be a list of argument names such as ['mask'], got {value!r}")
+        return frozenset(value)
+    if name == "batch_dims":
+        return _batch_dims(value)
     raise ConfigError(f"unknown torchcache option {name!r}")  # pragma: no cover - guarded by signatures
+
+
+def _cache_dir(value: object) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"persistent_cache_dir must be a path (str or os.PathLike) or None, got {value!r}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(
+            f"persistent_cache_dir must be a non-empty path, got {value!r}; pass None for the default "
+            "cache directory or '.' for the working directory"
+        )
+    if "\0" in text:
+        raise ConfigError(f"persistent_cache_dir must not contain a NUL character, got {value!r}")
+    return Path(text).expanduser()
+
+
+def _device(value: object) -> torch.device | None:
+    if value is None:
+        return None
+    try:
+        device: torch.device = torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"memory_cache_device must be a device such as 'cpu' or 'cuda:0', or None, got {value!r}"
+        ) from None
+    if device.type == "meta":
+        raise ConfigError("memory_cache_device cannot be 'meta': a meta tensor holds no values to return")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"memory_cache_device={value!r} but CUDA is not available here; use 'cpu' or None "
+                "(keep outputs on the device they came from)"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"memory_cache_device={value!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return device
+
+
+def _batch_dims(value: object) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            "batch_dims must be a dict from argument names or output paths to the dimension that "
+            f"indexes the batch, such as {{'x': 1, 'output[1][0]': 1}}, got {value!r}"
+        )
+    dims: dict[str, int] = {}
+    for key, dim in value.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"batch_dims keys must be argument names or output paths (str), got {key!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ConfigError(f"batch_dims[{key!r}] must be a dimension index >= 0, got {dim!r}")
+        dims[key] = dim
+    return dims
+
+
+def module_dir_name(value: object) -> str | None:
+    """The directory name of a ``persistent_module_hash``: safe names as they are, others mapped.
+
+    Any string is accepted (torchcache 0.6 accepted any). A string that is not a safe
+    directory name (letters, digits, ``_``, ``-``, ``.``; at most 128 characters; not
+    ``.`` or ``..``) becomes its safe characters joined by ``_`` plus 16 hex digits of
+    its hash, so that two different strings never share a directory.
+
+    Raises:
+        ConfigError: If the value is neither a string nor None, or is empty.
+
+    Example:
+        >>> module_dir_name("resnet50-v2"), module_dir_name("resnet50 v2")
+        ('resnet50-v2', 'resnet50_v2-058acb977cc773ad')
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"persistent_module_hash must be a non-empty string or None, got {value!r}")
+    if _HASH_RE.match(value) and value not in (".", ".."):
+        return value
+    stem = _UNSAFE_RE.sub("_", value).strip("._")[:96] or "module"
+    return f"{stem}-{xxhash.xxh3_64_hexdigest(value.encode('utf-8', 'surrogatepass'))}"
 
 
 def resolve_root(persistent_cache_dir: Path | None) -> Path:

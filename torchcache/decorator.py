@@ -1,18 +1,35 @@
-"""``@torchcache()``: cache the per-item outputs of a module class or a function.
+"""``@torchcache()``: cache the per-item outputs of a module class, a module instance, a method or a function.
 
-Decorating a class wraps its ``__init__`` and ``forward`` in place (the class stays the
-same class, so ``isinstance``, pickling of the class and ``state_dict`` are unchanged).
-Each instance gets its own :class:`~torchcache.engine.Cache` as ``cache_instance``, keyed
-by the class source, the init arguments and the weights at the first forward call.
-Settings can be overridden per instance with ``self.torchcache_<name>`` in ``__init__``.
+Decorating a class wraps its ``__init__``, ``forward``, ``_apply`` and ``train`` in place
+(the class stays the same class, so ``isinstance``, pickling of the class and
+``state_dict`` are unchanged). Each instance gets its own
+:class:`~torchcache.engine.Cache` as ``cache_instance``, keyed by the class source, the
+init arguments and the weights at the first forward call. Settings can be overridden
+per instance with ``self.torchcache_<name>`` in ``__init__``.
+
+Wrapping an *instance* (a model built by a library: ``torchcache()(model)``) never
+touches its class or other instances: the instance moves to a subclass made once per
+class, with the same name, that carries the same wrappers. Its state dict,
+parameters, ``repr``, ``.to()`` and ``.eval()`` are those of the model. A bound method
+(``torchcache()(model.forward_features)``) gives a cached function keyed by its
+instance as a module is.
+
+The cache lookup is host-side Python: it runs outside ``torch.compile`` graphs (the
+wrapped forward is excluded from tracing once ``torch._dynamo`` is loaded), so a
+compiled model that holds a cached module compiles everything around it.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import sys
 import threading
-from collections.abc import Callable
+import warnings
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,14 +39,18 @@ from .codec import DEFAULT_QUALITY
 from .config import LEGACY_OPTIONS, Settings
 from .engine import Cache
 from .errors import ConfigError
-from .keys import describe_init, fingerprint_function, fingerprint_module
+from .fingerprint import describe_init, describe_instance, fingerprint_function, fingerprint_module
 
 __all__ = ["torchcache"]
 
 T = TypeVar("T")
 _PREFIX = "torchcache_"
 _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
+_BINDING = "_torchcache_binding"
 _initializing = threading.local()
+_STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+_subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_method_caches: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref[Cache]]] = weakref.WeakKeyDictionary()
 
 
 def torchcache(
@@ -44,22 +65,29 @@ def torchcache(
     subsample_count: int | None = 10000,
     cache_dtype: torch.dtype | None = None,
     brotli_quality: int = DEFAULT_QUALITY,
+    shared_args: Collection[str] = (),
+    batch_dims: Mapping[str, int] | None = None,
+    keep_eval: bool = False,
     **legacy: Any,
 ) -> Callable[[T], T]:
-    """Cache the outputs of an ``nn.Module`` subclass or a function, per batch item.
+    """Cache the outputs of a module class or instance, a method or a function, per batch item.
 
-    Always called with parentheses. Every tensor argument must be shaped ``(batch, ...)``
-    with the same batch; other arguments (``None``, ``bool``, ``int``, ``float``, ``str``,
-    ``torch.dtype``, ``torch.device`` and tuples, lists and dicts of them) are part of the
-    key. The output is a tensor ``(batch, ...)`` or a tuple, list or dict of them.
+    Always called with parentheses. Every tensor argument (also inside a tuple, list or
+    dict argument) is per item, shaped ``(batch, ...)`` with the same batch, unless it
+    is named in ``shared_args``; other arguments (``None``, ``bool``, ``int``, ``float``,
+    ``str``, ``torch.dtype``, ``torch.device`` and tuples, lists and dicts of them) are
+    part of the key. The output is a tensor ``(batch, ...)`` or a tuple, list, dict,
+    namedtuple, dataclass or ``OrderedDict`` (Hugging Face ``ModelOutput``) of them,
+    ``None`` leaves included.
 
     Args:
-        enabled: ``False`` returns the class or function unchanged.
+        enabled: ``False`` returns the target unchanged.
         persistent: Also keep entries on disk, across runs and processes.
         persistent_cache_dir: The cache root; default ``$TORCHCACHE_DIR``, else the user
             cache directory (``platformdirs.user_cache_path("torchcache")``).
-        persistent_module_hash: Use this directory name instead of the computed module key
-            (changes to the code or weights then no longer invalidate the cache).
+        persistent_module_hash: Use this name for the module's directory instead of the
+            computed module key (changes to the code or weights then no longer
+            invalidate the cache). Any string; unsafe characters are mapped.
         max_memory_cache_size: Byte budget of the memory tier (``1e9``, ``"2GB"``, ``"500MiB"``).
         max_persistent_cache_size: Byte budget of this module's directory on disk.
         memory_cache_device: Where the memory tier keeps outputs; ``None``: on their own device.
@@ -67,12 +95,21 @@ def torchcache(
             (``None``: every element). CPU inputs are always hashed in full.
         cache_dtype: Store floating outputs at this precision (returned in their own dtype).
         brotli_quality: brotli quality 0-11 for disk entries (stored raw when it does not pay).
+        shared_args: Names of arguments that are the same for the whole batch (a
+            ``(T, T)`` attention mask): hashed whole into every item's key and passed
+            whole, never sliced per item.
+        batch_dims: Arguments and outputs whose batch is not the first dimension, by
+            argument name or output path (``{"x": 1, "output[1][0]": 1}`` for an LSTM
+            with ``batch_first=False``).
+        keep_eval: Keep the module in eval mode: ``model.train()`` on it or on a parent
+            leaves it (and its submodules) in eval mode, so dropout and batch norm never
+            run in training mode under the cache.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
             accepted and ignored, with a ``DeprecationWarning``.
 
     Returns:
-        A decorator for a module class or a function.
+        A decorator for a module class, a module instance, a method or a function.
 
     Raises:
         ConfigError: If an option has an invalid value.
@@ -104,6 +141,9 @@ def torchcache(
         subsample_count=subsample_count,
         cache_dtype=cache_dtype,
         brotli_quality=brotli_quality,
+        shared_args=shared_args,
+        batch_dims=batch_dims if batch_dims is not None else {},
+        keep_eval=keep_eval,
         **legacy,
     )
 
@@ -112,16 +152,28 @@ def torchcache(
             return target
         if inspect.isclass(target) and issubclass(target, torch.nn.Module):
             return _decorate_class(target, settings)  # type: ignore[return-value]
+        if isinstance(target, torch.nn.Module):
+            return _wrap_instance(target, settings)  # type: ignore[return-value]
+        if inspect.ismethod(target) and isinstance(target.__self__, torch.nn.Module):
+            return _wrap_method(target, settings)  # type: ignore[return-value]
         if inspect.isfunction(target) or inspect.ismethod(target) or isinstance(target, functools.partial):
             return _decorate_function(target, settings)  # type: ignore[return-value]
         raise TypeError(
-            f"@torchcache() decorates nn.Module subclasses and functions, got {target!r}; "
-            "note that it is always called with parentheses: @torchcache()"
+            f"torchcache() caches nn.Module subclasses or instances, their methods, and functions; "
+            f"got {target!r}. Note that it is always called with parentheses: @torchcache()"
         )
 
-    if inspect.isclass(enabled) or callable(enabled):  # pragma: no cover - guarded by keyword-only
-        raise TypeError("use @torchcache() with parentheses")
     return decorate
+
+
+# -- modules ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Binding:
+    """What a module instance needs to (re)make its cache: picklable, copied with the module."""
+
+    settings: Settings
+    init_digest: bytes
+    name: str
 
 
 def _check_frozen(module: torch.nn.Module, name: str) -> None:
@@ -131,17 +183,137 @@ def _check_frozen(module: torch.nn.Module, name: str) -> None:
         raise ConfigError(
             f"{name} has parameters that require grad ({shown}): cached outputs carry no gradient, "
             "so training them through the cache would silently stop. Freeze the module, e.g. "
-            "call self.requires_grad_(False) at the end of __init__, or set "
-            "self.torchcache_enabled = False for a trainable instance"
+            "call requires_grad_(False) on it (at the end of __init__ for a decorated class), or "
+            "set self.torchcache_enabled = False for a trainable instance"
         )
+
+
+@functools.cache
+def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
+    signature = inspect.signature(forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
+    """Make the cache of one module instance (without touching the module: it may be half-copied)."""
+    module_ref = weakref.ref(module)
+    key_settings = binding.settings.key_settings()
+
+    def fingerprint() -> str:
+        owner = module_ref()
+        if owner is None:  # pragma: no cover - the cache lives on the module
+            raise ReferenceError("the cached module no longer exists")
+        _check_frozen(owner, type(owner).__qualname__)
+        return fingerprint_module(owner, binding.init_digest, key_settings)
+
+    cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
+    cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
+    return cache
+
+
+def _attach(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
+    """Make the cache of one module instance and store it as ``module.cache_instance``."""
+    _check_frozen(module, type(module).__qualname__)
+    cache = module.__dict__["cache_instance"] = _make_cache(module, binding, forward)
+    if binding.settings.keep_eval:
+        module.train(False)
+    return cache
+
+
+def _weights_loaded(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict()`` ran on the module or a parent: take the key again at the next call."""
+    cache = module.__dict__.get("cache_instance")
+    if isinstance(cache, Cache):
+        cache.weights_changed()
+    for ref in _method_caches.get(module, ()):
+        method_cache = ref()
+        if method_cache is not None:
+            method_cache.weights_changed()
+
+
+def _outside_compile(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, excluded from ``torch.compile`` tracing once ``torch._dynamo`` is loaded.
+
+    Importing ``torch._dynamo`` takes seconds, so a process that never compiles never
+    pays for it; a process that compiles has loaded it before any graph is traced.
+    """
+    disabled: Callable[..., T] | None = None
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> T:
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(fn, recursive=True)  # type: ignore[no-untyped-call]
+        return disabled(*args, **kwargs)
+
+    return inner
+
+
+def _cached_forward(
+    module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    cache = module.__dict__.get("cache_instance")
+    if cache is None:
+        binding: _Binding | None = module.__dict__.get(_BINDING)
+        if binding is None:  # caching is off for this instance
+            return forward(module, *args, **kwargs)
+        cache = _attach(module, binding, forward)  # an unpickled module
+    if cache.stochastic is None:
+        cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())
+    if module.training and cache.stochastic and "train" not in cache._warned:
+        cache._warn(
+            "train",
+            "called in training mode, and it holds dropout or batch-norm layers: cached outputs replay one "
+            "dropout mask and batch-norm statistics stop following the data. Call .eval() on it after "
+            "model.train() (which a parent module passes down), or cache it with keep_eval=True",
+        )
+    return cache(functools.partial(forward, module), args, kwargs, module.training)
+
+
+def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
+    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
+
+    @_outside_compile
+    def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _cached_forward(self, forward, args, kwargs)
+
+    functools.update_wrapper(cached, forward)
+    original_apply: Callable[..., Any] = cls._apply
+    original_train: Callable[..., Any] = cls.train
+
+    @functools.wraps(original_apply)
+    def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # .to(), .half(), .cuda() and the like: a dtype change gives other outputs.
+        result = original_apply(self, fn, *args, **kwargs)
+        cache = self.__dict__.get("cache_instance")
+        if isinstance(cache, Cache):
+            cache.weights_changed()
+        return result
+
+    @functools.wraps(original_train)
+    def train(self: torch.nn.Module, mode: bool = True) -> Any:
+        binding: _Binding | None = self.__dict__.get(_BINDING)
+        return original_train(self, False if binding is not None and binding.settings.keep_eval else mode)
+
+    cls.forward = cached  # type: ignore[method-assign]
+    cls._apply = _apply  # type: ignore[method-assign]
+    cls.train = train  # type: ignore[method-assign]
+
+
+def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> None:
+    module.__dict__[_BINDING] = binding
+    module.register_load_state_dict_post_hook(_weights_loaded)  # type: ignore[no-untyped-call]
+    _attach(module, binding, forward)
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
     original_init = cls.__init__
     original_forward = cls.forward
     name = f"{cls.__module__}.{cls.__qualname__}"
-    signature = inspect.signature(original_forward)
-    signature = signature.replace(parameters=list(signature.parameters.values())[1:])
 
     @functools.wraps(original_init)
     def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -155,76 +327,136 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             original_init(self, *args, **kwargs)
         finally:
             active.discard(id(self))
+        legacy = [n for n in LEGACY_OPTIONS if hasattr(self, _PREFIX + n)]
+        if legacy:
+            warnings.warn(
+                f"torchcache: {', '.join(_PREFIX + n for n in legacy)} of torchcache 0.6 "
+                f"{'is' if len(legacy) == 1 else 'are'} accepted and ignored: entries are brotli-compressed "
+                "when it pays (see brotli_quality)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         overrides = {n: getattr(self, _PREFIX + n) for n in _OPTION_NAMES if hasattr(self, _PREFIX + n)}
         instance_settings = settings.override(**overrides)
         if not instance_settings.enabled:
             self.__dict__["cache_instance"] = None
             return
-        _check_frozen(self, type(self).__qualname__)
-        init_digest = describe_init(args, kwargs)
-        module_ref = _WeakModule(self)
-        key_settings = instance_settings.key_settings()
+        _bind(self, _Binding(instance_settings, describe_init(args, kwargs), name), original_forward)
 
-        def fingerprint() -> str:
-            module = module_ref()
-            _check_frozen(module, type(module).__qualname__)
-            return fingerprint_module(module, init_digest, key_settings)
-
-        cache = Cache(instance_settings, name, "module", signature, fingerprint)
-        self.__dict__["cache_instance"] = cache
-        # load_state_dict() on this module or on any module that contains it runs this hook.
-        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-            lambda module, incompatible: cache.weights_changed()
-        )
-
-    @functools.wraps(original_forward)
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        cache: Cache | None = self.__dict__.get("cache_instance")
-        if cache is None:
-            return original_forward(self, *args, **kwargs)
-        return cache(functools.partial(original_forward, self), args, kwargs, self.training)
-
-    original_apply: Callable[..., Any] = cls._apply
-
-    @functools.wraps(original_apply)
-    def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        # .to(), .half(), .cuda() and the like: a dtype change gives other outputs.
-        result = original_apply(self, fn, *args, **kwargs)
-        cache: Cache | None = self.__dict__.get("cache_instance")
-        if cache is not None:
-            cache.weights_changed()
-        return result
-
+    _patch(cls, original_forward)
     cls.__init__ = __init__  # type: ignore[method-assign]
-    cls._apply = _apply  # type: ignore[method-assign]
-    cls.forward = forward  # type: ignore[method-assign]
     return cls
 
 
-class _WeakModule:
-    """A weak reference to a module that raises a clear error once it is gone."""
+def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
+    sub = _subclasses.get(cls)
+    if sub is None:
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        import weakref
+        def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
+            # Pickled as the plain class, without the cache (torch.save of a whole model).
+            state = {k: v for k, v in self.__dict__.items() if k not in ("cache_instance", _BINDING)}
+            return (_rebuild_plain, (cls, state))
 
-        self._ref = weakref.ref(module)
+        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
+            import copy
 
-    def __call__(self) -> torch.nn.Module:
-        module = self._ref()
-        if module is None:  # pragma: no cover - the cache lives on the module
-            raise ReferenceError("the cached module no longer exists")
+            copied = object.__new__(type(self))
+            memo[id(self)] = copied
+            copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[no-untyped-call]
+            return copied
+
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__reduce_ex__": __reduce_ex__,
+            "__deepcopy__": __deepcopy__,
+        }
+        sub = _subclasses[cls] = type(cls.__name__, (cls,), namespace)
+        _patch(sub, cls.forward)
+    return sub
+
+
+def _rebuild_plain(cls: type[torch.nn.Module], state: dict[str, Any]) -> torch.nn.Module:
+    module = object.__new__(cls)
+    module.__setstate__(state)  # type: ignore[no-untyped-call]
+    return module
+
+
+def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    existing = module.__dict__.get("cache_instance")
+    if isinstance(existing, Cache):
+        if existing.settings != settings:
+            raise ConfigError(
+                f"this {type(module).__qualname__} instance is already cached with other settings; "
+                "wrap each instance once"
+            )
         return module
+    cls = type(module)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    _check_frozen(module, cls.__qualname__)
+    binding = _Binding(settings, describe_instance(module), name)
+    module.__class__ = _cached_subclass(cls)
+    _bind(module, binding, cls.forward)
+    return module
+
+
+# -- methods and functions ----------------------------------------------------------------
+def _wrap_method(method: Any, settings: Settings) -> Callable[..., Any]:
+    module: torch.nn.Module = method.__self__
+    func: Callable[..., Any] = method.__func__
+    cls = type(module)
+    name = f"{cls.__module__}.{cls.__qualname__}.{func.__name__}"
+    _check_frozen(module, f"the instance of {name}")
+    init_digest = describe_instance(module)
+    key_settings = settings.key_settings()
+    module_ref = weakref.ref(module)
+
+    def fingerprint() -> str:
+        owner = module_ref()
+        if owner is None:
+            raise ReferenceError(f"the module of {name} no longer exists")
+        _check_frozen(owner, f"the instance of {name}")
+        return fingerprint_module(owner, init_digest, key_settings, method=func.__name__)
+
+    cache = Cache(settings, name, "module", inspect.signature(method), fingerprint)
+    _method_caches.setdefault(module, []).append(weakref.ref(cache))
+    module.register_load_state_dict_post_hook(_weights_loaded)  # type: ignore[no-untyped-call]
+    conversion = [_conversion_state(module)]
+
+    @_outside_compile
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        owner = module_ref()
+        if owner is None:
+            raise ReferenceError(f"the module of {name} no longer exists")
+        state = _conversion_state(owner)
+        if state != conversion[0]:  # .to(), .half(): other outputs
+            conversion[0] = state
+            cache.weights_changed()
+        return cache(functools.partial(func, owner), args, kwargs, owner.training)
+
+    functools.update_wrapper(wrapper, func)
+    wrapper.cache_instance = cache  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _conversion_state(module: torch.nn.Module) -> tuple[Any, ...]:
+    """The dtype and device of the first parameter or buffer (what ``.to()`` changes)."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return () if first is None else (first.dtype, first.device)
 
 
 def _decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-    key_settings = settings.key_settings()
-    key = fingerprint_function(fn, key_settings)
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+    key = fingerprint_function(fn, settings.key_settings())
     cache = Cache(settings, name, "function", inspect.signature(fn), lambda: key)
 
-    @functools.wraps(fn)
+    @_outside_compile
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return cache(fn, args, kwargs)
 
+    functools.update_wrapper(wrapper, fn)
     wrapper.cache_instance = cache  # type: ignore[attr-defined]
     return wrapper

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
-from ._fork import renew_lock_after_fork
+from ._fork import after_fork, renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
-from .batch import cast_returned, gather_hits, index_tensor, merge_parts, select_items
+from .arguments import CallArguments, split_call
+from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
 from .errors import CacheWarning, KeyingError, StoreError
-from .keys import FORMAT_VERSION, Context, encode_value, hash_items
+from .keys import FORMAT_VERSION, Context, hash_items
 from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
@@ -37,10 +38,42 @@ from .tree import Layout, flatten, unflatten
 
 __all__ = ["Cache"]
 
-_TENSOR = b"\x00T"
 #: Seconds between the INFO-level summaries a cache logs while it is being called.
 SUMMARY_INTERVAL = 60.0
 _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
+#: Calls after which a low hit rate with varying input shapes is pointed out.
+SHAPE_HINT_CALLS = 64
+_SHAPE_HINT_SHAPES = 8
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class _SharedTier:
+    """One disk tier per module directory, disk settings and process, shared by the caches of that key.
+
+    Caches with the same key (two instances of one model, a deep copy, a re-created
+    function) then see each other's entries, pending writes included, and faults of
+    the tier reach each of them.
+    """
+
+    def __init__(self) -> None:
+        self.tier: DiskTier | None = None
+        self.users: weakref.WeakSet[Cache] = weakref.WeakSet()
+
+    def report(self, kind: str, message: str) -> None:
+        for cache in list(self.users):
+            cache._report(kind, message)
+
+
+_tiers: weakref.WeakValueDictionary[str, _SharedTier] = weakref.WeakValueDictionary()
+_tiers_lock = threading.Lock()
+
+
+def _forget_tiers_after_fork() -> None:
+    global _tiers_lock
+    _tiers_lock = threading.Lock()
+
+
+after_fork(_forget_tiers_after_fork)
 
 
 class Cache:
@@ -67,12 +100,9 @@ class Cache:
         self.name = name
         self.kind = kind
         self._signature = signature
-        self._var_kinds = {
-            p.name: p.kind
-            for p in signature.parameters.values()
-            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        }
         self._fingerprint = fingerprint
+        self._rebind: Callable[[Any], Cache] | None = None
+        self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
         self._stale = False
         if self._module_hash is not None:
@@ -84,10 +114,18 @@ class Cache:
             )
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
         self._disk: DiskTier | None = None
+        self._shared: _SharedTier | None = None
         self._disk_ready = not settings.persistent
         self._warned: set[str] = set()
         self._pending_faults: list[tuple[str, str]] = []
         self._lock = threading.RLock()
+        # Faults are reported from writer threads while a caller may hold ``_lock`` and wait
+        # for those threads (clear, re-key): reporting must never need ``_lock``.
+        self._fault_lock = threading.Lock()
+        self._calls = 0
+        self._shapes: set[bytes] = set()
+        #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
+        self.stochastic: bool | None = None
         self._hits = 0
         self._misses = 0
         self._memory_hits = 0
@@ -95,6 +133,30 @@ class Cache:
         self._last_summary = time.monotonic()
         _caches.add(self)
         renew_lock_after_fork(self, "_lock")
+        renew_lock_after_fork(self, "_fault_lock")
+
+    def bind_owner(self, owner: Any, rebind: Callable[[Any], Cache]) -> None:
+        """Remember the object this cache belongs to and how to make one for a copy of it."""
+        self._owner = weakref.ref(owner)
+        self._rebind = rebind
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Cache:
+        """A new cache for the copy of the owner (same settings, its own memory tier).
+
+        A copy whose weights are equal has the same module key, so it shares the disk
+        directory (and, in this process, the disk tier) with the original; its memory
+        tier and counters are its own.
+        """
+        owner = self._owner() if self._owner is not None else None
+        if self._rebind is None or owner is None:
+            raise TypeError(
+                f"cannot copy the cache of {self.name} on its own; copy the module or function that owns it"
+            )
+        return self._rebind(memo.get(id(owner), owner))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled modules carry no cache: a new one is made at their first call."""
+        return (_no_cache, ())
 
     def __repr__(self) -> str:
         return f"<torchcache.Cache of {self.name} memory={self.memory!r} disk={self._disk!r}>"
@@ -143,6 +205,7 @@ class Cache:
                 self._disk.flush()
             self._module_hash = key
             self._disk = None
+            self._shared = None
             self._disk_ready = not self.settings.persistent
             self._devices.clear()
             with self.memory.lock:
@@ -165,6 +228,18 @@ class Cache:
     def _open_disk_tier(self) -> None:
         """Create the disk tier (call with ``_lock`` held); on failure, warn and stay in memory."""
         directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
+        # Caches of one key with the same disk settings share a tier (pending writes included).
+        tier_key = f"{directory}|{self.settings.max_persistent_cache_size}|{self.settings.brotli_quality}"
+        with _tiers_lock:
+            shared = _tiers.get(tier_key)
+            if shared is None:
+                shared = _tiers[tier_key] = _SharedTier()
+        shared.users.add(self)
+        self._shared = shared  # keeps the shared tier alive while this cache uses it
+        if shared.tier is not None:
+            self._disk = shared.tier
+            self._disk_ready = True
+            return
         meta = {
             "torchcache_version": __version__,
             "format_version": FORMAT_VERSION,
@@ -174,8 +249,8 @@ class Cache:
             "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
         }
         try:
-            self._disk = DiskTier(
-                directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, self._report
+            self._disk = shared.tier = DiskTier(
+                directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, shared.report
             )
         except StoreError as exc:
             self._warn("write", f"{exc}; caching in memory only")
@@ -184,7 +259,7 @@ class Cache:
     # -- faults -----------------------------------------------------------------------
     def _report(self, kind: str, message: str) -> None:
         """Record a fault from any thread; it is warned about on the caller's thread."""
-        with self._lock:
+        with self._fault_lock:
             self._pending_faults.append((kind, message))
 
     def _warn(self, kind: str, message: str) -> None:
@@ -198,7 +273,7 @@ class Cache:
 
     def _emit_faults(self) -> None:
         if self._pending_faults:
-            with self._lock:
+            with self._fault_lock:
                 faults, self._pending_faults = self._pending_faults, []
             for kind, message in faults:
                 self._warn(kind, message)
@@ -264,10 +339,13 @@ class Cache:
     def __call__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None = None
     ) -> Any:
-        """Call ``fn(*args, **kwargs)`` through the cache."""
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        tensors, context = self._split(bound.arguments, training)
+        """Call ``fn(*args, **kwargs)`` through the cache.
+
+        ``fn`` is called back with the caller's own layout of positional and keyword
+        arguments, with only the per-item tensors replaced by the rows to compute.
+        """
+        call, context = self._split(args, kwargs, training)
+        tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._warn("grad", "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
@@ -277,6 +355,7 @@ class Cache:
         batch = len(keys)
         if batch == 0:
             return fn(*args, **kwargs)
+        self._note_shapes(tensors)
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
@@ -289,54 +368,50 @@ class Cache:
                 self._count(hits=batch, memory_hits=batch)
                 return unflatten(slab.layout.spec, cast_returned(leaves, slab.layout, device))
             layout, parts = gather_hits(found)
-        return self._call_mixed(fn, bound, keys, layout, parts, tensors, device)
+        return self._call_mixed(fn, call, keys, layout, parts, device)
 
-    def _split(self, arguments: dict[str, Any], training: bool | None) -> tuple[list[torch.Tensor], bytes]:
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None
+    ) -> tuple[CallArguments, bytes]:
+        """Split a call into its per-item tensors and the digest of everything else."""
         context = Context(self._freeze_key())
-        tensors: list[torch.Tensor] = []
-        batch = -1
-        for name, value in arguments.items():
-            kind = self._var_kinds.get(name)
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                items = [(key, value[key]) for key in sorted(value)]
-            else:
-                items = [(name, value)]
-            for label, item in items:
-                context.add(label.encode())
-                if isinstance(item, torch.Tensor):
-                    if item.dim() == 0:
-                        raise ValueError(
-                            f"argument {label!r}: expected a tensor shaped (batch, ...), got a 0-d tensor; "
-                            "add a batch dimension (x.unsqueeze(0)) or pass a Python number"
-                        )
-                    if batch < 0:
-                        batch = item.shape[0]
-                    elif item.shape[0] != batch:
-                        raise ValueError(
-                            f"argument {label!r}: batch size {item.shape[0]} does not match the batch size "
-                            f"{batch} of the tensor arguments before it; every tensor argument must be "
-                            "shaped (batch, ...) with the same batch"
-                        )
-                    context.add(_TENSOR + str(item.dtype).encode() + repr(tuple(item.shape[1:])).encode())
-                    tensors.append(item)
-                else:
-                    context.add(encode_value(item, f"argument {label!r}"))
-        if not tensors:
-            raise KeyingError("torchcache needs at least one tensor argument shaped (batch, ...) to key items by")
+        call = split_call(self._signature, args, kwargs, context, self.settings.shared_args, self.settings.batch_dims)
         if training is not None:
             context.add(b"training" if training else b"eval")
-        return tensors, context.digest()
+        # Autocast changes the dtype and the values of outputs: it is part of the key,
+        # and nothing is added when it is off, so keys made without it stay the same.
+        for device_type in {*_AUTOCAST_DEVICES, call.tensors[0].device.type}:
+            if torch.is_autocast_enabled(device_type):
+                context.add(f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode())
+        return call, context.digest()
+
+    def _note_shapes(self, tensors: list[torch.Tensor]) -> None:
+        """Point out, once, a low hit rate while per-item input shapes keep changing."""
+        self._calls += 1
+        if len(self._shapes) < 4 * _SHAPE_HINT_SHAPES:
+            self._shapes.add(b"|".join(f"{t.dtype}{tuple(t.shape[1:])}".encode() for t in tensors))
+        if (
+            self._calls >= SHAPE_HINT_CALLS
+            and len(self._shapes) >= _SHAPE_HINT_SHAPES
+            and self._hits < 0.2 * (self._hits + self._misses)
+            and "shapes" not in self._warned
+        ):
+            self._warn(
+                "shapes",
+                f"hit rate {self._hits / max(1, self._hits + self._misses):.0%} after {self._calls} calls whose "
+                f"per-item input shapes took {len(self._shapes)}+ different values: items are keyed by their "
+                "exact shape, so a sample padded to the longest item of each batch gets a new key in every "
+                "batch. Pad to a fixed length, or bucket lengths to a few sizes (see the docs: "
+                "'Variable-length inputs')",
+            )
 
     def _call_mixed(
         self,
         fn: Callable[..., Any],
-        bound: inspect.BoundArguments,
+        call: CallArguments,
         keys: list[bytes],
         layout: Layout | None,
         parts: list[tuple[list[int], list[torch.Tensor]]],
-        tensors: list[torch.Tensor],
         device: torch.device,
     ) -> Any:
         """Fill the memory misses from disk, compute the rest, merge in input order."""
@@ -359,25 +434,22 @@ class Cache:
                 missing = [pos for pos in missing if pos not in taken]
             self._emit_faults()
 
-        computed: Any = None
         if missing:
-            sub = bound if len(missing) == batch else select_items(bound, self._var_kinds, missing)
-            computed = fn(*sub.args, **sub.kwargs)
+            if len(missing) == batch:
+                computed = fn(*call.args, **call.kwargs)
+            else:
+                sub_args, sub_kwargs = call.select(missing)
+                computed = fn(*sub_args, **sub_kwargs)
             spec, leaves = flatten(computed)
-            for leaf in leaves:
-                if leaf.dim() == 0 or leaf.shape[0] != len(missing):
-                    raise ValueError(
-                        f"{self.name} returned a tensor shaped {tuple(leaf.shape)} for {len(missing)} items: "
-                        "torchcache caches outputs per item, so every output tensor must be shaped (batch, ...)"
-                    )
+            self._check_items(leaves, len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
                 self._warn("layout", "cached outputs do not match the shapes just computed; computing the whole batch")
                 self._count(misses=batch)
-                return fn(*bound.args, **bound.kwargs)
+                return fn(*call.args, **call.kwargs)
             layout = new_layout
             if leaves:
-                self._devices[tensors[0].device] = leaves[0].device
+                self._devices[call.tensors[0].device] = leaves[0].device
             self._store(keys, missing, layout, leaves)
             if len(missing) == batch:
                 self._count(misses=batch)
@@ -386,6 +458,33 @@ class Cache:
         self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
         assert layout is not None
         return unflatten(layout.spec, merge_parts(parts, batch, layout, device))
+
+    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
+        """Every output leaf must hold one row per computed item.
+
+        A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n``
+        shaped ``(num_layers, batch, hidden)`` with ``num_layers == batch``) was stored
+        per item in earlier calls: those entries may be wrong, so they are removed.
+        """
+        for leaf in leaves:
+            if leaf.layout != torch.strided:
+                raise KeyingError(
+                    f"{self.name} returned a {leaf.layout} tensor: only dense (strided) outputs can be cached; "
+                    "return out.to_dense() from the cached function"
+                )
+            if leaf.dim() > 0 and leaf.shape[0] == computed:
+                continue
+            stored = len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0)
+            if stored:
+                self.clear()
+            raise KeyingError(
+                f"{self.name} returned a tensor shaped {tuple(leaf.shape)} for {computed} items (batch {batch}): "
+                "torchcache caches outputs per item, so every output tensor must have the batch as its first "
+                "dimension. Name outputs whose batch is another dimension in batch_dims (for an LSTM's "
+                "(h_n, c_n): batch_dims={'output[1][0]': 1, 'output[1][1]': 1}); outputs that are not per item "
+                "cannot be cached."
+                + (" Entries cached so far may hold such outputs and were removed." if stored else "")
+            )
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
@@ -408,6 +507,11 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
+
+
+def _no_cache() -> None:
+    """What an unpickled cache becomes: nothing (the owner makes a new one when called)."""
+    return None
 
 
 def _summarize_at_exit() -> None:

@@ -26,8 +26,12 @@ class ConfigError(TorchCacheError, ValueError):
     """An argument of the decorator or of a store has an invalid value."""
 
 
-class KeyingError(TorchCacheError, TypeError):
-    """An input or output cannot be turned into a cache key or entry."""
+class KeyingError(TorchCacheError, TypeError, ValueError):
+    """An input or output cannot be turned into a cache key or entry.
+
+    It is both a :class:`TypeError` and a :class:`ValueError`: torchcache 0.6 raised
+    ``ValueError`` for calls it could not key, so ``except ValueError`` keeps working.
+    """
 
 
 class CorruptEntryError(TorchCacheError, ValueError):

@@ -1,4 +1,4 @@
-"""Item keys and module fingerprints.
+"""Item keys: canonical encodings of arguments and 128-bit digests of each batch item.
 
 An item key is a 128-bit xxh3 digest of a *context* (the module fingerprint, the
 argument names, each tensor argument's per-item shape and dtype, the non-tensor
@@ -19,43 +19,27 @@ Non-tensor arguments are encoded canonically with a type tag, so ``True``, ``1``
 
 from __future__ import annotations
 
-import inspect
-import re
 import struct
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from ._fork import after_fork
 from .errors import KeyingError
 
-__all__ = [
-    "FORMAT_VERSION",
-    "Context",
-    "describe_init",
-    "encode_value",
-    "fingerprint_function",
-    "fingerprint_module",
-    "hash_items",
-    "tensor_digest",
-]
+__all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "tag", "tensor_digest"]
 
 #: Version of the key derivation and of the entry format; part of every module key.
 FORMAT_VERSION = 2
 
 _SUBSAMPLE_RUNS = 64
-_MAX_DEPTH = 8
-_source_lock = threading.Lock()
-_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def _tag(tag: bytes, payload: bytes) -> bytes:
-    return tag + struct.pack("<Q", len(payload)) + payload
+def tag(kind: bytes, payload: bytes) -> bytes:
+    """A type tag, the payload's length and the payload: an unambiguous field."""
+    return kind + struct.pack("<Q", len(payload)) + payload
 
 
 def encode_value(value: object, name: str = "argument") -> bytes:
@@ -81,23 +65,23 @@ def encode_value(value: object, name: str = "argument") -> bytes:
     if isinstance(value, bool):
         return b"T" if value else b"F"
     if isinstance(value, int):
-        return _tag(b"i", str(value).encode())
+        return tag(b"i", str(value).encode())
     if isinstance(value, float):
-        return _tag(b"f", value.hex().encode())
+        return tag(b"f", value.hex().encode())
     if isinstance(value, str):
-        return _tag(b"s", value.encode("utf-8", "surrogatepass"))
+        return tag(b"s", value.encode("utf-8", "surrogatepass"))
     if isinstance(value, torch.dtype):
-        return _tag(b"d", str(value).encode())
+        return tag(b"d", str(value).encode())
     if isinstance(value, torch.device):
-        return _tag(b"v", str(value).encode())
+        return tag(b"v", str(value).encode())
     if type(value) in (tuple, list):
         seq: Sequence[object] = value  # type: ignore[assignment]
         parts = [encode_value(v, f"{name}[{i}]") for i, v in enumerate(seq)]
-        return _tag(b"t" if isinstance(value, tuple) else b"l", b"".join(parts))
+        return tag(b"t" if isinstance(value, tuple) else b"l", b"".join(parts))
     if type(value) is dict:
         mapping: Mapping[object, object] = value  # type: ignore[assignment]
         items = sorted((encode_value(k, f"{name} key"), encode_value(v, f"{name}[{k!r}]")) for k, v in mapping.items())
-        return _tag(b"m", b"".join(k + v for k, v in items))
+        return tag(b"m", b"".join(k + v for k, v in items))
     if isinstance(value, torch.Tensor):
         raise KeyingError(
             f"{name}: tensors are only supported as top-level arguments shaped (batch, ...), "
@@ -204,9 +188,9 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A 128-bit digest of named tensors: names, dtypes, shapes and exact contents."""
     h = xxhash.xxh3_128()
     for name, tensor in tensors:
-        h.update(_tag(b"n", name.encode()))
-        h.update(_tag(b"d", str(tensor.dtype).encode()))
-        h.update(_tag(b"s", repr(tuple(tensor.shape)).encode()))
+        h.update(tag(b"n", name.encode()))
+        h.update(tag(b"d", str(tensor.dtype).encode()))
+        h.update(tag(b"s", repr(tuple(tensor.shape)).encode()))
         data = tensor.detach()
         if data.is_sparse or data.layout != torch.strided:
             data = data.to_dense()
@@ -214,124 +198,3 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         rows, _ = item_rows(data, None)
         h.update(memoryview(rows.reshape(-1)))  # type: ignore[arg-type]
     return h.hexdigest()
-
-
-def _describe_object(value: object, name: str, depth: int = 0) -> bytes:
-    """Encode an init argument: exact for plain values, tensors and arrays, by state otherwise.
-
-    Objects whose ``repr`` is the default one (a class name and a memory address) are
-    described by their class and their attributes, so that two configurations of one
-    class never share a key; other objects by their ``repr`` without memory addresses.
-    """
-    if isinstance(value, torch.Tensor):
-        return _tag(b"X", tensor_digest([("", value)]).encode())
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-        h = xxhash.xxh3_128(f"{value.dtype.str}|{value.shape}".encode())
-        h.update(np.ascontiguousarray(value).view(np.uint8).reshape(-1).data)
-        return _tag(b"A", h.digest())
-    if isinstance(value, torch.nn.Module):
-        cls: type = type(value)
-        state = tensor_digest(value.state_dict().items())
-        text = _ADDRESS_RE.sub("", repr(value))
-        return _tag(b"M", f"{cls.__module__}.{cls.__qualname__}|{text}|{state}".encode())
-    if depth > _MAX_DEPTH:
-        return _tag(b"R", _ADDRESS_RE.sub("", repr(value)).encode())
-    if type(value) in (tuple, list):
-        seq: Sequence[object] = value  # type: ignore[assignment]
-        return _tag(b"L", b"".join(_describe_object(v, name, depth + 1) for v in seq))
-    if type(value) is dict:
-        mapping: Mapping[object, object] = value  # type: ignore[assignment]
-        items = sorted((repr(k), _describe_object(v, name, depth + 1)) for k, v in mapping.items())
-        return _tag(b"D", b"".join(k.encode() + v for k, v in items))
-    try:
-        return encode_value(value, name)
-    except KeyingError:
-        pass
-    if callable(value) and hasattr(value, "__qualname__"):
-        module = getattr(value, "__module__", "")
-        return _tag(b"C", f"{module}.{value.__qualname__}".encode())
-    cls = type(value)
-    qualname = f"{cls.__module__}.{cls.__qualname__}"
-    attributes = getattr(value, "__dict__", None)
-    if cls.__repr__ is object.__repr__ and isinstance(attributes, dict):
-        return _tag(b"O", qualname.encode() + _describe_object(dict(attributes), name, depth + 1))
-    text = _ADDRESS_RE.sub("", repr(value))
-    return _tag(b"R", f"{qualname}|{text}".encode())
-
-
-def _new_source_lock_after_fork() -> None:
-    global _source_lock
-    _source_lock = threading.Lock()
-
-
-after_fork(_new_source_lock_after_fork)  # another thread may have held it at fork
-
-
-def _source(obj: Callable[..., Any] | type) -> str:
-    # inspect.getsource parses the file with ast, which is not thread-safe in CPython 3.11
-    # ("AST constructor recursion depth mismatch" when two threads parse at once).
-    with _source_lock:
-        try:
-            return inspect.getsource(obj)
-        except (OSError, TypeError):
-            return ""
-
-
-def _own_classes(cls: type) -> list[type]:
-    """The class and its base classes that are not part of torch or the standard library."""
-    return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith(("torch.", "builtins", "typing"))]
-
-
-def describe_init(init_args: Sequence[object], init_kwargs: Mapping[str, object]) -> bytes:
-    """Digest a module's ``__init__`` arguments canonically (tensors by content).
-
-    Taken at construction so that the arguments themselves are not kept alive.
-    """
-    h = xxhash.xxh3_128()
-    for i, value in enumerate(init_args):
-        h.update(_describe_object(value, f"init argument {i}"))
-    for key in sorted(init_kwargs):
-        h.update(_tag(b"k", key.encode()) + _describe_object(init_kwargs[key], key))
-    return h.digest()
-
-
-def fingerprint_module(module: torch.nn.Module, init_digest: bytes, settings: Mapping[str, object]) -> str:
-    """The module key: class, source, init arguments, weights, format and settings.
-
-    Args:
-        module: The module instance with its current weights.
-        init_digest: :func:`describe_init` of the arguments its ``__init__`` received.
-        settings: Settings that change what is stored (``cache_dtype``, ``subsample_count``).
-
-    Returns:
-        32 hex digits.
-    """
-    h = xxhash.xxh3_128()
-    cls = type(module)
-    h.update(_tag(b"q", f"{cls.__module__}.{cls.__qualname__}".encode()))
-    for klass in _own_classes(cls):
-        h.update(_tag(b"c", f"{klass.__module__}.{klass.__qualname__}".encode()))
-        h.update(_tag(b"S", _source(klass).encode()))
-    h.update(_tag(b"a", init_digest))
-    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
-    named += list(module.named_buffers(remove_duplicate=False))
-    h.update(_tag(b"w", tensor_digest(named).encode()))
-    h.update(_settings_bytes(settings))
-    return h.hexdigest()
-
-
-def fingerprint_function(fn: Callable[..., Any], settings: Mapping[str, object]) -> str:
-    """The key of a decorated function: qualified name, source, format and settings."""
-    h = xxhash.xxh3_128()
-    target = inspect.unwrap(fn)
-    h.update(_tag(b"q", f"{target.__module__}.{target.__qualname__}".encode()))
-    h.update(_tag(b"S", _source(target).encode()))
-    h.update(_settings_bytes(settings))
-    return h.hexdigest()
-
-
-def _settings_bytes(settings: Mapping[str, object]) -> bytes:
-    parts = [_tag(b"V", str(FORMAT_VERSION).encode())]
-    for key in sorted(settings):
-        parts.append(_tag(b"o", key.encode()) + encode_value(settings[key], key))
-    return b"".join(parts)

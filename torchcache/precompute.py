@@ -67,7 +67,9 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
     start = cache.stats() if bar is not None else None
     try:
         with torch.no_grad():
-            for batch in batches:
+            for number, batch in enumerate(batches):
+                if number == 0:
+                    _check_batch(cache, batch)
                 _call(module_or_fn, batch)
                 if bar is not None and start is not None:
                     now = cache.stats()
@@ -108,6 +110,23 @@ def _cache_of(obj: object) -> Cache:
         f"precompute() needs a module instance or a function decorated with @torchcache(), got {obj!r}; "
         "decorate it with @torchcache(persistent=True) to fill a cache that later runs read"
     )
+
+
+def _check_batch(cache: Cache, batch: Any) -> None:
+    """Say clearly when a batch does not fit the call (``[index, images]`` from a loader)."""
+    args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else (tuple(batch), {})
+    if not isinstance(batch, (Mapping, tuple, list)):
+        args = (batch,)
+    try:
+        cache._signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        kinds = ", ".join(type(v).__name__ for v in (kwargs.values() if kwargs else args))
+        shape = f"a mapping with keys {sorted(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
+        raise TypeError(
+            f"precompute(): each batch is one call of {cache.name}{cache._signature}, but the first batch is "
+            f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "
+            "(images for _, images in loader) for [index, images] batches, or a mapping of keyword arguments"
+        ) from None
 
 
 def _call(fn: Callable[..., Any], batch: Any) -> Any:

@@ -1,0 +1,427 @@
+"""Keys that see everything that changes an output, and calls that behave as without the cache.
+
+Each test here failed with torchcache 1.0: a wrong output served silently, or a call
+that works without the cache and broke with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchcache import CacheWarning, ConfigError, KeyingError, precompute, torchcache
+
+from .helpers import Counting, assert_same
+
+
+class Features(nn.Module):
+    """A frozen model with a second method, as timm and CLIP models have."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(8, 4, generator=generator))
+            self.linear.bias.copy_(torch.randn(8, generator=generator))
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+# -- bound methods and instances --------------------------------------------------------------
+def test_a_bound_method_is_keyed_by_its_instance(tmp_path: Path) -> None:
+    a, b = Features(seed=1), Features(seed=2)
+    x = torch.randn(6, 4)
+    cached_a = torchcache(persistent=True, persistent_cache_dir=tmp_path)(a.features)
+    cached_b = torchcache(persistent=True, persistent_cache_dir=tmp_path)(b.features)
+    assert_same(cached_a(x), a.features(x))
+    cached_a.cache_instance.flush()
+    assert cached_a.cache_instance.module_hash != cached_b.cache_instance.module_hash
+    assert_same(cached_b(x), b.features(x))
+    assert cached_b.cache_instance.stats().hits == 0
+
+
+def test_a_method_of_a_trainable_instance_is_refused() -> None:
+    model = Features().requires_grad_(True)
+    with pytest.raises(ConfigError, match="require grad"):
+        torchcache()(model.features)
+
+
+def test_wrapping_an_instance_leaves_its_class_and_other_instances_alone() -> None:
+    frozen, trainable = Features(seed=1), Features(seed=2).requires_grad_(True)
+    plain_keys = list(frozen.state_dict())
+    plain_repr = repr(frozen)
+    cached = torchcache()(frozen)
+    assert cached is frozen
+    assert isinstance(cached, Features) and type(cached).__name__ == "Features"
+    assert Features.forward is not type(cached).forward
+    assert list(cached.state_dict()) == plain_keys and repr(cached) == plain_repr
+    assert "cache_instance" not in trainable.__dict__
+    x = torch.randn(5, 4)
+    loss = trainable(x).sum()
+    loss.backward()  # the class still trains: no ConfigError, a gradient
+    assert trainable.linear.weight.grad is not None
+    assert_same(cached(x), cached(x))
+    assert cached.cache_instance.stats().hits == 5
+    assert torchcache()(cached).cache_instance is cached.cache_instance
+
+
+def test_a_wrapped_instance_drops_into_a_sequential_and_follows_to_and_eval() -> None:
+    backbone = torchcache()(Features())
+    model = nn.Sequential(backbone, nn.Linear(8, 2))
+    x = torch.randn(4, 4)
+    first = model(x)
+    model.eval()
+    assert not backbone.training
+    model.to(torch.float64)
+    out = model(x.double())
+    assert out.dtype == torch.float64
+    assert torch.allclose(out.float(), first, atol=1e-5)
+    plain = Features()
+    plain.to(torch.float64)
+    assert_same(backbone(x.double()), plain(x.double()))
+
+
+def test_a_wrapped_instance_takes_its_key_again_after_load_state_dict() -> None:
+    model = torchcache()(Features(seed=1))
+    x = torch.randn(3, 4)
+    model(x)
+    other = Features(seed=2)
+    model.load_state_dict(other.state_dict())
+    assert_same(model(x), other(x))
+
+
+# -- the autocast state ---------------------------------------------------------------------------
+def test_autocast_is_part_of_the_key() -> None:
+    model = torchcache()(Features())
+    plain = Features()
+    x = torch.randn(8, 4)
+    outside = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = model(x)
+        expected_inside = plain(x)
+    assert inside.dtype == torch.bfloat16
+    assert_same(inside, expected_inside)
+    assert_same(outside, plain(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_same(model(x), expected_inside)
+    assert_same(model(x), plain(x))
+    stats = model.cache_instance.stats()
+    assert (stats.misses, stats.hits) == (16, 16)
+
+
+# -- shared arguments and outputs whose batch is elsewhere ---------------------------------------
+def _attend(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return mask @ x  # every row mixes all rows of x: a shared (T, T) mask
+
+
+def test_a_shared_mask_whose_size_equals_the_batch_is_hashed_and_passed_whole() -> None:
+    cached = torchcache(shared_args=["mask"])(_attend)
+    mask = torch.eye(5)
+    x = torch.randn(5, 3)
+    assert_same(cached(x, mask), _attend(x, mask))
+    order = torch.tensor([4, 2, 0, 1, 3])
+    assert_same(cached(x[order], mask), _attend(x[order], mask))
+    other = torch.tril(torch.ones(5, 5))
+    assert_same(cached(x, other), _attend(x, other))
+
+
+def _lstm_like(x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Outputs shaped like an LSTM's: h_n and c_n are (num_layers, batch, hidden)."""
+    h = torch.stack([x * 2, x * 3])  # num_layers = 2
+    return x + 1, (h, h + 1)
+
+
+def test_outputs_with_the_batch_in_another_dimension() -> None:
+    cached = torchcache(batch_dims={"output[1][0]": 1, "output[1][1]": 1})(_lstm_like)
+    x = torch.randn(2, 3)  # batch == num_layers: the dangerous case
+    for got, want in zip(_flat(cached(x)), _flat(_lstm_like(x))):
+        assert_same(got, want)
+    swapped = x[[1, 0]]
+    for got, want in zip(_flat(cached(swapped)), _flat(_lstm_like(swapped))):
+        assert_same(got, want)
+    assert cached.cache_instance.stats().hits == 2
+
+
+def test_an_output_whose_first_dimension_equals_the_batch_by_chance_is_caught_and_dropped() -> None:
+    cached = torchcache()(_lstm_like)
+    cached(torch.randn(2, 3))  # stored per item, wrongly: h_n's first dimension is the layers
+    assert len(cached.cache_instance.memory) == 2
+    with pytest.raises(KeyingError, match="batch_dims") as info:
+        cached(torch.randn(3, 3))
+    assert "removed" in str(info.value)
+    assert len(cached.cache_instance.memory) == 0
+
+
+def _flat(output: Any) -> list[torch.Tensor]:
+    out, (h, c) = output
+    return [out, h, c]
+
+
+# -- training mode ------------------------------------------------------------------------------
+class Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear(x))
+
+
+def test_keep_eval_keeps_the_module_in_eval_mode_under_a_parent_train() -> None:
+    backbone = torchcache(keep_eval=True)(Dropping())
+    head = nn.Linear(4, 1)
+    model = nn.Sequential(backbone, head)
+    model.train()
+    assert head.training and not backbone.training and not backbone.drop.training
+    x = torch.randn(16, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = backbone(x)
+    assert_same(out, backbone.linear(x))
+
+
+def test_training_mode_with_dropout_warns_once() -> None:
+    backbone = torchcache()(Dropping())
+    backbone.train()
+    x = torch.randn(4, 4)
+    with pytest.warns(CacheWarning, match="training mode") as caught:
+        backbone(x)
+        backbone(torch.randn(4, 4))
+    assert len([w for w in caught if "training mode" in str(w.message)]) == 1
+
+
+# -- function keys ------------------------------------------------------------------------------
+def test_two_lambdas_on_one_line_have_different_keys() -> None:
+    add, mul = torchcache()(lambda x: x + 2), torchcache()(lambda x: x * 2)
+    x = torch.randn(3, 2)
+    assert_same(add(x), x + 2)
+    assert_same(mul(x), x * 2)
+    assert add.cache_instance.module_hash != mul.cache_instance.module_hash
+
+
+def _make_scaler(factor: float) -> Any:
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    return scale
+
+
+def test_closure_variables_are_keyed(tmp_path: Path) -> None:
+    x = torch.randn(3, 2)
+    double = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_make_scaler(2.0))
+    assert_same(double(x), x * 2)
+    double.cache_instance.flush()
+    triple = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_make_scaler(3.0))
+    assert_same(triple(x), x * 3)
+    assert triple.cache_instance.stats().hits == 0
+
+
+def test_a_tensor_attribute_set_in_init_is_keyed(tmp_path: Path) -> None:
+    class Projection(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.randn(4, 3)  # a random projection: neither a parameter nor a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.proj
+
+    cls = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Projection)
+    x = torch.randn(5, 4)
+    torch.manual_seed(0)
+    first = cls()
+    assert_same(first(x), x @ first.proj)
+    first.cache_instance.flush()
+    torch.manual_seed(1)
+    second = cls()
+    assert second.cache_instance.module_hash != first.cache_instance.module_hash
+    assert_same(second(x), x @ second.proj)
+    assert second.cache_instance.stats().hits == 0
+
+
+def test_var_positional_and_var_keyword_arguments_never_collide() -> None:
+    @torchcache()
+    def f(x: torch.Tensor, *args: int, **kwargs: int) -> torch.Tensor:
+        return x * (1 + sum(args)) + 10 * sum(kwargs.values())
+
+    x = torch.randn(3, 2)
+    assert_same(f(x, 5), x * 6)
+    assert_same(f(x, **{"args[0]": 5}), x + 50)
+    assert_same(f(x, **{"*args[0]": 5}), x + 50)
+    assert f.cache_instance.stats().hits == 0  # three different calls
+
+
+def test_functools_partial_is_keyed_by_its_bound_arguments() -> None:
+    def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+    double = torchcache()(functools.partial(scale, factor=2.0))
+    triple = torchcache()(functools.partial(scale, factor=3.0))
+    x = torch.randn(3, 2)
+    assert_same(double(x), x * 2)
+    assert_same(triple(x), x * 3)
+    assert double.cache_instance.module_hash != triple.cache_instance.module_hash
+
+
+# -- calls as the caller made them ---------------------------------------------------------------
+def _adds_keywords(forward: Any) -> Any:
+    """Like Hugging Face's forward decorators: keyword-only extras, filled in by the wrapper."""
+
+    @functools.wraps(forward)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("use_cache", False)
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+def test_the_forward_is_called_with_the_callers_own_argument_layout() -> None:
+    @torchcache()
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 2).requires_grad_(False)
+
+        @_adds_keywords
+        def forward(self, x: torch.Tensor, scale: float = 1.0, use_cache: bool | None = None) -> torch.Tensor:
+            assert use_cache is False
+            return self.linear(x) * scale
+
+    model = Wrapped()
+    x = torch.randn(6, 4)
+    assert_same(model(x), model.linear(x))
+    assert_same(model(x, scale=2.0), model.linear(x) * 2)
+    assert_same(model(x[:4]), model.linear(x[:4]))  # a partial hit, computed with only the missing rows
+    assert model.cache_instance.stats().hits == 4
+
+
+def test_a_dict_of_per_item_tensors_is_keyed_and_sliced() -> None:
+    seen: list[int] = []
+
+    @torchcache()
+    def encode(batch: dict[str, torch.Tensor], pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen.append(batch["ids"].shape[0])
+        return batch["ids"].float() * batch["mask"] + pair[0] - pair[1]
+
+    ids, mask = torch.randint(0, 9, (6, 3)), torch.rand(6, 3)
+    a, b = torch.randn(6, 3), torch.randn(6, 3)
+    expected = ids.float() * mask + a - b
+    assert_same(encode({"ids": ids, "mask": mask}, (a, b)), expected)
+    ids2 = torch.cat([ids[[5, 0]], torch.randint(0, 9, (1, 3))])
+    mask2, a2, b2 = torch.cat([mask[[5, 0]], mask[:1]]), torch.cat([a[[5, 0]], a[:1]]), torch.cat([b[[5, 0]], b[:1]])
+    assert_same(encode({"ids": ids2, "mask": mask2}, (a2, b2)), ids2.float() * mask2 + a2 - b2)
+    assert seen == [6, 1]  # the second call computed only its new item
+
+
+def test_a_call_without_tensors_raises_a_value_error_as_in_0_6() -> None:
+    @torchcache()
+    def f(x: float) -> torch.Tensor:
+        return torch.tensor([x])
+
+    with pytest.raises(ValueError, match="tensor"):
+        f(1.0)
+
+
+def test_any_persistent_module_hash_string_is_accepted_and_kept_apart(tmp_path: Path) -> None:
+    names = ["resnet50 v2", "resnet50/v2", "resnet50_v2", "ü", "..", "a" * 300]
+    dirs = set()
+    for name in names:
+        model = torchcache(persistent=True, persistent_cache_dir=tmp_path, persistent_module_hash=name)(Counting)()
+        model(torch.randn(2, 4))
+        model.cache_instance.flush()
+        directory = model.cache_instance.cache_dir
+        assert directory is not None and directory.parent == tmp_path and directory.is_dir()
+        dirs.add(directory.name)
+    assert len(dirs) == len(names)
+
+
+def test_warnings_about_0_6_options_point_at_the_callers_line() -> None:
+    with pytest.warns(DeprecationWarning, match="zstd_compression") as caught:
+        torchcache(zstd_compression=True)
+    assert caught[0].filename == __file__
+
+    @torchcache()
+    class Legacy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.torchcache_zstd_compression_level = 3
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.warns(DeprecationWarning, match="torchcache_zstd_compression_level") as caught:
+        Legacy()
+    assert caught[0].filename == __file__
+
+
+# -- copies ---------------------------------------------------------------------------------------
+def test_deepcopy_of_a_model_that_holds_a_cached_module() -> None:
+    backbone = torchcache()(Counting)()
+    model = nn.Sequential(backbone, nn.Linear(16, 1))
+    x = torch.randn(4, 4)
+    model(x)
+    teacher = copy.deepcopy(model)
+    copied = teacher[0]
+    assert copied.cache_instance is not backbone.cache_instance
+    assert copied.cache_instance._owner() is copied
+    assert_same(teacher(x), model(x))
+    state = {k: v + 1 for k, v in copied.state_dict().items()}
+    copied.load_state_dict(state)
+    plain = Counting()
+    plain.load_state_dict(state)
+    assert_same(copied(x), plain(x))
+    assert_same(backbone(x), Counting()(x))
+
+
+def test_deepcopy_of_a_wrapped_instance_is_cached_and_bound_to_the_copy() -> None:
+    model = torchcache()(Features(seed=1))
+    twin = copy.deepcopy(model)
+    assert type(twin) is type(model)
+    assert twin.cache_instance is not model.cache_instance and twin.cache_instance._owner() is twin
+    x = torch.randn(3, 4)
+    assert_same(twin(x), model(x))
+
+
+# -- precompute -------------------------------------------------------------------------------------
+def test_precompute_names_a_batch_that_does_not_fit_the_call() -> None:
+    model = torchcache()(Counting)()
+    loader = [[torch.arange(4), torch.randn(4, 4)]]
+    with pytest.raises(TypeError, match=r"\[index, images\]"):
+        precompute(model, loader, progress=False)
+
+
+def test_a_sparse_output_is_refused_clearly() -> None:
+    @torchcache()
+    def sparse(x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse()
+
+    with pytest.raises(KeyingError, match="to_dense"):
+        sparse(torch.eye(3))
+
+
+# -- variable shapes -----------------------------------------------------------------------------------
+def test_a_low_hit_rate_with_changing_input_shapes_is_pointed_out() -> None:
+    @torchcache()
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return ids.float().sum(dim=1, keepdim=True)
+
+    generator = torch.Generator().manual_seed(0)
+    with pytest.warns(CacheWarning, match="Variable-length") as caught:
+        for step in range(80):
+            length = 4 + step % 12  # padded to the longest item of each batch
+            embed(torch.randint(0, 9, (4, length), generator=generator))
+    assert len([w for w in caught if "Variable-length" in str(w.message)]) == 1
