@@ -7,9 +7,8 @@ several times faster than ``torch.tensor`` on a list of ints.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,7 +18,7 @@ from .tree import Layout
 if TYPE_CHECKING:
     from .stores.memory import Slab
 
-__all__ = ["cast_returned", "gather_hits", "index_tensor", "merge_parts", "select_items"]
+__all__ = ["cast_returned", "gather_hits", "index_tensor", "merge_parts"]
 
 Parts = list[tuple[list[int], list[torch.Tensor]]]
 
@@ -73,29 +72,3 @@ def merge_parts(
             out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
         outs.append(out)
     return outs
-
-
-def select_items(
-    bound: inspect.BoundArguments, var_kinds: dict[str, Any], positions: list[int]
-) -> inspect.BoundArguments:
-    """A copy of the bound arguments with every tensor restricted to ``positions``."""
-    cache: dict[torch.device, torch.Tensor] = {}
-
-    def pick(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        index = cache.get(value.device)
-        if index is None:
-            index = cache[value.device] = index_tensor(positions, value.device)
-        return value.index_select(0, index)
-
-    arguments: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = var_kinds.get(name)
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            arguments[name] = tuple(pick(v) for v in value)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            arguments[name] = {k: pick(v) for k, v in value.items()}
-        else:
-            arguments[name] = pick(value)
-    return inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]

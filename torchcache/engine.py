@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import json
 import logging
 import threading
 import time
@@ -124,6 +125,7 @@ class Cache:
         self._fault_lock = threading.Lock()
         self._calls = 0
         self._shapes: set[bytes] = set()
+        self._dims_by_spec: dict[str, list[int]] = {}
         #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
         self.stochastic: bool | None = None
         self._hits = 0
@@ -366,7 +368,7 @@ class Cache:
                 rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
                 self._count(hits=batch, memory_hits=batch)
-                return unflatten(slab.layout.spec, cast_returned(leaves, slab.layout, device))
+                return self._rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
             layout, parts = gather_hits(found)
         return self._call_mixed(fn, call, keys, layout, parts, device)
 
@@ -441,6 +443,9 @@ class Cache:
                 sub_args, sub_kwargs = call.select(missing)
                 computed = fn(*sub_args, **sub_kwargs)
             spec, leaves = flatten(computed)
+            dims = self._output_dims(spec)
+            if dims:
+                leaves = [leaf.movedim(dim, 0) if dim else leaf for leaf, dim in zip(leaves, dims)]
             self._check_items(leaves, len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
@@ -457,7 +462,25 @@ class Cache:
             parts.append((missing, leaves))
         self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
         assert layout is not None
-        return unflatten(layout.spec, merge_parts(parts, batch, layout, device))
+        return self._rebuild(layout, merge_parts(parts, batch, layout, device))
+
+    def _output_dims(self, spec: Any) -> list[int]:
+        """The batch dimension of each output leaf, from ``batch_dims`` (empty: all first)."""
+        if not self.settings.batch_dims:
+            return []
+        key = json.dumps(spec)
+        dims = self._dims_by_spec.get(key)
+        if dims is None:
+            names = self.settings.batch_dims
+            dims = self._dims_by_spec[key] = [names.get(path, 0) for path in leaf_paths(spec)]
+        return dims
+
+    def _rebuild(self, layout: Layout, leaves: list[torch.Tensor]) -> Any:
+        """The output a real call returns, from per-item leaves (batch first)."""
+        dims = self._output_dims(layout.spec)
+        if dims:
+            leaves = [leaf.movedim(0, dim).contiguous() if dim else leaf for leaf, dim in zip(leaves, dims)]
+        return unflatten(layout.spec, leaves)
 
     def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
         """Every output leaf must hold one row per computed item.
@@ -507,6 +530,18 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
+
+
+def leaf_paths(spec: Any, path: str = "output") -> list[str]:
+    """The path of every tensor leaf of a structure spec (``output[1][0]``, ``output['logits']``)."""
+    if spec == "T":
+        return [path]
+    if not isinstance(spec, list) or len(spec) != 2:
+        return []
+    kind, items = spec
+    if kind == "dict":
+        return [p for key, value in items for p in leaf_paths(value, f"{path}[{key!r}]")]
+    return [p for i, value in enumerate(items) for p in leaf_paths(value, f"{path}[{i}]")]
 
 
 def _no_cache() -> None:
