@@ -35,7 +35,7 @@ from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
 from .stores.memory import MemoryTier
-from .tree import Layout, flatten, unflatten
+from .tree import Layout, RebuildError, flatten, leaf_paths, unflatten
 
 __all__ = ["Cache"]
 
@@ -367,9 +367,18 @@ class Cache:
             if len(hit_rows) == batch and slab is not None:  # every item, from one slab
                 rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
-                self._count(hits=batch, memory_hits=batch)
-                return self._rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
+                try:
+                    output = self._rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
+                except RebuildError as exc:
+                    error: RebuildError | None = exc
+                else:
+                    self._count(hits=batch, memory_hits=batch)
+                    return output
+            else:
+                error = None
             layout, parts = gather_hits(found)
+        if error is not None:  # outside the lock: the forward runs
+            return self._recompute(fn, args, kwargs, batch, error)
         return self._call_mixed(fn, call, keys, layout, parts, device)
 
     def _split(
@@ -460,9 +469,21 @@ class Cache:
                 self._count(misses=batch)
                 return computed
             parts.append((missing, leaves))
-        self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
         assert layout is not None
-        return self._rebuild(layout, merge_parts(parts, batch, layout, device))
+        try:
+            output = self._rebuild(layout, merge_parts(parts, batch, layout, device))
+        except RebuildError as exc:
+            return self._recompute(fn, call.args, call.kwargs, batch, exc)
+        self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
+        return output
+
+    def _recompute(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, error: RebuildError
+    ) -> Any:
+        """Compute a whole batch whose cached outputs name a class this process cannot rebuild."""
+        self._warn("rebuild", f"{error}; computing the batch instead (its entries are kept for when it can)")
+        self._count(misses=batch)
+        return fn(*args, **kwargs)
 
     def _output_dims(self, spec: Any) -> list[int]:
         """The batch dimension of each output leaf, from ``batch_dims`` (empty: all first)."""
@@ -530,18 +551,6 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
-
-
-def leaf_paths(spec: Any, path: str = "output") -> list[str]:
-    """The path of every tensor leaf of a structure spec (``output[1][0]``, ``output['logits']``)."""
-    if spec == "T":
-        return [path]
-    if not isinstance(spec, list) or len(spec) != 2:
-        return []
-    kind, items = spec
-    if kind == "dict":
-        return [p for key, value in items for p in leaf_paths(value, f"{path}[{key!r}]")]
-    return [p for i, value in enumerate(items) for p in leaf_paths(value, f"{path}[{i}]")]
 
 
 def _no_cache() -> None:

@@ -1,14 +1,26 @@
-"""Output structures: flatten nested tuples, lists and dicts of tensors, and rebuild them.
+"""Output structures: flatten nested outputs of tensors into a spec and leaves, and rebuild them.
 
 A *layout* describes one item of a batched output: the structure and, per tensor leaf,
 its per-item shape, the dtype it is stored at and the dtype it is returned in. Items
 with equal layouts can be stored side by side in one slab and gathered with one copy.
 The layout serializes to canonical JSON, which is also the header of a stored entry.
+
+The structure spec is JSON: ``"T"`` is a tensor leaf, ``"N"`` a ``None`` (it stores
+nothing), ``["tuple", [...]]``, ``["list", [...]]`` and ``["dict", [[key, ...], ...]]``
+are the plain containers, and ``[kind, "module:qualname", [[name, ...], ...]]`` is a
+namedtuple, dataclass (Hugging Face ``ModelOutput`` included) or dict subclass, rebuilt
+by :mod:`torchcache.output_types` from a class this process has already imported.
+:func:`unflatten` raises :class:`RebuildError` when that class cannot be rebuilt here:
+the entry is intact, the caller should recompute. Specs read from files are validated
+strictly (known kinds, well-formed names, at most :data:`MAX_DEPTH` nested containers)
+before anything is built from them.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Union
@@ -16,8 +28,19 @@ from typing import Any, Union
 import torch
 
 from .errors import KeyingError
+from .output_types import KINDS, RebuildError, build, describe_type, is_type_name, kind_of, members, type_name
 
-__all__ = ["DTYPES", "Layout", "LeafSpec", "flatten", "unflatten"]
+__all__ = [
+    "DTYPES",
+    "MAX_DEPTH",
+    "Layout",
+    "LeafSpec",
+    "RebuildError",
+    "describe",
+    "flatten",
+    "leaf_paths",
+    "unflatten",
+]
 
 #: Dtypes that can be stored, by name. Reading a file only ever looks names up here.
 DTYPES: dict[str, torch.dtype] = {
@@ -39,6 +62,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 ALIGN = 8
+#: Containers nested deeper than this are neither cached nor read from a file.
+MAX_DEPTH = 32
 
 Spec = Union[str, list[Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 
@@ -47,52 +72,133 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
     """Split an output into a JSON-able structure spec and its tensor leaves.
 
     Raises:
-        KeyingError: If the output holds something other than tensors, tuples, lists and
-            dicts with string keys.
+        KeyingError: If the output holds something other than tensors, ``None`` and
+            tuples, lists, dicts with string keys, namedtuples, dataclasses and dict
+            subclasses of them, or nests containers deeper than :data:`MAX_DEPTH`.
 
     Example:
-        >>> spec, leaves = flatten({"a": torch.zeros(2, 3), "b": (torch.ones(2),)})
+        >>> spec, leaves = flatten({"a": torch.zeros(2, 3), "b": (torch.ones(2), None)})
         >>> spec, [tuple(t.shape) for t in leaves]
-        (['dict', [['a', 'T'], ['b', ['tuple', ['T']]]]], [(2, 3), (2,)])
+        (['dict', [['a', 'T'], ['b', ['tuple', ['T', 'N']]]]], [(2, 3), (2,)])
     """
     leaves: list[torch.Tensor] = []
 
-    def walk(node: object, path: str) -> Spec:
+    def walk(node: object, path: str, depth: int) -> Spec:
         if isinstance(node, torch.Tensor):
             leaves.append(node)
             return "T"
-        if isinstance(node, (tuple, list)) and type(node) in (tuple, list):
-            kind = "tuple" if type(node) is tuple else "list"
-            return [kind, [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]]
-        if isinstance(node, dict) and type(node) is dict:
+        if node is None:
+            return "N"
+        if depth >= MAX_DEPTH:
+            raise KeyingError(f"{path}: the output nests containers more than {MAX_DEPTH} deep")
+        cls = type(node)
+        if isinstance(node, (tuple, list)) and (cls is tuple or cls is list):
+            kind = "tuple" if cls is tuple else "list"
+            return [kind, [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node)]]
+        if isinstance(node, dict) and cls is dict:
             items: list[Any] = []
             for key, value in node.items():
                 if not isinstance(key, str):
                     raise KeyingError(f"{path}: dict keys must be str to be cached, got {key!r}")
-                items.append([key, walk(value, f"{path}[{key!r}]")])
+                items.append([key, walk(value, f"{path}[{key!r}]", depth + 1)])
             return ["dict", items]
-        raise KeyingError(
-            f"{path}: cannot cache an output of type {type(node).__name__}; expected a tensor "
-            "shaped (batch, ...), or a tuple, list or dict of such tensors"
-        )
+        typed = kind_of(cls)
+        if typed is None:
+            raise KeyingError(
+                f"{path}: cannot cache an output of type {describe_type(cls)}; expected a tensor shaped "
+                "(batch, ...), None, or a tuple, list, dict (str keys), namedtuple, dataclass or dict subclass "
+                "of such values (a dict subclass must keep the __init__ of dict or OrderedDict)"
+            )
+        fields = []
+        for key, value in members(node, typed, path):
+            child = f"{path}[{key!r}]" if typed == "mapping" else f"{path}.{key}"
+            fields.append([key, walk(value, child, depth + 1)])
+        return [typed, type_name(cls), fields]
 
-    return walk(output, name), leaves
+    return walk(output, name, 0), leaves
 
 
 def unflatten(spec: Spec, leaves: list[torch.Tensor]) -> Any:
-    """Rebuild the structure that :func:`flatten` described."""
+    """Rebuild the structure that :func:`flatten` described.
+
+    Raises:
+        RebuildError: If the spec names a class that cannot be rebuilt in this process
+            (its module is not imported, or the class changed); recompute the output.
+    """
     it = iter(leaves)
 
-    def build(node: Spec) -> Any:
+    def rebuild(node: Spec) -> Any:
         if isinstance(node, str):
-            return next(it)
+            return next(it) if node == "T" else None
+        if len(node) == 2:
+            kind, items = node
+            if kind == "dict":
+                return {key: rebuild(value) for key, value in items}
+            values = [rebuild(value) for value in items]
+            return tuple(values) if kind == "tuple" else values
+        kind, name, fields = node
+        return build(kind, name, [key for key, _ in fields], [rebuild(value) for _, value in fields])
+
+    return rebuild(spec)
+
+
+def leaf_paths(spec: Spec, name: str = "output") -> list[str]:
+    """The path of every tensor leaf of a spec, in leaf order, as :func:`flatten` names them.
+
+    Example:
+        >>> leaf_paths(["tuple", ["T", ["dataclass", "m:Out", [["logits", "T"], ["aux", "N"]]]]])
+        ['output[0]', 'output[1].logits']
+    """
+    paths: list[str] = []
+
+    def walk(node: Spec, path: str) -> None:
+        if isinstance(node, str):
+            if node == "T":
+                paths.append(path)
+        elif len(node) == 3:
+            kind, _, fields = node
+            for key, value in fields:
+                walk(value, f"{path}[{key!r}]" if kind == "mapping" else f"{path}.{key}")
+        elif node[0] == "dict":
+            for key, value in node[1]:
+                walk(value, f"{path}[{key!r}]")
+        else:
+            for i, value in enumerate(node[1]):
+                walk(value, f"{path}[{i}]")
+
+    walk(spec, name)
+    return paths
+
+
+def describe(spec: Spec, leaves: Iterable[str]) -> str:
+    """A one-line text of a structure, with ``leaves`` giving the text of each tensor leaf.
+
+    Example:
+        >>> describe(["dict", [["a", "T"], ["b", ["tuple", ["T", "N"]]]]], ["f32[3]", "i64[]"])
+        "{'a': f32[3], 'b': (i64[], None)}"
+        >>> describe(["namedtuple", "pkg.mod:Pair", [["x", "T"], ["y", "N"]]], ["f32[3]"])
+        'Pair(x=f32[3], y=None)'
+        >>> describe(["mapping", "collections:OrderedDict", [["a", "T"]]], ["f32[3]"])
+        "OrderedDict({'a': f32[3]})"
+    """
+    it = iter(leaves)
+
+    def walk(node: Spec) -> str:
+        if isinstance(node, str):
+            return next(it) if node == "T" else "None"
+        if len(node) == 3:
+            kind, name, fields = node
+            short = str(name).partition(":")[2]
+            if kind == "mapping":
+                return short + "({" + ", ".join(f"{key!r}: {walk(value)}" for key, value in fields) + "})"
+            return short + "(" + ", ".join(f"{key}={walk(value)}" for key, value in fields) + ")"
         kind, items = node
         if kind == "dict":
-            return {key: build(value) for key, value in items}
-        values = [build(value) for value in items]
-        return tuple(values) if kind == "tuple" else values
+            return "{" + ", ".join(f"{key!r}: {walk(value)}" for key, value in items) + "}"
+        inner = ", ".join(walk(value) for value in items)
+        return f"({inner}{',' if len(items) == 1 else ''})" if kind == "tuple" else f"[{inner}]"
 
-    return build(spec)
+    return walk(spec)
 
 
 @dataclass(frozen=True)
@@ -174,29 +280,70 @@ class Layout:
     def from_header(cls, header: dict[str, Any]) -> Layout:
         """Parse :meth:`to_header` output, validating every field.
 
+        The structure is validated (node kinds, names, depth) before anything else reads
+        it; class names are checked for form only, so an entry whose class this process
+        lacks still parses, and :func:`unflatten` raises :class:`RebuildError` for it.
+
         Raises:
             ValueError: If a field is missing or invalid.
         """
-        leaves = []
-        for item in header["leaves"]:
-            shape = item["shape"]
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"invalid shape {shape!r}")
-            dtype = DTYPES[item["dtype"]]
-            leaves.append(LeafSpec(tuple(shape), dtype, DTYPES[item["out_dtype"]] if "out_dtype" in item else dtype))
-        layout = cls(json.dumps(header["tree"], separators=(",", ":")), tuple(leaves))
-        if [item["offset"] for item in header["leaves"]] != layout.offsets:
-            raise ValueError("leaf offsets do not match the layout")
-        if _count_leaves(header["tree"]) != len(leaves):
+        try:
+            tree = header["tree"]
+            count = _count_leaves(tree)
+            leaves = []
+            for item in header["leaves"]:
+                shape = item["shape"]
+                if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                    raise ValueError(f"invalid shape {_short(shape)}")
+                dtype = DTYPES[item["dtype"]]
+                out_dtype = DTYPES[item["out_dtype"]] if "out_dtype" in item else dtype
+                leaves.append(LeafSpec(tuple(shape), dtype, out_dtype))
+            layout = cls(json.dumps(tree, separators=(",", ":")), tuple(leaves))
+            if [item["offset"] for item in header["leaves"]] != layout.offsets:
+                raise ValueError("leaf offsets do not match the layout")
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"invalid header: {type(exc).__name__}: {_short(exc)}") from None
+        if count != len(leaves):
             raise ValueError("the structure does not match the number of leaves")
         return layout
 
 
-def _count_leaves(node: Any) -> int:
-    if node == "T":
-        return 1
-    if not isinstance(node, list) or len(node) != 2 or node[0] not in ("tuple", "list", "dict"):
-        raise ValueError(f"invalid structure node {node!r}")
-    if node[0] == "dict":
-        return sum(_count_leaves(value) for _, value in node[1])
-    return sum(_count_leaves(value) for value in node[1])
+def _count_leaves(node: Any, depth: int = 0) -> int:
+    """The tensor leaves of a spec read from a file, validating every node.
+
+    Raises:
+        ValueError: If a node is not of a known kind, a name is malformed, a key is
+            repeated, or containers nest deeper than :data:`MAX_DEPTH`.
+    """
+    if node == "T" or node == "N":
+        return int(node == "T")
+    if not isinstance(node, list) or len(node) not in (2, 3) or node[0] not in (*_PLAIN, *KINDS):
+        raise ValueError(f"invalid structure node {_short(node)}")
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"the structure nests containers more than {MAX_DEPTH} deep")
+    if len(node) != (2 if node[0] in _PLAIN else 3):
+        raise ValueError(f"invalid {node[0]} node {_short(node)}")
+    if not isinstance(node[-1], list):
+        raise ValueError(f"invalid {node[0]} node {_short(node)}: its items are not a list")
+    if node[0] in ("tuple", "list"):
+        return sum(_count_leaves(value, depth + 1) for value in node[1])
+    if len(node) == 3 and not is_type_name(node[1]):
+        raise ValueError(f"invalid class name {_short(node[1])}: expected 'module:qualname' of identifiers")
+    keys = set()
+    for item in node[-1]:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"invalid {node[0]} item {_short(item)}")
+        if node[0] in ("namedtuple", "dataclass") and not item[0].isidentifier():
+            raise ValueError(f"invalid field name {_short(item[0])}")
+        if item[0] in keys:
+            raise ValueError(f"repeated key {_short(item[0])} in a {node[0]} node")
+        keys.add(item[0])
+    return sum(_count_leaves(value, depth + 1) for _, value in node[-1])
+
+
+_PLAIN = ("tuple", "list", "dict")
+
+
+def _short(value: Any) -> str:
+    """A bounded ``repr`` for messages about untrusted values (depth and length limited)."""
+    return reprlib.repr(value)
