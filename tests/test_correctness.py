@@ -340,7 +340,7 @@ def test_any_persistent_module_hash_string_is_accepted_and_kept_apart(tmp_path: 
     names = ["resnet50 v2", "resnet50/v2", "resnet50_v2", "ü", "..", "a" * 300]
     dirs = set()
     for name in names:
-        model = torchcache(persistent=True, persistent_cache_dir=tmp_path, persistent_module_hash=name)(Counting)()
+        model = torchcache(persistent=True, persistent_cache_dir=tmp_path, persistent_module_hash=name)(Counting())
         model(torch.randn(2, 4))
         model.cache_instance.flush()
         directory = model.cache_instance.cache_dir
@@ -370,7 +370,7 @@ def test_warnings_about_0_6_options_point_at_the_callers_line() -> None:
 
 # -- copies ---------------------------------------------------------------------------------------
 def test_deepcopy_of_a_model_that_holds_a_cached_module() -> None:
-    backbone = torchcache()(Counting)()
+    backbone = torchcache()(Counting())
     model = nn.Sequential(backbone, nn.Linear(16, 1))
     x = torch.randn(4, 4)
     model(x)
@@ -398,7 +398,7 @@ def test_deepcopy_of_a_wrapped_instance_is_cached_and_bound_to_the_copy() -> Non
 
 # -- precompute -------------------------------------------------------------------------------------
 def test_precompute_names_a_batch_that_does_not_fit_the_call() -> None:
-    model = torchcache()(Counting)()
+    model = torchcache()(Counting())
     loader = [[torch.arange(4), torch.randn(4, 4)]]
     with pytest.raises(TypeError, match=r"\[index, images\]"):
         precompute(model, loader, progress=False)

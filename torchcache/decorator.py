@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
-import sys
 import threading
 import warnings
 import weakref
@@ -35,11 +33,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._guards import check_frozen, outside_compile, warn_if_training
+from .callables import CachedMethod, decorate_function, weights_loaded
 from .codec import DEFAULT_QUALITY
 from .config import LEGACY_OPTIONS, Settings
 from .engine import Cache
 from .errors import ConfigError
-from .fingerprint import describe_init, describe_instance, fingerprint_function, fingerprint_module
+from .fingerprint import describe_init, describe_instance, fingerprint_module
 
 __all__ = ["torchcache"]
 
@@ -48,9 +48,7 @@ _PREFIX = "torchcache_"
 _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
 _BINDING = "_torchcache_binding"
 _initializing = threading.local()
-_STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
 _subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-_method_caches: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref[Cache]]] = weakref.WeakKeyDictionary()
 
 
 def torchcache(
@@ -155,9 +153,9 @@ def torchcache(
         if isinstance(target, torch.nn.Module):
             return _wrap_instance(target, settings)  # type: ignore[return-value]
         if inspect.ismethod(target) and isinstance(target.__self__, torch.nn.Module):
-            return _wrap_method(target, settings)  # type: ignore[return-value]
+            return CachedMethod.wrap(target, settings)  # type: ignore[return-value]
         if inspect.isfunction(target) or inspect.ismethod(target) or isinstance(target, functools.partial):
-            return _decorate_function(target, settings)  # type: ignore[return-value]
+            return decorate_function(target, settings)  # type: ignore[return-value]
         raise TypeError(
             f"torchcache() caches nn.Module subclasses or instances, their methods, and functions; "
             f"got {target!r}. Note that it is always called with parentheses: @torchcache()"
@@ -176,18 +174,6 @@ class _Binding:
     name: str
 
 
-def _check_frozen(module: torch.nn.Module, name: str) -> None:
-    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-    if trainable:
-        shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
-        raise ConfigError(
-            f"{name} has parameters that require grad ({shown}): cached outputs carry no gradient, "
-            "so training them through the cache would silently stop. Freeze the module, e.g. "
-            "call requires_grad_(False) on it (at the end of __init__ for a decorated class), or "
-            "set self.torchcache_enabled = False for a trainable instance"
-        )
-
-
 @functools.cache
 def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
     signature = inspect.signature(forward)
@@ -203,7 +189,7 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
         owner = module_ref()
         if owner is None:  # pragma: no cover - the cache lives on the module
             raise ReferenceError("the cached module no longer exists")
-        _check_frozen(owner, type(owner).__qualname__)
+        check_frozen(owner, type(owner).__qualname__)
         return fingerprint_module(owner, binding.init_digest, key_settings)
 
     cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
@@ -213,44 +199,11 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
 
 def _attach(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
     """Make the cache of one module instance and store it as ``module.cache_instance``."""
-    _check_frozen(module, type(module).__qualname__)
+    check_frozen(module, type(module).__qualname__)
     cache = module.__dict__["cache_instance"] = _make_cache(module, binding, forward)
     if binding.settings.keep_eval:
         module.train(False)
     return cache
-
-
-def _weights_loaded(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    """``load_state_dict()`` ran on the module or a parent: take the key again at the next call."""
-    cache = module.__dict__.get("cache_instance")
-    if isinstance(cache, Cache):
-        cache.weights_changed()
-    for ref in _method_caches.get(module, ()):
-        method_cache = ref()
-        if method_cache is not None:
-            method_cache.weights_changed()
-
-
-def _outside_compile(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn``, excluded from ``torch.compile`` tracing once ``torch._dynamo`` is loaded.
-
-    Importing ``torch._dynamo`` takes seconds, so a process that never compiles never
-    pays for it; a process that compiles has loaded it before any graph is traced.
-    """
-    disabled: Callable[..., T] | None = None
-
-    @functools.wraps(fn)
-    def inner(*args: Any, **kwargs: Any) -> T:
-        nonlocal disabled
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if disabled is None:
-            import torch._dynamo
-
-            disabled = torch._dynamo.disable(fn, recursive=True)  # type: ignore[no-untyped-call]
-        return disabled(*args, **kwargs)
-
-    return inner
 
 
 def _cached_forward(
@@ -262,22 +215,14 @@ def _cached_forward(
         if binding is None:  # caching is off for this instance
             return forward(module, *args, **kwargs)
         cache = _attach(module, binding, forward)  # an unpickled module
-    if cache.stochastic is None:
-        cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())
-    if module.training and cache.stochastic and "train" not in cache._warned:
-        cache._warn(
-            "train",
-            "called in training mode, and it holds dropout or batch-norm layers: cached outputs replay one "
-            "dropout mask and batch-norm statistics stop following the data. Call .eval() on it after "
-            "model.train() (which a parent module passes down), or cache it with keep_eval=True",
-        )
+    warn_if_training(cache, module)
     return cache(functools.partial(forward, module), args, kwargs, module.training)
 
 
 def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
     """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
 
-    @_outside_compile
+    @outside_compile
     def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _cached_forward(self, forward, args, kwargs)
 
@@ -306,7 +251,7 @@ def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
 
 def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> None:
     module.__dict__[_BINDING] = binding
-    module.register_load_state_dict_post_hook(_weights_loaded)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
     _attach(module, binding, forward)
 
 
@@ -395,68 +340,8 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
         return module
     cls = type(module)
     name = f"{cls.__module__}.{cls.__qualname__}"
-    _check_frozen(module, cls.__qualname__)
+    check_frozen(module, cls.__qualname__)
     binding = _Binding(settings, describe_instance(module), name)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)
     return module
-
-
-# -- methods and functions ----------------------------------------------------------------
-def _wrap_method(method: Any, settings: Settings) -> Callable[..., Any]:
-    module: torch.nn.Module = method.__self__
-    func: Callable[..., Any] = method.__func__
-    cls = type(module)
-    name = f"{cls.__module__}.{cls.__qualname__}.{func.__name__}"
-    _check_frozen(module, f"the instance of {name}")
-    init_digest = describe_instance(module)
-    key_settings = settings.key_settings()
-    module_ref = weakref.ref(module)
-
-    def fingerprint() -> str:
-        owner = module_ref()
-        if owner is None:
-            raise ReferenceError(f"the module of {name} no longer exists")
-        _check_frozen(owner, f"the instance of {name}")
-        return fingerprint_module(owner, init_digest, key_settings, method=func.__name__)
-
-    cache = Cache(settings, name, "module", inspect.signature(method), fingerprint)
-    _method_caches.setdefault(module, []).append(weakref.ref(cache))
-    module.register_load_state_dict_post_hook(_weights_loaded)  # type: ignore[no-untyped-call]
-    conversion = [_conversion_state(module)]
-
-    @_outside_compile
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        owner = module_ref()
-        if owner is None:
-            raise ReferenceError(f"the module of {name} no longer exists")
-        state = _conversion_state(owner)
-        if state != conversion[0]:  # .to(), .half(): other outputs
-            conversion[0] = state
-            cache.weights_changed()
-        return cache(functools.partial(func, owner), args, kwargs, owner.training)
-
-    functools.update_wrapper(wrapper, func)
-    wrapper.cache_instance = cache  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _conversion_state(module: torch.nn.Module) -> tuple[Any, ...]:
-    """The dtype and device of the first parameter or buffer (what ``.to()`` changes)."""
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return () if first is None else (first.dtype, first.device)
-
-
-def _decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
-    key = fingerprint_function(fn, settings.key_settings())
-    cache = Cache(settings, name, "function", inspect.signature(fn), lambda: key)
-
-    @_outside_compile
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return cache(fn, args, kwargs)
-
-    functools.update_wrapper(wrapper, fn)
-    wrapper.cache_instance = cache  # type: ignore[attr-defined]
-    return wrapper

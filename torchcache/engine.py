@@ -13,6 +13,7 @@ import atexit
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -271,7 +272,7 @@ class Cache:
             return
         self._warned.add(kind)
         logger.warning(text)
-        warnings.warn(text, CacheWarning, stacklevel=4)
+        warnings.warn(text, CacheWarning, stacklevel=_user_stacklevel())
 
     def _emit_faults(self) -> None:
         if self._pending_faults:
@@ -551,6 +552,19 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
+
+
+_LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside torchcache and torch."""
+    frame = sys._getframe(2)  # the caller of the function that warns
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def _no_cache() -> None:
