@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers import Counting, cached, run_python
 from torchcache import set_logger_config, torchcache
+from torchcache._log import DEFAULT_FMT
 
 ENV_VARS = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
 
@@ -28,8 +29,10 @@ def clean_env(**values: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def logger() -> Iterator[logging.Logger]:
-    """The torchcache logger, restored to its state before the test."""
+def logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+    """The torchcache logger, restored to its state before the test; no TORCHCACHE_LOG_* set."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
     log = logging.getLogger("torchcache")
     handlers, level, propagate = list(log.handlers), log.level, log.propagate
     yield log
@@ -91,7 +94,10 @@ def test_environment_variables_configure_the_logger_at_import(tmp_path: Path) ->
     lines = log_file.read_text().splitlines()
     assert any(re.fullmatch(r"INFO\|torchcache\|\d{4}\|.*module key.*", line) for line in lines), lines
     assert not any("a debug line" in line for line in lines)
-    assert "module key" not in result.stderr  # to the file, not also to stderr
+    # as in torchcache 0.6: to the file and to the stream, in the same format
+    streamed = result.stderr.splitlines()
+    assert any(re.fullmatch(r"INFO\|torchcache\|\d{4}\|.*module key.*", line) for line in streamed), streamed
+    assert len([line for line in streamed if "module key" in line]) == 1
 
 
 def test_environment_level_without_a_file_logs_to_stderr() -> None:
@@ -218,3 +224,70 @@ def test_set_logger_config_with_an_invalid_level_warns_once_and_uses_the_default
         set_logger_config(level="LOUD", stream=io.StringIO())
     assert len([w for w in caught if "LOUD" in str(w.message)]) == 1
     assert logger.level == logging.WARNING
+
+
+def test_import_with_environment_variables_changes_no_other_logger(tmp_path: Path) -> None:
+    env = clean_env(TORCHCACHE_LOG_LEVEL="DEBUG", TORCHCACHE_LOG_FILE=str(tmp_path / "log.txt"))
+    result = run_python(NO_SIDE_EFFECTS_SCRIPT, env=env)
+    assert result.returncode == 0, result.stderr
+    state = json.loads(result.stdout)
+    assert state["root_same"] is True
+    assert state["changed"] == []
+    assert state["new_with_handlers"] == []
+    assert not any("module key" in line for line in state["lines"])  # no propagation: not printed twice
+    assert "module key" in (tmp_path / "log.txt").read_text()
+
+
+def test_set_logger_config_takes_unset_arguments_from_the_environment(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "env.log"
+    monkeypatch.setenv("TORCHCACHE_LOG_LEVEL", "info")
+    monkeypatch.setenv("TORCHCACHE_LOG_FMT", "%(levelname)s<%(asctime)s>%(message)s")
+    monkeypatch.setenv("TORCHCACHE_LOG_DATEFMT", "%Y")
+    monkeypatch.setenv("TORCHCACHE_LOG_FILE", str(path))
+    buffer = io.StringIO()
+    set_logger_config(stream=buffer)
+    assert logger.level == logging.INFO
+    module_key_message()
+    for handler in logger.handlers:
+        handler.flush()
+    pattern = r"INFO<\d{4}>.*module key.*"
+    assert any(re.fullmatch(pattern, line) for line in buffer.getvalue().splitlines()), buffer.getvalue()
+    assert any(re.fullmatch(pattern, line) for line in path.read_text().splitlines())
+
+
+def test_set_logger_config_arguments_win_over_the_environment(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHCACHE_LOG_LEVEL", "ERROR")
+    monkeypatch.setenv("TORCHCACHE_LOG_FMT", "env %(message)s")
+    buffer = io.StringIO()
+    set_logger_config(level="INFO", fmt="arg %(message)s", stream=buffer)
+    assert logger.level == logging.INFO
+    module_key_message()
+    lines = buffer.getvalue().splitlines()
+    assert any(line.startswith("arg ") and "module key" in line for line in lines), lines
+    assert not any(line.startswith("env ") for line in lines)
+
+
+def test_set_logger_config_without_arguments_or_environment_uses_the_defaults(logger: logging.Logger) -> None:
+    set_logger_config(level="DEBUG")
+    set_logger_config()
+    assert logger.level == logging.WARNING
+    handlers = [h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
+    assert [type(h) for h in handlers] == [logging.StreamHandler]
+    assert handlers[0].formatter is not None and handlers[0].formatter._fmt == DEFAULT_FMT
+
+
+def test_set_logger_config_with_a_file_logs_to_the_stream_too(logger: logging.Logger, tmp_path: Path) -> None:
+    path = tmp_path / "both.log"
+    buffer = io.StringIO()
+    set_logger_config(level="WARNING", fmt="%(message)s", stream=buffer, filename=path)
+    cached(Counting, persistent_module_hash="both-key")()
+    for handler in logger.handlers:
+        handler.flush()
+    assert len([line for line in buffer.getvalue().splitlines() if "both-key" in line]) == 1
+    assert len([line for line in path.read_text().splitlines() if "both-key" in line]) == 1
+    set_logger_config(level="WARNING", stream=io.StringIO())  # replaces both handlers
+    assert not any(isinstance(h, logging.FileHandler) for h in logger.handlers)

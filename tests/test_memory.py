@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchcache.stores import MemoryTier
-from torchcache.stores.memory import Slab
+from torchcache.stores.memory import CAPACITY_OVERHEAD, Slab
 from torchcache.tree import Layout, flatten
 
 
@@ -76,10 +76,8 @@ def test_stored_values_are_copies() -> None:
 
 
 def test_nested_outputs_and_cache_dtype() -> None:
-    output = {
-        "emb": torch.randn(3, 5),
-        "ids": (torch.arange(6).reshape(3, 2), torch.tensor([True, False, True])),
-    }
+    emb, ids, flags = torch.randn(3, 5), torch.arange(6).reshape(3, 2), torch.tensor([True, False, True])
+    output = {"emb": emb, "ids": (ids, flags)}
     layout, leaves = _layout(output, cache_dtype=torch.float16)
     tier = MemoryTier(max_bytes=1000)
     assert tier.put(_keys(0, 1, 2), layout, leaves) == 3
@@ -87,9 +85,9 @@ def test_nested_outputs_and_cache_dtype() -> None:
     stored = _stored(tier, _keys(1)[0])
     assert stored is not None
     assert stored[0].dtype == torch.float16
-    assert torch.equal(stored[0], output["emb"][1].half())
-    assert torch.equal(stored[1], output["ids"][0][1])
-    assert torch.equal(stored[2], output["ids"][1][1])
+    assert torch.equal(stored[0], emb[1].half())
+    assert torch.equal(stored[1], ids[1])
+    assert torch.equal(stored[2], flags[1])
 
 
 def test_discard() -> None:
@@ -350,3 +348,94 @@ def test_repr_mentions_budget_and_usage() -> None:
     text = repr(tier)
     assert "12345" in text
     assert str(ROW) in text
+
+
+# -- the slabs' footprint stays within the budget ---------------------------------------------
+def _allocated(tier: MemoryTier) -> int:
+    """Bytes the slabs' tensors allocate, measured on the tensors themselves."""
+    return sum(leaf.numel() * leaf.element_size() for slab in tier.slabs() for leaf in slab.leaves)
+
+
+def _assert_within_budget(tier: MemoryTier) -> None:
+    allocated = _allocated(tier)
+    assert allocated == tier.allocated_bytes
+    assert allocated <= tier.max_bytes * (1 + CAPACITY_OVERHEAD), (allocated, tier.max_bytes)
+
+
+def _shaped(n: int, width: int, start: int) -> torch.Tensor:
+    """``n`` items of ``width`` float32, item ``i`` filled with ``start + i``."""
+    return torch.arange(start, start + n, dtype=torch.float32)[:, None].expand(n, width).contiguous()
+
+
+def test_slabs_of_many_shapes_stay_within_the_budget() -> None:
+    # progressive resizing: many batches of each shape in turn; one batch of every old
+    # shape stays and is never touched again
+    widths = [4, 8, 12, 16, 24, 32, 48]
+    tier = MemoryTier(max_bytes=4096)
+    expected: dict[bytes, tuple[int, float]] = {}
+    start = 0
+    for width in widths:
+        for _ in range(12):
+            keys = _keys(*range(start, start + 8))
+            assert _put(tier, keys, _shaped(8, width, start)) == 8
+            expected.update({key: (width, float(start + i)) for i, key in enumerate(keys)})
+            start += 8
+            _assert_within_budget(tier)
+            assert tier.nbytes <= tier.max_bytes
+            for key in [k for k in expected if k not in tier]:
+                del expected[key]
+            for key, (w, fill) in expected.items():
+                stored = _stored(tier, key)
+                assert stored is not None
+                assert torch.equal(stored[0], torch.full((w,), fill))
+    assert len({slab.layout for slab in tier.slabs()}) > 1  # old shapes kept their last batches
+
+
+def test_a_slab_holding_few_live_rows_is_compacted_when_another_needs_the_room() -> None:
+    tier = MemoryTier(max_bytes=64 * ROW)
+    _put(tier, _keys(*range(64)), _batch(64))  # one slab takes the whole budget
+    for i in range(4, 64):
+        tier.discard(_keys(i)[0])
+    (old,) = tier.find(_keys(0))
+    assert old is not None and old[0].capacity == 64
+    wide, leaves = _layout(torch.ones(48, 4, dtype=torch.int32))  # 16-byte rows of another layout
+    assert tier.put(_keys(*range(100, 148)), wide, leaves) == 48
+    _assert_within_budget(tier)
+    (moved,) = tier.find(_keys(0))
+    assert moved is not None and moved[0] is old[0]
+    assert old[0].capacity == 4  # the four live rows, moved together
+    for i in range(4):
+        stored = _stored(tier, _keys(i)[0])
+        assert stored is not None and torch.equal(stored[0], torch.full((4,), float(i)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(1, 12), st.booleans()), max_size=40),
+)
+def test_slab_capacity_stays_within_the_budget_under_random_use(
+    budget_rows: int, ops: list[tuple[int, int, bool]]
+) -> None:
+    widths = [1, 2, 3, 5, 8]  # float32 items of 4 to 32 bytes
+    tier = MemoryTier(max_bytes=budget_rows * ROW)
+    expected: dict[bytes, tuple[int, float]] = {}
+    counter = 0
+    for which, n, discard in ops:
+        if discard and expected:
+            key = next(iter(expected))
+            tier.discard(key)
+        else:
+            keys = _keys(*range(counter, counter + n))
+            stored = _put(tier, keys, _shaped(n, widths[which], counter))
+            assert stored == min(n, tier.max_bytes // (4 * widths[which]))
+            expected.update({keys[i]: (widths[which], float(counter + i)) for i in range(n)})
+            counter += n
+        _assert_within_budget(tier)
+        for key in [k for k in expected if k not in tier]:
+            del expected[key]
+        assert len(tier) == len(expected)
+        for key, (width, fill) in expected.items():
+            stored_leaves = _stored(tier, key)
+            assert stored_leaves is not None
+            assert torch.equal(stored_leaves[0], torch.full((width,), fill))

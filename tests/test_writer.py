@@ -1,16 +1,21 @@
-"""The background writer: order, flush, back-pressure and error reporting."""
+"""The background writer: order, flush, back-pressure, error reporting, the shared threads."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from torchcache.writer import WRITER_NICENESS, BackgroundWriter
+import torchcache.writer as writer_module
+from torchcache.writer import MAX_THREADS, THREAD_NAME, WRITER_NICENESS, BackgroundWriter, flush_all, stop_threads
 
 # Generous bounds for waits that only end early when the writer misbehaves; no test
 # depends on how long anything takes.
@@ -137,10 +142,12 @@ def test_a_job_larger_than_the_limit_is_accepted_when_nothing_is_pending(recorde
 
 def test_many_submitters_all_get_through(recorder: _Recorder) -> None:
     writer = BackgroundWriter(recorder.sink, recorder.on_error, max_pending_bytes=50)
-    threads = [
-        threading.Thread(target=lambda t=t: [writer.submit((t, i), nbytes=20) for i in range(50)], daemon=True)
-        for t in range(4)
-    ]
+
+    def submit_all(t: int) -> None:
+        for i in range(50):
+            writer.submit((t, i), nbytes=20)
+
+    threads = [threading.Thread(target=submit_all, args=(t,), daemon=True) for t in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -204,3 +211,207 @@ def test_writer_threads_run_at_a_lower_priority_than_the_caller() -> None:
     assert writer.flush(_HANG)
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(caller + WRITER_NICENESS, 19)]
+
+
+# -- the threads: shared by every writer, bounded, holding nothing while idle ------------------
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[writer_module._Pool]:
+    """A pool of writer threads of this test's own; its threads are stopped afterwards."""
+    own = writer_module._Pool()
+    monkeypatch.setattr(writer_module, "_pool", own)
+    yield own
+    stop_threads()
+
+
+def _poll(condition: Callable[[], bool], timeout: float = _HANG) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` seconds (checked every few ms)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_fifty_writers_share_a_bounded_number_of_threads(pool: writer_module._Pool) -> None:
+    ran_on: set[threading.Thread] = set()
+    lock = threading.Lock()
+
+    def sink(job: Any) -> None:
+        with lock:
+            ran_on.add(threading.current_thread())
+        assert len(pool.threads) <= MAX_THREADS
+
+    writers = [BackgroundWriter(sink, lambda exc: None) for _ in range(50)]
+    for i, writer in enumerate(writers):
+        writer.submit(i, nbytes=1)
+        writer.submit(-i, nbytes=1)
+        assert len(pool.threads) <= MAX_THREADS
+    for writer in writers:
+        assert writer.flush(timeout=_HANG)
+    assert 1 <= len(ran_on) <= MAX_THREADS
+    assert {thread.name for thread in ran_on} == {THREAD_NAME}
+
+
+def test_a_blocked_writer_does_not_hold_up_the_others(pool: writer_module._Pool, recorder: _Recorder) -> None:
+    slow = BackgroundWriter(recorder.sink, recorder.on_error)
+    release = recorder.gate("stuck")
+    slow.submit("stuck", nbytes=1)
+    slow.submit("after stuck", nbytes=1)
+    assert recorder.started["stuck"].wait(_HANG)
+    others = [BackgroundWriter(recorder.sink, recorder.on_error) for _ in range(5)]
+    for i, other in enumerate(others):
+        other.submit(i, nbytes=1)
+    for other in others:
+        assert other.flush(timeout=_HANG)
+    assert sorted(recorder.done) == list(range(5))
+    assert slow.flush(timeout=0) is False
+    release.set()
+    assert slow.flush(timeout=_HANG)
+    assert recorder.done[-2:] == ["stuck", "after stuck"]
+
+
+def test_a_writer_with_two_workers_runs_two_jobs_at_once(pool: writer_module._Pool) -> None:
+    second_started = threading.Event()
+    done: list[str] = []
+
+    def sink(job: str) -> None:
+        if job == "first":
+            assert second_started.wait(_HANG), "the second job never ran beside the first"
+        else:
+            second_started.set()
+        done.append(job)
+
+    writer = BackgroundWriter(sink, lambda exc: None, workers=2)
+    writer.submit("first", nbytes=1)
+    writer.submit("second", nbytes=1)
+    assert writer.flush(timeout=_HANG)
+    assert done == ["second", "first"]
+
+
+class _Payload:
+    """A job (or the data of a failed job's error) that tests can watch with a weak reference."""
+
+
+class _JobFailed(Exception):
+    def __init__(self, payload: _Payload) -> None:
+        super().__init__("write failed")
+        self.payload = payload
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["written", "failed"])
+def test_an_idle_thread_holds_no_job(pool: writer_module._Pool, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    monkeypatch.setattr(writer_module, "IDLE_TIMEOUT", 600.0)  # the thread stays, idle, for the test
+    ran_on: list[threading.Thread] = []
+    errors: list[str] = []
+
+    def sink(job: _Payload) -> None:
+        ran_on.append(threading.current_thread())
+        if fails:
+            raise _JobFailed(job)
+
+    writer = BackgroundWriter(sink, lambda exc: errors.append(type(exc).__name__))
+    job = _Payload()
+    ref = weakref.ref(job)
+    writer.submit(job, nbytes=1)
+    del job
+    assert writer.flush(timeout=_HANG)
+    assert errors == (["_JobFailed"] if fails else [])
+
+    def job_freed() -> bool:
+        gc.collect()
+        return ref() is None
+
+    assert _poll(job_freed), "an idle writer thread still holds its last job"
+    assert ran_on[0].is_alive()  # freed while the thread waits, not when it ends
+
+
+def test_threads_end_after_the_idle_timeout_and_new_ones_start(
+    pool: writer_module._Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "IDLE_TIMEOUT", 0.01)
+    ran_on: list[threading.Thread] = []
+    writer = BackgroundWriter(lambda job: ran_on.append(threading.current_thread()), lambda exc: None)
+    writer.submit("a", nbytes=1)
+    assert writer.flush(timeout=_HANG)
+    assert _poll(lambda: not ran_on[0].is_alive() and not pool.threads)
+    writer.submit("b", nbytes=1)
+    assert writer.flush(timeout=_HANG)
+    assert len(ran_on) == 2 and ran_on[1] is not ran_on[0]
+
+
+def test_stop_threads_joins_them_and_later_jobs_run_on_the_caller(pool: writer_module._Pool) -> None:
+    ran_on: list[threading.Thread] = []
+    writer = BackgroundWriter(lambda job: ran_on.append(threading.current_thread()), lambda exc: None)
+    writer.submit("before", nbytes=1)
+    assert writer.flush(timeout=_HANG)
+    stop_threads()
+    assert not ran_on[0].is_alive()
+    assert not pool.threads
+    writer.submit("after", nbytes=1)
+    assert ran_on[1] is threading.current_thread()
+    assert writer.flush(timeout=0)
+    assert writer.pending == 0
+
+
+class _Records(logging.Handler):
+    """Keeps the records it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def torchcache_records() -> Iterator[list[logging.LogRecord]]:
+    """Records of the ``torchcache`` logger at WARNING and above, during the test."""
+    handler = _Records()
+    log = logging.getLogger("torchcache")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def test_flush_all_says_what_it_waits_for(
+    pool: writer_module._Pool,
+    monkeypatch: pytest.MonkeyPatch,
+    torchcache_records: list[logging.LogRecord],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(writer_module, "REPORT_AFTER", 0.01)
+
+    def sink(job: str) -> None:
+        # held until flush_all has said what it waits for: it must say it, then wait
+        assert _poll(lambda: bool(torchcache_records)), "flush_all never said what it waits for"
+
+    writer = BackgroundWriter(sink, lambda exc: None)
+    writer.submit("slow", nbytes=300)
+    writer.submit("queued", nbytes=200)
+    flush_all()
+    assert writer.pending == 0
+    (record,) = torchcache_records
+    assert record.levelno == logging.WARNING
+    assert "2 pending background write jobs" in record.getMessage()
+    assert "500 bytes" in record.getMessage()
+    assert record.getMessage() in capsys.readouterr().err
+
+
+def test_flush_all_with_nothing_pending_says_nothing(
+    pool: writer_module._Pool,
+    monkeypatch: pytest.MonkeyPatch,
+    torchcache_records: list[logging.LogRecord],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(writer_module, "REPORT_AFTER", 0.0)
+    writer = BackgroundWriter(lambda job: None, lambda exc: None)
+    writer.submit("quick", nbytes=1)
+    assert writer.flush(timeout=_HANG)
+    flush_all()
+    assert torchcache_records == []
+    assert "pending background write" not in capsys.readouterr().err

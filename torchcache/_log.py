@@ -3,9 +3,14 @@
 Importing torchcache only ever touches the ``torchcache`` logger: the root logger and
 every other logger are left alone. Without any ``TORCHCACHE_LOG_*`` variable the logger
 has a :class:`logging.NullHandler`, so messages propagate to whatever the application
-configured (and warnings reach stderr through Python's last-resort handler). Setting a
-variable, or calling :func:`set_logger_config`, gives the logger its own handler and
+configured (with nothing configured, nothing is printed: the faults of a cache still
+reach the user as :class:`~torchcache.CacheWarning` warnings). Setting a
+variable, or calling :func:`set_logger_config`, gives the logger its own handlers and
 stops propagation so that messages are not printed twice.
+
+As in torchcache 0.6, messages go to a stream (stderr unless told otherwise) and, when a
+file is named, to that file too; and :func:`set_logger_config` takes every argument it is
+not given from its ``TORCHCACHE_LOG_*`` variable, read at each call.
 """
 
 from __future__ import annotations
@@ -58,15 +63,17 @@ def set_logger_config(
 ) -> logging.Logger:
     r"""Configure the ``torchcache`` logger (and only that logger).
 
-    Replaces the handler a previous call installed. Messages go to ``filename`` when
-    given, else to ``stream``, else to stderr.
+    Replaces the handlers a previous call installed. Messages go to ``stream`` (stderr if
+    not given) and, with a ``filename``, to that file as well. An argument left out takes
+    the value of its environment variable (``TORCHCACHE_LOG_LEVEL``, ``_FMT``,
+    ``_DATEFMT``, ``_FILE``), read now, and the default without one.
 
     Args:
         level: A level name (``"INFO"``) or number. Invalid values warn and use WARNING.
         fmt: A :mod:`logging` format string.
         datefmt: A :func:`time.strftime` format for ``%(asctime)s``.
-        stream: The stream to write to when no ``filename`` is given.
-        filename: A file to append to.
+        stream: The stream to write to.
+        filename: A file to append to, besides the stream.
 
     Returns:
         The configured ``torchcache`` logger.
@@ -80,32 +87,38 @@ def set_logger_config(
         'INFO hello\n'
         >>> _ = set_logger_config()
     """
+    env = _read_env()
+    level = level if level is not None else env.get("TORCHCACHE_LOG_LEVEL")
+    formatter = logging.Formatter(
+        fmt or env.get("TORCHCACHE_LOG_FMT") or DEFAULT_FMT,
+        datefmt or env.get("TORCHCACHE_LOG_DATEFMT") or DEFAULT_DATEFMT,
+    )
+    filename = filename if filename is not None else env.get("TORCHCACHE_LOG_FILE")
     for handler in list(logger.handlers):
         if getattr(handler, _OWN_HANDLER_ATTR, False) or isinstance(handler, logging.NullHandler):
             logger.removeHandler(handler)
             handler.close()
-    new: logging.Handler
+    handlers: list[logging.Handler] = [logging.StreamHandler(stream if stream is not None else sys.stderr)]
     if filename is not None:
-        new = logging.FileHandler(os.fspath(filename), encoding="utf-8")
-    else:
-        new = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    new.setFormatter(logging.Formatter(fmt or DEFAULT_FMT, datefmt or DEFAULT_DATEFMT))
-    setattr(new, _OWN_HANDLER_ATTR, True)
-    logger.addHandler(new)
+        handlers.append(logging.FileHandler(os.fspath(filename), encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        setattr(handler, _OWN_HANDLER_ATTR, True)
+        logger.addHandler(handler)
     logger.setLevel(_parse_level(level))
     logger.propagate = False
     return logger
 
 
+def _read_env() -> dict[str, str]:
+    """The ``TORCHCACHE_LOG_*`` variables that are set and not empty."""
+    return {name: value for name in _ENV_VARS if (value := os.environ.get(name))}
+
+
 def configure_from_env() -> None:
     """Apply the ``TORCHCACHE_LOG_*`` environment variables, if any is set."""
-    if not any(os.environ.get(name) for name in _ENV_VARS):
+    if not _read_env():
         if not logger.handlers:
             logger.addHandler(logging.NullHandler())
         return
-    set_logger_config(
-        level=os.environ.get("TORCHCACHE_LOG_LEVEL") or None,
-        fmt=os.environ.get("TORCHCACHE_LOG_FMT") or None,
-        datefmt=os.environ.get("TORCHCACHE_LOG_DATEFMT") or None,
-        filename=os.environ.get("TORCHCACHE_LOG_FILE") or None,
-    )
+    set_logger_config()

@@ -2,9 +2,17 @@
 
 Unlike the byte stores, the memory tier holds tensors: items of one layout sit as rows
 of one slab per leaf, so a batch of hits is one ``index_select`` per leaf into a new
-tensor (the only copy a hit makes). Slabs grow by doubling up to what the byte budget
-allows, and rows freed by eviction are reused; a slab whose last row is evicted is
-released. ``nbytes`` counts the rows that hold entries.
+tensor (the only copy a hit makes). ``nbytes`` counts the rows that hold entries.
+
+The budget bounds what the slabs allocate, not only the rows in use: the capacity of
+every slab together (:attr:`MemoryTier.allocated_bytes`) never exceeds ``max_bytes``,
+whatever the number of layouts. Slabs grow by doubling, capped by the budget that the
+other slabs leave; rows freed by eviction are reused; a slab whose last row goes is
+released. When a slab must grow and the others hold the room, the slabs with the most
+unused rows are compacted (their live rows move to a smaller tensor). The one overhead
+(:data:`CAPACITY_OVERHEAD`, 0) is transient: while a slab is grown or compacted, its old
+and new tensors both exist until the copy is done. Rows move only inside :meth:`put`,
+under ``lock``, so ``(slab, row)`` pairs from :meth:`find` stay valid while it is held.
 """
 
 from __future__ import annotations
@@ -19,15 +27,22 @@ from ..batch import index_tensor
 from ..policy import MruPolicy
 from ..tree import Layout
 
-__all__ = ["MemoryTier", "Slab"]
+__all__ = ["CAPACITY_OVERHEAD", "MemoryTier", "Slab"]
 
 _MIN_ROWS = 16
+#: How far, as a fraction of ``max_bytes``, the slabs' allocated capacity may exceed the
+#: budget between calls (0: never; see the module docstring for the transient copy).
+CAPACITY_OVERHEAD = 0.0
 
 
 class Slab:
-    """Rows of one layout: one ``(capacity, *shape)`` tensor per leaf."""
+    """Rows of one layout: one ``(capacity, *shape)`` tensor per leaf.
 
-    __slots__ = ("capacity", "count", "device", "free", "layout", "leaves", "live")
+    Rows ``[0, count)`` have been handed out; those not in ``free`` hold the entry whose
+    key is ``keys[row]``.
+    """
+
+    __slots__ = ("capacity", "count", "device", "free", "keys", "layout", "leaves", "live")
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
@@ -36,27 +51,43 @@ class Slab:
         self.count = 0
         self.live = 0
         self.free: list[int] = []
+        self.keys: list[bytes | None] = []
         self.leaves: list[torch.Tensor] = [
             torch.empty((0, *leaf.shape), dtype=leaf.dtype, device=device) for leaf in layout.leaves
         ]
 
-    def allocate(self, n: int, max_rows: int) -> list[int]:
-        """Return ``n`` free row indices, growing the slab when needed."""
+    @property
+    def spare(self) -> int:
+        """Rows that can take an entry without growing the slab."""
+        return self.capacity - self.live
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the slab's tensors allocate."""
+        return self.capacity * self.layout.nbytes
+
+    def allocate(self, keys: Sequence[bytes]) -> list[int]:
+        """Hand out one row per key (free rows first); the slab must have the room.
+
+        Raises:
+            ValueError: If ``keys`` has more items than :attr:`spare`.
+        """
+        n = len(keys)
+        if n > self.spare:
+            raise ValueError(f"a slab with {self.spare} spare rows cannot take {n} entries; grow it first")
         rows = self.free[-n:] if n else []
         del self.free[len(self.free) - len(rows) :]
         need = n - len(rows)
-        if need:
-            if self.count + need > self.capacity:
-                # Doubling copies each row once on average. The room allocated ahead of use
-                # is never written until rows land there, so it takes no resident memory.
-                grown = max(self.count + need, 2 * self.capacity, _MIN_ROWS)
-                self._grow(min(grown, max(max_rows, self.count + need)))
-            rows.extend(range(self.count, self.count + need))
-            self.count += need
+        rows.extend(range(self.count, self.count + need))
+        self.count += need
+        self.keys.extend([None] * need)
+        for row, key in zip(rows, keys):
+            self.keys[row] = key
         self.live += n
         return rows
 
-    def _grow(self, capacity: int) -> None:
+    def grow(self, capacity: int) -> None:
+        """Reallocate with room for ``capacity`` rows; rows keep their indices."""
         grown = []
         for leaf, old in zip(self.layout.leaves, self.leaves):
             new = torch.empty((capacity, *leaf.shape), dtype=leaf.dtype, device=self.device)
@@ -66,9 +97,24 @@ class Slab:
         self.leaves = grown
         self.capacity = capacity
 
+    def compact(self) -> list[tuple[bytes, int]]:
+        """Move the live rows to the front of tensors of exactly that many rows.
+
+        Returns:
+            ``(key, new row)`` for every entry of the slab.
+        """
+        rows = [row for row, key in enumerate(self.keys) if key is not None]
+        index = index_tensor(rows, self.device)
+        self.leaves = [leaf.index_select(0, index) for leaf in self.leaves]
+        self.keys = [self.keys[row] for row in rows]
+        self.capacity = self.count = self.live = len(rows)
+        self.free = []
+        return [(key, row) for row, key in enumerate(self.keys) if key is not None]
+
     def release(self, row: int) -> None:
         """Return a row to the free list."""
         self.free.append(row)
+        self.keys[row] = None
         self.live -= 1
 
 
@@ -76,7 +122,8 @@ class MemoryTier:
     """Item outputs in memory, under a byte budget, with MRU eviction.
 
     Args:
-        max_bytes: The budget for stored item bytes; 0 disables the tier.
+        max_bytes: The budget for stored item bytes and for the slabs that hold them;
+            0 disables the tier.
         device: Where to keep outputs; ``None`` keeps them on the device they came from.
     """
 
@@ -87,19 +134,29 @@ class MemoryTier:
         self._policy: MruPolicy[bytes] = MruPolicy()
         self._slabs: dict[tuple[Layout, str], Slab] = {}
         self._used = 0
+        self._allocated = 0
         self.lock = threading.RLock()
         renew_lock_after_fork(self, "lock")
 
     def __repr__(self) -> str:
         return (
             f"MemoryTier(device={self.device}, max_bytes={self.max_bytes}, "
-            f"nbytes={self._used}, entries={len(self._index)})"
+            f"nbytes={self._used}, allocated={self._allocated}, entries={len(self._index)})"
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored items."""
         return self._used
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the slabs allocate (stored items and rows kept for reuse)."""
+        return self._allocated
+
+    def slabs(self) -> list[Slab]:
+        """The slabs in use."""
+        return list(self._slabs.values())
 
     def __len__(self) -> int:
         return len(self._index)
@@ -149,19 +206,56 @@ class MemoryTier:
         slab = self._slabs.get(slab_key)
         if slab is None:
             slab = self._slabs[slab_key] = Slab(layout, torch.device(device))
-        max_rows = self.max_bytes // row_bytes if row_bytes else len(positions) + slab.count
-        rows = slab.allocate(len(positions), max_rows)
+        if slab.spare < len(positions):
+            self._grow(slab, slab.live + len(positions))
+        new_keys = [keys[pos] for pos in positions]
+        rows = slab.allocate(new_keys)
         src_index = None if len(positions) == len(keys) else index_tensor(positions, leaves[0].device)
         dst_index = index_tensor(rows, device)
         for dst, src, spec in zip(slab.leaves, leaves, layout.leaves):
             values = src if src_index is None else src.index_select(0, src_index)
             dst.index_copy_(0, dst_index, values.to(device=device, dtype=spec.dtype))
-        for pos, row in zip(positions, rows):
-            key = keys[pos]
+        for key, row in zip(new_keys, rows):
             index[key] = (slab, row)
             self._policy.add(key)
         self._used += need
         return len(positions)
+
+    def _grow(self, slab: Slab, minimum: int) -> None:
+        """Give ``slab`` room for ``minimum`` rows, within the budget the other slabs leave.
+
+        Doubling (at least ``_MIN_ROWS`` rows) copies each row once on average. When the
+        other slabs hold the room, the ones with the most unused rows are compacted first;
+        the eviction before this call made sure that is enough.
+        """
+        row_bytes = slab.layout.nbytes
+        target = max(minimum, 2 * slab.capacity, _MIN_ROWS)
+        if row_bytes:
+            limit = int(self.max_bytes * (1 + CAPACITY_OVERHEAD))
+            room = limit - (self._allocated - slab.nbytes)
+            if room < minimum * row_bytes:
+                self._reclaim(minimum * row_bytes - room, keep=slab)
+                room = limit - (self._allocated - slab.nbytes)
+            target = max(minimum, min(target, room // row_bytes))
+        self._allocated -= slab.nbytes
+        slab.grow(target)
+        self._allocated += slab.nbytes
+
+    def _reclaim(self, nbytes: int, keep: Slab) -> None:
+        """Compact slabs other than ``keep``, most unused bytes first, to free ``nbytes``."""
+        others = sorted(
+            (s for s in self._slabs.values() if s is not keep and s.spare),
+            key=lambda s: s.spare * s.layout.nbytes,
+            reverse=True,
+        )
+        for other in others:
+            if nbytes <= 0:
+                return
+            before = other.nbytes
+            for key, row in other.compact():
+                self._index[key] = (other, row)
+            self._allocated -= before - other.nbytes
+            nbytes -= before - other.nbytes
 
     def _evict(self, key: bytes) -> None:
         slab, row = self._index.pop(key)
@@ -169,6 +263,7 @@ class MemoryTier:
         self._used -= slab.layout.nbytes
         if slab.live == 0:
             self._slabs.pop((slab.layout, str(slab.device)), None)
+            self._allocated -= slab.nbytes
 
     def discard(self, key: bytes) -> None:
         """Remove one entry, if present."""
@@ -182,3 +277,4 @@ class MemoryTier:
         self._policy.clear()
         self._slabs.clear()
         self._used = 0
+        self._allocated = 0
