@@ -287,6 +287,22 @@ def test_hf_from_pretrained_then_freeze_then_wrap(tmp_path: Path) -> None:
     assert model.cache_instance.stats().hits == 4
 
 
+def test_one_checkpoint_loaded_from_two_places_has_one_key(tmp_path: Path) -> None:
+    transformers = _transformers()
+    source = transformers.BertModel(transformers.BertConfig(**BERT)).eval()
+    source.save_pretrained(tmp_path / "here")
+    source.save_pretrained(tmp_path / "there")
+    keys = []
+    for place in ("here", "there"):
+        model = transformers.AutoModel.from_pretrained(tmp_path / place).requires_grad_(False)
+        keys.append(torchcache()(model).cache_instance.module_hash)
+    assert keys[0] == keys[1]
+    other = transformers.AutoModel.from_pretrained(tmp_path / "here").requires_grad_(False)
+    with torch.no_grad():
+        other.pooler.dense.bias.add_(1)  # other weights: another key
+    assert torchcache()(other).cache_instance.module_hash != keys[0]
+
+
 def test_hf_decorated_class_from_pretrained_is_frozen_again_after_loading(tmp_path: Path) -> None:
     transformers = _transformers()
 

@@ -38,6 +38,7 @@ _MAX_DEPTH = 8
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _source_lock = threading.Lock()
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_UNKEYED = frozenset({"training", "name_or_path"})
 
 
 def _describe_object(value: object, name: str, depth: int = 0) -> bytes:
@@ -172,23 +173,38 @@ def describe_instance(module: torch.nn.Module) -> bytes:
 
     Covers the public attributes of the module and of every submodule that are plain
     values (numbers, strings, dtypes, tuples of these) or configuration objects (a
-    Hugging Face ``config``: by its ``repr``, or by its attributes when that is the
-    default one). Mutable containers (lists, dicts) are left out: modules use them for
-    bookkeeping that changes from call to call.
+    Hugging Face ``config``: by its public ``to_dict()`` entries, else its ``repr``, or
+    its attributes when that is the default one). Mutable containers (lists, dicts) are
+    left out: modules use them for bookkeeping that changes from call to call. So is
+    where the weights were loaded from (``name_or_path``): the weights themselves are
+    keyed, so one checkpoint loaded from two places has one key.
     """
     h = xxhash.xxh3_128()
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, value in sorted(vars(sub).items()):
-            if name.startswith("_") or name == "training" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            if name.startswith("_") or name in _UNKEYED or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue
             if isinstance(value, _SCALARS) or (type(value) is tuple and all(isinstance(v, _SCALARS) for v in value)):
                 encoded = encode_value(value, name)
             elif isinstance(value, (list, dict, set)) or callable(value):
                 continue
             else:
-                encoded = _describe_object(value, name)
+                encoded = _describe_object(_public_config(value), name)
             h.update(tag(b"k", f"{prefix}.{name}".encode()) + encoded)
     return h.digest()
+
+
+def _public_config(value: object) -> object:
+    """A configuration object's public entries, when it has ``to_dict()``; else the object."""
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        try:
+            entries = to_dict()
+        except Exception:  # noqa: BLE001 - any object may have a to_dict; fall back to describing it
+            return value
+        if isinstance(entries, dict):
+            return {k: v for k, v in entries.items() if not (isinstance(k, str) and k.startswith("_"))}
+    return value
 
 
 def _tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
