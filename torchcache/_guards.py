@@ -42,12 +42,12 @@ def check_frozen(module: torch.nn.Module, name: str) -> None:
 
 def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
     """Warn once when a module with dropout or batch norm is called through the cache in training mode."""
-    if not module.training or "train" in cache._warned:
+    if not module.training or "train" in cache.faults.warned:
         return
     if cache.stochastic is None:
         cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())
     if cache.stochastic:
-        cache._warn(
+        cache.faults.warn(
             "train",
             "called in training mode, and it holds dropout or batch-norm layers: cached outputs replay one "
             "dropout mask and batch-norm statistics stop following the data. Call .eval() on it after "

@@ -13,10 +13,8 @@ import atexit
 import inspect
 import json
 import logging
-import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -24,18 +22,20 @@ from typing import Any
 
 import torch
 
-from ._fork import after_fork, renew_lock_after_fork
+from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .arguments import CallArguments, split_call
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
-from .errors import CacheWarning, KeyingError, StoreError
+from .errors import KeyingError, StoreError
+from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
 from .stores.memory import MemoryTier
+from .tiers import SharedTier, open_shared_tier
 from .tree import Layout, RebuildError, flatten, leaf_paths, unflatten
 
 __all__ = ["Cache"]
@@ -47,35 +47,6 @@ _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 SHAPE_HINT_CALLS = 64
 _SHAPE_HINT_SHAPES = 8
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-class _SharedTier:
-    """One disk tier per module directory, disk settings and process, shared by the caches of that key.
-
-    Caches with the same key (two instances of one model, a deep copy, a re-created
-    function) then see each other's entries, pending writes included, and faults of
-    the tier reach each of them.
-    """
-
-    def __init__(self) -> None:
-        self.tier: DiskTier | None = None
-        self.users: weakref.WeakSet[Cache] = weakref.WeakSet()
-
-    def report(self, kind: str, message: str) -> None:
-        for cache in list(self.users):
-            cache._report(kind, message)
-
-
-_tiers: weakref.WeakValueDictionary[str, _SharedTier] = weakref.WeakValueDictionary()
-_tiers_lock = threading.Lock()
-
-
-def _forget_tiers_after_fork() -> None:
-    global _tiers_lock
-    _tiers_lock = threading.Lock()
-
-
-after_fork(_forget_tiers_after_fork)
 
 
 class Cache:
@@ -116,14 +87,10 @@ class Cache:
             )
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
         self._disk: DiskTier | None = None
-        self._shared: _SharedTier | None = None
+        self._shared: SharedTier | None = None
         self._disk_ready = not settings.persistent
-        self._warned: set[str] = set()
-        self._pending_faults: list[tuple[str, str]] = []
+        self.faults = FaultLog(name)
         self._lock = threading.RLock()
-        # Faults are reported from writer threads while a caller may hold ``_lock`` and wait
-        # for those threads (clear, re-key): reporting must never need ``_lock``.
-        self._fault_lock = threading.Lock()
         self._calls = 0
         self._shapes: set[bytes] = set()
         self._dims_by_spec: dict[str, list[int]] = {}
@@ -136,7 +103,6 @@ class Cache:
         self._last_summary = time.monotonic()
         _caches.add(self)
         renew_lock_after_fork(self, "_lock")
-        renew_lock_after_fork(self, "_fault_lock")
 
     def bind_owner(self, owner: Any, rebind: Callable[[Any], Cache]) -> None:
         """Remember the object this cache belongs to and how to make one for a copy of it."""
@@ -231,18 +197,6 @@ class Cache:
     def _open_disk_tier(self) -> None:
         """Create the disk tier (call with ``_lock`` held); on failure, warn and stay in memory."""
         directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
-        # Caches of one key with the same disk settings share a tier (pending writes included).
-        tier_key = f"{directory}|{self.settings.max_persistent_cache_size}|{self.settings.brotli_quality}"
-        with _tiers_lock:
-            shared = _tiers.get(tier_key)
-            if shared is None:
-                shared = _tiers[tier_key] = _SharedTier()
-        shared.users.add(self)
-        self._shared = shared  # keeps the shared tier alive while this cache uses it
-        if shared.tier is not None:
-            self._disk = shared.tier
-            self._disk_ready = True
-            return
         meta = {
             "torchcache_version": __version__,
             "format_version": FORMAT_VERSION,
@@ -251,35 +205,12 @@ class Cache:
             "module_key": self._module_hash,
             "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
         }
-        try:
-            self._disk = shared.tier = DiskTier(
-                directory, self.settings.max_persistent_cache_size, self.settings.brotli_quality, meta, shared.report
-            )
-        except StoreError as exc:
-            self._warn("write", f"{exc}; caching in memory only")
+        settings = self.settings
+        # Kept while this cache uses the tier: other caches of this key share it.
+        self._shared, self._disk = open_shared_tier(
+            directory, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults
+        )
         self._disk_ready = True
-
-    # -- faults -----------------------------------------------------------------------
-    def _report(self, kind: str, message: str) -> None:
-        """Record a fault from any thread; it is warned about on the caller's thread."""
-        with self._fault_lock:
-            self._pending_faults.append((kind, message))
-
-    def _warn(self, kind: str, message: str) -> None:
-        text = f"torchcache ({self.name}): {message}"
-        if kind in self._warned:
-            logger.debug(text)
-            return
-        self._warned.add(kind)
-        logger.warning(text)
-        warnings.warn(text, CacheWarning, stacklevel=_user_stacklevel())
-
-    def _emit_faults(self) -> None:
-        if self._pending_faults:
-            with self._fault_lock:
-                faults, self._pending_faults = self._pending_faults, []
-            for kind, message in faults:
-                self._warn(kind, message)
 
     # -- public API -------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -324,7 +255,7 @@ class Cache:
         if self._disk is not None:
             self._disk.flush()
             self._disk.touch()
-        self._emit_faults()
+        self.faults.emit()
 
     def clear(self) -> None:
         """Remove this module's entries from memory and from disk."""
@@ -335,8 +266,8 @@ class Cache:
                 try:
                     disk.clear()
                 except StoreError as exc:
-                    self._warn("write", f"could not clear the disk cache: {exc}")
-        self._emit_faults()
+                    self.faults.warn("write", f"could not clear the disk cache: {exc}")
+        self.faults.emit()
 
     # -- the call ---------------------------------------------------------------------
     def __call__(
@@ -350,9 +281,9 @@ class Cache:
         call, context = self._split(args, kwargs, training)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            self._warn("grad", "an input requires grad: calls with such inputs are not cached")
+            self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
-        self._emit_faults()
+        self.faults.emit()
         self._maybe_summarize()
         keys = hash_items(context, tensors, self.settings.subsample_count)
         batch = len(keys)
@@ -406,9 +337,9 @@ class Cache:
             self._calls >= SHAPE_HINT_CALLS
             and len(self._shapes) >= _SHAPE_HINT_SHAPES
             and self._hits < 0.2 * (self._hits + self._misses)
-            and "shapes" not in self._warned
+            and "shapes" not in self.faults.warned
         ):
-            self._warn(
+            self.faults.warn(
                 "shapes",
                 f"hit rate {self._hits / max(1, self._hits + self._misses):.0%} after {self._calls} calls whose "
                 f"per-item input shapes took {len(self._shapes)}+ different values: items are keyed by their "
@@ -444,7 +375,7 @@ class Cache:
                     self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
                 taken = set(positions)
                 missing = [pos for pos in missing if pos not in taken]
-            self._emit_faults()
+            self.faults.emit()
 
         if missing:
             if len(missing) == batch:
@@ -459,7 +390,9 @@ class Cache:
             self._check_items(leaves, len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
-                self._warn("layout", "cached outputs do not match the shapes just computed; computing the whole batch")
+                self.faults.warn(
+                    "layout", "cached outputs do not match the shapes just computed; computing the whole batch"
+                )
                 self._count(misses=batch)
                 return fn(*call.args, **call.kwargs)
             layout = new_layout
@@ -482,7 +415,7 @@ class Cache:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, error: RebuildError
     ) -> Any:
         """Compute a whole batch whose cached outputs name a class this process cannot rebuild."""
-        self._warn("rebuild", f"{error}; computing the batch instead (its entries are kept for when it can)")
+        self.faults.warn("rebuild", f"{error}; computing the batch instead (its entries are kept for when it can)")
         self._count(misses=batch)
         return fn(*args, **kwargs)
 
@@ -552,19 +485,6 @@ class Cache:
             self.memory.put(
                 item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
             )
-
-
-_LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside torchcache and torch."""
-    frame = sys._getframe(2)  # the caller of the function that warns
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
 
 
 def _no_cache() -> None:
