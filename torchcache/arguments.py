@@ -29,7 +29,7 @@ from .batch import index_tensor
 from .errors import KeyingError
 from .keys import Context, encode_value, tensor_digest
 
-__all__ = ["CallArguments", "split_call"]
+__all__ = ["CallArguments", "CallSplitter"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
@@ -191,63 +191,78 @@ def _describe_skeleton(value: Any, label: str) -> bytes:
     return encode_value(value, f"argument {label!r}")
 
 
-def split_call(
-    signature: inspect.Signature,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    context: Context,
-    shared: Collection[str] = (),
-    dims: Mapping[str, int] | None = None,
-) -> CallArguments:
-    """Bind a call to ``signature`` and split it into per-item tensors and key context.
+class CallSplitter:
+    """Splits the calls of one callable: what depends only on its signature is worked out once.
 
     Args:
         signature: The signature of the wrapped callable (without ``self``).
-        args: Positional arguments as the caller gave them.
-        kwargs: Keyword arguments as the caller gave them.
-        context: The context to extend (it starts with the module key).
         shared: Argument names whose tensors are the same for the whole batch.
         dims: Argument names whose batch dimension is not the first.
-
-    Returns:
-        The split call.
-
-    Raises:
-        TypeError: If the arguments do not fit the signature.
-        KeyingError: If an argument cannot be keyed, batch sizes disagree, or the
-            call has no per-item tensor.
     """
-    dims = dims or {}
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    splitter = _Splitter(context, shared, dims)
-    var_kinds = {p.name: p.kind for p in signature.parameters.values()}
-    for name, value in bound.arguments.items():
-        kind = var_kinds.get(name)
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            for i, item in enumerate(value):
-                splitter.add(f"*{name}[{i}]", name, item)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            for key in sorted(value):
-                splitter.add(f"**{key}", key, value[key])
+
+    def __init__(
+        self, signature: inspect.Signature, shared: Collection[str] = (), dims: Mapping[str, int] | None = None
+    ) -> None:
+        self.signature = signature
+        self.shared = shared
+        self.dims = dims or {}
+        params = list(signature.parameters.values())
+        self._kinds = {p.name: p.kind for p in params}
+        positional = [p.name for p in params if p.kind in _POSITIONAL]
+        self._var_positional = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "")
+        self._positional = positional
+        # Calls that pass every parameter positionally need no binding (the common case).
+        self._simple = len(positional) == len(params)
+
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: Context) -> CallArguments:
+        """Bind a call and split it into per-item tensors and key context.
+
+        Args:
+            args: Positional arguments as the caller gave them.
+            kwargs: Keyword arguments as the caller gave them.
+            context: The context to extend (it starts with the module key).
+
+        Returns:
+            The split call.
+
+        Raises:
+            TypeError: If the arguments do not fit the signature.
+            KeyingError: If an argument cannot be keyed, batch sizes disagree, or the
+                call has no per-item tensor.
+        """
+        positional = self._positional
+        if self._simple and not kwargs and len(args) == len(positional):
+            arguments: Mapping[str, Any] = dict(zip(positional, args))
         else:
-            splitter.add(name, name, value)
-    if not splitter.tensors:
-        raise KeyingError(
-            "torchcache needs at least one per-item tensor argument shaped (batch, ...) to key items by"
-            + (f" (shared_args {sorted(shared)} are hashed whole, not per item)" if shared else "")
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+        splitter = _Splitter(context, self.shared, self.dims)
+        for name, value in arguments.items():
+            kind = self._kinds.get(name)
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                for i, item in enumerate(value):
+                    splitter.add(f"*{name}[{i}]", name, item)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                for key in sorted(value):
+                    splitter.add(f"**{key}", key, value[key])
+            else:
+                splitter.add(name, name, value)
+        if not splitter.tensors:
+            raise KeyingError(
+                "torchcache needs at least one per-item tensor argument shaped (batch, ...) to key items by"
+                + (f" (shared_args {sorted(self.shared)} are hashed whole, not per item)" if self.shared else "")
+            )
+        names = positional[: len(args)]
+        if len(args) > len(positional):
+            names = names + [self._var_positional] * (len(args) - len(positional))
+        return CallArguments(
+            args=args,
+            kwargs=kwargs,
+            tensors=splitter.tensors,
+            batch=splitter.batch,
+            _names=names,
+            _kw_names={key: key for key in kwargs},
+            _shared=self.shared,
+            _dims=self.dims,
         )
-    positional = [p for p in signature.parameters.values() if p.kind in _POSITIONAL]
-    var_positional = next((p.name for p in signature.parameters.values() if p.kind.name == "VAR_POSITIONAL"), "")
-    names = [positional[i].name if i < len(positional) else var_positional for i in range(len(args))]
-    kw_names = {key: key for key in kwargs}
-    return CallArguments(
-        args=args,
-        kwargs=kwargs,
-        tensors=splitter.tensors,
-        batch=splitter.batch,
-        _names=names,
-        _kw_names=kw_names,
-        _shared=shared,
-        _dims=dims,
-    )

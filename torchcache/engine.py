@@ -25,7 +25,7 @@ import torch
 from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
-from .arguments import CallArguments, split_call
+from .arguments import CallArguments, CallSplitter
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
 from .errors import KeyingError, StoreError
@@ -73,6 +73,7 @@ class Cache:
         self.name = name
         self.kind = kind
         self._signature = signature
+        self._splitter = CallSplitter(signature, settings.shared_args, settings.batch_dims)
         self._fingerprint = fingerprint
         self._rebind: Callable[[Any], Cache] | None = None
         self._owner: weakref.ref[Any] | None = None
@@ -318,7 +319,7 @@ class Cache:
     ) -> tuple[CallArguments, bytes]:
         """Split a call into its per-item tensors and the digest of everything else."""
         context = Context(self._freeze_key())
-        call = split_call(self._signature, args, kwargs, context, self.settings.shared_args, self.settings.batch_dims)
+        call = self._splitter.split(args, kwargs, context)
         if training is not None:
             context.add(b"training" if training else b"eval")
         # Autocast changes the dtype and the values of outputs: it is part of the key,
