@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from torchcache.cli import _Progress, main
 from torchcache.codec import encode_frame
 from torchcache.inspect_cache import TMP_GRACE_SECONDS, parse_duration
 from torchcache.persist import META_NAME
+from torchcache.policy import format_size
 from torchcache.tree import Layout, flatten
 
 
@@ -139,7 +141,7 @@ def test_ls_ignores_unrelated_directories(capsys: pytest.CaptureFixture[str], ca
     code, out, _ = run(capsys, "ls")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["KEY", "NAME", "ENTRIES", "SIZE", "CREATED", "LAST", "USED", "VERSION"]
+    assert lines[0].split() == ["KEY", "NAME", "ENTRIES", "SIZE", "ON", "DISK", "CREATED", "LAST", "USED", "VERSION"]
     assert lines[1].split()[:3] == [directory.name[:12], f"{Tiny.__module__}.Tiny", "5"]
     assert lines[-1].startswith("1 module cache, 5 entries, ")
     caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
@@ -244,7 +246,7 @@ def test_verify_reports_and_fixes_corrupt_and_temporary_files(
 
     code, out, err = run(capsys, "verify")
     assert code == 1
-    assert err == "torchcache: error: 7 problems found; run `torchcache verify --fix` to remove them\n"
+    assert err == "torchcache: error: 7 problems found; run `torchcache verify --fix` to fix them\n"
     assert "checked 15 entries in 2 module caches" in out
     reasons = {line.split()[-1]: line for line in out.splitlines()[2:9]}
     rel = {k: str(p.relative_to(cache_root)) for k, p in bad.items()}
@@ -252,7 +254,7 @@ def test_verify_reports_and_fixes_corrupt_and_temporary_files(
     assert "does not match its prefix" in reasons[rel["truncated"]]
     assert "truncated frame" in reasons[rel["garbage"]]
     assert "payload is 12 bytes, its header describes 16" in reasons[rel["wrong_size"]]
-    assert "missing field 'leaves'" in reasons[rel["bad_header"]]
+    assert "invalid header" in reasons[rel["bad_header"]]
     assert reasons[rel["stray"]].startswith("temporary") and rel["stray_meta"] in reasons
     assert rel["fresh"] not in out and "left 1 recent temporary file alone" in out
     assert sorted(p for p in cache_root.rglob("*")) == before  # reporting removes nothing
@@ -435,3 +437,145 @@ def test_python_dash_m_clear_refuses_without_a_terminal(cache_root: Path) -> Non
     assert done.stderr.startswith("torchcache: error: refusing to remove 1 module cache (")
     assert done.stderr.count("\n") == 1
     assert len(entry_files(directory)) == 3
+
+
+# -- damaged metadata, lookups, sizes -----------------------------------------------------------
+DAMAGES = {
+    "overwritten": lambda meta: meta.write_bytes(os.urandom(64)),
+    "truncated": lambda meta: meta.write_bytes(meta.read_bytes()[:20]),
+    "emptied": lambda meta: meta.write_bytes(b""),
+    "deleted": lambda meta: meta.unlink(),
+    "foreign": lambda meta: meta.write_text('{"name": "x"}'),
+    "created in milliseconds": lambda meta: meta.write_text(
+        json.dumps({**json.loads(meta.read_text()), "created": time.time() * 1000})
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_metadata_never_hides_a_cache(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, damage: str
+) -> None:
+    model, x, directory = make_cache(items=5)
+    _, _, healthy = make_cache(out=2, items=2)
+    DAMAGES[damage](directory / META_NAME)
+
+    code, out, _ = run(capsys, "ls")
+    assert code == 0 and "2 module caches, 7 entries" in out
+    assert "(damaged metadata)" in out and "1 module cache with damaged metadata" in out
+    listed = {c["key"]: c for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]}
+    assert listed[directory.name]["entries"] == 5 and listed[directory.name]["metadata_problem"]
+    assert listed[healthy.name]["metadata_problem"] is None
+    assert run(capsys, "info", directory.name)[0] == 0
+
+    code, out, err = run(capsys, "verify")
+    assert code == 1 and "checked 7 entries in 2 module caches" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("metadata ")]
+    assert len(rows) == 1 and rows[0][-1] == f"{directory.name}/{META_NAME}" and "1 problem found" in err
+    code, out, err = run(capsys, "verify", "--fix")
+    assert (code, err) == (0, "") and "rebuilt the metadata of 1 module cache" in out
+    assert run(capsys, "verify")[0] == 0
+    meta = json.loads((directory / META_NAME).read_text())
+    assert meta["module_key"] == directory.name and meta["rebuilt"] is True
+    after = {c["key"]: c for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]}[directory.name]
+    assert after["last_used"] == listed[directory.name]["last_used"]  # a fix does not make it look used
+
+    fresh = twin(model)  # the library reads the rebuilt cache
+    torch.testing.assert_close(fresh(x), model.linear(x))
+    assert fresh.cache_instance.stats().hits == 5
+
+
+@pytest.mark.parametrize("how", ["clear", "prune"])
+def test_clear_and_prune_remove_caches_with_damaged_metadata(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, how: str
+) -> None:
+    _, _, directory = make_cache(items=4)
+    (directory / META_NAME).write_bytes(b"\x00" * 10)
+    argv = ["clear", "--all", "-y"] if how == "clear" else ["prune", "--keep", "0"]
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "") and "removed 1 module cache" in out
+    assert not directory.exists()
+
+
+def test_the_library_rewrites_metadata_the_cli_would_report(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    model, x, directory = make_cache(items=3)
+    (directory / META_NAME).write_text('{"name": "x"}')
+    reader, want = twin(model), model.linear(x)
+    del model  # the reader opens the directory anew (a process shares a directory's tier between its caches)
+    gc.collect()
+    with pytest.warns(CacheWarning, match="replaced the damaged metadata file"):
+        torch.testing.assert_close(reader(x), want)
+    caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
+    assert [(c["key"], c["metadata_problem"]) for c in caches] == [(directory.name, None)]
+    assert caches[0]["name"] == f"{Tiny.__module__}.Tiny"
+
+
+@pytest.mark.parametrize("command", ["clear", "info"])
+def test_a_key_with_root_is_looked_up_under_that_root_only(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    _, _, directory = make_cache(items=3)
+    other_root = tmp_path / "other"
+    other = other_root / directory.name
+    shutil.copytree(directory, other)
+    monkeypatch.chdir(cache_root)  # the working directory holds a cache of the same key
+    argv = ["clear", directory.name, "--root", str(other_root), "-y"] if command == "clear" else []
+    if command == "info":
+        argv = ["info", directory.name, "--root", str(other_root), "--json"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    if command == "info":
+        assert json.loads(out)["directory"] == str(other)
+    else:
+        assert not other.exists()
+    assert len(entry_files(directory)) == 3  # the cache in the working directory is untouched
+    code, out, _ = run(capsys, "info", directory.name, "--json")  # without --root: the directory here
+    assert code == 0 and Path(json.loads(out)["directory"]).resolve() == directory.resolve()
+
+
+@pytest.mark.parametrize("size", ["1e999999999", "1e40GB", "9" * 500])
+def test_prune_with_a_size_too_large_is_a_usage_error(capsys: pytest.CaptureFixture[str], size: str) -> None:
+    _, _, directory = make_cache(items=2)
+    code, out, err = run(capsys, "prune", "--max-size", size)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("torchcache: error: argument --max-size: --max-size must be at most")
+    assert directory.exists()
+
+
+def test_ls_and_info_report_bytes_on_disk(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    _, _, directory = make_cache(items=20)
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    on_disk = sum(p.stat().st_blocks * 512 for p in files)
+    logical = sum(p.stat().st_size for p in files)
+    assert on_disk > logical  # small entries take whole blocks
+    cache = json.loads(run(capsys, "ls", "--json")[1])["caches"][0]
+    assert (cache["bytes"], cache["disk_bytes"]) == (logical, on_disk)
+    info = json.loads(run(capsys, "info", directory.name, "--json")[1])
+    assert info["disk_bytes"] == on_disk
+    code, out, _ = run(capsys, "info", directory.name)
+    assert code == 0
+    assert f"on disk          {format_size(on_disk)} ({on_disk:,} bytes)" in out
+    assert f"({format_size(on_disk)} on disk)" in run(capsys, "ls")[1]
+
+
+def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.cli as cli_module
+
+    oldest, middle, newest = make_three()
+    real_remove = cli_module.remove_cache
+
+    def remove(directory: Path) -> tuple[int, Path | None]:
+        if directory == middle:
+            raise PermissionError(13, "Permission denied")
+        return real_remove(directory)
+
+    monkeypatch.setattr(cli_module, "remove_cache", remove)
+    code, out, err = run(capsys, "prune", "--keep", "0")
+    assert code == 1
+    assert f"torchcache: error: cannot remove {middle}: Permission denied" in err
+    assert "removed 2 module caches" in out and oldest.name[:12] in out
+    assert not oldest.exists() and middle.exists() and not newest.exists()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
 import pickle
 import struct
+import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
+import brotli
 import pytest
 import torch
 import xxhash
@@ -19,10 +24,13 @@ from torchcache.codec import (
     CODEC_BROTLI,
     CODEC_RAW,
     MAGIC,
+    MAX_ITEM_BYTES,
     PREFIX_SIZE,
     decode_frame,
     decode_header,
     encode_frame,
+    frame_length,
+    nested_deeper_than,
     split_frame,
 )
 from torchcache.errors import CorruptEntryError
@@ -323,3 +331,84 @@ def test_pickle_prefixed_with_magic_is_rejected(armed_pickle: bytes) -> None:
     with pytest.raises(CorruptEntryError):
         decode_frame(MAGIC + b"\x01\x00\x00\x00" + armed_pickle)
     assert not _RAN["flag"]
+
+
+# -- frames that cost more than they declare ------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _gigabyte_of_zeros() -> bytes:
+    """A brotli stream of about 1.6 kB that inflates to 1 GiB."""
+    return brotli.compress(b"\x00" * (1 << 30), quality=5, lgwin=24)
+
+
+def _sealed(codec: int, header: bytes, stored: bytes, raw_len: int) -> bytes:
+    """A frame with any field values and a valid checksum."""
+    head = struct.pack("<4sBBHIQQ", MAGIC, 1, codec, 0, len(header), len(stored), raw_len)
+    digest = xxhash.xxh3_64(head)
+    digest.update(header)
+    digest.update(stored)
+    return head + struct.pack("<Q", digest.intdigest()) + header + stored
+
+
+def _peak_bytes(fn: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(CorruptEntryError):
+            fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_decompression_bomb_stops_at_its_declared_size() -> None:
+    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), _gigabyte_of_zeros(), 4096)
+    with pytest.raises(CorruptEntryError, match="inflates past its declared 4096 bytes"):
+        decode_frame(bomb)
+    assert _peak_bytes(lambda: decode_frame(bomb)) < 4 << 20
+
+
+def test_a_declared_size_that_disagrees_with_the_header_is_refused_before_decompressing() -> None:
+    declared = MAX_ITEM_BYTES - 1
+    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), _gigabyte_of_zeros(), declared)
+    with pytest.raises(CorruptEntryError, match=f"payload is {declared} bytes, its header describes 48"):
+        split_frame(bomb, raw_size=lambda header: 48)
+    assert _peak_bytes(lambda: split_frame(bomb, raw_size=lambda header: 48)) < 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("codec", "stored_len", "raw_len", "match"),
+    [
+        (CODEC_BROTLI, 10, MAX_ITEM_BYTES + 1, "more than"),
+        (CODEC_BROTLI, 100, 10, "do not agree"),
+        (CODEC_RAW, 100, 99, "do not agree"),
+    ],
+)
+def test_inconsistent_or_oversized_lengths_are_refused_from_the_prefix(
+    codec: int, stored_len: int, raw_len: int, match: str
+) -> None:
+    prefix = struct.pack("<4sBBHIQQQ", MAGIC, 1, codec, 0, 2, stored_len, raw_len, 0)
+    with pytest.raises(CorruptEntryError, match=match):
+        frame_length(prefix)
+
+
+def test_frame_length_reads_the_prefix_only() -> None:
+    frame = encode_frame(HEADER, os.urandom(500), None)
+    assert frame_length(frame[:PREFIX_SIZE]) == len(frame)
+    with pytest.raises(CorruptEntryError, match="truncated"):
+        frame_length(frame[: PREFIX_SIZE - 1])
+
+
+@pytest.mark.parametrize("header", [b"[" * 5000 + b"]" * 5000, b'{"a":' * 5000 + b"1" + b"}" * 5000])
+def test_a_deeply_nested_header_is_corrupt_not_a_recursion_error(header: bytes) -> None:
+    frame = _sealed(CODEC_RAW, header, b"", 0)
+    with pytest.raises(CorruptEntryError, match=r"nested too deeply|not a JSON object"):
+        decode_frame(frame)
+    with pytest.raises(CorruptEntryError):
+        decode_header(frame)
+
+
+def test_nesting_below_the_limit_parses() -> None:
+    header = {"tree": "T", "deep": functools.reduce(lambda inner, _: [inner], range(50), [])}
+    assert decode_frame(encode_frame(header, b"", None))[0] == header
+    assert nested_deeper_than({"a": [[[]]]}, 3) and not nested_deeper_than({"a": [[[]]]}, 4)

@@ -312,3 +312,204 @@ def test_a_full_disk_warns_once_and_leaves_no_partial_entry(cache_root: Path, mo
     assert len(files) == 3
     assert_all_entries_decode(cache_root)
     assert not [p for p in cache_root.rglob("*.tmp")]
+
+
+def test_a_directory_at_one_entry_path_does_not_turn_off_disk_writes(cache_root: Path) -> None:
+    x, y = torch.randn(N, 4), torch.randn(N, 4)
+    writer = cached(Counting, persistent=True)()
+    writer(x)
+    writer.cache_instance.flush()
+    files = entry_files(cache_root)
+    for path in files:
+        path.unlink()
+    files[0].mkdir()  # a directory where one entry goes
+    (files[0] / "child").write_bytes(b"")
+
+    model = cached(Counting, persistent=True)()
+    plain = Counting()
+    with cache_warnings() as caught:
+        assert_same(model(x), plain(x))
+        model.cache_instance.flush()
+        assert_same(model(y), plain(y))
+        model.cache_instance.flush()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "Is a directory" in str(caught[0].message)
+    written = [p for p in entry_files(cache_root) if p.is_file()]
+    assert len(written) == 2 * N - 1  # every other entry of both batches was written
+    assert_all_entries_decode_except(cache_root, files[0])
+    fresh = cached(Counting, persistent=True)()
+    assert_same(fresh(y), plain(y))
+    assert fresh.items == 0
+
+
+def assert_all_entries_decode_except(root: Path, skip: Path) -> None:
+    from torchcache.codec import decode_frame
+
+    for path in entry_files(root):
+        if path != skip:
+            decode_frame(path.read_bytes())
+
+
+def test_a_corrupt_entry_that_cannot_be_removed_is_reported_as_such_and_skipped_in_the_process(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import torchcache.stores.disk as disk_module
+
+    x = torch.randn(N, 4)
+    writer = cached(Counting, persistent=True)()
+    writer(x)
+    writer.cache_instance.flush()
+    files = entry_files(cache_root)
+    flip(files[:1], cache_root / "unused")
+    real_unlink = os.unlink
+
+    def read_only(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(cache_root)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.os, "unlink", read_only)
+    plain = Counting()
+    reader = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size=1)()
+    with cache_warnings() as caught:
+        assert_same(reader(x), plain(x))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "cannot be removed" in message and "removed corrupt" not in message
+    assert files[0].exists()
+    assert reader.items == 1
+
+    checked: list[int] = []
+    import torchcache.persist as persist_module
+
+    real_split = persist_module.split_frame
+    monkeypatch.setattr(persist_module, "split_frame", lambda *a, **k: checked.append(1) or real_split(*a, **k))
+    again = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size=1)()
+    with cache_warnings() as none:
+        assert_same(again(x), plain(x))
+    assert none == []  # known to this process: not read, not rejected, not reported again
+    assert again.items == 1
+    assert len(checked) == N - 1
+
+
+def _layout_and_rows(n: int, seed: int) -> tuple[Any, list[torch.Tensor]]:
+    from torchcache.tree import Layout, flatten
+
+    out = {"a": torch.randn(n, 3, generator=torch.Generator().manual_seed(seed)), "b": torch.arange(n) + seed}
+    spec, leaves = flatten(out)
+    return Layout.of(spec, leaves, None), [leaf.contiguous() for leaf in leaves]
+
+
+def _tier(directory: Path, reports: list[tuple[str, str]]) -> Any:
+    from torchcache.persist import DiskTier
+
+    return DiskTier(directory, 10**9, 5, {"torchcache_version": "test"}, lambda kind, msg: reports.append((kind, msg)))
+
+
+@pytest.mark.parametrize("stored_first", [0, 40])
+def test_queued_writes_are_read_back_before_the_writer_stores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored_first: int
+) -> None:
+    import threading
+
+    reports: list[tuple[str, str]] = []
+    tier = _tier(tmp_path / "module", reports)
+    keys = [f"{i:032x}" for i in range(stored_first + 10)]
+    layout, rows = _layout_and_rows(len(keys), seed=1)
+    if stored_first:  # a batch of entries on disk and in the queue together (the parallel read path)
+        tier.write(keys[:stored_first], layout, [r[:stored_first] for r in rows])
+        tier.flush()
+    release = threading.Event()
+    real_put = tier.store.put
+
+    def held_put(key: str, data: bytes) -> bool:
+        assert release.wait(60)
+        return real_put(key, data)
+
+    monkeypatch.setattr(tier.store, "put", held_put)
+    tier.write(keys[stored_first:], layout, [r[stored_first:] for r in rows])
+    try:
+        assert tier.pending > 0
+        positions, got_layout, leaves = tier.read(keys)
+        assert positions == list(range(len(keys)))
+        assert got_layout == layout
+        for got, want in zip(leaves, rows):
+            assert torch.equal(got, want)
+    finally:
+        release.set()
+        tier.flush()
+    assert tier._pending == {}
+    assert reports == []
+    positions, _, leaves = tier.read(keys)
+    assert positions == list(range(len(keys))) and all(torch.equal(g, w) for g, w in zip(leaves, rows))
+
+
+def test_a_later_write_of_a_key_wins_and_failed_writes_leave_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import threading
+
+    from torchcache.errors import StoreError
+
+    reports: list[tuple[str, str]] = []
+    tier = _tier(tmp_path / "module", reports)
+    release = threading.Event()
+
+    def failing_put(key: str, data: bytes) -> bool:
+        assert release.wait(60)
+        raise StoreError(f"cannot write cache entry {key}") from IsADirectoryError(errno.EISDIR, "Is a directory")
+
+    monkeypatch.setattr(tier.store, "put", failing_put)
+    keys = [f"{i:032x}" for i in range(4)]
+    layout, first = _layout_and_rows(4, seed=1)
+    _, second = _layout_and_rows(4, seed=2)
+    tier.write(keys, layout, first)
+    tier.write(keys[:2], layout, [r[:2] for r in second])
+    try:
+        _, _, leaves = tier.read(keys)
+        assert torch.equal(leaves[0][:2], second[0][:2]) and torch.equal(leaves[0][2:], first[0][2:])
+    finally:
+        release.set()
+        tier.flush()
+    assert tier._pending == {}
+    assert tier.read(keys) == ([], None, [])
+    assert {kind for kind, _ in reports} == {"entry"}  # one bad path is not the end of the tier
+    assert tier._writes_enabled
+
+
+def test_metadata_is_written_through_a_new_unpredictable_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import torchcache.persist as persist_module
+    from torchcache.persist import META_NAME, load_meta, write_json_atomic
+
+    directory = tmp_path / "module"
+    directory.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not torchcache's")
+    # links planted at the names a predictable scheme would use
+    for name in (f".{META_NAME}.{os.getpid()}.{threading.get_ident()}.tmp", f".{META_NAME}.tmp"):
+        os.symlink(victim, directory / name)
+    renamed: list[str] = []
+    real_replace = os.replace
+    monkeypatch.setattr(persist_module.os, "replace", lambda a, b: renamed.append(str(a)) or real_replace(a, b))
+    for _ in range(2):
+        write_json_atomic(directory / META_NAME, {"torchcache_version": "test"})
+    assert victim.read_text() == "not torchcache's"
+    assert load_meta(directory) == ({"torchcache_version": "test"}, None)
+    assert len(set(renamed)) == 2 and all(Path(name).name.startswith(f".{META_NAME}.") for name in renamed)
+
+
+def test_a_failed_metadata_rename_leaves_no_temporary_file(tmp_path: Path) -> None:
+    from torchcache.persist import META_NAME, write_json_atomic
+
+    (tmp_path / META_NAME).mkdir()
+    (tmp_path / META_NAME / "inside").write_text("x")
+    with pytest.raises(OSError):
+        write_json_atomic(tmp_path / META_NAME, {"torchcache_version": "test"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [META_NAME]

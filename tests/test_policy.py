@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchcache.errors import ConfigError
-from torchcache.policy import LruPolicy, MruPolicy, format_size, parse_size
+from torchcache.policy import MAX_SIZE, LruPolicy, MruPolicy, format_size, parse_size
 
 # -- parse_size -----------------------------------------------------------------------------
 
@@ -244,3 +244,13 @@ def test_policies_match_a_list_model(ops: list[tuple[str, int]], recent_first: b
                 policy.victim()
         assert list(policy) == model
         assert len(policy) == len(model)
+
+
+@pytest.mark.parametrize("value", ["1e999999999", "1e999999999GB", "9" * 400, "1e40", 10**40, 1e300, 2**64 + 1])
+def test_parse_size_too_large_is_a_config_error_naming_the_argument(value: Any) -> None:
+    with pytest.raises(ConfigError, match="max_persistent_cache_size must be at most"):
+        parse_size(value, "max_persistent_cache_size")
+
+
+def test_parse_size_largest_accepted() -> None:
+    assert parse_size(MAX_SIZE) == MAX_SIZE == parse_size(f"{MAX_SIZE}B")

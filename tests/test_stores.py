@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
+import stat
+import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from torchcache.errors import StoreError
+from torchcache.errors import CorruptEntryError, StoreError
 from torchcache.policy import LruPolicy
 from torchcache.stores import DiskStore, Store
 
@@ -395,12 +400,14 @@ def test_clear_keeps_non_entry_files(tmp_path: Path) -> None:
     assert store.nbytes == 0
 
 
-def test_reading_a_directory_raises_store_error(tmp_path: Path) -> None:
+def test_a_directory_at_an_entry_path_is_a_miss_and_not_counted(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, max_bytes=1000)
     store.path(A).mkdir(parents=True)
-    with pytest.raises(StoreError) as info:
-        store.get(A)
-    assert isinstance(info.value, OSError)
+    store.put(B, b"b" * 10)
+    assert store.get(A) is None
+    assert A not in store
+    assert list(store.keys()) == [B]
+    assert store.nbytes == 10
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores file modes")
@@ -449,3 +456,138 @@ def test_keys_iterator_is_a_snapshot(tmp_path: Path) -> None:
     keys: Iterator[str] = store.keys()
     store.clear()
     assert sorted(keys) == sorted(_key(i) for i in range(5))
+
+
+# -- planted files --------------------------------------------------------------------------
+
+
+def _call_with_deadline(fn: Callable[[], object], seconds: float = 30.0) -> object:
+    """Run ``fn`` on a thread; fail (instead of hanging the suite) if it does not return in time."""
+    result: list[object] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"the call did not return within {seconds} s")
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_at_an_entry_path_is_a_miss_without_blocking(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, max_bytes=1000)
+    store.path(A).parent.mkdir(parents=True)
+    os.mkfifo(store.path(A))
+    try:
+        assert _call_with_deadline(lambda: store.get(A)) is None
+        assert A not in store
+        assert store.put(A, b"entry")  # the rename replaces the FIFO
+        assert store.get(A) == b"entry"
+    finally:
+        if stat.S_ISFIFO(os.lstat(store.path(A)).st_mode):  # release a reader stuck on it
+            os.close(os.open(store.path(A), os.O_RDWR | os.O_NONBLOCK))
+
+
+def _framed(length: int) -> Callable[[bytes], int]:
+    """A framing whose 8-byte prefix holds the whole length, little-endian."""
+
+    def frame_length(prefix: bytes) -> int:
+        if len(prefix) < 8:
+            raise CorruptEntryError("truncated")
+        return int.from_bytes(prefix[:8], "little")
+
+    return frame_length
+
+
+def test_a_file_whose_size_disagrees_with_its_prefix_is_refused_after_reading_the_prefix(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, max_bytes=10**12, frame_length=_framed(8), prefix_size=8)
+    store.put(A, (20).to_bytes(8, "little") + b"x" * 12)
+    assert store.get(A) == (20).to_bytes(8, "little") + b"x" * 12
+    giant = store.path(B)
+    giant.parent.mkdir(parents=True, exist_ok=True)
+    with open(giant, "wb") as file:  # a sparse 1 GiB file that declares 20 bytes
+        file.write((20).to_bytes(8, "little"))
+        file.truncate(1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptEntryError, match="prefix declares 20"):
+            store.get(B)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    (tmp_path / C[:3]).mkdir(exist_ok=True)
+    with open(store.path(C), "wb") as file:  # too short for a prefix
+        file.write(b"short")
+        file.truncate(1 << 20)
+    with open(store.path(C), "r+b") as file:
+        file.write(b"\x00" * 8)
+    with pytest.raises(CorruptEntryError, match="prefix declares 0"):
+        store.get(C)
+    store.put(D, b"tiny")  # small files are read whole, and checked by their reader
+    assert store.get(D) == b"tiny"
+
+
+def test_rejected_entries_are_removed(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, max_bytes=1000)
+    store.put(A, b"bad")
+    assert store.reject(A) is True
+    assert not store.path(A).exists() and A not in list(store.keys())
+    assert store.reject(A) is True  # already gone
+
+
+def test_a_rejected_entry_that_cannot_be_removed_is_skipped_until_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.stores.disk as disk_module
+
+    store = DiskStore(tmp_path, max_bytes=1000)
+    store.put(A, b"bad entry")
+    store.put(B, b"good entry")
+    real_unlink = os.unlink
+
+    def read_only_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(errno.EROFS, "Read-only file system", str(path))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.os, "unlink", read_only_unlink)
+    assert store.reject(A) is False
+    assert store.path(A).exists()
+    reads: list[int] = []
+    real_pread = os.pread
+    monkeypatch.setattr(disk_module.os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
+    assert store.get(A) is None
+    assert DiskStore(tmp_path, max_bytes=1000).get(A) is None  # another store of this process too
+    assert reads == []
+    assert store.get(B) == b"good entry"
+    monkeypatch.setattr(disk_module.os, "unlink", real_unlink)
+    store.put(A, b"rewritten")  # a new file at the path is read again
+    assert store.get(A) == b"rewritten"
+
+
+def test_eviction_goes_on_past_an_entry_it_cannot_remove(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.stores.disk as disk_module
+
+    store = DiskStore(tmp_path, max_bytes=20)
+    store.put(A, b"a" * 10)
+    store.put(B, b"b" * 10)
+    real_unlink = os.unlink
+
+    def stuck_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path) == str(store.path(B)):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.os, "unlink", stuck_unlink)
+    assert store.put(C, b"c" * 10)  # MRU: B is the victim, cannot go; A goes next
+    assert store.get(C) == b"c" * 10

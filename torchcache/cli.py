@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from .inspect_cache import (
     find_caches,
     list_files,
     parse_duration,
+    rebuild_meta,
     remove_cache,
     remove_file,
     resolve_cache,
@@ -36,6 +38,7 @@ from .inspect_cache import (
     summarize_layouts,
     verify_files,
 )
+from .persist import META_NAME
 from .policy import format_size, parse_size
 
 __all__ = ["build_parser", "main"]
@@ -90,12 +93,21 @@ class _Progress:
 
 
 # -- formatting -----------------------------------------------------------------------
+def _date(ts: float | None) -> datetime | None:
+    try:
+        return None if ts is None else datetime.fromtimestamp(ts).astimezone()
+    except (OverflowError, OSError, ValueError):  # a time no date can show
+        return None
+
+
 def _when(ts: float | None) -> str:
-    return "-" if ts is None else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+    date = _date(ts)
+    return "-" if date is None else date.strftime("%Y-%m-%d %H:%M")
 
 
 def _iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+    date = _date(ts)
+    return None if date is None else date.isoformat(timespec="seconds")
 
 
 def _plural(n: int, word: str, many: str = "") -> str:
@@ -119,11 +131,13 @@ def _cache_json(cache: ModuleCache) -> dict[str, Any]:
         "kind": cache.meta.get("kind"),
         "entries": cache.entries,
         "bytes": cache.nbytes,
+        "disk_bytes": cache.disk_bytes,
         "temporary_files": cache.temporaries,
         "max_bytes": cache.max_bytes,
         "created": _iso(cache.created),
         "last_used": _iso(cache.last_used),
         "torchcache_version": cache.version,
+        "metadata_problem": cache.meta_problem,
     }
 
 
@@ -131,25 +145,45 @@ def _cache_table(caches: Sequence[ModuleCache]) -> str:
     rows = [
         [
             c.key[:12],
-            c.name,
+            c.name if c.meta_problem is None else f"{c.name} (damaged metadata)",
             f"{c.entries:,}",
             format_size(c.nbytes),
+            format_size(c.disk_bytes),
             _when(c.created),
             _when(c.last_used),
             c.version or "-",
         ]
         for c in caches
     ]
-    return _table(["KEY", "NAME", "ENTRIES", "SIZE", "CREATED", "LAST USED", "VERSION"], rows, right=(2, 3))
+    headers = ["KEY", "NAME", "ENTRIES", "SIZE", "ON DISK", "CREATED", "LAST USED", "VERSION"]
+    return _table(headers, rows, right=(2, 3, 4))
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with non-finite floats (which JSON cannot hold) as ``None``."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_finite(value) for value in data]
+    return data
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+    print(json.dumps(_finite(data), indent=2, allow_nan=False))
 
 
 def _totals(caches: Sequence[ModuleCache]) -> str:
     entries = _plural(sum(c.entries for c in caches), "entry", "entries")
-    return f"{_plural(len(caches), 'module cache')}, {entries}, {format_size(sum(c.nbytes for c in caches))}"
+    size, disk = format_size(sum(c.nbytes for c in caches)), format_size(sum(c.disk_bytes for c in caches))
+    return f"{_plural(len(caches), 'module cache')}, {entries}, {size} ({disk} on disk)"
+
+
+def _damaged_note(caches: Sequence[ModuleCache]) -> None:
+    damaged = sum(c.meta_problem is not None for c in caches)
+    if damaged:
+        print(f"{_plural(damaged, 'module cache')} with damaged metadata; `torchcache verify --fix` rebuilds it")
 
 
 def _root(arg: str | None) -> Path:
@@ -175,11 +209,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     else:
         print(_cache_table(caches))
         print(f"\n{_totals(caches)} under {root}")
+        _damaged_note(caches)
     return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    cache = resolve_cache(resolve_root(None) if args.root is None else _root(args.root), args.target)
+    root = resolve_root(None) if args.root is None else _root(args.root)
+    cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
     layouts = summarize_layouts(files.entries, args.sample)
     sampled = sum(s.entries for s in layouts)
@@ -203,11 +239,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("format", str(cache.meta.get("format_version", "-"))),
         ("entries", f"{cache.entries:,}"),
         ("size", f"{format_size(cache.nbytes)} ({cache.nbytes:,} bytes)"),
+        ("on disk", f"{format_size(cache.disk_bytes)} ({cache.disk_bytes:,} bytes)"),
         ("size limit", "-" if limit is None else f"{format_size(limit)}{used}"),
         ("temporary files", str(cache.temporaries)),
+        ("metadata", cache.meta_problem or "ok"),
     ]
     if isinstance(settings, dict):
-        fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "-"))
+        fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items(), key=str)) or "-"))
     width = max(len(label) for label, _ in fields)
     for label, value in fields:
         print(f"{label:<{width}}  {value}")
@@ -229,9 +267,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     now = time.time()
     progress = _Progress(total, "verify")
     problems: list[Problem] = []
+    damaged: dict[Path, ModuleCache] = {}
     busy = 0
     try:
-        for _, files in listed:
+        for cache, files in listed:
+            if cache.meta_problem is not None:
+                damaged[cache.directory / META_NAME] = cache
+                problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
             found, in_progress = verify_files(files, now, progress.update)
             problems.extend(found)
             busy += len(in_progress)
@@ -242,10 +284,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.fix:
         for problem in problems:
             try:
-                remove_file(problem.path)
+                if problem.path in damaged:
+                    rebuild_meta(damaged[problem.path])
+                else:
+                    remove_file(problem.path)
                 removed.append(problem)
             except OSError as exc:
-                failures.append(f"cannot remove {problem.path}: {exc.strerror or exc}")
+                failures.append(f"cannot fix {problem.path}: {exc.strerror or exc}")
+    rebuilt = sum(p.path in damaged for p in removed)
     left = len(problems) - len(removed)
     if args.json:
         _print_json(
@@ -254,7 +300,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 "module_caches": len(caches),
                 "entries_checked": total,
                 "problems": [
-                    {"path": str(p.path), "kind": p.kind, "reason": p.reason, "bytes": p.size, "removed": p in removed}
+                    {
+                        "path": str(p.path),
+                        "kind": p.kind,
+                        "reason": p.reason,
+                        "bytes": p.size,
+                        "removed": p in removed and p.path not in damaged,
+                        "fixed": p in removed,
+                    }
                     for p in problems
                 ],
                 "temporary_files_in_use": busy,
@@ -268,15 +321,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(_table(["PROBLEM", "REASON", "FILE"], rows))
         if busy:
             print(f"left {_plural(busy, 'recent temporary file')} alone (a write may be in progress)")
-        if removed:
-            print(f"removed {_plural(len(removed), 'file')} ({format_size(sum(p.size for p in removed))})")
-        elif not problems:
+        if len(removed) > rebuilt:
+            files_removed = [p for p in removed if p.path not in damaged]
+            size = format_size(sum(p.size for p in files_removed))
+            print(f"removed {_plural(len(files_removed), 'file')} ({size})")
+        if rebuilt:
+            print(f"rebuilt the metadata of {_plural(rebuilt, 'module cache')}")
+        if not problems:
             print("no problems found")
     for failure in failures:
         _error(failure)
     if left:
         if not failures:
-            _error(f"{_plural(left, 'problem')} found; run `torchcache verify --fix` to remove them")
+            _error(f"{_plural(left, 'problem')} found; run `torchcache verify --fix` to fix them")
         return 1
     return 0
 
@@ -293,47 +350,61 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     caches = find_caches(root)
     victims = select_for_prune(caches, time.time(), max_bytes=args.max_size, older_than=args.older_than, keep=args.keep)
     kept = [c for c in caches if c not in victims]
-    freed = sum(c.nbytes for c in victims) if args.dry_run else _remove(victims)
+    # Everything printed is formatted before anything is removed.
+    table = _cache_table(victims) if victims and not args.json else ""
+    kept_json = [_cache_json(c) for c in kept] if args.json else []
+    victims_json = [_cache_json(c) for c in victims] if args.json else []
+    left = _totals(kept)
+    freed, failed = (sum(c.nbytes for c in victims), 0) if args.dry_run else _remove(victims)
     if args.json:
         _print_json(
             {
                 "root": str(root),
                 "dry_run": args.dry_run,
-                "removed": [_cache_json(c) for c in victims],
-                "kept": [_cache_json(c) for c in kept],
+                "removed": victims_json,
+                "kept": kept_json,
                 "freed_bytes": freed,
             }
         )
     elif not victims:
         print(f"nothing to prune: {_totals(caches)} under {root}")
     else:
-        print(_cache_table(victims))
+        print(table)
         verb = "would remove" if args.dry_run else "removed"
-        print(f"\n{verb} {_plural(len(victims), 'module cache')} ({format_size(freed)}); {_totals(kept)} left")
-    return 0
+        print(f"\n{verb} {_plural(len(victims) - failed, 'module cache')} ({format_size(freed)}); {left} left")
+    return 1 if failed else 0
 
 
-def _remove(caches: Sequence[ModuleCache]) -> int:
-    """Remove module caches; return the bytes freed. Directories holding other files are kept (and named)."""
-    freed = 0
+def _remove(caches: Sequence[ModuleCache]) -> tuple[int, int]:
+    """Remove module caches; return the bytes freed and how many could not be removed.
+
+    Directories holding other files are kept (and named); a cache that cannot be
+    removed is named and the others are still removed.
+    """
+    freed = failed = 0
     for cache in caches:
-        size, kept = remove_cache(cache.directory)
+        try:
+            size, kept = remove_cache(cache.directory)
+        except OSError as exc:
+            failed += 1
+            _error(f"cannot remove {cache.directory}: {exc.strerror or exc}")
+            continue
         freed += size
         if kept is not None:
             print(f"{_PROG}: kept {kept}: it holds files that torchcache did not write", file=sys.stderr)
-    return freed
+    return freed, failed
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
     root = resolve_root(None) if args.root is None else _root(args.root)
-    targets = find_caches(root) if args.all else [resolve_cache(root, args.target)]
+    targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
     if not targets:
         print(f"nothing to clear: no module caches under {root}")
         return 0
     size = format_size(sum(c.nbytes for c in targets))
     single = len(targets) == 1 and not args.all
     what = (
-        f"module cache {targets[0].key} ({targets[0].name}, {size})"
+        f"module cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
         if single
         else f"{_plural(len(targets), 'module cache')} ({size}) under {root}"
     )
@@ -346,8 +417,9 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         if stdin.readline().strip().lower() not in ("y", "yes"):
             print("aborted; nothing removed", file=sys.stderr)
             return 1
-    print(f"removed {_plural(len(targets), 'module cache')} ({format_size(_remove(targets))})")
-    return 0
+    freed, failed = _remove(targets)
+    print(f"removed {_plural(len(targets) - failed, 'module cache')} ({format_size(freed)})")
+    return 1 if failed else 0
 
 
 # -- parser ---------------------------------------------------------------------------
@@ -381,7 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     root_help = "cache root (default: $TORCHCACHE_DIR, else the user cache directory)"
-    key_help = "a module cache directory, or its key (a unique prefix is enough)"
+    key_help = (
+        "a module cache directory, or its key (a unique prefix is enough); with --root, a key is looked up "
+        "under that root only"
+    )
 
     def command(name: str, summary: str, description: str, handler: Callable[[argparse.Namespace], int]) -> Any:
         sub = commands.add_parser(name, help=summary, description=description)
@@ -404,12 +479,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify = command(
         "verify",
         "check every entry and look for stray temporary files",
-        "Check every entry (frame, checksum, header, payload size) and look for stray temporary files. "
-        "The exit status is 1 if problems were found and not fixed.",
+        "Check every module cache's metadata and every entry (frame, checksum, header, payload size), and look "
+        "for stray temporary files. The exit status is 1 if problems were found and not fixed.",
         _cmd_verify,
     )
     verify.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
-    verify.add_argument("--fix", action="store_true", help="remove corrupt entries and stray temporary files")
+    verify.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove corrupt entries and stray temporary files, rebuild damaged metadata from the entries",
+    )
     prune = command(
         "prune",
         "remove whole module caches, least recently used first",

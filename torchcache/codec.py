@@ -12,12 +12,19 @@ The checksum covers the prefix fields before it, the header and the stored paylo
 a truncated, bit-flipped or foreign file is rejected. The payload is compressed only
 when brotli shrinks it below ``RAW_RATIO`` of its size; otherwise it is stored raw and
 read back with a single copy.
+
+The checksum is against accidents, not tampering: whoever can write a frame can give it
+a valid checksum. What a frame cannot do is make its reader spend more than it declares:
+the prefix alone gives the file's length (so a reader reads :data:`PREFIX_SIZE` bytes
+first and refuses files of another size), a payload never declares more than
+:data:`MAX_ITEM_BYTES`, and decompression stops at the declared size.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import brotli
@@ -28,12 +35,18 @@ from .errors import CorruptEntryError
 __all__ = [
     "DEFAULT_QUALITY",
     "MAGIC",
+    "MAX_ITEM_BYTES",
+    "PREFIX_SIZE",
     "RAW_RATIO",
     "decode_frame",
     "decode_header",
     "encode_frame",
     "encode_header",
+    "frame_length",
+    "inflate",
+    "nested_deeper_than",
     "parse_header",
+    "read_prefix",
     "split_frame",
 ]
 
@@ -50,6 +63,12 @@ _MIN_COMPRESS = 64
 _PREFIX = struct.Struct("<4sBBHIQQQ")
 PREFIX_SIZE = _PREFIX.size
 _MAX_HEADER = 1 << 20
+_MAX_HEADER_DEPTH = 100
+#: The largest raw payload (one item) a frame may declare; larger items are not written.
+MAX_ITEM_BYTES = 1 << 28
+_INFLATE_STEP = 1 << 12
+# brotli >= 1.2 can stop decompressing at an output size; older versions get the input in steps.
+_BOUNDED_BROTLI = hasattr(brotli.Decompressor(), "can_accept_more_data")
 
 
 def _checksum(prefix: bytes | memoryview, header: bytes | memoryview, payload: bytes | memoryview) -> int:
@@ -118,7 +137,58 @@ def read_prefix(data: bytes | memoryview) -> tuple[int, int, int, int, int]:
         raise CorruptEntryError(f"unsupported entry version {version} (expected {VERSION})")
     if codec not in (CODEC_RAW, CODEC_BROTLI) or header_len > _MAX_HEADER:
         raise CorruptEntryError("invalid frame prefix")
+    if raw_len > MAX_ITEM_BYTES:
+        raise CorruptEntryError(f"the frame declares a {raw_len}-byte payload, more than {MAX_ITEM_BYTES}")
+    if stored_len > raw_len or (codec == CODEC_RAW and stored_len != raw_len):
+        raise CorruptEntryError("the stored and raw payload lengths of the frame do not agree")
     return codec, header_len, stored_len, raw_len, checksum
+
+
+def frame_length(prefix: bytes | memoryview) -> int:
+    """The whole length of a frame, from its first :data:`PREFIX_SIZE` bytes.
+
+    Raises:
+        CorruptEntryError: If the prefix is not a torchcache frame of a known version.
+
+    Example:
+        >>> frame = encode_frame({"a": 1}, b"xyz", quality=None)
+        >>> frame_length(frame[:PREFIX_SIZE]) == len(frame)
+        True
+    """
+    _, header_len, stored_len, _, _ = read_prefix(prefix)
+    return PREFIX_SIZE + header_len + stored_len
+
+
+def inflate(stored: bytes | memoryview, raw_len: int) -> bytes:
+    """Decompress a brotli payload that must inflate to exactly ``raw_len`` bytes.
+
+    Decompression stops once the output passes ``raw_len`` (give or take brotli's
+    output block), so a small payload that would inflate to gigabytes costs nothing.
+
+    Raises:
+        CorruptEntryError: If the payload does not decode, or not to ``raw_len`` bytes.
+    """
+    decompressor = brotli.Decompressor()
+    out: bytes
+    try:
+        if _BOUNDED_BROTLI:
+            out = decompressor.process(bytes(stored), output_buffer_limit=raw_len + 1)
+        else:  # pragma: no cover - brotli < 1.2
+            parts, size, view = [], 0, memoryview(stored)
+            for start in range(0, len(view), _INFLATE_STEP):
+                part = decompressor.process(bytes(view[start : start + _INFLATE_STEP]))
+                parts.append(part)
+                size += len(part)
+                if size > raw_len:
+                    break
+            out = b"".join(parts)
+    except brotli.error as exc:
+        raise CorruptEntryError(f"brotli payload does not decode: {exc}") from None
+    if len(out) > raw_len:
+        raise CorruptEntryError(f"brotli payload inflates past its declared {raw_len} bytes")
+    if len(out) != raw_len or not decompressor.is_finished():
+        raise CorruptEntryError("payload length does not match the header")
+    return out
 
 
 def decode_frame(data: bytes | memoryview, verify: bool = True) -> tuple[dict[str, Any], bytes | memoryview]:
@@ -148,13 +218,46 @@ def parse_header(header_bytes: bytes) -> dict[str, Any]:
         header = json.loads(header_bytes)
     except ValueError as exc:
         raise CorruptEntryError(f"invalid header: {exc}") from None
+    except RecursionError:
+        raise CorruptEntryError("invalid header: nested too deeply") from None
     if not isinstance(header, dict):
         raise CorruptEntryError("invalid header: not a JSON object")
+    if nested_deeper_than(header, _MAX_HEADER_DEPTH):
+        raise CorruptEntryError("invalid header: nested too deeply")
     return header
 
 
-def split_frame(data: bytes | memoryview, verify: bool = True) -> tuple[bytes, bytes | memoryview]:
+def nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether parsed JSON nests lists and objects more than ``limit`` levels deep.
+
+    Walked without recursion, so that a hostile file cannot exhaust the stack of what
+    later walks it recursively.
+
+    Example:
+        >>> nested_deeper_than({"a": [1, [2]]}, 3), nested_deeper_than({"a": [1, [2]]}, 2)
+        (False, True)
+    """
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def split_frame(
+    data: bytes | memoryview, verify: bool = True, raw_size: Callable[[bytes], int] | None = None
+) -> tuple[bytes, bytes | memoryview]:
     """Check a frame and return its header bytes and its decompressed payload.
+
+    Args:
+        data: The whole frame.
+        verify: Check the checksum.
+        raw_size: Called with the header bytes, returns the payload size the header
+            describes; a frame that declares another size is rejected before its payload
+            is decompressed. It may raise :class:`CorruptEntryError`.
 
     Raises:
         CorruptEntryError: If the frame is truncated, altered or not a torchcache entry.
@@ -168,16 +271,13 @@ def split_frame(data: bytes | memoryview, verify: bool = True) -> tuple[bytes, b
     stored = view[PREFIX_SIZE + header_len : end]
     if verify and _checksum(view[: PREFIX_SIZE - 8], header_bytes, stored) != checksum:
         raise CorruptEntryError("checksum mismatch")
-    if codec == CODEC_RAW:
-        payload: bytes | memoryview = stored
-    else:
-        try:
-            payload = brotli.decompress(stored)
-        except brotli.error as exc:
-            raise CorruptEntryError(f"brotli payload does not decode: {exc}") from None
-    if len(payload) != raw_len:
-        raise CorruptEntryError("payload length does not match the header")
-    return bytes(header_bytes), payload
+    header = bytes(header_bytes)
+    if raw_size is not None:
+        expected = raw_size(header)
+        if expected != raw_len:
+            raise CorruptEntryError(f"payload is {raw_len} bytes, its header describes {expected}")
+    payload = stored if codec == CODEC_RAW else inflate(stored, raw_len)
+    return header, payload
 
 
 def decode_header(data: bytes | memoryview) -> dict[str, Any]:

@@ -1,12 +1,17 @@
 """Find, describe, check and remove the module caches under a cache root.
 
-A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``;
-anything else under the root is not torchcache's and is never touched. Removal is narrow
-on purpose: it unlinks entry files (``<3 hex digits>/<key>.tce``), temporary files
-(``.*.tmp``) and the metadata file, then removes directories with :func:`os.rmdir`, which
-fails on a directory that still holds something, so unknown files survive with their
-directory. Each file is unlinked whole, so a process using the cache meanwhile reads an
-entry or a miss, never a partial file.
+A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``,
+or one that holds entries (``<3 hex digits>/<key>.tce`` files that start like a frame)
+whatever its metadata: a damaged, missing or foreign ``torchcache.json`` never hides a
+cache, it is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything
+else under the root is not torchcache's and is never touched. Files are opened without
+blocking, only when they are regular files, and read only as far as their prefix says.
+
+Removal is narrow on purpose: it unlinks entry files (``<3 hex digits>/<key>.tce``),
+temporary files (``.*.tmp``) and the metadata file, then removes directories with
+:func:`os.rmdir`, which fails on a directory that still holds something, so unknown
+files survive with their directory. Each file is unlinked whole, so a process using the
+cache meanwhile reads an entry or a miss, never a partial file.
 
 Temporary files younger than :data:`TMP_GRACE_SECONDS` may be a write in progress in
 another process (removing one would make that process stop writing), so checking keeps
@@ -19,16 +24,18 @@ import contextlib
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .codec import decode_header, parse_header, split_frame
+from ._version import __version__
+from .codec import MAGIC, PREFIX_SIZE, frame_length, parse_header, read_prefix, split_frame
 from .errors import CorruptEntryError, TorchCacheError
-from .persist import META_NAME, read_meta
-from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
-from .tree import Layout
+from .persist import META_NAME, load_meta, meta_size, meta_time, write_json_atomic
+from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX, open_regular, read_exactly
+from .tree import Layout, describe
 
 __all__ = [
     "TMP_GRACE_SECONDS",
@@ -43,6 +50,7 @@ __all__ = [
     "list_files",
     "load_cache",
     "parse_duration",
+    "rebuild_meta",
     "remove_cache",
     "remove_file",
     "resolve_cache",
@@ -53,7 +61,6 @@ __all__ = [
 
 #: Temporary files modified within this many seconds may belong to a write in progress.
 TMP_GRACE_SECONDS = 60.0
-_HEADER_READ = 1 << 16
 _SHARD_RE = re.compile(r"[0-9a-f]{3}")
 _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
@@ -67,11 +74,12 @@ class CacheLookupError(TorchCacheError, LookupError):
 
 @dataclass(frozen=True)
 class FileInfo:
-    """One file of a module cache."""
+    """One file of a module cache: its logical size and the bytes it takes on disk."""
 
     path: Path
     size: int
     mtime: float
+    disk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,9 @@ class ModuleCache:
     """One module cache: its directory, what its metadata records, and what it holds.
 
     ``last_used`` is the modification time of its metadata file, which the library
-    touches whenever the cache is used; ``nbytes`` counts every file of torchcache's.
+    touches whenever the cache is used (of its newest entry when the metadata is
+    missing); ``nbytes`` counts every file of torchcache's, ``disk_bytes`` the blocks
+    they take on disk. ``meta_problem`` says what is wrong with the metadata, if anything.
     """
 
     directory: Path
@@ -101,6 +111,8 @@ class ModuleCache:
     entries: int
     nbytes: int
     temporaries: int
+    disk_bytes: int = 0
+    meta_problem: str | None = None
 
     @property
     def key(self) -> str:
@@ -110,7 +122,7 @@ class ModuleCache:
 
 @dataclass(frozen=True)
 class Problem:
-    """A file that ``verify`` reports: a corrupt entry or a stray temporary file."""
+    """A file that ``verify`` reports: damaged metadata, a corrupt entry or a stray temporary file."""
 
     path: Path
     kind: str
@@ -129,7 +141,12 @@ class LayoutSummary:
 
 def _info(entry: os.DirEntry[str]) -> FileInfo:
     st = entry.stat(follow_symlinks=False)
-    return FileInfo(Path(entry.path), st.st_size, st.st_mtime)
+    return FileInfo(Path(entry.path), st.st_size, st.st_mtime, _disk_bytes(st))
+
+
+def _disk_bytes(st: os.stat_result) -> int:
+    blocks = getattr(st, "st_blocks", None)
+    return st.st_size if blocks is None else blocks * 512
 
 
 def list_files(directory: Path) -> CacheFiles:
@@ -159,7 +176,7 @@ def list_files(directory: Path) -> CacheFiles:
     for shard in shards:
         try:
             children = list(os.scandir(shard))
-        except FileNotFoundError:
+        except OSError:  # removed meanwhile, or not ours to read
             continue
         for child in children:
             try:
@@ -176,39 +193,71 @@ def list_files(directory: Path) -> CacheFiles:
     return CacheFiles(entries, temporaries, sorted(shards))
 
 
+def _holds_entries(entries: Sequence[FileInfo]) -> bool:
+    """Whether any of the files starts like a torchcache frame."""
+    for entry in entries:
+        try:
+            opened = open_regular(entry.path)
+        except OSError:
+            continue
+        if opened is not None:
+            fd, _ = opened
+            try:
+                if read_exactly(fd, len(MAGIC)) == MAGIC:
+                    return True
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    return False
+
+
 def load_cache(directory: Path) -> ModuleCache | None:
     """Describe the module cache in ``directory``, or return ``None`` if it is not one.
 
-    A module cache has a ``torchcache.json`` holding a JSON object with a ``torchcache_version``.
+    A module cache has valid metadata (see :func:`~torchcache.persist.load_meta`) or holds
+    entries; in the second case ``meta_problem`` says what is wrong with its metadata.
+
+    Raises:
+        OSError: If the directory cannot be listed.
     """
-    meta = read_meta(directory)
-    if meta is None or "torchcache_version" not in meta:
+    meta, problem = load_meta(directory)
+    if meta is None and problem is None:
+        problem = f"no {META_NAME}"
+    files = list_files(directory)
+    if problem is not None and not _holds_entries(files.entries):
         return None
     try:
-        st = (directory / META_NAME).stat()
+        st: os.stat_result | None = os.lstat(directory / META_NAME)
     except OSError:
-        return None
-    files = list_files(directory)
-    nbytes = st.st_size + sum(f.size for f in (*files.entries, *files.temporaries))
-    created, max_bytes, version = meta.get("created"), meta.get("max_bytes"), meta.get("torchcache_version")
+        st = None
+    meta_file = st is not None and stat.S_ISREG(st.st_mode)
+    own = [*files.entries, *files.temporaries]
+    newest = max((f.mtime for f in own), default=0.0)
+    last_used = st.st_mtime if st is not None and (meta_file or not own) else newest
+    meta = meta or {}
+    version, name = meta.get("torchcache_version"), meta.get("name")
     return ModuleCache(
         directory,
         meta,
-        name=str(meta.get("name", "?")),
-        created=float(created) if isinstance(created, (int, float)) else None,
-        max_bytes=int(max_bytes) if isinstance(max_bytes, (int, float)) else None,
-        version=None if version is None else str(version),
-        last_used=st.st_mtime,
+        name=name if isinstance(name, str) else "?",
+        created=meta_time(meta.get("created")),
+        max_bytes=meta_size(meta.get("max_bytes")),
+        version=version if isinstance(version, str) else None,
+        last_used=last_used,
         entries=len(files.entries),
-        nbytes=nbytes,
+        nbytes=(st.st_size if st is not None and meta_file else 0) + sum(f.size for f in own),
         temporaries=len(files.temporaries),
+        disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
+        meta_problem=problem,
     )
 
 
 def find_caches(path: Path) -> list[ModuleCache]:
     """The module caches under a root, most recently used first.
 
-    If ``path`` is itself a module cache, it is the only one. A missing root holds none.
+    If ``path`` is itself a module cache, it is the only one. A missing root holds none;
+    a directory under it that cannot be listed is left out.
 
     Raises:
         OSError: If the root cannot be listed.
@@ -222,16 +271,46 @@ def find_caches(path: Path) -> list[ModuleCache]:
         return []
     caches = []
     for child in children:
-        if child.is_dir(follow_symlinks=False):
-            cache = load_cache(Path(child.path))
-            if cache is not None:
-                caches.append(cache)
+        try:
+            cache = load_cache(Path(child.path)) if child.is_dir(follow_symlinks=False) else None
+        except OSError:
+            continue
+        if cache is not None:
+            caches.append(cache)
     caches.sort(key=lambda c: c.last_used, reverse=True)
     return caches
 
 
-def resolve_cache(root: Path, target: str) -> ModuleCache:
+def rebuild_meta(cache: ModuleCache) -> None:
+    """Write fresh metadata for a cache whose metadata is damaged, from what its entries tell.
+
+    The name and kind are kept where the damaged metadata still has them; ``created`` is
+    the modification time of the oldest entry; the last-used time is kept.
+
+    Raises:
+        OSError: If it cannot be written (a directory at its path, a read-only directory).
+    """
+    files = list_files(cache.directory)
+    meta: dict[str, Any] = {
+        "torchcache_version": __version__,
+        "module_key": cache.key,
+        "created": meta_time(min((f.mtime for f in files.entries), default=None)),
+        "rebuilt": True,
+    }
+    for field in ("name", "kind"):
+        if isinstance(cache.meta.get(field), str):
+            meta[field] = cache.meta[field]
+    write_json_atomic(cache.directory / META_NAME, meta)
+    with contextlib.suppress(OSError):
+        os.utime(cache.directory / META_NAME, (cache.last_used, cache.last_used))
+
+
+def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> ModuleCache:
     """Find a module cache by directory path, or by its key (or a unique prefix) under ``root``.
+
+    A bare key (no path separator, not starting with ``.`` or ``~``) is tried as a
+    directory relative to the working directory first, unless ``root_given``: then it is
+    looked up under ``root`` only.
 
     Raises:
         CacheLookupError: If nothing, or more than one module cache, matches.
@@ -239,14 +318,15 @@ def resolve_cache(root: Path, target: str) -> ModuleCache:
     if not target:
         raise CacheLookupError("give a module cache directory or key (see `torchcache ls`)")
     path = Path(target).expanduser()
-    if path.is_dir():
+    is_path = os.sep in target or (os.altsep is not None and os.altsep in target) or target.startswith((".", "~"))
+    if (is_path or not root_given) and path.is_dir():
         own = load_cache(path)
         if own is not None:
             return own
-    if os.sep in target or (os.altsep is not None and os.altsep in target) or target.startswith((".", "~")):
+    if is_path:
         if not path.exists():
             raise CacheLookupError(f"{path} does not exist")
-        raise CacheLookupError(f"{path} is not a torchcache module cache (it has no valid {META_NAME})")
+        raise CacheLookupError(f"{path} is not a torchcache module cache (it has no valid {META_NAME} and no entries)")
     caches = find_caches(root)
     exact = [c for c in caches if c.key == target]
     matches = exact or [c for c in caches if c.key.startswith(target)]
@@ -258,29 +338,41 @@ def resolve_cache(root: Path, target: str) -> ModuleCache:
     raise CacheLookupError(f"{target!r} matches {len(matches)} module caches ({shown}); give more of the key")
 
 
+def _row_bytes(header_bytes: bytes) -> int:
+    return Layout.from_header(parse_header(header_bytes)).row_bytes
+
+
 def check_entry(path: Path) -> str | None:
     """Check one entry file: frame, checksum, header and payload size.
+
+    Only the prefix is read before the file's size is checked against it.
 
     Returns:
         Why the entry is corrupt, or ``None`` if it is sound (or was removed meanwhile).
     """
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
+        opened = open_regular(path)
+        if opened is None:
+            return "not a regular file" if os.path.lexists(path) else None
+        fd, st = opened
+        try:
+            expected = frame_length(read_exactly(fd, PREFIX_SIZE))
+            if expected != st.st_size:
+                return f"frame length {st.st_size} does not match its prefix ({expected})"
+            data = read_exactly(fd, st.st_size)
+        finally:
+            os.close(fd)
+        split_frame(data, raw_size=_row_bytes)
     except OSError as exc:
         return f"unreadable: {exc.strerror or exc}"
-    try:
-        header_bytes, payload = split_frame(data)
-        layout = Layout.from_header(parse_header(header_bytes))
     except CorruptEntryError as exc:
         return str(exc)
     except KeyError as exc:
         return f"invalid header: missing field {exc}"
-    except (TypeError, ValueError, RecursionError) as exc:
-        return f"invalid header: {exc}"
-    if len(payload) != layout.row_bytes:
-        return f"payload is {len(payload)} bytes, its header describes {layout.row_bytes}"
+    except (TypeError, ValueError, AttributeError) as exc:
+        return str(exc) if str(exc).startswith("invalid header") else f"invalid header: {exc}"
+    except RecursionError:
+        return "invalid header: nested too deeply"
     return None
 
 
@@ -335,7 +427,9 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
     files = list_files(directory)
     meta = directory / META_NAME
     with contextlib.suppress(FileNotFoundError):
-        files.temporaries.append(FileInfo(meta, meta.stat().st_size, 0.0))  # removed last
+        st = os.lstat(meta)
+        if not stat.S_ISDIR(st.st_mode):  # a directory there is not ours: it keeps the module directory
+            files.temporaries.append(FileInfo(meta, st.st_size if stat.S_ISREG(st.st_mode) else 0, 0.0))  # last
     freed = sum(item.size for item in (*files.entries, *files.temporaries) if remove_file(item.path))
     for shard in files.shards:
         with contextlib.suppress(OSError):  # not empty: unknown files, or entries written meanwhile
@@ -401,32 +495,30 @@ def parse_duration(text: str) -> float:
 
 
 def _read_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        data = f.read(_HEADER_READ)
+    """Read only the prefix and the header of an entry.
+
+    Raises:
+        FileNotFoundError: If it is gone or not a regular file.
+        CorruptEntryError: If it is not a frame.
+    """
+    opened = open_regular(path)
+    if opened is None:
+        raise FileNotFoundError(path)
+    fd, _ = opened
     try:
-        return decode_header(data)
-    except CorruptEntryError:
-        if len(data) < _HEADER_READ:
-            raise
-    return decode_header(path.read_bytes())
+        _, header_len, _, _, _ = read_prefix(read_exactly(fd, PREFIX_SIZE))
+        return parse_header(read_exactly(fd, header_len, PREFIX_SIZE))
+    finally:
+        os.close(fd)
 
 
-def _describe(header: dict[str, Any]) -> str:
-    leaves = iter(header["leaves"])
-
-    def walk(node: Any) -> str:
-        if node == "T":
-            leaf = next(leaves)
-            text = f"{leaf['dtype']}[{','.join(str(d) for d in leaf['shape'])}]"
-            out_dtype = leaf.get("out_dtype", leaf["dtype"])
-            return text if out_dtype == leaf["dtype"] else f"{text} as {out_dtype}"
-        kind, items = node
-        if kind == "dict":
-            return "{" + ", ".join(f"{key!r}: {walk(value)}" for key, value in items) + "}"
-        inner = ", ".join(walk(value) for value in items)
-        return f"({inner}{',' if len(items) == 1 else ''})" if kind == "tuple" else f"[{inner}]"
-
-    return walk(header["tree"])
+def _describe(layout: Layout) -> str:
+    texts = []
+    for leaf in layout.leaves:
+        dtype, out_dtype = (str(dt).removeprefix("torch.") for dt in (leaf.dtype, leaf.out_dtype))
+        text = f"{dtype}[{','.join(str(d) for d in leaf.shape)}]"
+        texts.append(text if out_dtype == dtype else f"{text} as {out_dtype}")
+    return describe(layout.spec, texts)
 
 
 def summarize_layouts(entries: Sequence[FileInfo], sample: int) -> list[LayoutSummary]:
@@ -447,7 +539,7 @@ def summarize_layouts(entries: Sequence[FileInfo], sample: int) -> list[LayoutSu
         try:
             header = _read_header(entry.path)
             layout = Layout.from_header(header)
-            key, description = json.dumps(header, sort_keys=True), _describe(header)
+            key, description = json.dumps(header, sort_keys=True), _describe(layout)
         except FileNotFoundError:
             continue
         except (OSError, KeyError, TypeError, ValueError, RecursionError):

@@ -6,16 +6,25 @@ output leaf is a strided view: one copy per hit. Writes are encoded and written 
 :class:`BackgroundWriter`. When brotli keeps failing to pay for a layout, compression
 is only retried now and then, so incompressible outputs cost no compression time.
 
-Faults are reported through ``report(kind, message)``: a corrupt entry is removed and
-becomes a miss; a read error becomes a miss; a write error turns writes off for this
-tier. The engine turns each kind of report into one warning.
+Entries queued for writing are readable at once: until the writer has stored them,
+:meth:`DiskTier.read` takes them from the queue, so no reader of the tier misses them.
+
+Faults are reported through ``report(kind, message)``: a corrupt entry is removed (or,
+where it cannot be, skipped from then on) and becomes a miss; a read error becomes a
+miss; an entry that cannot be written (a directory at its path) stays a miss; only an
+error of the disk as a whole (no space, no quota, read-only, no permission) turns writes
+off for this tier. A damaged ``torchcache.json`` is replaced. The engine turns each kind
+of report into one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,15 +37,46 @@ import numpy as np
 import torch
 
 from ._fork import after_fork
-from .codec import encode_frame, encode_header, parse_header, split_frame
+from .codec import (
+    MAX_ITEM_BYTES,
+    PREFIX_SIZE,
+    encode_frame,
+    encode_header,
+    frame_length,
+    nested_deeper_than,
+    parse_header,
+    split_frame,
+)
 from .errors import CorruptEntryError, StoreError
-from .stores.disk import DiskStore
+from .policy import MAX_SIZE
+from .stores.disk import DiskStore, read_bounded
 from .tree import Layout
 from .writer import BackgroundWriter
 
-__all__ = ["META_NAME", "DiskTier", "read_meta"]
+__all__ = [
+    "MAX_META_BYTES",
+    "META_NAME",
+    "DiskTier",
+    "is_disk_wide",
+    "load_meta",
+    "meta_size",
+    "meta_time",
+    "read_meta",
+    "write_json_atomic",
+]
 
 META_NAME = "torchcache.json"
+#: A metadata file larger than this is damaged (a real one is well under a kilobyte).
+MAX_META_BYTES = 1 << 16
+_MAX_META_DEPTH = 8
+_LAST_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC, the last time a date can show
+_DISK_WIDE = frozenset(
+    code
+    for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+    if code is not None
+)
+_UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
@@ -64,20 +104,111 @@ def _forget_pool_after_fork() -> None:
 after_fork(_forget_pool_after_fork)
 
 
-def read_meta(directory: Path) -> dict[str, Any] | None:
-    """The metadata of a module directory, or ``None`` if it has none or it is invalid."""
-    try:
-        meta = json.loads((directory / META_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def meta_time(value: object) -> float | None:
+    """A metadata time (Unix seconds) as a float, or ``None`` if it is not one a date can show."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return meta if isinstance(meta, dict) else None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int of hundreds of digits
+        return None
+    return seconds if math.isfinite(seconds) and 0 <= seconds <= _LAST_TIME else None
+
+
+def meta_size(value: object) -> int | None:
+    """A metadata byte count as an int, or ``None`` if it is not a whole number of bytes up to 2**64."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if 0 <= value <= MAX_SIZE else None
+
+
+def _meta_problem(meta: object) -> str | None:
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    if nested_deeper_than(meta, _MAX_META_DEPTH):
+        return "nested too deeply"
+    version = meta.get("torchcache_version")
+    if not isinstance(version, str) or not version:
+        return "no torchcache_version"
+    for field, check in (("created", meta_time), ("max_bytes", meta_size)):
+        if meta.get(field) is not None and check(meta[field]) is None:
+            return f"invalid {field} {str(meta[field])[:40]}"
+    return None
+
+
+def load_meta(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """Read a module directory's metadata and say what is wrong with it.
+
+    The file is opened without blocking, only if it is a regular file, and read only up
+    to :data:`MAX_META_BYTES`. Valid metadata is a JSON object with a
+    ``torchcache_version`` string and, where present, a ``created`` time and a
+    ``max_bytes`` count in range; the library and ``torchcache`` agree on this.
+
+    Returns:
+        ``(meta, None)`` if it is valid; ``(None, None)`` if there is no metadata file;
+        ``(object or None, reason)`` if it is damaged (the object, when it is one, is
+        what could be parsed).
+    """
+    path = directory / META_NAME
+    try:
+        data = read_bounded(path, MAX_META_BYTES)
+    except ValueError as exc:
+        return None, f"{META_NAME} is too large ({exc})"
+    except OSError as exc:
+        return None, f"cannot read {META_NAME}: {exc.strerror or exc}"
+    if data is None:
+        return None, f"{META_NAME} is not a regular file" if os.path.lexists(path) else None
+    try:
+        meta = json.loads(data)
+    except ValueError:
+        return None, f"{META_NAME} is not valid JSON"
+    except RecursionError:
+        return None, f"{META_NAME} is nested too deeply"
+    problem = _meta_problem(meta)
+    if problem is not None:
+        shown = meta if isinstance(meta, dict) and not nested_deeper_than(meta, _MAX_META_DEPTH) else None
+        return shown, f"{META_NAME}: {problem}"
+    return meta, None
+
+
+def read_meta(directory: Path) -> dict[str, Any] | None:
+    """The metadata of a module directory, or ``None`` if it has none or it is damaged."""
+    meta, problem = load_meta(directory)
+    return meta if problem is None else None
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON to a temporary file and rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write JSON to a new temporary file beside ``path`` and rename it into place.
+
+    The temporary name is random and created exclusively (never through a planted file
+    or link); it is removed if anything fails.
+
+    Raises:
+        OSError: If it cannot be written.
+    """
+    text = (json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, _O_CREATE, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def is_disk_wide(exc: BaseException) -> bool:
+    """Whether an error (or its cause) concerns the disk as a whole rather than one path."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_WIDE:
+            return True
+        seen = seen.__cause__
+    return False
 
 
 _Frame = tuple[bytes, bytes | memoryview]  # header bytes, payload
@@ -104,6 +235,9 @@ class DiskTier:
         StoreError: If the directory cannot be created.
     """
 
+    # Pending rows, by key: the write job that holds the item and its row in the job.
+    _pending: dict[str, tuple[_WriteJob, int]]
+
     def __init__(
         self,
         directory: Path,
@@ -113,7 +247,7 @@ class DiskTier:
         report: Callable[[str, str], None],
     ) -> None:
         self.directory = directory
-        self.store = DiskStore(directory, max_bytes)
+        self.store = DiskStore(directory, max_bytes, frame_length=frame_length, prefix_size=PREFIX_SIZE)
         self.quality = quality
         self.hits = 0
         self._report = report
@@ -122,14 +256,38 @@ class DiskTier:
         self._raw_streak: dict[Layout, int] = {}
         self._writes_enabled = True
         self._last_touch = 0.0
+        self._pending = {}
+        self._pending_lock = threading.Lock()
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            if read_meta(directory) is None:
-                write_json_atomic(directory / META_NAME, {**meta, "created": time.time(), "max_bytes": max_bytes})
-            self.touch()
         except OSError as exc:
             raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
+        self._ensure_meta({**meta, "created": time.time(), "max_bytes": max_bytes})
+        self.touch()
+
+    def _ensure_meta(self, meta: dict[str, Any]) -> None:
+        """Write the metadata file if it is missing or damaged (a damaged one is reported)."""
+        current, problem = load_meta(self.directory)
+        if current is not None and problem is None:
+            return
+        path = self.directory / META_NAME
+        try:
+            write_json_atomic(path, meta)
+        except OSError as exc:
+            if is_disk_wide(exc):
+                self._writes_enabled = False
+                self._report(
+                    "write",
+                    f"cannot write to the disk cache {self.directory} ({exc}); new entries are kept in memory only",
+                )
+            else:
+                self._report(
+                    "meta", f"cannot write the metadata file {path} ({exc}); entries are still read and written"
+                )
+            return
+        if problem is not None:
+            self._report("meta", f"replaced the damaged metadata file {path} ({problem})")
 
     def __repr__(self) -> str:
         return f"DiskTier({self.store!r})"
@@ -137,8 +295,8 @@ class DiskTier:
     def touch(self) -> None:
         """Mark the module directory as used now (its metadata file's mtime)."""
         self._last_touch = time.time()
-        with contextlib.suppress(OSError):
-            os.utime(self.directory / META_NAME)
+        with contextlib.suppress(OSError):  # never through a planted link, where the OS allows it
+            os.utime(self.directory / META_NAME, follow_symlinks=not _UTIME_NOFOLLOW)
 
     # -- reads -----------------------------------------------------------------------
     def _get(self, key: str) -> bytes | None:
@@ -146,7 +304,12 @@ class DiskTier:
             return self.store.get(key)
         except StoreError as exc:
             self._report("read", f"cannot read a cache entry, recomputing it: {exc}")
-            return None
+        except CorruptEntryError as exc:
+            self._drop(key, exc)
+        return None
+
+    def _row_bytes(self, header_bytes: bytes) -> int:
+        return self._layout_of(header_bytes).row_bytes
 
     def _decode(self, keys: Sequence[str], datas: Sequence[bytes | None]) -> list[_Frame | None]:
         frames: list[_Frame | None] = []
@@ -154,19 +317,37 @@ class DiskTier:
             frame = None
             if data is not None:
                 try:
-                    frame = split_frame(data)
+                    frame = split_frame(data, raw_size=self._row_bytes)
                 except CorruptEntryError as exc:
                     self._drop(key, exc)
             frames.append(frame)
         return frames
 
     def _drop(self, key: str, exc: Exception) -> None:
-        with contextlib.suppress(StoreError):
-            self.store.delete(key)
-        self._report("corrupt", f"removed corrupt cache entry {self.store.path(key)} ({exc}); recomputing it")
+        path = self.store.path(key)
+        if self.store.reject(key):
+            self._report("corrupt", f"removed corrupt cache entry {path} ({exc}); recomputing it")
+        else:
+            self._report(
+                "corrupt",
+                f"corrupt cache entry {path} ({exc}) cannot be removed; this process skips it and recomputes it",
+            )
+
+    def _queued(self, keys: Sequence[str]) -> dict[int, _Frame]:
+        """Frames of the ``keys`` whose writes are still queued, by position."""
+        with self._pending_lock:
+            found = {i: self._pending[key] for i, key in enumerate(keys) if key in self._pending}
+        frames: dict[int, _Frame] = {}
+        for i, (job, row) in found.items():
+            layout = job.layout
+            packed = np.zeros(layout.row_bytes, dtype=np.uint8)
+            for leaf, off, spec in zip(job.leaves, layout.offsets, layout.leaves):
+                packed[off : off + spec.nbytes] = leaf[row].reshape(-1).view(torch.uint8).numpy()
+            frames[i] = (self._header_of(layout), packed.tobytes())
+        return frames
 
     def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
-        """Read entries for ``keys``.
+        """Read entries for ``keys``, from the write queue or from their files.
 
         Files are read on the calling thread, chunk by chunk, and each chunk is checked
         and decompressed on the shared pool while the next one is read: reading is
@@ -178,16 +359,24 @@ class DiskTier:
             whose layout differs from the first one found are left out (recomputed).
         """
         n = len(keys)
-        if n >= _PARALLEL_MIN_ITEMS:
+        frames: list[_Frame | None] = [None] * n
+        queued = self._queued(keys) if self._pending else {}
+        for i, queued_frame in queued.items():
+            frames[i] = queued_frame
+        todo = [i for i in range(n) if i not in queued] if queued else range(n)
+        if len(todo) >= _PARALLEL_MIN_ITEMS:
             pool = _read_pool()
-            size = max(_PARALLEL_MIN_ITEMS // 2, -(-n // _READ_CHUNKS))
+            size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
             futures = []
-            for start in range(0, n, size):
-                part = keys[start : start + size]
+            for start in range(0, len(todo), size):
+                part = [keys[i] for i in todo[start : start + size]]
                 futures.append(pool.submit(self._decode, part, [self._get(key) for key in part]))
-            frames = [frame for future in futures for frame in future.result()]
+            decoded = [frame for future in futures for frame in future.result()]
         else:
-            frames = self._decode(keys, [self._get(key) for key in keys])
+            part = [keys[i] for i in todo]
+            decoded = self._decode(part, [self._get(key) for key in part])
+        for i, decoded_frame in zip(todo, decoded):
+            frames[i] = decoded_frame
         positions: list[int] = []
         payloads: list[bytes | memoryview] = []
         layout: Layout | None = None
@@ -231,28 +420,54 @@ class DiskTier:
         if layout is None:
             try:
                 layout = Layout.from_header(parse_header(header_bytes))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise CorruptEntryError(f"invalid header: {exc}") from None
+            except RecursionError:
+                raise CorruptEntryError("invalid header: nested too deeply") from None
             self._layouts[header_bytes] = layout
         return layout
 
-    # -- writes ----------------------------------------------------------------------
-    def write(self, keys: Sequence[str], layout: Layout, leaves: Sequence[torch.Tensor]) -> None:
-        """Queue entries for writing; ``leaves`` must be CPU tensors nobody else changes."""
-        if not self._writes_enabled or not keys:
-            return
-        for start in range(0, len(keys), _WRITE_CHUNK):
-            part = list(keys[start : start + _WRITE_CHUNK])
-            chunk = [leaf[start : start + _WRITE_CHUNK] for leaf in leaves]
-            self._writer.submit(_WriteJob(part, layout, chunk), layout.row_bytes * len(part))
-
-    def _write_job(self, job: _WriteJob) -> None:
-        if not self._writes_enabled:
-            return
-        layout, n = job.layout, len(job.keys)
+    def _header_of(self, layout: Layout) -> bytes:
         header = self._headers.get(layout)
         if header is None:
             header = self._headers[layout] = encode_header(layout.to_header())
+            self._layouts.setdefault(header, layout)
+        return header
+
+    # -- writes ----------------------------------------------------------------------
+    def write(self, keys: Sequence[str], layout: Layout, leaves: Sequence[torch.Tensor]) -> None:
+        """Queue entries for writing; ``leaves`` must be CPU tensors nobody else changes.
+
+        Items larger than :data:`~torchcache.codec.MAX_ITEM_BYTES` are not written.
+        """
+        if not self._writes_enabled or not keys or layout.row_bytes > MAX_ITEM_BYTES:
+            return
+        for start in range(0, len(keys), _WRITE_CHUNK):
+            part = list(keys[start : start + _WRITE_CHUNK])
+            job = _WriteJob(part, layout, [leaf[start : start + _WRITE_CHUNK] for leaf in leaves])
+            with self._pending_lock:
+                for row, key in enumerate(part):
+                    self._pending[key] = (job, row)
+            self._writer.submit(job, layout.row_bytes * len(part))
+
+    def _unqueue(self, job: _WriteJob, keys: Sequence[str]) -> None:
+        """Forget pending rows of ``job`` (not those a later job queued for the same keys)."""
+        with self._pending_lock:
+            for key in keys:
+                entry = self._pending.get(key)
+                if entry is not None and entry[0] is job:
+                    del self._pending[key]
+
+    def _write_job(self, job: _WriteJob) -> None:
+        try:
+            if self._writes_enabled:
+                self._write_entries(job)
+        finally:
+            self._unqueue(job, job.keys)
+
+    def _write_entries(self, job: _WriteJob) -> None:
+        layout, n = job.layout, len(job.keys)
+        header = self._header_of(layout)
         if len(job.leaves) == 1 and layout.row_bytes == layout.nbytes:
             packed = job.leaves[0].reshape(n, -1).view(torch.uint8).numpy()
         else:
@@ -267,7 +482,13 @@ class DiskTier:
                 streak = streak + 1 if frame[5] == 0 else 0
             elif streak:
                 streak += 1
-            self.store.put(key, frame)
+            try:
+                self.store.put(key, frame)
+            except StoreError as exc:
+                if is_disk_wide(exc):
+                    raise
+                self._report("entry", f"{exc}; that entry is recomputed when needed, the others are written")
+            self._unqueue(job, (key,))
         self._raw_streak[layout] = streak
         if time.time() - self._last_touch > 60:
             self.touch()

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Hashable, Iterator
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Generic, TypeVar
 
 from .errors import ConfigError
 
-__all__ = ["LruPolicy", "MruPolicy", "format_size", "parse_size"]
+__all__ = ["MAX_SIZE", "LruPolicy", "MruPolicy", "format_size", "parse_size"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -37,6 +37,8 @@ _UNITS = {
     "G": 10**9,
     "T": 10**12,
 }
+#: The largest byte count accepted (2**64, more than any file system holds).
+MAX_SIZE = 2**64
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -52,7 +54,8 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
         The number of bytes, rounded down.
 
     Raises:
-        ConfigError: If the value is negative, not a number, or has an unknown unit.
+        ConfigError: If the value is negative, not a number, larger than :data:`MAX_SIZE`,
+            or has an unknown unit.
 
     Example:
         >>> parse_size("2GB"), parse_size("500MiB"), parse_size(1e9)
@@ -73,10 +76,7 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
         unit_name = match.group(2).upper() if match else None
         if match is None or unit_name not in _UNITS:
             raise ConfigError(f"{name} must be a byte count such as 1e9, '2GB' or '500MiB', got {value!r}")
-        try:
-            number = Decimal(match.group(1))  # exact: "2.01kB" is 2010 bytes, not 2009
-        except InvalidOperation:  # pragma: no cover - the pattern only admits decimals
-            raise ConfigError(f"{name} must be a byte count such as '2GB', got {value!r}") from None
+        number = Decimal(match.group(1))  # exact: "2.01kB" is 2010 bytes, not 2009
         unit = _UNITS[unit_name]
     else:
         raise ConfigError(
@@ -84,6 +84,13 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
         )
     if number < 0:
         raise ConfigError(f"{name} must be a finite, non-negative byte count, got {value!r}")
+    try:
+        # Compare exponents first: "1e999999999" would overflow the decimal context.
+        if number.adjusted() > 30 or number * unit > MAX_SIZE:
+            raise DecimalException
+    except DecimalException:
+        shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
+        raise ConfigError(f"{name} must be at most {MAX_SIZE} bytes (about 18 EB), got {shown!r}") from None
     return int(number * unit)
 
 

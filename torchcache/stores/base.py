@@ -27,6 +27,8 @@ class Store(ABC):
 
         Raises:
             StoreError: If the backing storage could not be read.
+            CorruptEntryError: If what is stored under the key cannot be an entry (a store
+                that knows its entries' framing checks it before reading them whole).
         """
 
     @abstractmethod
@@ -52,6 +54,17 @@ class Store(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes currently stored."""
+
+    def reject(self, key: str) -> bool:
+        """Remove an entry that failed validation; return whether it is gone.
+
+        A store that cannot remove it should at least stop returning it.
+        """
+        try:
+            self.delete(key)
+        except OSError:
+            return False
+        return True
 
     def clear(self) -> None:
         """Remove every entry."""

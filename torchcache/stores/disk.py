@@ -10,6 +10,13 @@ The budget counts every entry in the directory, including those earlier runs lef
 first write (or size query) scans the directory once, ordering entries by modification
 time. Several processes may share a directory; each enforces the budget on what it has
 seen, so together they can pass it briefly by what the others wrote since their scan.
+
+Anyone who can write into the directory can plant anything at an entry path, so a read
+opens without blocking and takes only regular files (a FIFO, a device or a directory is
+a miss), and with a ``frame_length`` it reads a fixed prefix of a large file first and
+refuses the file if its size disagrees with it. A file that was rejected and could not
+be removed (a read-only directory) is remembered by its identity, so this process does
+not read it again until it changes.
 """
 
 from __future__ import annotations
@@ -17,23 +24,96 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .._fork import renew_lock_after_fork
-from ..errors import StoreError
+from ..errors import CorruptEntryError, StoreError
 from ..policy import MruPolicy
 from .base import Store
 
-__all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore"]
+__all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore", "open_regular", "read_bounded", "read_exactly"]
 
 ENTRY_SUFFIX = ".tce"
 TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 3600.0
 _O_BINARY = getattr(os, "O_BINARY", 0)
+_O_READ = os.O_RDONLY | _O_BINARY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_MAX_REJECTED = 1 << 16
+_SMALL_FILE = 1 << 16
+
+# Files rejected and not removable, by path: (device, inode, size, mtime in ns) when rejected.
+_rejected: dict[str, tuple[int, int, int, int]] = {}
+_rejected_lock = threading.Lock()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result] | None:
+    """Open a file for reading without blocking; ``None`` if it is missing or not a regular file.
+
+    A FIFO opened for reading would block until a writer comes, and a device can be
+    endless; opening with ``O_NONBLOCK`` and checking ``fstat`` takes neither. The
+    caller closes the descriptor.
+
+    Raises:
+        OSError: If the file exists and cannot be opened.
+    """
+    try:
+        fd = os.open(path, _O_READ)
+    except (FileNotFoundError, NotADirectoryError):  # nothing can exist at that path
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def read_exactly(fd: int, size: int, offset: int = 0) -> bytes:
+    """Read ``size`` bytes at ``offset`` (fewer only if the file is shorter)."""
+    data = os.pread(fd, size, offset) if hasattr(os, "pread") else _seek_read(fd, size, offset)
+    while len(data) < size:  # short reads: large files, some file systems
+        more = os.pread(fd, size - len(data), offset + len(data)) if hasattr(os, "pread") else b""
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _seek_read(fd: int, size: int, offset: int) -> bytes:  # pragma: no cover - Windows
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, size)
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """The bytes of a regular file of at most ``limit`` bytes; ``None`` if it is missing or not regular.
+
+    Raises:
+        OSError: If it cannot be read.
+        ValueError: If it is larger than ``limit``.
+    """
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        data = read_exactly(fd, min(st.st_size, limit) + 1)
+        if len(data) > limit:
+            raise ValueError(f"{max(st.st_size, len(data)):,} bytes, more than the {limit:,} expected at most")
+        return data
+    finally:
+        os.close(fd)
 
 
 _tmp_counter = itertools.count()
@@ -60,6 +140,11 @@ class DiskStore(Store):
         directory: The module directory (created on first write).
         max_bytes: The budget for the sum of entry file sizes.
         policy: Eviction order; MRU by default.
+        frame_length: Given the first ``prefix_size`` bytes of a file, the length the
+            whole file must have (it may raise :class:`CorruptEntryError`). Files larger
+            than 64 KiB are read only if it agrees; smaller ones, and all files without
+            it, are read whole (their reader checks them).
+        prefix_size: How many bytes ``frame_length`` needs.
 
     Example:
         >>> import tempfile
@@ -70,8 +155,18 @@ class DiskStore(Store):
         (1, 60, None)
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, policy: MruPolicy[str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        policy: MruPolicy[str] | None = None,
+        *,
+        frame_length: Callable[[bytes], int] | None = None,
+        prefix_size: int = 0,
+    ) -> None:
         self.directory = Path(directory)
+        self._frame_length = frame_length
+        self._prefix_size = prefix_size
         self._root = os.fspath(self.directory)
         self.max_bytes = int(max_bytes)
         self._policy: MruPolicy[str] = policy if policy is not None else MruPolicy()
@@ -116,7 +211,8 @@ class DiskStore(Store):
                 try:
                     if name.endswith(ENTRY_SUFFIX) and _is_key(name[: -len(ENTRY_SUFFIX)]):
                         st = entry.stat(follow_symlinks=False)
-                        found.append((st.st_mtime, name[: -len(ENTRY_SUFFIX)], st.st_size))
+                        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):  # not ours to count otherwise
+                            found.append((st.st_mtime, name[: -len(ENTRY_SUFFIX)], st.st_size))
                     elif (
                         name.endswith(TMP_SUFFIX)
                         and name.startswith(".")
@@ -147,23 +243,31 @@ class DiskStore(Store):
 
     # -- primitives ----------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
-        """Read an entry's bytes, or ``None`` if there is no such file."""
+        """Read an entry's bytes, or ``None`` if there is no such regular file.
+
+        Raises:
+            StoreError: If the file exists and cannot be read.
+            CorruptEntryError: If its size disagrees with its prefix (with a ``frame_length``).
+        """
         # os-level calls: a buffered file costs more than the read of a small entry.
         path = self._file(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_BINARY)
-        except (FileNotFoundError, NotADirectoryError):  # no entry can exist at that path
-            return None
+            opened = open_regular(path)
         except OSError as exc:
             raise StoreError(f"cannot read cache entry {path}: {exc}") from exc
+        if opened is None:
+            return None
+        fd, st = opened
         try:
-            size = os.fstat(fd).st_size
-            data = os.read(fd, size)
-            while len(data) < size:  # short reads: large files, some file systems
-                more = os.read(fd, size - len(data))
-                if not more:
-                    break
-                data += more
+            if _rejected and _rejected.get(path) == _identity(st):
+                return None  # rejected before and not removable: a miss, without reading it again
+            size = st.st_size
+            # A small file is read whole (its reader checks it); a large one only once its prefix agrees.
+            if self._frame_length is not None and size > _SMALL_FILE:
+                expected = self._frame_length(read_exactly(fd, self._prefix_size))
+                if expected != size:
+                    raise CorruptEntryError(f"the file is {size:,} bytes, its prefix declares {expected:,}")
+            data = read_exactly(fd, size)
         except OSError as exc:
             raise StoreError(f"cannot read cache entry {path}: {exc}") from exc
         finally:
@@ -177,6 +281,27 @@ class DiskStore(Store):
                 self._policy.add(key)
         return data
 
+    def reject(self, key: str) -> bool:
+        """Remove an entry that failed validation; return whether it is gone.
+
+        A file that cannot be removed (a read-only directory, a directory at the entry
+        path) is remembered, so that :meth:`get` treats it as a miss until it changes.
+        """
+        with self._lock:
+            self._forget(key)
+        path = self._file(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            with contextlib.suppress(OSError), _rejected_lock:
+                if len(_rejected) >= _MAX_REJECTED:
+                    _rejected.pop(next(iter(_rejected)))
+                _rejected[path] = _identity(os.stat(path))
+            return False
+        return True
+
     def put(self, key: str, data: bytes) -> bool:
         """Write an entry atomically (temporary file, then rename), evicting as needed."""
         size = len(data)
@@ -188,7 +313,8 @@ class DiskStore(Store):
             # several writer threads overlap, then index the key once its file exists.
             self._forget(key)
             while self._used + size > self.max_bytes and len(self._policy):
-                self._remove_file(self._policy.victim())
+                with contextlib.suppress(StoreError):  # a file we cannot remove is not ours to count
+                    self._remove_file(self._policy.victim())
             self._used += size
         try:
             self._write(key, data)
@@ -282,4 +408,4 @@ class DiskStore(Store):
         return len(self._sizes)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.path(key).exists()
+        return isinstance(key, str) and os.path.isfile(self._file(key))
