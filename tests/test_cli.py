@@ -19,7 +19,7 @@ from torchcache import CacheWarning, torchcache
 from torchcache.cli import _Progress, main
 from torchcache.codec import encode_frame
 from torchcache.inspect_cache import TMP_GRACE_SECONDS, parse_duration
-from torchcache.persist import META_NAME
+from torchcache.meta import META_NAME
 from torchcache.policy import format_size
 from torchcache.tree import Layout, flatten
 

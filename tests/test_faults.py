@@ -486,7 +486,7 @@ def test_metadata_is_written_through_a_new_unpredictable_temporary_file(
     import threading
 
     import torchcache.persist as persist_module
-    from torchcache.persist import META_NAME, load_meta, write_json_atomic
+    from torchcache.meta import META_NAME, load_meta, write_json_atomic
 
     directory = tmp_path / "module"
     directory.mkdir()
@@ -506,7 +506,7 @@ def test_metadata_is_written_through_a_new_unpredictable_temporary_file(
 
 
 def test_a_failed_metadata_rename_leaves_no_temporary_file(tmp_path: Path) -> None:
-    from torchcache.persist import META_NAME, write_json_atomic
+    from torchcache.meta import META_NAME, write_json_atomic
 
     (tmp_path / META_NAME).mkdir()
     (tmp_path / META_NAME / "inside").write_text("x")

@@ -36,7 +36,7 @@ from tests.helpers import Counting, assert_same, cached
 from torchcache import CacheWarning
 from torchcache.cli import main
 from torchcache.codec import CODEC_BROTLI, MAGIC
-from torchcache.persist import META_NAME
+from torchcache.meta import META_NAME
 from torchcache.tree import Layout, flatten
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants FIFOs")

@@ -38,7 +38,7 @@ from .inspect_cache import (
     summarize_layouts,
     verify_files,
 )
-from .persist import META_NAME
+from .meta import META_NAME
 from .policy import format_size, parse_size
 
 __all__ = ["build_parser", "main"]

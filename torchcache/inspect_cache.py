@@ -33,7 +33,7 @@ from typing import Any
 from ._version import __version__
 from .codec import MAGIC, PREFIX_SIZE, frame_length, parse_header, read_prefix, split_frame
 from .errors import CorruptEntryError, TorchCacheError
-from .persist import META_NAME, load_meta, meta_size, meta_time, write_json_atomic
+from .meta import META_NAME, load_meta, meta_size, meta_time, write_json_atomic
 from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX, open_regular, read_exactly
 from .tree import Layout, describe
 
@@ -215,7 +215,7 @@ def _holds_entries(entries: Sequence[FileInfo]) -> bool:
 def load_cache(directory: Path) -> ModuleCache | None:
     """Describe the module cache in ``directory``, or return ``None`` if it is not one.
 
-    A module cache has valid metadata (see :func:`~torchcache.persist.load_meta`) or holds
+    A module cache has valid metadata (see :func:`~torchcache.meta.load_meta`) or holds
     entries; in the second case ``meta_problem`` says what is wrong with its metadata.
 
     Raises:
