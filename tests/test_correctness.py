@@ -425,3 +425,31 @@ def test_a_low_hit_rate_with_changing_input_shapes_is_pointed_out() -> None:
             length = 4 + step % 12  # padded to the longest item of each batch
             embed(torch.randint(0, 9, (4, length), generator=generator))
     assert len([w for w in caught if "Variable-length" in str(w.message)]) == 1
+
+
+def test_a_second_instance_of_one_key_sees_entries_still_pending_in_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from torchcache import persist
+
+    release = threading.Event()
+    real_job = persist.DiskTier._write_job
+
+    def held_back(self: Any, job: Any) -> None:
+        release.wait(30)
+        real_job(self, job)
+
+    monkeypatch.setattr(persist.DiskTier, "_write_job", held_back)
+    first = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Features(seed=3))
+    second = torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)(Features(seed=3))
+    x = torch.randn(6, 4)
+    try:
+        first(x)
+        assert first.cache_instance.module_hash == second.cache_instance.module_hash
+        assert_same(second(x), Features(seed=3)(x))
+        assert second.cache_instance.stats().hits == 6  # served from the first one's pending writes
+    finally:
+        release.set()
+        first.cache_instance.flush()
