@@ -453,3 +453,21 @@ def test_a_second_instance_of_one_key_sees_entries_still_pending_in_the_first(
     finally:
         release.set()
         first.cache_instance.flush()
+
+
+def test_names_in_shared_args_and_batch_dims_must_exist() -> None:
+    with pytest.raises(ConfigError, match="masc"):
+        torchcache(shared_args=["masc"])(_attend)
+    with pytest.raises(ConfigError, match="'y'"):
+        torchcache(batch_dims={"y": 1})(_attend)
+    typo = torchcache(batch_dims={"output[1][2]": 1})(_lstm_like)
+    with pytest.raises(ConfigError, match=r"output\[1\]\[2\]"):
+        typo(torch.randn(2, 3))
+
+
+def test_module_hash_follows_loaded_weights_before_the_next_call() -> None:
+    model = torchcache()(Features(seed=1))
+    model(torch.randn(2, 4))
+    old = model.cache_instance.module_hash
+    model.load_state_dict(Features(seed=2).state_dict())
+    assert model.cache_instance.module_hash != old

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .batch import index_tensor
-from .errors import KeyingError
+from .errors import ConfigError, KeyingError
 from .keys import Context, encode_value, tensor_digest
 
 __all__ = ["CallArguments", "CallSplitter"]
@@ -208,11 +208,25 @@ class CallSplitter:
         self.dims = dims or {}
         params = list(signature.parameters.values())
         self._kinds = {p.name: p.kind for p in params}
+        self._check_names(params)
         positional = [p.name for p in params if p.kind in _POSITIONAL]
         self._var_positional = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "")
         self._positional = positional
         # Calls that pass every parameter positionally need no binding (the common case).
         self._simple = len(positional) == len(params)
+
+    def _check_names(self, params: list[inspect.Parameter]) -> None:
+        """Names in ``shared_args`` and ``batch_dims`` must be arguments (a typo would slice silently)."""
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return  # any keyword may come
+        known = {p.name for p in params}
+        for option, names in (("shared_args", self.shared), ("batch_dims", self.dims)):
+            unknown = sorted(n for n in names if n not in known and not n.startswith("output"))
+            if unknown:
+                raise ConfigError(
+                    f"{option} names {unknown}, which are not arguments of {self.signature}; "
+                    "use argument names (and output paths such as 'output[1][0]' in batch_dims)"
+                )
 
     def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: Context) -> CallArguments:
         """Bind a call and split it into per-item tensors and key context.

@@ -28,7 +28,7 @@ from ._version import __version__
 from .arguments import CallArguments, CallSplitter
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
-from .errors import KeyingError, StoreError
+from .errors import ConfigError, KeyingError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .persist import DiskTier
@@ -136,10 +136,11 @@ class Cache:
     def module_hash(self) -> str:
         """The module key (32 hex digits, or ``persistent_module_hash``).
 
-        Fixed at the first call. Before it, reading this gives the key the current
-        weights would give, without fixing it.
+        Fixed at the first call, and taken again at the next call after
+        ``load_state_dict()`` or ``.to()``. Reading it in between gives the key the
+        current weights would give, without fixing it.
         """
-        if self._module_hash is not None:
+        if self._module_hash is not None and not self._stale:
             return self._module_hash
         return self._fingerprint()
 
@@ -428,7 +429,14 @@ class Cache:
         dims = self._dims_by_spec.get(key)
         if dims is None:
             names = self.settings.batch_dims
-            dims = self._dims_by_spec[key] = [names.get(path, 0) for path in leaf_paths(spec)]
+            paths = leaf_paths(spec)
+            unknown = sorted(n for n in names if n.startswith("output") and n not in paths)
+            if unknown:
+                raise ConfigError(
+                    f"batch_dims names {unknown}, which are not tensor outputs of {self.name}; "
+                    f"its output paths are {paths}"
+                )
+            dims = self._dims_by_spec[key] = [names.get(path, 0) for path in paths]
         return dims
 
     def _rebuild(self, layout: Layout, leaves: list[torch.Tensor]) -> Any:
