@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from torchcache import CacheWarning, torchcache
-from torchcache.cli import _Progress, main
+from torchcache.cli import main
+from torchcache.cli_output import Progress as _Progress
 from torchcache.codec import encode_frame
-from torchcache.inspect_cache import TMP_GRACE_SECONDS, parse_duration
+from torchcache.maintenance import TMP_GRACE_SECONDS, parse_duration
 from torchcache.meta import META_NAME
 from torchcache.policy import format_size
 from torchcache.tree import Layout, flatten
@@ -563,7 +564,7 @@ def test_ls_and_info_report_bytes_on_disk(capsys: pytest.CaptureFixture[str], ca
 def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchcache.cli as cli_module
+    import torchcache.cli_commands as cli_module
 
     oldest, middle, newest = make_three()
     real_remove = cli_module.remove_cache

@@ -1,4 +1,4 @@
-"""Find, describe, check and remove the module caches under a cache root.
+"""Find and describe the module caches under a cache root.
 
 A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``,
 or one that holds entries (``<3 hex digits>/<key>.tce`` files that start like a frame)
@@ -6,66 +6,42 @@ whatever its metadata: a damaged, missing or foreign ``torchcache.json`` never h
 cache, it is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything
 else under the root is not torchcache's and is never touched. Files are opened without
 blocking, only when they are regular files, and read only as far as their prefix says.
-
-Removal is narrow on purpose: it unlinks entry files (``<3 hex digits>/<key>.tce``),
-temporary files (``.*.tmp``) and the metadata file, then removes directories with
-:func:`os.rmdir`, which fails on a directory that still holds something, so unknown
-files survive with their directory. Each file is unlinked whole, so a process using the
-cache meanwhile reads an entry or a miss, never a partial file.
-
-Temporary files younger than :data:`TMP_GRACE_SECONDS` may be a write in progress in
-another process (removing one would make that process stop writing), so checking keeps
-them; removing a whole module cache removes them regardless.
+Nothing here writes or removes; :mod:`torchcache.maintenance` does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .codec import MAGIC, PREFIX_SIZE, frame_length, parse_header, read_prefix, split_frame
-from .errors import CorruptEntryError, TorchCacheError
-from .meta import META_NAME, load_meta, meta_size, meta_time, write_json_atomic
+from .codec import MAGIC, PREFIX_SIZE, parse_header, read_prefix
+from .errors import TorchCacheError
+from .meta import META_NAME, load_meta, meta_size, meta_time
 from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX, open_regular, read_exactly
 from .tree import Layout, describe
 
 __all__ = [
-    "TMP_GRACE_SECONDS",
     "CacheFiles",
     "CacheLookupError",
     "FileInfo",
     "LayoutSummary",
     "ModuleCache",
-    "Problem",
-    "check_entry",
     "find_caches",
     "list_files",
     "load_cache",
-    "parse_duration",
-    "rebuild_meta",
-    "remove_cache",
-    "remove_file",
     "resolve_cache",
-    "select_for_prune",
     "summarize_layouts",
-    "verify_files",
 ]
 
-#: Temporary files modified within this many seconds may belong to a write in progress.
-TMP_GRACE_SECONDS = 60.0
 _SHARD_RE = re.compile(r"[0-9a-f]{3}")
 _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
-_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw])\s*$", re.IGNORECASE)
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 class CacheLookupError(TorchCacheError, LookupError):
@@ -118,16 +94,6 @@ class ModuleCache:
     def key(self) -> str:
         """The module key (the directory name)."""
         return self.directory.name
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A file that ``verify`` reports: damaged metadata, a corrupt entry or a stray temporary file."""
-
-    path: Path
-    kind: str
-    reason: str
-    size: int
 
 
 @dataclass(frozen=True)
@@ -281,30 +247,6 @@ def find_caches(path: Path) -> list[ModuleCache]:
     return caches
 
 
-def rebuild_meta(cache: ModuleCache) -> None:
-    """Write fresh metadata for a cache whose metadata is damaged, from what its entries tell.
-
-    The name and kind are kept where the damaged metadata still has them; ``created`` is
-    the modification time of the oldest entry; the last-used time is kept.
-
-    Raises:
-        OSError: If it cannot be written (a directory at its path, a read-only directory).
-    """
-    files = list_files(cache.directory)
-    meta: dict[str, Any] = {
-        "torchcache_version": __version__,
-        "module_key": cache.key,
-        "created": meta_time(min((f.mtime for f in files.entries), default=None)),
-        "rebuilt": True,
-    }
-    for field in ("name", "kind"):
-        if isinstance(cache.meta.get(field), str):
-            meta[field] = cache.meta[field]
-    write_json_atomic(cache.directory / META_NAME, meta)
-    with contextlib.suppress(OSError):
-        os.utime(cache.directory / META_NAME, (cache.last_used, cache.last_used))
-
-
 def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> ModuleCache:
     """Find a module cache by directory path, or by its key (or a unique prefix) under ``root``.
 
@@ -336,162 +278,6 @@ def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> Modul
         raise CacheLookupError(f"no module cache under {root} has a key starting with {target!r} (see `torchcache ls`)")
     shown = ", ".join(c.key for c in matches[:5]) + (", ..." if len(matches) > 5 else "")
     raise CacheLookupError(f"{target!r} matches {len(matches)} module caches ({shown}); give more of the key")
-
-
-def _row_bytes(header_bytes: bytes) -> int:
-    return Layout.from_header(parse_header(header_bytes)).row_bytes
-
-
-def check_entry(path: Path) -> str | None:
-    """Check one entry file: frame, checksum, header and payload size.
-
-    Only the prefix is read before the file's size is checked against it.
-
-    Returns:
-        Why the entry is corrupt, or ``None`` if it is sound (or was removed meanwhile).
-    """
-    try:
-        opened = open_regular(path)
-        if opened is None:
-            return "not a regular file" if os.path.lexists(path) else None
-        fd, st = opened
-        try:
-            expected = frame_length(read_exactly(fd, PREFIX_SIZE))
-            if expected != st.st_size:
-                return f"frame length {st.st_size} does not match its prefix ({expected})"
-            data = read_exactly(fd, st.st_size)
-        finally:
-            os.close(fd)
-        split_frame(data, raw_size=_row_bytes)
-    except OSError as exc:
-        return f"unreadable: {exc.strerror or exc}"
-    except CorruptEntryError as exc:
-        return str(exc)
-    except KeyError as exc:
-        return f"invalid header: missing field {exc}"
-    except (TypeError, ValueError, AttributeError) as exc:
-        return str(exc) if str(exc).startswith("invalid header") else f"invalid header: {exc}"
-    except RecursionError:
-        return "invalid header: nested too deeply"
-    return None
-
-
-def verify_files(
-    files: CacheFiles, now: float, tick: Callable[[int], None] | None = None
-) -> tuple[list[Problem], list[FileInfo]]:
-    """Check every entry of a module cache (calling ``tick(1)`` after each) and find stray temporaries.
-
-    Returns:
-        The problems, and the temporary files young enough (at ``now``) to be writes in progress.
-    """
-    problems = []
-    for entry in files.entries:
-        reason = check_entry(entry.path)
-        if reason is not None:
-            problems.append(Problem(entry.path, "corrupt", reason, entry.size))
-        if tick is not None:
-            tick(1)
-    in_progress = []
-    for tmp in files.temporaries:
-        if now - tmp.mtime < TMP_GRACE_SECONDS:
-            in_progress.append(tmp)
-        else:
-            problems.append(Problem(tmp.path, "temporary", "stray temporary file", tmp.size))
-    return problems, in_progress
-
-
-def remove_file(path: Path) -> bool:
-    """Unlink one file; return whether it was there.
-
-    Raises:
-        OSError: If it exists and cannot be removed.
-    """
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def remove_cache(directory: Path) -> tuple[int, Path | None]:
-    """Remove a module cache: its entries, temporaries and metadata, then empty directories.
-
-    Files torchcache did not write are kept, and so are the directories that hold them.
-
-    Returns:
-        The bytes freed, and the module directory if it was kept (not empty).
-
-    Raises:
-        OSError: If a file cannot be removed.
-    """
-    files = list_files(directory)
-    meta = directory / META_NAME
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(meta)
-        if not stat.S_ISDIR(st.st_mode):  # a directory there is not ours: it keeps the module directory
-            files.temporaries.append(FileInfo(meta, st.st_size if stat.S_ISREG(st.st_mode) else 0, 0.0))  # last
-    freed = sum(item.size for item in (*files.entries, *files.temporaries) if remove_file(item.path))
-    for shard in files.shards:
-        with contextlib.suppress(OSError):  # not empty: unknown files, or entries written meanwhile
-            os.rmdir(shard)
-    kept: Path | None = None
-    try:
-        os.rmdir(directory)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        kept = directory
-    return freed, kept
-
-
-def select_for_prune(
-    caches: Sequence[ModuleCache],
-    now: float,
-    *,
-    max_bytes: int | None = None,
-    older_than: float | None = None,
-    keep: int | None = None,
-) -> list[ModuleCache]:
-    """Pick the module caches to remove, least recently used first, until the condition holds.
-
-    Exactly one of ``max_bytes`` (total size to get under), ``older_than`` (seconds since
-    last use) and ``keep`` (how many of the most recently used to keep) is given.
-
-    Raises:
-        ValueError: If not exactly one condition is given.
-    """
-    if sum(x is not None for x in (max_bytes, older_than, keep)) != 1:
-        raise ValueError("give exactly one of max_bytes, older_than and keep")
-    order = sorted(caches, key=lambda c: c.last_used)
-    if keep is not None:
-        return order[: max(0, len(order) - keep)]
-    if older_than is not None:
-        return [c for c in order if now - c.last_used > older_than]
-    assert max_bytes is not None
-    total = sum(c.nbytes for c in order)
-    chosen = []
-    for cache in order:
-        if total <= max_bytes:
-            break
-        chosen.append(cache)
-        total -= cache.nbytes
-    return chosen
-
-
-def parse_duration(text: str) -> float:
-    """Parse a duration such as ``30d``, ``12h``, ``90m``, ``2w`` or ``45s`` into seconds.
-
-    Raises:
-        ValueError: If the text is not a number followed by one of the units s, m, h, d, w.
-
-    Example:
-        >>> parse_duration("30d"), parse_duration("90m"), parse_duration("1.5h")
-        (2592000.0, 5400.0, 5400.0)
-    """
-    match = _DURATION_RE.match(text)
-    if match is None:
-        raise ValueError(f"invalid duration {text!r}: expected a number and a unit s, m, h, d or w, such as 30d or 12h")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
 
 
 def _read_header(path: Path) -> dict[str, Any]:

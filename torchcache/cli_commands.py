@@ -1,0 +1,311 @@
+"""What each ``torchcache`` command does: one handler per command, from parsed arguments to exit status.
+
+Each handler finds caches with :mod:`torchcache.inspect_cache`, checks and removes them
+with :mod:`torchcache.maintenance` (which only ever removes torchcache's own files), and
+writes with :mod:`torchcache.cli_output`. Library errors propagate to the caller, which
+reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cli_output import (
+    Progress,
+    cache_json,
+    cache_table,
+    damaged_note,
+    error,
+    note,
+    plural,
+    print_json,
+    relative,
+    table,
+    totals,
+    when,
+)
+from .config import resolve_root
+from .inspect_cache import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
+from .maintenance import Problem, rebuild_meta, remove_cache, remove_file, select_for_prune, verify_files
+from .meta import META_NAME
+from .policy import format_size
+
+__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_prune", "cmd_verify"]
+
+
+def _root(arg: str | None) -> Path:
+    """The root a command works on: the argument, else the decorator's default root."""
+    if arg is None:
+        return resolve_root(None)
+    path = Path(arg).expanduser()
+    if not path.exists():
+        raise CacheLookupError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CacheLookupError(f"{path} is not a directory")
+    return path
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``torchcache ls``: list the module caches under a root, most recently used first.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 0.
+    """
+    root = _root(args.root)
+    caches = find_caches(root)
+    if args.json:
+        print_json({"root": str(root), "caches": [cache_json(c) for c in caches]})
+    elif not caches:
+        print(f"no module caches under {root}")
+    else:
+        print(cache_table(caches))
+        print(f"\n{totals(caches)} under {root}")
+        damaged_note(caches)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """``torchcache info``: describe one module cache and the layouts of a sample of its entries.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 0.
+
+    Raises:
+        CacheLookupError: If no module cache, or more than one, matches the target.
+    """
+    root = _root(args.root)
+    cache = resolve_cache(root, args.target, root_given=args.root is not None)
+    files = list_files(cache.directory)
+    layouts = summarize_layouts(files.entries, args.sample)
+    sampled = sum(s.entries for s in layouts)
+    settings = cache.meta.get("settings")
+    if args.json:
+        shapes = [
+            {"layout": s.description, "entries": s.entries, "item_bytes": s.layout and s.layout.nbytes} for s in layouts
+        ]
+        print_json({**cache_json(cache), "meta": cache.meta, "sampled_entries": sampled, "layouts": shapes})
+        return 0
+    limit = cache.max_bytes
+    used = f" ({cache.nbytes / limit:.1%} used)" if limit else ""
+    fields = [
+        ("directory", str(cache.directory)),
+        ("module key", cache.key),
+        ("name", cache.name),
+        ("kind", str(cache.meta.get("kind", "-"))),
+        ("created", when(cache.created)),
+        ("last used", when(cache.last_used)),
+        ("torchcache", cache.version or "-"),
+        ("format", str(cache.meta.get("format_version", "-"))),
+        ("entries", f"{cache.entries:,}"),
+        ("size", f"{format_size(cache.nbytes)} ({cache.nbytes:,} bytes)"),
+        ("on disk", f"{format_size(cache.disk_bytes)} ({cache.disk_bytes:,} bytes)"),
+        ("size limit", "-" if limit is None else f"{format_size(limit)}{used}"),
+        ("temporary files", str(cache.temporaries)),
+        ("metadata", cache.meta_problem or "ok"),
+    ]
+    if isinstance(settings, dict):
+        fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items(), key=str)) or "-"))
+    width = max(len(label) for label, _ in fields)
+    for label, value in fields:
+        print(f"{label:<{width}}  {value}")
+    if layouts:
+        print(f"\nlayouts (headers of {plural(sampled, 'entry', 'entries')}):")
+        rows = [
+            [f"{s.entries:,}", "-" if s.layout is None else format_size(s.layout.nbytes), s.description]
+            for s in layouts
+        ]
+        print(table(["ENTRIES", "ITEM SIZE", "LAYOUT"], rows, right=(0, 1)))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``torchcache verify``: check every entry and the metadata, and fix what is wrong with ``--fix``.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if problems were found and not fixed, else 0.
+    """
+    root = _root(args.path)
+    caches = find_caches(root)
+    listed = [(cache, list_files(cache.directory)) for cache in caches]
+    total = sum(len(files.entries) for _, files in listed)
+    now = time.time()
+    progress = Progress(total, "verify")
+    problems: list[Problem] = []
+    damaged: dict[Path, ModuleCache] = {}
+    busy = 0
+    try:
+        for cache, files in listed:
+            if cache.meta_problem is not None:
+                damaged[cache.directory / META_NAME] = cache
+                problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
+            found, in_progress = verify_files(files, now, progress.update)
+            problems.extend(found)
+            busy += len(in_progress)
+    finally:
+        progress.close()
+    removed: list[Problem] = []
+    failures: list[str] = []
+    if args.fix:
+        for problem in problems:
+            try:
+                if problem.path in damaged:
+                    rebuild_meta(damaged[problem.path])
+                else:
+                    remove_file(problem.path)
+                removed.append(problem)
+            except OSError as exc:
+                failures.append(f"cannot fix {problem.path}: {exc.strerror or exc}")
+    rebuilt = sum(p.path in damaged for p in removed)
+    left = len(problems) - len(removed)
+    if args.json:
+        print_json(
+            {
+                "root": str(root),
+                "module_caches": len(caches),
+                "entries_checked": total,
+                "problems": [
+                    {
+                        "path": str(p.path),
+                        "kind": p.kind,
+                        "reason": p.reason,
+                        "bytes": p.size,
+                        "removed": p in removed and p.path not in damaged,
+                        "fixed": p in removed,
+                    }
+                    for p in problems
+                ],
+                "temporary_files_in_use": busy,
+                "ok": left == 0,
+            }
+        )
+    else:
+        print(f"checked {plural(total, 'entry', 'entries')} in {plural(len(caches), 'module cache')} under {root}")
+        if problems:
+            rows = [[p.kind, p.reason, relative(p.path, root)] for p in problems]
+            print(table(["PROBLEM", "REASON", "FILE"], rows))
+        if busy:
+            print(f"left {plural(busy, 'recent temporary file')} alone (a write may be in progress)")
+        if len(removed) > rebuilt:
+            files_removed = [p for p in removed if p.path not in damaged]
+            size = format_size(sum(p.size for p in files_removed))
+            print(f"removed {plural(len(files_removed), 'file')} ({size})")
+        if rebuilt:
+            print(f"rebuilt the metadata of {plural(rebuilt, 'module cache')}")
+        if not problems:
+            print("no problems found")
+    for failure in failures:
+        error(failure)
+    if left:
+        if not failures:
+            error(f"{plural(left, 'problem')} found; run `torchcache verify --fix` to fix them")
+        return 1
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """``torchcache prune``: remove whole module caches, least recently used first, until the condition holds.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if a module cache could not be removed, else 0.
+    """
+    root = _root(args.root)
+    caches = find_caches(root)
+    victims = select_for_prune(caches, time.time(), max_bytes=args.max_size, older_than=args.older_than, keep=args.keep)
+    kept = [c for c in caches if c not in victims]
+    # Everything printed is formatted before anything is removed.
+    shown = cache_table(victims) if victims and not args.json else ""
+    kept_json = [cache_json(c) for c in kept] if args.json else []
+    victims_json = [cache_json(c) for c in victims] if args.json else []
+    left = totals(kept)
+    freed, failed = (sum(c.nbytes for c in victims), 0) if args.dry_run else _remove(victims)
+    if args.json:
+        print_json(
+            {
+                "root": str(root),
+                "dry_run": args.dry_run,
+                "removed": victims_json,
+                "kept": kept_json,
+                "freed_bytes": freed,
+            }
+        )
+    elif not victims:
+        print(f"nothing to prune: {totals(caches)} under {root}")
+    else:
+        print(shown)
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"\n{verb} {plural(len(victims) - failed, 'module cache')} ({format_size(freed)}); {left} left")
+    return 1 if failed else 0
+
+
+def _remove(caches: Sequence[ModuleCache]) -> tuple[int, int]:
+    """Remove module caches; return the bytes freed and how many could not be removed.
+
+    Directories holding other files are kept (and named); a cache that cannot be
+    removed is named and the others are still removed.
+    """
+    freed = failed = 0
+    for cache in caches:
+        try:
+            size, kept = remove_cache(cache.directory)
+        except OSError as exc:
+            failed += 1
+            error(f"cannot remove {cache.directory}: {exc.strerror or exc}")
+            continue
+        freed += size
+        if kept is not None:
+            note(f"kept {kept}: it holds files that torchcache did not write")
+    return freed, failed
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """``torchcache clear``: remove one module cache, or every one under the root, once confirmed.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if not confirmed or a module cache could not be removed, else 0.
+
+    Raises:
+        CacheLookupError: If no module cache, or more than one, matches the target.
+    """
+    root = _root(args.root)
+    targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
+    if not targets:
+        print(f"nothing to clear: no module caches under {root}")
+        return 0
+    size = format_size(sum(c.nbytes for c in targets))
+    single = len(targets) == 1 and not args.all
+    what = (
+        f"module cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
+        if single
+        else f"{plural(len(targets), 'module cache')} ({size}) under {root}"
+    )
+    if not args.yes:
+        stdin = sys.stdin
+        if stdin is None or not stdin.isatty():
+            error(f"refusing to remove {what} without confirmation (stdin is not a terminal); pass --yes")
+            return 1
+        print(f"remove {what}? [y/N] ", end="", file=sys.stderr, flush=True)
+        if stdin.readline().strip().lower() not in ("y", "yes"):
+            print("aborted; nothing removed", file=sys.stderr)
+            return 1
+    freed, failed = _remove(targets)
+    print(f"removed {plural(len(targets) - failed, 'module cache')} ({format_size(freed)})")
+    return 1 if failed else 0
