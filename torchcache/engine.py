@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import json
 import logging
 import threading
 import time
@@ -28,15 +27,16 @@ from ._version import __version__
 from .arguments import CallArguments, CallSplitter
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
-from .errors import ConfigError, KeyingError, StoreError
+from .errors import StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
+from .outputs import OutputPlan, UnbatchedOutputError
 from .persist import DiskTier
 from .policy import format_size
 from .stats import CacheStats, TierStats
 from .stores.memory import MemoryTier
 from .tiers import SharedTier, open_shared_tier
-from .tree import Layout, RebuildError, flatten, leaf_paths, unflatten
+from .tree import Layout, RebuildError, flatten
 
 __all__ = ["Cache"]
 
@@ -94,7 +94,7 @@ class Cache:
         self._lock = threading.RLock()
         self._calls = 0
         self._shapes: set[bytes] = set()
-        self._dims_by_spec: dict[str, list[int]] = {}
+        self._outputs = OutputPlan(name, settings.batch_dims)
         #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
         self.stochastic: bool | None = None
         self._hits = 0
@@ -302,7 +302,7 @@ class Cache:
                 rows = index_tensor(hit_rows, slab.device)
                 leaves = [t.index_select(0, rows) for t in slab.leaves]
                 try:
-                    output = self._rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
+                    output = self._outputs.rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
                 except RebuildError as exc:
                     error: RebuildError | None = exc
                 else:
@@ -386,9 +386,7 @@ class Cache:
                 sub_args, sub_kwargs = call.select(missing)
                 computed = fn(*sub_args, **sub_kwargs)
             spec, leaves = flatten(computed)
-            dims = self._output_dims(spec)
-            if dims:
-                leaves = [leaf.movedim(dim, 0) if dim else leaf for leaf, dim in zip(leaves, dims)]
+            leaves = self._outputs.to_items(spec, leaves)
             self._check_items(leaves, len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
@@ -407,7 +405,7 @@ class Cache:
             parts.append((missing, leaves))
         assert layout is not None
         try:
-            output = self._rebuild(layout, merge_parts(parts, batch, layout, device))
+            output = self._outputs.rebuild(layout, merge_parts(parts, batch, layout, device))
         except RebuildError as exc:
             return self._recompute(fn, call.args, call.kwargs, batch, exc)
         self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
@@ -421,57 +419,22 @@ class Cache:
         self._count(misses=batch)
         return fn(*args, **kwargs)
 
-    def _output_dims(self, spec: Any) -> list[int]:
-        """The batch dimension of each output leaf, from ``batch_dims`` (empty: all first)."""
-        if not self.settings.batch_dims:
-            return []
-        key = json.dumps(spec)
-        dims = self._dims_by_spec.get(key)
-        if dims is None:
-            names = self.settings.batch_dims
-            paths = leaf_paths(spec)
-            unknown = sorted(n for n in names if n.startswith("output") and n not in paths)
-            if unknown:
-                raise ConfigError(
-                    f"batch_dims names {unknown}, which are not tensor outputs of {self.name}; "
-                    f"its output paths are {paths}"
-                )
-            dims = self._dims_by_spec[key] = [names.get(path, 0) for path in paths]
-        return dims
-
-    def _rebuild(self, layout: Layout, leaves: list[torch.Tensor]) -> Any:
-        """The output a real call returns, from per-item leaves (batch first)."""
-        dims = self._output_dims(layout.spec)
-        if dims:
-            leaves = [leaf.movedim(0, dim).contiguous() if dim else leaf for leaf, dim in zip(leaves, dims)]
-        return unflatten(layout.spec, leaves)
-
     def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
-        """Every output leaf must hold one row per computed item.
+        """Refuse leaves that are not per item.
 
         A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n``
         shaped ``(num_layers, batch, hidden)`` with ``num_layers == batch``) was stored
         per item in earlier calls: those entries may be wrong, so they are removed.
         """
-        for leaf in leaves:
-            if leaf.layout != torch.strided:
-                raise KeyingError(
-                    f"{self.name} returned a {leaf.layout} tensor: only dense (strided) outputs can be cached; "
-                    "return out.to_dense() from the cached function"
-                )
-            if leaf.dim() > 0 and leaf.shape[0] == computed:
-                continue
-            stored = len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0)
-            if stored:
+        try:
+            self._outputs.check(leaves, computed, batch)
+        except UnbatchedOutputError as exc:
+            if len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0):
                 self.clear()
-            raise KeyingError(
-                f"{self.name} returned a tensor shaped {tuple(leaf.shape)} for {computed} items (batch {batch}): "
-                "torchcache caches outputs per item, so every output tensor must have the batch as its first "
-                "dimension. Name outputs whose batch is another dimension in batch_dims (for an LSTM's "
-                "(h_n, c_n): batch_dims={'output[1][0]': 1, 'output[1][1]': 1}); outputs that are not per item "
-                "cannot be cached."
-                + (" Entries cached so far may hold such outputs and were removed." if stored else "")
-            )
+                raise UnbatchedOutputError(
+                    f"{exc} Entries cached so far may hold such outputs and were removed."
+                ) from None
+            raise
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
