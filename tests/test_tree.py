@@ -601,8 +601,10 @@ def test_nesting_is_limited_and_cycles_are_keying_errors() -> None:
 
 
 def test_spec_naming_a_module_not_imported_fails_without_importing_it() -> None:
-    for module in ("this", "xml.dom.minidom"):
-        assert module not in sys.modules
+    candidates = ("this", "antigravity", "xml.dom.minidom", "turtle", "tkinter.dnd", "curses.textpad")
+    unimported = [name for name in candidates if name not in sys.modules]
+    assert unimported, "every candidate module was already imported by an earlier test"
+    for module in unimported:
         spec = ["namedtuple", f"{module}:Pair", [["x", "T"]]]
         layout = Layout.from_header({"tree": spec, "leaves": [{"dtype": "float32", "shape": [], "offset": 0}]})
         with pytest.raises(RebuildError, match=f"module '{module}' is not imported") as info:
