@@ -1,0 +1,528 @@
+"""The packed store's own properties: processes, crashes, damage, budgets, hostile files."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchcache.errors import StoreError
+from torchcache.stores import packed_segments
+from torchcache.stores.packed import INDEX_BASE_BYTES, PackedStore
+from torchcache.stores.packed_format import HEADER, segment_name
+from torchcache.stores.packed_index import ENTRY, INDEX_NAME
+
+FORK = multiprocessing.get_context("fork")
+DEADLINE = 60.0
+
+
+def key(i: int) -> str:
+    return hashlib.md5(str(i).encode()).hexdigest()
+
+
+def value(i: int, size: int = 1000) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+class Reports:
+    """A ``report`` callback that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, kind: str, message: str) -> None:
+        self.seen.append((kind, message))
+
+    def kinds(self) -> list[str]:
+        return [kind for kind, _ in self.seen]
+
+
+@pytest.fixture
+def reports() -> Reports:
+    return Reports()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+def segments(root: Path) -> list[Path]:
+    return sorted(root.glob("seg-*.tcs"))
+
+
+def fill(store: PackedStore, ids: range, size: int = 1000) -> None:
+    for start in range(ids.start, ids.stop, 100):
+        store.put_many([(key(i), value(i, size)) for i in range(start, min(ids.stop, start + 100))])
+
+
+def locate(store: PackedStore, i: int) -> tuple[int, int, int]:
+    index = store._ensure(write=False)
+    assert index is not None
+    with index.begin() as txn:
+        raw = txn.get(bytes.fromhex(key(i)), db=index.entries)
+    assert raw is not None
+    seg, offset, length = ENTRY.unpack(raw)
+    return seg, offset, length
+
+
+# -- batches ----------------------------------------------------------------------------
+def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PackedStore(root, 10**9)
+    fill(store, range(10))  # the segment and the index exist
+    calls: dict[str, int] = {"change": 0, "pwritev": 0, "pread": 0, "begin": 0}
+    index = store._ensure(write=False)
+    assert index is not None
+
+    def counting(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(index, "change", counting("change", index.change))
+    monkeypatch.setattr(index, "begin", counting("begin", index.begin))
+    monkeypatch.setattr(packed_segments.os, "pwritev", counting("pwritev", os.pwritev))
+    monkeypatch.setattr(packed_segments.os, "pread", counting("pread", os.pread))
+    assert store.put_many([(key(i), value(i, 3072)) for i in range(1000, 2024)]) == 1024
+    assert calls["change"] == 1 and calls["pwritev"] <= 3  # 1,024 records: two or three iovec arrays
+    calls.update(change=0, begin=0, pread=0)
+    got = store.get_many([key(i) for i in range(1000, 2024)])
+    assert all(bytes(v or b"") == value(i, 3072) for v, i in zip(got, range(1000, 2024)))
+    assert calls["change"] == 0 and calls["begin"] == 1 and calls["pread"] == 1024
+
+
+# -- several processes ------------------------------------------------------------------
+def _writer(path: str, ids: range, conn: Connection) -> None:
+    store = PackedStore(path, 10**9)
+    for start in range(ids.start, ids.stop, 50):
+        store.put_many([(key(i), value(i)) for i in range(start, min(ids.stop, start + 50))])
+        conn.send(min(ids.stop, start + 50))
+    conn.send("done")
+    conn.recv()  # stay alive (holding the segment) until told to go
+
+
+def test_a_running_reader_sees_what_other_processes_commit(root: Path, reports: Reports) -> None:
+    reader = PackedStore(root, 10**9, report=reports)
+    assert reader.get(key(0)) is None
+    pipes, procs = [], []
+    for n in range(2):
+        parent, child = FORK.Pipe()
+        proc = FORK.Process(target=_writer, args=(str(root), range(n * 1000, n * 1000 + 600), child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        done = [False, False]
+        deadline = time.monotonic() + DEADLINE
+        while not all(done):
+            assert time.monotonic() < deadline, "writers did not finish"
+            for n, conn in enumerate(pipes):
+                if done[n] or not conn.poll(0.05):
+                    continue
+                message = conn.recv()
+                if message == "done":
+                    done[n] = True
+                    continue
+                committed = range(n * 1000, message)
+                got = reader.get_many([key(i) for i in committed])  # whole entries, never torn
+                assert all(v is not None and bytes(v) == value(i) for v, i in zip(got, committed))
+        assert len(reader) == 1200 and reader.verify().ok
+    finally:
+        for conn in pipes:
+            conn.send("go")
+        for proc in procs:
+            proc.join(DEADLINE)
+    assert not reports.seen
+
+
+def test_two_processes_share_one_budget(root: Path) -> None:
+    budget = 1_500_000
+    procs = []
+    for n in range(2):
+        parent, child = FORK.Pipe()
+        proc = FORK.Process(target=_budget_writer, args=(str(root), budget, n, child))
+        proc.start()
+        procs.append((proc, parent))
+    for proc, conn in procs:
+        assert conn.poll(DEADLINE)
+        assert conn.recv() == "ok"
+        proc.join(DEADLINE)
+    store = PackedStore(root, budget)
+    assert 0 < store.nbytes <= budget
+    assert store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    assert store.verify().ok
+
+
+def _budget_writer(path: str, budget: int, n: int, conn: Connection) -> None:
+    try:
+        store = PackedStore(path, budget)
+        for start in range(n * 10_000, n * 10_000 + 2000, 40):
+            store.put_many([(key(i), value(i)) for i in range(start, start + 40)])
+            assert store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES + 2 * store.segment_bytes
+        conn.send("ok")
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(repr(exc))
+
+
+def test_a_forked_child_uses_the_store_on_its_own(root: Path) -> None:
+    store = PackedStore(root, 10**8)
+    fill(store, range(100))
+    parent, child = FORK.Pipe()
+    proc = FORK.Process(target=_child_uses, args=(store, child))
+    proc.start()
+    assert parent.poll(DEADLINE) and parent.recv() == "ok"
+    proc.join(DEADLINE)
+    assert bytes(store.get(key(150)) or b"") == value(150)  # the child's entries
+    fill(store, range(200, 300))
+    assert len(store) == 300 and store.verify().ok
+
+
+def _child_uses(store: PackedStore, conn: Connection) -> None:
+    try:
+        assert bytes(store.get(key(5)) or b"") == value(5)
+        fill(store, range(100, 200))
+        store.close()
+        conn.send("ok")
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(repr(exc))
+
+
+# -- killed processes -------------------------------------------------------------------
+def _endless_writer(path: str, budget: int, conn: Connection) -> None:
+    store = PackedStore(path, budget)
+    batch = 0
+    while True:
+        ids = range(batch * 20, batch * 20 + 20)
+        store.put_many([(key(i), value(i, 700)) for i in ids])
+        if batch % 3 == 0:
+            store.delete_many([key(i) for i in range(batch * 20, batch * 20 + 20, 3)])
+        conn.send(batch)
+        batch += 1
+
+
+@pytest.mark.parametrize("budget", [10**8, 1_000_000])
+def test_kill_9_loses_nothing_committed(root: Path, budget: int) -> None:
+    for round_ in range(10):
+        parent, child = FORK.Pipe()
+        proc = FORK.Process(target=_endless_writer, args=(str(root / str(round_)), budget, child))
+        proc.start()
+        last = -1
+        wanted = 3 + round_ * 2
+        deadline = time.monotonic() + DEADLINE
+        while last < wanted:
+            assert time.monotonic() < deadline
+            if parent.poll(0.05):
+                last = parent.recv()
+        os.kill(proc.pid, signal.SIGKILL)  # somewhere inside a later put_many
+        proc.join(DEADLINE)
+        while parent.poll():
+            last = parent.recv()
+        reports = Reports()
+        store = PackedStore(root / str(round_), budget, report=reports)
+        found = store.get_many([key(i) for i in range((last + 1) * 20)])
+        assert all(v is None or bytes(v) == value(i, 700) for i, v in enumerate(found))
+        if budget > 10**7:  # nothing was evicted: every committed entry that was not deleted is there
+            kept = [i for i in range((last + 1) * 20) if not ((i // 20) % 3 == 0 and i % 20 % 3 == 0)]
+            assert all(found[i] is not None for i in kept)
+        assert store.verify().ok and not reports.seen
+        fill(store, range(100_000, 100_050), 700)  # the next writer seals the dead one's segment
+        index = store._ensure(write=False)
+        assert index is not None
+        with index.begin() as txn:
+            unsealed = [seg for seg, row in index.segment_table(txn).items() if not row.sealed]
+        assert len(unsealed) <= 1  # only this process's own
+
+
+# -- damaged records and index ----------------------------------------------------------
+def _flip(path: Path, offset: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_bit_is_a_miss_reported_once(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(100))
+    seg, offset, _ = locate(store, 42)
+    _flip(root / segment_name(seg), offset + HEADER.size + 16 + 500)
+    assert store.get(key(42)) is None
+    assert store.get(key(42)) is None
+    assert reports.kinds() == ["corrupt"] and key(42) in reports.seen[0][1]
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(store.get_many([key(i) for i in range(42)])))
+    assert store.verify().bad == [key(42)]
+    store.flush()  # the damaged entry leaves the index
+    assert key(42) not in store and store.verify().ok
+
+
+def test_a_torn_tail_and_a_truncated_segment(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(100))
+    seg, offset, _ = locate(store, 99)
+    path = root / segment_name(seg)
+    os.truncate(path, offset + 100)  # the last record is cut in half
+    assert store.get(key(99)) is None and reports.kinds() == ["corrupt"]
+    assert store.verify().bad == [key(99)]
+    store.verify(fix=True)
+    assert store.verify().ok and len(store) == 99
+
+
+def test_verify_fix_removes_bad_entries(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(50))
+    for i in (3, 30):
+        seg, offset, _ = locate(store, i)
+        _flip(root / segment_name(seg), offset + HEADER.size + 16 + 10)
+    report = store.verify(fix=True)
+    assert sorted(report.bad) == sorted([key(3), key(30)]) and report.fixed
+    assert len(store) == 48 and store.verify().ok and store.nbytes == 48 * 1000
+
+
+def test_a_garbage_index_is_rebuilt_from_the_segments(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8)
+    fill(store, range(300))
+    store.close()
+    (root / INDEX_NAME).write_bytes(os.urandom(50_000))
+    reopened = PackedStore(root, 10**8, report=reports)
+    assert "index" in reports.kinds()
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(reopened.get_many([key(i) for i in range(300)])))
+    assert reopened.verify().ok
+
+
+def test_an_index_that_lies_is_bounds_checked(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**12, report=reports)
+    fill(store, range(10))
+    seg, _, _ = locate(store, 1)
+    index = store._ensure(write=True)
+    assert index is not None
+    lies = {2: (seg, 0, 900), 3: (seg, 1 << 31, 1000), 4: (seg, 0, (1 << 32) - 1), 5: (seg + 77, 0, 1000)}
+    with index.env.begin(write=True) as txn:
+        for i, row in lies.items():
+            txn.put(bytes.fromhex(key(i)), ENTRY.pack(*row), db=index.entries)
+        txn.put(bytes.fromhex(key(6)), b"short", db=index.entries)
+    os.truncate(root / segment_name(seg), 1 << 40)  # and a giant sparse segment
+    tracemalloc.start()
+    got = store.get_many([key(i) for i in range(10)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 10 << 20
+    assert [i for i, v in enumerate(got) if v is None] == [2, 3, 4, 5, 6]
+    assert all(bytes(got[i] or b"") == value(i) for i in (0, 1, 7, 8, 9))
+    assert reports.kinds().count("corrupt") >= 4
+
+
+# -- hostile files ------------------------------------------------------------------------
+def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(20))
+    seg, _, _ = locate(store, 0)
+    path = root / segment_name(seg)
+    store.close()
+    path.unlink()
+    os.mkfifo(path)
+    fresh = PackedStore(root, 10**8, report=reports)
+    assert fresh.get_many([key(i) for i in range(20)]).count(None) >= 1  # returns, does not block
+    assert "segment" in reports.kinds()
+    path.unlink()
+    path.mkdir()
+    other = PackedStore(root, 10**8, report=Reports())
+    assert other.get(key(0)) is None
+    fill(other, range(100, 120))
+    assert bytes(other.get(key(110)) or b"") == value(110)
+    other.verify(fix=True)
+    assert path.is_dir()  # not ours to remove
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "sparse", "garbage", "lockfile-fifo"])
+def test_hostile_files_at_the_index_path(root: Path, kind: str) -> None:
+    root.mkdir()
+    index = root / INDEX_NAME
+    if kind == "fifo":
+        os.mkfifo(index)
+    elif kind == "directory":
+        (index / "nested").mkdir(parents=True)
+    elif kind == "sparse":
+        with index.open("wb") as file:
+            file.truncate(1 << 40)
+    elif kind == "garbage":
+        index.write_bytes(b"\xff" * 8192)
+    else:
+        os.mkfifo(root / (INDEX_NAME + "-lock"))
+    code = (
+        "import sys; from torchcache.stores.packed import PackedStore\n"
+        "s = PackedStore(sys.argv[1], 10**7, report=lambda k, m: print(k))\n"
+        "s.put_many([('abcd', b'x')]); assert bytes(s.get('abcd')) == b'x'; print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "ok"
+
+
+# -- the budget and compaction ---------------------------------------------------------
+def test_disk_stays_within_bounds_with_churn(root: Path) -> None:
+    budget = 2_000_000
+    store = PackedStore(root, budget)
+    for step in range(4, 64):
+        ids = range(step * 60, step * 60 + 60)
+        store.put_many([(key(i), value(i, 3072)) for i in ids])
+        store.delete_many([key(i) for i in range(step * 60 - 200, step * 60 - 170)])  # dead bytes
+        store.put_many([(key(i), value(i + 1, 3072)) for i in range(step * 60 - 100, step * 60 - 80)])  # replaced
+        assert store.nbytes <= budget
+        assert store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    assert store.verify().ok
+
+
+@pytest.mark.parametrize("how", ["put", "trim"])
+def test_a_lower_limit_in_a_later_run_holds(root: Path, how: str) -> None:
+    fill(PackedStore(root, 10**8), range(3000), 3072)
+    smaller = PackedStore(root, 2_000_000)
+    if how == "put":
+        smaller.put_many([(key(10**6), value(1))])
+    else:
+        smaller.trim()
+    assert 0 < smaller.nbytes <= 2_000_000
+    assert smaller.disk_bytes <= 1.1 * 2_000_000 + INDEX_BASE_BYTES
+    assert smaller.verify().ok
+
+
+def test_compaction_gives_space_back_and_readers_follow(root: Path) -> None:
+    budget = 3_000_000
+    writer = PackedStore(root, budget)
+    reader = PackedStore(root, budget)
+    fill(writer, range(800), 3000)
+    assert len(reader.get_many([key(i) for i in range(800)])) == 800  # caches descriptors
+    writer.delete_many([key(i) for i in range(800) if i % 10])  # 90 % dead
+    before = len(segments(root))
+    fill(writer, range(1000, 1700), 3000)  # passes the budget: compaction
+    assert len(segments(root)) < before + 8
+    assert writer.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    survivors = [i for i in range(0, 800, 10)]
+    got = reader.get_many([key(i) for i in survivors])
+    assert all(v is None or bytes(v) == value(i, 3000) for v, i in zip(got, survivors))
+    fresh = PackedStore(root, budget)
+    got = fresh.get_many([key(i) for i in survivors])
+    assert all(v is None or bytes(v) == value(i, 3000) for v, i in zip(got, survivors))
+    assert fresh.verify().ok
+
+
+# -- failing disks ------------------------------------------------------------------------
+@pytest.fixture
+def mount_point(tmp_path: Path) -> Iterator[Path]:
+    point = tmp_path / "mnt"
+    point.mkdir()
+    yield point
+    subprocess.run(["umount", "-l", str(point)], capture_output=True, check=False)
+
+
+def _mount(*commands: list[str]) -> None:
+    for command in commands:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"mounting needs privileges: {result.stderr.strip()}")
+
+
+def test_a_full_disk_raises_and_leaves_nothing_half_written(mount_point: Path) -> None:
+    _mount(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)])
+    store = PackedStore(mount_point / "store", 10**9)
+    stored: list[int] = []
+    with pytest.raises(StoreError) as caught:
+        for start in range(0, 10_000, 20):
+            store.put_many([(key(i), value(i, 3000)) for i in range(start, start + 20)])
+            stored.extend(range(start, start + 20))
+    assert caught.value.errno == errno.ENOSPC or "No space" in str(caught.value)
+    got = store.get_many([key(i) for i in range(len(stored) + 20)])
+    assert all(bytes(got[i] or b"") == value(i, 3000) for i in stored)
+    assert all(v is None for v in got[len(stored) :])
+    assert store.verify().ok
+
+
+def test_a_full_disk_simulated(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PackedStore(root, 10**9)
+    fill(store, range(100))
+
+    def no_space(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packed_segments.os, "pwritev", no_space)
+    with pytest.raises(StoreError):
+        store.put_many([(key(i), value(i)) for i in range(100, 200)])
+    monkeypatch.undo()
+    assert store.get(key(150)) is None and len(store) == 100 and store.verify().ok
+    fill(store, range(100, 200))
+    assert len(store) == 200 and store.verify().ok
+
+
+def test_a_read_only_directory(tmp_path: Path, mount_point: Path) -> None:
+    source = tmp_path / "source"
+    fill(PackedStore(source / "store", 10**8), range(50))
+    _mount(["mount", "--bind", str(source), str(mount_point)], ["mount", "-o", "remount,bind,ro", str(mount_point)])
+    reports = Reports()
+    store = PackedStore(mount_point / "store", 10**8, report=reports)
+    got = store.get_many([key(i) for i in range(50)])
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(got)), (reports.seen, got.count(None))
+    with pytest.raises(StoreError):
+        store.put_many([(key(99), b"x")])
+    assert store.get(key(99)) is None
+
+
+def test_a_vanished_directory(root: Path) -> None:
+    store = PackedStore(root, 10**8)
+    fill(store, range(50))
+    shutil.rmtree(root)
+    assert store.get_many([key(i) for i in range(50)]) == [None] * 50
+    with pytest.raises(StoreError):
+        store.put_many([(key(1), b"x")])
+    assert len(store) == 0 and store.nbytes == 0 and key(1) not in store
+    store.close()
+
+
+# -- open cost and overhead ---------------------------------------------------------------
+@pytest.mark.slow
+def test_opening_reads_no_segment_at_200k_entries(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PackedStore(root, 10**12)
+    for start in range(0, 200_000, 2000):
+        store.put_many([(key(i), b"v") for i in range(start, start + 2000)])
+    store.close()
+    opened: list[str] = []
+    real_open = os.open
+
+    def watch(path: str, *args: object, **kwargs: object) -> int:
+        opened.append(os.fspath(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", watch)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        again = PackedStore(root, 10**12)
+        assert again.get_many([key(i) for i in range(10**6, 10**6 + 1024)]) == [None] * 1024
+        best = min(best, time.perf_counter() - start)
+        again.close()
+    assert not [path for path in opened if path.endswith(".tcs")]
+    assert best < 0.5
+
+
+@pytest.mark.slow
+def test_overhead_at_200k_entries_of_3072_bytes(root: Path) -> None:
+    store = PackedStore(root, 10**12)
+    payload = os.urandom(3072)
+    for start in range(0, 200_000, 1024):
+        store.put_many([(key(i), payload) for i in range(start, min(200_000, start + 1024))])
+    store.flush()
+    assert store.disk_bytes <= 1.05 * 200_000 * 3072

@@ -1,0 +1,157 @@
+"""The batched byte-store contract.
+
+A batched store maps keys (4 to 64 lowercase hex digits; 32 in practice) to bytes
+under a byte budget. It never knows what its bytes mean. Every primitive takes a
+whole batch, so that a batch of 1,024 entries costs one lock, one index pass and as
+few system calls as the store's layout allows; single-key helpers are written once
+here on top of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+__all__ = ["BatchedStore", "VerifyReport"]
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`BatchedStore.verify` found (and, with ``fix``, repaired).
+
+    Attributes:
+        entries: Entries checked.
+        bad: Keys whose entry failed its checks (removed when fixed).
+        problems: One line per other inconsistency (totals, files, index rows).
+        fixed: Whether repairs were made.
+    """
+
+    entries: int = 0
+    bad: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    fixed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing was wrong."""
+        return not self.bad and not self.problems
+
+
+class BatchedStore(ABC):
+    """A budgeted map from hex keys to bytes, read and written in batches.
+
+    Implementations are safe to call from several threads at once. Faults of single
+    entries (a damaged record) are misses, never wrong bytes; faults of the storage as a
+    whole raise :class:`~torchcache.errors.StoreError` from writes.
+    """
+
+    max_bytes: int
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """The stored bytes of each key, ``None`` for a miss. Counts as a use of each hit.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+        """
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        """Store entries, evicting others to stay within :attr:`max_bytes`.
+
+        Items that alone exceed the budget are skipped. A later item with the same key
+        replaces an earlier one.
+
+        Returns:
+            How many of the items are stored when the call returns.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreError: If the storage cannot be written (nothing half-written is visible).
+        """
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove entries; return how many were present.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreError: If the storage cannot be written.
+        """
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Iterate over the stored keys (a snapshot taken in pieces, not one instant)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Entries stored."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether a key is stored (without counting as a use)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Payload bytes of the live entries."""
+
+    @property
+    @abstractmethod
+    def disk_bytes(self) -> int:
+        """Bytes the store's files take on disk (allocated blocks); 0 for memory stores."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every entry.
+
+        Raises:
+            StoreError: If the storage cannot be written.
+        """
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Make everything this process did visible to others and safe from a killed process."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and release files and locks; the store reopens if used again."""
+
+    @abstractmethod
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Check every entry's checksum and the index; with ``fix``, repair what is wrong.
+
+        Raises:
+            StoreError: If ``fix`` is set and the storage cannot be written.
+        """
+
+    # -- helpers written once -----------------------------------------------------
+    def get(self, key: str) -> bytes | memoryview | None:
+        """The stored bytes of one key, or ``None``."""
+        return self.get_many([key])[0]
+
+    def put(self, key: str, data: bytes | memoryview) -> bool:
+        """Store one entry; ``False`` if it was not stored (larger than the budget).
+
+        Raises:
+            StoreError: If the storage cannot be written.
+        """
+        return self.put_many([(key, data)]) == 1
+
+    def delete(self, key: str) -> bool:
+        """Remove one entry; return whether it was present.
+
+        Raises:
+            StoreError: If the storage cannot be written.
+        """
+        return self.delete_many([key]) == 1
+
+    def __enter__(self) -> BatchedStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,407 @@
+"""The packed store's index: an LMDB environment shared by every process that opens the store.
+
+Three tables: ``entries`` maps a key to ``(segment, offset, payload length)``;
+``segments`` maps a segment number to ``(sealed, end, live record bytes, live records,
+stamp)``, the stamp being the index clock at the segment's last write; ``meta`` holds
+the clock and the running totals. LMDB serialises writers with one lock, gives readers
+a consistent snapshot without one, and commits atomically: a process killed
+mid-transaction leaves the index as it was. It runs with ``sync=False`` and
+``metasync=False``: durable against a killed process, not against a power cut, which a
+cache does not need. Nothing in the index is unpickled, and every value is checked for
+its exact size before it is unpacked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import lmdb
+
+from .._fork import after_fork
+from .packed_format import HEADER, record_size
+
+__all__ = ["ENTRY", "FORMAT", "INDEX_NAME", "Change", "Entry", "Index", "Segment", "open_index", "unpack_entry"]
+
+INDEX_NAME = "index.lmdb"
+FORMAT = 1
+_MAP_SIZE = 1 << 36  # virtual: 64 GiB of address space, the file grows as needed
+ENTRY = struct.Struct("<III")
+_SEGMENT = struct.Struct("<BQQQQ")
+_U64 = struct.Struct("<Q")
+_SEG_KEY = struct.Struct(">I")
+_META = (b"format", b"clock", b"payload", b"records", b"files", b"gen", b"next_seg")
+_BLOCK = 4096
+_shared: dict[tuple[int, int], Index] = {}  # open environments of this process, by file identity
+_shared_lock = threading.Lock()
+_abandoned: list[Index] = []  # environments inherited over fork: never used, never closed
+
+
+class Entry(NamedTuple):
+    """Where an entry's record lives."""
+
+    seg: int
+    offset: int
+    length: int
+
+
+class Segment(NamedTuple):
+    """What the index knows of a segment file."""
+
+    sealed: bool
+    end: int
+    live: int
+    records: int
+    stamp: int
+
+
+def _blocks(size: int) -> int:
+    return -(-size // _BLOCK) * _BLOCK
+
+
+def unpack_entry(value: bytes | memoryview | None) -> Entry | None:
+    """An index value as an :class:`Entry`; ``None`` if absent or not exactly an entry's size."""
+    if value is None or len(value) != ENTRY.size:
+        return None
+    return Entry._make(ENTRY.unpack(value))
+
+
+def _unpack_segment(value: bytes | memoryview | None) -> Segment | None:
+    if value is None or len(value) != _SEGMENT.size:
+        return None
+    sealed, end, live, count, stamp = _SEGMENT.unpack(value)
+    return Segment(bool(sealed), end, live, count, stamp)
+
+
+def _u64(value: bytes | memoryview | None) -> int:
+    return _U64.unpack(value)[0] if value is not None and len(value) == _U64.size else 0
+
+
+def open_index(root: str, readonly: bool) -> Index:
+    """Open (or create) the index of a store directory.
+
+    The index file must be a regular file (or absent): LMDB would block reading a FIFO.
+
+    Raises:
+        lmdb.Error: If LMDB refuses the file (damaged, another format, no access).
+        OSError: If the path is not a regular file.
+    """
+    path = os.path.join(root, INDEX_NAME)
+    for name in (path, path + "-lock"):
+        try:
+            st = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{name} is not a regular file")
+    with _shared_lock:
+        try:
+            st = os.stat(path)
+            shared = _shared.get((st.st_dev, st.st_ino))
+        except FileNotFoundError:
+            shared = None
+        if shared is not None:  # LMDB allows one environment per file and process: share it
+            shared.users += 1
+            return shared
+        if not readonly:
+            index = Index(path, readonly=False, lock=True)
+        else:
+            try:
+                index = Index(path, readonly=True, lock=True)
+            except lmdb.Error:  # the lock file cannot be written either: read without it
+                index = Index(path, readonly=True, lock=False)
+        _shared[index.identity] = index
+        return index
+
+
+def _forget_shared() -> None:
+    """In a forked child: the parent's environments must not be used, nor closed."""
+    global _shared_lock
+    _abandoned.extend(_shared.values())
+    _shared.clear()
+    _shared_lock = threading.Lock()
+
+
+after_fork(_forget_shared)
+
+
+class Index:
+    """An open LMDB environment with the store's three tables.
+
+    Raises:
+        lmdb.Error: If LMDB cannot open it.
+    """
+
+    def __init__(self, path: str, readonly: bool, lock: bool) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.env = lmdb.open(
+            path,
+            map_size=_MAP_SIZE,
+            subdir=False,
+            readonly=readonly,
+            lock=lock,
+            sync=False,
+            metasync=False,
+            readahead=True,
+            meminit=False,
+            max_dbs=3,
+            max_readers=1024,
+            mode=0o644,
+        )
+        try:
+            if not readonly:
+                self.env.reader_check()  # slots of readers that were killed
+            create = not readonly
+            self.entries = self.env.open_db(b"entries", create=create)
+            self.segments = self.env.open_db(b"segments", create=create)
+            self.meta = self.env.open_db(b"meta", create=create)
+        except BaseException:
+            self.env.close()
+            raise
+        st = os.stat(path)
+        self.identity = (st.st_dev, st.st_ino)
+        self.users = 1
+
+    def close(self) -> None:
+        """Give this use of the environment back; it closes when no store of this process uses it."""
+        with _shared_lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if _shared.get(self.identity) is self:
+                del _shared[self.identity]
+        self.env.close()
+
+    def begin(self) -> lmdb.Transaction[bytes]:
+        """A read transaction: a consistent snapshot, without a lock."""
+        return self.env.begin()
+
+    def change(self) -> Change:
+        """Begin a write transaction (the store's one cross-process lock).
+
+        Raises:
+            lmdb.Error: If it cannot begin.
+        """
+        return Change(self, self.env.begin(write=True))
+
+    def file_bytes(self) -> int:
+        """Bytes the index and its lock file take on disk."""
+        total = 0
+        for name in (self.path, self.path + "-lock"):
+            with contextlib.suppress(OSError):
+                total += os.stat(name).st_blocks * 512
+        return total
+
+    def totals(self, txn: lmdb.Transaction[bytes]) -> dict[bytes, int]:
+        """The meta counters as seen by ``txn``."""
+        return {name: _u64(txn.get(name, db=self.meta)) for name in _META}
+
+    def generation(self, txn: lmdb.Transaction[bytes]) -> int:
+        """The count of segment removals, as seen by ``txn``."""
+        return _u64(txn.get(b"gen", db=self.meta))
+
+    def segment_table(self, txn: lmdb.Transaction[bytes]) -> dict[int, Segment]:
+        """Every segment the index knows, by number (malformed rows are left out)."""
+        found: dict[int, Segment] = {}
+        for key, value in txn.cursor(db=self.segments):
+            seg = _unpack_segment(value)
+            if seg is not None and len(key) == _SEG_KEY.size:
+                found[_SEG_KEY.unpack(key)[0]] = seg
+        return found
+
+    def iter_entries(self, txn: lmdb.Transaction[bytes], start: bytes = b"") -> Iterator[tuple[bytes, Entry | None]]:
+        """Entries in key order from ``start`` (a malformed value gives ``None``)."""
+        cursor = txn.cursor(db=self.entries)
+        if not cursor.set_range(start):
+            return
+        for key, value in cursor:
+            yield key, unpack_entry(value)
+
+    def count(self, txn: lmdb.Transaction[bytes]) -> int:
+        """Entries in the index."""
+        return int(txn.stat(self.entries)["entries"])
+
+
+class Change:
+    """One write transaction over the index, keeping the totals and segment rows in step.
+
+    Every change to entries goes through :meth:`add_many`, :meth:`remove` and
+    :meth:`move`, and to segments through :meth:`set_end`, :meth:`seal` and
+    :meth:`drop_segment`; :meth:`commit` writes the totals and the changed segment rows
+    once. Each transaction advances the clock by one.
+    """
+
+    def __init__(self, index: Index, txn: lmdb.Transaction[bytes]) -> None:
+        self.index = index
+        self.txn = txn
+        totals = index.totals(txn)
+        self.fresh = totals[b"format"] == 0
+        self.clock = totals[b"clock"] + 1
+        self.payload = totals[b"payload"]
+        self.records = totals[b"records"]
+        self.files = totals[b"files"]
+        self.gen = totals[b"gen"]
+        self.next_seg = max(1, totals[b"next_seg"])
+        self.count = index.count(txn)
+        self._segs: dict[int, list[int]] = {}
+        self._dropped: set[int] = set()
+
+    # -- segments -----------------------------------------------------------------
+    def segment(self, seg: int) -> list[int]:
+        """The mutable row ``[sealed, end, live, records, stamp]`` of a segment (new: all zero)."""
+        row = self._segs.get(seg)
+        if row is None:
+            found = _unpack_segment(self.txn.get(_SEG_KEY.pack(seg), db=self.index.segments))
+            row = [0, 0, 0, 0, 0] if found is None else [int(found.sealed), *found[1:]]
+            self._segs[seg] = row
+            self._dropped.discard(seg)
+        return row
+
+    def set_end(self, seg: int, end: int) -> None:
+        """Record that a segment's file now ends at ``end`` (written now, for the eviction order)."""
+        row = self.segment(seg)
+        self.files += _blocks(end) - _blocks(row[1])
+        row[1] = end
+        row[4] = self.clock
+
+    def seal(self, seg: int) -> None:
+        """Mark a segment as written to no more."""
+        self.segment(seg)[0] = 1
+
+    def drop_segment(self, seg: int) -> None:
+        """Forget a segment (its file is about to be removed)."""
+        row = self.segment(seg)
+        self.files -= _blocks(row[1])
+        del self._segs[seg]
+        self._dropped.add(seg)
+        self.gen += 1
+
+    def allocate_segment(self) -> int:
+        """A segment number no one has used (as far as this index knows)."""
+        seg = self.next_seg
+        self.next_seg += 1
+        return seg
+
+    def table(self) -> dict[int, Segment]:
+        """Every segment row as this transaction sees it, changes included."""
+        table = self.index.segment_table(self.txn)
+        for seg in self._dropped:
+            table.pop(seg, None)
+        for seg, row in self._segs.items():
+            table[seg] = Segment(bool(row[0]), *row[1:])
+        return table
+
+    # -- entries ------------------------------------------------------------------
+    def lookup(self, kb: bytes) -> Entry | None:
+        """The entry of a key, or ``None``."""
+        return unpack_entry(self.txn.get(kb, db=self.index.entries))
+
+    def remove(self, kb: bytes, entry: Entry) -> None:
+        """Remove a key found as ``entry``."""
+        self.txn.delete(kb, db=self.index.entries)
+        self._account(kb, entry, -1)
+
+    def _account(self, kb: bytes, entry: Entry, sign: int) -> None:
+        size = record_size(kb, entry.length)
+        row = self.segment(entry.seg)
+        row[2] = max(0, row[2] + sign * size)
+        row[3] = max(0, row[3] + sign)
+        self.payload = max(0, self.payload + sign * entry.length)
+        self.records = max(0, self.records + sign * size)
+        self.count += sign
+
+    def add_many(self, kbs: Sequence[bytes], places: Sequence[tuple[int, int]], lengths: Sequence[int]) -> None:
+        """Index new records of distinct keys, replacing older ones, with one pass of accounting."""
+        replace, entries, pack = self.txn.replace, self.index.entries, ENTRY.pack
+        replaced: list[tuple[bytes, bytes]] = []
+        per_seg: dict[int, list[int]] = {}
+        payload = records = 0
+        for kb, (seg, offset), length in zip(kbs, places, lengths):
+            old = replace(kb, pack(seg, offset, length), db=entries)
+            if old is not None:
+                replaced.append((kb, old))
+            size = HEADER.size + len(kb) + length
+            acc = per_seg.get(seg)
+            if acc is None:
+                acc = per_seg[seg] = [0, 0]
+            acc[0] += size
+            acc[1] += 1
+            payload += length
+            records += size
+        for kb, raw in replaced:
+            old_entry = unpack_entry(raw)
+            if old_entry is not None:
+                self._account(kb, old_entry, -1)
+        for seg, (size, count) in per_seg.items():
+            row = self.segment(seg)
+            row[2] += size
+            row[3] += count
+        self.payload += payload
+        self.records += records
+        self.count += len(kbs)
+
+    def move(self, kb: bytes, entry: Entry, seg: int, offset: int) -> None:
+        """Point an entry at a copy of its record."""
+        self._account(kb, entry, -1)
+        moved = entry._replace(seg=seg, offset=offset)
+        self.txn.put(kb, ENTRY.pack(*moved), db=self.index.entries)
+        self._account(kb, moved, 1)
+
+    def remove_segment_entries(self, seg: int, kbs: Sequence[bytes]) -> list[bytes]:
+        """Remove the entries of ``kbs`` that live in ``seg``; return the keys removed.
+
+        If rows of ``seg`` remain (``kbs`` came from a scan that stopped at a damaged
+        record), every entry is looked at once to find them.
+        """
+        removed = []
+        for kb in kbs:
+            entry = self.lookup(kb)
+            if entry is not None and entry.seg == seg:
+                self.remove(kb, entry)
+                removed.append(kb)
+        if self.segment(seg)[3] > 0:
+            stale = [(kb, e) for kb, e in self.index.iter_entries(self.txn) if e is not None and e.seg == seg]
+            for kb, entry in stale:
+                self.remove(kb, entry)
+                removed.append(kb)
+        return removed
+
+    # -- the transaction ----------------------------------------------------------
+    def commit(self) -> None:
+        """Write the totals and segment rows, and commit.
+
+        Raises:
+            lmdb.Error: If LMDB cannot commit (the transaction is aborted).
+        """
+        try:
+            put, meta, segments = self.txn.put, self.index.meta, self.index.segments
+            for seg in self._dropped:
+                self.txn.delete(_SEG_KEY.pack(seg), db=segments)
+            for seg, row in self._segs.items():
+                put(_SEG_KEY.pack(seg), _SEGMENT.pack(*row), db=segments)
+            values = (FORMAT, self.clock, self.payload, self.records, self.files, self.gen, self.next_seg)
+            for name, value in zip(_META, values):
+                put(name, _U64.pack(value), db=meta)
+            self.txn.commit()
+        except BaseException:
+            self.txn.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop every change of this transaction."""
+        self.txn.abort()
+
+    def clear(self) -> None:
+        """Remove every entry and segment row (the clock keeps going)."""
+        for db in (self.index.entries, self.index.segments):
+            self.txn.drop(db, delete=False)
+        self._segs.clear()
+        self._dropped.clear()
+        self.payload = self.records = self.files = self.count = 0
+        self.gen += 1
