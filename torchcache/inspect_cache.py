@@ -23,7 +23,8 @@ from typing import Any
 from .codec import MAGIC, PREFIX_SIZE, parse_header, read_prefix
 from .errors import TorchCacheError
 from .meta import META_NAME, load_meta, meta_size, meta_time
-from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX, open_regular, read_exactly
+from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
+from .stores.files import open_regular, read_at
 from .tree import Layout, describe
 
 __all__ = [
@@ -169,7 +170,7 @@ def _holds_entries(entries: Sequence[FileInfo]) -> bool:
         if opened is not None:
             fd, _ = opened
             try:
-                if read_exactly(fd, len(MAGIC)) == MAGIC:
+                if read_at(fd, len(MAGIC)) == MAGIC:
                     return True
             except OSError:
                 continue
@@ -292,8 +293,8 @@ def _read_header(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(path)
     fd, _ = opened
     try:
-        _, header_len, _, _, _ = read_prefix(read_exactly(fd, PREFIX_SIZE))
-        return parse_header(read_exactly(fd, header_len, PREFIX_SIZE))
+        _, header_len, _, _, _ = read_prefix(read_at(fd, PREFIX_SIZE))
+        return parse_header(read_at(fd, header_len, PREFIX_SIZE))
     finally:
         os.close(fd)
 

@@ -28,7 +28,7 @@ from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from .errors import CorruptEntryError
 from .inspect_cache import CacheFiles, FileInfo, ModuleCache, list_files
 from .meta import META_NAME, meta_time, write_json_atomic
-from .stores.disk import open_regular, read_exactly
+from .stores.files import open_regular, read_at
 from .tree import Layout
 
 __all__ = [
@@ -77,10 +77,10 @@ def check_entry(path: Path) -> str | None:
             return "not a regular file" if os.path.lexists(path) else None
         fd, st = opened
         try:
-            expected = frame_length(read_exactly(fd, PREFIX_SIZE))
+            expected = frame_length(read_at(fd, PREFIX_SIZE))
             if expected != st.st_size:
                 return f"frame length {st.st_size} does not match its prefix ({expected})"
-            data = read_exactly(fd, st.st_size)
+            data = read_at(fd, st.st_size)
         finally:
             os.close(fd)
         split_frame(data, raw_size=_row_bytes)

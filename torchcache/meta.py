@@ -20,7 +20,7 @@ from typing import Any
 
 from .codec import nested_deeper_than
 from .policy import MAX_SIZE
-from .stores.disk import read_bounded
+from .stores.files import read_bounded
 
 __all__ = [
     "MAX_META_BYTES",

@@ -35,14 +35,14 @@ from .._fork import renew_lock_after_fork
 from ..errors import CorruptEntryError, StoreError
 from ..policy import MruPolicy
 from .base import Store
+from .files import open_regular, read_at
 
-__all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore", "open_regular", "read_bounded", "read_exactly"]
+__all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "DiskStore"]
 
 ENTRY_SUFFIX = ".tce"
 TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 3600.0
 _O_BINARY = getattr(os, "O_BINARY", 0)
-_O_READ = os.O_RDONLY | _O_BINARY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _MAX_REJECTED = 1 << 16
 _SMALL_FILE = 1 << 16
 
@@ -53,67 +53,6 @@ _rejected_lock = threading.Lock()
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result] | None:
-    """Open a file for reading without blocking; ``None`` if it is missing or not a regular file.
-
-    A FIFO opened for reading would block until a writer comes, and a device can be
-    endless; opening with ``O_NONBLOCK`` and checking ``fstat`` takes neither. The
-    caller closes the descriptor.
-
-    Raises:
-        OSError: If the file exists and cannot be opened.
-    """
-    try:
-        fd = os.open(path, _O_READ)
-    except (FileNotFoundError, NotADirectoryError):  # nothing can exist at that path
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None
-    return fd, st
-
-
-def read_exactly(fd: int, size: int, offset: int = 0) -> bytes:
-    """Read ``size`` bytes at ``offset`` (fewer only if the file is shorter)."""
-    data = os.pread(fd, size, offset) if hasattr(os, "pread") else _seek_read(fd, size, offset)
-    while len(data) < size:  # short reads: large files, some file systems
-        more = os.pread(fd, size - len(data), offset + len(data)) if hasattr(os, "pread") else b""
-        if not more:
-            break
-        data += more
-    return data
-
-
-def _seek_read(fd: int, size: int, offset: int) -> bytes:  # pragma: no cover - Windows
-    os.lseek(fd, offset, os.SEEK_SET)
-    return os.read(fd, size)
-
-
-def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes | None:
-    """The bytes of a regular file of at most ``limit`` bytes; ``None`` if it is missing or not regular.
-
-    Raises:
-        OSError: If it cannot be read.
-        ValueError: If it is larger than ``limit``.
-    """
-    opened = open_regular(path)
-    if opened is None:
-        return None
-    fd, st = opened
-    try:
-        data = read_exactly(fd, min(st.st_size, limit) + 1)
-        if len(data) > limit:
-            raise ValueError(f"{max(st.st_size, len(data)):,} bytes, more than the {limit:,} expected at most")
-        return data
-    finally:
-        os.close(fd)
 
 
 _tmp_counter = itertools.count()
@@ -264,10 +203,10 @@ class DiskStore(Store):
             size = st.st_size
             # A small file is read whole (its reader checks it); a large one only once its prefix agrees.
             if self._frame_length is not None and size > _SMALL_FILE:
-                expected = self._frame_length(read_exactly(fd, self._prefix_size))
+                expected = self._frame_length(read_at(fd, self._prefix_size))
                 if expected != size:
                     raise CorruptEntryError(f"the file is {size:,} bytes, its prefix declares {expected:,}")
-            data = read_exactly(fd, size)
+            data = read_at(fd, size)
         except OSError as exc:
             raise StoreError(f"cannot read cache entry {path}: {exc}") from exc
         finally:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import lmdb
 
 from . import packed_upkeep as upkeep
-from .packed_format import open_regular, scan_keys
+from .files import open_regular
+from .packed_format import scan_keys
 from .packed_index import Change, Index
 from .packed_segments import SegmentFiles
 
@@ -62,7 +63,7 @@ def evict(
             break
         lock: int | None = None
         if seg in mine:
-            opened = open_regular(files.path(seg))
+            opened = open_regular(files.path(seg), follow_symlinks=False)
             if opened is None:
                 continue
             fd = opened[0]

@@ -11,16 +11,15 @@ sparse file where a segment should be cannot hang the store or exhaust its memor
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 import struct
 from collections.abc import Iterator
 
 import xxhash
 
 from ..errors import KeyingError
+from .files import read_at
 
 __all__ = [
     "HEADER",
@@ -32,10 +31,8 @@ __all__ = [
     "encode_keys",
     "encode_record",
     "encode_records",
-    "open_regular",
     "payload_of",
     "parse_segment_name",
-    "read_at",
     "record_size",
     "scan_keys",
     "scan_records",
@@ -49,7 +46,6 @@ HEADER = struct.Struct("<2sBIQ")
 MAX_KEY_BYTES = 33
 _KEY_RE = re.compile(r"[0-9a-f]{4,64}")
 _SEGMENT_RE = re.compile(r"seg-([0-9a-f]{8})\.tcs")
-_O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _hash = xxhash.xxh3_64_intdigest
 
 
@@ -173,48 +169,6 @@ def payload_of(data: bytes, kb: bytes, length: int) -> memoryview | None:
         return None
     payload = memoryview(data)[start:]
     return payload if _hash(payload, _hash(kb, length)) == check else None
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result] | None:
-    """Open a file for reading without blocking; ``None`` if it is missing or not a regular file.
-
-    A FIFO opened for reading waits for a writer and a device can be endless; opening
-    with ``O_NONBLOCK`` and checking ``fstat`` takes neither. The caller closes the
-    descriptor.
-
-    Raises:
-        OSError: If the file exists and cannot be opened for another reason.
-    """
-    try:
-        fd = os.open(path, _O_READ)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
-            return None
-        raise
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None
-    return fd, st
-
-
-def read_at(fd: int, size: int, offset: int) -> bytes:
-    """Read ``size`` bytes at ``offset``; fewer only if the file ends first.
-
-    Raises:
-        OSError: If the read fails.
-    """
-    data = os.pread(fd, size, offset)
-    while len(data) < size:
-        more = os.pread(fd, size - len(data), offset + len(data))
-        if not more:
-            break
-        data += more
-    return data
 
 
 def scan_keys(fd: int, end: int) -> list[bytes]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .packed_format import HEADER, MAGIC, open_regular, parse_segment_name, read_at, segment_name
+from .files import open_regular, read_at
+from .packed_format import HEADER, MAGIC, parse_segment_name, segment_name
 from .packed_index import Change
 
 __all__ = ["IRREGULAR", "MISSING", "TMP_PREFIX", "SegmentFiles", "Writer"]
@@ -112,7 +113,7 @@ class SegmentFiles:
         Raises:
             OSError: If the file exists and cannot be opened.
         """
-        opened = open_regular(self.path(seg))
+        opened = open_regular(self.path(seg), follow_symlinks=False)
         if opened is None:
             return IRREGULAR if os.path.lexists(self.path(seg)) else MISSING
         if len(self._readers) >= _MAX_READERS:
@@ -288,7 +289,7 @@ class SegmentFiles:
         Raises:
             OSError: If it exists and cannot be opened.
         """
-        opened = open_regular(self.path(seg))
+        opened = open_regular(self.path(seg), follow_symlinks=False)
         if opened is None:
             return None
         fd = opened[0]
@@ -352,7 +353,7 @@ class SegmentFiles:
         with os.scandir(self.root) as entries:
             temporary = [entry.path for entry in entries if entry.name.startswith(TMP_PREFIX)]
         for path in temporary:
-            opened = open_regular(path)
+            opened = open_regular(path, follow_symlinks=False)
             if opened is None:
                 continue
             try:

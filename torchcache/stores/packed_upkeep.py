@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 
 import lmdb
 
-from .packed_format import encode_record, open_regular, scan_records
+from .files import open_regular
+from .packed_format import encode_record, scan_records
 from .packed_index import INDEX_NAME, Change, Entry, Index, open_index
 from .packed_segments import SegmentFiles
 
@@ -151,7 +152,7 @@ def _rebuild(change: Change, files: SegmentFiles) -> int:
     count = 0
     for seg in sorted(files.listed()):
         change.next_seg = max(change.next_seg, seg + 1)
-        opened = open_regular(files.path(seg))
+        opened = open_regular(files.path(seg), follow_symlinks=False)
         if opened is None:
             continue
         fd, st = opened

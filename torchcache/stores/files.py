@@ -1,0 +1,84 @@
+"""Reading files that anyone may have planted: never block, never read more than asked.
+
+A FIFO opened for reading would block until a writer comes, and a device can be
+endless: files are opened with ``O_NONBLOCK`` and read only when ``fstat`` says they
+are regular files. Reads are positional and bounded by the caller.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+__all__ = ["open_regular", "read_at", "read_bounded"]
+
+_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOTHING_THERE = (errno.ENOENT, errno.ENOTDIR, errno.ENXIO)
+
+
+def open_regular(path: str | os.PathLike[str], follow_symlinks: bool = True) -> tuple[int, os.stat_result] | None:
+    """Open a file for reading without blocking; ``None`` if it is missing or not a regular file.
+
+    Args:
+        path: The file.
+        follow_symlinks: Open the target of a symbolic link; with ``False`` a link is
+            ``None`` (where ``O_NOFOLLOW`` exists).
+
+    Returns:
+        The open descriptor (the caller closes it) and its ``fstat``, or ``None``.
+
+    Raises:
+        OSError: If the file exists and cannot be opened for another reason.
+    """
+    flags = _O_READ if follow_symlinks else _O_READ | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in _NOTHING_THERE or (not follow_symlinks and exc.errno == errno.ELOOP):
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def read_at(fd: int, size: int, offset: int = 0) -> bytes:
+    """Read ``size`` bytes at ``offset``; fewer only if the file ends first.
+
+    Raises:
+        OSError: If the read fails.
+    """
+    data = os.pread(fd, size, offset)
+    while len(data) < size:  # short reads: large files, some file systems
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """The bytes of a regular file of at most ``limit`` bytes; ``None`` if it is missing or not regular.
+
+    Raises:
+        OSError: If it cannot be read.
+        ValueError: If it is larger than ``limit``.
+    """
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        data = read_at(fd, min(st.st_size, limit) + 1)
+        if len(data) > limit:
+            raise ValueError(f"{max(st.st_size, len(data)):,} bytes, more than the {limit:,} expected at most")
+        return data
+    finally:
+        os.close(fd)
