@@ -8,19 +8,24 @@ several times faster than ``torch.tensor`` on a list of ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .tree import Layout
 
-if TYPE_CHECKING:
-    from .stores.memory import Slab
-
-__all__ = ["cast_returned", "gather_hits", "index_tensor", "merge_parts"]
+__all__ = ["Slab", "cast_returned", "gather_hits", "index_tensor", "merge_parts"]
 
 Parts = list[tuple[list[int], list[torch.Tensor]]]
+
+
+class Slab(Protocol):
+    """Rows of one layout, one tensor per leaf (the memory tier's slabs)."""
+
+    layout: Layout
+    device: torch.device
+    leaves: list[torch.Tensor]
 
 
 def index_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
