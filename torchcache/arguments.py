@@ -29,7 +29,7 @@ from .batch import index_tensor
 from .errors import ConfigError, KeyingError
 from .keys import Context, encode_value, tensor_digest
 
-__all__ = ["CallArguments", "CallSplitter"]
+__all__ = ["CallArguments", "CallSplitter", "ShapeHint"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
@@ -279,4 +279,36 @@ class CallSplitter:
             _kw_names={key: key for key in kwargs},
             _shared=self.shared,
             _dims=self.dims,
+        )
+
+
+class ShapeHint:
+    """Points out, once, a low hit rate while per-item input shapes keep changing.
+
+    Items are keyed by their exact shape, so a sample padded to the longest item of each
+    batch (dynamic padding) gets a new key in every batch.
+
+    Args:
+        calls: Calls to see before judging.
+        shapes: Distinct per-item shapes that count as "keep changing".
+    """
+
+    def __init__(self, calls: int = 64, shapes: int = 8) -> None:
+        self._min_calls = calls
+        self._min_shapes = shapes
+        self._calls = 0
+        self._shapes: set[bytes] = set()
+
+    def note(self, tensors: list[torch.Tensor], hits: int, misses: int) -> str | None:
+        """Record one call; a message when the hit rate should be pointed out, else ``None``."""
+        self._calls += 1
+        if len(self._shapes) < 4 * self._min_shapes:
+            self._shapes.add(b"|".join(f"{t.dtype}{tuple(t.shape[1:])}".encode() for t in tensors))
+        if self._calls < self._min_calls or len(self._shapes) < self._min_shapes or hits >= 0.2 * (hits + misses):
+            return None
+        return (
+            f"hit rate {hits / max(1, hits + misses):.0%} after {self._calls} calls whose per-item input shapes "
+            f"took {len(self._shapes)}+ different values: items are keyed by their exact shape, so a sample "
+            "padded to the longest item of each batch gets a new key in every batch. Pad to a fixed length, or "
+            "bucket lengths to a few sizes (see the docs: 'Variable-length inputs')"
         )

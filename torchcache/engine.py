@@ -24,7 +24,7 @@ import torch
 from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
-from .arguments import CallArguments, CallSplitter
+from .arguments import CallArguments, CallSplitter, ShapeHint
 from .batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
 from .errors import StoreError
@@ -32,8 +32,7 @@ from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
 from .persist import DiskTier
-from .policy import format_size
-from .stats import CacheStats, TierStats
+from .stats import CacheStats, TierStats, format_summary
 from .stores.memory import MemoryTier
 from .tiers import SharedTier, open_shared_tier
 from .tree import Layout, RebuildError, flatten
@@ -45,7 +44,6 @@ SUMMARY_INTERVAL = 60.0
 _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: Calls after which a low hit rate with varying input shapes is pointed out.
 SHAPE_HINT_CALLS = 64
-_SHAPE_HINT_SHAPES = 8
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -92,8 +90,7 @@ class Cache:
         self._disk_ready = not settings.persistent
         self.faults = FaultLog(name)
         self._lock = threading.RLock()
-        self._calls = 0
-        self._shapes: set[bytes] = set()
+        self._shape_hint = ShapeHint(SHAPE_HINT_CALLS)
         self._outputs = OutputPlan(name, settings.batch_dims)
         #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
         self.stochastic: bool | None = None
@@ -236,14 +233,7 @@ class Cache:
 
     def summary(self) -> str:
         """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
-        s = self.stats()
-        tiers = [f"memory {s.memory.entries} entries {format_size(s.memory.bytes)}/{format_size(s.memory.max_bytes)}"]
-        if s.disk is not None:
-            tiers.append(f"disk {s.disk.entries} entries {format_size(s.disk.bytes)}/{format_size(s.disk.max_bytes)}")
-        return (
-            f"torchcache {self.name} [{self._module_hash or '-'}]: {s.hits} hits, {s.misses} misses, "
-            f"hit rate {s.hit_rate:.1%}; {'; '.join(tiers)}"
-        )
+        return format_summary(self.name, self._module_hash, self.stats())
 
     def _maybe_summarize(self) -> None:
         now = time.monotonic()
@@ -291,7 +281,10 @@ class Cache:
         batch = len(keys)
         if batch == 0:
             return fn(*args, **kwargs)
-        self._note_shapes(tensors)
+        if "shapes" not in self.faults.warned:
+            hint = self._shape_hint.note(tensors, self._hits, self._misses)
+            if hint is not None:
+                self.faults.warn("shapes", hint)
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
@@ -329,26 +322,6 @@ class Cache:
             if torch.is_autocast_enabled(device_type):
                 context.add(f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode())
         return call, context.digest()
-
-    def _note_shapes(self, tensors: list[torch.Tensor]) -> None:
-        """Point out, once, a low hit rate while per-item input shapes keep changing."""
-        self._calls += 1
-        if len(self._shapes) < 4 * _SHAPE_HINT_SHAPES:
-            self._shapes.add(b"|".join(f"{t.dtype}{tuple(t.shape[1:])}".encode() for t in tensors))
-        if (
-            self._calls >= SHAPE_HINT_CALLS
-            and len(self._shapes) >= _SHAPE_HINT_SHAPES
-            and self._hits < 0.2 * (self._hits + self._misses)
-            and "shapes" not in self.faults.warned
-        ):
-            self.faults.warn(
-                "shapes",
-                f"hit rate {self._hits / max(1, self._hits + self._misses):.0%} after {self._calls} calls whose "
-                f"per-item input shapes took {len(self._shapes)}+ different values: items are keyed by their "
-                "exact shape, so a sample padded to the longest item of each batch gets a new key in every "
-                "batch. Pad to a fixed length, or bucket lengths to a few sizes (see the docs: "
-                "'Variable-length inputs')",
-            )
 
     def _call_mixed(
         self,

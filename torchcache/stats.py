@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheStats", "TierStats"]
+from .policy import format_size
+
+__all__ = ["CacheStats", "TierStats", "format_summary"]
 
 
 @dataclass(frozen=True)
@@ -30,3 +32,18 @@ class CacheStats:
     hit_rate: float
     memory: TierStats
     disk: TierStats | None
+
+
+def format_summary(name: str, key: str | None, stats: CacheStats) -> str:
+    """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
+    tiers = [f"memory {_tier(stats.memory)}"]
+    if stats.disk is not None:
+        tiers.append(f"disk {_tier(stats.disk)}")
+    return (
+        f"torchcache {name} [{key or '-'}]: {stats.hits} hits, {stats.misses} misses, "
+        f"hit rate {stats.hit_rate:.1%}; {'; '.join(tiers)}"
+    )
+
+
+def _tier(tier: TierStats) -> str:
+    return f"{tier.entries} entries {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
