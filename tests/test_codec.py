@@ -11,9 +11,11 @@ import pickle
 import struct
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import brotli
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from torchcache.codec import (
     CODEC_BROTLI,
     CODEC_RAW,
+    CODEC_ZERO,
     MAGIC,
     MAX_ITEM_BYTES,
     PREFIX_SIZE,
@@ -32,6 +35,8 @@ from torchcache.codec import (
     frame_length,
     nested_deeper_than,
     split_frame,
+    unelide,
+    word_size,
 )
 from torchcache.errors import CorruptEntryError
 
@@ -412,3 +417,279 @@ def test_nesting_below_the_limit_parses() -> None:
     header = {"tree": "T", "deep": functools.reduce(lambda inner, _: [inner], range(50), [])}
     assert decode_frame(encode_frame(header, b"", None))[0] == header
     assert nested_deeper_than({"a": [[[]]]}, 3) and not nested_deeper_than({"a": [[[]]]}, 4)
+
+
+# -- zero elision ---------------------------------------------------------------------------
+
+_NUMPY_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
+
+
+def _sparse_payload(dtype: type[np.generic], length: int, zero_fraction: float, extra: int, seed: int) -> bytes:
+    """``length`` values of ``dtype`` of which about ``zero_fraction`` are zero, then ``extra`` odd bytes."""
+    rng = np.random.default_rng(seed)
+    values = (
+        rng.integers(-(2**7), 2**7, length).astype(dtype)
+        if np.dtype(dtype).kind in "iu"
+        else rng.standard_normal(length).astype(dtype)
+    )
+    values[rng.random(length) < zero_fraction] = 0
+    return values.tobytes() + rng.integers(0, 256, extra, dtype=np.uint8).tobytes()
+
+
+def _zero_frame(payload: bytes, word: int, header: bytes = b"{}") -> bytes:
+    """A zero-elided frame, built by hand so that any payload (even a dense one) can be elided."""
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    n = len(raw) // word
+    words = raw[: n * word].view({2: np.uint16, 4: np.uint32, 8: np.uint64}[word])
+    mask = np.packbits(words != 0, bitorder="little")
+    stored = mask.tobytes() + words[words != 0].tobytes() + raw[n * word :].tobytes()
+    return _sealed_word(CODEC_ZERO, word, header, stored, len(payload))
+
+
+def _sealed_word(codec: int, word: int, header: bytes, stored: bytes, raw_len: int) -> bytes:
+    """A frame with any field values (the word size included) and a valid checksum."""
+    head = struct.pack("<4sBBHIQQ", MAGIC, 1, codec, word, len(header), len(stored), raw_len)
+    digest = xxhash.xxh3_64(head)
+    digest.update(header)
+    digest.update(stored)
+    return head + struct.pack("<Q", digest.intdigest()) + header + stored
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(_NUMPY_DTYPES),
+    st.integers(0, 3000),
+    st.floats(0, 1),
+    st.integers(0, 7),
+    st.sampled_from([2, 4, 8]),
+    _qualities,
+    st.integers(0, 2**32 - 1),
+)
+def test_zero_elision_round_trips(
+    dtype: type[np.generic], length: int, zero_fraction: float, extra: int, word: int, quality: int | None, seed: int
+) -> None:
+    payload = _sparse_payload(dtype, length, zero_fraction, extra, seed)
+    frame = encode_frame(HEADER, payload, quality, word)
+    assert bytes(decode_frame(frame)[1]) == payload
+    assert len(frame) <= PREFIX_SIZE + len(_compact_json(HEADER)) + len(payload)
+    forced = _zero_frame(payload, word)  # elided whatever its sparsity
+    if _fields(forced)[5] <= len(payload):
+        assert bytes(decode_frame(forced)[1]) == payload
+    else:  # a stored payload is never longer than the raw one
+        with pytest.raises(CorruptEntryError, match="do not agree"):
+            decode_frame(forced)
+
+
+@pytest.mark.parametrize("word", [2, 4, 8])
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 1003, 70_001])
+def test_zero_elision_keeps_a_tail_that_is_not_a_whole_word(word: int, size: int) -> None:
+    payload = bytearray(size)
+    payload[-(size % word or 1) :] = os.urandom(size % word or 1) if size else b""
+    payload[: size // 3] = os.urandom(size // 3)
+    frame = _zero_frame(bytes(payload), word)
+    if _fields(frame)[5] <= size:  # (tiny payloads can grow: those are never elided)
+        assert bytes(decode_frame(frame)[1]) == payload
+    if size >= 64:
+        chosen = encode_frame(HEADER, bytes(payload), None, word)
+        assert _fields(chosen)[2:4] == (CODEC_ZERO, word)
+        assert bytes(decode_frame(chosen)[1]) == payload
+
+
+def test_the_word_size_follows_the_layout() -> None:
+    assert word_size([4], [3072]) == 4
+    assert word_size([2, 2], [16, 8]) == 2
+    assert word_size([8], [64]) == 8
+    assert word_size([16], [64]) == 8
+    assert word_size([4, 8], [16, 24]) == 4
+    assert word_size([1], [64]) == 4
+    assert word_size([1, 2], [6, 8]) == 2
+    with pytest.raises(ValueError, match="word size"):
+        encode_frame(HEADER, b"", None, 3)
+
+
+def test_relu_floats_are_zero_elided() -> None:
+    payload = torch.relu(torch.randn(197, 768)).numpy().tobytes()
+    frame = encode_frame(HEADER, payload, 5, 4)
+    assert _fields(frame)[2:4] == (CODEC_ZERO, 4)
+    assert len(frame) < 0.56 * len(payload)
+    assert bytes(decode_frame(frame)[1]) == payload
+
+
+def test_dense_floats_stay_raw() -> None:
+    payload = torch.nn.functional.gelu(torch.randn(197, 768)).numpy().tobytes()
+    frame = encode_frame(HEADER, payload, 5, 4)
+    assert _fields(frame)[2:4] == (CODEC_RAW, 0)
+    assert frame.endswith(payload)
+
+
+def test_small_integers_get_brotli() -> None:
+    payload = torch.randint(0, 32000, (512,), dtype=torch.int64).numpy().tobytes()
+    frame = encode_frame(HEADER, payload, 5, 8)
+    assert _fields(frame)[2:4] == (CODEC_BROTLI, 0)
+    assert len(frame) < 0.5 * len(payload)
+    assert bytes(decode_frame(frame)[1]) == payload
+
+
+def test_brotli_must_beat_zero_elision_by_a_margin() -> None:
+    # Mostly zeros and a repeating pattern: both shrink it, brotli far more.
+    payload = (b"\x00" * 12 + b"\x01\x02\x03\x04") * 1000
+    assert _fields(encode_frame(HEADER, payload, 5, 4))[2] == CODEC_BROTLI
+    assert _fields(encode_frame(HEADER, payload, None, 4))[2] == CODEC_ZERO
+    # ReLU floats: brotli is about as small as zero elision, so zero elision wins.
+    relu = torch.relu(torch.randn(8192)).numpy().tobytes()
+    assert _fields(encode_frame(HEADER, relu, 11, 4))[2] == CODEC_ZERO
+
+
+def test_too_few_zeros_are_not_elided() -> None:
+    values = torch.randn(4096)
+    values[: int(0.3 * 4096)] = 0
+    assert _fields(encode_frame(HEADER, values.numpy().tobytes(), None, 4))[2] == CODEC_RAW
+    values[: int(0.4 * 4096)] = 0
+    assert _fields(encode_frame(HEADER, values.numpy().tobytes(), None, 4))[2] == CODEC_ZERO
+
+
+def _relu_zero_frame(word: int = 4) -> tuple[bytes, bytes]:
+    payload = torch.relu(torch.randn(1001)).numpy().tobytes() + b"xyz"
+    return payload, _zero_frame(payload, word, _compact_json(HEADER))
+
+
+def _zero_parts(frame: bytes) -> tuple[bytes, bytes, int, int]:
+    """``(header, stored, raw_len, word)`` of a frame."""
+    _, _, _, word, header_len, _, raw_len, _ = _fields(frame)
+    return frame[PREFIX_SIZE : PREFIX_SIZE + header_len], frame[PREFIX_SIZE + header_len :], raw_len, word
+
+
+def test_a_zero_elision_frame_survives_every_damage_as_corrupt() -> None:
+    payload, frame = _relu_zero_frame()
+    assert bytes(decode_frame(frame)[1]) == payload
+    for position in _sample_positions(frame):
+        for flip in (0x01, 0x80):
+            damaged = bytearray(frame)
+            damaged[position] ^= flip
+            with contextlib.suppress(CorruptEntryError):
+                assert bytes(decode_frame(bytes(damaged))[1]) == payload  # only if the flip is a no-op
+                raise AssertionError(f"a flip at {position} decoded")
+    for length in range(0, len(frame), 97):
+        with pytest.raises(CorruptEntryError):
+            decode_frame(frame[:length])
+
+
+def _edited(change: Callable[[bytes, bytes, int, int], tuple[bytes, int, int]]) -> bytes:
+    """A resealed copy of a ReLU zero-elided frame whose stored payload, raw length or word ``change`` rewrites."""
+    _, frame = _relu_zero_frame()
+    header, stored, raw_len, word = _zero_parts(frame)
+    stored, raw_len, word = change(header, stored, raw_len, word)
+    return _sealed_word(CODEC_ZERO, word, header, stored, raw_len)
+
+
+def _flip_mask_bit(stored: bytes, bit: int) -> bytes:
+    out = bytearray(stored)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+_MASK_LEN = -(-1001 // 8)  # 1001 float32 words (and a 3-byte tail): 7 unused mask bits
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        # a mask bit cleared or set: the bit count no longer matches the stored words
+        (
+            lambda h, s, r, w: (_flip_mask_bit(s, next(i for i in range(1000) if s[i // 8] >> (i % 8) & 1)), r, w),
+            "count",
+        ),
+        (
+            lambda h, s, r, w: (_flip_mask_bit(s, next(i for i in range(1000) if not s[i // 8] >> (i % 8) & 1)), r, w),
+            "count",
+        ),
+        # truncated values: the stored length is no longer a whole number of words
+        (lambda h, s, r, w: (s[:-4], r, w), "count|length"),
+        (lambda h, s, r, w: (s[:-5], r, w), "length"),
+        (lambda h, s, r, w: (s[: _MASK_LEN - 1], r, w), "length"),
+        (lambda h, s, r, w: (b"", r, w), "length"),
+        # a mask claiming more words than the raw length holds
+        (lambda h, s, r, w: (s[:_MASK_LEN] + b"\xff" * 8 + s[_MASK_LEN:], r, w), "count|length"),
+        (
+            lambda h, s, r, w: (
+                s[: _MASK_LEN - 1] + bytes([s[_MASK_LEN - 1] | 0x80]) + s[_MASK_LEN:] + b"\x01\x00\x00\x00",
+                r,
+                w,
+            ),
+            "past",
+        ),
+        (lambda h, s, r, w: (s, r - 8, w), "count|length|past"),
+        # the wrong word size for the stored payload
+        (lambda h, s, r, w: (s, r, 8), "count|length"),
+        (lambda h, s, r, w: (s, r, 2), "count|length"),
+        (lambda h, s, r, w: (s, r, 3), "word size"),
+        (lambda h, s, r, w: (s, r, 0), "word size"),
+    ],
+)
+def test_inconsistent_zero_elision_frames_are_corrupt(
+    change: Callable[[bytes, bytes, int, int], tuple[bytes, int, int]], match: str
+) -> None:
+    frame = _edited(change)
+    with pytest.raises(CorruptEntryError, match=match):
+        decode_frame(frame)
+
+
+def test_a_zero_elision_frame_declaring_a_huge_payload_allocates_nothing() -> None:
+    header = _compact_json(HEADER)
+    # 1 GiB of words behind a small mask: lengths disagree before anything is allocated
+    for raw_len, stored in [(1 << 30, b"\xff" * 64), (MAX_ITEM_BYTES, b"\x00" * 1000)]:
+        frame = _sealed_word(CODEC_ZERO, 4, header, stored, raw_len)
+        with pytest.raises(CorruptEntryError):
+            decode_frame(frame)
+        assert _peak_bytes(lambda f=frame: decode_frame(f)) < 1 << 20
+    with pytest.raises(CorruptEntryError, match="payload is"):
+        split_frame(_sealed_word(CODEC_ZERO, 4, header, b"\x00" * 1000, MAX_ITEM_BYTES), raw_size=lambda h: 48)
+
+
+def test_a_valid_zero_elision_frame_allocates_about_its_raw_length() -> None:
+    payload = torch.relu(torch.randn(1 << 20)).numpy().tobytes()  # 4 MiB
+    frame = encode_frame(HEADER, payload, None, 4)
+    assert _fields(frame)[2] == CODEC_ZERO
+    assert _peak_bytes(lambda: decode_frame(frame)) < len(payload) + (1 << 20)
+
+
+def test_unelide_checks_its_arguments() -> None:
+    with pytest.raises(CorruptEntryError, match="word size"):
+        unelide(b"", 0, 5)
+    assert bytes(unelide(b"", 0, 4)) == b""
+    assert bytes(unelide(b"\x00", 8, 4)) == bytes(8)
+
+
+@pytest.mark.parametrize(
+    ("make", "codec"),
+    [
+        (lambda n: torch.relu(torch.randn(n, 197, 768)), CODEC_ZERO),
+        (lambda n: torch.nn.functional.gelu(torch.randn(n, 64, 96)), CODEC_RAW),
+        (lambda n: torch.randint(0, 32000, (n, 512)), CODEC_BROTLI),
+        (lambda n: torch.relu(torch.randn(n, 64, 256)).half(), CODEC_ZERO),
+        (lambda n: torch.relu(torch.randn(n, 768)), CODEC_BROTLI),  # small rows: brotli, not elided
+    ],
+)
+def test_the_disk_tier_stores_each_kind_of_output_with_its_codec(
+    tmp_path: Path, make: Callable[[int], torch.Tensor], codec: int
+) -> None:
+    from torchcache.persist import DiskTier
+    from torchcache.tree import Layout, flatten
+
+    reports: list[tuple[str, str]] = []
+    tier = DiskTier(tmp_path / "module", 10**9, 5, {"torchcache_version": "test"}, lambda *r: reports.append(r))
+    outputs = make(4)
+    spec, leaves = flatten(outputs)
+    layout = Layout.of(spec, leaves, None)
+    keys = [f"{i:032x}" for i in range(4)]
+    tier.write(keys, layout, [leaf.contiguous() for leaf in leaves])
+    tier.flush()
+    for key in keys:
+        frame = tier.store.path(key).read_bytes()
+        assert _fields(frame)[2] == codec
+        if codec == CODEC_ZERO:
+            assert _fields(frame)[3] == outputs.dtype.itemsize
+    positions, got_layout, got = tier.read(keys)
+    assert positions == [0, 1, 2, 3] and got_layout == layout
+    assert torch.equal(got[0].view(torch.uint8), outputs.view(torch.uint8))
+    assert reports == []

@@ -3,8 +3,10 @@
 Reads of a batch's misses run on a small shared thread pool (file reads and brotli
 release the GIL) and land in one ``(n, row_bytes)`` buffer per batch, from which each
 output leaf is a strided view: one copy per hit. Writes are encoded and written on a
-:class:`BackgroundWriter`. When brotli keeps failing to pay for a layout, compression
-is only retried now and then, so incompressible outputs cost no compression time.
+:class:`BackgroundWriter`. Each item is stored raw, zero-elided (sparse outputs: cheap
+to encode, decoded at memory speed) or brotli-compressed, whichever the codec finds
+pays. When brotli keeps failing to pay for a layout, it is only retried now and then,
+so outputs it does not shrink cost no brotli time.
 
 Entries queued for writing are readable at once: until the writer has stored them,
 :meth:`DiskTier.read` takes them from the queue, so no reader of the tier misses them.
@@ -34,18 +36,21 @@ import torch
 
 from ._fork import after_fork
 from .codec import (
+    CODEC_BROTLI,
     MAX_ITEM_BYTES,
+    MIN_ELIDE_BYTES,
     PREFIX_SIZE,
     encode_frame,
     encode_header,
     frame_length,
     parse_header,
     split_frame,
+    word_size,
 )
 from .errors import CorruptEntryError, StoreError
 from .meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
 from .stores.disk import DiskStore
-from .tree import Layout
+from .tree import ALIGN, Layout
 from .writer import BackgroundWriter
 
 __all__ = ["DiskTier"]
@@ -122,6 +127,7 @@ class DiskTier:
         self._layouts: dict[bytes, Layout] = {}
         self._headers: dict[Layout, bytes] = {}
         self._raw_streak: dict[Layout, int] = {}
+        self._words: dict[Layout, int] = {}
         self._writes_enabled = True
         self._last_touch = 0.0
         self._pending = {}
@@ -302,6 +308,18 @@ class DiskTier:
             self._layouts.setdefault(header, layout)
         return header
 
+    def _word_of(self, layout: Layout) -> int | None:
+        """The zero-elision word size for rows of ``layout``; ``None``: rows too small to elide."""
+        if layout.row_bytes < MIN_ELIDE_BYTES:
+            return None
+        word = self._words.get(layout)
+        if word is None:
+            word = self._words[layout] = word_size(
+                [leaf.dtype.itemsize for leaf in layout.leaves],
+                [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in layout.leaves],
+            )
+        return word
+
     # -- writes ----------------------------------------------------------------------
     def write(self, keys: Sequence[str], layout: Layout, leaves: Sequence[torch.Tensor]) -> None:
         """Queue entries for writing; ``leaves`` must be CPU tensors nobody else changes.
@@ -343,11 +361,12 @@ class DiskTier:
             for leaf, off, spec in zip(job.leaves, layout.offsets, layout.leaves):
                 packed[:, off : off + spec.nbytes] = leaf.reshape(n, -1).view(torch.uint8).numpy()
         streak = self._raw_streak.get(layout, 0)
+        word = self._word_of(layout)
         for i, key in enumerate(job.keys):
             attempt = streak < _GIVE_UP_AFTER or streak % _RETRY_EVERY == 0
-            frame = encode_frame(header, memoryview(packed[i]), self.quality if attempt else None)
+            frame = encode_frame(header, memoryview(packed[i]), self.quality if attempt else None, word)
             if attempt:
-                streak = streak + 1 if frame[5] == 0 else 0
+                streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
             elif streak:
                 streak += 1
             try:
