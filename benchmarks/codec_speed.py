@@ -23,14 +23,14 @@ import argparse
 import platform
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from brotli_quality import per_item_us
 
 from torchcache.codec import encode_frame, encode_header, split_frame, word_size
 
@@ -55,16 +55,6 @@ def outputs(kind: str, items: int) -> tuple[list[bytes], int]:
     flat = y.reshape(items, -1).view(torch.uint8)
     word = word_size([y.dtype.itemsize], [flat.shape[1]])
     return [bytes(row.numpy()) for row in flat], word
-
-
-def per_item_us(fn: Callable[[], object], n: int, repeats: int = 3) -> float:
-    """Median over repeats of the time per item of ``fn`` (which handles ``n`` items)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
-    return statistics.median(times)
 
 
 def main() -> None:

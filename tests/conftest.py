@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+_LOG_VARIABLES = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
 
 
 @pytest.fixture(autouse=True)
@@ -24,3 +28,22 @@ def cache_root(_isolated_cache_root: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def torchcache_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+    """The ``torchcache`` logger, restored to its state before the test, without log variables."""
+    for name in _LOG_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    log = logging.getLogger("torchcache")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield log
+    for handler in list(log.handlers):
+        if handler not in handlers:
+            log.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in log.handlers:
+            log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = propagate

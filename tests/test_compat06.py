@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -800,25 +799,6 @@ def test_fail_on_bad_parameters():
 
 
 # -- tests/test_logging.py of 0.6 ----------------------------------------------------------
-
-
-@pytest.fixture
-def torchcache_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
-    """The ``torchcache`` logger, restored to its state before the test, without log variables."""
-    for name in ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    log = logging.getLogger("torchcache")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
-    yield log
-    for handler in list(log.handlers):
-        if handler not in handlers:
-            log.removeHandler(handler)
-            handler.close()
-    for handler in handlers:
-        if handler not in log.handlers:
-            log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = propagate
 
 
 def test_set_logger_config(tmp_path, monkeypatch, torchcache_logger):

@@ -9,7 +9,6 @@ import os
 import re
 import textwrap
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,22 +28,9 @@ def clean_env(**values: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
-    """The torchcache logger, restored to its state before the test; no TORCHCACHE_LOG_* set."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    log = logging.getLogger("torchcache")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
-    yield log
-    for handler in list(log.handlers):
-        if handler not in handlers:
-            log.removeHandler(handler)
-            handler.close()
-    for handler in handlers:
-        if handler not in log.handlers:
-            log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = propagate
+def logger(torchcache_logger: logging.Logger) -> logging.Logger:
+    """The torchcache logger, restored after the test; no TORCHCACHE_LOG_* set (see conftest.py)."""
+    return torchcache_logger
 
 
 def module_key_message() -> None:
