@@ -14,6 +14,7 @@ __all__ = [
     "CorruptEntryError",
     "KeyingError",
     "StoreError",
+    "StoreUnavailableError",
     "TorchCacheError",
 ]
 
@@ -40,6 +41,10 @@ class CorruptEntryError(TorchCacheError, ValueError):
 
 class StoreError(TorchCacheError, OSError):
     """A store could not read or write its backing storage."""
+
+
+class StoreUnavailableError(StoreError):
+    """A store's server cannot be reached for now; it may come back, so writes are retried later."""
 
 
 class CacheWarning(UserWarning):
