@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .batch import index_tensor
+from .tiers.batch import index_tensor
 from .errors import ConfigError, KeyingError
 from .keys import Context, encode_value, tensor_digest
 

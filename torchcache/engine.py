@@ -25,16 +25,16 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .arguments import CallArguments, CallSplitter, ShapeHint
-from .batch import cast_returned, gather_hits, index_tensor, merge_parts
+from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
 from .errors import StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
-from .persist import DiskTier
+from .tiers.persistent import DiskTier
 from .stats import CacheStats, TierStats, format_summary
-from .stores.memory import MemoryTier
-from .tiers import SharedTier, open_shared_tier
+from .tiers.memory import MemoryTier
+from .tiers.shared import SharedTier, open_shared_tier
 from .tree import Layout, RebuildError, flatten
 
 __all__ = ["Cache"]

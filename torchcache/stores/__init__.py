@@ -1,9 +1,13 @@
-"""Where entries live: the byte-store contracts and their implementations."""
+"""Byte stores: budgeted maps from hex keys to bytes, behind the batched contract.
+
+Stores never know what their bytes mean; the tiers of :mod:`torchcache.tiers` frame
+and decode them. :class:`PackedStore` is the persistent store; :class:`DiskStore` reads
+(and migrates from) the one-file-per-entry layout of torchcache 1.0.
+"""
 
 from .base import Store
 from .batched import BatchedStore
 from .disk import DiskStore
-from .memory import MemoryTier
 from .packed import PackedStore
 
-__all__ = ["BatchedStore", "DiskStore", "MemoryTier", "PackedStore", "Store"]
+__all__ = ["BatchedStore", "DiskStore", "PackedStore", "Store"]

@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .tree import Layout
+from ..tree import Layout
 
 __all__ = ["Slab", "cast_returned", "gather_hits", "index_tensor", "merge_parts"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .._fork import renew_lock_after_fork
-from ..batch import index_tensor
+from .batch import index_tensor
 from ..policy import MruPolicy
 from ..tree import Layout
 

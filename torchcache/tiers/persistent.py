@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._fork import after_fork
-from .codec import (
+from .._fork import after_fork
+from ..codec import (
     CODEC_BROTLI,
     MAX_ITEM_BYTES,
     MIN_ELIDE_BYTES,
@@ -47,11 +47,11 @@ from .codec import (
     split_frame,
     word_size,
 )
-from .errors import CorruptEntryError, StoreError
-from .meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
-from .stores.disk import DiskStore
-from .tree import ALIGN, Layout
-from .writer import BackgroundWriter
+from ..errors import CorruptEntryError, StoreError
+from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
+from ..stores.disk import DiskStore
+from ..tree import ALIGN, Layout
+from ..writer import BackgroundWriter
 
 __all__ = ["DiskTier"]
 

@@ -12,10 +12,10 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ._fork import after_fork
-from .errors import StoreError
-from .faults import FaultLog
-from .persist import DiskTier
+from .._fork import after_fork
+from ..errors import StoreError
+from ..faults import FaultLog
+from .persistent import DiskTier
 
 __all__ = ["SharedTier", "open_shared_tier"]
 
