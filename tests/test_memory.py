@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache.stores import MemoryTier
-from torchcache.stores.memory import CAPACITY_OVERHEAD, Slab
+from torchcache.tiers.memory import MemoryTier
+from torchcache.tiers.memory import CAPACITY_OVERHEAD, Slab
 from torchcache.tree import Layout, flatten
 
 

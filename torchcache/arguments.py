@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .tiers.batch import index_tensor
 from .errors import ConfigError, KeyingError
 from .keys import Context, encode_value, tensor_digest
+from .tiers.batch import index_tensor
 
 __all__ = ["CallArguments", "CallSplitter", "ShapeHint"]
 

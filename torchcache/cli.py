@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ._version import __version__
-from .cli_commands import cmd_clear, cmd_info, cmd_ls, cmd_prune, cmd_verify
+from .cli_commands import cmd_clear, cmd_info, cmd_ls, cmd_migrate, cmd_prune, cmd_verify
 from .cli_output import PROG, error, note
 from .errors import ConfigError, TorchCacheError
 from .maintenance import parse_duration
@@ -87,16 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify = command(
         "verify",
-        "check every entry and look for stray temporary files",
-        "Check every module cache's metadata and every entry (frame, checksum, header, payload size), and look "
-        "for stray temporary files. The exit status is 1 if problems were found and not fixed.",
+        "check every entry and the index, and look for stray temporary files",
+        "Check every module cache's metadata, its packed store's index and every entry (record checksum, frame, "
+        "header, payload size), and look for stray temporary files. The exit status is 1 if problems were found "
+        "and not fixed.",
         cmd_verify,
     )
     verify.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
     verify.add_argument(
         "--fix",
         action="store_true",
-        help="remove corrupt entries and stray temporary files, rebuild damaged metadata from the entries",
+        help="remove corrupt entries and stray temporary files, repair the index, rebuild damaged metadata",
     )
     prune = command(
         "prune",
@@ -112,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     for sub in (ls, info, verify, prune):
         sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+    migrate = command(
+        "migrate",
+        "pack torchcache 1.0 entry files into the packed store",
+        "Pack the one-file-per-entry caches of torchcache 1.0 into packed stores, removing each file once its "
+        "entry is stored. Until then the library reads them in place. Safe to interrupt and run again.",
+        cmd_migrate,
+    )
+    migrate.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
     clear = command(
         "clear",
         "remove a module cache, or all",

@@ -29,12 +29,22 @@ from .cli_output import (
     when,
 )
 from .config import resolve_root
+from .errors import StoreError
 from .inspect_cache import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
-from .maintenance import Problem, rebuild_meta, remove_cache, remove_file, select_for_prune, verify_files
+from .maintenance import (
+    Problem,
+    migrate_cache,
+    rebuild_meta,
+    remove_cache,
+    remove_file,
+    select_for_prune,
+    verify_files,
+    verify_store,
+)
 from .meta import META_NAME
 from .policy import format_size
 
-__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_prune", "cmd_verify"]
+__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_migrate", "cmd_prune", "cmd_verify"]
 
 
 def _root(arg: str | None) -> Path:
@@ -86,7 +96,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     root = _root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
-    layouts = summarize_layouts(files.entries, args.sample)
+    layouts = summarize_layouts(cache.directory, files, args.sample)
     sampled = sum(s.entries for s in layouts)
     settings = cache.meta.get("settings")
     if args.json:
@@ -108,9 +118,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("format", str(cache.meta.get("format_version", "-"))),
         ("entries", f"{cache.entries:,}"),
         ("size", f"{format_size(cache.nbytes)} ({cache.nbytes:,} bytes)"),
+        ("live", f"{format_size(cache.live_bytes)} ({cache.live_bytes:,} bytes)"),
+        ("reclaimable", f"{format_size(cache.reclaimable_bytes)} ({cache.reclaimable_bytes:,} bytes)"),
         ("on disk", f"{format_size(cache.disk_bytes)} ({cache.disk_bytes:,} bytes)"),
         ("size limit", "-" if limit is None else f"{format_size(limit)}{used}"),
         ("temporary files", str(cache.temporaries)),
+        (
+            "1.0 entries",
+            f"{cache.legacy_entries:,}"
+            + (" (read in place; `torchcache migrate` packs them)" if cache.legacy_entries else ""),
+        ),
         ("metadata", cache.meta_problem or "ok"),
     ]
     if isinstance(settings, dict):
@@ -142,24 +159,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     listed = [(cache, list_files(cache.directory)) for cache in caches]
     total = sum(len(files.entries) for _, files in listed)
     now = time.time()
+    total += sum(cache.entries - cache.legacy_entries for cache in caches)
     progress = Progress(total, "verify")
     problems: list[Problem] = []
     damaged: dict[Path, ModuleCache] = {}
+    removed: list[Problem] = []
+    failures: list[str] = []
     busy = 0
     try:
         for cache, files in listed:
             if cache.meta_problem is not None:
                 damaged[cache.directory / META_NAME] = cache
                 problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
+            try:
+                _, found, fixed = verify_store(cache.directory, args.fix, progress.update)
+            except StoreError as exc:
+                found, fixed = [Problem(cache.directory, "store", str(exc), 0)], False
+                failures.append(f"cannot check the store of {cache.directory}: {exc}") if args.fix else None
+            problems.extend(found)
+            if fixed:
+                removed.extend(found)
             found, in_progress = verify_files(files, now, progress.update)
             problems.extend(found)
             busy += len(in_progress)
     finally:
         progress.close()
-    removed: list[Problem] = []
-    failures: list[str] = []
     if args.fix:
         for problem in problems:
+            if problem in removed or problem.kind == "store":
+                continue
             try:
                 if problem.path in damaged:
                     rebuild_meta(damaged[problem.path])
@@ -309,3 +337,38 @@ def cmd_clear(args: argparse.Namespace) -> int:
     freed, failed = _remove(targets)
     print(f"removed {plural(len(targets) - failed, 'module cache')} ({format_size(freed)})")
     return 1 if failed else 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """``torchcache migrate``: pack the torchcache 1.0 entry files of module caches into their packed stores.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if damaged files were left, else 0.
+    """
+    root = _root(args.path)
+    caches = [cache for cache in find_caches(root) if cache.legacy_entries]
+    if not caches:
+        print(f"nothing to migrate: no torchcache 1.0 entries under {root}")
+        return 0
+    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
+    moved = dropped = 0
+    damaged: list[Problem] = []
+    try:
+        for cache in caches:
+            done = migrate_cache(cache, progress.update)
+            moved, dropped = moved + done.moved, dropped + done.dropped
+            damaged.extend(done.damaged)
+    finally:
+        progress.close()
+    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(len(caches), 'module cache')} under {root}")
+    if dropped:
+        print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
+    if damaged:
+        rows = [[p.reason, relative(p.path, root)] for p in damaged]
+        print(table(["REASON", "FILE"], rows))
+        error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
+        return 1
+    return 0

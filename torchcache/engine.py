@@ -25,15 +25,15 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .arguments import CallArguments, CallSplitter, ShapeHint
-from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .config import Settings, resolve_root
 from .errors import StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
-from .tiers.persistent import DiskTier
 from .stats import CacheStats, TierStats, format_summary
+from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .tiers.memory import MemoryTier
+from .tiers.persistent import PersistentTier
 from .tiers.shared import SharedTier, open_shared_tier
 from .tree import Layout, RebuildError, flatten
 
@@ -85,7 +85,7 @@ class Cache:
                 self._module_hash,
             )
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
-        self._disk: DiskTier | None = None
+        self._disk: PersistentTier | None = None
         self._shared: SharedTier | None = None
         self._disk_ready = not settings.persistent
         self.faults = FaultLog(name)
@@ -186,7 +186,7 @@ class Cache:
             return None
         return resolve_root(self.settings.persistent_cache_dir) / self.module_hash
 
-    def _disk_tier(self) -> DiskTier | None:
+    def _disk_tier(self) -> PersistentTier | None:
         if not self._disk_ready:
             with self._lock:
                 if not self._disk_ready:

@@ -1,12 +1,14 @@
 """Find and describe the module caches under a cache root.
 
 A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``,
-or one that holds entries (``<3 hex digits>/<key>.tce`` files that start like a frame)
-whatever its metadata: a damaged, missing or foreign ``torchcache.json`` never hides a
-cache, it is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything
-else under the root is not torchcache's and is never touched. Files are opened without
-blocking, only when they are regular files, and read only as far as their prefix says.
-Nothing here writes or removes; :mod:`torchcache.maintenance` does.
+or one that holds entries whatever its metadata: a packed store (``index.lmdb`` and
+``seg-*.tcs``) or torchcache 1.0 entry files (``<3 hex digits>/<key>.tce`` that start
+like a frame). A damaged, missing or foreign ``torchcache.json`` never hides a cache, it
+is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything else under
+the root is not torchcache's and is never touched. Files are opened without blocking,
+only when they are regular files, and read only as far as their prefix says. Nothing
+here removes entries; :mod:`torchcache.maintenance` does. (Opening a packed store whose
+index was damaged rebuilds the index, as the library does.)
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import json
 import os
 import re
 import stat
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,10 @@ from .errors import TorchCacheError
 from .meta import META_NAME, load_meta, meta_size, meta_time
 from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from .stores.files import open_regular, read_at
+from .stores.packed import PackedStore
+from .stores.packed_format import parse_segment_name
+from .stores.packed_index import INDEX_NAME
+from .stores.packed_upkeep import LOCK_NAME
 from .tree import Layout, describe
 
 __all__ = [
@@ -36,6 +42,7 @@ __all__ = [
     "find_caches",
     "list_files",
     "load_cache",
+    "open_store",
     "resolve_cache",
     "summarize_layouts",
 ]
@@ -66,6 +73,12 @@ class CacheFiles:
     entries: list[FileInfo]
     temporaries: list[FileInfo]
     shards: list[Path]
+    store: list[FileInfo] = field(default_factory=list)
+
+    @property
+    def has_store(self) -> bool:
+        """Whether the directory has a packed store index."""
+        return any(f.path.name == INDEX_NAME for f in self.store)
 
 
 @dataclass(frozen=True)
@@ -73,9 +86,13 @@ class ModuleCache:
     """One module cache: its directory, what its metadata records, and what it holds.
 
     ``last_used`` is the modification time of its metadata file, which the library
-    touches whenever the cache is used (of its newest entry when the metadata is
+    touches whenever the cache is used (of its newest file when the metadata is
     missing); ``nbytes`` counts every file of torchcache's, ``disk_bytes`` the blocks
-    they take on disk. ``meta_problem`` says what is wrong with the metadata, if anything.
+    they take on disk. ``entries`` counts the packed store's entries and the 1.0 entry
+    files (``legacy_entries``, read in place until ``torchcache migrate``);
+    ``live_bytes`` are the packed records still in use and ``reclaimable_bytes`` the
+    dead ones its segment files still hold. ``meta_problem`` says what is wrong with the
+    metadata, if anything.
     """
 
     directory: Path
@@ -90,6 +107,9 @@ class ModuleCache:
     temporaries: int
     disk_bytes: int = 0
     meta_problem: str | None = None
+    legacy_entries: int = 0
+    live_bytes: int = 0
+    reclaimable_bytes: int = 0
 
     @property
     def key(self) -> str:
@@ -127,6 +147,7 @@ def list_files(directory: Path) -> CacheFiles:
     entries: list[FileInfo] = []
     temporaries: list[FileInfo] = []
     shards: list[Path] = []
+    store: list[FileInfo] = []
     try:
         top = list(os.scandir(directory))
     except FileNotFoundError:
@@ -136,8 +157,11 @@ def list_files(directory: Path) -> CacheFiles:
             if item.is_dir(follow_symlinks=False):
                 if _SHARD_RE.fullmatch(item.name):
                     shards.append(Path(item.path))
-            elif item.is_file(follow_symlinks=False) and _TMP_RE.fullmatch(item.name):
-                temporaries.append(_info(item))
+            elif item.is_file(follow_symlinks=False):
+                if _TMP_RE.fullmatch(item.name):
+                    temporaries.append(_info(item))
+                elif _is_store_file(item.name):
+                    store.append(_info(item))
         except FileNotFoundError:
             continue
     for shard in shards:
@@ -157,7 +181,34 @@ def list_files(directory: Path) -> CacheFiles:
                 continue
     entries.sort(key=lambda f: f.path)
     temporaries.sort(key=lambda f: f.path)
-    return CacheFiles(entries, temporaries, sorted(shards))
+    return CacheFiles(entries, temporaries, sorted(shards), sorted(store, key=lambda f: f.path))
+
+
+def _is_store_file(name: str) -> bool:
+    return name in (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME) or parse_segment_name(name) is not None
+
+
+def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:
+    """The packed store of a module directory, or ``None`` if it has none (nothing is created).
+
+    Args:
+        directory: The module directory.
+        max_bytes: The budget to open it with (only writes use it); default: the
+            metadata's, else unlimited.
+
+    Raises:
+        StoreError: If the store cannot be opened.
+    """
+    try:
+        st = os.lstat(directory / INDEX_NAME)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    if max_bytes is None:
+        meta, _ = load_meta(directory)
+        max_bytes = meta_size((meta or {}).get("max_bytes")) or 1 << 62
+    return PackedStore(directory, max(max_bytes, 1 << 16), report=lambda kind, message: None)
 
 
 def _holds_entries(entries: Sequence[FileInfo]) -> bool:
@@ -192,14 +243,15 @@ def load_cache(directory: Path) -> ModuleCache | None:
     if meta is None and problem is None:
         problem = f"no {META_NAME}"
     files = list_files(directory)
-    if problem is not None and not _holds_entries(files.entries):
+    usage = _store_usage(directory) if files.has_store else None
+    if problem is not None and usage is None and not _holds_entries(files.entries):
         return None
     try:
         st: os.stat_result | None = os.lstat(directory / META_NAME)
     except OSError:
         st = None
     meta_file = st is not None and stat.S_ISREG(st.st_mode)
-    own = [*files.entries, *files.temporaries]
+    own = [*files.entries, *files.temporaries, *files.store]
     newest = max((f.mtime for f in own), default=0.0)
     last_used = st.st_mtime if st is not None and (meta_file or not own) else newest
     meta = meta or {}
@@ -212,12 +264,27 @@ def load_cache(directory: Path) -> ModuleCache | None:
         max_bytes=meta_size(meta.get("max_bytes")),
         version=version if isinstance(version, str) else None,
         last_used=last_used,
-        entries=len(files.entries),
+        entries=len(files.entries) + (usage["entries"] if usage else 0),
+        legacy_entries=len(files.entries),
+        live_bytes=usage["records"] if usage else 0,
+        reclaimable_bytes=max(0, usage["files"] - usage["records"]) if usage else 0,
         nbytes=(st.st_size if st is not None and meta_file else 0) + sum(f.size for f in own),
         temporaries=len(files.temporaries),
         disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
     )
+
+
+def _store_usage(directory: Path) -> dict[str, int] | None:
+    """:meth:`PackedStore.usage` of the directory's store, or ``None`` if it cannot be read."""
+    try:
+        store = open_store(directory)
+        if store is None:
+            return None
+        with store:
+            return store.usage()
+    except Exception:  # noqa: BLE001 - an unreadable index is a problem for verify, not for ls
+        return None
 
 
 def find_caches(path: Path) -> list[ModuleCache]:
@@ -308,23 +375,48 @@ def _describe(layout: Layout) -> str:
     return describe(layout.spec, texts)
 
 
-def summarize_layouts(entries: Sequence[FileInfo], sample: int) -> list[LayoutSummary]:
+def _frame_header(data: bytes | memoryview) -> dict[str, Any]:
+    _, header_len, _, _, _ = read_prefix(data)
+    return parse_header(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]))
+
+
+def _sample_headers(directory: Path, files: CacheFiles, sample: int) -> list[Callable[[], dict[str, Any]]]:
+    """Readers of the headers of at most ``sample`` entries, spread over the store, then the 1.0 files."""
+    readers: list[Callable[[], dict[str, Any]]] = []
+    store = open_store(directory) if files.has_store and sample > 0 else None
+    if store is not None:
+        with store:
+            keys = list(store.keys())
+            n = len(keys)
+            picks = [keys[i * n // sample] for i in range(sample)] if n > sample else keys
+            for data in store.get_many(picks):
+                if data is not None:
+                    readers.append(lambda data=bytes(data): _frame_header(data))  # type: ignore[misc]
+    entries = files.entries
+    left = max(sample - len(readers), 0)
+    n = len(entries)
+    picks_files = [entries[i * n // left] for i in range(left)] if n > left > 0 else list(entries[:left])
+    readers.extend(lambda path=entry.path: _read_header(path) for entry in picks_files)  # type: ignore[misc]
+    return readers
+
+
+def summarize_layouts(directory: Path, files: CacheFiles, sample: int) -> list[LayoutSummary]:
     """Group a sample of entries by layout, reading only their headers.
 
     Args:
-        entries: The entry files.
-        sample: At most this many entries, spread evenly over ``entries``, are read.
+        directory: The module directory.
+        files: Its files (see :func:`list_files`).
+        sample: At most this many entries, spread evenly over the packed store and then
+            over the 1.0 entry files, are read.
 
     Returns:
         One summary per layout, the most common first; unreadable headers are grouped
         under ``layout=None``.
     """
-    n = len(entries)
-    picks = [entries[i * n // sample] for i in range(sample)] if n > sample > 0 else list(entries[: max(sample, 0)])
     groups: dict[str, tuple[Layout | None, str, int]] = {}
-    for entry in picks:
+    for read in _sample_headers(directory, files, sample):
         try:
-            header = _read_header(entry.path)
+            header = read()
             layout = Layout.from_header(header)
             key, description = json.dumps(header, sort_keys=True), _describe(layout)
         except FileNotFoundError:

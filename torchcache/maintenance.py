@@ -1,11 +1,12 @@
 """Check and repair module caches on disk: verify entries, rebuild metadata, remove, select for pruning.
 
 Everything here acts on what :mod:`torchcache.inspect_cache` finds. Removal is narrow on
-purpose: it unlinks entry files (``<3 hex digits>/<key>.tce``), temporary files
-(``.*.tmp``) and the metadata file, then removes directories with :func:`os.rmdir`, which
-fails on a directory that still holds something, so unknown files survive with their
-directory. Each file is unlinked whole, so a process using the cache meanwhile reads an
-entry or a miss, never a partial file.
+purpose: it empties the packed store through its index (so a process using it reads
+misses, never partial entries), then unlinks the store's files (``index.lmdb*``,
+``seg-*.tcs``, ``compact.lock``), torchcache 1.0 entry files (``<3 hex digits>/<key>.tce``),
+temporary files (``.*.tmp``) and the metadata file, then removes directories with
+:func:`os.rmdir`, which fails on a directory that still holds something, so unknown
+files survive with their directory.
 
 Temporary files younger than :data:`TMP_GRACE_SECONDS` may be a write in progress in
 another process (removing one would make that process stop writing), so checking keeps
@@ -25,27 +26,35 @@ from typing import Any
 
 from ._version import __version__
 from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
-from .errors import CorruptEntryError
-from .inspect_cache import CacheFiles, FileInfo, ModuleCache, list_files
+from .errors import CorruptEntryError, StoreError
+from .inspect_cache import CacheFiles, FileInfo, ModuleCache, list_files, open_store
 from .meta import META_NAME, meta_time, write_json_atomic
+from .stores.disk import ENTRY_SUFFIX
 from .stores.files import open_regular, read_at
+from .stores.packed import PackedStore
 from .tree import Layout
 
 __all__ = [
     "TMP_GRACE_SECONDS",
+    "Migration",
     "Problem",
     "check_entry",
+    "check_frame",
+    "migrate_cache",
     "parse_duration",
     "rebuild_meta",
     "remove_cache",
     "remove_file",
     "select_for_prune",
     "verify_files",
+    "verify_store",
 ]
 
 #: Temporary files modified within this many seconds may belong to a write in progress.
 TMP_GRACE_SECONDS = 60.0
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNLIMITED = 1 << 62
+_MIGRATE_BATCH = 256
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -63,8 +72,62 @@ def _row_bytes(header_bytes: bytes) -> int:
     return Layout.from_header(parse_header(header_bytes)).row_bytes
 
 
+def check_frame(data: bytes | memoryview) -> str | None:
+    """Why a stored frame is corrupt (frame, checksum, header, payload size), or ``None``."""
+    try:
+        split_frame(data, raw_size=_row_bytes)
+    except CorruptEntryError as exc:
+        return str(exc)
+    except KeyError as exc:
+        return f"invalid header: missing field {exc}"
+    except (TypeError, ValueError, AttributeError) as exc:
+        return str(exc) if str(exc).startswith("invalid header") else f"invalid header: {exc}"
+    except RecursionError:
+        return "invalid header: nested too deeply"
+    return None
+
+
+def verify_store(
+    directory: Path, fix: bool, tick: Callable[[int], None] | None = None
+) -> tuple[int, list[Problem], bool]:
+    """Check a module directory's packed store: its index, every record's checksum, every frame.
+
+    With ``fix``, damaged entries are removed and the index is repaired.
+
+    Returns:
+        The entries checked, the problems (a damaged entry's path is ``<directory>/<key>``),
+        and whether they were fixed.
+
+    Raises:
+        StoreError: If the store cannot be opened, or with ``fix`` written.
+    """
+    store = open_store(directory)
+    if store is None:
+        return 0, [], fix
+    problems: list[Problem] = []
+    with store:
+        report = store.verify(fix)
+        problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)
+        problems.extend(Problem(directory, "store", line, 0) for line in report.problems)
+        checked = report.entries
+        keys = list(store.keys())
+        bad: list[str] = []
+        for start in range(0, len(keys), 512):
+            chunk = keys[start : start + 512]
+            for key, data in zip(chunk, store.get_many(chunk)):
+                reason = None if data is None else check_frame(data)
+                if reason is not None:
+                    bad.append(key)
+                    problems.append(Problem(directory / key, "corrupt", reason, len(data or b"")))
+            if tick is not None:
+                tick(len(chunk))
+        if fix and bad:
+            store.delete_many(bad)
+    return checked, problems, fix
+
+
 def check_entry(path: Path) -> str | None:
-    """Check one entry file: frame, checksum, header and payload size.
+    """Check one torchcache 1.0 entry file: frame, checksum, header and payload size.
 
     Only the prefix is read before the file's size is checked against it.
 
@@ -83,18 +146,11 @@ def check_entry(path: Path) -> str | None:
             data = read_at(fd, st.st_size)
         finally:
             os.close(fd)
-        split_frame(data, raw_size=_row_bytes)
     except OSError as exc:
         return f"unreadable: {exc.strerror or exc}"
     except CorruptEntryError as exc:
         return str(exc)
-    except KeyError as exc:
-        return f"invalid header: missing field {exc}"
-    except (TypeError, ValueError, AttributeError) as exc:
-        return str(exc) if str(exc).startswith("invalid header") else f"invalid header: {exc}"
-    except RecursionError:
-        return "invalid header: nested too deeply"
-    return None
+    return check_frame(data)
 
 
 def verify_files(
@@ -169,13 +225,21 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
     Raises:
         OSError: If a file cannot be removed.
     """
+    try:
+        store = open_store(directory)
+        if store is not None:
+            with store:
+                store.clear()
+    except StoreError as exc:
+        raise OSError(exc.errno, f"cannot clear the packed store: {exc}") from exc
     files = list_files(directory)
     meta = directory / META_NAME
     with contextlib.suppress(FileNotFoundError):
         st = os.lstat(meta)
         if not stat.S_ISDIR(st.st_mode):  # a directory there is not ours: it keeps the module directory
             files.temporaries.append(FileInfo(meta, st.st_size if stat.S_ISREG(st.st_mode) else 0, 0.0))  # last
-    freed = sum(item.size for item in (*files.entries, *files.temporaries) if remove_file(item.path))
+    own = (*files.entries, *sorted(files.store, key=lambda f: f.path.name.startswith("index")), *files.temporaries)
+    freed = sum(item.size for item in own if remove_file(item.path))
     for shard in files.shards:
         with contextlib.suppress(OSError):  # not empty: unknown files, or entries written meanwhile
             os.rmdir(shard)
@@ -237,3 +301,70 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise ValueError(f"invalid duration {text!r}: expected a number and a unit s, m, h, d or w, such as 30d or 12h")
     return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What :func:`migrate_cache` did to one module cache."""
+
+    moved: int
+    dropped: int
+    damaged: list[Problem]
+
+
+def _read_entry(path: Path) -> bytes | str:
+    """An entry file's frame, checked, or why it cannot be used."""
+    reason = check_entry(path)
+    if reason is not None:
+        return reason
+    opened = open_regular(path)
+    if opened is None:
+        return "removed meanwhile"
+    fd, st = opened
+    try:
+        return read_at(fd, st.st_size)
+    finally:
+        os.close(fd)
+
+
+def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None) -> Migration:
+    """Pack a module cache's torchcache 1.0 entry files into its packed store, then remove them.
+
+    Entries are added in batches, each file removed once its entry is in the store; the
+    store's budget (the metadata's ``max_bytes``) still holds, so entries beyond it are
+    evicted and counted as ``dropped``. Damaged files are left in place and reported
+    (``torchcache verify --fix`` removes them). Safe to interrupt and run again.
+
+    Raises:
+        StoreError: If the store cannot be written.
+        OSError: If a file cannot be removed.
+    """
+    files = list_files(cache.directory)
+    store = open_store(cache.directory)
+    if store is None:
+        store = PackedStore(cache.directory, max(cache.max_bytes or _UNLIMITED, 1 << 16), report=lambda k, m: None)
+    moved = dropped = 0
+    damaged: list[Problem] = []
+    with store:
+        for start in range(0, len(files.entries), _MIGRATE_BATCH):
+            batch: list[tuple[str, bytes]] = []
+            paths: list[Path] = []
+            for entry in files.entries[start : start + _MIGRATE_BATCH]:
+                data = _read_entry(entry.path)
+                if isinstance(data, str):
+                    if data != "removed meanwhile":
+                        damaged.append(Problem(entry.path, "corrupt", data, entry.size))
+                    continue
+                batch.append((entry.path.name.removesuffix(ENTRY_SUFFIX), data))
+                paths.append(entry.path)
+            stored = store.put_many(batch) if batch else 0
+            moved += stored
+            dropped += len(batch) - stored
+            for path in paths:
+                remove_file(path)
+            if tick is not None:
+                tick(len(files.entries[start : start + _MIGRATE_BATCH]))
+    for shard in files.shards:
+        with contextlib.suppress(OSError):  # damaged files left, or unknown ones
+            os.rmdir(shard)
+    return Migration(moved, dropped, damaged)

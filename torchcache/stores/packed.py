@@ -218,6 +218,23 @@ class PackedStore(BatchedStore):
             with index.begin() as txn:
                 return index.totals(txn)[b"payload"]
 
+    def usage(self) -> dict[str, int]:
+        """What the index counts, every process's writes included.
+
+        Returns:
+            ``entries``, ``payload`` (live payload bytes), ``records`` (live record bytes,
+            headers included) and ``files`` (bytes of segment files; what they hold beyond
+            ``records`` is reclaimable by compaction).
+        """
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is None:
+                return {"entries": 0, "payload": 0, "records": 0, "files": 0}
+            with index.begin() as txn:
+                totals = index.totals(txn)
+                count = index.count(txn)
+        return {"entries": count, **{name: totals[name.encode()] for name in ("payload", "records", "files")}}
+
     @property
     def disk_bytes(self) -> int:
         """Bytes the index and segment files take on disk (allocated blocks)."""

@@ -38,7 +38,9 @@ _SEG_KEY = struct.Struct(">I")
 _META = (b"format", b"clock", b"payload", b"records", b"files", b"gen", b"next_seg")
 _BLOCK = 4096
 _shared: dict[tuple[int, int], Index] = {}  # open environments of this process, by file identity
-_shared_lock = threading.Lock()
+# Reentrant: a store dropped by the garbage collector while this thread opens an index
+# closes its own use of an index from inside the open (PackedStore.__del__)
+_shared_lock = threading.RLock()
 _abandoned: list[Index] = []  # environments inherited over fork: never used, never closed
 
 
@@ -124,7 +126,7 @@ def _forget_shared() -> None:
     global _shared_lock
     _abandoned.extend(_shared.values())
     _shared.clear()
-    _shared_lock = threading.Lock()
+    _shared_lock = threading.RLock()
 
 
 after_fork(_forget_shared)

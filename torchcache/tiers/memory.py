@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import torch
 
 from .._fork import renew_lock_after_fork
-from .batch import index_tensor
 from ..policy import MruPolicy
 from ..tree import Layout
+from .batch import index_tensor
 
 __all__ = ["CAPACITY_OVERHEAD", "MemoryTier", "Slab"]
 

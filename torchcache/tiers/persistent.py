@@ -1,73 +1,61 @@
-"""The disk tier: a :class:`DiskStore` plus encoding, background writes and batched reads.
+"""The persistent tier: item outputs as checked frames in a batched byte store.
 
-Reads of a batch's misses run on a small shared thread pool (file reads and brotli
-release the GIL) and land in one ``(n, row_bytes)`` buffer per batch, from which each
-output leaf is a strided view: one copy per hit. Writes are encoded and written on a
-:class:`BackgroundWriter`. Each item is stored raw, zero-elided (sparse outputs: cheap
-to encode, decoded at memory speed) or brotli-compressed, whichever the codec finds
-pays. When brotli keeps failing to pay for a layout, it is only retried now and then,
-so outputs it does not shrink cost no brotli time.
+A batch of reads is one :meth:`~torchcache.stores.batched.BatchedStore.get_many` on the
+calling thread (one index pass, one read per hit in file order); the frames are then
+checked and decompressed in chunks on a small shared thread pool (brotli and numpy
+release the GIL) and land in one ``(n, row_bytes)`` buffer, from which each output leaf
+is a strided view: one copy per hit. Writes are encoded on the process's writer threads
+(:class:`~torchcache.writer.BackgroundWriter`) and stored with one ``put_many`` per job.
+Each item is stored raw, zero-elided or brotli-compressed, whichever pays
+(:class:`~torchcache.tiers.frames.FrameCodec`).
 
 Entries queued for writing are readable at once: until the writer has stored them,
-:meth:`DiskTier.read` takes them from the queue, so no reader of the tier misses them.
+:meth:`PersistentTier.read` takes them from the queue, so no reader of the tier misses them.
 
-Faults are reported through ``report(kind, message)``: a corrupt entry is removed (or,
-where it cannot be, skipped from then on) and becomes a miss; a read error becomes a
-miss; an entry that cannot be written (a directory at its path) stays a miss; only an
-error of the disk as a whole (no space, no quota, read-only, no permission) turns writes
-off for this tier. A damaged ``torchcache.json`` is replaced. The engine turns each kind
-of report into one warning.
+A directory written by torchcache 1.0 (one file per entry) is read in place: keys the
+store misses are looked up in the old files, which ``torchcache migrate`` packs into the
+store. New entries always go to the store.
+
+Faults are reported through ``report(kind, message)``: a damaged entry is removed and
+becomes a miss; a read error becomes a miss; a store that refuses writes as a whole (no
+space, read-only, gone) turns writes off for this tier; a server that is away for now
+(:class:`~torchcache.errors.StoreUnavailableError`) loses that job's entries, reported,
+and is tried again by the next one. The engine turns each kind of report into one warning.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from .._fork import after_fork
-from ..codec import (
-    CODEC_BROTLI,
-    MAX_ITEM_BYTES,
-    MIN_ELIDE_BYTES,
-    PREFIX_SIZE,
-    encode_frame,
-    encode_header,
-    frame_length,
-    parse_header,
-    split_frame,
-    word_size,
-)
-from ..errors import CorruptEntryError, StoreError
-from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
-from ..stores.disk import DiskStore
-from ..tree import ALIGN, Layout
+from ..codec import MAX_ITEM_BYTES
+from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
+from ..stores.base import Store
+from ..stores.batched import BatchedStore
+from ..tree import Layout
 from ..writer import BackgroundWriter
+from .frames import Frame, FrameCodec, pack_rows
 
-__all__ = ["DiskTier"]
-
-_UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
+__all__ = ["PersistentTier"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
 _READ_CHUNKS = 8
-_RETRY_EVERY = 32
-_GIVE_UP_AFTER = 8
 _WRITERS = 2
-_WRITE_CHUNK = 64
+_WRITE_CHUNK = 1024
+_TOUCH_EVERY = 60.0
 
 
-def _read_pool() -> ThreadPoolExecutor:
+def _decode_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -84,9 +72,6 @@ def _forget_pool_after_fork() -> None:
 after_fork(_forget_pool_after_fork)
 
 
-_Frame = tuple[bytes, bytes | memoryview]  # header bytes, payload
-
-
 @dataclass
 class _WriteJob:
     keys: list[str]
@@ -94,18 +79,16 @@ class _WriteJob:
     leaves: list[torch.Tensor]
 
 
-class DiskTier:
-    """Entries of one module on disk.
+class PersistentTier:
+    """Entries of one module in a byte store.
 
     Args:
-        directory: The module directory (``<root>/<module key>``).
-        max_bytes: Byte budget for its entry files.
+        store: Where frames are kept (shared by every cache of this module key).
         quality: brotli quality for new entries.
-        meta: Metadata written to ``torchcache.json`` when the directory is new.
         report: Called with ``(kind, message)`` for faults.
-
-    Raises:
-        StoreError: If the directory cannot be created.
+        where: The store's location for messages (never a password).
+        legacy: A torchcache 1.0 directory to read misses from, if there is one.
+        touch: Marks the cache as used now (for ``torchcache ls``); called now and then.
     """
 
     # Pending rows, by key: the write job that holds the item and its row in the job.
@@ -113,119 +96,103 @@ class DiskTier:
 
     def __init__(
         self,
-        directory: Path,
-        max_bytes: int,
+        store: BatchedStore,
         quality: int,
-        meta: dict[str, Any],
         report: Callable[[str, str], None],
+        *,
+        where: str,
+        legacy: Store | None = None,
+        touch: Callable[[], None] | None = None,
     ) -> None:
-        self.directory = directory
-        self.store = DiskStore(directory, max_bytes, frame_length=frame_length, prefix_size=PREFIX_SIZE)
-        self.quality = quality
+        self.store = store
+        self.legacy = legacy
+        self.where = where
+        self.codec = FrameCodec(quality)
         self.hits = 0
         self._report = report
-        self._layouts: dict[bytes, Layout] = {}
-        self._headers: dict[Layout, bytes] = {}
-        self._raw_streak: dict[Layout, int] = {}
-        self._words: dict[Layout, int] = {}
+        self._touch = touch
+        self._last_touch = time.monotonic()
         self._writes_enabled = True
-        self._last_touch = 0.0
         self._pending = {}
         self._pending_lock = threading.Lock()
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
-        self._ensure_meta({**meta, "created": time.time(), "max_bytes": max_bytes})
-        self.touch()
-
-    def _ensure_meta(self, meta: dict[str, Any]) -> None:
-        """Write the metadata file if it is missing or damaged (a damaged one is reported)."""
-        current, problem = load_meta(self.directory)
-        if current is not None and problem is None:
-            return
-        path = self.directory / META_NAME
-        try:
-            write_json_atomic(path, meta)
-        except OSError as exc:
-            if is_disk_wide(exc):
-                self._writes_enabled = False
-                self._report(
-                    "write",
-                    f"cannot write to the disk cache {self.directory} ({exc}); new entries are kept in memory only",
-                )
-            else:
-                self._report(
-                    "meta", f"cannot write the metadata file {path} ({exc}); entries are still read and written"
-                )
-            return
-        if problem is not None:
-            self._report("meta", f"replaced the damaged metadata file {path} ({problem})")
 
     def __repr__(self) -> str:
-        return f"DiskTier({self.store!r})"
+        return f"PersistentTier({self.store!r})"
 
     def touch(self) -> None:
-        """Mark the module directory as used now (its metadata file's mtime)."""
-        self._last_touch = time.time()
-        with contextlib.suppress(OSError):  # never through a planted link, where the OS allows it
-            os.utime(self.directory / META_NAME, follow_symlinks=not _UTIME_NOFOLLOW)
+        """Mark the cache as used now."""
+        self._last_touch = time.monotonic()
+        if self._touch is not None:
+            self._touch()
+
+    def _touch_now_and_then(self) -> None:
+        if time.monotonic() - self._last_touch > _TOUCH_EVERY:
+            self.touch()
 
     # -- reads -----------------------------------------------------------------------
-    def _get(self, key: str) -> bytes | None:
+    def _fetch(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """Stored frames of ``keys`` (``None``: a miss), from the store, then the 1.0 files."""
         try:
-            return self.store.get(key)
+            datas = self.store.get_many(keys)
+        except StoreError as exc:
+            self._report("read", f"cannot read cache entries, recomputing them: {exc}")
+            datas = [None] * len(keys)
+        if self.legacy is not None:
+            for i, data in enumerate(datas):
+                if data is None:
+                    datas[i] = self._legacy_get(keys[i])
+        return datas
+
+    def _legacy_get(self, key: str) -> bytes | None:
+        assert self.legacy is not None
+        try:
+            data = self.legacy.get(key)
+            if data is not None:
+                self.codec.decode(data, verify=True)  # files carry no store checksum: check the frame's
+            return data
         except StoreError as exc:
             self._report("read", f"cannot read a cache entry, recomputing it: {exc}")
         except CorruptEntryError as exc:
-            self._drop(key, exc)
+            self._drop([key], exc)
         return None
 
-    def _row_bytes(self, header_bytes: bytes) -> int:
-        return self._layout_of(header_bytes).row_bytes
+    def _drop(self, keys: Sequence[str], exc: Exception) -> None:
+        """Remove damaged entries (from the store, or the 1.0 files they came from)."""
+        removed = True
+        for key in keys:
+            if self.legacy is not None and key not in self.store:
+                removed = self.legacy.reject(key) and removed
+        try:
+            self.store.delete_many(keys)
+        except StoreError:
+            removed = False
+        what = "removed" if removed else "cannot remove; this process skips"
+        self._report("corrupt", f"{len(keys)} corrupt cache entries in {self.where} ({exc}): {what} them, recomputing")
 
-    def _decode(self, keys: Sequence[str], datas: Sequence[bytes | None]) -> list[_Frame | None]:
-        frames: list[_Frame | None] = []
-        for key, data in zip(keys, datas):
-            frame = None
-            if data is not None:
-                try:
-                    frame = split_frame(data, raw_size=self._row_bytes)
-                except CorruptEntryError as exc:
-                    self._drop(key, exc)
-            frames.append(frame)
-        return frames
-
-    def _drop(self, key: str, exc: Exception) -> None:
-        path = self.store.path(key)
-        if self.store.reject(key):
-            self._report("corrupt", f"removed corrupt cache entry {path} ({exc}); recomputing it")
-        else:
-            self._report(
-                "corrupt",
-                f"corrupt cache entry {path} ({exc}) cannot be removed; this process skips it and recomputes it",
-            )
-
-    def _queued(self, keys: Sequence[str]) -> dict[int, _Frame]:
+    def _queued(self, keys: Sequence[str]) -> dict[int, Frame]:
         """Frames of the ``keys`` whose writes are still queued, by position."""
         with self._pending_lock:
             found = {i: self._pending[key] for i, key in enumerate(keys) if key in self._pending}
-        frames: dict[int, _Frame] = {}
+        frames: dict[int, Frame] = {}
         for i, (job, row) in found.items():
-            layout = job.layout
-            packed = np.zeros(layout.row_bytes, dtype=np.uint8)
-            for leaf, off, spec in zip(job.leaves, layout.offsets, layout.leaves):
-                packed[off : off + spec.nbytes] = leaf[row].reshape(-1).view(torch.uint8).numpy()
-            frames[i] = (self._header_of(layout), packed.tobytes())
+            packed = pack_rows(job.layout, [leaf[row : row + 1] for leaf in job.leaves], 1)
+            frames[i] = (self.codec.header_of(job.layout), packed[0].tobytes())
         return frames
 
-    def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
-        """Read entries for ``keys``, from the write queue or from their files.
+    def _decode(self, datas: Sequence[bytes | memoryview | None]) -> list[Frame | CorruptEntryError | None]:
+        """Check and decompress frames, in chunks on the shared pool for larger batches."""
+        if len(datas) < _PARALLEL_MIN_ITEMS:
+            return self.codec.decode_many(datas)
+        size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(datas) // _READ_CHUNKS))
+        pool = _decode_pool()
+        futures = [
+            pool.submit(self.codec.decode_many, datas[start : start + size]) for start in range(0, len(datas), size)
+        ]
+        return [frame for future in futures for frame in future.result()]
 
-        Files are read on the calling thread, chunk by chunk, and each chunk is checked
-        and decompressed on the shared pool while the next one is read: reading is
-        mostly Python (it holds the GIL), brotli is not, so the two overlap.
+    def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
+        """Read entries for ``keys``, from the write queue or from the store.
 
         Returns:
             The positions (into ``keys``) that were found, their common layout, and one
@@ -233,47 +200,16 @@ class DiskTier:
             whose layout differs from the first one found are left out (recomputed).
         """
         n = len(keys)
-        frames: list[_Frame | None] = [None] * n
+        frames: list[Frame | CorruptEntryError | None] = [None] * n
         queued = self._queued(keys) if self._pending else {}
         for i, queued_frame in queued.items():
             frames[i] = queued_frame
-        todo = [i for i in range(n) if i not in queued] if queued else range(n)
-        if len(todo) >= _PARALLEL_MIN_ITEMS:
-            pool = _read_pool()
-            size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
-            futures = []
-            for start in range(0, len(todo), size):
-                part = [keys[i] for i in todo[start : start + size]]
-                futures.append(pool.submit(self._decode, part, [self._get(key) for key in part]))
-            decoded = [frame for future in futures for frame in future.result()]
-        else:
-            part = [keys[i] for i in todo]
-            decoded = self._decode(part, [self._get(key) for key in part])
-        for i, decoded_frame in zip(todo, decoded):
-            frames[i] = decoded_frame
-        positions: list[int] = []
-        payloads: list[bytes | memoryview] = []
-        layout: Layout | None = None
-        layout_header = b""
-        for i, frame in enumerate(frames):
-            if frame is None:
-                continue
-            header_bytes, payload = frame
-            if layout is None or header_bytes != layout_header:
-                try:
-                    entry_layout = self._layout_of(header_bytes)
-                except CorruptEntryError as exc:
-                    self._drop(keys[i], exc)
-                    continue
-                if len(payload) != entry_layout.row_bytes:
-                    self._drop(keys[i], CorruptEntryError("payload size does not match its header"))
-                    continue
-                if layout is None:
-                    layout, layout_header = entry_layout, header_bytes
-                elif entry_layout != layout:
-                    continue
-            positions.append(i)
-            payloads.append(payload)
+        todo = [i for i in range(n) if i not in queued] if queued else list(range(n))
+        if todo:
+            datas = self._fetch([keys[i] for i in todo])
+            for i, decoded in zip(todo, self._decode(datas)):
+                frames[i] = decoded
+        positions, layout, payloads = self._select(keys, frames)
         if layout is None:
             return [], None, []
         buffer = np.empty((len(payloads), layout.row_bytes), dtype=np.uint8)
@@ -285,40 +221,38 @@ class DiskTier:
             for leaf, off in zip(layout.leaves, layout.offsets)
         ]
         self.hits += len(positions)
-        if time.time() - self._last_touch > 60:
-            self.touch()
+        self._touch_now_and_then()
         return positions, layout, leaves
 
-    def _layout_of(self, header_bytes: bytes) -> Layout:
-        layout = self._layouts.get(header_bytes)
-        if layout is None:
-            try:
-                layout = Layout.from_header(parse_header(header_bytes))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CorruptEntryError(f"invalid header: {exc}") from None
-            except RecursionError:
-                raise CorruptEntryError("invalid header: nested too deeply") from None
-            self._layouts[header_bytes] = layout
-        return layout
-
-    def _header_of(self, layout: Layout) -> bytes:
-        header = self._headers.get(layout)
-        if header is None:
-            header = self._headers[layout] = encode_header(layout.to_header())
-            self._layouts.setdefault(header, layout)
-        return header
-
-    def _word_of(self, layout: Layout) -> int | None:
-        """The zero-elision word size for rows of ``layout``; ``None``: rows too small to elide."""
-        if layout.row_bytes < MIN_ELIDE_BYTES:
-            return None
-        word = self._words.get(layout)
-        if word is None:
-            word = self._words[layout] = word_size(
-                [leaf.dtype.itemsize for leaf in layout.leaves],
-                [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in layout.leaves],
-            )
-        return word
+    def _select(
+        self, keys: Sequence[str], frames: Sequence[Frame | CorruptEntryError | None]
+    ) -> tuple[list[int], Layout | None, list[bytes | memoryview]]:
+        """The found frames of the first layout met; damaged ones are dropped."""
+        positions: list[int] = []
+        payloads: list[bytes | memoryview] = []
+        damaged: list[str] = []
+        error: Exception | None = None
+        layout: Layout | None = None
+        layout_header = b""
+        for i, frame in enumerate(frames):
+            if frame is None:
+                continue
+            if isinstance(frame, CorruptEntryError):
+                damaged.append(keys[i])
+                error = frame
+                continue
+            header_bytes, payload = frame
+            if layout is None or header_bytes != layout_header:
+                entry_layout = self.codec.layout_of(header_bytes)  # decode() parsed it already
+                if layout is None:
+                    layout, layout_header = entry_layout, header_bytes
+                elif entry_layout != layout:
+                    continue
+            positions.append(i)
+            payloads.append(payload)
+        if damaged:
+            self._drop(damaged, error or CorruptEntryError("damaged"))
+        return positions, layout, payloads
 
     # -- writes ----------------------------------------------------------------------
     def write(self, keys: Sequence[str], layout: Layout, leaves: Sequence[torch.Tensor]) -> None:
@@ -336,60 +270,35 @@ class DiskTier:
                     self._pending[key] = (job, row)
             self._writer.submit(job, layout.row_bytes * len(part))
 
-    def _unqueue(self, job: _WriteJob, keys: Sequence[str]) -> None:
-        """Forget pending rows of ``job`` (not those a later job queued for the same keys)."""
-        with self._pending_lock:
-            for key in keys:
-                entry = self._pending.get(key)
-                if entry is not None and entry[0] is job:
-                    del self._pending[key]
-
     def _write_job(self, job: _WriteJob) -> None:
         try:
             if self._writes_enabled:
-                self._write_entries(job)
+                frames = self.codec.encode(job.layout, pack_rows(job.layout, job.leaves, len(job.keys)))
+                try:
+                    self.store.put_many(list(zip(job.keys, frames)))
+                except StoreUnavailableError as exc:
+                    self._report("unavailable", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
+                self._touch_now_and_then()
         finally:
-            self._unqueue(job, job.keys)
-
-    def _write_entries(self, job: _WriteJob) -> None:
-        layout, n = job.layout, len(job.keys)
-        header = self._header_of(layout)
-        if len(job.leaves) == 1 and layout.row_bytes == layout.nbytes:
-            packed = job.leaves[0].reshape(n, -1).view(torch.uint8).numpy()
-        else:
-            packed = np.zeros((n, layout.row_bytes), dtype=np.uint8)
-            for leaf, off, spec in zip(job.leaves, layout.offsets, layout.leaves):
-                packed[:, off : off + spec.nbytes] = leaf.reshape(n, -1).view(torch.uint8).numpy()
-        streak = self._raw_streak.get(layout, 0)
-        word = self._word_of(layout)
-        for i, key in enumerate(job.keys):
-            attempt = streak < _GIVE_UP_AFTER or streak % _RETRY_EVERY == 0
-            frame = encode_frame(header, memoryview(packed[i]), self.quality if attempt else None, word)
-            if attempt:
-                streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
-            elif streak:
-                streak += 1
-            try:
-                self.store.put(key, frame)
-            except StoreError as exc:
-                if is_disk_wide(exc):
-                    raise
-                self._report("entry", f"{exc}; that entry is recomputed when needed, the others are written")
-            self._unqueue(job, (key,))
-        self._raw_streak[layout] = streak
-        if time.time() - self._last_touch > 60:
-            self.touch()
+            with self._pending_lock:
+                for key in job.keys:
+                    entry = self._pending.get(key)
+                    if entry is not None and entry[0] is job:
+                        del self._pending[key]
 
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False
         self._report(
-            "write",
-            f"cannot write to the disk cache {self.directory} ({exc}); entries are kept in memory only from now on",
+            "write", f"cannot write to the cache {self.where} ({exc}); entries are kept in memory only from now on"
         )
 
     def flush(self) -> None:
-        """Wait until every queued entry is on disk."""
+        """Wait until every queued entry is stored, and make it visible to other processes."""
         self._writer.flush()
+        try:
+            self.store.flush()
+        except StoreError as exc:
+            self._report("write", f"cannot flush the cache {self.where}: {exc}")
 
     @property
     def pending(self) -> int:
@@ -397,6 +306,12 @@ class DiskTier:
         return self._writer.pending
 
     def clear(self) -> None:
-        """Remove every entry file (after pending writes finish)."""
-        self.flush()
+        """Remove every entry (after pending writes finish), 1.0 files included.
+
+        Raises:
+            StoreError: If the store cannot be written.
+        """
+        self._writer.flush()
         self.store.clear()
+        if self.legacy is not None:
+            self.legacy.clear()

@@ -1,4 +1,4 @@
-"""One disk tier per module directory, disk settings and process, shared by the caches of that key.
+"""One persistent tier per module directory, disk settings and process, shared by the caches of that key.
 
 Caches with the same key (two instances of one model, a deep copy, a re-created
 function) then see each other's entries, pending writes included, and faults of the
@@ -15,16 +15,17 @@ from typing import Any
 from .._fork import after_fork
 from ..errors import StoreError
 from ..faults import FaultLog
-from .persistent import DiskTier
+from .local import open_local_tier
+from .persistent import PersistentTier
 
 __all__ = ["SharedTier", "open_shared_tier"]
 
 
 class SharedTier:
-    """A disk tier and the fault logs of the caches that use it."""
+    """A persistent tier and the fault logs of the caches that use it."""
 
     def __init__(self) -> None:
-        self.tier: DiskTier | None = None
+        self.tier: PersistentTier | None = None
         self.users: weakref.WeakSet[FaultLog] = weakref.WeakSet()
         self.lock = threading.Lock()
 
@@ -50,11 +51,11 @@ after_fork(_new_locks_after_fork)
 
 def open_shared_tier(
     directory: Path, max_bytes: int, quality: int, meta: dict[str, Any], faults: FaultLog
-) -> tuple[SharedTier, DiskTier | None]:
+) -> tuple[SharedTier, PersistentTier | None]:
     """The shared tier of ``directory`` with these disk settings, created at first use.
 
     Returns:
-        The shared tier (keep a reference while using it) and its disk tier, or ``None``
+        The shared tier (keep a reference while using it) and its persistent tier, or ``None``
         when the directory cannot be used (``faults`` was warned).
     """
     key = f"{directory}|{max_bytes}|{quality}"
@@ -66,7 +67,7 @@ def open_shared_tier(
     with shared.lock:
         if shared.tier is None:
             try:
-                shared.tier = DiskTier(directory, max_bytes, quality, meta, shared.report)
+                shared.tier = open_local_tier(directory, max_bytes, quality, meta, shared.report)
             except StoreError as exc:
                 faults.warn("write", f"{exc}; caching in memory only")
         return shared, shared.tier

@@ -1,0 +1,143 @@
+"""Item rows to checked frames and back, with the codec chosen per output layout.
+
+A frame (:mod:`torchcache.codec`) holds one item: its layout header and its row of
+bytes, raw, zero-elided or brotli-compressed, under a checksum. :class:`FrameCodec`
+keeps what one persistent tier learns about its layouts: the header bytes of each, the
+zero-elision word size, and how often brotli paid. When brotli keeps failing to pay for
+a layout (random or GELU-like outputs), it is only retried now and then, so outputs it
+does not shrink cost no brotli time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..codec import CODEC_BROTLI, MIN_ELIDE_BYTES, encode_frame, encode_header, parse_header, split_frame, word_size
+from ..errors import CorruptEntryError
+from ..tree import ALIGN, Layout
+
+__all__ = ["Frame", "FrameCodec", "pack_rows"]
+
+#: A decoded frame: its header bytes and its raw payload.
+Frame = tuple[bytes, bytes | memoryview]
+
+_RETRY_EVERY = 32
+_GIVE_UP_AFTER = 8
+
+
+def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.ndarray:
+    """The ``(rows, layout.row_bytes)`` uint8 rows of ``leaves`` (CPU tensors), one per item."""
+    if len(leaves) == 1 and layout.row_bytes == layout.nbytes:
+        return leaves[0].reshape(rows, -1).view(torch.uint8).numpy()
+    packed = np.zeros((rows, layout.row_bytes), dtype=np.uint8)
+    for leaf, off, spec in zip(leaves, layout.offsets, layout.leaves):
+        packed[:, off : off + spec.nbytes] = leaf.reshape(rows, -1).view(torch.uint8).numpy()
+    return packed
+
+
+class FrameCodec:
+    """Encodes rows of one tier's layouts into frames and decodes frames back.
+
+    Args:
+        quality: brotli quality for new frames.
+    """
+
+    def __init__(self, quality: int) -> None:
+        self.quality = quality
+        self._layouts: dict[bytes, Layout] = {}
+        self._headers: dict[Layout, bytes] = {}
+        self._streak: dict[Layout, int] = {}
+        self._words: dict[Layout, int] = {}
+        self._lock = threading.Lock()
+
+    # -- layouts ----------------------------------------------------------------------
+    def layout_of(self, header_bytes: bytes) -> Layout:
+        """The layout a frame's header describes.
+
+        Raises:
+            CorruptEntryError: If the header is not a valid layout.
+        """
+        layout = self._layouts.get(header_bytes)
+        if layout is None:
+            try:
+                layout = Layout.from_header(parse_header(header_bytes))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CorruptEntryError(f"invalid header: {exc}") from None
+            except RecursionError:
+                raise CorruptEntryError("invalid header: nested too deeply") from None
+            self._layouts[header_bytes] = layout
+        return layout
+
+    def header_of(self, layout: Layout) -> bytes:
+        """The header bytes of ``layout`` (encoded once)."""
+        header = self._headers.get(layout)
+        if header is None:
+            header = self._headers[layout] = encode_header(layout.to_header())
+            self._layouts.setdefault(header, layout)
+        return header
+
+    def _word_of(self, layout: Layout) -> int | None:
+        """The zero-elision word size for rows of ``layout``; ``None``: rows too small to elide."""
+        if layout.row_bytes < MIN_ELIDE_BYTES:
+            return None
+        word = self._words.get(layout)
+        if word is None:
+            word = self._words[layout] = word_size(
+                [leaf.dtype.itemsize for leaf in layout.leaves],
+                [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in layout.leaves],
+            )
+        return word
+
+    # -- frames -----------------------------------------------------------------------
+    def encode(self, layout: Layout, packed: np.ndarray) -> list[bytes]:
+        """One frame per row of ``packed`` (see :func:`pack_rows`)."""
+        header = self.header_of(layout)
+        word = self._word_of(layout)
+        with self._lock:
+            streak = self._streak.get(layout, 0)
+        frames = []
+        for row in packed:
+            attempt = streak < _GIVE_UP_AFTER or streak % _RETRY_EVERY == 0
+            frame = encode_frame(header, memoryview(row), self.quality if attempt else None, word)
+            if attempt:
+                streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
+            elif streak:
+                streak += 1
+            frames.append(frame)
+        with self._lock:
+            self._streak[layout] = streak
+        return frames
+
+    def decode(self, data: bytes | memoryview, verify: bool = False) -> Frame:
+        """Check a frame's structure and decompress its row.
+
+        Args:
+            data: The frame.
+            verify: Also check the frame's own checksum (stores check theirs, which
+                covers the whole frame, so frames read from a store need not).
+
+        Raises:
+            CorruptEntryError: If the frame is damaged or its header is not a valid layout.
+        """
+        header, payload = split_frame(data, verify=verify, raw_size=self._row_bytes)
+        return header, payload
+
+    def _row_bytes(self, header_bytes: bytes) -> int:
+        return self.layout_of(header_bytes).row_bytes
+
+    def decode_many(self, datas: Sequence[bytes | memoryview | None]) -> list[Frame | CorruptEntryError | None]:
+        """:meth:`decode` each frame; a damaged one gives its error in its place."""
+        out: list[Frame | CorruptEntryError | None] = []
+        for data in datas:
+            if data is None:
+                out.append(None)
+                continue
+            try:
+                out.append(self.decode(data))
+            except CorruptEntryError as exc:
+                out.append(exc)
+        return out

@@ -1,0 +1,94 @@
+"""The persistent tier on a local directory: a packed store, its metadata, and 1.0 files.
+
+A module directory holds ``torchcache.json`` (what the cache is, for ``torchcache ls``;
+its mtime is the last use) and a :class:`~torchcache.stores.packed.PackedStore`
+(``index.lmdb`` and ``seg-*.tcs``). A directory that torchcache 1.0 filled (entries at
+``<3 hex digits>/<key>.tce``) is read in place until ``torchcache migrate`` packs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..codec import PREFIX_SIZE, frame_length
+from ..errors import StoreError
+from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
+from ..stores.disk import DiskStore
+from ..stores.packed import PackedStore
+from .persistent import PersistentTier
+
+__all__ = ["has_legacy_entries", "legacy_store", "open_local_tier"]
+
+_UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
+_HEX = frozenset("0123456789abcdef")
+
+
+def has_legacy_entries(directory: Path) -> bool:
+    """Whether ``directory`` has subdirectories of torchcache 1.0 entry files (``<3 hex>/``).
+
+    Lists ``directory`` only (at most 4,096 such names), never the entries.
+    """
+    try:
+        with os.scandir(directory) as entries:
+            return any(
+                len(entry.name) == 3 and set(entry.name) <= _HEX and entry.is_dir(follow_symlinks=False)
+                for entry in entries
+            )
+    except OSError:
+        return False
+
+
+def legacy_store(directory: Path) -> DiskStore:
+    """The torchcache 1.0 entry files of ``directory``, as a store (read and migrate only)."""
+    return DiskStore(directory, 1 << 62, frame_length=frame_length, prefix_size=PREFIX_SIZE)
+
+
+def _ensure_meta(directory: Path, meta: dict[str, Any], report: Callable[[str, str], None]) -> None:
+    """Write the metadata file if it is missing or damaged (a damaged one is reported)."""
+    current, problem = load_meta(directory)
+    if current is not None and problem is None:
+        return
+    path = directory / META_NAME
+    try:
+        write_json_atomic(path, meta)
+    except OSError as exc:
+        if not is_disk_wide(exc):
+            report("meta", f"cannot write the metadata file {path} ({exc}); entries are still read and written")
+        return  # a read-only or full disk: the store's first write reports it
+    if problem is not None:
+        report("meta", f"replaced the damaged metadata file {path} ({problem})")
+
+
+def _toucher(directory: Path) -> Callable[[], None]:
+    path = directory / META_NAME
+
+    def touch() -> None:
+        with contextlib.suppress(OSError):  # never through a planted link, where the OS allows it
+            os.utime(path, follow_symlinks=not _UTIME_NOFOLLOW)
+
+    return touch
+
+
+def open_local_tier(
+    directory: Path, max_bytes: int, quality: int, meta: dict[str, Any], report: Callable[[str, str], None]
+) -> PersistentTier:
+    """The persistent tier of a module directory (created if missing).
+
+    Raises:
+        StoreError: If the directory cannot be created or its store opened.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
+    _ensure_meta(directory, {**meta, "created": time.time(), "max_bytes": max_bytes}, report)
+    store = PackedStore(directory, max_bytes, report=report)
+    legacy = legacy_store(directory) if has_legacy_entries(directory) else None
+    tier = PersistentTier(store, quality, report, where=str(directory), legacy=legacy, touch=_toucher(directory))
+    tier.touch()
+    return tier
