@@ -17,6 +17,8 @@ from torch import nn
 
 from torchcache import torchcache
 from torchcache.codec import decode_frame
+from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed_index import INDEX_NAME
 
 
 def _weights(*shape: int, seed: int) -> torch.Tensor:
@@ -102,19 +104,33 @@ def cached(base: type[nn.Module], **options: Any) -> type[Any]:
     return torchcache(**options)(sub)
 
 
+def stored_entries(root: Path) -> dict[Path, bytes]:
+    """Every entry in the packed stores under ``root``, as ``<module dir>/<key>``: its frame."""
+    found: dict[Path, bytes] = {}
+    for index in sorted(root.rglob(INDEX_NAME)):
+        with PackedStore(index.parent, 1 << 40) as store:
+            keys = sorted(store.keys())
+            for key, data in zip(keys, store.get_many(keys)):
+                if data is not None:
+                    found[index.parent / key] = bytes(data)
+    return found
+
+
 def entry_files(root: Path) -> list[Path]:
-    """Every entry file under ``root``."""
-    return sorted(root.rglob("*.tce"))
+    """Every entry under ``root`` (packed entries as ``<module dir>/<key>``, 1.0 files as themselves)."""
+    return sorted([*stored_entries(root), *root.rglob("*.tce")])
 
 
 def disk_bytes(root: Path) -> int:
-    """Sum of the sizes of the entry files under ``root``."""
-    return sum(p.stat().st_size for p in entry_files(root))
+    """Sum of the frame sizes of the entries under ``root``."""
+    return sum(map(len, stored_entries(root).values())) + sum(p.stat().st_size for p in root.rglob("*.tce"))
 
 
 def assert_all_entries_decode(root: Path) -> None:
-    """Every entry file under ``root`` is a whole, valid frame."""
-    for path in entry_files(root):
+    """Every entry under ``root`` is a whole, valid frame."""
+    for data in stored_entries(root).values():
+        decode_frame(data)
+    for path in root.rglob("*.tce"):
         decode_frame(path.read_bytes())
 
 

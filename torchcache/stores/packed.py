@@ -62,7 +62,7 @@ class PackedStore(BatchedStore):
             rebuilt), ``"read"`` (a read failed). Logged as warnings by default.
         evict: ``"mru"`` (the most recently written segment goes first) or ``"lru"`` (the least).
         segment_bytes: Seal a segment once it holds this many bytes; by default 1/64 of
-            the budget, between 64 KiB and 256 MiB.
+            the budget, between 64 KiB and 256 MiB (1/16 of budgets under 1 MiB).
         max_entry_bytes: Larger entries are not stored, and an index row that claims a
             larger one is not read (so a lying index cannot make a read exhaust memory).
 
@@ -95,7 +95,9 @@ class PackedStore(BatchedStore):
             raise ConfigError(f"evict must be 'mru' or 'lru', got {evict!r}")
         self.directory = Path(directory)
         self.max_bytes = parse_size(max_bytes, "max_bytes")
-        default_segment = min(max(self.max_bytes // 64, 1 << 16), 1 << 28)
+        # 1/64 of the budget, at least 64 KiB; small budgets get segments of 1/16 (at least
+        # 256 bytes), so that whole-segment eviction still keeps most of what fits.
+        default_segment = min(max(self.max_bytes // 64, min(1 << 16, max(self.max_bytes // 16, 256))), 1 << 28)
         self.segment_bytes = int(segment_bytes) if segment_bytes else default_segment
         if self.segment_bytes <= 0:
             raise ConfigError(f"segment_bytes must be positive, got {segment_bytes!r}")
