@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_QUALITY",
     "MAGIC",
     "MAX_ITEM_BYTES",
+    "PREFIX",
     "PREFIX_SIZE",
     "RAW_RATIO",
     "WORD_SIZES",
@@ -97,6 +98,8 @@ _MIN_COMPRESS = 64
 #: calls of a decode cost more than brotli's (measured: (768,) float32 disk hits took twice as long).
 MIN_ELIDE_BYTES = 16384
 _PREFIX = struct.Struct("<4sBBHIQQQ")
+#: The fixed prefix of a frame: magic, version, codec, word size, header, stored and raw lengths, checksum.
+PREFIX = _PREFIX
 PREFIX_SIZE = _PREFIX.size
 _MAX_HEADER = 1 << 20
 _MAX_HEADER_DEPTH = 100

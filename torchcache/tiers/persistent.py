@@ -181,15 +181,22 @@ class PersistentTier:
         return frames
 
     def _decode(self, datas: Sequence[bytes | memoryview | None]) -> list[Frame | CorruptEntryError | None]:
-        """Check and decompress frames, in chunks on the shared pool for larger batches."""
-        if len(datas) < _PARALLEL_MIN_ITEMS:
-            return self.codec.decode_many(datas)
-        size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(datas) // _READ_CHUNKS))
-        pool = _decode_pool()
-        futures = [
-            pool.submit(self.codec.decode_many, datas[start : start + size]) for start in range(0, len(datas), size)
-        ]
-        return [frame for future in futures for frame in future.result()]
+        """Check and decode frames: raw ones here, compressed ones in chunks on the shared pool."""
+        frames = self.codec.decode_many(datas, raw_only=True)
+        packed = [i for i, frame in enumerate(frames) if isinstance(frame, (bytes, memoryview))]
+        if packed:
+            todo = [frames[i] for i in packed]
+            if len(todo) < _PARALLEL_MIN_ITEMS:
+                decoded = self.codec.decode_many(todo)  # type: ignore[arg-type]
+            else:
+                size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
+                pool = _decode_pool()
+                starts = range(0, len(todo), size)
+                futures = [pool.submit(self.codec.decode_many, todo[start : start + size]) for start in starts]  # type: ignore[arg-type]
+                decoded = [frame for future in futures for frame in future.result()]
+            for i, frame in zip(packed, decoded):
+                frames[i] = frame
+        return frames  # type: ignore[return-value]
 
     def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
         """Read entries for ``keys``, from the write queue or from the store.
@@ -207,17 +214,29 @@ class PersistentTier:
         todo = [i for i in range(n) if i not in queued] if queued else list(range(n))
         if todo:
             datas = self._fetch([keys[i] for i in todo])
+            if not queued:  # the common case: frames of one layout, all raw, read as one array
+                present = [i for i, data in enumerate(datas) if data is not None]
+                fast = self.codec.raw_rows([datas[i] for i in present])  # type: ignore[misc]
+                if fast is not None:
+                    return self._found(present, fast[0], fast[1])
             for i, decoded in zip(todo, self._decode(datas)):
                 frames[i] = decoded
         positions, layout, payloads = self._select(keys, frames)
         if layout is None:
             return [], None, []
-        buffer = np.empty((len(payloads), layout.row_bytes), dtype=np.uint8)
-        for row, payload in zip(buffer, payloads):
-            row[:] = np.frombuffer(payload, dtype=np.uint8)
-        rows = torch.from_numpy(buffer)
+        # One copy, in C: every payload joined into one writable buffer.
+        buffer = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(len(payloads), layout.row_bytes)
+        return self._found(positions, layout, buffer)
+
+    def _found(
+        self, positions: list[int], layout: Layout, rows: np.ndarray
+    ) -> tuple[list[int], Layout, list[torch.Tensor]]:
+        """One ``(found, *shape)`` tensor per leaf, viewed from the ``(found, row_bytes)`` uint8 ``rows``."""
+        if rows.strides[0] % 16 or rows.ctypes.data % 16:  # a dtype view needs aligned rows
+            rows = rows.copy()  # (not ascontiguousarray: one row with an odd stride counts as contiguous)
+        table = torch.from_numpy(rows)
         leaves = [
-            rows[:, off : off + leaf.nbytes].view(leaf.dtype).reshape(len(payloads), *leaf.shape)
+            table[:, off : off + leaf.nbytes].view(leaf.dtype).reshape(len(positions), *leaf.shape)
             for leaf, off in zip(layout.leaves, layout.offsets)
         ]
         self.hits += len(positions)
