@@ -26,6 +26,7 @@ from ..codec import (
     VERSION,
     encode_frame,
     encode_header,
+    encode_raw_frames,
     parse_header,
     split_frame,
     word_size,
@@ -38,7 +39,7 @@ __all__ = ["Frame", "FrameCodec", "pack_rows"]
 #: A decoded frame: its header bytes and its raw payload.
 Frame = tuple[bytes, bytes | memoryview]
 
-_RETRY_EVERY = 32
+_RETRY_EVERY = 256  # once brotli stopped paying: one row in 256 tries it again
 _GIVE_UP_AFTER = 8
 
 
@@ -106,21 +107,31 @@ class FrameCodec:
         return word
 
     # -- frames -----------------------------------------------------------------------
-    def encode(self, layout: Layout, packed: np.ndarray) -> list[bytes]:
-        """One frame per row of ``packed`` (see :func:`pack_rows`)."""
+    def encode(self, layout: Layout, packed: np.ndarray) -> list[bytes | memoryview]:
+        """One frame per row of ``packed`` (see :func:`pack_rows`).
+
+        Rows that try a compressed codec are encoded one by one; the others (most rows,
+        once brotli stopped paying for a layout with small rows) as one array.
+        """
         header = self.header_of(layout)
         word = self._word_of(layout)
         with self._lock:
             streak = self._streak.get(layout, 0)
-        frames = []
-        for row in packed:
+        frames: list[bytes | memoryview] = []
+        raw = encode_raw_frames(header, packed) if word is None else None
+        for i, row in enumerate(packed):
             attempt = streak < _GIVE_UP_AFTER or streak % _RETRY_EVERY == 0
-            frame = encode_frame(header, memoryview(row), self.quality if attempt else None, word)
-            if attempt:
-                streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
-            elif streak:
+            if attempt or word is not None:
+                frame = encode_frame(header, memoryview(row), self.quality if attempt else None, word)
+                frames.append(frame)
+                if attempt:
+                    streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
+                    continue
+            else:
+                assert raw is not None
+                frames.append(memoryview(raw[i]))
+            if streak:
                 streak += 1
-            frames.append(frame)
         with self._lock:
             self._streak[layout] = streak
         return frames
