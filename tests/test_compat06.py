@@ -18,7 +18,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.helpers import entry_files
 from torchcache import ConfigError, set_logger_config, torchcache
+from torchcache.stores.packed import INDEX_ENTRY_BYTES
+from torchcache.stores.packed_format import HEADER
 
 
 # Test Module
@@ -31,13 +34,19 @@ class SimpleModule(nn.Module):
 
 
 def _entry_files(directory: Path) -> list[Path]:
-    """The entry files of one module directory (``<3 hex digits>/<item key>.tce``).
+    """The entries stored under one module directory, one per item (see ``tests/helpers.entry_files``).
 
     0.6 wrote one ``<hash>.pt.br`` pickle per item directly in the module directory; the
-    entries are now frames in subdirectories, next to a ``torchcache.json`` (documented
-    in docs/file-format.md).
+    entries are now frames packed as records of one store (``index.lmdb`` and
+    ``seg-*.tcs`` segment files, documented in docs/packed-store.md) next to a
+    ``torchcache.json``, so they are counted through the store's index.
     """
-    return sorted(directory.rglob("*.tce"))
+    return entry_files(directory)
+
+
+#: What the packed store charges an entry's budget besides its frame: the record
+#: header, the key (32 hex digits in 16 bytes) and the index's share.
+_ENTRY_OVERHEAD = HEADER.size + 16 + INDEX_ENTRY_BYTES
 
 
 @pytest.fixture
@@ -111,8 +120,8 @@ def test_basic_caching():
 def test_persistent_caching(tmp_path):
     """From 0.6 ``test_persistent_caching``: entries go to disk and a new class reads them.
 
-    Disk writes are now in the background, so ``flush()`` comes before counting files,
-    and the entry files are ``.tce`` frames in subdirectories (documented). 0.6 patched
+    Disk writes are now in the background, so ``flush()`` comes before counting entries,
+    and the entries are frames packed into one store, not files (documented). 0.6 patched
     ``_load_from_file`` to see that the disk was read; ``stats().disk.hits`` says so.
     """
 
@@ -127,7 +136,7 @@ def test_persistent_caching(tmp_path):
     output = model(input_tensor)
     assert torch.equal(output, input_tensor * 2)
 
-    # Check if cache files were created
+    # Check if cache entries were created
     model.cache_instance.flush()
     assert len(_entry_files(tmp_path / model.cache_instance.module_hash)) == 2
 
@@ -169,7 +178,7 @@ def test_persistent_caching_temporary_cachedir(default_root):
     output = model(input_tensor)
     assert torch.equal(output, input_tensor * 2)
 
-    # Check if cache files were created
+    # Check if cache entries were created
     model.cache_instance.flush()
     assert len(_entry_files(temporary_path)) == 2
 
@@ -217,7 +226,7 @@ def test_compression(tmp_path):
     output = model(input_tensor)
     assert torch.equal(output, input_tensor * 2)
 
-    # Check if cache files were created
+    # Check if cache entries were created
     model.cache_instance.flush()
     assert len(_entry_files(tmp_path / model.cache_instance.module_hash)) == 2
 
@@ -247,9 +256,11 @@ def test_cache_size(tmp_path):
     stopped storing once a tier was full. Tiers now evict (MRU) and keep storing
     (documented), and there are no such flags: the budgets are checked through
     ``stats()``. 0.6 entries were ``torch.save`` pickles of about 1100 bytes, so its
-    2400-byte disk budget held two; the frames are about ten times smaller (documented
-    format), so a second cache with a budget of two and a half entries checks that the
-    disk tier stops at its budget.
+    2400-byte disk budget held two; an entry now costs its frame (about ten times
+    smaller, documented format) plus the packed store's share (:data:`_ENTRY_OVERHEAD`),
+    so a second cache with a budget of two and a half entries checks that the disk tier
+    stops at its budget and still keeps what fits (the store evicts whole segments, so
+    it may keep fewer than two).
     """
 
     # Overhead of saving a tensor in disk is around 1100 bytes
@@ -270,7 +281,7 @@ def test_cache_size(tmp_path):
     output = model(input_tensor1)
     assert torch.equal(output, input_tensor1 * 2)
 
-    # Check if cache files were created
+    # Check if cache entries were created
     model.cache_instance.flush()
     assert len(_entry_files(tmp_path / model.cache_instance.module_hash)) == 2
 
@@ -293,7 +304,7 @@ def test_cache_size(tmp_path):
     assert torch.equal(model(torch.cat([input_tensor1, input_tensor2])), torch.cat([input_tensor1, input_tensor2]) * 2)
 
     # A disk budget of two and a half entries: at most two entries are kept.
-    entry_bytes = stats.disk.bytes // stats.disk.entries
+    entry_bytes = stats.disk.bytes // stats.disk.entries + _ENTRY_OVERHEAD
     budget = entry_bytes * 5 // 2
 
     @torchcache(persistent=True, persistent_cache_dir=tmp_path / "small", max_persistent_cache_size=budget)
@@ -305,9 +316,9 @@ def test_cache_size(tmp_path):
     assert torch.equal(small(input_tensor2), input_tensor2 * 2)
     small.cache_instance.flush()
     stats = small.cache_instance.stats()
-    assert stats.disk.bytes <= budget
-    assert stats.disk.entries <= 2
-    assert len(_entry_files(small.cache_instance.cache_dir)) <= 3
+    assert stats.disk.bytes + stats.disk.entries * _ENTRY_OVERHEAD <= budget
+    assert 0 < stats.disk.entries <= 2
+    assert len(_entry_files(small.cache_instance.cache_dir)) == stats.disk.entries
 
 
 # Test for mixed cache hits
@@ -623,10 +634,10 @@ def test_pure_function_basic():
 
 # Test pure function with persistence and disk files
 def test_pure_function_persistent(tmp_path):
-    """From 0.6 ``test_pure_function_persistent``: a persistent function writes one file per item.
+    """From 0.6 ``test_pure_function_persistent``: a persistent function stores one entry per item.
 
     0.6 dug its private wrapper module out of ``add_fn.__closure__``; the function's
-    ``cache_instance`` (public in 0.6 too) gives ``cache_dir``. Files are counted after
+    ``cache_instance`` (public in 0.6 too) gives ``cache_dir``. Entries are counted after
     ``flush()`` as in ``test_persistent_caching``.
     """
 
@@ -641,7 +652,7 @@ def test_pure_function_persistent(tmp_path):
     cache_dir = add_fn.cache_instance.cache_dir
     add_fn.cache_instance.flush()
     assert cache_dir.exists()
-    # should have one file per batch element
+    # should have one entry per batch element
     assert len(_entry_files(cache_dir)) == input_tensor.shape[0]
 
     # second call should use cache
@@ -718,7 +729,7 @@ def test_pure_function_kwargs_affect_cache():
 def test_ensure_unique_function_cache(tmp_path):
     """From 0.6 ``test_ensure_unique_function_cache``: two functions never share entries.
 
-    Files are counted after ``flush()`` as in ``test_persistent_caching``.
+    Entries are counted after ``flush()`` as in ``test_persistent_caching``.
     """
 
     @torchcache(persistent=True, persistent_cache_dir=tmp_path)

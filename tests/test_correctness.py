@@ -18,7 +18,7 @@ from torch import nn
 
 from torchcache import CacheWarning, ConfigError, KeyingError, precompute, torchcache
 
-from .helpers import Counting, assert_same
+from .helpers import Counting, assert_same, stored_entries
 
 
 class Features(nn.Module):
@@ -432,27 +432,29 @@ def test_a_second_instance_of_one_key_sees_entries_still_pending_in_the_first(
 ) -> None:
     import threading
 
-    from torchcache import persist
+    from torchcache.tiers.persistent import PersistentTier
 
     release = threading.Event()
-    real_job = persist.DiskTier._write_job
+    real_job = PersistentTier._write_job
 
     def held_back(self: Any, job: Any) -> None:
         release.wait(30)
         real_job(self, job)
 
-    monkeypatch.setattr(persist.DiskTier, "_write_job", held_back)
+    monkeypatch.setattr(PersistentTier, "_write_job", held_back)
     first = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Features(seed=3))
     second = torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)(Features(seed=3))
     x = torch.randn(6, 4)
     try:
         first(x)
         assert first.cache_instance.module_hash == second.cache_instance.module_hash
+        assert stored_entries(tmp_path) == {}  # the writes really are held back
         assert_same(second(x), Features(seed=3)(x))
         assert second.cache_instance.stats().hits == 6  # served from the first one's pending writes
     finally:
         release.set()
         first.cache_instance.flush()
+    assert len(stored_entries(tmp_path)) == 6
 
 
 def test_names_in_shared_args_and_batch_dims_must_exist() -> None:

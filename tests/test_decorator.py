@@ -25,9 +25,11 @@ from tests.helpers import (
     cached,
     disk_bytes,
     entry_files,
+    stored_entries,
 )
 from torchcache import CacheStats, CacheWarning, ConfigError, TierStats, torchcache
 from torchcache.codec import decode_frame
+from torchcache.stores.packed import PackedStore
 
 
 @contextmanager
@@ -219,6 +221,20 @@ def test_stats_disk_tier(cache_root: Path) -> None:
     assert stats.memory.hits == 0
 
 
+@pytest.mark.parametrize("base", [Counting, MultiOut])
+def test_a_single_item_found_on_disk_comes_back_whole(base: type[nn.Module], cache_root: Path) -> None:
+    """A lone disk hit: its row, cut from a frame of any length, is viewed at each leaf's dtype."""
+    model, plain = pair(base, persistent=True, max_memory_cache_size=0)
+    x = torch.randn(5, 4)
+    model(x[:3])
+    model.cache_instance.flush()
+    assert_same(model(x[1:2]), plain(x[1:2]))  # the whole batch is one disk hit
+    assert_same(model(x[2:]), plain(x[2:]))  # one disk hit among misses
+    disk = model.cache_instance.stats().disk
+    assert disk is not None and disk.hits == 2
+    assert model.seen == [3, 2]
+
+
 @pytest.mark.parametrize(
     ("given", "expected"), [("2GB", 2 * 10**9), ("500MiB", 500 * 2**20), (1e9, 10**9), (12345, 12345)]
 )
@@ -266,16 +282,39 @@ def test_disk_layout_and_metadata(cache_root: Path) -> None:
     key = model.cache_instance.module_hash
     module_dir = cache_root / key
     assert model.cache_instance.cache_dir == module_dir
-    files = entry_files(cache_root)
-    assert len(files) == 12
-    for path in files:
-        rel = path.relative_to(cache_root).parts
-        assert len(rel) == 3 and rel[0] == key
-        assert re.fullmatch(r"[0-9a-f]{3}", rel[1])
-        assert re.fullmatch(r"[0-9a-f]{32}\.tce", rel[2])
-        assert rel[2].startswith(rel[1])
+    assert [p.name for p in cache_root.iterdir()] == [key]
+
+    # the module directory: metadata, the store's index and lock files, segment files;
+    # no 1.0 layout (``<3 hex>/<key>.tce``) is written any more
+    names = {p.name for p in module_dir.iterdir()}
+    segments = {name for name in names if re.fullmatch(r"seg-[0-9a-f]{8}\.tcs", name)}
+    assert {"torchcache.json", "index.lmdb"} <= names
+    assert segments
+    assert names - segments <= {"torchcache.json", "index.lmdb", "index.lmdb-lock", "compact.lock"}
+    assert all(p.is_file() for p in module_dir.iterdir())
+    assert not list(cache_root.rglob("*.tce"))
+
+    # every item is one entry of the store, keyed by 32 hex digits, holding a valid frame
+    with PackedStore(module_dir, 10**9) as store:
+        keys = sorted(store.keys())
+        assert len(keys) == len(store) == 12
+        assert all(re.fullmatch(r"[0-9a-f]{32}", k) for k in keys)
+        frames = store.get_many(keys)
+        assert all(frame is not None for frame in frames)
+        for frame in frames:
+            assert frame is not None
+            decode_frame(bytes(frame))
+        usage = store.usage()
+    assert usage["entries"] == 12
+    assert usage["payload"] == sum(len(frame) for frame in frames if frame is not None)
+    assert usage["payload"] == model.cache_instance.stats().disk.bytes
+    assert sum((module_dir / name).stat().st_size for name in segments) >= usage["records"] > usage["payload"]
+    assert [module_dir / k for k in keys] == entry_files(cache_root)
+
     meta = json.loads((module_dir / "torchcache.json").read_text())
     assert isinstance(meta, dict)
+    assert meta["kind"] == "module"
+    assert meta["module_key"] == key
 
 
 def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -749,9 +788,12 @@ def test_cache_dtype_stores_low_precision_and_returns_the_module_dtype(persisten
     assert_same(full, hit)
     if persistent:
         model.cache_instance.flush()
-        header, _ = decode_frame(entry_files(cache_root)[0].read_bytes())
-        assert "float16" in json.dumps(header)
-        assert "float32" in json.dumps(header)
+        frames = stored_entries(cache_root)
+        assert len(frames) == 6
+        for frame in frames.values():
+            header, _ = decode_frame(frame)
+            assert "float16" in json.dumps(header)
+            assert "float32" in json.dumps(header)
 
 
 def test_memory_cache_device_none_keeps_outputs_on_their_device() -> None:

@@ -10,8 +10,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import assert_all_entries_decode, entry_files
 from torchcache import CacheStats, torchcache
 from torchcache.precompute import precompute
+from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed_index import INDEX_NAME
 
 
 @torchcache(persistent=True)
@@ -63,8 +66,15 @@ def twin(model: Encoder) -> Encoder:
     return other
 
 
-def entry_files(root: Path) -> list[Path]:
-    return sorted(root.glob("*/*/*.tce"))
+def assert_store_intact(root: Path) -> None:
+    """Every store under ``root`` passes its checks (index, totals, record checksums) and holds whole frames."""
+    indexes = list(root.rglob(INDEX_NAME))
+    assert indexes
+    for index in indexes:
+        with PackedStore(index.parent, 10**9) as store:
+            report = store.verify()
+        assert report.ok, report
+    assert_all_entries_decode(root)
 
 
 def test_fills_a_persistent_cache_that_a_fresh_instance_hits(cache_root: Path) -> None:
@@ -125,6 +135,7 @@ def test_interrupt_keeps_every_finished_entry(cache_root: Path) -> None:
         precompute(model, interrupted(), progress=False)
     assert len(entry_files(cache_root)) == 16
     assert not list(cache_root.rglob("*.tmp"))
+    assert_store_intact(cache_root)
 
     fresh = twin(model)
     for batch in batches[:2]:
@@ -146,6 +157,7 @@ def test_interrupt_inside_a_batch_stores_nothing_of_it(cache_root: Path) -> None
     with pytest.raises(KeyboardInterrupt):
         precompute(flaky, [torch.randn(5, 2) for _ in range(4)], progress=False)
     assert len(entry_files(cache_root)) == 10
+    assert_store_intact(cache_root)
 
 
 @pytest.mark.parametrize(

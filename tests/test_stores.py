@@ -1,4 +1,10 @@
-"""The byte-store contract, run against every store, and the disk store's own behaviour."""
+"""The ``Store`` contract (one entry at a time), run against every such store, and the disk store's own behaviour.
+
+``DiskStore`` keeps one file per entry, the layout of torchcache 1.0: the persistent
+tier reads such directories in place and ``torchcache migrate`` packs them, so these
+tests pin the files it reads. Batched stores (packed, Redis) have their contract in
+``test_store_contract.py``.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ def _disk_factory(tmp_path: Path) -> StoreFactory:
     return make
 
 
-# One parameter per store; a new store (Redis, tiered) joins the suite with one more entry.
+# One parameter per ``Store``; another one joins the suite with one more entry.
 _STORE_FACTORIES = [pytest.param(_disk_factory, id="disk")]
 
 
