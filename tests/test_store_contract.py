@@ -21,6 +21,7 @@ from torchcache.errors import KeyingError
 from torchcache.stores.batched import BatchedStore, VerifyReport
 from torchcache.stores.packed import PackedStore
 from torchcache.stores.packed_format import encode_key
+from torchcache.stores.redis import RedisStore
 
 StoreFactory = Callable[[int], BatchedStore]
 
@@ -100,7 +101,7 @@ class ReferenceStore(BatchedStore):
         return VerifyReport(entries=len(self._data))
 
 
-@pytest.fixture(params=["reference", "packed"])
+@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -109,18 +110,27 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
     made: list[BatchedStore] = []
     count = iter(range(1000))
+    server = None
+    if store_kind.startswith("redis"):
+        from tests.redis_servers import shared  # skips (or fails under CI) without redis-server
+
+        server = shared(store_kind)
 
     def make(max_bytes: int) -> BatchedStore:
         if store_kind == "reference":
             store: BatchedStore = ReferenceStore(max_bytes)
-        else:
+        elif store_kind == "packed":
             store = PackedStore(tmp_path / f"store{next(count)}", max_bytes, report=_no_reports)
+        else:
+            store = RedisStore(server.url, f"contract{next(count)}", max_bytes, report=_no_reports)
         made.append(store)
         return store
 
     yield make
     for store in made:
         store.close()
+    if server is not None:
+        server.flush()
 
 
 def _no_reports(kind: str, message: str) -> None:

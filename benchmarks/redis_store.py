@@ -1,0 +1,164 @@
+"""The Redis store against the packed disk store: fill, then random batches of hits.
+
+Usage::
+
+    python benchmarks/redis_store.py                # 20,000 entries of 3,072 bytes
+    python benchmarks/redis_store.py --entries 5000 --batches 10
+    python benchmarks/redis_store.py --json out.json
+
+A ``redis-server`` is started on a free loopback port (no persistence, a temporary
+directory) and stopped at the end. Both stores get the same 20,000 entries of 3 KiB
+(a (768,) float32 row each) in ``put_many`` batches of 1,024; then the same random
+batches of 1,024 hits are read from each (``get_many``, in one process, the page cache
+warm for the packed store). Each value starts with its entry number and every read is
+checked against its entry. Reported: microseconds per item to fill, the median and
+range of milliseconds per batch of hits, and round trips per batch (Redis:
+``RedisStore.round_trips``). Exits non-zero if a read returned wrong bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from torchcache.stores.batched import BatchedStore  # noqa: E402
+from torchcache.stores.packed import PackedStore  # noqa: E402
+from torchcache.stores.redis import RedisStore  # noqa: E402
+
+VALUE = 3072
+BATCH = 1024
+
+
+def key_of(i: int) -> str:
+    """The key of entry ``i``: 32 hex digits, as the cache makes them."""
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).hexdigest()
+
+
+def values(start: int, stop: int, pool: bytes) -> list[bytes]:
+    """Values of entries ``start..stop``: the entry number, then bytes from ``pool``."""
+    span = len(pool) - VALUE
+    return [i.to_bytes(8, "little") + pool[(i * 7919) % span :][: VALUE - 8] for i in range(start, stop)]
+
+
+def start_server(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server on a free loopback port, ready to answer."""
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    command += ["--dir", str(directory), "--daemonize", "no", "--logfile", str(directory / "redis.log")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"redis-server exited: {(directory / 'redis.log').read_text(errors='replace')[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return process, port
+        except OSError:
+            pass
+        time.sleep(0.01)  # polling for start-up
+    process.kill()
+    raise SystemExit("redis-server did not start")
+
+
+def fill(store: BatchedStore, n: int, pool: bytes) -> float:
+    """Write ``n`` entries in batches; return microseconds per item."""
+    elapsed = 0.0
+    for start in range(0, n, BATCH):
+        stop = min(n, start + BATCH)
+        items = list(zip((key_of(i) for i in range(start, stop)), values(start, stop, pool)))
+        t = time.perf_counter()
+        stored = store.put_many(items)
+        elapsed += time.perf_counter() - t
+        assert stored == stop - start, f"{type(store).__name__} stored {stored} of {stop - start}"
+    store.flush()
+    return elapsed / n * 1e6
+
+
+def read(store: BatchedStore, batches: list[np.ndarray], pool: bytes) -> tuple[list[float], bool]:
+    """Read each batch of hits; return the seconds of each and whether every value was right."""
+    times, ok = [], True
+    for rows in batches:
+        keys = [key_of(int(i)) for i in rows]
+        t = time.perf_counter()
+        got = store.get_many(keys)
+        times.append(time.perf_counter() - t)
+        for v, i in zip(got, rows):
+            ok = ok and v is not None and bytes(v) == values(int(i), int(i) + 1, pool)[0]
+    return times, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=20_000)
+    parser.add_argument("--batches", type=int, default=30, help="batches of 1,024 hits read from each store")
+    parser.add_argument("--json", type=Path, default=None, help="write the results there too")
+    args = parser.parse_args()
+    n = args.entries
+    base = Path(tempfile.mkdtemp(prefix="redis-bench-"))
+    pool = np.random.default_rng(0).bytes(1 << 22)
+    rng = np.random.default_rng(1)
+    batches = [rng.choice(n, min(BATCH, n), replace=False) for _ in range(args.batches)]
+    process, port = start_server(base)
+    results: dict[str, dict[str, float]] = {}
+    ok = True
+    try:
+        redis_store = RedisStore(f"redis://127.0.0.1:{port}/0", "bench", 1 << 40)
+        packed = PackedStore(base / "packed", 1 << 40)
+        for name, store in (("redis", redis_store), ("packed", packed)):
+            fill_us = fill(store, n, pool)
+            read(store, batches[:2], pool)  # warm up (connections, page cache)
+            trips = redis_store.round_trips
+            times, right = read(store, batches, pool)
+            ok = ok and right
+            results[name] = {
+                "fill_us_per_item": fill_us,
+                "batch_ms_median": statistics.median(times) * 1e3,
+                "batch_ms_min": min(times) * 1e3,
+                "batch_ms_max": max(times) * 1e3,
+                "round_trips_per_batch": (redis_store.round_trips - trips) / len(batches) if name == "redis" else 0,
+                "correct": float(right),
+            }
+        used = redis_store.nbytes
+        redis_store.clear()
+        redis_store.close()
+        packed.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{n:,} entries of {VALUE:,} bytes ({used / 1e6:.1f} MB in Redis), batches of {BATCH:,} random hits")
+    print(f"{'store':8} {'fill us/item':>12} {'hits ms/batch median [min-max]':>32} {'round trips/batch':>18}  correct")
+    for name, row in results.items():
+        spread = f"{row['batch_ms_median']:.2f} [{row['batch_ms_min']:.2f}-{row['batch_ms_max']:.2f}]"
+        trips = f"{row['round_trips_per_batch']:.0f}" if name == "redis" else "-"
+        print(f"{name:8} {row['fill_us_per_item']:12.1f} {spread:>32} {trips:>18}  {bool(row['correct'])}")
+    if args.json:
+        args.json.write_text(json.dumps({"entries": n, "value_bytes": VALUE, "batch": BATCH, **results}, indent=2))
+    if not ok:
+        print("WRONG BYTES: a read returned something other than the entry written", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

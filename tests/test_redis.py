@@ -1,0 +1,527 @@
+"""The Redis store against real servers: processes, a cluster, passwords, outages, full and evicting servers.
+
+The contract every batched store meets runs in ``test_store_contract.py``; here is what
+only a server has. Servers are real ``redis-server`` processes on loopback (see
+``redis_servers.py``); the backoff runs on an injected clock, so nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.redis_servers import RedisClusterServers, RedisServer, own_server, require_redis, shared
+from torchcache.errors import ConfigError, KeyingError, StoreError, StoreUnavailableError
+from torchcache.stores.packed_format import encode_key, encode_record
+from torchcache.stores.redis import RedisStore
+from torchcache.stores.redis_link import BACKOFF_MAX, BACKOFF_START
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSWORD = "s3cret-Pa55word"
+
+
+def key(i: int) -> str:
+    return hashlib.md5(str(i).encode()).hexdigest()
+
+
+def value(i: int, size: int = 1000) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def as_bytes(values: list[bytes | memoryview | None]) -> list[bytes | None]:
+    return [None if v is None else bytes(v) for v in values]
+
+
+class Reports:
+    """Collects ``(kind, message)`` reports."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, kind: str, message: str) -> None:
+        self.seen.append((kind, message))
+
+    def kinds(self) -> list[str]:
+        return [kind for kind, _ in self.seen]
+
+
+class Clock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """The shared standalone server, flushed after the test."""
+    target = shared("redis")
+    yield target
+    target.flush()
+
+
+@pytest.fixture
+def cluster() -> Iterator[RedisClusterServers]:
+    """The shared 3-node cluster, flushed after the test."""
+    target = shared("redis-cluster")
+    yield target
+    target.flush()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def target(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisClusterServers]:
+    """The shared server, then the shared cluster, flushed after the test."""
+    servers = shared(str(request.param))
+    yield servers
+    servers.flush()
+
+
+@pytest.fixture
+def reports() -> Reports:
+    return Reports()
+
+
+# -- configuration --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:6379", "must start with"),
+        ("redis://", "names no host"),
+        ("redis://127.0.0.1:notaport", "invalid port"),
+        ("redis://127.0.0.1:70000", "invalid port"),
+        ("redis://127.0.0.1/abc", "database number"),
+        ("redis+cluster://127.0.0.1:7000/3", "other than 0"),
+        (f"redis://{PASSWORD}@127.0.0.1", "after a colon"),
+        (f"redis://:{PASSWORD}@127.0.0.1:99999/0", "invalid port"),
+        (f"redis://:{PASSWORD}@127.0.0.1?password={PASSWORD}", "unknown query parameter"),
+        ("redis://127.0.0.1?ssl_cert_reqs=none", "not a rediss:// URL"),
+        ("rediss://127.0.0.1?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        ("redis://127.0.0.1#frag", "fragment"),
+        ("redis://127.0.0.1 :6379", "spaces"),
+    ],
+)
+def test_bad_urls_give_config_errors_naming_the_argument(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisStore(url, "ns", "1MB")
+    message = str(info.value)
+    assert message.startswith("url ") and problem in message
+    assert PASSWORD not in message
+
+
+def test_good_urls_parse_without_connecting() -> None:
+    require_redis()  # the redis package, imported when a store is made
+    store = RedisStore(f"rediss+cluster://me:{PASSWORD}@cache.example:7000?ssl_cert_reqs=none", "ns", "1MB")
+    assert store.address.tls and store.address.cluster and store.address.username == "me"
+    assert store.address.password == PASSWORD and store.address.port == 7000
+    assert store.url == "rediss+cluster://me:***@cache.example:7000"
+    plain = RedisStore("redis://localhost/3", "ns", 1e6)
+    assert (plain.address.port, plain.address.db, plain.address.tls) == (6379, 3, False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"namespace": "a:b"}, "namespace"),
+        ({"namespace": ""}, "namespace"),
+        ({"namespace": "x" * 65}, "namespace"),
+        ({"namespace": "{tag}"}, "namespace"),
+        ({"max_bytes": "lots"}, "max_bytes"),
+        ({"max_bytes": -1}, "max_bytes"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs: dict[str, Any], name: str) -> None:
+    arguments: dict[str, Any] = {"url": "redis://127.0.0.1:6379/0", "namespace": "ns", "max_bytes": "1MB"}
+    arguments.update(kwargs)
+    with pytest.raises(ConfigError, match=f"^{name} "):
+        RedisStore(**arguments)
+
+
+def test_missing_redis_package_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # import redis now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'torchcache\[redis\]'"):
+        RedisStore("redis://127.0.0.1:6379/0", "ns", "1MB")
+
+
+# -- sharing ----------------------------------------------------------------------------
+_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from torchcache.stores.redis import RedisStore
+store = RedisStore(sys.argv[2], "shared", "10MB")
+n = store.put_many([(f"{i:032x}", bytes([i]) * 3072) for i in range(200)])
+print(n)
+"""
+
+
+def test_entries_written_by_another_process_are_hits(server: RedisServer, reports: Reports) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(ROOT), server.url], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "200"
+    store = RedisStore(server.url, "shared", "10MB", report=reports)
+    got = store.get_many([f"{i:032x}" for i in range(205)])
+    assert as_bytes(got) == [bytes([i]) * 3072 for i in range(200)] + [None] * 5
+    assert len(store) == 200 and store.nbytes == 200 * 3072 and not reports.seen
+    assert RedisStore.namespaces(server.url) == ["shared"]
+    other = RedisStore(server.url, "other", "10MB")
+    assert other.get(f"{0:032x}") is None  # namespaces do not see each other
+    other.put(key(1), b"x")
+    assert RedisStore.namespaces(server.url) == ["other", "shared"]
+    store.clear()
+    assert RedisStore.namespaces(server.url) == ["other"] and other.get(key(1)) == b"x"
+
+
+def test_budget_holds_across_two_store_objects(server: RedisServer) -> None:
+    budget = 60_000
+    first = RedisStore(server.url, "budget", budget)
+    second = RedisStore(server.url, "budget", budget)
+    assert first.put_many([(key(i), value(i)) for i in range(30)]) == 30
+    second.put_many([(key(i), value(i)) for i in range(100, 160)])
+    assert first.nbytes == second.nbytes <= budget and len(first) == len(second) < 60
+    # MRU by write time: the first object's entries, written earlier, all stay.
+    assert as_bytes(second.get_many([key(i) for i in range(30)])) == [value(i) for i in range(30)]
+    assert first.verify().ok
+
+
+def test_forked_child_makes_its_own_connection(server: RedisServer) -> None:
+    store = RedisStore(server.url, "fork", "10MB")
+    store.put_many([(key(i), value(i)) for i in range(10)])
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+
+    def child() -> None:
+        got = as_bytes(store.get_many([key(i) for i in range(10)]))
+        stored = store.put_many([(key(i), value(i)) for i in range(10, 20)])
+        queue.put((got == [value(i) for i in range(10)], stored, store._link._pid == os.getpid()))
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(timeout=60)
+    assert process.exitcode == 0
+    assert queue.get() == (True, 10, True)
+    # The parent's connection was not touched by the child.
+    assert as_bytes(store.get_many([key(i) for i in range(20)])) == [value(i) for i in range(20)]
+
+
+# -- round trips ------------------------------------------------------------------------
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the packed writes that redis-py puts on a socket (one per request or pipeline)."""
+    import redis.connection
+
+    counted: list[int] = []
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        counted.append(self.port)
+        original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    return counted
+
+
+def test_a_batch_is_one_round_trip_on_a_server(server: RedisServer, sends: list[int]) -> None:
+    store = RedisStore(server.url, "trips", "100MB")
+    items = [(key(i), value(i, 3072)) for i in range(1024)]
+    store.get(key(0))  # connect first
+    before, sends[:] = store.round_trips, []
+    assert store.put_many(items) == 1024
+    assert store.round_trips - before == 1 and len(sends) == 1
+    before, sends[:] = store.round_trips, []
+    assert as_bytes(store.get_many([k for k, _ in items])) == [v for _, v in items]
+    assert store.round_trips - before == 1 and len(sends) == 1
+
+
+def test_cluster_spreads_keys_and_a_batch_costs_one_round_trip_per_node(
+    cluster: RedisClusterServers, sends: list[int]
+) -> None:
+    store = RedisStore(cluster.url, "spread", "100MB")
+    items = [(key(i), value(i, 3072)) for i in range(1024)]
+    assert store.put_many(items) == 1024
+    per_node = []
+    for node in cluster.nodes:
+        with node.client() as client:
+            per_node.append(sum(1 for _ in client.scan_iter(match="tc:spread:*", count=1000)))
+    assert sum(per_node) == 1024 and min(per_node) > 200  # no hash tag: every node holds about a third
+    before, sends[:] = store.round_trips, []
+    assert as_bytes(store.get_many([k for k, _ in items])) == [v for _, v in items]
+    assert store.round_trips - before == 3
+    assert sorted(sends) == sorted(node.port for node in cluster.nodes)
+    before, sends[:] = store.round_trips, []
+    store.put_many(items[:10])
+    assert store.round_trips - before == len(set(sends)) == len(sends) <= 3
+    assert len(store) == 1024 and store.verify().ok
+    assert RedisStore.namespaces(cluster.url) == ["spread"]
+
+
+def test_cluster_evictions_reach_every_node(cluster: RedisClusterServers) -> None:
+    store = RedisStore(cluster.url, "evict", 40_000)
+    for start in range(0, 200, 20):
+        store.put_many([(key(i), value(i)) for i in range(start, start + 20)])
+        assert store.nbytes <= 40_000
+    assert 20 <= len(store) == len(list(store.keys())) <= 40
+    assert store.verify().ok  # the evicted entries were unlinked from their nodes
+
+
+# -- passwords ----------------------------------------------------------------------------
+def test_password_protected_server_and_the_password_never_shown(reports: Reports) -> None:
+    with own_server(password=PASSWORD) as protected:
+        store = RedisStore(protected.url, "locked", "1MB", report=reports)
+        assert store.put_many([(key(i), value(i)) for i in range(5)]) == 5
+        assert as_bytes(store.get_many([key(0), key(9)])) == [value(0), None]
+        assert PASSWORD not in repr(store) and "***" in repr(store) and PASSWORD not in store.url
+        wrong = RedisStore(protected.url.replace(PASSWORD, "not-" + PASSWORD), "locked", "1MB", report=reports)
+        assert wrong.get_many([key(0)]) == [None]
+        with pytest.raises(StoreError) as info:
+            wrong.put_many([(key(1), b"x")])
+        assert not isinstance(info.value, StoreUnavailableError)  # retrying will not help
+        missing = RedisStore(protected.url.replace(f":{PASSWORD}@", ""), "locked", "1MB", report=reports)
+        assert missing.get_many([key(0)]) == [None]
+        with pytest.raises(StoreError) as info2:
+            missing.put_many([(key(1), b"x")])
+        protected.kill()
+        with pytest.raises(StoreUnavailableError) as info3:
+            store.put_many([(key(1), b"x")])
+        assert store.get_many([key(0)]) == [None]
+        shown = [str(info.value), str(info2.value), str(info3.value), repr(wrong), repr(store)]
+        shown += [message for _, message in reports.seen]
+        assert reports.kinds() == ["read", "read", "read"]
+        assert all(PASSWORD not in text for text in shown), shown
+
+
+# -- outages ------------------------------------------------------------------------------
+def test_unreachable_server_at_start(reports: Reports) -> None:
+    require_redis()
+    from tests.redis_servers import free_port
+
+    clock = Clock()
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", "away", "1MB", report=reports, clock=clock)
+    assert store.get_many([key(0), key(1)]) == [None, None]
+    assert reports.kinds() == ["read"]
+    trips = store.round_trips
+    with pytest.raises(StoreUnavailableError, match="next try in"):
+        store.put_many([(key(0), b"x")])
+    assert store.get_many([key(0)]) == [None] and len(store) == 0 and key(0) not in store
+    assert list(store.keys()) == [] and store.nbytes == 0 and "unavailable" in repr(store)
+    assert store.round_trips == trips  # waiting: nothing was sent
+    assert reports.kinds() == ["read"]  # once per outage
+
+
+def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
+    clock = Clock()
+    timeout = 2.0
+    with own_server() as redis_server:
+        store = RedisStore(redis_server.url, "crash", "10MB", report=reports, clock=clock, timeout=timeout)
+        assert store.put_many([(key(i), value(i)) for i in range(50)]) == 50
+        redis_server.kill()
+        calls: list[Callable[[], object]] = [
+            lambda: store.get_many([key(i) for i in range(50)]),
+            lambda: store.put_many([(key(99), b"x")]),
+            lambda: store.delete_many([key(1)]),
+            store.clear,
+            lambda: store.get_many([key(1)]),
+        ]
+        outcomes = []
+        for call in calls:
+            start = time.monotonic()
+            try:
+                outcomes.append(call())
+            except StoreUnavailableError:
+                outcomes.append("unavailable")
+            assert time.monotonic() - start < timeout  # nothing blocks longer than the timeout
+        assert outcomes == [[None] * 50, "unavailable", "unavailable", "unavailable", [None]]
+        assert reports.kinds() == ["read"]
+        assert store._link.delay == BACKOFF_START
+        redis_server.start(port=redis_server.port)
+        trips = store.round_trips
+        assert store.get(key(0)) is None  # still waiting: the server is up but not asked
+        with pytest.raises(StoreUnavailableError):
+            store.put(key(0), b"back")
+        assert store.round_trips == trips
+        clock.now += BACKOFF_START
+        assert store.put(key(0), b"back") and store.get(key(0)) == b"back"
+        assert store.round_trips > trips and store._link.delay == 0
+        assert reports.kinds() == ["read"]
+        # A new outage is reported again and its wait starts afresh.
+        redis_server.kill()
+        assert store.get(key(0)) is None and reports.kinds() == ["read", "read"]
+        assert store._link.delay == BACKOFF_START
+
+
+def test_cluster_node_killed(reports: Reports) -> None:
+    require_redis()
+    clock = Clock()
+    servers = RedisClusterServers().start()
+    try:
+        store = RedisStore(servers.url, "node", "10MB", report=reports, clock=clock, timeout=2.0)
+        assert store.put_many([(key(i), value(i)) for i in range(100)]) == 100
+        servers.nodes[1].kill()
+        start = time.monotonic()
+        assert store.get_many([key(i) for i in range(100)]) == [None] * 100
+        with pytest.raises(StoreUnavailableError):
+            store.put_many([(key(0), b"x")])
+        clock.now += BACKOFF_START
+        with pytest.raises(StoreUnavailableError, match="unreachable"):
+            store.put_many([(key(i), b"x") for i in range(100)])  # keys on every node
+        assert store._link.delay == 2 * BACKOFF_START
+        assert time.monotonic() - start < 2.0
+        assert reports.kinds() == ["read"]
+    finally:
+        servers.remove()
+
+
+def test_backoff_doubles_up_to_its_cap(reports: Reports) -> None:
+    require_redis()
+    from tests.redis_servers import free_port
+
+    clock = Clock()
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", "away", "1MB", report=reports, clock=clock)
+    delays = []
+    for _ in range(10):
+        store.get(key(0))
+        delays.append(store._link.delay)
+        trips = store.round_trips
+        clock.now += delays[-1] - 0.25
+        store.get(key(0))
+        assert store.round_trips == trips  # not yet
+        clock.now += 0.25
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, BACKOFF_MAX, BACKOFF_MAX, BACKOFF_MAX, BACKOFF_MAX]
+    assert reports.kinds() == ["read"]
+
+
+def test_frozen_server_times_out(reports: Reports) -> None:
+    clock = Clock()
+    with own_server() as redis_server:
+        store = RedisStore(redis_server.url, "frozen", "1MB", report=reports, clock=clock, timeout=0.3)
+        store.put(key(0), b"x")
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            assert store.get_many([key(0)]) == [None]
+            clock.now += 1
+            with pytest.raises(StoreUnavailableError, match="Timeout"):
+                store.put(key(1), b"y")
+            assert time.monotonic() - start < 2.0  # two calls, each bounded by the 0.3 s timeout
+        finally:
+            redis_server.resume()
+        clock.now += 10
+        assert store.get(key(0)) == b"x"
+        assert reports.kinds() == ["read"]
+
+
+def test_full_server_refuses_writes_but_reads_go_on(reports: Reports) -> None:
+    with own_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as full:
+        store = RedisStore(full.url, "full", "1GB", report=reports)
+        written = 0
+        with pytest.raises(StoreError) as info:
+            for start in range(0, 10_000, 100):
+                assert store.put_many([(key(i), value(i, 10_000)) for i in range(start, start + 100)]) == 100
+                written = start + 100
+        assert not isinstance(info.value, StoreUnavailableError)
+        assert "OOM" in str(info.value) and "maxmemory" in str(info.value)
+        assert written > 0
+        assert as_bytes(store.get_many([key(i) for i in range(written)])) == [value(i, 10_000) for i in range(written)]
+        assert len(store) == written and store.verify().ok  # the refused batch left nothing behind
+        assert store.delete_many([key(0)]) == 1  # removing works on a full server
+        assert not reports.seen and store._link.delay == 0
+
+
+def test_entries_the_server_evicts_are_misses(reports: Reports) -> None:
+    with own_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru") as evicting:
+        store = RedisStore(evicting.url, "lru", "1GB", report=reports)
+        for start in range(0, 2000, 100):
+            store.put_many([(key(i), value(i, 5000)) for i in range(start, start + 100)])
+        got = store.get_many([key(i) for i in range(2000)])
+        hits = [i for i, v in enumerate(got) if v is not None]
+        assert 0 < len(hits) < 1500
+        assert all(bytes(got[i] or b"") == value(i, 5000) for i in hits)
+        assert not reports.seen
+        with evicting.client() as client:
+            client.config_set("maxmemory", "64mb")  # so that nothing more goes while verify runs
+        report = store.verify(fix=True)
+        # Mostly "not on the server"; the server may also have evicted some of the bookkeeping.
+        assert report.fixed and report.problems
+        assert store.verify().ok and 0 < len(store) == len(list(store.keys())) <= len(hits)
+        assert set(store.keys()) <= {key(i) for i in hits}  # valid entries were kept, not dropped
+
+
+# -- damaged and planted values ------------------------------------------------------------
+def test_damaged_or_planted_values_are_reported_misses(
+    target: RedisServer | RedisClusterServers, reports: Reports
+) -> None:
+    store = RedisStore(target.url, "damage", "10MB", report=reports)
+    store.put_many([(key(i), value(i)) for i in range(10)])
+    name = store._space.name
+    with target.client() as client:
+        good = client.get(name(key(0)))
+        client.set(name(key(1)), good)  # a copy under another key
+        client.set(name(key(2)), client.get(name(key(2)))[:-1])  # truncated
+        flipped = bytearray(client.get(name(key(3))))
+        flipped[-7] ^= 0x10
+        client.set(name(key(3)), bytes(flipped))
+        client.set(name(key(20)), b"garbage")  # planted
+        client.set(name(key(21)), pickle.dumps(RuntimeError("boom")))  # a pickle is only bytes here
+        kb = encode_key(key(22))
+        client.set(name(key(22)), encode_record(kb, b"long payload") + b"short")  # a length that lies
+        client.rpush(name(key(23)), b"a list")  # another type
+    asked = [key(i) for i in (0, 1, 2, 3, 4, 20, 21, 22, 23)]
+    assert as_bytes(store.get_many(asked)) == [value(0), None, None, None, value(4), None, None, None, None]
+    # The list is a plain miss for MGET; a cluster's GET finds it unreadable, reports and deletes it.
+    damaged = (1, 2, 3, 20, 21, 22, 23) if isinstance(target, RedisClusterServers) else (1, 2, 3, 20, 21, 22)
+    assert reports.kinds() == ["corrupt"] * len(damaged)
+    assert store.get_many(asked) == store.get_many(asked)  # once per key
+    assert reports.kinds() == ["corrupt"] * len(damaged)
+    with target.client() as client:
+        assert [client.exists(name(key(i))) for i in damaged] == [0] * len(damaged)
+    assert len(store) == 7 and store.nbytes == 7 * 1000  # the damaged ones left the bookkeeping
+
+
+def test_verify_finds_and_fixes_damage(target: RedisServer | RedisClusterServers, reports: Reports) -> None:
+    store = RedisStore(target.url, "verify", "10MB", report=reports)
+    store.put_many([(key(i), value(i)) for i in range(20)])
+    name = store._space.name
+    with target.client() as client:
+        client.set(name(key(0)), b"garbage")
+        client.set("tc:verify:not-a-key", b"planted")
+        client.set(name(key(50)), encode_record(encode_key(key(50)), b"stray") + b"stray")  # valid, unaccounted
+        client.delete(name(key(5)))  # gone behind the bookkeeping's back
+        client.hset("tc:{verify}:stats", "payload", 1)
+    report = store.verify()
+    assert report.entries == 21 and sorted(report.bad) == sorted([key(0), "not-a-key"])
+    assert len(report.problems) == 3 and not report.fixed
+    fixed = store.verify(fix=True)
+    assert fixed.fixed and sorted(fixed.bad) == sorted(report.bad)
+    after = store.verify()
+    assert after.ok and after.entries == 19 and len(store) == 19 and store.nbytes == 18 * 1000 + len(b"stray")
+    # The damaged and the vanished entries are gone; the intact stray one was adopted.
+    assert sorted(store.keys()) == sorted([key(50)] + [key(i) for i in range(20) if i not in (0, 5)])
+    assert store.get(key(50)) == b"stray"
+    assert not reports.seen  # verify returns what it finds; it does not report
+
+
+def test_keys_skip_names_that_are_no_keys(server: RedisServer) -> None:
+    store = RedisStore(server.url, "names", "1MB")
+    store.put(key(1), b"one")
+    with server.client() as client:
+        client.set("tc:names:XYZ", b"planted")
+        client.set("tc:namesake:" + key(2), b"another namespace")
+    assert list(store.keys()) == [key(1)]
+    assert "XYZ" not in store and key(2) not in store
+    with pytest.raises(KeyingError):
+        store.get_many(["XYZ"])
