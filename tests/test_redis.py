@@ -301,7 +301,7 @@ def test_password_protected_server_and_the_password_never_shown(reports: Reports
         assert store.get_many([key(0)]) == [None]
         shown = [str(info.value), str(info2.value), str(info3.value), repr(wrong), repr(store)]
         shown += [message for _, message in reports.seen]
-        assert reports.kinds() == ["read", "read", "read"]
+        assert reports.kinds() == ["unavailable", "unavailable", "unavailable"]
         assert all(PASSWORD not in text for text in shown), shown
 
 
@@ -313,14 +313,14 @@ def test_unreachable_server_at_start(reports: Reports) -> None:
     clock = Clock()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", "away", "1MB", report=reports, clock=clock)
     assert store.get_many([key(0), key(1)]) == [None, None]
-    assert reports.kinds() == ["read"]
+    assert reports.kinds() == ["unavailable"]
     trips = store.round_trips
     with pytest.raises(StoreUnavailableError, match="next try in"):
         store.put_many([(key(0), b"x")])
     assert store.get_many([key(0)]) == [None] and len(store) == 0 and key(0) not in store
     assert list(store.keys()) == [] and store.nbytes == 0 and "unavailable" in repr(store)
     assert store.round_trips == trips  # waiting: nothing was sent
-    assert reports.kinds() == ["read"]  # once per outage
+    assert reports.kinds() == ["unavailable"]  # once per outage
 
 
 def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
@@ -346,7 +346,7 @@ def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
                 outcomes.append("unavailable")
             assert time.monotonic() - start < timeout  # nothing blocks longer than the timeout
         assert outcomes == [[None] * 50, "unavailable", "unavailable", "unavailable", [None]]
-        assert reports.kinds() == ["read"]
+        assert reports.kinds() == ["unavailable"]
         assert store._link.delay == BACKOFF_START
         redis_server.start(port=redis_server.port)
         trips = store.round_trips
@@ -357,10 +357,10 @@ def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
         clock.now += BACKOFF_START
         assert store.put(key(0), b"back") and store.get(key(0)) == b"back"
         assert store.round_trips > trips and store._link.delay == 0
-        assert reports.kinds() == ["read"]
+        assert reports.kinds() == ["unavailable"]
         # A new outage is reported again and its wait starts afresh.
         redis_server.kill()
-        assert store.get(key(0)) is None and reports.kinds() == ["read", "read"]
+        assert store.get(key(0)) is None and reports.kinds() == ["unavailable", "unavailable"]
         assert store._link.delay == BACKOFF_START
 
 
@@ -381,7 +381,7 @@ def test_cluster_node_killed(reports: Reports) -> None:
             store.put_many([(key(i), b"x") for i in range(100)])  # keys on every node
         assert store._link.delay == 2 * BACKOFF_START
         assert time.monotonic() - start < 2.0
-        assert reports.kinds() == ["read"]
+        assert reports.kinds() == ["unavailable"]
     finally:
         servers.remove()
 
@@ -402,7 +402,7 @@ def test_backoff_doubles_up_to_its_cap(reports: Reports) -> None:
         assert store.round_trips == trips  # not yet
         clock.now += 0.25
     assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, BACKOFF_MAX, BACKOFF_MAX, BACKOFF_MAX, BACKOFF_MAX]
-    assert reports.kinds() == ["read"]
+    assert reports.kinds() == ["unavailable"]
 
 
 def test_frozen_server_times_out(reports: Reports) -> None:
@@ -422,7 +422,7 @@ def test_frozen_server_times_out(reports: Reports) -> None:
             redis_server.resume()
         clock.now += 10
         assert store.get(key(0)) == b"x"
-        assert reports.kinds() == ["read"]
+        assert reports.kinds() == ["unavailable"]
 
 
 def test_full_server_refuses_writes_but_reads_go_on(reports: Reports) -> None:

@@ -8,6 +8,7 @@ argument and says what was expected.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import warnings
@@ -22,9 +23,18 @@ import xxhash
 from .codec import DEFAULT_QUALITY
 from .errors import ConfigError
 from .policy import parse_size
+from .stores.redis_url import redact_url
 from .tree import DTYPES
 
-__all__ = ["LEGACY_OPTIONS", "Settings", "module_dir_name", "resolve_root"]
+__all__ = [
+    "LEGACY_OPTIONS",
+    "REDIS_SCHEMES",
+    "Settings",
+    "is_url",
+    "module_dir_name",
+    "resolve_location",
+    "resolve_root",
+]
 
 #: Options of torchcache 0.6.0 that are accepted and ignored (brotli replaced zstd).
 LEGACY_OPTIONS = ("zstd_compression", "zstd_compression_level", "zstd_compression_threads", "use_mmap_on_load")
@@ -40,7 +50,7 @@ class Settings:
 
     enabled: bool = True
     persistent: bool = False
-    persistent_cache_dir: Path | None = None
+    persistent_cache_dir: Path | str | None = None  # a str is a Redis URL
     persistent_module_hash: str | None = None
     max_memory_cache_size: int = int(1e9)
     max_persistent_cache_size: int = int(10e9)
@@ -141,9 +151,31 @@ def _validate(name: str, value: Any) -> Any:
     raise ConfigError(f"unknown torchcache option {name!r}")  # pragma: no cover - guarded by signatures
 
 
-def _cache_dir(value: object) -> Path | None:
+#: URL schemes that make the persistent tier a Redis server or cluster.
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+
+
+def is_url(location: object) -> bool:
+    """Whether a ``persistent_cache_dir`` is a Redis URL rather than a path."""
+    return isinstance(location, str) and location.lower().startswith(REDIS_SCHEMES)
+
+
+def _redis_url(value: str) -> str:
+    from .stores.redis_url import parse_url
+
+    parse_url(value, "persistent_cache_dir")  # a ConfigError naming the option; never shows the password
+    if importlib.util.find_spec("redis") is None:
+        raise ConfigError(
+            "persistent_cache_dir is a Redis URL, which needs the redis package: pip install 'torchcache[redis]'"
+        )
+    return value
+
+
+def _cache_dir(value: object) -> Path | str | None:
     if value is None:
         return None
+    if is_url(value):
+        return _redis_url(value)  # type: ignore[arg-type]
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"persistent_cache_dir must be a path (str or os.PathLike) or None, got {value!r}")
     text = os.fspath(value)
@@ -222,13 +254,34 @@ def module_dir_name(value: object) -> str | None:
     return f"{stem}-{xxhash.xxh3_64_hexdigest(value.encode('utf-8', 'surrogatepass'))}"
 
 
-def resolve_root(persistent_cache_dir: Path | None) -> Path:
-    """The cache root: the argument, else ``$TORCHCACHE_DIR``, else the user cache dir."""
+def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
+    """Where persistent entries go: the argument, else ``$TORCHCACHE_DIR``, else the user cache dir.
+
+    Returns:
+        A directory, or a Redis URL (a ``str``, see :func:`is_url`).
+
+    Raises:
+        ConfigError: If ``$TORCHCACHE_DIR`` is a Redis URL that is not valid.
+    """
     if persistent_cache_dir is not None:
         return persistent_cache_dir
     env = os.environ.get("TORCHCACHE_DIR")
+    if env and is_url(env):
+        return _redis_url(env)
     if env:
         return Path(env).expanduser()
     import platformdirs
 
     return Path(platformdirs.user_cache_path("torchcache"))
+
+
+def resolve_root(persistent_cache_dir: Path | str | None) -> Path:
+    """The local cache root: the argument, else ``$TORCHCACHE_DIR``, else the user cache dir.
+
+    Raises:
+        ConfigError: If that is a Redis URL (see :func:`resolve_location`).
+    """
+    location = resolve_location(persistent_cache_dir)
+    if isinstance(location, str):
+        raise ConfigError(f"expected a cache directory, got the Redis URL {redact_url(location)}")
+    return location

@@ -25,8 +25,8 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .arguments import CallArguments, CallSplitter, ShapeHint
-from .config import Settings, resolve_root
-from .errors import StoreError
+from .config import Settings, resolve_location
+from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
@@ -181,10 +181,11 @@ class Cache:
 
     @property
     def cache_dir(self) -> Path | None:
-        """Directory of this module's entries, or ``None`` when not persistent."""
+        """Directory of this module's entries, or ``None`` when not persistent (or on a Redis server)."""
         if not self.settings.persistent:
             return None
-        return resolve_root(self.settings.persistent_cache_dir) / self.module_hash
+        location = resolve_location(self.settings.persistent_cache_dir)
+        return None if isinstance(location, str) else location / self.module_hash
 
     def _disk_tier(self) -> PersistentTier | None:
         if not self._disk_ready:
@@ -195,7 +196,13 @@ class Cache:
 
     def _open_disk_tier(self) -> None:
         """Create the disk tier (call with ``_lock`` held); on failure, warn and stay in memory."""
-        directory = resolve_root(self.settings.persistent_cache_dir) / self._freeze_key()
+        key = self._freeze_key()
+        try:
+            location = resolve_location(self.settings.persistent_cache_dir)
+        except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
+            self.faults.warn("write", f"{exc}; caching in memory only")
+            self._disk_ready = True
+            return
         meta = {
             "torchcache_version": __version__,
             "format_version": FORMAT_VERSION,
@@ -207,7 +214,7 @@ class Cache:
         settings = self.settings
         # Kept while this cache uses the tier: other caches of this key share it.
         self._shared, self._disk = open_shared_tier(
-            directory, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults
+            location, key, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults
         )
         self._disk_ready = True
 

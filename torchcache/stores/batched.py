@@ -48,6 +48,9 @@ class BatchedStore(ABC):
     """
 
     max_bytes: int
+    #: Whether the store is a server that may refuse writes for a while (full, away) and
+    #: accept them again later; a local store that refuses writes stays refused.
+    remote: bool = False
 
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:

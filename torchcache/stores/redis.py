@@ -71,7 +71,7 @@ class RedisStore(BatchedStore):
             :func:`~torchcache.stores.redis_keys.charge`). The server's own memory per
             entry is higher; its ``maxmemory`` is a separate limit.
         report: Called with ``(kind, message)``: ``"corrupt"`` (an entry failed its
-            checks: a miss, deleted; once per key) or ``"read"`` (the server could not be
+            checks: a miss, deleted; once per key) or ``"unavailable"`` (the server could not be
             read: misses; once per outage). Logged as warnings by default.
         timeout: Seconds to wait for a connection or a reply.
         clock: Monotonic seconds, for the wait after a failure (for tests).
@@ -85,6 +85,8 @@ class RedisStore(BatchedStore):
         >>> store.url, store.max_bytes
         ('redis://:***@127.0.0.1:6379/0', 2000000000)
     """
+
+    remote = True
 
     def __init__(
         self,

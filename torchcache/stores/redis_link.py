@@ -110,7 +110,7 @@ class RedisLink:
         address: Where the server is.
         timeout: Seconds to wait for a connection or a reply.
         clock: Monotonic seconds, for the backoff (injectable for tests).
-        report: Called with ``("read", message)`` for the first failed read of an outage.
+        report: Called with ``("unavailable", message)`` for the first failed read of an outage.
 
     Raises:
         ConfigError: If the redis package is missing.
@@ -258,7 +258,7 @@ class RedisLink:
             if self._troubled:
                 return
             self._troubled = True
-        self._report("read", str(exc))
+        self._report("unavailable", str(exc))
 
 
 def node_clients(client: Client, cluster: bool) -> list[Client]:

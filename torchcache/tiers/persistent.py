@@ -297,6 +297,10 @@ class PersistentTier:
                     self.store.put_many(list(zip(job.keys, frames)))
                 except StoreUnavailableError as exc:
                     self._report("unavailable", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
+                except StoreError as exc:
+                    if not self.store.remote:
+                        raise  # a disk that refuses writes: writes off (_write_failed)
+                    self._report("refused", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
                 self._touch_now_and_then()
         finally:
             with self._pending_lock:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._fork import after_fork
-from ..errors import StoreError
+from ..errors import ConfigError, StoreError
 from ..faults import FaultLog
 from .local import open_local_tier
 from .persistent import PersistentTier
@@ -50,15 +51,23 @@ after_fork(_new_locks_after_fork)
 
 
 def open_shared_tier(
-    directory: Path, max_bytes: int, quality: int, meta: dict[str, Any], faults: FaultLog
+    location: Path | str, name: str, max_bytes: int, quality: int, meta: dict[str, Any], faults: FaultLog
 ) -> tuple[SharedTier, PersistentTier | None]:
-    """The shared tier of ``directory`` with these disk settings, created at first use.
+    """The shared tier of module key ``name`` under ``location`` with these settings, made at first use.
+
+    Args:
+        location: A cache root directory, or a Redis URL.
+        name: The module key (a directory under the root, a namespace on the server).
+        max_bytes: The budget of the module's entries.
+        quality: brotli quality of new entries.
+        meta: What the metadata file records (local directories).
+        faults: The fault log of the cache that asks.
 
     Returns:
         The shared tier (keep a reference while using it) and its persistent tier, or ``None``
-        when the directory cannot be used (``faults`` was warned).
+        when the location cannot be used (``faults`` was warned).
     """
-    key = f"{directory}|{max_bytes}|{quality}"
+    key = f"{location}|{name}|{max_bytes}|{quality}"
     with _tiers_lock:
         shared = _tiers.get(key)
         if shared is None:
@@ -67,7 +76,25 @@ def open_shared_tier(
     with shared.lock:
         if shared.tier is None:
             try:
-                shared.tier = open_local_tier(directory, max_bytes, quality, meta, shared.report)
-            except StoreError as exc:
+                if isinstance(location, str):
+                    shared.tier = open_redis_tier(location, name, max_bytes, quality, shared.report)
+                else:
+                    shared.tier = open_local_tier(location / name, max_bytes, quality, meta, shared.report)
+            except (StoreError, ConfigError) as exc:
                 faults.warn("write", f"{exc}; caching in memory only")
         return shared, shared.tier
+
+
+def open_redis_tier(
+    url: str, namespace: str, max_bytes: int, quality: int, report: Callable[[str, str], None]
+) -> PersistentTier:
+    """The persistent tier of a module on a Redis server or cluster (nothing is sent yet).
+
+    Raises:
+        ConfigError: If the URL is invalid or the redis package is missing.
+    """
+    from ..stores.redis import RedisStore
+    from ..stores.redis_url import redact_url
+
+    store = RedisStore(url, namespace, max_bytes, report=report)
+    return PersistentTier(store, quality, report, where=f"{redact_url(url)} (namespace {namespace})")

@@ -1,0 +1,143 @@
+"""``persistent_cache_dir="redis://..."``: the persistent tier of ``@torchcache`` on a real Redis server or cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import Counting, cached, run_python
+from tests.redis_servers import RedisClusterServers, RedisServer, own_server, shared
+from torchcache import CacheWarning, ConfigError, torchcache
+
+_SCRIPT = """
+import json, sys, torch
+from tests.helpers import Counting, cached
+model = cached(Counting, persistent=True, persistent_cache_dir=sys.argv[1], max_memory_cache_size=0)()
+x = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
+y = model(x)
+model.cache_instance.flush()
+print(json.dumps({"items": model.items, "sum": float(y.sum()), "hits": model.cache_instance.stats().hits}))
+"""
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def target(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisClusterServers]:
+    servers = shared(str(request.param))
+    yield servers
+    servers.flush()
+
+
+def _run(url: str) -> dict[str, Any]:
+    done = run_python(_SCRIPT, url)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_hits_what_the_first_stored(target: RedisServer | RedisClusterServers) -> None:
+    first, second = _run(target.url), _run(target.url)
+    assert first["items"] == 32 and first["hits"] == 0
+    assert second["items"] == 0 and second["hits"] == 32  # the module never ran
+    assert second["sum"] == first["sum"]
+
+
+def test_hits_come_back_equal_and_the_key_namespace_is_the_module_key(server_url: str) -> None:
+    model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
+    plain = Counting()
+    x = torch.randn(16, 4)
+    assert torch.equal(model(x), plain(x))
+    model.cache_instance.flush()
+    assert torch.equal(model(x), plain(x))
+    stats = model.cache_instance.stats()
+    assert model.items == 16 and stats.hits == 16 and stats.disk is not None and stats.disk.entries == 16
+    assert model.cache_instance.cache_dir is None  # not a local directory
+    from torchcache.stores.redis import RedisStore
+
+    assert RedisStore.namespaces(server_url) == [model.cache_instance.module_hash]
+
+
+@pytest.fixture
+def server_url() -> Iterator[str]:
+    server = shared("redis")
+    yield server.url
+    server.flush()
+
+
+def test_bad_urls_and_a_missing_package_fail_at_decoration(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="persistent_cache_dir"):
+        torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:notaport/0")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"torchcache\[redis\]"):
+        torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:6379/0")
+
+
+def test_torchcache_dir_may_be_a_redis_url(server_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHCACHE_DIR", server_url)
+    model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    x = torch.randn(8, 4)
+    model(x)
+    model.cache_instance.flush()
+    model(x)
+    assert model.items == 8 and model.cache_instance.stats().disk.hits == 8  # type: ignore[union-attr]
+
+
+def _calls_survive(model: Any, plain: Counting, x: torch.Tensor) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(model(x), plain(x))
+        model.cache_instance.flush()
+        assert torch.equal(model(x), plain(x))
+    return [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+
+
+def test_a_server_that_goes_away_and_comes_back_never_breaks_a_call() -> None:
+    password = "s3cret-pw"
+    with own_server(password=password) as server:
+        model = cached(Counting, persistent=True, persistent_cache_dir=server.url, max_memory_cache_size="1MB")()
+        plain = Counting()
+        x = torch.randn(8, 4)
+        assert _calls_survive(model, plain, x) == []
+        port = server.port
+        assert server.process is not None
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        started = time.monotonic()
+        messages = _calls_survive(model, plain, torch.randn(8, 4))  # new items: misses, writes refused
+        assert time.monotonic() - started < 30  # bounded by the connection timeout, no hang
+        assert len(messages) == 1 and "redis" in messages[0].lower()
+        assert password not in messages[0] and password not in repr(model.cache_instance)
+        server.start(port)
+        deadline = time.monotonic() + 60  # the store retries after its backoff (0.5 s, doubling)
+        stored = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)
+            while stored == 0 and time.monotonic() < deadline:
+                model(torch.randn(4, 4))
+                model.cache_instance.flush()
+                stats = model.cache_instance.stats().disk
+                stored = 0 if stats is None else stats.entries
+        assert stored > 0
+
+
+def test_a_full_server_refuses_writes_but_calls_stay_right() -> None:
+    with own_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
+        model = cached(Counting, persistent=True, persistent_cache_dir=server.url)(dim_out=4096)
+        plain = Counting(dim_out=4096)
+        seen: list[str] = []
+        for _ in range(4):  # 64 KiB items: the server fills after a few dozen
+            seen += _calls_survive(model, plain, torch.randn(32, 4))
+        assert len(seen) == 1 and "not stored" in seen[0]
+        x = torch.randn(4, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)
+            assert torch.equal(model(x), plain(x))
