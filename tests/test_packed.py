@@ -180,8 +180,10 @@ def _budget_writer(path: str, budget: int, n: int, conn: Connection) -> None:
 
 
 def test_a_forked_child_uses_the_store_on_its_own(root: Path) -> None:
-    store = PackedStore(root, 10**8)
+    reports: list[tuple[str, str]] = []
+    store = PackedStore(root, 10**8, report=lambda kind, message: reports.append((kind, message)))
     fill(store, range(100))
+    index = os.stat(root / INDEX_NAME).st_ino
     parent, child = FORK.Pipe()
     proc = FORK.Process(target=_child_uses, args=(store, child))
     proc.start()
@@ -190,12 +192,17 @@ def test_a_forked_child_uses_the_store_on_its_own(root: Path) -> None:
     assert bytes(store.get(key(150)) or b"") == value(150)  # the child's entries
     fill(store, range(200, 300))
     assert len(store) == 300 and store.verify().ok
+    # the child opened the index as it was: neither taken for damaged nor rebuilt
+    assert os.stat(root / INDEX_NAME).st_ino == index and reports == []
 
 
 def _child_uses(store: PackedStore, conn: Connection) -> None:
     try:
         assert bytes(store.get(key(5)) or b"") == value(5)
         fill(store, range(100, 200))
+        other = PackedStore(store.directory, 10**8, report=lambda kind, message: conn.send(f"{kind}: {message}"))
+        assert bytes(other.get(key(150)) or b"") == value(150)
+        other.close()
         store.close()
         conn.send("ok")
     except BaseException as exc:  # noqa: BLE001 - reported to the test

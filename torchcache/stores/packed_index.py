@@ -122,8 +122,18 @@ def open_index(root: str, readonly: bool) -> Index:
 
 
 def _forget_shared() -> None:
-    """In a forked child: the parent's environments must not be used, nor closed."""
+    """In a forked child: give up the parent's environments without using them.
+
+    The child must not use them, and LMDB refuses to open a file that an environment of
+    this process still has open, so each is closed here: that releases only the child's
+    copies (its mappings and descriptors; the child holds no reader slot, no lock), and
+    lets the child open the index afresh. Left open, the child would take the index for
+    damaged and rebuild it under every other process.
+    """
     global _shared_lock
+    for index in _shared.values():
+        with contextlib.suppress(Exception):
+            index.env.close()
     _abandoned.extend(_shared.values())
     _shared.clear()
     _shared_lock = threading.RLock()
