@@ -19,18 +19,22 @@ True
 
 from ._log import configure_from_env, set_logger_config
 from ._version import __version__
+from .dataset import CachedDataset
 from .decorator import torchcache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
 from .precompute import precompute
+from .sample_cache import SampleCache
 from .stats import CacheStats, TierStats
 from .writer import flush_all
 
 __all__ = [
     "CacheStats",
     "CacheWarning",
+    "CachedDataset",
     "ConfigError",
     "CorruptEntryError",
     "KeyingError",
+    "SampleCache",
     "StoreError",
     "TierStats",
     "TorchCacheError",

@@ -1,0 +1,537 @@
+"""CachedDataset and SampleCache: tiers, DataLoader workers (fork and spawn), budgets, faults, killed processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers import REPO, run_python
+from torchcache import CachedDataset, CacheWarning, SampleCache
+from torchcache.dataset import MissingSampleError
+from torchcache.errors import ConfigError, KeyingError
+from torchcache.faults import FaultLog
+from torchcache.sample_keys import fingerprint_dataset, store_key
+from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, store_bytes
+from torchcache.samples import SampleTypeError, decode_sample, encode_sample
+from torchcache.shm import LOCK_NAME, job_id
+from torchcache.stores.packed import PackedStore
+
+
+@pytest.fixture(autouse=True)
+def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own root of RAM tiers."""
+    root = tmp_path / "shm"
+    monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(root))
+    for name in ("TORCHCACHE_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return root
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    return tmp_path / "calls.log"
+
+
+class Numbers(Dataset[Any]):
+    """Sample ``i`` is ``(a tensor filled with i % 251, i)``; every call appends ``i`` to a log file."""
+
+    def __init__(self, n: int, log: Path, shape: tuple[int, ...] = (3, 4, 4)) -> None:
+        self.n, self.log, self.shape = n, log, shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with open(self.log, "a") as file:  # O_APPEND: whole lines from every process
+            file.write(f"{i}\n")
+        return expected(i, self.shape), i
+
+
+class Killing(Numbers):
+    """Kills its own process (SIGKILL) the first time it computes sample ``kill_at``."""
+
+    def __init__(self, n: int, log: Path, kill_at: int, flag: Path) -> None:
+        super().__init__(n, log)
+        self.kill_at, self.flag = kill_at, flag
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if i == self.kill_at and not self.flag.exists():
+            self.flag.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+class FakeImage:
+    """Stands in for a PIL image."""
+
+
+FakeImage.__module__ = "PIL.Image"
+
+
+class Labelled(Dataset[Any]):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.ones(2), {"label": FakeImage()}
+
+
+def expected(i: int, shape: tuple[int, ...] = (3, 4, 4)) -> torch.Tensor:
+    return torch.full(shape, i % 251, dtype=torch.uint8)
+
+
+def calls(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def check_batch(images: torch.Tensor, labels: torch.Tensor) -> list[int]:
+    for image, label in zip(images, labels.tolist()):
+        assert torch.equal(image, expected(label, tuple(image.shape)))
+    return list(labels.tolist())
+
+
+def stored_samples(directory: Path) -> Iterator[tuple[int, Any]]:
+    """Every entry of a tier's store, decoded, by index (checks the store's own consistency)."""
+    store = PackedStore(directory, 10**9)
+    assert store.verify().ok
+    for key in sorted(store.keys()):
+        frame = store.get(key)
+        assert frame is not None
+        yield int(key, 16), decode_sample(frame)
+
+
+def fail(key: object) -> Any:
+    raise AssertionError(f"computed {key!r}, which should be cached")
+
+
+# -- DataLoader workers ----------------------------------------------------------------
+@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_second_epoch_computes_nothing(log: Path, context: str, persistent: bool) -> None:
+    n = 40
+    data = CachedDataset(Numbers(n, log), max_memory_size="1MB")
+    assert data[0][1] == 0  # the stores are open in this process when the workers start
+    loader = DataLoader(
+        data, batch_size=5, shuffle=True, num_workers=2, multiprocessing_context=context, persistent_workers=persistent
+    )
+    for _ in range(2):
+        seen = [label for images, labels in loader for label in check_batch(images, labels)]
+        assert sorted(seen) == list(range(n))
+        assert sorted(calls(log)) == list(range(n))  # the second epoch adds no call
+    stats = data.stats()  # counted in the workers, summed here
+    assert (stats.misses, stats.hits, stats.memory.hits, stats.memory.entries) == (n, n + 1, n + 1, n)
+    del loader
+    gc.collect()
+    data.close()
+
+
+def test_the_memory_budget_holds_across_workers(log: Path) -> None:
+    n, shape = 120, (3, 16, 16)
+    budget = 40_000  # about 40 of the 120 samples
+    data = CachedDataset(Numbers(n, log, shape), max_memory_size=budget)
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork")
+    for _ in range(2):
+        assert sorted(label for images, labels in loader for label in check_batch(images, labels)) == list(range(n))
+    stats = data.stats()
+    assert stats.memory.max_bytes == budget
+    assert 0.25 * n < stats.memory.entries < n / 2
+    assert stats.memory.bytes <= budget
+    assert data.cache.memory_dir is not None
+    cached = dict(stored_samples(data.cache.memory_dir))
+    assert len(cached) == stats.memory.entries
+    for i, sample in cached.items():
+        assert torch.equal(sample[0], expected(i, shape)) and sample[1] == i
+    data.close()
+
+
+def test_half_the_room_serves_a_fixed_half_from_the_cache(log: Path) -> None:
+    n, shape = 100, (3, 16, 16)
+    room = len(encode_sample((expected(0, shape), 0))) + 15 + 16 + 96
+    data = CachedDataset(Numbers(n, log, shape), max_memory_size=int(room * n / 2 / 0.99))
+    loader = DataLoader(data, batch_size=10, shuffle=True)
+    computed = []
+    for _ in range(3):
+        before = len(calls(log))
+        for images, labels in loader:
+            check_batch(images, labels)
+        computed.append(sorted(calls(log)[before:]))
+    assert computed[0] == list(range(n))
+    assert 0.4 * n <= n - len(computed[1]) <= 0.6 * n
+    assert computed[2] == computed[1]  # the same samples stay cached: nothing is rewritten
+    stats = data.stats()
+    assert stats.memory.entries == n - len(computed[1])
+    assert stats.hits == 2 * stats.memory.entries
+    data.close()
+
+
+def test_the_transform_runs_after_the_cache_at_every_access(log: Path) -> None:
+    def noisy(sample: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+        return sample[0].float() + torch.rand(sample[0].shape), sample[1]
+
+    data = CachedDataset(Numbers(8, log), transform=noisy)
+    first, second = data[3], data[3]
+    assert not torch.equal(first[0], second[0])
+    for image, label in (first, second, *data.__getitems__([3, 3])):
+        assert label == 3 and bool(((image - 3) >= 0).all() and ((image - 3) < 1).all())
+    assert calls(log) == [3]
+    cached = data.cache.get(3, fail)
+    assert cached[0].dtype == torch.uint8 and torch.equal(cached[0], expected(3))
+    data.close()
+
+
+# -- the disk tier -----------------------------------------------------------------
+def test_a_warmed_disk_cache_copied_elsewhere_serves_without_the_dataset(tmp_path: Path, log: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    data = CachedDataset(Numbers(30, log), cache_dir, max_memory_size=0)
+    stats = data.warmup(num_workers=0, progress=False)
+    assert stats.misses == 30 and stats.disk is not None and stats.disk.entries == 30
+    meta = data.cache.metadata()
+    assert meta is not None
+    assert (meta["kind"], meta["length"], meta["complete"]) == ("dataset", 30, True)
+    assert meta["name"].endswith("Numbers") and meta["max_bytes"] == 50 * 10**9
+    fingerprint = data.fingerprint
+    data.close()
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(cache_dir, copy)
+    shutil.rmtree(cache_dir)
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from torchcache import CachedDataset
+        data = CachedDataset(None, sys.argv[1])
+        assert len(data) == 30
+        for i in range(30):
+            image, label = data[i]
+            assert label == i and torch.equal(image, torch.full((3, 4, 4), i, dtype=torch.uint8)), i
+        stats = data.stats()
+        print(stats.disk.hits, stats.misses)
+        """
+    )
+    for where in (copy, copy / fingerprint):
+        result = run_python(script, str(where))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["30", "0"] and "Warning" not in result.stderr
+    assert calls(log) == list(range(30))
+
+
+def test_serving_without_the_dataset_names_a_missing_sample(tmp_path: Path, log: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    for nothing in (tmp_path / "missing", tmp_path):
+        with pytest.raises(ConfigError, match="no dataset cache"):
+            CachedDataset(None, nothing)
+    data = CachedDataset(Numbers(10, log), cache_dir)
+    data[2]
+    data.close()
+    served = CachedDataset(None, cache_dir)
+    assert len(served) == 10 and served[2][1] == 2 and served[-8][1] == 2
+    with pytest.raises(MissingSampleError, match="sample 5 is not in the cache"):
+        served[5]
+    served.close()
+    other = CachedDataset(Numbers(11, log), cache_dir)
+    other[0]
+    other.close()
+    with pytest.raises(ConfigError, match="2 dataset caches"):
+        CachedDataset(None, cache_dir)
+
+
+def test_warmup_fills_in_parallel_and_resumes(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(50, log), tmp_path / "cache")
+    data[3], data[7]
+    meta = data.cache.metadata()
+    assert meta is not None and "complete" not in meta
+    data.warmup(num_workers=2, batch_size=8, progress=False)
+    assert sorted(calls(log)) == list(range(50))  # 3 and 7 once
+    data.warmup(num_workers=2, progress=False)
+    assert len(calls(log)) == 50
+    meta = data.cache.metadata()
+    assert meta is not None and meta["complete"] is True
+    assert [data[i][1] for i in range(50)] == list(range(50)) and len(calls(log)) == 50
+    data.close()
+
+
+def test_warmup_shows_progress_with_or_without_tqdm(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = CachedDataset(Numbers(12, log), max_memory_size="1MB")
+    data.warmup(num_workers=0, batch_size=5)
+    assert "12/12" in capsys.readouterr().err  # tqdm's bar
+    data.close()
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
+    data = CachedDataset(Numbers(13, log), max_memory_size="1MB")
+    data.warmup(num_workers=0, batch_size=5)
+    assert capsys.readouterr().err.strip().endswith("torchcache warmup: 13/13 samples")
+    data.close()
+
+
+# -- killed processes -------------------------------------------------------------
+def test_a_worker_killed_mid_epoch_leaves_every_cached_sample_right(tmp_path: Path, log: Path) -> None:
+    flag = tmp_path / "killed"
+    data = CachedDataset(Killing(60, log, kill_at=30, flag=flag), tmp_path / "cache", max_memory_size="1MB")
+    loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    with pytest.raises(RuntimeError, match=r"killed|exited unexpectedly"):
+        for images, labels in loader:
+            check_batch(images, labels)
+    assert flag.exists()
+    del loader
+    gc.collect()
+    for directory in (data.cache.memory_dir, data.cache.directory):
+        assert directory is not None
+        found = dict(stored_samples(directory))
+        assert 0 < len(found) < 60
+        for i, (image, label) in found.items():
+            assert label == i and torch.equal(image, expected(i))
+    before = len(calls(log))
+    again = [label for images, labels in DataLoader(data, batch_size=4) for label in check_batch(images, labels)]
+    assert again == list(range(60))
+    assert len(calls(log)) - before == 60 - len(found)  # only what the disk tier lacked
+    data.close()
+
+
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from torch.utils.data import Dataset
+    from torchcache import CachedDataset
+
+    class Ones(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            print("computed", i, flush=True)
+            return torch.ones(2) * i
+
+    data = CachedDataset(Ones(), max_memory_size="1MB")
+    for i in range(4):
+        assert torch.equal(data[i], torch.ones(2) * i)
+    print("job", data.cache.job_dir, flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] == "wait":
+        sys.stdin.readline()
+    """
+)
+
+
+def job_dir_of(output: str) -> Path:
+    return Path(next(line for line in output.splitlines() if line.startswith("job ")).split(" ", 1)[1])
+
+
+def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_path: Path) -> None:
+    killed = run_python(JOB, "kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    leftover = job_dir_of(killed.stdout)
+    assert (leftover / LOCK_NAME).exists() and len(list(leftover.iterdir())) == 2  # the lock and one dataset
+
+    exited = run_python(JOB, "exit")
+    assert exited.returncode == 0, exited.stderr
+    assert not job_dir_of(exited.stdout).exists()  # removed at exit
+    assert not leftover.exists()  # removed when that job started
+
+    killed = run_python(JOB, "kill")
+    leftover = job_dir_of(killed.stdout)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    live = subprocess.Popen(
+        [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert live.stdout is not None
+        lines = [live.stdout.readline() for _ in range(5)]
+        running = job_dir_of("".join(lines))
+        cache = SampleCache("mine", max_memory_size="1MB")  # a start in this process sweeps too
+        assert not leftover.exists() and running.exists()
+        cache.close()
+    finally:
+        live.communicate("\n", timeout=60)
+    assert live.returncode == 0
+    assert not running.exists()  # removed when its job ended
+
+
+def test_processes_of_one_job_share_the_ram_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHCACHE_JOB_ID", "shared job/1")
+    assert job_id().startswith("job-")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout is not None
+        shared = job_dir_of("".join(first.stdout.readline() for _ in range(5)))
+        second = run_python(JOB, "exit")
+        assert second.returncode == 0, second.stderr
+        assert "computed" not in second.stdout and job_dir_of(second.stdout) == shared
+        assert shared.exists()  # the first process still uses it
+    finally:
+        first.communicate("\n", timeout=60)
+    assert not shared.exists()
+    monkeypatch.delenv("TORCHCACHE_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert job_id() == f"elastic-none-{os.getppid()}"
+
+
+# -- keys, indices, fingerprints ------------------------------------------------------
+def test_indices_are_normalized_and_checked(log: Path) -> None:
+    data = CachedDataset(Numbers(5, log), max_memory_size="1MB")
+    assert data[-1][1] == 4 and data[np.int64(2)][1] == 2 and data[torch.tensor(1)][1] == 1
+    for bad in (5, -6):
+        with pytest.raises(IndexError, match="out of range"):
+            data[bad]
+    with pytest.raises(TypeError, match="integers"):
+        data["1"]  # type: ignore[index]
+    assert calls(log) == [4, 2, 1]
+    data.close()
+
+
+def test_fingerprints_follow_class_attributes_length_and_version(tmp_path: Path, log: Path) -> None:
+    base = fingerprint_dataset(Numbers(5, log))
+    assert fingerprint_dataset(Numbers(5, log)) == base
+    others = [Numbers(6, log), Numbers(5, tmp_path / "other.log"), Numbers(5, log, (2, 2)), Killing(5, log, 1, log)]
+    for other in others:
+        assert fingerprint_dataset(other) != base
+    assert fingerprint_dataset(Numbers(5, log), version=2) != base
+    data = CachedDataset(Numbers(5, log), tmp_path / "cache", max_memory_size=0)
+    data[0]
+    again = CachedDataset(Numbers(5, log), tmp_path / "cache", max_memory_size=0)
+    again[0]
+    fresh = CachedDataset(Numbers(5, log), tmp_path / "cache", max_memory_size=0, version="v2")
+    fresh[0]
+    assert calls(log) == [0, 0]
+    for each in (data, again, fresh):
+        each.close()
+
+
+def test_a_bad_sample_type_is_a_clear_error() -> None:
+    data = CachedDataset(Labelled(), max_memory_size="1MB")
+    with pytest.raises(SampleTypeError, match=r"sample\[1\]\['label'\]: cannot cache a value of type PIL\.Image\.Fake"):
+        data[0]
+    with pytest.raises(SampleTypeError, match="pil_to_tensor"):
+        data.__getitems__([1, 2])
+    with pytest.raises(TypeError, match="__len__"):
+        CachedDataset(iter([1, 2]))
+    data.close()
+
+
+def test_a_dataset_pickles_without_its_open_files(log: Path) -> None:
+    data = CachedDataset(Numbers(6, log), max_memory_size="1MB")
+    data[1]
+    copy = pickle.loads(pickle.dumps(data))
+    assert copy[1][1] == 1 and copy.fingerprint == data.fingerprint
+    assert calls(log) == [1]
+    copy.close()
+    data.close()
+
+
+# -- SampleCache ----------------------------------------------------------------------
+def test_sample_cache_keys_batches_and_stats(tmp_path: Path) -> None:
+    cache = SampleCache("words", tmp_path / "cache", max_memory_size="1MB", max_disk_size="1MB", info={"name": "w"})
+    asked: list[list[Any]] = []
+
+    def lengths(keys: list[Any]) -> list[Any]:
+        asked.append(keys)
+        return [{"n": len(str(key))} for key in keys]
+
+    assert cache.get_many(["a", 10, "ccc"], lengths) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert cache.get_many(["ccc", "dddd", 10], lengths) == [{"n": 3}, {"n": 4}, {"n": 2}]
+    assert asked == [["a", 10, "ccc"], ["dddd"]]
+    assert "dddd" in cache and 10 in cache and "e" not in cache and 1.5 not in cache
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.memory.hits, stats.memory.entries) == (2, 4, 2, 4)
+    assert stats.disk is not None and stats.disk.entries == 4
+    meta = cache.metadata()
+    assert meta is not None and meta["kind"] == "dataset" and meta["name"] == "w"
+    assert store_key(10) == "000000000000000a" and len(store_key(-1)) == len(store_key("10")) == 32
+    with pytest.raises(KeyingError):
+        store_key(True)
+    with pytest.raises(ValueError, match="returned 0 samples"):
+        cache.get_many(["zz"], lambda keys: [])
+    cache.close()
+    reopened = SampleCache("words", tmp_path / "cache", max_memory_size="1MB", max_disk_size="1MB")
+    assert reopened.get("ccc", fail) == {"n": 3}
+    assert reopened.stats().disk.hits == 1  # type: ignore[union-attr]
+    reopened.close()
+    nothing = SampleCache("off", max_memory_size=0)
+    assert nothing.get(1, lambda key: key) == 1 and 1 not in nothing
+    assert nothing.stats().misses == 1 and nothing.stats().disk is None
+    nothing.close()
+
+
+def test_disk_hits_are_copied_up_to_ram(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(4, log), tmp_path / "cache", max_memory_size=0)
+    data.warmup(num_workers=0, progress=False)
+    data.close()
+    data = CachedDataset(Numbers(4, log), tmp_path / "cache", max_memory_size="1MB")
+    [data[i] for i in range(4)]
+    [data[i] for i in range(4)]
+    stats = data.stats()
+    assert (stats.disk.hits, stats.memory.hits, stats.misses) == (4, 4, 0)  # type: ignore[union-attr]
+    data.close()
+
+
+def test_a_tier_passed_by_another_writer_takes_its_own_entries_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = 10 * (100 + ENTRY_OVERHEAD)
+    store = PackedStore(tmp_path / "tier", store_bytes(budget))
+    tier = SampleTier("memory", store, budget, FaultLog("test"))
+    real_used = tier.used
+    looks = [0]  # this process looked before the other one wrote
+    monkeypatch.setattr(tier, "used", lambda: looks.pop() if looks else real_used())
+    store.put_many([(store_key(i), b"o" * 100) for i in range(100, 106)])  # the other process
+    tier.put_many([(store_key(i), b"m" * 100) for i in range(8)])
+    assert tier.full and real_used() == budget
+    assert sorted(store.keys()) == sorted(store_key(i) for i in [*range(4), *range(100, 106)])
+    tier.put_many([(store_key(50), b"m" * 100)])  # full: nothing more
+    assert len(store) == 10
+    store.close()
+
+
+# -- faults ------------------------------------------------------------------------
+def test_a_damaged_entry_is_a_warning_and_a_recompute(log: Path) -> None:
+    data = CachedDataset(Numbers(4, log), max_memory_size="1MB")
+    data[2]
+    assert data.cache.memory_dir is not None
+    PackedStore(data.cache.memory_dir, "1MB").put_many([(store_key(2), b"TCSM not a sample")])
+    with pytest.warns(CacheWarning, match="damaged"):
+        image, label = data[2]
+    assert label == 2 and torch.equal(image, expected(2))
+    data[2]  # rewritten: a hit, no warning
+    assert calls(log) == [2, 2] and data.stats().memory.hits == 1
+    data.close()
+
+
+def test_a_disk_tier_that_cannot_be_opened_is_a_warning(tmp_path: Path, log: Path) -> None:
+    blocked = tmp_path / "cache"
+    blocked.mkdir()
+    data_dir_name = fingerprint_dataset(Numbers(3, log))
+    (blocked / data_dir_name).write_text("a file where the tier's directory should be")
+    with pytest.warns(CacheWarning) as record:
+        data = CachedDataset(Numbers(3, log), blocked, max_memory_size=0)
+        assert [data[i][1] for i in (0, 1, 0)] == [0, 1, 0]
+    assert any("cannot open the disk tier" in str(w.message) for w in record)
+    assert calls(log) == [0, 1, 0]
+    data.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> None:
+    root = shm_root / f"torchcache-{os.getuid()}"
+    root.mkdir(parents=True)
+    os.chown(root, 12345, -1)
+    with pytest.warns(CacheWarning, match="not a directory of this user"):
+        data = CachedDataset(Numbers(2, log))
+    assert data.cache.memory_dir is None and data[1][1] == 1 and data.stats().memory.max_bytes == 0
+    data.close()

@@ -1,0 +1,325 @@
+"""The sample codec: every supported type round-trips, others are refused clearly, hostile frames are errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+import warnings
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchcache.errors import CorruptEntryError, KeyingError
+from torchcache.samples import (
+    MAX_DEPTH,
+    NUMPY_DTYPES,
+    TORCH_DTYPES,
+    SampleTypeError,
+    decode_sample,
+    encode_sample,
+)
+
+PREFIX = struct.Struct("<4sBxxxI")
+
+
+def frame_of(header: object, data: bytes = b"") -> bytes:
+    text = json.dumps(header).encode()
+    return PREFIX.pack(b"TCSM", 1, len(text)) + text + data
+
+
+def assert_same(got: Any, want: Any, path: str = "sample") -> None:
+    """Equal values of the same types: tensors bit for bit (dtype, shape), NaN equal to NaN."""
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, path
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert got.is_contiguous() and got.device.type == "cpu", path
+        want = want.detach().resolve_conj().resolve_neg().contiguous()
+        assert bytes(got.reshape(-1).view(torch.uint8).numpy()) == bytes(want.reshape(-1).view(torch.uint8).numpy())
+        return
+    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
+    if isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert got.tobytes() == want.tobytes(), path
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for key in want:
+            assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (float, complex, np.generic)):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), path  # bit for bit, NaN included
+    else:
+        assert got == want, path
+
+
+def round_trip(sample: Any) -> Any:
+    decoded = decode_sample(encode_sample(sample))
+    assert_same(decoded, sample)
+    return decoded
+
+
+# -- every supported type -------------------------------------------------------------
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (3, 16, 16)])
+def test_tensors_of_every_dtype_and_shape(name: str, shape: tuple[int, ...]) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
+        tensor = random_tensor(TORCH_DTYPES[name], shape)
+        decoded = round_trip(tensor)
+    assert decoded.data_ptr() != tensor.data_ptr() or tensor.numel() == 0
+
+
+def test_the_dtype_tables_cover_the_usual_dtypes() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.uint8, torch.float8_e4m3fn):
+        assert dtype in TORCH_DTYPES.values()
+    assert {"<f2", ">f8", "|b1", "|u1", "<c16", ">i8"} <= set(NUMPY_DTYPES)
+
+
+def test_non_contiguous_conjugated_and_negated_tensors_are_stored_as_their_values() -> None:
+    base = torch.randn(6, 8)
+    for tensor in (base.t(), base[::2, 1::3], base.expand(2, 6, 8), torch.randn(3, dtype=torch.complex64).conj()):
+        round_trip(tensor)
+    negated = torch.randn(4, dtype=torch.complex64).conj().imag  # a tensor with the negative bit set
+    assert_same(decode_sample(encode_sample(negated)), negated.clone())
+    parameter = torch.nn.Parameter(torch.randn(3))
+    decoded = decode_sample(encode_sample(parameter))
+    assert type(decoded) is torch.Tensor and not decoded.requires_grad and torch.equal(decoded, parameter)
+
+
+@pytest.mark.parametrize("code", sorted(NUMPY_DTYPES))
+def test_numpy_arrays_and_scalars_of_every_dtype(code: str) -> None:
+    dtype = NUMPY_DTYPES[code]
+    raw = np.random.default_rng(0).integers(0, 256, 24 * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "b":
+        raw = raw % 2
+    array = raw.view(dtype).reshape(2, 3, 4)
+    round_trip(array)
+    round_trip(array[:, ::2, 1:])  # not contiguous
+    round_trip(np.zeros((0, 5), dtype))
+    round_trip(array.reshape(-1)[0])  # a numpy scalar of that dtype
+    decoded = decode_sample(encode_sample(array))
+    assert decoded.flags.writeable
+
+
+def test_python_values_and_containers() -> None:
+    sample = {
+        "none": None,
+        "flags": [True, False],
+        "ints": (0, -1, 2**63 - 1, -(2**63), 2**63, -(2**200)),
+        "floats": [0.0, -0.0, 1.5, math.inf, -math.inf, math.nan, 5e-324],
+        "complex": [1j, complex(-0.0, math.nan)],
+        "text": ["", "ascii", "héllo wörld ✓", "\udc80 lone surrogate", "\0"],
+        "bytes": [b"", b"\x00\xff" * 10],
+        7: "an int key",
+        -3: (),
+        "nested": [[], {}, ((),), [{"a": [None]}]],
+    }
+    round_trip(sample)
+    for scalar in (None, True, 3, 2.5, "s", b"b", 1 + 2j):
+        round_trip(scalar)
+
+
+def test_decoded_values_do_not_alias_the_frame_and_are_writable() -> None:
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    frame = bytearray(encode_sample((tensor, np.arange(3))))
+    decoded, array = decode_sample(frame)
+    frame[-60:] = b"\xff" * 60  # the caller reuses its buffer
+    decoded += 1  # writable, no warning
+    array[0] = 7
+    assert torch.equal(decoded, tensor + 1) and array.tolist() == [7, 1, 2]
+    again, _ = decode_sample(encode_sample((tensor, np.arange(3))))
+    assert torch.equal(again, tensor)
+
+
+def test_decode_accepts_bytes_bytearray_and_memoryview() -> None:
+    frame = encode_sample({"x": torch.ones(2)})
+    for data in (frame, bytearray(frame), memoryview(frame), memoryview(b"pad" + frame)[3:]):
+        assert torch.equal(decode_sample(data)["x"], torch.ones(2))
+
+
+def test_samples_of_one_shape_share_a_header() -> None:
+    frames = [encode_sample((torch.full((3, 4), i), i, float(i), f"n{i}")) for i in range(5, 9)]
+    headers = {f[: PREFIX.size + PREFIX.unpack_from(f)[2]] for f in frames}
+    assert len(headers) == 1
+    assert [decode_sample(f)[1] for f in frames] == [5, 6, 7, 8]
+
+
+# -- property test: random nested samples ----------------------------------------------
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.complex_numbers(allow_nan=True),
+    st.text(),
+    st.binary(),
+    st.builds(
+        random_tensor,
+        st.sampled_from([TORCH_DTYPES[n] for n in ("float32", "bfloat16", "bool", "int64", "uint8", "complex128")]),
+        st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    ),
+    st.builds(
+        lambda code, n: np.arange(n).astype(NUMPY_DTYPES[code]),
+        st.sampled_from(sorted(NUMPY_DTYPES)),
+        st.integers(0, 5),
+    ),
+)
+samples = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=5), st.integers()), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(samples)
+def test_random_samples_round_trip(sample: Any) -> None:
+    round_trip(sample)
+
+
+# -- refused values ----------------------------------------------------------------
+class FakeImage:
+    """Stands in for a PIL image (its module is what the hint looks at)."""
+
+
+FakeImage.__module__ = "PIL.Image"
+Point = namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    ("sample", "path", "words"),
+    [
+        ((torch.ones(2), {"label": FakeImage()}), "sample[1]['label']", ["PIL.Image.FakeImage", "pil_to_tensor"]),
+        ([object()], "sample[0]", ["object", "convert it"]),
+        ({"s": {1, 2}}, "sample['s']", ["set"]),
+        (Point(1, 2), "sample", ["Point", "_asdict"]),
+        ({"a": np.array(["x", "y"])}, "sample['a']", ["numpy arrays of dtype <U1"]),
+        ({"a": np.array([object()])}, "sample['a']", ["numpy arrays of dtype object"]),
+        ((torch.empty(2, device="meta"),), "sample[0]", ["a tensor on meta", "CPU tensors"]),
+        ((torch.ones(2).to_sparse(),), "sample[0]", ["to_dense()"]),
+        ({(1, 2): 3}, "sample", ["dict keys must be str or int"]),
+        ({True: 3}, "sample", ["dict keys must be str or int"]),
+        (bytearray(b"x"), "sample", ["bytearray"]),
+        (np.datetime64("2024-01-01"), "sample", ["datetime64"]),
+    ],
+)
+def test_unsupported_values_name_their_type_path_and_fix(sample: Any, path: str, words: list[str]) -> None:
+    with pytest.raises(SampleTypeError) as info:
+        encode_sample(sample)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    for word in words:
+        assert word in message, message
+    assert isinstance(info.value, KeyingError) and isinstance(info.value, TypeError)
+
+
+def test_nesting_deeper_than_the_limit_is_refused() -> None:
+    sample: Any = 1
+    for _ in range(MAX_DEPTH):
+        sample = [sample]
+    round_trip(sample)
+    with pytest.raises(SampleTypeError, match="more than 32 deep"):
+        encode_sample([sample])
+
+
+# -- hostile frames ----------------------------------------------------------------
+def test_damaged_frames_decode_or_raise_corrupt_entry_error() -> None:
+    frame = encode_sample({"img": torch.arange(24).reshape(2, 3, 4), "label": 3, "name": "x"})
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        data = bytearray(frame)
+        for at in rng.integers(0, len(data), rng.integers(1, 4)):
+            data[at] = int(rng.integers(0, 256))
+        cut = int(rng.integers(0, len(data) + 1)) if rng.random() < 0.3 else len(data)
+        with contextlib.suppress(CorruptEntryError):
+            decode_sample(bytes(data[:cut]))
+    for cut in range(len(frame)):
+        with pytest.raises(CorruptEntryError):
+            decode_sample(frame[:cut])
+    with pytest.raises(CorruptEntryError):
+        decode_sample(frame + b"\0" * 8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_crash_the_decoder(data: bytes) -> None:
+    for candidate in (data, b"TCSM\x01\0\0\0" + data):
+        with contextlib.suppress(CorruptEntryError):
+            decode_sample(candidate)
+
+
+@pytest.mark.parametrize(
+    ("header", "data"),
+    [
+        (["t", "float32", [2**40, 2**40]], b""),  # a giant tensor the data does not hold
+        (["t", "float32", [0, 2**62, 2**62]], b""),  # zero elements, absurd dimensions
+        (["t", "float32", [-1]], b""),
+        (["t", "float32", [True]], b""),
+        (["t", "float32", [1.5]], b""),
+        (["t", "float32", [1] * 40], b"\0" * 4),
+        (["t", "object", [1]], b"\0" * 8),
+        (["t", "qint8", [1]], b"\0"),
+        (["a", "|O", [1]], b"\0" * 8),
+        (["a", "<U1", [1]], b"\0" * 4),
+        (["n", "O"], b"\0" * 8),
+        (["b", 2**60], b""),
+        (["s", -1], b""),
+        (["s", 2], b"\xff\xfe"),  # not UTF-8
+        (["d", ["a"], ["i", "i"]], b"\0" * 16),
+        (["d", [[1]], ["i"]], b"\0" * 8),
+        (["d", [True], ["i"]], b"\0" * 8),
+        (["l", "i"], b"\0" * 8),
+        (["x", 1], b""),
+        ("z", b""),
+        ({"a": 1}, b""),
+        (1.5, b""),
+        ([], b""),
+        ([1], b""),
+        (["i"], b""),
+        (["I", "7"], b""),
+        ("i", b"\0" * 7),  # too short for its int
+        ("i", b"\0" * 9),  # longer than its header needs
+    ],
+)
+def test_hostile_headers_are_corrupt_entry_errors(header: object, data: bytes) -> None:
+    with pytest.raises(CorruptEntryError):
+        decode_sample(frame_of(header, data))
+
+
+def test_hostile_prefixes_and_nesting_are_corrupt_entry_errors() -> None:
+    good = encode_sample(1)
+    cases = [
+        b"",
+        b"TCSM",
+        b"XXXX" + good[4:],
+        good[:4] + b"\x02" + good[5:],  # another version
+        PREFIX.pack(b"TCSM", 1, 2**32 - 1) + b"[]",  # a header longer than the frame
+        PREFIX.pack(b"TCSM", 1, 3) + b"\xff\xfe\xfd",  # not JSON
+        frame_of(["u", [["u", []]]]).replace(b'["u", []]', b"[" * 50_000 + b"]" * 50_000),
+    ]
+    nested: Any = None
+    for _ in range(MAX_DEPTH + 2):
+        nested = ["l", [nested]]
+    cases.append(frame_of(nested))
+    cases.append(frame_of(["l", [None] * 100_001]))
+    for case in cases:
+        with pytest.raises(CorruptEntryError):
+            decode_sample(case)

@@ -1,0 +1,314 @@
+"""Dataset samples cached in a RAM tier over a disk tier, shared by every process of a job.
+
+Both tiers are packed stores (:class:`~torchcache.stores.packed.PackedStore`): the RAM
+tier under :mod:`torchcache.shm`, one per job, the disk tier under
+``<cache_dir>/<name>/`` beside a ``torchcache.json`` (``"kind": "dataset"``). A lookup
+tries RAM, then disk (a disk hit is copied up to RAM), then computes the sample, which
+is encoded by :mod:`torchcache.samples` and written through to both tiers at once, so
+that every DataLoader worker sees it.
+
+A full tier keeps what it holds and takes no more (:mod:`torchcache.sample_tiers`). A
+fault of a tier (a full or read-only disk, a damaged entry) is one
+:class:`~torchcache.errors.CacheWarning` and a computed sample, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import shm
+from ._fork import renew_lock_after_fork
+from ._version import __version__
+from .config import module_dir_name, resolve_root
+from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
+from .faults import FaultLog
+from .meta import META_NAME, load_meta, write_json_atomic
+from .policy import parse_size
+from .sample_keys import store_key
+from .sample_tiers import HitCounters, SampleTier, store_bytes
+from .samples import decode_sample, encode_sample
+from .stats import CacheStats, TierStats
+from .stores.packed import PackedStore
+
+__all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
+
+#: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
+DEFAULT_DISK_SIZE = "50GB"
+_TIERS = ("memory", "disk")
+
+
+class SampleCache:
+    """Samples by key (an index or a name), cached in RAM and on disk, shared across processes.
+
+    Args:
+        name: The cache's name: a dataset fingerprint, or any string (mapped to a safe
+            directory name). Caches of one name share their entries.
+        cache_dir: The directory of disk tiers; ``None`` for ``$TORCHCACHE_DIR`` or the
+            user cache directory, used only when ``max_disk_size`` is given.
+        max_memory_size: The RAM tier's budget (bytes, or a string such as ``"8GB"``);
+            ``None`` for :func:`~torchcache.shm.default_memory_size`, 0 for no RAM tier.
+            One budget for the whole job: DataLoader workers and ranks share the tier.
+        max_disk_size: The disk tier's budget; ``None`` for :data:`DEFAULT_DISK_SIZE` when a
+            ``cache_dir`` is given and no disk tier otherwise; 0 for no disk tier.
+        info: More fields for the disk tier's ``torchcache.json`` (``name``, ``length``...).
+
+    Raises:
+        ConfigError: If a size or the name is invalid.
+
+    Example:
+        >>> import tempfile
+        >>> cache = SampleCache("squares", tempfile.mkdtemp(), max_memory_size=0, max_disk_size="1MB")
+        >>> cache.get(3, lambda key: key * key)
+        9
+        >>> 3 in cache, cache.get(3, lambda key: -1)
+        (True, 9)
+        >>> cache.stats().hits, cache.stats().misses
+        (1, 1)
+        >>> cache.close()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        max_memory_size: int | float | str | None = None,
+        max_disk_size: int | float | str | None = None,
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
+        dirname = module_dir_name(name)
+        if dirname is None:
+            raise ConfigError("a SampleCache needs a name")
+        self.name = name
+        self.dirname = dirname
+        self._faults = FaultLog(str(info.get("name", name)) if info else name)
+        if max_disk_size is None:
+            max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
+        self.max_disk_size = parse_size(max_disk_size, "max_disk_size")
+        root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+        self.directory: Path | None = root / dirname if self.max_disk_size else None
+        self.job_dir: Path | None = None
+        self._held_pid: int | None = None
+        self.max_memory_size = 0
+        if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
+            try:
+                self.job_dir = shm.new_job_dir()
+            except StoreError as exc:
+                self._faults.warn("memory-open", f"no RAM tier ({exc})")
+            else:
+                self._held_pid = os.getpid()
+                size = shm.default_memory_size() if max_memory_size is None else max_memory_size
+                self.max_memory_size = parse_size(size, "max_memory_size")
+        self._info = dict(info or {})
+        self._counters = HitCounters()
+        self._tiers: list[SampleTier] = []
+        self._pid: int | None = None
+        self._lock = threading.RLock()
+        renew_lock_after_fork(self, "_lock")
+        if self.directory is not None:
+            self._update_meta({}, create=True)
+
+    def __repr__(self) -> str:
+        return f"SampleCache({self.name!r}, memory={self.memory_dir}, disk={self.directory})"
+
+    @property
+    def memory_dir(self) -> Path | None:
+        """The RAM tier's directory (``None`` without a RAM tier)."""
+        return None if self.job_dir is None else self.job_dir / self.dirname
+
+    # -- state across processes -----------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_tiers=[], _pid=None, _held_pid=None, _faults=self._faults.name, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._faults = FaultLog(state["_faults"])
+        self._lock = threading.RLock()
+        renew_lock_after_fork(self, "_lock")
+
+    def _open(self) -> list[SampleTier]:
+        """This process's tiers, opened on first use in each process."""
+        if self._pid == os.getpid():
+            return self._tiers
+        with self._lock:
+            if self._pid != os.getpid():
+                self._open_tiers()
+        return self._tiers
+
+    def _open_tiers(self) -> None:
+        self._tiers = []
+        places = [(self.memory_dir, self.max_memory_size), (self.directory, self.max_disk_size)]
+        for name, (directory, size) in zip(_TIERS, places):
+            if directory is None or not size:
+                continue
+            try:
+                if name == "memory" and self.job_dir is not None and self._held_pid != os.getpid():
+                    shm.hold(self.job_dir)
+                    self._held_pid = os.getpid()
+                store = PackedStore(directory, store_bytes(size), report=self._reporter(name))
+            except (StoreError, ConfigError) as exc:
+                self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
+                continue
+            self._tiers.append(SampleTier(name, store, size, self._faults))
+        self._pid = os.getpid()
+
+    def _reporter(self, tier: str) -> Callable[[str, str], None]:
+        def report(kind: str, message: str) -> None:
+            self._faults.report(f"{tier}-{kind}", f"{tier} tier: {message}")
+
+        return report
+
+    # -- lookups ----------------------------------------------------------------------
+    def get(self, key: int | str, compute: Callable[[Any], Any]) -> Any:
+        """The sample of ``key``: from a tier, or ``compute(key)`` stored in every tier.
+
+        Raises:
+            KeyingError: If the key is neither an int nor a str.
+            SampleTypeError: If a computed sample holds a value that cannot be cached.
+        """
+        return self.get_many([key], lambda keys: [compute(keys[0])])[0]
+
+    def get_many(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> list[Any]:
+        """The samples of ``keys``; ``compute_many(missing_keys)`` gives the missing ones, in order.
+
+        Lookups and writes are batched: one read per tier, one write per tier.
+
+        Raises:
+            KeyingError: If a key is neither an int nor a str.
+            SampleTypeError: If a computed sample holds a value that cannot be cached.
+            ValueError: If ``compute_many`` returns the wrong number of samples.
+        """
+        skeys = [store_key(key) for key in keys]
+        results: list[Any] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        served = {"memory": 0, "disk": 0}
+        tiers = self._open()
+        for level, tier in enumerate(tiers):
+            if not pending:
+                break
+            missed, promote = [], []
+            for i, frame in zip(pending, tier.get_many([skeys[i] for i in pending])):
+                if frame is not None:
+                    try:
+                        results[i] = decode_sample(frame)
+                    except CorruptEntryError as exc:
+                        self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({exc}); recomputed")
+                        tier.drop(skeys[i])
+                    else:
+                        served[tier.name] += 1
+                        promote.append((skeys[i], frame))
+                        continue
+                missed.append(i)
+            for upper in tiers[:level]:
+                upper.put_many(promote)
+            pending = missed
+        if pending:
+            computed = compute_many([keys[i] for i in pending])
+            if len(computed) != len(pending):
+                raise ValueError(f"compute_many returned {len(computed)} samples for {len(pending)} keys")
+            items = []
+            for i, sample in zip(pending, computed):
+                results[i] = sample
+                if tiers:
+                    items.append((skeys[i], _encode(sample, keys[i])))
+            for tier in tiers:
+                tier.put_many(items)
+        self._counters.add(served["memory"], served["disk"], len(pending))
+        self._faults.emit()
+        return results
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            skey = store_key(key)  # type: ignore[arg-type]
+        except KeyingError:
+            return False
+        return any(skey in tier.store for tier in self._open())
+
+    def missing(self, keys: Sequence[int | str], tier: str | None = None) -> list[int | str]:
+        """The keys not stored in ``tier`` (``"memory"`` or ``"disk"``; ``None``: in no tier)."""
+        stores = [t.store for t in self._open() if tier is None or t.name == tier]
+        return [key for key in keys if not any(store_key(key) in store for store in stores)]
+
+    # -- upkeep -------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Hits per tier and misses (over this process and its DataLoader workers), and each tier's size."""
+        memory_hits, disk_hits, misses = self._counters.totals()
+        by_name = {tier.name: tier.store for tier in self._open()}
+
+        def tier_stats(name: str, hits: int, max_bytes: int) -> TierStats:
+            store = by_name.get(name)
+            if store is None:
+                return TierStats(entries=0, bytes=0, max_bytes=max_bytes, hits=hits)
+            return TierStats(entries=len(store), bytes=store.nbytes, max_bytes=max_bytes, hits=hits)
+
+        hits = memory_hits + disk_hits
+        return CacheStats(
+            hits=hits,
+            misses=misses,
+            hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            memory=tier_stats("memory", memory_hits, self.max_memory_size),
+            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory is not None else None,
+        )
+
+    def metadata(self) -> dict[str, Any] | None:
+        """The disk tier's ``torchcache.json`` (``None`` without a disk tier or a valid file)."""
+        if self.directory is None:
+            return None
+        meta, problem = load_meta(self.directory)
+        return meta if problem is None else None
+
+    def update_metadata(self, fields: Mapping[str, Any]) -> bool:
+        """Record more fields in the disk tier's ``torchcache.json``; return whether it was written."""
+        return self.directory is not None and self._update_meta(fields, create=False)
+
+    def _update_meta(self, fields: Mapping[str, Any], create: bool) -> bool:
+        assert self.directory is not None  # callers check
+        old = self.metadata()
+        if old is None or old.get("kind") != "dataset":
+            if not create:
+                return False
+            old = {"created": time.time()}
+        meta = {**old, **self._info, **fields}
+        meta.update(torchcache_version=__version__, kind="dataset", max_bytes=self.max_disk_size)
+        if meta == old:
+            return True
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            write_json_atomic(self.directory / META_NAME, meta)
+        except OSError as exc:
+            self._faults.warn("disk-meta", f"cannot write {self.directory / META_NAME} ({exc})")
+            return False
+        return True
+
+    def flush(self) -> None:
+        """Make this process's writes durable against a killed process (they are when ``get`` returns)."""
+        for tier in self._tiers if self._pid == os.getpid() else []:
+            tier.store.flush()
+
+    def close(self) -> None:
+        """Close the stores and let go of the RAM tier; it is removed if no other process uses it.
+
+        The cache reopens if used again (with a new, empty RAM tier if this one was removed).
+        """
+        with self._lock:
+            if self._pid == os.getpid():
+                for tier in self._tiers:
+                    tier.store.close()
+            self._tiers, self._pid = [], None
+            if self.job_dir is not None and self._held_pid == os.getpid():
+                self._held_pid = None
+                shm.release(self.job_dir)
+
+
+def _encode(sample: object, key: object) -> bytes:
+    try:
+        return encode_sample(sample)
+    except KeyingError as exc:
+        raise type(exc)(f"the sample of {key!r}: {exc}") from None

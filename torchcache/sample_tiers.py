@@ -1,0 +1,150 @@
+"""The tiers of a sample cache: admission control, fault handling, hit counters.
+
+A tier admits an entry only while it fits (payload, record header and index share
+within the budget): a full tier keeps what it holds and takes no more, so with
+more samples than room a fixed subset stays cached, the hit rate is the fraction
+cached, and a full tier costs no write work. (Evicting instead, with shuffled epochs,
+would rewrite the tier all the time for the same hit rate.) The store under a tier has
+an eighth more room than the budget, so that two processes admitting at once never make
+it evict: the one that finds the budget passed after its write removes its own entries.
+A tier that fails to write warns once and is only read from then on, in that process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.context
+import multiprocessing.sharedctypes
+from collections.abc import Sequence
+from typing import Any
+
+import lmdb
+import torch.utils.data
+
+from ._log import logger
+from .faults import FaultLog
+from .stores.packed import INDEX_ENTRY_BYTES, PackedStore
+
+__all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "store_bytes"]
+
+#: Bytes an entry costs a tier beyond its payload: record header, packed key, index share.
+ENTRY_OVERHEAD = 15 + 16 + INDEX_ENTRY_BYTES
+_SLOTS = 65  # counter slots: the main process, then DataLoader workers by id
+_MIN_SLACK = 1 << 24
+
+
+class HitCounters:
+    """Hits per tier and misses, summed over the processes that share this object.
+
+    Each DataLoader worker counts in its own slot of shared memory (inherited by forked
+    workers, handed to spawned ones), so the sum covers the workers too. Copies made
+    other than for a new process count afresh. The counts are for reports: threads of
+    one process share a slot without a lock.
+    """
+
+    def __init__(self) -> None:
+        self.array: Any = multiprocessing.sharedctypes.RawArray("q", _SLOTS * 3)
+
+    def add(self, memory: int, disk: int, misses: int) -> None:
+        """Count hits of each tier and misses, in this process's slot."""
+        info = torch.utils.data.get_worker_info()
+        base = 0 if info is None else 3 * (1 + info.id % (_SLOTS - 1))
+        array = self.array
+        array[base] += memory
+        array[base + 1] += disk
+        array[base + 2] += misses
+
+    def totals(self) -> tuple[int, int, int]:
+        """Memory hits, disk hits and misses, summed over every slot."""
+        values = list(self.array)
+        return sum(values[0::3]), sum(values[1::3]), sum(values[2::3])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"array": self.array if multiprocessing.context.get_spawning_popen() is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.array = state["array"] if state["array"] is not None else HitCounters().array
+
+
+class SampleTier:
+    """One packed store, with admission control and its faults.
+
+    The store itself gets more room than the budget (:func:`store_bytes`): admission
+    keeps the tier within the budget, and the store never evicts on its own when two
+    processes admit entries at the same moment; the one that finds the budget passed
+    after its write takes its own entries back.
+
+    Args:
+        name: ``"memory"`` or ``"disk"``, for messages.
+        store: The store.
+        budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry.
+        faults: Where faults are warned about.
+    """
+
+    def __init__(self, name: str, store: PackedStore, budget: int, faults: FaultLog) -> None:
+        self.name = name
+        self.store = store
+        self.budget = budget
+        self.faults = faults
+        self.writable = True
+        self.full = False
+
+    def used(self) -> int:
+        """The bytes the tier's entries count against its budget."""
+        return self.store.nbytes + len(self.store) * ENTRY_OVERHEAD
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
+        try:
+            return self.store.get_many(keys)
+        except (OSError, lmdb.Error) as exc:
+            self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({exc}); samples are computed")
+            return [None] * len(keys)
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Write the items that fit; once one does not, take no more."""
+        if not items or self.full or not self.writable:
+            return
+        try:
+            room = self.budget - self.used()
+            admitted = []
+            for key, frame in items:
+                room -= len(frame) + ENTRY_OVERHEAD
+                if room < 0:
+                    self.full = True
+                    logger.info("the %s tier %s is full: later samples are not cached there", self.name, self.store)
+                    break
+                admitted.append((key, frame))
+            if admitted:
+                self.store.put_many(admitted)
+                self._give_back(admitted)
+        except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
+            self.writable = False
+            self.faults.warn(
+                f"{self.name}-write",
+                f"cannot write to the {self.name} tier ({exc}); samples are computed, not cached there, from now on",
+            )
+
+    def _give_back(self, written: list[tuple[str, bytes | memoryview]]) -> None:
+        """If other processes wrote at the same time and the budget is passed, remove this write's entries."""
+        over = self.used() - self.budget
+        if over <= 0:
+            return
+        self.full = True
+        back = []
+        for key, frame in reversed(written):
+            if over <= 0:
+                break
+            back.append(key)
+            over -= len(frame) + ENTRY_OVERHEAD
+        self.store.delete_many(back)
+
+    def drop(self, key: str) -> None:
+        """Remove a damaged entry, if the tier can be written."""
+        with contextlib.suppress(OSError, lmdb.Error):
+            self.store.delete_many([key])
+
+
+def store_bytes(budget: int) -> int:
+    """The room a tier's store gets for a budget: an eighth more, at least 16 MiB more."""
+    return budget + max(budget // 8, _MIN_SLACK)

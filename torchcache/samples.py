@@ -1,0 +1,403 @@
+"""Dataset samples <-> bytes, without pickle.
+
+A sample is what a dataset's ``__getitem__`` returns: CPU tensors of any dtype and
+shape, numpy arrays and scalars of numbers, ``bool``, ``int``, ``float``, ``complex``,
+``str``, ``bytes``, ``None``, and tuples, lists and dicts (``str`` or ``int`` keys) of
+these, nested up to :data:`MAX_DEPTH` containers. Each sample carries its own shapes,
+so they may vary from sample to sample. Layout of a frame::
+
+    magic "TCSM" | version u8 | 3 reserved bytes | header length u32
+    | header (ASCII JSON: the tree, dtypes and shapes) | data (the leaves' bytes)
+
+The header holds no values that vary between samples of one shape (numbers and
+strings are in the data, each leaf at the next multiple of 8 bytes), so the samples of
+a dataset share a few headers, and the decoder keeps the *plan* it compiled from each
+header (validated once: known tags and dtypes, bounded depth, node count and
+dimensions). Decoding checks that the data is exactly as long as the plan needs, copies
+it once into a new ``bytearray`` and builds every leaf as a view of that copy: the
+tensors it returns never alias the caller's buffer, and a hostile frame raises
+:class:`~torchcache.errors.CorruptEntryError`, never allocates more than it holds.
+Integrity (checksums) is the store's job.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CorruptEntryError, KeyingError
+
+__all__ = ["MAX_DEPTH", "MAX_NODES", "SampleTypeError", "decode_sample", "encode_sample"]
+
+#: Containers nested deeper than this are refused (encoding) or rejected (decoding).
+MAX_DEPTH = 32
+#: At most this many values (leaves and containers) in one sample.
+MAX_NODES = 100_000
+_MAX_HEADER = 1 << 22
+_MAX_DIMS = 32
+_MAX_ELEMENT_BYTES = 1 << 62
+_MAGIC = b"TCSM"
+_VERSION = 1
+_PREFIX = struct.Struct("<4sBxxxI")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_C128 = struct.Struct("<dd")
+_ALIGN = 8
+_PLAN_CACHE_SIZE = 1024
+_INT64 = (-(2**63), 2**63 - 1)
+
+_TORCH_NAMES = (
+    *("float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128"),
+    *("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"),
+    *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"),
+)
+#: Tensor dtypes that can be cached, by name. Decoding only looks names up here.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _TORCH_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_TORCH_NAME = {dt: name for name, dt in TORCH_DTYPES.items()}
+# Built with numpy (faster); the others (bfloat16, float8...) with torch.frombuffer.
+_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
+    TORCH_DTYPES[name]: np.dtype(name) for name in TORCH_DTYPES if hasattr(np, name)
+}
+#: Numpy dtypes that can be cached, by ``dtype.str`` (both byte orders).
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    dt.str: dt
+    for code in "?bBhHiIlLqQefdFD"
+    for dt in (np.dtype(code).newbyteorder("<"), np.dtype(code).newbyteorder(">"))
+}
+
+_HINT = (
+    "a cached sample holds CPU tensors, numpy arrays and scalars of numbers, bool, int, float, complex, str, "
+    "bytes, None, and tuples, lists and dicts (str or int keys) of these; convert it in __getitem__, or produce "
+    "it in transform= (applied after the cache)"
+)
+
+
+class SampleTypeError(KeyingError):
+    """A sample holds a value that cannot be cached (the message names it and its path)."""
+
+
+def _refuse(value: object, path: str) -> SampleTypeError:
+    cls = type(value)
+    name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
+    if cls.__module__.startswith("PIL."):
+        hint = "convert PIL images with torchvision.transforms.functional.pil_to_tensor or numpy.asarray"
+    elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
+        hint = "convert it to a plain tuple or dict (namedtuple._asdict(), dataclasses.asdict())"
+    elif isinstance(value, (int, float, str, dict, list)):
+        hint = "convert it to the plain builtin type (int(x), float(x), str(x), dict(x), list(x))"
+    else:
+        hint = _HINT
+    return SampleTypeError(f"{path}: cannot cache a value of type {name}; {hint}")
+
+
+# -- encoding ---------------------------------------------------------------------
+class _Encoder:
+    def __init__(self) -> None:
+        self.chunks: list[bytes | memoryview] = []
+        self.size = 0
+        self.nodes = 0
+
+    def put(self, data: bytes | memoryview) -> None:
+        pad = -self.size % _ALIGN
+        if pad:
+            self.chunks.append(b"\0" * pad)
+        self.chunks.append(data)
+        self.size += pad + len(data)
+
+    def node(self, value: object, path: str, depth: int) -> Any:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise SampleTypeError(f"{path}: a sample holds more than {MAX_NODES} values; cache fewer, larger arrays")
+        cls = type(value)
+        if value is None or cls is bool:
+            return value
+        if cls is int:
+            if _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
+                self.put(_I64.pack(value))
+                return "i"
+            return ["I", value]
+        if cls is float:
+            self.put(_F64.pack(value))
+            return "f"
+        if cls is complex:
+            self.put(_C128.pack(value.real, value.imag))  # type: ignore[attr-defined]
+            return "c"
+        if cls is str:
+            data = value.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
+            self.put(data)
+            return ["s", len(data)]
+        if cls is bytes:
+            self.put(value)  # type: ignore[arg-type]
+            return ["b", len(value)]  # type: ignore[arg-type]
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, np.ndarray) and cls is np.ndarray:
+            return ["a", self.array(value, path), list(value.shape)]
+        if isinstance(value, np.generic) and value.dtype.str in NUMPY_DTYPES:
+            self.put(np.asarray(value).tobytes())
+            return ["n", value.dtype.str]
+        if cls in (tuple, list, dict) and depth >= MAX_DEPTH:
+            raise SampleTypeError(f"{path}: the sample nests containers more than {MAX_DEPTH} deep")
+        if cls is tuple or cls is list:
+            seq: list[object] | tuple[object, ...] = value  # type: ignore[assignment]
+            return ["u" if cls is tuple else "l", [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(seq)]]
+        if cls is dict:
+            mapping: dict[object, object] = value  # type: ignore[assignment]
+            for key in mapping:
+                if type(key) is not str and type(key) is not int:
+                    raise SampleTypeError(f"{path}: dict keys must be str or int to be cached, got {key!r}")
+            values = [self.node(v, f"{path}[{k!r}]", depth + 1) for k, v in mapping.items()]
+            return ["d", list(mapping), values]
+        raise _refuse(value, path)
+
+    def tensor(self, value: torch.Tensor, path: str) -> Any:
+        if value.device.type != "cpu":
+            raise SampleTypeError(
+                f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
+                "__getitem__ and move batches to the device in the training loop (DataLoader(pin_memory=True) helps)"
+            )
+        if value.layout != torch.strided:
+            raise SampleTypeError(f"{path}: a {value.layout} tensor cannot be cached; convert it with .to_dense()")
+        name = _TORCH_NAME.get(value.dtype)
+        if name is None:
+            raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
+        flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        self.put(flat.view(torch.uint8).numpy().data)
+        return ["t", name, list(value.shape)]
+
+    def array(self, value: np.ndarray[Any, Any], path: str) -> str:
+        if value.dtype.str not in NUMPY_DTYPES:
+            raise SampleTypeError(
+                f"{path}: numpy arrays of dtype {value.dtype} cannot be cached (numbers and bool only); "
+                "convert object or string arrays to a list or tensor"
+            )
+        self.put(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        return str(value.dtype.str)
+
+
+def encode_sample(sample: object, name: str = "sample") -> bytes:
+    """Encode a sample into a frame.
+
+    Args:
+        sample: What a dataset's ``__getitem__`` returned.
+        name: The name of the sample in error messages (``sample[1]['label']``).
+
+    Returns:
+        The frame.
+
+    Raises:
+        SampleTypeError: If the sample holds a value that cannot be cached (the message
+            names its type and its path, and says how to convert it).
+
+    Example:
+        >>> frame = encode_sample((torch.arange(3), {"label": 7}))
+        >>> decode_sample(frame)
+        (tensor([0, 1, 2]), {'label': 7})
+    """
+    encoder = _Encoder()
+    tree = encoder.node(sample, name, 0)
+    header = json.dumps(tree, separators=(",", ":")).encode("ascii")
+    if len(header) > _MAX_HEADER:
+        raise SampleTypeError(f"{name}: the sample's structure is too large to cache ({len(header)} bytes)")
+    return b"".join([_PREFIX.pack(_MAGIC, _VERSION, len(header)), header, *encoder.chunks])
+
+
+# -- decoding ---------------------------------------------------------------------
+Build = Callable[[bytearray], Any]
+
+
+class _Plan:
+    """What a header describes: the data size it needs, and how to build the sample from it."""
+
+    def __init__(self, tree: object) -> None:
+        self.size = 0
+        self.nodes = 0
+        self.build = self.compile(tree, 0)
+
+    def take(self, nbytes: int) -> int:
+        offset = self.size + (-self.size % _ALIGN)
+        self.size = offset + nbytes
+        return offset
+
+    def compile(self, node: object, depth: int) -> Build:
+        self.nodes += 1
+        if self.nodes > MAX_NODES or depth > MAX_DEPTH:
+            raise ValueError("too many values or nested too deeply")
+        if node is None or node is True or node is False:
+            return partial(_constant, node)
+        if isinstance(node, str) and node in _NUMBERS:
+            form = _NUMBERS[node]
+            return partial(_number, form, self.take(form.size))
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
+            raise ValueError(f"unknown node {str(node)[:40]}")
+        tag, args = node[0], node[1:]
+        if tag == "I" and len(args) == 1 and type(args[0]) is int:
+            return partial(_constant, args[0])
+        if tag in ("s", "b") and len(args) == 1 and _count(args[0]):
+            return partial(_bytes if tag == "b" else _str, self.take(args[0]), args[0])
+        if tag == "t" and len(args) == 2 and isinstance(args[0], str) and args[0] in TORCH_DTYPES:
+            return self.tensor(TORCH_DTYPES[args[0]], _shape(args[1], TORCH_DTYPES[args[0]].itemsize))
+        if tag == "a" and len(args) == 2 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:
+            return self.array(NUMPY_DTYPES[args[0]], _shape(args[1], NUMPY_DTYPES[args[0]].itemsize))
+        if tag == "n" and len(args) == 1 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:
+            dtype = NUMPY_DTYPES[args[0]]
+            return partial(_numpy_scalar, dtype, self.take(dtype.itemsize))
+        if tag in ("l", "u") and len(args) == 1 and isinstance(args[0], list):
+            parts = [self.compile(child, depth + 1) for child in args[0]]
+            return partial(_tuple if tag == "u" else _list, parts)
+        if tag == "d" and len(args) == 2 and isinstance(args[0], list) and isinstance(args[1], list):
+            keys, children = args
+            if len(keys) != len(children) or not all(type(k) is str or type(k) is int for k in keys):
+                raise ValueError("malformed dict node")
+            return partial(_dict, [(key, self.compile(child, depth + 1)) for key, child in zip(keys, children)])
+        raise ValueError(f"unknown node {str(node)[:40]}")
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Build:
+        count = _numel(shape)
+        at = self.take(count * dtype.itemsize)
+        if count == 0:
+            return partial(_empty_tensor, dtype, shape)
+        npdt = _NUMPY_OF.get(dtype)
+        if npdt is not None:
+            return partial(_tensor_from_numpy, npdt, count, at, shape)
+        return partial(_tensor, dtype, count, at, shape)
+
+    def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Build:
+        count = _numel(shape)
+        return partial(_array, dtype, count, self.take(count * dtype.itemsize), shape)
+
+
+# The builders of a plan: each takes its parameters, then the data.
+_NUMBERS = {"i": _I64, "f": _F64, "c": _C128}
+
+
+def _constant(value: object, buf: bytearray) -> object:
+    return value
+
+
+def _number(form: struct.Struct, at: int, buf: bytearray) -> object:
+    values = form.unpack_from(buf, at)
+    return values[0] if len(values) == 1 else complex(*values)
+
+
+def _bytes(at: int, n: int, buf: bytearray) -> bytes:
+    return bytes(buf[at : at + n])
+
+
+def _str(at: int, n: int, buf: bytearray) -> str:
+    return buf[at : at + n].decode("utf-8", "surrogatepass")
+
+
+def _numpy_scalar(dtype: np.dtype[Any], at: int, buf: bytearray) -> object:
+    return np.frombuffer(buf, dtype, 1, at)[0]
+
+
+def _tuple(parts: list[Build], buf: bytearray) -> tuple[Any, ...]:
+    return tuple([part(buf) for part in parts])
+
+
+def _list(parts: list[Build], buf: bytearray) -> list[Any]:
+    return [part(buf) for part in parts]
+
+
+def _dict(pairs: list[tuple[str | int, Build]], buf: bytearray) -> dict[str | int, Any]:
+    return {key: part(buf) for key, part in pairs}
+
+
+def _empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], buf: bytearray) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _tensor_from_numpy(
+    dtype: np.dtype[Any], count: int, at: int, shape: tuple[int, ...], buf: bytearray
+) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(buf, dtype, count, at).reshape(shape))
+
+
+def _tensor(dtype: torch.dtype, count: int, at: int, shape: tuple[int, ...], buf: bytearray) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=at).view(shape)
+
+
+def _array(dtype: np.dtype[Any], count: int, at: int, shape: tuple[int, ...], buf: bytearray) -> np.ndarray[Any, Any]:
+    return np.frombuffer(buf, dtype, count, at).reshape(shape)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_ELEMENT_BYTES
+
+
+def _shape(value: object, itemsize: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_DIMS or not all(_count(d) for d in value):
+        raise ValueError(f"invalid shape {str(value)[:40]}")
+    bound = itemsize
+    for dim in value:
+        bound *= max(dim, 1)
+        if bound > _MAX_ELEMENT_BYTES:
+            raise ValueError(f"shape {str(value)[:40]} is too large")
+    return tuple(value)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+_plans: dict[bytes, _Plan] = {}
+
+
+def _plan(header: bytes) -> _Plan:
+    plan = _plans.get(header)
+    if plan is None:
+        if len(_plans) >= _PLAN_CACHE_SIZE:
+            _plans.clear()
+        try:
+            plan = _Plan(json.loads(header))
+        except (ValueError, RecursionError) as exc:
+            raise CorruptEntryError(f"invalid sample header: {str(exc)[:200]}") from None
+        _plans[header] = plan
+    return plan
+
+
+def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
+    """Decode a frame made by :func:`encode_sample`.
+
+    The data is copied once; the tensors and arrays returned are writable views of that
+    copy, never of ``frame``.
+
+    Args:
+        frame: The frame.
+
+    Returns:
+        The sample.
+
+    Raises:
+        CorruptEntryError: If the frame is not a valid sample frame.
+    """
+    view = memoryview(frame)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if len(view) < _PREFIX.size:
+        raise CorruptEntryError(f"a sample frame of {len(view)} bytes is too short")
+    magic, version, header_len = _PREFIX.unpack_from(view)
+    if magic != _MAGIC or version != _VERSION:
+        raise CorruptEntryError(f"not a sample frame of version {_VERSION} (magic {bytes(magic)!r}, version {version})")
+    start = _PREFIX.size + header_len
+    if header_len > _MAX_HEADER or start > len(view):
+        raise CorruptEntryError(f"a sample header of {header_len} bytes does not fit the frame")
+    plan = _plan(bytes(view[_PREFIX.size : start]))
+    if len(view) - start != plan.size:
+        raise CorruptEntryError(f"a sample frame holds {len(view) - start} data bytes, its header needs {plan.size}")
+    try:
+        return plan.build(bytearray(view[start:]))
+    except (ValueError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
+        raise CorruptEntryError(f"cannot decode a sample: {str(exc)[:200]}") from None
