@@ -4,7 +4,7 @@
 with a progress bar and a flush at the end: it stores exactly what later calls look up,
 so a module run in the same mode (``train()``/``eval()``, part of every key) on the same
 inputs hits. Stopping it early keeps what finished: every entry is written whole by the
-background writer (temporary file, then rename), and the flush on the way out, on an
+background writer (a store indexes an entry only once it is written), and the flush on the way out, on an
 interrupt too, waits for the entries of the batches already computed.
 """
 

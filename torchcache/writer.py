@@ -14,8 +14,8 @@ error of a job, while it waits: a thread that still held tensors when the interp
 shut down could abort the process. At interpreter exit every writer is flushed (saying
 what it waits for once that takes more than :data:`REPORT_AFTER` seconds), then the
 threads are stopped and joined; a job submitted after that runs on the caller's thread.
-A crash loses pending writes but never leaves a partial entry, because each entry is
-written to a temporary file and renamed.
+A crash loses pending writes but never leaves a partial entry: a store indexes an
+entry only after it is written whole.
 
 Errors of a job are never raised on a pool thread: they go to the writer's
 ``on_error`` (the engine turns them into one warning, on the caller's thread) before
