@@ -109,7 +109,7 @@ class PackedStore(BatchedStore):
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
         self._reported: set[str] = set()
-        self._reader = EntryReader(self._root, self._files, self._max_entry, self._report)
+        self._reader = EntryReader(self._root, self._files, int(max_entry_bytes), self._report)
         self._handle = IndexHandle(self._root, self._files, self._report, self._forget_doomed)
         try:
             os.makedirs(self._root, exist_ok=True)

@@ -23,7 +23,7 @@ import lmdb
 
 from .files import open_regular
 from .packed_format import encode_record, scan_records
-from .packed_index import INDEX_NAME, Change, Entry, Index, open_index
+from .packed_index import INDEX_NAME, Change, Entry, Index, cut_short, open_index
 from .packed_segments import SegmentFiles
 
 __all__ = [
@@ -120,6 +120,10 @@ def open_or_recover(root: str, report: Report) -> Index:
         lmdb.Error: If LMDB still refuses it.
         OSError: If it cannot be opened or replaced.
     """
+    problem = cut_short(os.path.join(root, INDEX_NAME))
+    if problem is not None:  # mapping it could kill the process (SIGBUS): replace it
+        report("index", f"the index of {root} is {problem}; rebuilding it from the segment files")
+        discard_index(root, None)
     try:
         index = open_index(root, readonly=False)
     except (lmdb.Error, OSError) as exc:

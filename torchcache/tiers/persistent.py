@@ -53,6 +53,7 @@ _READ_CHUNKS = 8
 _WRITERS = 2
 _WRITE_CHUNK = 1024
 _TOUCH_EVERY = 60.0
+_MAX_SKIPPED = 1 << 16
 
 
 def _decode_pool() -> ThreadPoolExecutor:
@@ -115,6 +116,7 @@ class PersistentTier:
         self._writes_enabled = True
         self._pending = {}
         self._pending_lock = threading.Lock()
+        self._skipped: set[str] = set()  # damaged entries that could not be removed
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
 
     def __repr__(self) -> str:
@@ -133,11 +135,18 @@ class PersistentTier:
     # -- reads -----------------------------------------------------------------------
     def _fetch(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """Stored frames of ``keys`` (``None``: a miss), from the store, then the 1.0 files."""
+        skipped = self._skipped
+        wanted = [key for key in keys if key not in skipped] if skipped else keys
         try:
-            datas = self.store.get_many(keys)
+            found = self.store.get_many(wanted)
         except StoreError as exc:
             self._report("read", f"cannot read cache entries, recomputing them: {exc}")
-            datas = [None] * len(keys)
+            found = [None] * len(wanted)
+        if len(wanted) == len(keys):
+            datas = found
+        else:
+            by_key = dict(zip(wanted, found))
+            datas = [by_key.get(key) for key in keys]
         if self.legacy is not None:
             for i, data in enumerate(datas):
                 if data is None:
@@ -167,6 +176,10 @@ class PersistentTier:
             self.store.delete_many(keys)
         except StoreError:
             removed = False
+        if not removed:  # read-only: this process reads them no more, until it writes them anew
+            if len(self._skipped) + len(keys) > _MAX_SKIPPED:
+                self._skipped.clear()
+            self._skipped.update(keys)
         what = "removed" if removed else "cannot remove; this process skips"
         self._report("corrupt", f"{len(keys)} corrupt cache entries in {self.where} ({exc}): {what} them, recomputing")
 
@@ -295,6 +308,8 @@ class PersistentTier:
                 frames = self.codec.encode(job.layout, pack_rows(job.layout, job.leaves, len(job.keys)))
                 try:
                     self.store.put_many(list(zip(job.keys, frames)))
+                    if self._skipped:
+                        self._skipped.difference_update(job.keys)
                 except StoreUnavailableError as exc:
                     self._report("unavailable", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
                 except StoreError as exc:
