@@ -14,20 +14,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import entry_files, run_python
+from tests.helpers import assert_all_entries_decode, entry_files, run_python
 from torchcache import flush_all, torchcache
 from torchcache.writer import MAX_THREADS, THREAD_NAME
 
 # -- many processes that re-create caches and exit as their writer threads idle out ------------
 RECREATE = textwrap.dedent(
     """
-    import json, sys, threading, time
-    import torch
+    import faulthandler, gc, json, sys, threading, time
+    import lmdb, torch
     import torchcache.writer as writer
     from torchcache import torchcache
 
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the run, with every thread's stack
     # Writer threads idle out all through the run, and as it exits right after its flush.
     writer.IDLE_TIMEOUT = 0.05
+    # The collector may run at any allocation. Here it runs whenever an index is being opened,
+    # so that stores of the caches made before are collected (and close their own index) then.
+    real_open = lmdb.open
+
+    def open_after_collecting(*args, **kwargs):
+        gc.collect()
+        return real_open(*args, **kwargs)
+
+    lmdb.open = open_after_collecting
+    gc.freeze()  # what the imports made is never garbage: keep the collections short
     root, seed = sys.argv[1], int(sys.argv[2])
     generator = torch.Generator().manual_seed(seed)
     most_threads = 0
@@ -70,6 +81,7 @@ def test_processes_that_recreate_caches_always_exit_cleanly(tmp_path: Path) -> N
         assert "terminate called" not in result.stderr
     # every write made it to disk, though most caches were never flushed by hand
     assert len(entry_files(tmp_path)) == 8 * sum(json.loads(result.stdout)["made"] for result in results)
+    assert_all_entries_decode(tmp_path)
 
 
 def test_fifty_caches_share_a_bounded_number_of_writer_threads(tmp_path: Path) -> None:
@@ -128,7 +140,7 @@ def test_exit_writes_pending_entries_then_stops_and_joins_the_writer_threads(tmp
 SLOW_EXIT = textwrap.dedent(
     """
     import logging, sys, threading, torch
-    import torchcache.persist as persist
+    import torchcache.tiers.persistent as persistent
     from torchcache import torchcache
 
     reported = threading.Event()
@@ -139,7 +151,7 @@ SLOW_EXIT = textwrap.dedent(
                 reported.set()
 
     logging.getLogger("torchcache").addHandler(Seen(logging.WARNING))
-    real_job = persist.DiskTier._write_job
+    real_job = persistent.PersistentTier._write_job
 
     def slow_job(self, job):
         # a slow disk: the write ends only once the exit has said what it waits for
@@ -147,7 +159,7 @@ SLOW_EXIT = textwrap.dedent(
             print("never reported", file=sys.stderr)
         real_job(self, job)
 
-    persist.DiskTier._write_job = slow_job
+    persistent.PersistentTier._write_job = slow_job
 
     @torchcache(persistent=True, persistent_cache_dir=sys.argv[1])
     def embed(x):
@@ -176,27 +188,27 @@ FAILING_DISK = textwrap.dedent(
     """
     import errno, json, os, subprocess, sys, threading, time, types, warnings
     import torch
-    import torchcache.persist as persist
-    import torchcache.stores.disk as disk
+    import torchcache.stores.packed_segments as segments
+    import torchcache.tiers.persistent as persistent
     from tests.helpers import Counting, cached
 
     root, failure, step_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 
-    if failure == "patched":
-        def no_space(fd, data):
+    if failure == "patched":  # the segment files: appends find the disk full, new ones a read-only disk
+        def no_space(*args):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        def read_only(src, dst):
+        def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
         failing_os = types.ModuleType("os")
         failing_os.__dict__.update(os.__dict__)
-        failing_os.write, failing_os.replace = no_space, read_only
-        disk.os = failing_os
+        failing_os.pwritev, failing_os.pwrite, failing_os.link = no_space, no_space, read_only
+        segments.os = failing_os
 
 
     def make_unwritable(directory):
-        if failure == "tmpfs":  # a full disk: 64 kB hold about 15 of the 4 kB entries of a call
+        if failure == "tmpfs":  # a full disk: 64 kB, where the pending write of a call takes 256 kB
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", directory], check=True)
         elif failure == "readonly":
             subprocess.run(["mount", "--bind", directory, directory], check=True)
@@ -212,11 +224,11 @@ FAILING_DISK = textwrap.dedent(
 
     armed = {}  # directory -> the cache whose lock its writes wait for
     saw_lock_held = []
-    real_job = persist.DiskTier._write_job
+    real_job = persistent.PersistentTier._write_job
 
 
     def held_back_job(self, job):
-        cache = armed.pop(str(self.directory), None)
+        cache = armed.pop(self.where, None)
         if cache is not None:
             # the write runs (and fails) just when a caller holds the cache lock and waits for it
             deadline = time.monotonic() + step_timeout / 2
@@ -226,7 +238,7 @@ FAILING_DISK = textwrap.dedent(
         real_job(self, job)
 
 
-    persist.DiskTier._write_job = held_back_job
+    persistent.PersistentTier._write_job = held_back_job
     Model = cached(Counting, persistent=True, persistent_cache_dir=root)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))  # 256 kB of outputs per call
 
@@ -349,5 +361,6 @@ def test_failing_disk_writes_never_hang_clear_or_a_rekey(tmp_path: Path, failure
         assert step["saw_lock_held"] == [True], step  # the write failed while the caller waited for it
         cache_warnings = [message for category, message in step["warnings"] if category == "CacheWarning"]
         assert len(cache_warnings) == 1, step
+        assert "cannot write" in cache_warnings[0], step  # the held-back write failed, and said so once
         assert [category for category, _ in step["warnings"]] == ["CacheWarning"], step
     assert [step["step"] for step in steps] == ["clear", "load_state_dict", "to"]

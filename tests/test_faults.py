@@ -1,26 +1,55 @@
-"""Faults of the cache never break a forward call: bad entry files, unwritable roots, kills."""
+"""Faults of the cache never break a forward call: damaged records, unwritable stores, kills.
+
+A module directory holds a packed store: ``index.lmdb`` and append-only segment files
+``seg-<8 hex>.tcs`` of records (header, key, frame). The tests damage records, segment
+files and the index, fill or freeze the disk, and kill writers, and check that every
+call still returns the plain module's output, with at most one warning per kind.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
+import json
 import os
 import pickle
+import random
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import REPO, Counting, assert_all_entries_decode, assert_same, cached, entry_files, run_python
+from tests.helpers import (
+    REPO,
+    Counting,
+    assert_all_entries_decode,
+    assert_same,
+    cached,
+    entry_files,
+    run_python,
+    stored_entries,
+)
 from torchcache import CacheWarning
+from torchcache.codec import PREFIX_SIZE
+from torchcache.errors import StoreError, StoreUnavailableError
+from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed_format import HEADER
+from torchcache.tiers.persistent import PersistentTier
 
 N = 12
+GROUP = 4  # entries per segment file in the damage tests
+_STEP_TIMEOUT = 60.0
 
 
 @contextmanager
@@ -33,6 +62,10 @@ def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
     found.extend(w for w in caught if issubclass(w.category, CacheWarning))
 
 
+def messages(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught]
+
+
 class Evil:
     """Unpickling this creates ``marker``."""
 
@@ -43,41 +76,128 @@ class Evil:
         return (open, (str(self.marker), "w"))
 
 
-def flip(paths: list[Path], marker: Path) -> None:
-    for i, path in enumerate(paths):
-        data = bytearray(path.read_bytes())
-        # magic, reserved field, checksum, middle of the payload, last byte
-        position = [0, 6, 30, len(data) // 2, len(data) - 1][i % 5]
-        data[position] ^= 0x5A
-        path.write_bytes(bytes(data))
+# -- the store's files, as a test sees them ----------------------------------------------------
+@dataclass(frozen=True)
+class Record:
+    """Where one entry's record lies in a segment file (header, key, then the frame)."""
+
+    key: str
+    segment: Path
+    offset: int
+    frame: bytes
+
+    @property
+    def size(self) -> int:
+        return HEADER.size + len(bytes.fromhex(self.key)) + len(self.frame)
 
 
-def truncate(paths: list[Path], marker: Path) -> None:
-    for i, path in enumerate(paths):
-        data = path.read_bytes()
-        path.write_bytes(data[: [0, 10, len(data) // 2, len(data) - 1][i % 4]])
+def records_of(directory: Path) -> dict[str, Record]:
+    """The record of every entry of the store in ``directory``, found by its key and frame bytes."""
+    segments = {path: path.read_bytes() for path in sorted(directory.glob("seg-*.tcs")) if path.is_file()}
+    found: dict[str, Record] = {}
+    for entry, frame in stored_entries(directory).items():
+        needle = bytes.fromhex(entry.name) + frame
+        places = [(path, data.find(needle)) for path, data in segments.items() if needle in data]
+        assert len(places) == 1, (entry.name, places)
+        path, at = places[0]
+        found[entry.name] = Record(entry.name, path, at - HEADER.size, frame)
+    return found
 
 
-def delete(paths: list[Path], marker: Path) -> None:
-    for path in paths:
-        path.unlink()
+def store_keys(directory: Path) -> set[str]:
+    """The keys the index of the store in ``directory`` holds (their records are not read)."""
+    with PackedStore(directory, 1 << 40) as store:
+        return set(store.keys())
 
 
-def pickled(paths: list[Path], marker: Path) -> None:
-    for i, path in enumerate(paths):
+def assert_whole(root: Path) -> None:
+    """Every entry the stores under ``root`` index reads back whole, and decodes.
+
+    (``stored_entries`` leaves out what fails the store's checks: compare with the index.)
+    """
+    indexed = {index.parent / key for index in root.rglob("index.lmdb") for key in store_keys(index.parent)}
+    assert set(stored_entries(root)) == indexed
+    assert_all_entries_decode(root)
+
+
+def segment_bytes(directory: Path) -> dict[str, int]:
+    return {path.name: path.stat().st_size for path in directory.glob("seg-*.tcs")}
+
+
+def temporaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+# -- faults: each damages exactly the entries of ``records`` (one segment's) ----------------------
+def flip(directory: Path, records: list[Record], marker: Path, round_: int) -> None:
+    """Flip one byte of each record: magic, key length, payload length, checksum, key, frame."""
+    for i, record in enumerate(records):
+        where = [0, 1, 2, 4, 10, HEADER.size + 3, record.size // 2, record.size - 1][(GROUP * round_ + i) % 8]
+        data = bytearray(record.segment.read_bytes())
+        data[record.offset + where] ^= 0x5A
+        record.segment.write_bytes(bytes(data))
+
+
+def truncate(directory: Path, records: list[Record], marker: Path, round_: int) -> None:
+    """Cut the segment file inside its first record (in its frame, then in its header)."""
+    first = min(records, key=lambda r: r.offset)
+    assert {r.segment for r in records} == {first.segment}
+    with open(first.segment, "r+b") as file:
+        file.truncate(first.offset + [first.size // 2, 1][round_])
+
+
+def delete(directory: Path, records: list[Record], marker: Path, round_: int) -> None:
+    for segment in {r.segment for r in records}:
+        segment.unlink()
+
+
+def pickled(directory: Path, records: list[Record], marker: Path, round_: int) -> None:
+    """Valid records whose payload is a pickle (plain, or torch.save's zip) instead of a frame."""
+    items = []
+    for i, record in enumerate(records):
         if i % 2:
             buffer = io.BytesIO()
             torch.save(Evil(marker), buffer)
-            path.write_bytes(buffer.getvalue())
+            items.append((record.key, buffer.getvalue()))
         else:
-            path.write_bytes(pickle.dumps(Evil(marker)))
+            items.append((record.key, pickle.dumps(Evil(marker))))
+    with PackedStore(directory, 1 << 40) as store:
+        assert store.put_many(items) == len(items)
 
 
-FAULTS: dict[str, Callable[[list[Path], Path], None]] = {
+def _set(frame: bytes, at: int, value: bytes) -> bytes:
+    return frame[:at] + value + frame[at + len(value) :]
+
+
+def _header_len(frame: bytes) -> int:
+    return int.from_bytes(frame[8:12], "little")
+
+
+FRAME_DAMAGE: list[Callable[[bytes], bytes]] = [
+    lambda f: _set(f, 0, bytes([f[0] ^ 0x5A])),  # magic
+    lambda f: f[:-1],  # one byte short
+    lambda f: _set(f, 4, b"\x63"),  # version 99
+    lambda f: _set(f, 5, b"\x07"),  # no such codec
+    lambda f: _set(f, PREFIX_SIZE, b"[" * _header_len(f)),  # header is not a layout
+    lambda f: _set(f, 20, (int.from_bytes(f[20:28], "little") + 4).to_bytes(8, "little")),  # raw length
+    lambda f: f + b"\0",  # one byte too many
+    lambda f: f[:10],  # shorter than the prefix
+]
+
+
+def damaged_frames(directory: Path, records: list[Record], marker: Path, round_: int) -> None:
+    """Valid records holding damaged frames (their record checksum is right: only the frame check sees it)."""
+    items = [(r.key, FRAME_DAMAGE[(GROUP * round_ + i) % 8](r.frame)) for i, r in enumerate(records)]
+    with PackedStore(directory, 1 << 40) as store:
+        assert store.put_many(items) == len(items)
+
+
+FAULTS: dict[str, Callable[[Path, list[Record], Path, int], None]] = {
     "flip": flip,
     "truncate": truncate,
     "delete": delete,
     "pickle": pickled,
+    "frame": damaged_frames,
 }
 
 
@@ -88,55 +208,601 @@ def test_the_pickle_payload_would_run(tmp_path: Path) -> None:
     assert marker.exists()
 
 
+def record_size_of_one_entry(tmp_path: Path) -> int:
+    probe = cached(Counting, persistent=True, persistent_cache_dir=tmp_path / "probe")()
+    probe(torch.randn(1, 4))
+    probe.cache_instance.flush()
+    ((entry, frame),) = stored_entries(tmp_path / "probe").items()
+    return HEADER.size + len(bytes.fromhex(entry.name)) + len(frame)
+
+
+def write_in_segments(x: torch.Tensor, tmp_path: Path) -> tuple[Any, list[list[Record]]]:
+    """Store the items of ``x`` in segment files of GROUP records each; return the records by segment."""
+    # Budgets under 1 MiB get segments of 1/16 of the budget: GROUP records each.
+    writer = cached(
+        Counting, persistent=True, max_persistent_cache_size=16 * GROUP * record_size_of_one_entry(tmp_path)
+    )()
+    writer(x)
+    writer.cache_instance.flush()
+    directory = writer.cache_instance.cache_dir
+    by_segment: dict[Path, list[Record]] = {}
+    for record in records_of(directory).values():
+        by_segment.setdefault(record.segment, []).append(record)
+    groups = [sorted(by_segment[seg], key=lambda r: r.offset) for seg in sorted(by_segment)]
+    assert [len(group) for group in groups] == [GROUP] * (len(x) // GROUP)
+    return writer, groups
+
+
+@contextmanager
+def no_write_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Callers inside recompute what they miss but write nothing back: what is removed stays removed."""
+    with monkeypatch.context() as patch:
+        patch.setattr(PersistentTier, "write", lambda self, keys, layout, leaves: None)
+        yield
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_bad_entry_files_are_misses_removed_and_warned_once(fault: str, cache_root: Path, tmp_path: Path) -> None:
+def test_damaged_entries_are_misses_removed_and_warned_once(
+    fault: str, cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     marker = tmp_path / "pwned"
     x = torch.randn(N, 4)
     plain = Counting()
-    writer = cached(Counting, persistent=True)()
-    writer(x)
-    writer.cache_instance.flush()
-    files = entry_files(cache_root)
-    assert len(files) == N
+    writer, groups = write_in_segments(x, tmp_path)
+    directory = writer.cache_instance.cache_dir
+    every = {r.key for group in groups for r in group}
+    assert store_keys(directory) == every
 
-    # a reader with no room on disk writes nothing back, so what it removes stays removed
-    reader = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size=1)()
-    FAULTS[fault](files[:4], marker)
-    with cache_warnings() as caught:
-        out = reader(x)
-        reader.cache_instance.flush()
-    assert_same(out, plain(x))
-    assert reader.items == 4
-    assert [p.exists() for p in files] == [False] * 4 + [True] * (N - 4)
-    if fault == "delete":
-        assert len(caught) <= 1
-    else:
-        assert len(caught) == 1, [str(w.message) for w in caught]
-    assert_all_entries_decode(cache_root)
-
-    # the same fault again: still correct and removed, no second warning
-    FAULTS[fault](files[4:8], marker)
-    with cache_warnings() as again:
-        out = reader(x)
-        reader.cache_instance.flush()
-    assert_same(out, plain(x))
-    assert reader.items == 4 + 8
-    assert [p.exists() for p in files] == [False] * 8 + [True] * (N - 8)
-    assert again == []
+    reader = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    for round_, group in enumerate(groups[:2]):
+        FAULTS[fault](directory, group, marker, round_)
+        with no_write_back(monkeypatch), cache_warnings() as caught:
+            out = reader(x)
+            reader.cache_instance.flush()
+        assert_same(out, plain(x))
+        assert reader.items == GROUP * (1 + 2 * round_)  # this group, and the groups removed before
+        assert store_keys(directory) == every - {r.key for g in groups[: round_ + 1] for r in g}
+        # the first fault warns once; the same fault again is still a miss, and not warned again
+        assert len(caught) == (1 if round_ == 0 else 0), messages(caught)
+        assert_whole(cache_root)
+        # The reader keeps descriptors of the segments it read, and a segment unlinked under
+        # an open descriptor still reads right: reopen, as a later process would.
+        reader.cache_instance._disk.store.close()
     assert not marker.exists()
 
-    # an instance with room writes the recomputed items again
+    # an instance that writes stores the recomputed items again
     rewriter = cached(Counting, persistent=True)()
     with cache_warnings() as none:
         assert_same(rewriter(x), plain(x))
         rewriter.cache_instance.flush()
-    assert none == []
-    assert rewriter.items == 8
-    assert len(entry_files(cache_root)) == N
-    assert_all_entries_decode(cache_root)
-    fresh = cached(Counting, persistent=True)()
-    assert_same(fresh(x), plain(x))
+    assert none == [], messages(none)
+    assert rewriter.items == 2 * GROUP
+    assert store_keys(directory) == every
+    assert_whole(cache_root)
+    fresh = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    with cache_warnings() as none:
+        assert_same(fresh(x), plain(x))
+    assert none == [], messages(none)
     assert fresh.items == 0
+    assert not marker.exists()
+
+
+# -- mounts: a full disk, a read-only directory -------------------------------------------------
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mounts", encoding="utf-8") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return [point for point in points if point == str(path) or point.startswith(f"{path}/")]
+
+
+@pytest.fixture
+def mounts() -> Iterator[Callable[..., None]]:
+    """``mount(*args)``: run ``mount`` (the last argument is the mount point), or skip; all undone after."""
+    points: list[Path] = []
+
+    def mount(*args: str | Path) -> None:
+        command = ["mount", *map(str, args)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            pytest.skip(f"cannot run mount ({exc})")
+        if result.returncode != 0:
+            pytest.skip(f"{' '.join(command)} failed ({result.stderr.strip()}): mounting needs CAP_SYS_ADMIN")
+        if Path(args[-1]) not in points:
+            points.append(Path(args[-1]))
+
+    yield mount
+    for point in reversed(points):
+        for mounted in reversed(_mounts_under(point)):
+            subprocess.run(["umount", "-l", mounted], check=False, capture_output=True)
+
+
+@pytest.fixture
+def read_only(mounts: Callable[..., None]) -> Iterator[Callable[[Path], Callable[[], None]]]:
+    """``read_only(directory)`` makes it read-only (a read-only bind mount; chmod when not root); returns the undo."""
+    undo: list[Callable[[], None]] = []
+
+    def make(directory: Path) -> Callable[[], None]:
+        if os.geteuid() == 0:  # root writes through any mode: only a read-only mount stops it
+            mounts("--bind", directory, directory)
+            mounts("-o", "remount,bind,ro", directory)
+
+            def done() -> None:
+                for point in reversed(_mounts_under(directory)):
+                    subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+
+        else:
+            modes = {p: p.stat().st_mode for p in [directory, *directory.iterdir()]}
+            for path in modes:
+                path.chmod(0o555 if path.is_dir() else 0o444)
+
+            def done() -> None:
+                for path, mode in modes.items():
+                    path.chmod(mode)
+
+        undo.append(done)
+        return done
+
+    yield make
+    for done in reversed(undo):
+        done()
+
+
+WRITE_ONCE = textwrap.dedent(
+    """
+    import sys, torch
+    from tests.helpers import Counting, cached
+
+    model = cached(Counting, persistent=True)()
+    model(torch.randn(int(sys.argv[1]), 4, generator=torch.Generator().manual_seed(int(sys.argv[2]))))
+    model.cache_instance.flush()
+    """
+)
+
+
+def write_in_another_process(n: int, seed: int) -> torch.Tensor:
+    result = run_python(WRITE_ONCE, str(n), str(seed))
+    assert result.returncode == 0, result.stderr
+    return torch.randn(n, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many stored frames each read of a persistent tier fetches (to check them), from now on."""
+    fetched: list[int] = []
+    real = PersistentTier._fetch
+
+    def counting(self: PersistentTier, keys: Any) -> Any:
+        datas = real(self, keys)
+        fetched.append(sum(data is not None for data in datas))
+        return datas
+
+    monkeypatch.setattr(PersistentTier, "_fetch", counting)
+    return fetched
+
+
+@pytest.mark.parametrize("fault", ["flip", "frame"])
+def test_a_damaged_entry_that_cannot_be_removed_is_reported_as_such_and_skipped_in_the_process(
+    fault: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch, read_only: Callable[[Path], Callable[[], None]]
+) -> None:
+    x = write_in_another_process(N, seed=7)
+    (directory,) = [p.parent for p in cache_root.glob("*/index.lmdb")]
+    victim = records_of(directory)[min(store_keys(directory))]
+    FAULTS[fault](directory, [victim], cache_root / "unused", 0)
+    read_only(directory)
+
+    plain = Counting()
+    reader = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    with cache_warnings() as caught:
+        assert_same(reader(x), plain(x))
+        reader.cache_instance.flush()
+    assert reader.items == 1
+    # one warning for the damaged entry, one for the write of the recomputed item
+    assert len(caught) == 2, messages(caught)
+    damaged, write = sorted(messages(caught), key=lambda m: "read-only" in m)
+    assert victim.key in damaged or "corrupt" in damaged, damaged
+    assert "removed them" not in damaged
+    assert "cannot write" in write and "read-only" in write, write
+    assert victim.key in store_keys(directory)  # it could not be removed
+
+    fetched = count_fetched(monkeypatch)
+    again = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    with cache_warnings() as none:
+        assert_same(again(x), plain(x))
+    assert none == [], messages(none)  # known to this process: not read, not rejected, not reported again
+    assert again.items == 1
+    assert fetched == [N - 1]
+
+
+# -- kills ------------------------------------------------------------------------------------
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tests.helpers import Counting, cached
+
+    n = int(sys.argv[1])
+    model = cached(Counting, persistent=True)()
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(3))
+    model(x[: n // 2])
+    model.cache_instance.flush()
+
+    def dying_pwritev(fd, buffers, offset, *flags):
+        data = b"".join(bytes(b) for b in buffers)
+        os.pwrite(fd, data[: len(data) // 2], offset)  # half of the batch's records reach the file
+        os._exit(17)
+
+    os.pwritev = dying_pwritev
+    model(x[n // 2 :])
+    model.cache_instance.flush()
+    os._exit(0)
+    """
+)
+
+
+def test_process_killed_while_writing_leaves_no_partial_entry(cache_root: Path) -> None:
+    result = run_python(KILLED_WRITER, str(N))
+    assert result.returncode == 17, result.stderr
+    (directory,) = [p.parent for p in cache_root.glob("*/index.lmdb")]
+    assert_whole(cache_root)
+    assert len(stored_entries(cache_root)) == N // 2
+    with PackedStore(directory, 1 << 40) as store:
+        records = store.usage()["records"]
+    assert sum(segment_bytes(directory).values()) > records  # the torn records are in the file, not indexed
+
+    x = torch.randn(N, 4, generator=torch.Generator().manual_seed(3))
+    rerun = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    with cache_warnings() as caught:
+        out = rerun(x)
+        rerun.cache_instance.flush()
+    assert caught == [], messages(caught)
+    assert_same(out, Counting()(x))
+    assert rerun.items == N - N // 2
+    assert len(entry_files(cache_root)) == N
+    assert_whole(cache_root)
+    assert temporaries(cache_root) == []
+
+
+BATCH = 32
+STEPS = 24
+# Imports torch once and forks a writer per "start NAME POOL ORDER CHECKPOINTS" line (an
+# interpreter per writer costs seconds). A writer prints "NAME step K" after each call; with
+# CHECKPOINTS, also "NAME pwritev" before each write to a segment file and "NAME commit" before
+# each index commit, and then waits for the test to "tell NAME go" (or to kill it right there).
+LAUNCHER = textwrap.dedent(
+    f"""
+    import os, signal, sys, threading, traceback
+    import torch
+    import torchcache.stores.packed_index as packed_index
+    from tests.helpers import Counting, cached
+
+    def say(*words):  # one write: lines of several processes never mix (print writes in pieces)
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+    def stop_at_checkpoints(name, orders):
+        lock = threading.Lock()
+
+        def checkpoint(what):
+            with lock:
+                say(name, what)
+                if orders.readline().strip() != "go":
+                    os._exit(4)
+
+        real_pwritev, real_commit = os.pwritev, packed_index.Change.commit
+
+        def pwritev(*args):
+            checkpoint("pwritev")
+            return real_pwritev(*args)
+
+        def commit(self):
+            checkpoint("commit")
+            real_commit(self)
+
+        os.pwritev, packed_index.Change.commit = pwritev, commit
+
+    def write(name, pool, order):
+        generator = torch.Generator().manual_seed(pool)
+        batches = [torch.randn({BATCH}, 4, generator=generator) for _ in range({STEPS})]
+        model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+        plain = Counting()
+        for step, i in enumerate(torch.randperm({STEPS}, generator=torch.Generator().manual_seed(order)).tolist()):
+            if not torch.equal(model(batches[i]), plain(batches[i])):
+                raise AssertionError(f"{{name}}: a wrong output at step {{step}}")
+            if step % 4 == 3:
+                model.cache_instance.flush()
+            say(name, "step", step)
+        model.cache_instance.flush()
+        say(name, "done")
+        while True:
+            signal.pause()  # wait for the kill
+
+    writers = {{}}
+    for line in sys.stdin:
+        command, name, *args = line.split()
+        if command == "start":
+            read, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(write_end)
+                try:
+                    if args[2] == "1":
+                        stop_at_checkpoints(name, os.fdopen(read))
+                    write(name, int(args[0]), int(args[1]))
+                except BaseException:
+                    traceback.print_exc()
+                    say(name, "error")
+                finally:
+                    os._exit(3)
+            os.close(read)
+            writers[name] = (pid, os.fdopen(write_end, "w"))
+            say(name, "pid", pid)
+        elif command == "tell":
+            writers[name][1].write(" ".join(args) + "\\n")
+            writers[name][1].flush()
+        elif command == "wait":
+            _, status = os.waitpid(writers[name][0], 0)
+            say(name, "status", os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+class Launcher:
+    """Starts writers (forked by :data:`LAUNCHER`) and reads what they print, line by line.
+
+    Everything is killed after ``timeout`` seconds: a hang fails the test instead of stopping the run.
+    """
+
+    def __init__(self, stderr: Path, timeout: float = 300) -> None:
+        self.stderr = stderr
+        with open(stderr, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", LAUNCHER],
+                cwd=REPO,
+                env=dict(os.environ, PYTHONPATH=str(REPO)),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,  # its process group holds the writers too
+            )
+        self.backlog: list[list[str]] = []
+        self.closed = False
+        self.watchdog = threading.Timer(timeout, self.close)
+        self.watchdog.start()
+
+    def send(self, *words: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+
+    def next_line(self) -> list[str]:
+        if self.backlog:
+            return self.backlog.pop(0)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the launcher ended or timed out:\n{self.stderr.read_text()[-3000:]}"
+        words = line.split()
+        assert len(words) >= 2 and words[1] != "error", (line, self.stderr.read_text()[-3000:])
+        return words
+
+    def expect(self, *first: str) -> list[str]:
+        """The next line that starts with these words; lines before it are kept for :meth:`next_line`."""
+        skipped = []
+        while (words := self.next_line())[: len(first)] != list(first):
+            skipped.append(words)
+        self.backlog[:0] = skipped
+        return words
+
+    def start(self, name: str, pool: int, order: int, checkpoints: bool) -> int:
+        self.send("start", name, pool, order, int(checkpoints))
+        return int(self.expect(name, "pid")[2])
+
+    def wait(self, name: str) -> int:
+        self.send("wait", name)
+        return int(self.expect(name, "status")[2])
+
+    def close(self) -> None:
+        self.watchdog.cancel()
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every writer it forked
+        self.proc.wait(timeout=60)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def pool_batches(pool: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(pool)
+    return [torch.randn(BATCH, 4, generator=generator) for _ in range(STEPS)]
+
+
+def check_every_entry(cache_root: Path, pools: list[int]) -> int:
+    """Every indexed entry is hit and equals the plain module's output; return how many there were."""
+    (directory,) = [index.parent for index in cache_root.glob("*/index.lmdb")]
+    stored = len(store_keys(directory))  # before anything reads (and drops) a damaged one
+    checker = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    plain = Counting()
+    with cache_warnings() as caught:
+        for pool in pools:
+            for batch in pool_batches(pool):
+                assert_same(checker(batch), plain(batch))
+        checker.cache_instance.flush()
+    assert caught == [], messages(caught)
+    stats = checker.cache_instance.stats()
+    assert (stats.hits, stats.memory.hits) == (stored, 0)  # each stored entry was read, and was right
+    assert_whole(cache_root)
+    return stored
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_process_killed_by_a_signal_while_writing_leaves_no_partial_entry(
+    cache_root: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    launcher = Launcher(tmp_path / "stderr")
+    try:
+        pid = launcher.start("w", pool=5, order=0, checkpoints=False)
+        launcher.expect("w", "step", "3")  # printed after a flush: 4 batches are stored, more are being written
+        os.kill(pid, sig)
+        assert launcher.wait("w") == -sig
+    finally:
+        launcher.close()
+    assert check_every_entry(cache_root, [5]) >= 4 * BATCH
+    assert len(stored_entries(cache_root)) == STEPS * BATCH  # the checker stored what was missing
+
+
+LATER_RUN = textwrap.dedent(
+    f"""
+    import json, sys, torch
+    from tests.helpers import Counting, cached
+
+    model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    equal = True
+    for pool in map(int, sys.argv[1:]):
+        generator = torch.Generator().manual_seed(pool)
+        for _ in range({STEPS}):
+            batch = torch.randn({BATCH}, 4, generator=generator)
+            equal &= torch.equal(model(batch), Counting()(batch))
+    new = torch.randn(16, 4, generator=torch.Generator().manual_seed(99))
+    equal &= torch.equal(model(new), Counting()(new))
+    model.cache_instance.flush()
+    stats = model.cache_instance.stats()
+    print(json.dumps({{"equal": equal, "hits": stats.hits, "misses": stats.misses}}))
+    """
+)
+
+
+def test_writers_killed_at_random_moments_leave_every_entry_right_or_missing(cache_root: Path, tmp_path: Path) -> None:
+    rounds, seed = 5, random.randrange(1 << 30)
+    print(f"kills drawn with random.Random({seed})")  # shown if the test fails
+    rng = random.Random(seed)
+    pools: list[int] = []
+    launcher = Launcher(tmp_path / "stderr")
+    try:
+        for round_ in range(rounds):
+            pools.append(100 + round_)
+            # Two writers of the same batches in other orders, each killed at a random line of
+            # progress: after a call, or stopped just before a segment write or an index commit.
+            names = [f"r{round_}w{w}" for w in range(2)]
+            pids = {name: launcher.start(name, pools[-1], order, checkpoints=True) for order, name in enumerate(names)}
+            kill_at = {name: rng.randrange(1, 3 * STEPS) for name in names}
+            seen = dict.fromkeys(names, 0)
+            while any(seen[name] < kill_at[name] for name in names):
+                name, what, *_ = launcher.next_line()
+                if name not in seen or seen[name] == kill_at[name]:
+                    continue  # a line of a writer killed before, still in the pipe
+                seen[name] = kill_at[name] if what == "done" else seen[name] + 1  # done early: killed idle
+                if seen[name] == kill_at[name]:
+                    os.kill(pids[name], signal.SIGKILL)
+                elif what in ("pwritev", "commit"):
+                    launcher.send("tell", name, "go")
+            assert [launcher.wait(name) for name in names] == [-signal.SIGKILL] * 2, seed
+            check_every_entry(cache_root, pools)
+    finally:
+        launcher.close()
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+    result = run_python(LATER_RUN, *map(str, pools))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "equal": True,
+        "hits": rounds * STEPS * BATCH,  # the checkers stored what the killed writers had not
+        "misses": 16,
+    }, seed
+    assert_whole(cache_root)
+    assert len(stored_entries(cache_root)) == rounds * STEPS * BATCH + 16
+
+
+# -- a full disk, a read-only directory -------------------------------------------------------
+def count_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many entries each ``PackedStore.put_many`` call was given, from now on."""
+    puts: list[int] = []
+    real = PackedStore.put_many
+
+    def counting(self: PackedStore, items: Any) -> int:
+        puts.append(len(items))
+        return real(self, items)
+
+    monkeypatch.setattr(PackedStore, "put_many", counting)
+    return puts
+
+
+@pytest.mark.parametrize("how", ["patched", "tmpfs"])
+def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
+    how: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch, mounts: Callable[..., None]
+) -> None:
+    if how == "tmpfs":  # 256 kB: the store's files and the first 4 entries of 16 kB fit, 16 more do not
+        mounts("-t", "tmpfs", "-o", "size=256k", "tmpfs", cache_root)
+    else:
+        real_pwritev = os.pwritev
+        calls: list[int] = []
+
+        def full_after_one(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            calls.append(fd)
+            if len(calls) > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_pwritev(fd, buffers, offset, *flags)
+
+        monkeypatch.setattr(os, "pwritev", full_after_one)
+    puts = count_puts(monkeypatch)
+    model = cached(Counting, persistent=True)(4, 4096)
+    plain = Counting(4, 4096)
+    x, y = torch.randn(20, 4), torch.randn(8, 4)
+    with cache_warnings() as caught:
+        first = model(x[:4])
+        model.cache_instance.flush()
+        second = model(x)
+        model.cache_instance.flush()
+        third = model(y)
+        model.cache_instance.flush()
+    assert len(caught) == 1, messages(caught)
+    assert "No space left" in str(caught[0].message)
+    assert_same(first, plain(x[:4]))
+    assert_same(second, plain(x))
+    assert_same(third, plain(y))
+    assert model.items == 20 + 8
+    assert puts == [4, 16]  # writes are off after the failure: y was not tried
+    assert_whole(cache_root)
+    assert len(stored_entries(cache_root)) == 4
+    directory = model.cache_instance.cache_dir
+    with PackedStore(directory, 1 << 40) as store:
+        records = store.usage()["records"]
+    assert sum(segment_bytes(directory).values()) == records  # the failed batch's bytes were given back
+    assert temporaries(cache_root) == []
+    fresh = cached(Counting, persistent=True, max_memory_cache_size=0)(4, 4096)
+    assert_same(fresh(x[:4]), plain(x[:4]))
+    assert fresh.items == 0
+
+
+def test_a_read_only_directory_warns_once_and_keeps_reading(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch, read_only: Callable[[Path], Callable[[], None]]
+) -> None:
+    x = write_in_another_process(N, seed=8)
+    (directory,) = [p.parent for p in cache_root.glob("*/index.lmdb")]
+    before = stored_entries(cache_root)
+    sizes = segment_bytes(directory)
+    undo = read_only(directory)
+
+    puts = count_puts(monkeypatch)
+    plain = Counting()
+    model = cached(Counting, persistent=True)()
+    y, z = torch.randn(6, 4), torch.randn(5, 4)
+    with cache_warnings() as caught:
+        first = model(torch.cat([x, y]))
+        model.cache_instance.flush()
+        second = model(z)
+        model.cache_instance.flush()
+    assert len(caught) == 1, messages(caught)
+    assert "read-only" in str(caught[0].message)
+    assert_same(first, plain(torch.cat([x, y])))
+    assert_same(second, plain(z))
+    assert model.items == 6 + 5  # the entries on disk were read
+    assert puts == [6]  # writes are off after the failure: z was not tried
+    undo()
+    assert_whole(cache_root)
+    assert stored_entries(cache_root) == before
+    assert segment_bytes(directory) == sizes
+    assert temporaries(cache_root) == []
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
@@ -171,12 +837,17 @@ def test_unwritable_root_falls_back_to_memory_with_one_warning(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_entry_subdirectories_that_cannot_be_created_fall_back_to_memory(cache_root: Path) -> None:
+# -- things planted where the store's files go ---------------------------------------------------
+def test_segment_files_that_cannot_be_created_fall_back_to_memory(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = cached(Counting, persistent=True)()
-    module_dir = model.cache_instance.cache_dir
-    module_dir.mkdir(parents=True)
-    for i in range(16**3):  # every <3 hex> subdirectory name is taken by a file
-        (module_dir / f"{i:03x}").write_bytes(b"")
+    directory = model.cache_instance.cache_dir
+    with PackedStore(directory, 1 << 40):  # an empty store: the next segment is the first
+        pass
+    for seg in range(1, 129):  # more segment names than a writer tries are taken by directories
+        (directory / f"seg-{seg:08x}.tcs").mkdir()
+    puts = count_puts(monkeypatch)
     plain = Counting()
     x = torch.randn(8, 4)
     with cache_warnings() as caught:
@@ -184,216 +855,81 @@ def test_entry_subdirectories_that_cannot_be_created_fall_back_to_memory(cache_r
         model.cache_instance.flush()
         outs += [model(x), model(x)]
         model.cache_instance.flush()
-    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert len(caught) == 1, messages(caught)
+    assert "segment" in str(caught[0].message)
     assert_same(outs[0], plain(x[:4]))
     assert_same(outs[1], plain(x))
     assert_same(outs[2], plain(x))
-    assert model.items == 8
+    assert model.items == 8  # the memory tier still works
+    assert puts == [4]  # writes are off after the failure
     assert entry_files(cache_root) == []
+    assert all((directory / f"seg-{seg:08x}.tcs").is_dir() for seg in range(1, 129))
 
 
-KILLED_WRITER = textwrap.dedent(
-    """
-    import os, sys, torch
-    from tests.helpers import Counting, cached
-
-    real_write = os.write
-    calls = 0
-
-    def dying_write(fd, data):
-        global calls
-        calls += 1
-        if calls == 6:  # die half-way through writing the 6th entry
-            real_write(fd, bytes(data)[: len(data) // 2])
-            os._exit(17)
-        return real_write(fd, data)
-
-    model = cached(Counting, persistent=True)()
-    x = torch.randn(int(sys.argv[1]), 4, generator=torch.Generator().manual_seed(3))
-    os.write = dying_write
-    model(x)
-    model.cache_instance.flush()
-    os._exit(0)
-    """
-)
-
-
-def test_process_killed_while_writing_leaves_no_partial_entry(cache_root: Path) -> None:
-    result = run_python(KILLED_WRITER, str(N))
-    assert result.returncode == 17, result.stderr
-    files = entry_files(cache_root)
-    assert 0 < len(files) < N
-    assert_all_entries_decode(cache_root)
-
-    x = torch.randn(N, 4, generator=torch.Generator().manual_seed(3))
-    rerun = cached(Counting, persistent=True)()
-    with cache_warnings() as caught:
-        out = rerun(x)
-        rerun.cache_instance.flush()
-    assert caught == []
-    assert_same(out, Counting()(x))
-    assert rerun.items == N - len(files)
-    assert len(entry_files(cache_root)) == N
-    assert_all_entries_decode(cache_root)
-
-
-SIGKILLED_WRITER = textwrap.dedent(
-    """
-    import torch
-    from tests.helpers import Counting, cached
-
-    model = cached(Counting, persistent=True)()
-    gen = torch.Generator().manual_seed(5)
-    for step in range(100000):
-        model(torch.randn(64, 4, generator=gen))
-        if step == 0:
-            model.cache_instance.flush()
-            print("ready", flush=True)
-    """
-)
-
-
-def test_process_sigkilled_while_writing_leaves_no_partial_entry(cache_root: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SIGKILLED_WRITER], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert len(entry_files(cache_root)) >= 64
-    assert_all_entries_decode(cache_root)
-
-    gen = torch.Generator().manual_seed(5)
-    batches = [torch.randn(64, 4, generator=gen) for _ in range(3)]
-    rerun = cached(Counting, persistent=True)()
-    plain = Counting()
-    for batch in batches:
-        assert_same(rerun(batch), plain(batch))
-    assert rerun.cache_instance.stats().hits >= 64
-    rerun.cache_instance.flush()
-    assert_all_entries_decode(cache_root)
-
-
-def test_a_full_disk_warns_once_and_leaves_no_partial_entry(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import errno
-
-    import torchcache.stores.disk as disk_module
-
-    real_write = os.write
-    written: list[int] = []
-
-    def write_until_full(fd: int, data: Any) -> int:
-        if len(written) >= 3:  # three entries fit, then the disk is full in the middle of one
-            raise OSError(errno.ENOSPC, "No space left on device")
-        written.append(fd)
-        return real_write(fd, data)
-
-    monkeypatch.setattr(disk_module.os, "write", write_until_full)
-    model = cached(Counting, persistent=True)()
-    plain = Counting()
-    x = torch.randn(10, 4)
-    with cache_warnings() as caught:
-        first = model(x)
-        model.cache_instance.flush()
-        second = model(x)
-        model.cache_instance.flush()
-    assert len(caught) == 1, [str(w.message) for w in caught]
-    assert "No space left" in str(caught[0].message)
-    assert_same(first, plain(x))
-    assert_same(second, plain(x))
-    assert model.items == 10
-    files = entry_files(cache_root)
-    assert len(files) == 3
-    assert_all_entries_decode(cache_root)
-    assert not [p for p in cache_root.rglob("*.tmp")]
-
-
-def test_a_directory_at_one_entry_path_does_not_turn_off_disk_writes(cache_root: Path) -> None:
+def test_a_directory_at_the_next_segment_path_does_not_turn_off_disk_writes(cache_root: Path) -> None:
     x, y = torch.randn(N, 4), torch.randn(N, 4)
     writer = cached(Counting, persistent=True)()
     writer(x)
     writer.cache_instance.flush()
-    files = entry_files(cache_root)
-    for path in files:
-        path.unlink()
-    files[0].mkdir()  # a directory where one entry goes
-    (files[0] / "child").write_bytes(b"")
+    directory = writer.cache_instance.cache_dir
+    assert sorted(segment_bytes(directory)) == ["seg-00000001.tcs"]
+    planted = directory / "seg-00000002.tcs"  # where the next writer's segment would go
+    planted.mkdir()
+    (planted / "child").write_bytes(b"")
 
-    model = cached(Counting, persistent=True)()
+    # other disk settings: another store object, so a writer of its own that needs a new segment
+    model = cached(Counting, persistent=True, max_persistent_cache_size="1GB")()
     plain = Counting()
     with cache_warnings() as caught:
         assert_same(model(x), plain(x))
         model.cache_instance.flush()
         assert_same(model(y), plain(y))
         model.cache_instance.flush()
-    assert len(caught) == 1, [str(w.message) for w in caught]
-    assert "Is a directory" in str(caught[0].message)
-    written = [p for p in entry_files(cache_root) if p.is_file()]
-    assert len(written) == 2 * N - 1  # every other entry of both batches was written
-    assert_all_entries_decode_except(cache_root, files[0])
-    fresh = cached(Counting, persistent=True)()
-    assert_same(fresh(y), plain(y))
+    assert caught == [], messages(caught)  # the writer takes the next free number
+    assert model.items == N  # x was read from disk
+    assert_whole(cache_root)
+    assert len(stored_entries(cache_root)) == 2 * N
+    assert planted.is_dir() and [p.name for p in planted.iterdir()] == ["child"]
+    fresh = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size="2GB")()
+    with cache_warnings() as none:
+        assert_same(fresh(torch.cat([x, y])), plain(torch.cat([x, y])))
+    assert none == [], messages(none)
     assert fresh.items == 0
 
 
-def assert_all_entries_decode_except(root: Path, skip: Path) -> None:
-    from torchcache.codec import decode_frame
-
-    for path in entry_files(root):
-        if path != skip:
-            decode_frame(path.read_bytes())
-
-
-def test_a_corrupt_entry_that_cannot_be_removed_is_reported_as_such_and_skipped_in_the_process(
-    cache_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import errno
-
-    import torchcache.stores.disk as disk_module
-
-    x = torch.randn(N, 4)
+def test_a_directory_in_place_of_the_index_is_moved_aside_and_the_index_rebuilt(cache_root: Path) -> None:
+    x, y = torch.randn(N, 4), torch.randn(N, 4)
     writer = cached(Counting, persistent=True)()
     writer(x)
     writer.cache_instance.flush()
-    files = entry_files(cache_root)
-    flip(files[:1], cache_root / "unused")
-    real_unlink = os.unlink
+    directory = writer.cache_instance.cache_dir
+    index = directory / "index.lmdb"
+    index.unlink()
+    index.mkdir()
+    (index / "child").write_bytes(b"")
 
-    def read_only(path: Any, *args: Any, **kwargs: Any) -> None:
-        if str(path).startswith(str(cache_root)):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(disk_module.os, "unlink", read_only)
+    model = cached(Counting, persistent=True, max_persistent_cache_size="1GB")()
     plain = Counting()
-    reader = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size=1)()
     with cache_warnings() as caught:
-        assert_same(reader(x), plain(x))
-    assert len(caught) == 1, [str(w.message) for w in caught]
-    message = str(caught[0].message)
-    assert "cannot be removed" in message and "removed corrupt" not in message
-    assert files[0].exists()
-    assert reader.items == 1
-
-    checked: list[int] = []
-    import torchcache.persist as persist_module
-
-    real_split = persist_module.split_frame
-    monkeypatch.setattr(persist_module, "split_frame", lambda *a, **k: checked.append(1) or real_split(*a, **k))
-    again = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size=1)()
+        assert_same(model(x), plain(x))
+        model.cache_instance.flush()
+        assert_same(model(y), plain(y))
+        model.cache_instance.flush()
+    assert len(caught) == 1, messages(caught)
+    assert "index" in str(caught[0].message)
+    assert model.items == N  # x was found again in the segment files
+    assert index.is_file()
+    assert [p.parent.parent for p in directory.glob("*/child")] == [directory]  # moved aside, not removed
+    assert_whole(cache_root)
+    assert len(stored_entries(cache_root)) == 2 * N
+    fresh = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size="2GB")()
     with cache_warnings() as none:
-        assert_same(again(x), plain(x))
-    assert none == []  # known to this process: not read, not rejected, not reported again
-    assert again.items == 1
-    assert len(checked) == N - 1
+        assert_same(fresh(torch.cat([x, y])), plain(torch.cat([x, y])))
+    assert none == [], messages(none)
+    assert fresh.items == 0
 
 
+# -- the write queue ------------------------------------------------------------------------
 def _layout_and_rows(n: int, seed: int) -> tuple[Any, list[torch.Tensor]]:
     from torchcache.tree import Layout, flatten
 
@@ -402,67 +938,67 @@ def _layout_and_rows(n: int, seed: int) -> tuple[Any, list[torch.Tensor]]:
     return Layout.of(spec, leaves, None), [leaf.contiguous() for leaf in leaves]
 
 
-def _tier(directory: Path, reports: list[tuple[str, str]]) -> Any:
-    from torchcache.persist import DiskTier
+def _tier(directory: Path, reports: list[tuple[str, str]]) -> PersistentTier:
+    from torchcache.tiers.local import open_local_tier
 
-    return DiskTier(directory, 10**9, 5, {"torchcache_version": "test"}, lambda kind, msg: reports.append((kind, msg)))
+    return open_local_tier(
+        directory, 10**9, 5, {"torchcache_version": "test"}, lambda kind, msg: reports.append((kind, msg))
+    )
 
 
 @pytest.mark.parametrize("stored_first", [0, 40])
 def test_queued_writes_are_read_back_before_the_writer_stores_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored_first: int
 ) -> None:
-    import threading
+    gate = threading.Event()
+    gate.set()
+    real_job = PersistentTier._write_job
 
+    def held_job(self: PersistentTier, job: Any) -> None:
+        assert gate.wait(60)
+        real_job(self, job)
+
+    monkeypatch.setattr(PersistentTier, "_write_job", held_job)  # before the tier binds it
     reports: list[tuple[str, str]] = []
     tier = _tier(tmp_path / "module", reports)
     keys = [f"{i:032x}" for i in range(stored_first + 10)]
     layout, rows = _layout_and_rows(len(keys), seed=1)
-    if stored_first:  # a batch of entries on disk and in the queue together (the parallel read path)
+    if stored_first:  # a batch of entries in the store and in the queue together (the parallel read path)
         tier.write(keys[:stored_first], layout, [r[:stored_first] for r in rows])
         tier.flush()
-    release = threading.Event()
-    real_put = tier.store.put
-
-    def held_put(key: str, data: bytes) -> bool:
-        assert release.wait(60)
-        return real_put(key, data)
-
-    monkeypatch.setattr(tier.store, "put", held_put)
+    gate.clear()
     tier.write(keys[stored_first:], layout, [r[stored_first:] for r in rows])
     try:
         assert tier.pending > 0
+        assert len(tier.store) == stored_first  # the rest is only in the queue
         positions, got_layout, leaves = tier.read(keys)
         assert positions == list(range(len(keys)))
         assert got_layout == layout
         for got, want in zip(leaves, rows):
             assert torch.equal(got, want)
     finally:
-        release.set()
+        gate.set()
         tier.flush()
     assert tier._pending == {}
     assert reports == []
+    assert len(tier.store) == len(keys)
     positions, _, leaves = tier.read(keys)
     assert positions == list(range(len(keys))) and all(torch.equal(g, w) for g, w in zip(leaves, rows))
 
 
+@pytest.mark.parametrize("failure", [StoreError, StoreUnavailableError])
 def test_a_later_write_of_a_key_wins_and_failed_writes_leave_the_queue(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: type[StoreError]
 ) -> None:
-    import errno
-    import threading
-
-    from torchcache.errors import StoreError
-
     reports: list[tuple[str, str]] = []
     tier = _tier(tmp_path / "module", reports)
     release = threading.Event()
 
-    def failing_put(key: str, data: bytes) -> bool:
+    def failing_put_many(items: Any) -> int:
         assert release.wait(60)
-        raise StoreError(f"cannot write cache entry {key}") from IsADirectoryError(errno.EISDIR, "Is a directory")
+        raise failure(errno.ENOSPC, "cannot write: No space left on device")
 
-    monkeypatch.setattr(tier.store, "put", failing_put)
+    monkeypatch.setattr(tier.store, "put_many", failing_put_many)
     keys = [f"{i:032x}" for i in range(4)]
     layout, first = _layout_and_rows(4, seed=1)
     _, second = _layout_and_rows(4, seed=2)
@@ -470,22 +1006,27 @@ def test_a_later_write_of_a_key_wins_and_failed_writes_leave_the_queue(
     tier.write(keys[:2], layout, [r[:2] for r in second])
     try:
         _, _, leaves = tier.read(keys)
-        assert torch.equal(leaves[0][:2], second[0][:2]) and torch.equal(leaves[0][2:], first[0][2:])
+        for got, new, old in zip(leaves, second, first):
+            assert torch.equal(got[:2], new[:2]) and torch.equal(got[2:], old[2:])
     finally:
         release.set()
         tier.flush()
     assert tier._pending == {}
     assert tier.read(keys) == ([], None, [])
-    assert {kind for kind, _ in reports} == {"entry"}  # one bad path is not the end of the tier
-    assert tier._writes_enabled
+    assert len(tier.store) == 0
+    if failure is StoreUnavailableError:  # away for now: later writes are tried
+        assert {kind for kind, _ in reports} == {"unavailable"}
+        assert tier._writes_enabled
+    else:  # the store refuses writes as a whole: writes are off for this tier
+        assert {kind for kind, _ in reports} == {"write"}
+        assert not tier._writes_enabled
 
 
+# -- the metadata file ------------------------------------------------------------------------
 def test_metadata_is_written_through_a_new_unpredictable_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    import torchcache.persist as persist_module
+    import torchcache.meta as meta_module
     from torchcache.meta import META_NAME, load_meta, write_json_atomic
 
     directory = tmp_path / "module"
@@ -497,12 +1038,13 @@ def test_metadata_is_written_through_a_new_unpredictable_temporary_file(
         os.symlink(victim, directory / name)
     renamed: list[str] = []
     real_replace = os.replace
-    monkeypatch.setattr(persist_module.os, "replace", lambda a, b: renamed.append(str(a)) or real_replace(a, b))
+    monkeypatch.setattr(meta_module.os, "replace", lambda a, b: renamed.append(str(a)) or real_replace(a, b))
     for _ in range(2):
         write_json_atomic(directory / META_NAME, {"torchcache_version": "test"})
     assert victim.read_text() == "not torchcache's"
     assert load_meta(directory) == ({"torchcache_version": "test"}, None)
     assert len(set(renamed)) == 2 and all(Path(name).name.startswith(f".{META_NAME}.") for name in renamed)
+    assert sorted(p.name for p in directory.iterdir() if not p.is_symlink()) == [META_NAME]
 
 
 def test_a_failed_metadata_rename_leaves_no_temporary_file(tmp_path: Path) -> None:
