@@ -10,11 +10,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from tests.helpers import stored_entries
 from torchcache import CacheWarning, torchcache
 from torchcache.cli import main
 from torchcache.cli_output import Progress as _Progress
@@ -22,6 +24,8 @@ from torchcache.codec import encode_frame
 from torchcache.maintenance import TMP_GRACE_SECONDS, parse_duration
 from torchcache.meta import META_NAME
 from torchcache.policy import format_size
+from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed_format import encode_key, record_size
 from torchcache.tree import Layout, flatten
 
 
@@ -45,6 +49,13 @@ def make_cache(out: int = 3, items: int = 6) -> tuple[Tiny, torch.Tensor, Path]:
     return model, x, directory
 
 
+def make_dir(out: int = 3, items: int = 6) -> Path:
+    """A cache whose writer is done, as after its process ended: its segment is no longer locked."""
+    directory = make_cache(out, items)[2]
+    gc.collect()  # the model and its tier go, and with them the lock on the segment they wrote
+    return directory
+
+
 def twin(model: Tiny) -> Tiny:
     """A new instance with the same init arguments and weights, so the same module key."""
     other = Tiny(model.linear.out_features)
@@ -52,8 +63,24 @@ def twin(model: Tiny) -> Tiny:
     return other
 
 
-def entry_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*/*.tce"))
+def frames(directory: Path) -> dict[str, bytes]:
+    """The frames in the packed store of a module directory, by key."""
+    return {path.name: data for path, data in stored_entries(directory).items()}
+
+
+def count_entries(directory: Path) -> int:
+    return len(stored_entries(directory))
+
+
+def record_bytes(key: str, frame: bytes) -> int:
+    """Bytes the record of one entry takes in a segment file."""
+    return record_size(encode_key(key), len(frame))
+
+
+def settled_sizes(directory: Path) -> tuple[int, int]:
+    """Logical bytes and allocated bytes of every file in a module directory."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), sum(p.stat().st_blocks * 512 for p in files)
 
 
 def set_last_used(directory: Path, seconds_ago: float) -> None:
@@ -73,7 +100,7 @@ class FakeTty(io.StringIO):
 
 
 # -- general ---------------------------------------------------------------------------
-@pytest.mark.parametrize("command", [[], ["ls"], ["info"], ["verify"], ["prune"], ["clear"]])
+@pytest.mark.parametrize("command", [[], ["ls"], ["info"], ["verify"], ["prune"], ["clear"], ["migrate"]])
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
     code, out, _ = run(capsys, *command, "--help")
     assert code == 0
@@ -202,55 +229,92 @@ def test_verify_clean_cache(capsys: pytest.CaptureFixture[str], cache_root: Path
     assert code == 0 and out.startswith("checked 3 entries in 1 module cache under")
 
 
+def stored_keys(directory: Path) -> list[str]:
+    """The keys in the index of a module directory's packed store (no record is read)."""
+    with PackedStore(directory, 1 << 40) as store:
+        return sorted(store.keys())
+
+
+def untouched(root: Path) -> tuple[dict[str, bytes | None], dict[str, list[str]]]:
+    """What a report must leave as it is: every file but the index (its contents too) and the stored keys."""
+    files = {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in root.rglob("*")
+        if not p.name.startswith("index.lmdb")
+    }
+    keys = {str(p.parent.relative_to(root)): stored_keys(p.parent) for p in root.rglob("index.lmdb")}
+    return files, keys
+
+
+def flip_record_byte(directory: Path, key: str, frame: bytes) -> None:
+    """Flip the last byte of an entry's record in its segment file (the store's checksum covers it)."""
+    (segment,) = [p for p in directory.glob("seg-*.tcs") if frame in p.read_bytes()]
+    data = segment.read_bytes()
+    assert data.count(frame) == 1
+    at = data.index(frame) + len(frame) - 1
+    with open(segment, "r+b") as file:
+        file.seek(at)
+        file.write(bytes([data[at] ^ 0xFF]))
+
+
 def damage(directory: Path) -> dict[str, Path]:
-    """Damage a cache in every way verify knows; return the bad files by kind."""
-    files = entry_files(directory)
-    flipped, truncated, garbage, wrong_size, bad_header = files[:5]
-    data = bytearray(flipped.read_bytes())
-    data[-1] ^= 0xFF
-    flipped.write_bytes(bytes(data))
-    truncated.write_bytes(truncated.read_bytes()[:-3])
-    garbage.write_bytes(b"garbage")
+    """Damage a cache in every way verify knows; return the bad entries (``<module dir>/<key>``) and files by kind."""
+    stored = frames(directory)
+    record, flipped, truncated, garbage, wrong_size, bad_header, spare = sorted(stored)[:7]
+    flip_record_byte(directory, record, stored[record])
+    # Valid records that hold damaged frames: the store's checks pass, the frame's fail.
+    frame = bytearray(stored[flipped])
+    frame[-1] ^= 0xFF
     spec, leaves = flatten(torch.zeros(1, 3))
     header = Layout.of(spec, leaves, None).to_header()
-    wrong_size.write_bytes(encode_frame(header, b"\x00" * 12, None))  # 12 bytes, the layout says 16
-    bad_header.write_bytes(encode_frame({"no": "leaves"}, b"\x00" * 16, None))
+    with PackedStore(directory, 1 << 40) as store:
+        store.put_many(
+            [
+                (flipped, bytes(frame)),
+                (truncated, stored[truncated][:-3]),
+                (garbage, b"garbage"),
+                (wrong_size, encode_frame(header, b"\x00" * 12, None)),  # 12 bytes, the layout says 16
+                (bad_header, encode_frame({"no": "leaves"}, b"\x00" * 16, None)),
+            ]
+        )
     old = time.time() - 2 * TMP_GRACE_SECONDS
-    stray = files[5].parent / f".{files[5].stem}.123.deadbeef.tmp"
+    stray = directory / f".{spare}.123.deadbeef.tmp"
     stray.write_bytes(b"half an entry")
     os.utime(stray, (old, old))
     stray_meta = directory / ".torchcache.json.123.456.tmp"
     stray_meta.write_text("{")
     os.utime(stray_meta, (old, old))
-    fresh = files[6].parent / ".fresh.999.tmp"
+    fresh = directory / ".fresh.999.tmp"
     fresh.write_bytes(b"being written")
     return {
-        "flipped": flipped,
-        "truncated": truncated,
-        "garbage": garbage,
-        "wrong_size": wrong_size,
-        "bad_header": bad_header,
+        "record": directory / record,
+        "flipped": directory / flipped,
+        "truncated": directory / truncated,
+        "garbage": directory / garbage,
+        "wrong_size": directory / wrong_size,
+        "bad_header": directory / bad_header,
         "stray": stray,
         "stray_meta": stray_meta,
         "fresh": fresh,
     }
 
 
-def test_verify_reports_and_fixes_corrupt_and_temporary_files(
+def test_verify_reports_and_fixes_damaged_entries_and_temporary_files(
     capsys: pytest.CaptureFixture[str], cache_root: Path
 ) -> None:
     model, x, directory = make_cache(items=12)
-    _, _, healthy = make_cache(out=2, items=3)
+    healthy = make_dir(out=2, items=3)
     bad = damage(directory)
     (directory / "notes.txt").write_text("not torchcache's")
-    before = sorted(p for p in cache_root.rglob("*"))
+    before = untouched(cache_root)
 
     code, out, err = run(capsys, "verify")
     assert code == 1
-    assert err == "torchcache: error: 7 problems found; run `torchcache verify --fix` to fix them\n"
+    assert err == "torchcache: error: 8 problems found; run `torchcache verify --fix` to fix them\n"
     assert "checked 15 entries in 2 module caches" in out
-    reasons = {line.split()[-1]: line for line in out.splitlines()[2:9]}
+    reasons = {line.split()[-1]: line for line in out.splitlines()[2:10]}
     rel = {k: str(p.relative_to(cache_root)) for k, p in bad.items()}
+    assert "record failed its checks" in reasons[rel["record"]]
     assert "checksum mismatch" in reasons[rel["flipped"]]
     assert "does not match its prefix" in reasons[rel["truncated"]]
     assert "truncated frame" in reasons[rel["garbage"]]
@@ -258,30 +322,38 @@ def test_verify_reports_and_fixes_corrupt_and_temporary_files(
     assert "invalid header" in reasons[rel["bad_header"]]
     assert reasons[rel["stray"]].startswith("temporary") and rel["stray_meta"] in reasons
     assert rel["fresh"] not in out and "left 1 recent temporary file alone" in out
-    assert sorted(p for p in cache_root.rglob("*")) == before  # reporting removes nothing
+    assert untouched(cache_root) == before  # reporting removes nothing, not even a record that failed its checks
 
     report = json.loads(run(capsys, "verify", "--json")[1])
     assert report["ok"] is False and report["entries_checked"] == 15
     assert {Path(p["path"]) for p in report["problems"]} == {p for k, p in bad.items() if k != "fresh"}
+    assert not any(p["removed"] or p["fixed"] for p in report["problems"])
+    assert untouched(cache_root) == before
 
     code, out, err = run(capsys, "verify", "--fix")
-    assert (code, err) == (0, "") and "removed 7 files" in out
-    assert [k for k, p in bad.items() if p.exists()] == ["fresh"]
+    assert (code, err) == (0, "") and "removed 8 files" in out
+    damaged_keys = {p.name for k, p in bad.items() if p.parent == directory and not p.name.startswith(".")}
+    assert stored_keys(directory) == sorted(set(frames(directory)) - damaged_keys)
+    assert len(damaged_keys) == 6 and len(stored_keys(directory)) == 6 and len(stored_keys(healthy)) == 3
+    assert [k for k in ("stray", "stray_meta", "fresh") if bad[k].exists()] == ["fresh"]
     assert (directory / "notes.txt").exists() and (directory / META_NAME).exists()
-    assert len(entry_files(directory)) == 7 and len(entry_files(healthy)) == 3
     assert run(capsys, "verify") == (
         0,
-        f"checked 10 entries in 2 module caches under {cache_root}\n"
+        f"checked 9 entries in 2 module caches under {cache_root}\n"
         "left 1 recent temporary file alone (a write may be in progress)\n"
         "no problems found\n",
         "",
     )
 
-    # The entries left are sound: a fresh instance with the same weights reads them back.
+    # The entries left are sound: a fresh instance with the same weights reads them back,
+    # and recomputes (and stores again) the ones removed.
     fresh = twin(model)
     torch.testing.assert_close(fresh(x), model.linear(x))
     stats = fresh.cache_instance.stats()
-    assert (stats.hits, stats.misses) == (7, 5)
+    assert (stats.hits, stats.misses) == (6, 6)
+    fresh.cache_instance.flush()
+    assert len(stored_keys(directory)) == 12
+    assert run(capsys, "verify", str(directory))[0] == 0
 
 
 def test_progress_is_plain_off_a_terminal_and_a_bar_on_one() -> None:
@@ -305,7 +377,7 @@ def test_progress_is_plain_off_a_terminal_and_a_bar_on_one() -> None:
 
 # -- prune -----------------------------------------------------------------------------
 def make_three(ages: tuple[float, float, float] = (3000, 2000, 1000)) -> list[Path]:
-    dirs = [make_cache(out=n, items=4)[2] for n in (2, 3, 4)]
+    dirs = [make_dir(out=n, items=4) for n in (2, 3, 4)]
     for age, directory in zip(ages, dirs):
         set_last_used(directory, age)
     return dirs
@@ -356,12 +428,13 @@ def test_prune_older_than_and_keep(capsys: pytest.CaptureFixture[str]) -> None:
 def test_clear_refuses_without_yes_when_not_interactive(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, _, directory = make_cache()
+    directory = make_dir()
+    before = sorted(directory.iterdir())
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
     code, out, err = run(capsys, "clear", directory.name)
     assert code == 1 and out == ""
     assert err.startswith("torchcache: error: refusing to remove module cache") and err.count("\n") == 1
-    assert "pass --yes" in err and len(entry_files(directory)) == 6
+    assert "pass --yes" in err and count_entries(directory) == 6 and sorted(directory.iterdir()) == before
     assert run(capsys, "clear", "--all")[0] == 1 and directory.exists()
 
 
@@ -376,18 +449,39 @@ def test_clear_asks_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypatc
 
 
 def test_clear_removes_only_torchcache_files(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
-    _, _, directory = make_cache()
-    _, _, other = make_cache(out=5)
-    shard = entry_files(directory)[0].parent
+    directory = make_dir()
+    other = make_dir(out=5)
+    key, frame = sorted(frames(directory).items())[0]
+    shard = directory / key[:3]  # a torchcache 1.0 entry, with a file of someone else's beside it
+    shard.mkdir()
+    (shard / f"{key}.tce").write_bytes(frame)
     (shard / "mine.txt").write_text("not torchcache's")
+    (directory / "compact.lock").touch()
+    old = time.time() - 2 * TMP_GRACE_SECONDS
+    for temporary in (directory / ".torchcache.json.1.2.tmp", shard / f".{key}.1.2.tmp", directory / ".x.3.tmp"):
+        temporary.write_bytes(b"half")
+    os.utime(directory / ".x.3.tmp", (old, old))
+    unknown = [
+        "data",
+        "data/x.tce",
+        "index.lmdb.bak",
+        "seg-notes.txt",
+        "seg-0000000g.tcs",
+        shard.name,
+        f"{shard.name}/mine.txt",
+    ]
     (directory / "data").mkdir()
     (directory / "data" / "x.tce").write_text("not in a shard directory")
+    for name in ("index.lmdb.bak", "seg-notes.txt", "seg-0000000g.tcs"):
+        (directory / name).write_text("not torchcache's")
+    assert {p.name for p in directory.glob("seg-0*.tcs")} == {"seg-00000001.tcs", "seg-0000000g.tcs"}
+
     code, out, err = run(capsys, "clear", str(directory), "--yes")
     assert code == 0 and out.startswith("removed 1 module cache")
     assert err == f"torchcache: kept {directory}: it holds files that torchcache did not write\n"
     left = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
-    assert left == sorted(["data", "data/x.tce", shard.name, f"{shard.name}/mine.txt"])
-    assert other.exists() and len(entry_files(other)) == 6
+    assert left == sorted(unknown)
+    assert other.exists() and count_entries(other) == 6
     assert [c["key"] for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]] == [other.name]
 
 
@@ -437,7 +531,7 @@ def test_python_dash_m_clear_refuses_without_a_terminal(cache_root: Path) -> Non
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("torchcache: error: refusing to remove 1 module cache (")
     assert done.stderr.count("\n") == 1
-    assert len(entry_files(directory)) == 3
+    assert count_entries(directory) == 3
 
 
 # -- damaged metadata, lookups, sizes -----------------------------------------------------------
@@ -531,7 +625,7 @@ def test_a_key_with_root_is_looked_up_under_that_root_only(
         assert json.loads(out)["directory"] == str(other)
     else:
         assert not other.exists()
-    assert len(entry_files(directory)) == 3  # the cache in the working directory is untouched
+    assert count_entries(directory) == 3  # the cache in the working directory is untouched
     code, out, _ = run(capsys, "info", directory.name, "--json")  # without --root: the directory here
     assert code == 0 and Path(json.loads(out)["directory"]).resolve() == directory.resolve()
 
@@ -546,19 +640,46 @@ def test_prune_with_a_size_too_large_is_a_usage_error(capsys: pytest.CaptureFixt
 
 
 def test_ls_and_info_report_bytes_on_disk(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
-    _, _, directory = make_cache(items=20)
-    files = [p for p in directory.rglob("*") if p.is_file()]
-    on_disk = sum(p.stat().st_blocks * 512 for p in files)
-    logical = sum(p.stat().st_size for p in files)
-    assert on_disk > logical  # small entries take whole blocks
+    directory = make_dir(items=20)
     cache = json.loads(run(capsys, "ls", "--json")[1])["caches"][0]
+    logical, on_disk = settled_sizes(directory)  # after `ls`: the files as it measured them
+    assert on_disk != logical  # the lock file is sparse, the segment takes a whole block
     assert (cache["bytes"], cache["disk_bytes"]) == (logical, on_disk)
     info = json.loads(run(capsys, "info", directory.name, "--json")[1])
-    assert info["disk_bytes"] == on_disk
+    assert (info["bytes"], info["disk_bytes"]) == (logical, on_disk)
     code, out, _ = run(capsys, "info", directory.name)
     assert code == 0
     assert f"on disk          {format_size(on_disk)} ({on_disk:,} bytes)" in out
+    assert f"size             {format_size(logical)} ({logical:,} bytes)" in out
     assert f"({format_size(on_disk)} on disk)" in run(capsys, "ls")[1]
+    assert settled_sizes(directory) == (logical, on_disk)  # looking changes nothing
+
+
+def test_info_reports_live_and_reclaimable_bytes(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    directory = make_dir(items=10)
+    stored = frames(directory)
+    records = {key: record_bytes(key, frame) for key, frame in stored.items()}
+    keys = sorted(stored)
+
+    def info() -> dict[str, Any]:
+        return json.loads(run(capsys, "info", directory.name, "--json")[1])
+
+    fresh = info()
+    assert (fresh["entries"], fresh["live_bytes"], fresh["reclaimable_bytes"]) == (10, sum(records.values()), 0)
+    with PackedStore(directory, 1 << 40) as store:
+        assert store.delete_many(keys[:3]) == 3
+        assert store.put_many([(key, stored[key]) for key in keys[3:5]]) == 2  # replaced: the old records are dead
+    dead = sum(records[key] for key in keys[:5])
+    live = sum(records[key] for key in keys[3:])
+    after = info()
+    assert (after["entries"], after["live_bytes"], after["reclaimable_bytes"]) == (7, live, dead)
+    listed = json.loads(run(capsys, "ls", "--json")[1])["caches"][0]
+    assert (listed["live_bytes"], listed["reclaimable_bytes"], listed["legacy_entries"]) == (live, dead, 0)
+    code, out, _ = run(capsys, "info", directory.name)
+    assert code == 0 and "\nentries          7\n" in out
+    assert f"\nlive             {format_size(live)} ({live:,} bytes)\n" in out
+    assert f"\nreclaimable      {format_size(dead)} ({dead:,} bytes)\n" in out
+    assert frames(directory) == {key: stored[key] for key in keys[3:]}
 
 
 def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(

@@ -346,7 +346,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         args: The parsed arguments of the command.
 
     Returns:
-        The exit status: 1 if damaged files were left, else 0.
+        The exit status: 1 if damaged files were left or a module cache could not be migrated, else 0.
     """
     root = _root(args.path)
     caches = [cache for cache in find_caches(root) if cache.legacy_entries]
@@ -356,19 +356,26 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
     moved = dropped = 0
     damaged: list[Problem] = []
+    failures: list[str] = []
     try:
         for cache in caches:
-            done = migrate_cache(cache, progress.update)
+            try:
+                done = migrate_cache(cache, progress.update)
+            except StoreError as exc:  # the others are still migrated
+                failures.append(f"cannot migrate {cache.directory}: {exc}")
+                continue
             moved, dropped = moved + done.moved, dropped + done.dropped
             damaged.extend(done.damaged)
     finally:
         progress.close()
-    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(len(caches), 'module cache')} under {root}")
+    migrated = len(caches) - len(failures)
+    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
     if dropped:
         print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
     if damaged:
         rows = [[p.reason, relative(p.path, root)] for p in damaged]
         print(table(["REASON", "FILE"], rows))
         error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
-        return 1
-    return 0
+    for failure in failures:
+        error(failure)
+    return 1 if damaged or failures else 0

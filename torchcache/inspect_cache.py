@@ -8,7 +8,8 @@ is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything els
 the root is not torchcache's and is never touched. Files are opened without blocking,
 only when they are regular files, and read only as far as their prefix says. Nothing
 here removes entries; :mod:`torchcache.maintenance` does. (Opening a packed store whose
-index was damaged rebuilds the index, as the library does.)
+index was damaged rebuilds the index, as the library does; an index that is not a
+regular file, or is cut short, is not opened at all: see :func:`index_problem`.)
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from .codec import MAGIC, PREFIX_SIZE, parse_header, read_prefix
 from .errors import TorchCacheError
 from .meta import META_NAME, load_meta, meta_size, meta_time
 from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from .stores.files import open_regular, read_at
-from .stores.packed import PackedStore
-from .stores.packed_format import parse_segment_name
-from .stores.packed_index import INDEX_NAME
+from .stores.packed import MAX_ENTRY_BYTES, PackedStore
+from .stores.packed_format import encode_keys, parse_segment_name, payload_of, record_size
+from .stores.packed_index import INDEX_NAME, open_index, unpack_entry
+from .stores.packed_segments import SegmentFiles
 from .stores.packed_upkeep import LOCK_NAME
 from .tree import Layout, describe
 
@@ -40,6 +44,7 @@ __all__ = [
     "LayoutSummary",
     "ModuleCache",
     "find_caches",
+    "index_problem",
     "list_files",
     "load_cache",
     "open_store",
@@ -188,8 +193,48 @@ def _is_store_file(name: str) -> bool:
     return name in (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME) or parse_segment_name(name) is not None
 
 
+def index_problem(directory: Path) -> str | None:
+    """What keeps the packed store's index of a module directory from being opened as it is, if anything.
+
+    LMDB maps the index into memory, and a process that touches a page beyond the end of
+    a file cut short dies of ``SIGBUS``: so the file's length is checked against what its
+    header (read with ``pread``) says it holds before anything opens it. An index that is
+    not an LMDB file at all is not a problem here: opening the store rebuilds it.
+
+    Returns:
+        Why the index cannot be opened (not a regular file, cut short), or ``None``
+        (sound, absent, or rebuilt when opened).
+    """
+    path = directory / INDEX_NAME
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "not a regular file"
+    except OSError:
+        return None
+    try:  # read-only and without the lock file: nothing is written, no other use of the index is disturbed
+        env = lmdb.open(os.fspath(path), subdir=False, readonly=True, lock=False, max_dbs=3)
+    except lmdb.Error:
+        return None
+    try:
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
+    try:  # measured after the header was read: a writer grows the file before it commits a header
+        size = os.lstat(path).st_size
+    except OSError:
+        return None
+    if size < needed:
+        return f"cut short: {size:,} bytes, its header describes {needed:,}"
+    return None
+
+
 def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
+
+    A directory whose index cannot be opened as it is (see :func:`index_problem`) has
+    none either, until ``torchcache verify --fix`` rebuilds its index.
 
     Args:
         directory: The module directory.
@@ -199,11 +244,7 @@ def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | N
     Raises:
         StoreError: If the store cannot be opened.
     """
-    try:
-        st = os.lstat(directory / INDEX_NAME)
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
+    if not os.path.lexists(directory / INDEX_NAME) or index_problem(directory) is not None:
         return None
     if max_bytes is None:
         meta, _ = load_meta(directory)
@@ -242,8 +283,8 @@ def load_cache(directory: Path) -> ModuleCache | None:
     meta, problem = load_meta(directory)
     if meta is None and problem is None:
         problem = f"no {META_NAME}"
+    usage = _store_usage(directory)  # first: opening a store may seal or rebuild it, which changes its files
     files = list_files(directory)
-    usage = _store_usage(directory) if files.has_store else None
     if problem is not None and usage is None and not _holds_entries(files.entries):
         return None
     try:
@@ -267,12 +308,17 @@ def load_cache(directory: Path) -> ModuleCache | None:
         entries=len(files.entries) + (usage["entries"] if usage else 0),
         legacy_entries=len(files.entries),
         live_bytes=usage["records"] if usage else 0,
-        reclaimable_bytes=max(0, usage["files"] - usage["records"]) if usage else 0,
+        reclaimable_bytes=max(0, _segment_bytes(files) - usage["records"]) if usage else 0,
         nbytes=(st.st_size if st is not None and meta_file else 0) + sum(f.size for f in own),
         temporaries=len(files.temporaries),
         disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
     )
+
+
+def _segment_bytes(files: CacheFiles) -> int:
+    """Bytes of the segment files: live records, dead ones and torn tails (not the block slack)."""
+    return sum(f.size for f in files.store if parse_segment_name(f.path.name) is not None)
 
 
 def _store_usage(directory: Path) -> dict[str, int] | None:
@@ -380,18 +426,51 @@ def _frame_header(data: bytes | memoryview) -> dict[str, Any]:
     return parse_header(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]))
 
 
+def _read_payloads(directory: Path, keys: Sequence[str]) -> list[bytes]:
+    """The payloads of the intact records of ``keys`` in a packed store, read with the index read-only.
+
+    Not through :meth:`PackedStore.get_many`: a record that fails its checks there is
+    removed from the index when the store is closed, and inspecting removes nothing.
+    An index row that claims more than the store's largest entry is not read.
+
+    Raises:
+        lmdb.Error: If the index cannot be read.
+        OSError: If a segment file exists and cannot be read.
+    """
+    root = os.fspath(directory)
+    index = open_index(root, readonly=True)
+    segments = SegmentFiles(root, 1)
+    try:
+        with index.begin() as txn:
+            rows = [(kb, unpack_entry(txn.get(kb, db=index.entries))) for kb in encode_keys(list(keys))]
+        payloads = []
+        for kb, entry in sorted(rows, key=lambda row: row[1] or (0, 0, 0)):
+            if entry is None or entry.length > MAX_ENTRY_BYTES:
+                continue
+            data = segments.read(entry.seg, entry.offset, record_size(kb, entry.length))
+            payload = None if isinstance(data, str) else payload_of(data, kb, entry.length)
+            if payload is not None:
+                payloads.append(bytes(payload))
+        return payloads
+    finally:
+        segments.close()
+        index.close()
+
+
 def _sample_headers(directory: Path, files: CacheFiles, sample: int) -> list[Callable[[], dict[str, Any]]]:
     """Readers of the headers of at most ``sample`` entries, spread over the store, then the 1.0 files."""
     readers: list[Callable[[], dict[str, Any]]] = []
     store = open_store(directory) if files.has_store and sample > 0 else None
     if store is not None:
-        with store:
+        with store:  # opening it repairs a damaged index, as the library does
             keys = list(store.keys())
-            n = len(keys)
-            picks = [keys[i * n // sample] for i in range(sample)] if n > sample else keys
-            for data in store.get_many(picks):
-                if data is not None:
-                    readers.append(lambda data=bytes(data): _frame_header(data))  # type: ignore[misc]
+        n = len(keys)
+        picks = [keys[i * n // sample] for i in range(sample)] if n > sample else keys
+        try:
+            payloads = _read_payloads(directory, picks)
+        except (lmdb.Error, OSError):
+            payloads = []
+        readers.extend(lambda data=data: _frame_header(data) for data in payloads)  # type: ignore[misc]
     entries = files.entries
     left = max(sample - len(readers), 0)
     n = len(entries)

@@ -27,11 +27,13 @@ from typing import Any
 from ._version import __version__
 from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from .errors import CorruptEntryError, StoreError
-from .inspect_cache import CacheFiles, FileInfo, ModuleCache, list_files, open_store
+from .inspect_cache import CacheFiles, FileInfo, ModuleCache, index_problem, list_files, open_store
 from .meta import META_NAME, meta_time, write_json_atomic
 from .stores.disk import ENTRY_SUFFIX
 from .stores.files import open_regular, read_at
 from .stores.packed import PackedStore
+from .stores.packed_index import INDEX_NAME
+from .stores.packed_upkeep import discard_index
 from .tree import Layout
 
 __all__ = [
@@ -101,16 +103,29 @@ def verify_store(
     Raises:
         StoreError: If the store cannot be opened, or with ``fix`` written.
     """
+    problems: list[Problem] = []
+    broken = index_problem(directory)
+    if broken is not None:
+        index = directory / INDEX_NAME
+        problems.append(Problem(index, "store", f"{broken}; the index must be rebuilt from the segment files", 0))
+        if fix:
+            try:
+                discard_index(os.fspath(directory), None)
+                PackedStore(directory, _UNLIMITED, report=lambda kind, message: None).close()  # rebuilds it
+            except OSError as exc:
+                raise StoreError(f"cannot rebuild the index of {directory}: {exc}") from exc
     store = open_store(directory)
     if store is None:
-        return 0, [], fix
-    problems: list[Problem] = []
+        return 0, problems, fix
     with store:
         report = store.verify(fix)
         problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)
         problems.extend(Problem(directory, "store", line, 0) for line in report.problems)
         checked = report.entries
-        keys = list(store.keys())
+        # Records that failed the store's checks are not read again: a read would mark them
+        # for removal at the store's next write (its close), and without ``fix`` nothing is removed.
+        failed = set(report.bad)
+        keys = [key for key in list(store.keys()) if key not in failed]
         bad: list[str] = []
         for start in range(0, len(keys), 512):
             chunk = keys[start : start + 512]
@@ -225,11 +240,13 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
     Raises:
         OSError: If a file cannot be removed.
     """
+    before = list_files(directory)
+    seen = {f.path: f.size for f in (*before.entries, *before.store, *before.temporaries)}
     try:
         store = open_store(directory)
         if store is not None:
             with store:
-                store.clear()
+                store.clear()  # removes the segment files itself
     except StoreError as exc:
         raise OSError(exc.errno, f"cannot clear the packed store: {exc}") from exc
     files = list_files(directory)
@@ -239,7 +256,9 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
         if not stat.S_ISDIR(st.st_mode):  # a directory there is not ours: it keeps the module directory
             files.temporaries.append(FileInfo(meta, st.st_size if stat.S_ISREG(st.st_mode) else 0, 0.0))  # last
     own = (*files.entries, *sorted(files.store, key=lambda f: f.path.name.startswith("index")), *files.temporaries)
-    freed = sum(item.size for item in own if remove_file(item.path))
+    # Sizes as listed before the store was cleared (as `torchcache ls` reports them), files it removed included.
+    freed = sum(seen.pop(item.path, item.size) for item in own if remove_file(item.path))
+    freed += sum(size for path, size in seen.items() if not os.path.lexists(path))
     for shard in files.shards:
         with contextlib.suppress(OSError):  # not empty: unknown files, or entries written meanwhile
             os.rmdir(shard)
@@ -332,20 +351,26 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
 
     Entries are added in batches, each file removed once its entry is in the store; the
     store's budget (the metadata's ``max_bytes``) still holds, so entries beyond it are
-    evicted and counted as ``dropped``. Damaged files are left in place and reported
-    (``torchcache verify --fix`` removes them). Safe to interrupt and run again.
+    evicted: ``moved`` counts the entries migrated that the store holds at the end, and
+    ``dropped`` every entry the migration left out or evicted (a later batch can evict an
+    earlier one, or entries the store held before). Damaged files are left in place and
+    reported (``torchcache verify --fix`` removes them). Safe to interrupt and run again.
 
     Raises:
-        StoreError: If the store cannot be written.
+        StoreError: If the store cannot be opened (its index must be rebuilt first) or written.
         OSError: If a file cannot be removed.
     """
+    broken = index_problem(cache.directory)
+    if broken is not None:
+        raise StoreError(f"the index of {cache.directory} is {broken}; run `torchcache verify --fix` to rebuild it")
     files = list_files(cache.directory)
     store = open_store(cache.directory)
     if store is None:
         store = PackedStore(cache.directory, max(cache.max_bytes or _UNLIMITED, 1 << 16), report=lambda k, m: None)
-    moved = dropped = 0
+    migrated: set[str] = set()
     damaged: list[Problem] = []
     with store:
+        before = set(store.keys())
         for start in range(0, len(files.entries), _MIGRATE_BATCH):
             batch: list[tuple[str, bytes]] = []
             paths: list[Path] = []
@@ -357,14 +382,15 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
                     continue
                 batch.append((entry.path.name.removesuffix(ENTRY_SUFFIX), data))
                 paths.append(entry.path)
-            stored = store.put_many(batch) if batch else 0
-            moved += stored
-            dropped += len(batch) - stored
+            if batch:
+                store.put_many(batch)
+                migrated.update(key for key, _ in batch)
             for path in paths:
                 remove_file(path)
             if tick is not None:
                 tick(len(files.entries[start : start + _MIGRATE_BATCH]))
+        after = set(store.keys())
     for shard in files.shards:
         with contextlib.suppress(OSError):  # damaged files left, or unknown ones
             os.rmdir(shard)
-    return Migration(moved, dropped, damaged)
+    return Migration(len(migrated & after), len((migrated | before) - after), damaged)

@@ -1,0 +1,326 @@
+"""A cache written by torchcache 1.0 (one file per entry) keeps working, and `torchcache migrate` packs it.
+
+The 1.0 cache is built from real entries: a module runs once into a scratch root, and
+its keys and frames, read back from the packed store, are written as 1.0 entry files
+(``<3 hex digits>/<key>.tce``, by the 1.0 store itself) into a fresh root's module
+directory, beside the same ``torchcache.json`` and with no packed store.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import Counting, assert_same, cached, run_python, stored_entries
+from torchcache import CacheWarning, codec
+from torchcache.cli import main
+from torchcache.codec import encode_frame
+from torchcache.maintenance import TMP_GRACE_SECONDS
+from torchcache.meta import META_NAME
+from torchcache.stores.disk import DiskStore
+from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed_index import INDEX_NAME
+from torchcache.tree import Layout, flatten
+
+ITEMS = 40
+
+
+@dataclass(frozen=True)
+class Legacy:
+    """A torchcache 1.0 cache: its root, module directory, inputs, outputs and frames by key."""
+
+    root: Path
+    directory: Path
+    x: torch.Tensor
+    want: torch.Tensor
+    frames: dict[str, bytes]
+
+    def files(self) -> list[Path]:
+        return sorted(self.directory.glob("*/*.tce"))
+
+
+def inputs(n: int, seed: int = 5) -> torch.Tensor:
+    return torch.randn(n, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def model(root: Path, **options: Any) -> Any:
+    """A fresh decorated instance caching under ``root`` (only the disk: the memory tier is off)."""
+    return cached(Counting, persistent=True, persistent_cache_dir=root, max_memory_cache_size=0, **options)()
+
+
+def build_legacy(tmp_path: Path, items: int = ITEMS, max_bytes: int | None = None) -> Legacy:
+    """Write a real cache of ``items`` entries as torchcache 1.0 would have: one file per entry."""
+    scratch, root = tmp_path / "scratch", tmp_path / "legacy"
+    x = inputs(items)
+
+    def fill() -> None:
+        writer = model(scratch)
+        writer(x)
+        writer.cache_instance.flush()
+
+    fill()
+    gc.collect()  # the writer and its tier go: nothing of the scratch root stays open
+    stored = stored_entries(scratch)
+    (source,) = {path.parent for path in stored}
+    directory = root / source.name
+    directory.mkdir(parents=True)
+    store = DiskStore(directory, 1 << 40, frame_length=codec.frame_length, prefix_size=codec.PREFIX_SIZE)
+    for path, frame in stored.items():
+        assert store.put(path.name, frame)
+    meta = json.loads((source / META_NAME).read_text())
+    if max_bytes is not None:
+        meta["max_bytes"] = max_bytes
+    (directory / META_NAME).write_text(json.dumps(meta))
+    shutil.rmtree(scratch)
+    legacy = Legacy(root, directory, x, Counting()(x), {path.name: frame for path, frame in stored.items()})
+    assert len(legacy.files()) == items and not (directory / INDEX_NAME).exists()
+    assert sorted(p.name for p in directory.iterdir() if p.is_file()) == [META_NAME]
+    return legacy
+
+
+@pytest.fixture
+def legacy(tmp_path: Path) -> Iterator[Legacy]:
+    yield build_legacy(tmp_path)
+    gc.collect()  # close what the test opened before its directory goes
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def packed(directory: Path) -> dict[str, bytes]:
+    """The frames in the packed store of a module directory, by key."""
+    return {path.name: frame for path, frame in stored_entries(directory).items()}
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# -- read in place ------------------------------------------------------------------------------
+_READ_IN_A_NEW_PROCESS = """
+import sys
+from pathlib import Path
+import torch
+from tests.helpers import Counting, assert_same, cached
+
+root, n = Path(sys.argv[1]), int(sys.argv[2])
+x = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
+cache = cached(Counting, persistent=True, persistent_cache_dir=root, max_memory_cache_size=0)()
+assert_same(cache(x), Counting()(x))
+print(cache.items, cache.cache_instance.stats().hits)
+"""
+
+
+def test_a_new_process_hits_every_1_0_entry_in_place(legacy: Legacy) -> None:
+    done = run_python(_READ_IN_A_NEW_PROCESS, str(legacy.root), str(ITEMS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", str(ITEMS)]  # no item computed, every one a hit
+    assert len(legacy.files()) == ITEMS  # read in place, nothing moved
+    assert packed(legacy.directory) == {}
+
+
+def test_a_fresh_instance_reads_1_0_files_and_stores_new_misses_in_the_packed_store(legacy: Legacy) -> None:
+    reader = model(legacy.root)
+    assert_same(reader(legacy.x), legacy.want)
+    assert reader.items == 0 and reader.cache_instance.stats().hits == ITEMS
+    more = torch.cat([legacy.x[:10], inputs(6, seed=6)])
+    assert_same(reader(more), Counting()(more))
+    assert reader.seen == [6]  # only the new items
+    reader.cache_instance.flush()
+    new = packed(legacy.directory)
+    assert len(new) == 6 and not set(new) & set(legacy.frames)  # misses go to the packed store...
+    assert len(legacy.files()) == ITEMS  # ...and never to 1.0 files, which stay as they were
+    assert {p.stem: p.read_bytes() for p in legacy.files()} == legacy.frames
+
+
+def test_info_and_ls_show_a_1_0_cache(legacy: Legacy) -> None:
+    code, out, err = cli("ls", str(legacy.root), "--json")
+    (listed,) = json.loads(out)["caches"]
+    assert (code, err) == (0, "")
+    assert (listed["key"], listed["entries"], listed["legacy_entries"]) == (legacy.directory.name, ITEMS, ITEMS)
+    assert listed["metadata_problem"] is None and listed["live_bytes"] == 0
+    assert listed["bytes"] == sum(p.stat().st_size for p in legacy.directory.rglob("*") if p.is_file())
+    code, out, _ = cli("ls", str(legacy.root))
+    assert code == 0 and f"1 module cache, {ITEMS} entries, " in out
+    code, out, _ = cli("info", legacy.directory.name, "--root", str(legacy.root))
+    assert code == 0 and f"\nentries          {ITEMS}\n" in out
+    assert f"\n1.0 entries      {ITEMS} (read in place; `torchcache migrate` packs them)\n" in out
+    assert out.splitlines()[-1].split() == [str(ITEMS), "64", "B", "float32[16]"]  # layouts read from the files
+    info = json.loads(cli("info", str(legacy.directory), "--json", "--sample", "5")[1])
+    assert (info["entries"], info["legacy_entries"], info["sampled_entries"]) == (ITEMS, ITEMS, 5)
+    code, out, _ = cli("verify", str(legacy.root))
+    assert code == 0 and out.startswith(f"checked {ITEMS} entries in 1 module cache")
+    assert len(legacy.files()) == ITEMS and not (legacy.directory / INDEX_NAME).exists()  # looking changes nothing
+
+
+def test_a_corrupt_1_0_file_is_a_miss_with_one_warning_and_is_removed(legacy: Legacy) -> None:
+    bad = legacy.files()[3]
+    flip_last_byte(bad)
+    reader = model(legacy.root)
+    with pytest.warns(CacheWarning, match="corrupt") as record:
+        assert_same(reader(legacy.x), legacy.want)
+    assert len([w for w in record if issubclass(w.category, CacheWarning)]) == 1
+    assert reader.items == 1 and not bad.exists()
+    reader.cache_instance.flush()
+    assert bad.stem in packed(legacy.directory)  # recomputed into the packed store
+    assert_same(reader(legacy.x), legacy.want)
+    assert reader.items == 1
+
+
+# -- migrate ------------------------------------------------------------------------------------
+def test_migrate_packs_every_entry_and_removes_the_1_0_files(legacy: Legacy) -> None:
+    (legacy.directory / "notes").mkdir()  # not torchcache's: kept
+    reader = model(legacy.root)  # a process that reads in place while the migration runs
+    assert_same(reader(legacy.x[:5]), legacy.want[:5])
+    code, out, err = cli("migrate", str(legacy.root))
+    assert (code, err) == (0, "")
+    assert out == f"packed {ITEMS} entries of 1 module cache under {legacy.root}\n"
+    assert packed(legacy.directory) == legacy.frames  # the frames, byte for byte
+    assert list(legacy.directory.rglob("*.tce")) == []
+    assert sorted(p.name for p in legacy.directory.iterdir() if p.is_dir()) == ["notes"]  # shard directories gone
+    assert_same(reader(legacy.x), legacy.want)
+    assert reader.items == 0  # the running reader still hits, now from the store
+
+    del reader
+    gc.collect()
+    fresh = model(legacy.root)
+    assert_same(fresh(legacy.x), legacy.want)
+    assert fresh.items == 0 and fresh.cache_instance.stats().hits == ITEMS
+    listed = json.loads(cli("ls", str(legacy.root), "--json")[1])["caches"]
+    assert [(c["entries"], c["legacy_entries"]) for c in listed] == [(ITEMS, 0)]
+    assert cli("verify", str(legacy.root))[0] == 0
+
+
+def test_migrate_twice_is_a_no_op(legacy: Legacy) -> None:
+    assert cli("migrate", str(legacy.directory))[0] == 0  # a module directory works as well as a root
+    before = packed(legacy.directory)
+    files = sorted(p.name for p in legacy.directory.iterdir())
+    code, out, err = cli("migrate", str(legacy.root))
+    assert (code, err) == (0, "")
+    assert out == f"nothing to migrate: no torchcache 1.0 entries under {legacy.root}\n"
+    assert packed(legacy.directory) == before and len(before) == ITEMS
+    assert sorted(p.name for p in legacy.directory.iterdir()) == files
+
+
+def test_migrate_leaves_a_damaged_file_names_it_and_verify_fix_removes_it(legacy: Legacy) -> None:
+    bad = legacy.files()[7]
+    flip_last_byte(bad)
+    code, out, err = cli("migrate", str(legacy.root))
+    assert code == 1
+    assert out.startswith(f"packed {ITEMS - 1} entries of 1 module cache under {legacy.root}\n")
+    (row,) = [line for line in out.splitlines() if str(bad.relative_to(legacy.root)) in line]
+    assert "checksum mismatch" in row
+    assert err == "torchcache: error: left 1 damaged file; `torchcache verify --fix` removes them\n"
+    assert legacy.files() == [bad] and set(packed(legacy.directory)) == set(legacy.frames) - {bad.stem}
+
+    code, out, _ = cli("verify", str(legacy.root))
+    assert code == 1 and str(bad.relative_to(legacy.root)) in out
+    code, out, err = cli("verify", "--fix", str(legacy.root))
+    assert (code, err) == (0, "") and "removed 1 file" in out and not bad.exists()
+    assert cli("verify", str(legacy.root))[0] == 0
+    assert cli("migrate", str(legacy.root))[1].startswith("nothing to migrate")
+    fresh = model(legacy.root)
+    assert_same(fresh(legacy.x), legacy.want)
+    assert fresh.items == 1  # only the damaged entry is computed again
+
+
+def test_migrate_under_a_small_limit_reports_what_it_dropped(tmp_path: Path) -> None:
+    legacy = build_legacy(tmp_path, items=600, max_bytes=1 << 16)  # room for about 200 of them
+    code, out, err = cli("migrate", str(legacy.root))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    kept = packed(legacy.directory)
+    assert 0 < len(kept) < 600
+    assert lines == [
+        f"packed {len(kept)} entries of 1 module cache under {legacy.root}",
+        f"{600 - len(kept)} entries did not fit the size limit and were dropped",
+    ]
+    assert all(legacy.frames[key] == frame for key, frame in kept.items())
+    assert list(legacy.directory.rglob("*.tce")) == []
+    fresh = model(legacy.root, max_persistent_cache_size=1 << 16)
+    assert_same(fresh(legacy.x), legacy.want)
+    assert fresh.cache_instance.stats().hits == len(kept)
+    gc.collect()
+
+
+# -- verify on 1.0 files ------------------------------------------------------------------------
+def test_verify_reports_and_fixes_damaged_1_0_files(legacy: Legacy) -> None:
+    files = legacy.files()
+    flipped, truncated, garbage, wrong_size, bad_header = files[:5]
+    flip_last_byte(flipped)
+    truncated.write_bytes(truncated.read_bytes()[:-3])
+    garbage.write_bytes(b"garbage")
+    spec, leaves = flatten(torch.zeros(1, 3))
+    header = Layout.of(spec, leaves, None).to_header()
+    wrong_size.write_bytes(encode_frame(header, b"\x00" * 12, None))  # 12 bytes, the layout says 16
+    bad_header.write_bytes(encode_frame({"no": "leaves"}, b"\x00" * 16, None))
+    old = time.time() - 2 * TMP_GRACE_SECONDS
+    stray = files[5].parent / f".{files[5].stem}.123.deadbeef.tmp"
+    stray.write_bytes(b"half an entry")
+    os.utime(stray, (old, old))
+    fresh_tmp = files[6].parent / ".fresh.999.tmp"
+    fresh_tmp.write_bytes(b"being written")
+    before = sorted(legacy.root.rglob("*"))
+
+    code, out, err = cli("verify", str(legacy.root))
+    assert code == 1 and err == "torchcache: error: 6 problems found; run `torchcache verify --fix` to fix them\n"
+    reasons = {line.split()[-1]: line for line in out.splitlines()[2:8]}
+    rel = {name: str(p.relative_to(legacy.root)) for name, p in locals().items() if isinstance(p, Path)}
+    assert "checksum mismatch" in reasons[rel["flipped"]]
+    assert "does not match its prefix" in reasons[rel["truncated"]]
+    assert "truncated frame" in reasons[rel["garbage"]]
+    assert "payload is 12 bytes, its header describes 16" in reasons[rel["wrong_size"]]
+    assert "invalid header" in reasons[rel["bad_header"]]
+    assert reasons[rel["stray"]].startswith("temporary")
+    assert rel["fresh_tmp"] not in out and "left 1 recent temporary file alone" in out
+    assert sorted(legacy.root.rglob("*")) == before  # reporting removes nothing
+
+    code, out, err = cli("verify", "--fix", str(legacy.root))
+    assert (code, err) == (0, "") and "removed 6 files" in out
+    assert [p for p in (flipped, truncated, garbage, wrong_size, bad_header, stray, fresh_tmp) if p.exists()] == [
+        fresh_tmp
+    ]
+    assert len(legacy.files()) == ITEMS - 5
+    reader = model(legacy.root)
+    assert_same(reader(legacy.x), legacy.want)
+    assert reader.items == 5  # the rest are still read in place
+
+
+def test_migrate_refuses_a_store_whose_index_is_cut_short_until_verify_fix(legacy: Legacy) -> None:
+    frames = list(legacy.frames.values())
+    extra = {f"{i:032x}": frames[i % len(frames)] for i in range(300)}
+    with PackedStore(legacy.directory, 1 << 40) as store:  # entries packed before, by another run
+        assert store.put_many(list(extra.items())) == 300
+    index = legacy.directory / INDEX_NAME
+    os.truncate(index, index.stat().st_size // 3)  # LMDB would touch pages past the end: SIGBUS
+    code, out, err = cli("migrate", str(legacy.root))
+    assert code == 1 and out == f"packed 0 entries of 0 module caches under {legacy.root}\n"
+    assert err.startswith(f"torchcache: error: cannot migrate {legacy.directory}: the index of ")
+    assert "is cut short" in err and err.endswith("run `torchcache verify --fix` to rebuild it\n")
+    assert len(legacy.files()) == ITEMS
+
+    code, out, _ = cli("verify", str(legacy.root))
+    assert code == 1 and f"cut short: {index.stat().st_size:,} bytes" in out
+    assert cli("verify", "--fix", str(legacy.root))[0] == 0
+    assert packed(legacy.directory) == extra  # rebuilt from the segment files
+    code, out, _ = cli("migrate", str(legacy.root))
+    assert code == 0 and out == f"packed {ITEMS} entries of 1 module cache under {legacy.root}\n"
+    assert packed(legacy.directory) == {**extra, **legacy.frames}
