@@ -1,0 +1,438 @@
+"""Dataset caching: epoch times of ``CachedDataset`` against stocaching and a preloaded floor.
+
+Usage::
+
+    python benchmarks/dataset_cache.py                # 20,000 images, 3 rounds
+    python benchmarks/dataset_cache.py --quick        # 4,000 images, 2 rounds (a smoke run)
+    python benchmarks/dataset_cache.py --items 50000 --json out.json
+
+The dataset is a folder of small encoded images (64x64 RGB JPEGs written with Pillow, or
+zlib-compressed raw pixels without it). A sample is decoded, resized to 48x48 with
+``torch.nn.functional.interpolate`` (bilinear, antialiased) and returned as a
+``(uint8 tensor (3, 48, 48), int label)`` pair, as the first, cacheable half of a real
+image pipeline. Every epoch is a ``DataLoader(batch_size=64, num_workers=2)`` pass in a
+fresh shuffled order, timed from ``iter(loader)`` to the last batch. Compared:
+
+- uncached: the dataset itself;
+- torchcache: ``CachedDataset(dataset, max_memory_size=budget)`` (RAM tier only), where
+  the budget is the fraction times the dataset's charge: ``len(encode_sample(sample)) +
+  ENTRY_OVERHEAD`` per sample; a fraction of 0 is ``max_memory_size=0`` (no tier);
+- stocaching 0.2.1: a ``SharedCache`` sized for the same number of samples, with
+  ``get_slot``/``set_slot`` in ``__getitem__`` (the label comes from a list);
+- floor: the same samples preloaded into one uint8 tensor, indexed in ``__getitem__``.
+
+The run is made of rounds (3 by default). A round runs the floor, an uncached epoch,
+then for each fraction makes both caches afresh and runs their first epochs (which fill
+them) and one later epoch each, the two libraries in alternating order; a second
+uncached epoch runs after the 50 % fraction. Every figure is the median over the rounds,
+"uncached" the median of all uncached epochs. Every batch is checked sample by sample
+against the uncached samples (a 64-bit weighted sum of each sample's bytes, and its
+label), and each epoch's checksum against the reference's. The run exits 1 if a sample was wrong (2 with
+``--strict`` if a target was missed). The images live in a temporary directory, the RAM
+tiers under a fresh ``/dev/shm`` directory with their own ``TORCHCACHE_JOB_ID``; both
+are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torchcache
+from torchcache import CachedDataset
+from torchcache.sample_tiers import ENTRY_OVERHEAD
+from torchcache.samples import encode_sample
+
+try:
+    from PIL import Image
+except ImportError:  # zlib-compressed raw pixels instead
+    Image = None
+try:
+    from stocaching import SharedCache
+except ImportError:
+    SharedCache = None
+
+SIDE, OUT = 64, 48
+SHAPE = (3, OUT, OUT)
+BATCH, WORKERS = 64, 2
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+CLASSES = 10
+TARGETS = {"floor_ratio": 1.5, "vs_stocaching": 1.0, "linearity_r2": 0.95, "first_ratio": 1.1}
+
+
+# -- the dataset ----------------------------------------------------------------------
+def make_images(root: Path, count: int, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Write ``count`` smooth noisy 64x64 RGB images; return their file names and labels."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:SIDE, 0:SIDE] / (SIDE - 1)
+    names, ext = [], ".jpg" if Image is not None else ".z"
+    for start in range(0, count, 1000):
+        n = min(1000, count - start)
+        low, high = rng.uniform(0, 255, (2, n, 1, 1, 3))
+        angle = rng.uniform(0, 2 * np.pi, (n, 1, 1, 1))
+        ramp = xx[None, :, :, None] * np.cos(angle) + yy[None, :, :, None] * np.sin(angle)
+        pixels = low + (high - low) * (ramp - ramp.min()) / np.ptp(ramp, axis=(1, 2, 3), keepdims=True)
+        pixels = np.clip(pixels + rng.normal(0, 12, (n, SIDE, SIDE, 3)), 0, 255).astype(np.uint8)
+        for i in range(n):
+            name = f"{start + i:07d}{ext}"
+            if Image is not None:
+                buffer = io.BytesIO()
+                Image.fromarray(pixels[i]).save(buffer, format="JPEG", quality=90)
+                data = buffer.getvalue()
+            else:
+                data = zlib.compress(pixels[i].tobytes(), 6)
+            (root / name).write_bytes(data)
+            names.append(name)
+    return names, [int(label) for label in rng.integers(0, CLASSES, count)]
+
+
+class ImageFiles(Dataset[Any]):
+    """Decode an image file, resize it to 48x48, return ``(uint8 (3, 48, 48), label)``."""
+
+    def __init__(self, root: Path, files: list[str], labels: list[int]) -> None:
+        self.root, self.files, self.labels = str(root), files, labels
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with open(os.path.join(self.root, self.files[i]), "rb") as file:
+            if Image is not None:
+                pixels = np.array(Image.open(file).convert("RGB"))
+            else:
+                pixels = np.frombuffer(zlib.decompress(file.read()), np.uint8).reshape(SIDE, SIDE, 3).copy()
+        x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).float()
+        x = F.interpolate(x, size=(OUT, OUT), mode="bilinear", antialias=True, align_corners=False)
+        return x.squeeze(0).round_().clamp_(0, 255).to(torch.uint8), self.labels[i]
+
+
+class Preloaded(Dataset[Any]):
+    """The floor: every sample already decoded, in one uint8 tensor."""
+
+    def __init__(self, images: torch.Tensor, labels: list[int]) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], self.labels[i]
+
+
+class Stocached(Dataset[Any]):
+    """The dataset behind a stocaching ``SharedCache`` of ``slots`` samples, as its README shows."""
+
+    def __init__(self, base: ImageFiles, slots: int) -> None:
+        self.base, self.labels = base, base.labels
+        n, slot = len(base), int(np.prod(SHAPE))
+        limit_gib = (slots * slot + n + slot / 2) / 1024**3  # samples + its status bytes, rounding-safe
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its sizing
+            self.cache = SharedCache(limit_gib, n, SHAPE, torch.uint8)
+        assert len(self.cache) == slots, (len(self.cache), slots)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.cache.get_slot(i)
+        if x is None:
+            x = self.base[i][0]
+            self.cache.set_slot(i, x)
+        return x, self.labels[i]
+
+
+# -- epochs and checks ----------------------------------------------------------------
+class Reference:
+    """Per-sample digests and labels of the uncached samples."""
+
+    def __init__(self, images: torch.Tensor, labels: list[int]) -> None:
+        rng = np.random.default_rng(7)
+        self.weights = rng.integers(1, 2**63, int(np.prod(SHAPE)) // 8, dtype=np.uint64) | np.uint64(1)
+        self.digests = np.concatenate([self.digest(images[i : i + 4096]) for i in range(0, len(images), 4096)])
+        self.labels = np.asarray(labels)
+        self.checksum = int(self.digests.sum(dtype=np.uint64))
+
+    def digest(self, images: torch.Tensor) -> np.ndarray[Any, Any]:
+        """One 64-bit digest per sample of a uint8 batch: a weighted sum of its 8-byte words."""
+        rows = np.ascontiguousarray(images.numpy()).reshape(len(images), -1).view(np.uint64)
+        return (rows * self.weights).sum(axis=1, dtype=np.uint64)  # modulo 2**64
+
+
+def run_epoch(dataset: Dataset[Any], order: list[int], ref: Reference | None) -> dict[str, Any]:
+    """One timed DataLoader pass in ``order``; counts the samples that differ from ``ref``."""
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS, sampler=order)
+    wrong, checksum, at = 0, 0, 0
+    start = time.perf_counter()
+    for images, labels in loader:
+        picked = order[at : at + len(labels)]
+        at += len(labels)
+        if ref is None:
+            continue
+        if images.dtype != torch.uint8 or tuple(images.shape[1:]) != SHAPE:
+            wrong += len(labels)
+            continue
+        digests = ref.digest(images)
+        wrong += int(((digests != ref.digests[picked]) | (labels.numpy() != ref.labels[picked])).sum())
+        checksum = (checksum + int(digests.sum(dtype=np.uint64))) % 2**64
+    seconds = time.perf_counter() - start
+    if at != len(order):
+        wrong += len(order) - at
+    if ref is not None and checksum != ref.checksum:
+        wrong = max(wrong, 1)
+    return {"s": seconds, "wrong": wrong}
+
+
+def build_reference(base: ImageFiles) -> tuple[torch.Tensor, Reference, float]:
+    """One uncached pass in index order; its samples are the reference and the floor's data."""
+    images = torch.empty((len(base), *SHAPE), dtype=torch.uint8)
+    loader = DataLoader(base, batch_size=BATCH, num_workers=WORKERS)
+    start, at = time.perf_counter(), 0
+    for batch, _ in loader:
+        images[at : at + len(batch)] = batch
+        at += len(batch)
+    return images, Reference(images, base.labels), time.perf_counter() - start
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """Least squares of ``ys`` on ``xs``: slope, Pearson r, R² and the worst residual over the range."""
+    x, y = np.asarray(xs), np.asarray(ys)
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - float((residual**2).sum()) / total if total else 0.0
+    spread = float(y.max() - y.min()) or 1.0
+    return {
+        "slope": float(slope),
+        "r": float(np.corrcoef(x, y)[0, 1]),
+        "r2": r2,
+        "max_residual": float(np.abs(residual).max() / spread),
+    }
+
+
+# -- the run ----------------------------------------------------------------------------
+def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, Any]:
+    def say(line: str) -> None:
+        log.append(line)
+        print(line, flush=True)
+
+    root = work / "images"
+    root.mkdir()
+    start = time.perf_counter()
+    files, labels = make_images(root, items)
+    encoded = sum(f.stat().st_size for f in root.iterdir())
+    say(f"wrote {items:,} images ({encoded / items:.0f} B each) in {time.perf_counter() - start:.1f} s")
+    base = ImageFiles(root, files, labels)
+    floor_images, ref, seconds = build_reference(base)
+    say(f"reference pass (uncached, in index order): {seconds:.2f} s")
+    charge = len(encode_sample(base[0])) + ENTRY_OVERHEAD
+    assert all(len(encode_sample(base[i])) + ENTRY_OVERHEAD == charge for i in (1, items // 2, items - 1))
+    slots = {f: round(f * items) for f in FRACTIONS}
+    libraries = ["torchcache"] + (["stocaching"] if SharedCache is not None else [])
+    rng = np.random.default_rng(1)
+    wrong = 0
+    times: dict[str, list[float]] = {}
+    cached: dict[tuple[str, float], float] = {}
+
+    def epoch(name: str, dataset: Dataset[Any], order: list[int]) -> None:
+        nonlocal wrong
+        result = run_epoch(dataset, order, ref)
+        wrong += result["wrong"]
+        times.setdefault(name, []).append(result["s"])
+        flag = f"  WRONG SAMPLES: {result['wrong']}" if result["wrong"] else ""
+        say(f"  {name:<26} {result['s']:7.2f} s{flag}")
+
+    def make(lib: str, f: float, r: int) -> Dataset[Any]:
+        if lib == "stocaching":
+            return Stocached(base, slots[f])
+        return CachedDataset(base, max_memory_size=slots[f] * charge, version=f"bench-{f}-{r}")
+
+    def drop(lib: str, f: float, dataset: Dataset[Any]) -> None:
+        if isinstance(dataset, Stocached):
+            cached[lib, f] = min(cached.get((lib, f), 1.0), int((dataset.cache.aux_array == 1).sum()) / items)
+            return
+        assert isinstance(dataset, CachedDataset)
+        memory = dataset.stats().memory
+        cached[lib, f] = min(cached.get((lib, f), 1.0), memory.entries / items)
+        say(f"  (torchcache {f:.0%}: {memory.entries} entries, {memory.bytes:,} of {memory.max_bytes:,} B)")
+        directory = dataset.cache.memory_dir
+        dataset.close()
+        if directory is not None:  # other caches of this job keep the job directory: free this one's RAM now
+            shutil.rmtree(directory, ignore_errors=True)
+
+    for r in range(rounds):
+        say(f"round {r + 1}/{rounds} (load average {' '.join(f'{v:.2f}' for v in os.getloadavg())})")
+        first, later = rng.permutation(items).tolist(), rng.permutation(items).tolist()
+        epoch("floor", Preloaded(floor_images, labels), later)
+        epoch("uncached", base, first)
+        for k, f in enumerate(FRACTIONS):
+            if k == len(FRACTIONS) // 2 + 1:
+                epoch("uncached", base, later)
+            ordered = libraries if (k + r) % 2 == 0 else libraries[::-1]
+            caches = {lib: make(lib, f, r) for lib in ordered}
+            for lib in ordered:
+                epoch(f"{lib} {f:.0%} first", caches[lib], first)
+            for lib in ordered:
+                epoch(f"{lib} {f:.0%} later", caches[lib], later)
+            for lib in ordered:
+                drop(lib, f, caches.pop(lib))
+    return {"times": times, "wrong": wrong, "charge": charge, "cached": cached, "libraries": libraries}
+
+
+def summarize(items: int, raw: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, bool | None]], dict[str, Any]]:
+    """The table, the targets (name, measured, met) and the figures for ``--json``."""
+    times, libraries = raw["times"], raw["libraries"]
+    med = {name: statistics.median(values) for name, values in times.items()}
+    uncached, floor = med["uncached"], med["floor"]
+    lines = [
+        f"{'cached':>6}  {'library':<10} {'stored':>7}  {'first epoch':>11}  {'first/unc':>9}  "
+        f"{'later: median [min-max]':<25} {'speedup':>7}  {'vs floor':>8}  {'tc/stoc':>7}"
+    ]
+    figures: dict[str, Any] = {"uncached_s": uncached, "floor_s": floor}
+    for f in FRACTIONS:
+        for lib in libraries:
+            first = med[f"{lib} {f:.0%} first"]
+            later_all = times[f"{lib} {f:.0%} later"]
+            later = med[f"{lib} {f:.0%} later"]
+            versus = ""
+            if lib == "torchcache" and "stocaching" in libraries:
+                versus = f"{later / med[f'stocaching {f:.0%} later']:.2f}"
+            spread = f"{later:.2f} s [{min(later_all):.2f}-{max(later_all):.2f}]"
+            lines.append(
+                f"{f:>6.0%}  {lib:<10} {raw['cached'][lib, f]:>7.1%}  {first:>9.2f} s  {first / uncached:>8.2f}x  "
+                f"{spread:<25} {uncached / later:>6.2f}x  {later / floor:>7.2f}x  {versus:>7}"
+            )
+            figures[f"{lib}_{f:.2f}"] = {"first_s": first, "later_s": later, "later_all_s": later_all}
+    for name, value in (("uncached", uncached), ("floor", floor)):
+        spread = f"{value:.2f} s [{min(times[name]):.2f}-{max(times[name]):.2f}]"
+        lines.append(f"{'':>6}  {name:<10} {'':>7}  {'':>11}  {'':>9}  {spread:<25} {uncached / value:>6.2f}x")
+    targets: list[tuple[str, str, bool | None]] = []
+    tc_later = [med[f"torchcache {f:.0%} later"] for f in FRACTIONS]
+    full = tc_later[-1] / floor
+    targets.append(("later epochs at 100% within 1.5x of the floor", f"{full:.2f}x", full <= TARGETS["floor_ratio"]))
+    if "stocaching" in libraries:
+        ratios = [med[f"torchcache {f:.0%} later"] / med[f"stocaching {f:.0%} later"] for f in FRACTIONS]
+        shown = ", ".join(f"{f:.0%} {r:.2f}" for f, r in zip(FRACTIONS, ratios))
+        targets.append(("at every fraction at least as fast as stocaching (tc/stoc <= 1)", shown, max(ratios) <= 1.0))
+        figures["tc_over_stocaching"] = ratios
+    else:
+        targets.append(("at least as fast as stocaching", "stocaching not installed", None))
+    saved = [uncached - t for t in tc_later]
+    fit = linear_fit(list(FRACTIONS), saved)
+    figures["linearity_torchcache"] = fit
+    targets.append(
+        (
+            "time saved grows linearly with the fraction (R² >= 0.95)",
+            f"r {fit['r']:.3f}, R² {fit['r2']:.3f}, worst residual {fit['max_residual']:.1%} of the range",
+            fit["r2"] >= TARGETS["linearity_r2"],
+        )
+    )
+    if "stocaching" in libraries:
+        sfit = linear_fit(list(FRACTIONS), [uncached - med[f"stocaching {f:.0%} later"] for f in FRACTIONS])
+        figures["linearity_stocaching"] = sfit
+        lines.append(f"stocaching linearity: r {sfit['r']:.3f}, R² {sfit['r2']:.3f}")
+    firsts = [med[f"torchcache {f:.0%} first"] / uncached for f in FRACTIONS]
+    shown = ", ".join(f"{f:.0%} {r:.2f}" for f, r in zip(FRACTIONS, firsts))
+    targets.append(("first epoch at most 1.1x an uncached epoch", shown, max(firsts) <= TARGETS["first_ratio"]))
+    return lines, targets, figures
+
+
+def versions() -> dict[str, str]:
+    found = {"torch": torch.__version__, "torchcache": torchcache.__version__, "numpy": np.__version__}
+    for name in ("stocaching", "pillow"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--items", type=int, help="images in the dataset (default 20,000; 4,000 with --quick)")
+    parser.add_argument("--rounds", type=int, help="rounds of epochs (default 3; 2 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4,000 images, 2 rounds")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
+    args = parser.parse_args()
+    items = args.items or (4000 if args.quick else 20000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    if items < BATCH or rounds < 1:
+        parser.error("--items must be at least 64 and --rounds at least 1")
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    work = Path(tempfile.mkdtemp(prefix="torchcache-dataset-bench-"))
+    shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
+    shm_root = shm_base / f"torchcache-bench-{token}"
+    os.environ["TORCHCACHE_SHM_DIR"] = str(shm_root)
+    os.environ["TORCHCACHE_JOB_ID"] = f"dataset-bench-{token}"
+    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    found = versions()
+    print(f"{machine}; " + ", ".join(f"{k} {v}" for k, v in found.items()))
+    if SharedCache is None:
+        print("stocaching is not installed (pip install stocaching==0.2.1 --no-deps): its column is left out")
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    log: list[str] = []
+    try:
+        raw = measure(items, rounds, work, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)
+    elapsed = time.perf_counter() - start
+    load_after = os.getloadavg()
+    lines, targets, figures = summarize(items, raw)
+    print()
+    print(
+        f"{items:,} images ({'JPEG' if Image is not None else 'zlib'} 64x64 -> uint8 (3, 48, 48) + label), "
+        f"batch {BATCH}, {WORKERS} workers, {rounds} rounds, {raw['charge']} B charged per sample; "
+        f"{elapsed:.0f} s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print("\n".join(lines))
+    print("speedup = uncached epoch / later epoch; first/unc = first epoch / uncached epoch (medians of all epochs)")
+    print()
+    for name, value, ok in targets:
+        verdict = "not measured" if ok is None else "met" if ok else "MISSED"
+        print(f"  {name:<64} {value:<48} {verdict}")
+    print(f"wrong samples: {raw['wrong']}")
+    if args.json:
+        result = {
+            "items": items,
+            "rounds": rounds,
+            "machine": machine,
+            "versions": found,
+            "load_average": {"before": load_before, "after": load_after},
+            "seconds": elapsed,
+            "charge_bytes": raw["charge"],
+            "wrong": raw["wrong"],
+            "cached": {f"{lib}_{f:.2f}": v for (lib, f), v in raw["cached"].items()},
+            "epochs": raw["times"],
+            "figures": figures,
+            "targets": [{"target": n, "measured": v, "met": ok} for n, v, ok in targets],
+        }
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if raw["wrong"]:
+        print("FAILED: some samples served differ from the uncached samples")
+        return 1
+    return 2 if args.strict and any(ok is False for _, _, ok in targets) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
