@@ -96,7 +96,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     root = _root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
-    layouts = summarize_layouts(cache.directory, files, args.sample)
+    dataset = cache.meta.get("kind") == "dataset"  # its entries are samples, not output frames
+    layouts = [] if dataset else summarize_layouts(cache.directory, files, args.sample)
     sampled = sum(s.entries for s in layouts)
     settings = cache.meta.get("settings")
     if args.json:
@@ -112,6 +113,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("module key", cache.key),
         ("name", cache.name),
         ("kind", str(cache.meta.get("kind", "-"))),
+        *([("dataset length", str(cache.meta.get("length", "-")))] if dataset else []),
         ("created", when(cache.created)),
         ("last used", when(cache.last_used)),
         ("torchcache", cache.version or "-"),
@@ -172,7 +174,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 damaged[cache.directory / META_NAME] = cache
                 problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
             try:
-                _, found, fixed = verify_store(cache.directory, args.fix, progress.update)
+                _, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
             except StoreError as exc:
                 found, fixed = [Problem(cache.directory, "store", str(exc), 0)], False
                 failures.append(f"cannot check the store of {cache.directory}: {exc}") if args.fix else None

@@ -42,6 +42,7 @@ __all__ = [
     "Problem",
     "check_entry",
     "check_frame",
+    "check_sample",
     "migrate_cache",
     "parse_duration",
     "rebuild_meta",
@@ -89,12 +90,25 @@ def check_frame(data: bytes | memoryview) -> str | None:
     return None
 
 
-def verify_store(
-    directory: Path, fix: bool, tick: Callable[[int], None] | None = None
-) -> tuple[int, list[Problem], bool]:
-    """Check a module directory's packed store: its index, every record's checksum, every frame.
+def check_sample(data: bytes | memoryview) -> str | None:
+    """Why a stored dataset sample is corrupt, or ``None`` (see :mod:`torchcache.samples`)."""
+    from .samples import decode_sample
 
-    With ``fix``, damaged entries are removed and the index is repaired.
+    try:
+        decode_sample(data)
+    except (CorruptEntryError, ValueError, TypeError, RecursionError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def verify_store(
+    directory: Path, fix: bool, tick: Callable[[int], None] | None = None, kind: object = None
+) -> tuple[int, list[Problem], bool]:
+    """Check a cache directory's packed store: its index, every record's checksum, every entry.
+
+    With ``fix``, damaged entries are removed and the index is repaired. Entries are
+    checked as what the cache stores: frames of module outputs, or dataset samples when
+    ``kind`` (the metadata's) is ``"dataset"``.
 
     Returns:
         The entries checked, the problems (a damaged entry's path is ``<directory>/<key>``),
@@ -117,6 +131,7 @@ def verify_store(
     store = open_store(directory)
     if store is None:
         return 0, problems, fix
+    check = check_sample if kind == "dataset" else check_frame
     with store:
         report = store.verify(fix)
         problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)
@@ -130,7 +145,7 @@ def verify_store(
         for start in range(0, len(keys), 512):
             chunk = keys[start : start + 512]
             for key, data in zip(chunk, store.get_many(chunk)):
-                reason = None if data is None else check_frame(data)
+                reason = None if data is None else check(data)
                 if reason is not None:
                     bad.append(key)
                     problems.append(Problem(directory / key, "corrupt", reason, len(data or b"")))
