@@ -141,3 +141,38 @@ def test_a_full_server_refuses_writes_but_calls_stay_right() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheWarning)
             assert torch.equal(model(x), plain(x))
+
+
+def test_the_command_line_lists_verifies_and_clears_caches_on_a_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torchcache.cli import main
+    from torchcache.stores.redis import RedisStore
+
+    password = "cli-s3cret"
+    with own_server(password=password) as server:
+        model = cached(Counting, persistent=True, persistent_cache_dir=server.url, max_memory_cache_size=0)()
+        model(torch.randn(6, 4))
+        model.cache_instance.flush()
+        key = model.cache_instance.module_hash
+        assert main(["ls", server.url, "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert listed["caches"] == [{"key": key, "entries": 6, "bytes": listed["caches"][0]["bytes"]}]
+        assert password not in listed["root"]
+        assert main(["info", key[:6], "--root", server.url]) == 0
+        assert password not in capsys.readouterr().out
+        assert main(["verify", server.url]) == 0
+        capsys.readouterr()
+        with RedisStore(server.url, key, 1 << 30) as store:
+            victim = sorted(store.keys())[0]
+            store.put_many([(victim, b"not a frame")])  # a valid record holding a bad frame
+        assert main(["verify", server.url]) == 1
+        assert victim in capsys.readouterr().out
+        assert main(["verify", "--fix", server.url]) == 0
+        with RedisStore(server.url, key, 1 << 30) as store:
+            assert len(store) == 5 and victim not in store
+        assert main(["clear", "--all", "--root", server.url]) == 1  # without --yes
+        assert main(["clear", "--all", "--yes", "--root", server.url]) == 0
+        assert RedisStore.namespaces(server.url) == []
+        out = capsys.readouterr()
+        assert password not in out.out + out.err

@@ -28,7 +28,7 @@ from .cli_output import (
     totals,
     when,
 )
-from .config import resolve_root
+from .config import is_url, resolve_root
 from .errors import StoreError
 from .inspect_cache import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
 from .maintenance import (
@@ -68,6 +68,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 0.
     """
+    if is_url(args.root):
+        from . import cli_redis
+
+        return cli_redis.redis_ls(args.root, args)
     root = _root(args.root)
     caches = find_caches(root)
     if args.json:
@@ -93,6 +97,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     Raises:
         CacheLookupError: If no module cache, or more than one, matches the target.
     """
+    if is_url(args.root):
+        from . import cli_redis
+
+        return cli_redis.redis_info(args.root, args)
     root = _root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
@@ -156,6 +164,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 1 if problems were found and not fixed, else 0.
     """
+    if is_url(args.path):
+        from . import cli_redis
+
+        return cli_redis.redis_verify(args.path, args)
     root = _root(args.path)
     caches = find_caches(root)
     listed = [(cache, list_files(cache.directory)) for cache in caches]
@@ -315,6 +327,10 @@ def cmd_clear(args: argparse.Namespace) -> int:
     Raises:
         CacheLookupError: If no module cache, or more than one, matches the target.
     """
+    if is_url(args.root):
+        from . import cli_redis
+
+        return cli_redis.redis_clear(args.root, args)
     root = _root(args.root)
     targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
     if not targets:
