@@ -31,12 +31,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .._fork import after_fork
-from ..codec import MAX_ITEM_BYTES
+from ..codec import MAX_ITEM_BYTES, PREFIX
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
 from ..stores.base import Store
 from ..stores.batched import BatchedStore
@@ -193,23 +194,45 @@ class PersistentTier:
             frames[i] = (self.codec.header_of(job.layout), packed[0].tobytes())
         return frames
 
-    def _decode(self, datas: Sequence[bytes | memoryview | None]) -> list[Frame | CorruptEntryError | None]:
-        """Check and decode frames: raw ones here, compressed ones in chunks on the shared pool."""
-        frames = self.codec.decode_many(datas, raw_only=True)
+    def _decode(
+        self, datas: Sequence[bytes | memoryview | None]
+    ) -> tuple[list[Frame | CorruptEntryError | None], np.ndarray | None]:
+        """Check and decode frames: raw ones here, compressed ones in chunks on the shared pool.
+
+        Compressed payloads are copied, on the pool, into the rows of one array as they
+        are decoded; it is returned when every compressed frame landed there (one size),
+        so that the caller need not copy them again.
+        """
+        frames: list[Any] = self.codec.decode_many(datas, raw_only=True)
         packed = [i for i, frame in enumerate(frames) if isinstance(frame, (bytes, memoryview))]
-        if packed:
-            todo = [frames[i] for i in packed]
-            if len(todo) < _PARALLEL_MIN_ITEMS:
-                decoded = self.codec.decode_many(todo)  # type: ignore[arg-type]
-            else:
-                size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
-                pool = _decode_pool()
-                starts = range(0, len(todo), size)
-                futures = [pool.submit(self.codec.decode_many, todo[start : start + size]) for start in starts]  # type: ignore[arg-type]
-                decoded = [frame for future in futures for frame in future.result()]
-            for i, frame in zip(packed, decoded):
-                frames[i] = frame
-        return frames  # type: ignore[return-value]
+        if not packed:
+            return frames, None
+        todo = [frames[i] for i in packed]
+        raw_len = PREFIX.unpack_from(todo[0])[6]  # decode_many checked the prefix of what it left
+        rows = np.empty((len(todo), raw_len), dtype=np.uint8) if 0 < raw_len <= MAX_ITEM_BYTES else None
+        landed = [False] * len(todo)
+
+        def work(start: int, stop: int) -> list[Any]:
+            out: list[Any] = self.codec.decode_many(todo[start:stop])
+            if rows is not None:
+                for j, frame in enumerate(out, start):
+                    if isinstance(frame, tuple) and len(frame[1]) == raw_len:
+                        rows[j] = np.frombuffer(frame[1], dtype=np.uint8)
+                        out[j - start] = (frame[0], memoryview(rows[j]))
+                        landed[j] = True
+            return out
+
+        if len(todo) < _PARALLEL_MIN_ITEMS:
+            decoded = work(0, len(todo))
+        else:
+            size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
+            pool = _decode_pool()
+            futures = [pool.submit(work, start, min(start + size, len(todo))) for start in range(0, len(todo), size)]
+            decoded = [frame for future in futures for frame in future.result()]
+        for i, frame in zip(packed, decoded):
+            frames[i] = frame
+        every = len(packed) == sum(data is not None for data in datas)  # no raw frame, no damaged prefix
+        return frames, rows if every and all(landed) else None
 
     def read(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]]:
         """Read entries for ``keys``, from the write queue or from the store.
@@ -232,11 +255,16 @@ class PersistentTier:
                 fast = self.codec.raw_rows([datas[i] for i in present])  # type: ignore[misc]
                 if fast is not None:
                     return self._found(present, fast[0], fast[1])
-            for i, decoded in zip(todo, self._decode(datas)):
-                frames[i] = decoded
+            decoded, rows = self._decode(datas)
+            for i, frame in zip(todo, decoded):
+                frames[i] = frame
+        else:
+            rows = None
         positions, layout, payloads = self._select(keys, frames)
         if layout is None:
             return [], None, []
+        if rows is not None and not queued and len(positions) == len(rows) and layout.row_bytes == rows.shape[1]:
+            return self._found(positions, layout, rows)  # every hit decoded into its row already
         # One copy, in C: every payload joined into one writable buffer.
         buffer = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(len(payloads), layout.row_bytes)
         return self._found(positions, layout, buffer)
