@@ -13,7 +13,7 @@ from typing import Any
 
 from .cli_output import error, plural, print_json, table
 from .errors import StoreError
-from .maintenance import check_frame
+from .maintenance import check_entries, check_frame
 from .policy import format_size
 from .stores.redis import RedisStore
 from .stores.redis_url import redact_url
@@ -94,18 +94,8 @@ def redis_verify(url: str, args: argparse.Namespace) -> int:
             checked += report.entries
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
             problems += [(namespace, line) for line in report.problems]
-            failed = set(report.bad)
-            keys = [key for key in store.keys() if key not in failed]  # noqa: SIM118 - a store, not a dict
-            bad = []
-            for start in range(0, len(keys), 512):
-                chunk = keys[start : start + 512]
-                for key, data in zip(chunk, store.get_many(chunk)):
-                    reason = None if data is None else check_frame(data)
-                    if reason is not None:
-                        bad.append(key)
-                        problems.append((namespace, f"entry {key}: {reason}"))
-            if args.fix and bad:
-                store.delete_many(bad)
+            for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
+                problems.append((namespace, f"entry {key}: {reason}"))
     if args.json:
         print_json(
             {

@@ -32,7 +32,7 @@ from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from .stores.files import open_regular, read_at
 from .stores.packed import MAX_ENTRY_BYTES, PackedStore
 from .stores.packed_format import encode_keys, parse_segment_name, payload_of, record_size
-from .stores.packed_index import INDEX_NAME, open_index, unpack_entry
+from .stores.packed_index import INDEX_NAME, cut_short, open_index, unpack_entry
 from .stores.packed_segments import SegmentFiles
 from .stores.packed_upkeep import LOCK_NAME
 from .tree import Layout, describe
@@ -211,23 +211,7 @@ def index_problem(directory: Path) -> str | None:
             return "not a regular file"
     except OSError:
         return None
-    try:  # read-only and without the lock file: nothing is written, no other use of the index is disturbed
-        env = lmdb.open(os.fspath(path), subdir=False, readonly=True, lock=False, max_dbs=3)
-    except lmdb.Error:
-        return None
-    try:
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    except lmdb.Error:
-        return None
-    finally:
-        env.close()
-    try:  # measured after the header was read: a writer grows the file before it commits a header
-        size = os.lstat(path).st_size
-    except OSError:
-        return None
-    if size < needed:
-        return f"cut short: {size:,} bytes, its header describes {needed:,}"
-    return None
+    return cut_short(os.fspath(path))
 
 
 def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:

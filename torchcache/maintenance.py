@@ -29,6 +29,7 @@ from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from .errors import CorruptEntryError, StoreError
 from .inspect_cache import CacheFiles, FileInfo, ModuleCache, index_problem, list_files, open_store
 from .meta import META_NAME, meta_time, write_json_atomic
+from .stores.batched import BatchedStore
 from .stores.disk import ENTRY_SUFFIX
 from .stores.files import open_regular, read_at
 from .stores.packed import PackedStore
@@ -40,6 +41,7 @@ __all__ = [
     "TMP_GRACE_SECONDS",
     "Migration",
     "Problem",
+    "check_entries",
     "check_entry",
     "check_frame",
     "check_sample",
@@ -139,21 +141,43 @@ def verify_store(
         checked = report.entries
         # Records that failed the store's checks are not read again: a read would mark them
         # for removal at the store's next write (its close), and without ``fix`` nothing is removed.
-        failed = set(report.bad)
-        keys = [key for key in list(store.keys()) if key not in failed]
-        bad: list[str] = []
-        for start in range(0, len(keys), 512):
-            chunk = keys[start : start + 512]
-            for key, data in zip(chunk, store.get_many(chunk)):
-                reason = None if data is None else check(data)
-                if reason is not None:
-                    bad.append(key)
-                    problems.append(Problem(directory / key, "corrupt", reason, len(data or b"")))
-            if tick is not None:
-                tick(len(chunk))
-        if fix and bad:
-            store.delete_many(bad)
+        for key, reason, size in check_entries(store, check, set(report.bad), fix, tick):
+            problems.append(Problem(directory / key, "corrupt", reason, size))
     return checked, problems, fix
+
+
+def check_entries(
+    store: BatchedStore,
+    check: Callable[[bytes | memoryview], str | None],
+    skip: set[str],
+    fix: bool,
+    tick: Callable[[int], None] | None = None,
+) -> list[tuple[str, str, int]]:
+    """Check every entry of a store with ``check``, 512 at a time; with ``fix``, delete the bad ones.
+
+    Args:
+        store: The store.
+        check: Why an entry's bytes are not what the cache stores, or ``None``.
+        skip: Keys not to read (they failed the store's own checks).
+        fix: Delete the entries that fail.
+        tick: Called with the count of entries checked, after each batch.
+
+    Returns:
+        ``(key, reason, size)`` of each entry that failed.
+    """
+    keys = [key for key in list(store.keys()) if key not in skip]
+    bad: list[tuple[str, str, int]] = []
+    for start in range(0, len(keys), 512):
+        chunk = keys[start : start + 512]
+        for key, data in zip(chunk, store.get_many(chunk)):
+            reason = None if data is None else check(data)
+            if reason is not None:
+                bad.append((key, reason, len(data or b"")))
+        if tick is not None:
+            tick(len(chunk))
+    if fix and bad:
+        store.delete_many([key for key, _, _ in bad])
+    return bad
 
 
 def check_entry(path: Path) -> str | None:

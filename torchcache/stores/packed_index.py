@@ -159,7 +159,7 @@ def cut_short(path: str) -> str | None:
         size = os.stat(path).st_size
     except OSError:
         return None
-    return f"cut short ({size:,} bytes, its header describes {needed:,})" if size < needed else None
+    return f"cut short: {size:,} bytes, its header describes {needed:,}" if size < needed else None
 
 
 def _forget_shared() -> None:
