@@ -68,7 +68,19 @@ def cast_returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.
 def merge_parts(
     parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
 ) -> list[torch.Tensor]:
-    """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order."""
+    """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order.
+
+    A single part that holds the whole batch in order is returned as it is where its
+    tensors already have the output's dtype, device and a contiguous layout: the tiers
+    hand over tensors that nothing else holds, so no copy is needed.
+    """
+    if len(parts) == 1 and len(parts[0][0]) == batch and parts[0][0] == list(range(batch)):
+        whole = parts[0][1]
+        if all(
+            leaf.dtype == spec.out_dtype and leaf.device == device and leaf.is_contiguous()
+            for leaf, spec in zip(whole, layout.leaves)
+        ):
+            return list(whole)
     indices = [index_tensor(positions, device) for positions, _ in parts]
     outs = []
     for i, spec in enumerate(layout.leaves):
