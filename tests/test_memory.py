@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache.tiers.memory import MemoryTier
-from torchcache.tiers.memory import CAPACITY_OVERHEAD, Slab
+from torchcache.tiers.memory import CAPACITY_OVERHEAD, MemoryTier, Slab
 from torchcache.tree import Layout, flatten
 
 
