@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import shutil
@@ -538,4 +539,21 @@ def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> Non
     with pytest.warns(CacheWarning, match="not a directory of this user"):
         data = CachedDataset(Numbers(2, log))
     assert data.cache.memory_dir is None and data[1][1] == 1 and data.stats().memory.max_bytes == 0
+    data.close()
+
+
+def test_a_dataset_cache_logs_its_summary_while_it_is_used(
+    log: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torchcache_logger: Any
+) -> None:
+    import torchcache.sample_cache as sample_cache
+
+    torchcache_logger.propagate = True
+    data = CachedDataset(Numbers(8, log), max_memory_size="1MB")
+    data[0]
+    assert "hits" not in caplog.text  # not before a minute has passed
+    monkeypatch.setattr(sample_cache, "SUMMARY_INTERVAL", 0.0)
+    with caplog.at_level(logging.INFO, logger="torchcache"):
+        data[0]
+    line = next(r.getMessage() for r in caplog.records if "hits" in r.getMessage())
+    assert f"dataset {data.cache.name}" in line and "1 hits, 1 misses" in line and "memory 1 entries" in line
     data.close()

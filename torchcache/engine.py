@@ -30,7 +30,7 @@ from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
-from .stats import CacheStats, TierStats, format_summary
+from .stats import SUMMARY_INTERVAL, CacheStats, TierStats, format_summary
 from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .tiers.memory import MemoryTier
 from .tiers.persistent import PersistentTier
@@ -39,8 +39,6 @@ from .tree import Layout, RebuildError, flatten
 
 __all__ = ["Cache"]
 
-#: Seconds between the INFO-level summaries a cache logs while it is being called.
-SUMMARY_INTERVAL = 60.0
 _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: Calls after which a low hit rate with varying input shapes is pointed out.
 SHAPE_HINT_CALLS = 64

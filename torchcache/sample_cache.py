@@ -14,6 +14,7 @@ fault of a tier (a full or read-only disk, a damaged entry) is one
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from . import shm
 from ._fork import renew_lock_after_fork
+from ._log import logger
 from ._version import __version__
 from .config import module_dir_name, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
@@ -32,7 +34,7 @@ from .policy import parse_size
 from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, store_bytes
 from .samples import decode_sample, encode_sample
-from .stats import CacheStats, TierStats
+from .stats import SUMMARY_INTERVAL, CacheStats, TierStats, format_summary
 from .stores.packed import PackedStore
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
@@ -85,6 +87,7 @@ class SampleCache:
         if dirname is None:
             raise ConfigError("a SampleCache needs a name")
         self.name = name
+        self._last_summary = time.monotonic()
         self.dirname = dirname
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
         if max_disk_size is None:
@@ -222,6 +225,7 @@ class SampleCache:
                 tier.put_many(items)
         self._counters.add(served["memory"], served["disk"], len(pending))
         self._faults.emit()
+        self._maybe_summarize()
         return results
 
     def __contains__(self, key: object) -> bool:
@@ -237,6 +241,18 @@ class SampleCache:
         return [key for key in keys if not any(store_key(key) in store for store in stores)]
 
     # -- upkeep -------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
+        return format_summary(f"dataset {self.name}", None, self.stats())
+
+    def _maybe_summarize(self) -> None:
+        """Log :meth:`summary` at INFO level once a minute while the cache is used (as module caches do)."""
+        now = time.monotonic()
+        if now - self._last_summary >= SUMMARY_INTERVAL:
+            self._last_summary = now
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(self.summary())
+
     def stats(self) -> CacheStats:
         """Hits per tier and misses (over this process and its DataLoader workers), and each tier's size."""
         memory_hits, disk_hits, misses = self._counters.totals()

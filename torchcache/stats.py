@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from .policy import format_size
 
-__all__ = ["CacheStats", "TierStats", "format_summary"]
+__all__ = ["SUMMARY_INTERVAL", "CacheStats", "TierStats", "format_summary"]
+
+#: Seconds between the INFO-level summaries a cache logs while it is being used.
+SUMMARY_INTERVAL = 60.0
 
 
 @dataclass(frozen=True)
