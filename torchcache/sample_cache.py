@@ -22,11 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from . import shm
 from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
-from .config import module_dir_name, resolve_root
+from .config import _redis_url, is_url, module_dir_name, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
 from .faults import FaultLog
 from .meta import META_NAME, load_meta, write_json_atomic
@@ -35,7 +37,9 @@ from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, store_bytes
 from .samples import decode_sample, encode_sample
 from .stats import SUMMARY_INTERVAL, CacheStats, TierStats, format_summary
+from .stores.batched import BatchedStore
 from .stores.packed import PackedStore
+from .stores.redis_url import redact_url
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 
@@ -93,8 +97,14 @@ class SampleCache:
         if max_disk_size is None:
             max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
         self.max_disk_size = parse_size(max_disk_size, "max_disk_size")
-        root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
-        self.directory: Path | None = root / dirname if self.max_disk_size else None
+        #: The Redis server of the persistent tier, when ``cache_dir`` is a Redis URL.
+        self.redis_url: str | None = None
+        self.directory: Path | None = None
+        if is_url(cache_dir):
+            self.redis_url = _redis_url(str(cache_dir)) if self.max_disk_size else None
+        elif self.max_disk_size:
+            self.directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+            self.directory /= dirname
         self.job_dir: Path | None = None
         self._held_pid: int | None = None
         self.max_memory_size = 0
@@ -117,7 +127,8 @@ class SampleCache:
             self._update_meta({}, create=True)
 
     def __repr__(self) -> str:
-        return f"SampleCache({self.name!r}, memory={self.memory_dir}, disk={self.directory})"
+        disk = self.directory if self.redis_url is None else redact_url(self.redis_url)
+        return f"SampleCache({self.name!r}, memory={self.memory_dir}, disk={disk})"
 
     @property
     def memory_dir(self) -> Path | None:
@@ -147,15 +158,22 @@ class SampleCache:
 
     def _open_tiers(self) -> None:
         self._tiers = []
-        places = [(self.memory_dir, self.max_memory_size), (self.directory, self.max_disk_size)]
-        for name, (directory, size) in zip(_TIERS, places):
-            if directory is None or not size:
+        places = [(self.memory_dir, self.max_memory_size), (self.directory or self.redis_url, self.max_disk_size)]
+        for name, (location, size) in zip(_TIERS, places):
+            if location is None or not size:
                 continue
             try:
                 if name == "memory" and self.job_dir is not None and self._held_pid != os.getpid():
                     shm.hold(self.job_dir)
                     self._held_pid = os.getpid()
-                store = PackedStore(directory, store_bytes(size), report=self._reporter(name))
+                store: BatchedStore
+                if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
+                    from .stores.redis import RedisStore
+
+                    namespace = xxhash.xxh3_128_hexdigest(self.dirname.encode())
+                    store = RedisStore(location, namespace, store_bytes(size), report=self._reporter(name))
+                else:
+                    store = PackedStore(location, store_bytes(size), report=self._reporter(name))
             except (StoreError, ConfigError) as exc:
                 self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
                 continue
@@ -270,7 +288,7 @@ class SampleCache:
             misses=misses,
             hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             memory=tier_stats("memory", memory_hits, self.max_memory_size),
-            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory is not None else None,
+            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory or self.redis_url else None,
         )
 
     def metadata(self) -> dict[str, Any] | None:

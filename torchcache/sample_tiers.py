@@ -23,7 +23,8 @@ import torch.utils.data
 
 from ._log import logger
 from .faults import FaultLog
-from .stores.packed import INDEX_ENTRY_BYTES, PackedStore
+from .stores.batched import BatchedStore
+from .stores.packed import INDEX_ENTRY_BYTES
 
 __all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "store_bytes"]
 
@@ -81,7 +82,7 @@ class SampleTier:
         faults: Where faults are warned about.
     """
 
-    def __init__(self, name: str, store: PackedStore, budget: int, faults: FaultLog) -> None:
+    def __init__(self, name: str, store: BatchedStore, budget: int, faults: FaultLog) -> None:
         self.name = name
         self.store = store
         self.budget = budget
