@@ -545,13 +545,13 @@ def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> Non
 def test_a_dataset_cache_logs_its_summary_while_it_is_used(
     log: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torchcache_logger: Any
 ) -> None:
-    import torchcache.sample_cache as sample_cache
+    import torchcache.stats as stats
 
     torchcache_logger.propagate = True
     data = CachedDataset(Numbers(8, log), max_memory_size="1MB")
     data[0]
     assert "hits" not in caplog.text  # not before a minute has passed
-    monkeypatch.setattr(sample_cache, "SUMMARY_INTERVAL", 0.0)
+    monkeypatch.setattr(stats, "SUMMARY_INTERVAL", 0.0)
     with caplog.at_level(logging.INFO, logger="torchcache"):
         data[0]
     line = next(r.getMessage() for r in caplog.records if "hits" in r.getMessage())

@@ -13,7 +13,6 @@ import atexit
 import inspect
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
 from .outputs import OutputPlan, UnbatchedOutputError
-from .stats import SUMMARY_INTERVAL, CacheStats, TierStats, format_summary
+from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from .tiers.memory import MemoryTier
 from .tiers.persistent import PersistentTier
@@ -96,7 +95,7 @@ class Cache:
         self._misses = 0
         self._memory_hits = 0
         self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
-        self._last_summary = time.monotonic()
+        self._summaries = PeriodicSummary()
         _caches.add(self)
         renew_lock_after_fork(self, "_lock")
 
@@ -240,13 +239,6 @@ class Cache:
         """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
         return format_summary(self.name, self._module_hash, self.stats())
 
-    def _maybe_summarize(self) -> None:
-        now = time.monotonic()
-        if now - self._last_summary >= SUMMARY_INTERVAL:
-            self._last_summary = now
-            if logger.isEnabledFor(logging.INFO):
-                logger.info(self.summary())
-
     def flush(self) -> None:
         """Wait until every pending write is on disk."""
         if self._disk is not None:
@@ -281,7 +273,7 @@ class Cache:
             self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
         self.faults.emit()
-        self._maybe_summarize()
+        self._summaries.tick(self.summary)
         keys = hash_items(context, tensors, self.settings.subsample_count)
         batch = len(keys)
         if batch == 0:

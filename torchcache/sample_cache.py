@@ -14,7 +14,6 @@ fault of a tier (a full or read-only disk, a damaged entry) is one
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -26,7 +25,6 @@ import xxhash
 
 from . import shm
 from ._fork import renew_lock_after_fork
-from ._log import logger
 from ._version import __version__
 from .config import _redis_url, is_url, module_dir_name, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
@@ -36,7 +34,7 @@ from .policy import parse_size
 from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, store_bytes
 from .samples import decode_sample, encode_sample
-from .stats import SUMMARY_INTERVAL, CacheStats, TierStats, format_summary
+from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .stores.batched import BatchedStore
 from .stores.packed import PackedStore
 from .stores.redis_url import redact_url
@@ -91,7 +89,7 @@ class SampleCache:
         if dirname is None:
             raise ConfigError("a SampleCache needs a name")
         self.name = name
-        self._last_summary = time.monotonic()
+        self._summaries = PeriodicSummary()
         self.dirname = dirname
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
         if max_disk_size is None:
@@ -243,7 +241,7 @@ class SampleCache:
                 tier.put_many(items)
         self._counters.add(served["memory"], served["disk"], len(pending))
         self._faults.emit()
-        self._maybe_summarize()
+        self._summaries.tick(self.summary)
         return results
 
     def __contains__(self, key: object) -> bool:
@@ -262,14 +260,6 @@ class SampleCache:
     def summary(self) -> str:
         """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
         return format_summary(f"dataset {self.name}", None, self.stats())
-
-    def _maybe_summarize(self) -> None:
-        """Log :meth:`summary` at INFO level once a minute while the cache is used (as module caches do)."""
-        now = time.monotonic()
-        if now - self._last_summary >= SUMMARY_INTERVAL:
-            self._last_summary = now
-            if logger.isEnabledFor(logging.INFO):
-                logger.info(self.summary())
 
     def stats(self) -> CacheStats:
         """Hits per tier and misses (over this process and its DataLoader workers), and each tier's size."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._log import logger
 from .policy import format_size
 
-__all__ = ["SUMMARY_INTERVAL", "CacheStats", "TierStats", "format_summary"]
+__all__ = ["SUMMARY_INTERVAL", "CacheStats", "PeriodicSummary", "TierStats", "format_summary"]
 
 #: Seconds between the INFO-level summaries a cache logs while it is being used.
 SUMMARY_INTERVAL = 60.0
@@ -50,3 +54,18 @@ def format_summary(name: str, key: str | None, stats: CacheStats) -> str:
 
 def _tier(tier: TierStats) -> str:
     return f"{tier.entries} entries {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
+
+
+class PeriodicSummary:
+    """Logs a cache's one-line summary at INFO level once every :data:`SUMMARY_INTERVAL` seconds."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def tick(self, summary: Callable[[], str]) -> None:
+        """Log ``summary()`` (made only then) if the interval has passed since the last one."""
+        now = time.monotonic()
+        if now - self._last >= SUMMARY_INTERVAL:
+            self._last = now
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(summary())

@@ -28,6 +28,7 @@ __all__ = [
     "check_record",
     "decode_key",
     "encode_key",
+    "is_key",
     "encode_keys",
     "encode_record",
     "encode_records",
@@ -83,6 +84,15 @@ def encode_key(key: str) -> bytes:
     if len(key) % 2 == 0:
         return bytes.fromhex(key)
     return bytes.fromhex(key + "0").ljust(32, b"\0") + bytes((len(key),))
+
+
+def is_key(key: str) -> bool:
+    """Whether ``key`` is a store key (4 to 64 lowercase hex digits)."""
+    try:
+        encode_key(key)
+    except KeyingError:
+        return False
+    return True
 
 
 def encode_keys(keys: list[str] | tuple[str, ...]) -> list[bytes]:

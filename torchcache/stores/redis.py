@@ -36,7 +36,7 @@ from .._log import logger
 from ..errors import ConfigError, KeyingError, StoreError
 from ..policy import format_size, parse_size
 from .batched import BatchedStore, VerifyReport
-from .packed_format import check_record, encode_key, encode_keys
+from .packed_format import check_record, encode_key, encode_keys, is_key
 from .redis_keys import Keyspace, charge
 from .redis_link import Client, RedisLink, node_clients
 from .redis_namespace import Item, Namespace
@@ -218,7 +218,7 @@ class RedisStore(BatchedStore):
                     return
                 for name in names:
                     key = self._space.key_of(name)
-                    if key is not None and _is_key(key):
+                    if key is not None and is_key(key):
                         yield key
                 if cursor == 0:
                     break
@@ -323,11 +323,3 @@ class RedisStore(BatchedStore):
             StoreError: If the server refused a request.
         """
         return self._link.call(partial(verify, namespace=self._ns, fix=fix), f"verify namespace {self.namespace}")
-
-
-def _is_key(key: str) -> bool:
-    try:
-        encode_key(key)
-    except KeyingError:
-        return False
-    return True

@@ -16,7 +16,7 @@ import time
 
 from ..errors import KeyingError
 from .batched import VerifyReport
-from .packed_format import check_record, encode_key
+from .packed_format import check_record, encode_key, is_key
 from .redis_keys import REBUILD, STATS_PATTERN, charge
 from .redis_link import Client, RedisLink, fetch_on_node, node_clients
 from .redis_namespace import Namespace
@@ -133,18 +133,10 @@ def _repair(client: Client, namespace: Namespace, bad_names: list[bytes], keys: 
             pipe.unlink(name)
         link.count(1)
         pipe.execute()
-    keys = keys + [key for key in (space.key_of(name) or "" for name in bad_names) if _is_key(key)]
+    keys = keys + [key for key in (space.key_of(name) or "" for name in bad_names) if is_key(key)]
     keys = list(dict.fromkeys(keys))
     for start in range(0, len(keys), _PAGE):
         namespace.remove(client, keys[start : start + _PAGE])
-
-
-def _is_key(key: str) -> bool:
-    try:
-        encode_key(key)
-    except KeyingError:
-        return False
-    return True
 
 
 def list_namespaces(address: RedisAddress, timeout: float) -> list[str]:
