@@ -6,9 +6,12 @@ weights in every process (the cross-process tests rely on that).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +178,55 @@ def run_python(
         text=True,
         timeout=timeout,
     )
+
+
+class ProcessGroup:
+    """``python -c code`` in a session of its own, spoken to over stdin and stdout, one line a message.
+
+    The process and everything it forks are killed by :meth:`close`, and after ``timeout``
+    seconds by a watchdog: a hang fails the test instead of stopping the run.
+    """
+
+    def __init__(self, code: str, stderr: Path, timeout: float = 300) -> None:
+        self.stderr = stderr
+        with open(stderr, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,  # its process group holds what it forks too
+            )
+        self.closed = False
+        self.watchdog = threading.Timer(timeout, self.close)
+        self.watchdog.start()
+
+    def send(self, *words: object) -> None:
+        """Write one line of words to the process."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+
+    def readline(self) -> str:
+        """The next line the process printed (fails the test if it ended or timed out)."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the process ended or timed out:\n{self.stderr.read_text()[-3000:]}"
+        return line
+
+    def close(self) -> None:
+        """Kill the process and everything it forked."""
+        self.watchdog.cancel()
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()

@@ -8,7 +8,6 @@ call still returns the plain module's output, with at most one warning per kind.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import json
@@ -17,7 +16,6 @@ import pickle
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import warnings
@@ -31,8 +29,8 @@ import pytest
 import torch
 
 from tests.helpers import (
-    REPO,
     Counting,
+    ProcessGroup,
     assert_all_entries_decode,
     assert_same,
     cached,
@@ -543,41 +541,17 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-class Launcher:
-    """Starts writers (forked by :data:`LAUNCHER`) and reads what they print, line by line.
-
-    Everything is killed after ``timeout`` seconds: a hang fails the test instead of stopping the run.
-    """
+class Launcher(ProcessGroup):
+    """Starts writers (forked by :data:`LAUNCHER`) and reads what they print, line by line."""
 
     def __init__(self, stderr: Path, timeout: float = 300) -> None:
-        self.stderr = stderr
-        with open(stderr, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCHER],
-                cwd=REPO,
-                env=dict(os.environ, PYTHONPATH=str(REPO)),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                start_new_session=True,  # its process group holds the writers too
-            )
+        super().__init__(LAUNCHER, stderr, timeout)
         self.backlog: list[list[str]] = []
-        self.closed = False
-        self.watchdog = threading.Timer(timeout, self.close)
-        self.watchdog.start()
-
-    def send(self, *words: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
 
     def next_line(self) -> list[str]:
         if self.backlog:
             return self.backlog.pop(0)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"the launcher ended or timed out:\n{self.stderr.read_text()[-3000:]}"
+        line = self.readline()
         words = line.split()
         assert len(words) >= 2 and words[1] != "error", (line, self.stderr.read_text()[-3000:])
         return words
@@ -597,19 +571,6 @@ class Launcher:
     def wait(self, name: str) -> int:
         self.send("wait", name)
         return int(self.expect(name, "status")[2])
-
-    def close(self) -> None:
-        self.watchdog.cancel()
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every writer it forked
-        self.proc.wait(timeout=60)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
 
 
 def pool_batches(pool: int) -> list[torch.Tensor]:

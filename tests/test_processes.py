@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import torch
 
 from tests.helpers import (
-    REPO,
     Counting,
+    ProcessGroup,
     assert_all_entries_decode,
     assert_same,
     cached,
@@ -88,34 +82,12 @@ FORK_SERVER = textwrap.dedent(
 )
 
 
-class Workers:
-    """Workers forked by a :data:`FORK_SERVER` running ``script`` (which calls ``serve(work)``).
-
-    Everything is killed after ``timeout`` seconds: a hang fails the test instead of stopping the run.
-    """
+class Workers(ProcessGroup):
+    """Workers forked by a :data:`FORK_SERVER` running ``script`` (which calls ``serve(work)``)."""
 
     def __init__(self, script: str, stderr: Path, timeout: float = 300) -> None:
-        self.stderr = stderr
-        with open(stderr, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", FORK_SERVER + PREAMBLE + script],
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                start_new_session=True,  # its process group holds the workers too
-            )
+        super().__init__(FORK_SERVER + PREAMBLE + script, stderr, timeout)
         self.backlog: list[tuple[str, str]] = []
-        self.closed = False
-        self.watchdog = threading.Timer(timeout, self.close)
-        self.watchdog.start()
-
-    def _send(self, *words: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
 
     def line(self, name: str) -> str:
         """The next line worker ``name`` printed (without its name); lines of others are kept."""
@@ -123,10 +95,8 @@ class Workers:
             if who == name:
                 del self.backlog[i]
                 return text
-        assert self.proc.stdout is not None
         while True:
-            line = self.proc.stdout.readline()
-            assert line, f"the workers ended or hung:\n{self.stderr.read_text()[-3000:]}"
+            line = self.readline()
             who, _, text = line.strip().partition(" ")
             assert text != "error", self.stderr.read_text()[-3000:]
             if who == name:
@@ -134,30 +104,17 @@ class Workers:
             self.backlog.append((who, text))
 
     def start(self, name: str, *args: object) -> None:
-        self._send("start", name, *args)
+        self.send("start", name, *args)
         assert self.line(name).startswith("pid ")
 
     def tell(self, name: str, *words: object) -> None:
-        self._send("tell", name, *words)
+        self.send("tell", name, *words)
 
     def wait(self, name: str) -> int:
-        self._send("wait", name)
+        self.send("wait", name)
         words = self.line(name).split()
         assert words[0] == "status", words
         return int(words[1])
-
-    def close(self) -> None:
-        self.watchdog.cancel()
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every worker it forked
-        self.proc.wait(timeout=60)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
 
 
 WRITER = textwrap.dedent(
