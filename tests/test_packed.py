@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import multiprocessing
 import os
 import shutil
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.store_helpers import Reports, key, value
 from torchcache.errors import StoreError
 from torchcache.stores import packed_segments
 from torchcache.stores.packed import INDEX_BASE_BYTES, PackedStore
@@ -27,27 +27,6 @@ from torchcache.stores.packed_index import ENTRY, INDEX_NAME
 
 FORK = multiprocessing.get_context("fork")
 DEADLINE = 60.0
-
-
-def key(i: int) -> str:
-    return hashlib.md5(str(i).encode()).hexdigest()
-
-
-def value(i: int, size: int = 1000) -> bytes:
-    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
-
-
-class Reports:
-    """A ``report`` callback that keeps what it was given."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    def __call__(self, kind: str, message: str) -> None:
-        self.seen.append((kind, message))
-
-    def kinds(self) -> list[str]:
-        return [kind for kind, _ in self.seen]
 
 
 @pytest.fixture

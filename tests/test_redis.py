@@ -7,7 +7,6 @@ only a server has. Servers are real ``redis-server`` processes on loopback (see
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import pickle
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.redis_servers import RedisClusterServers, RedisServer, own_server, require_redis, shared
+from tests.store_helpers import Reports, key, value
 from torchcache.errors import ConfigError, KeyingError, StoreError, StoreUnavailableError
 from torchcache.stores.packed_format import encode_key, encode_record
 from torchcache.stores.redis import RedisStore
@@ -30,29 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-Pa55word"
 
 
-def key(i: int) -> str:
-    return hashlib.md5(str(i).encode()).hexdigest()
-
-
-def value(i: int, size: int = 1000) -> bytes:
-    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
-
-
 def as_bytes(values: list[bytes | memoryview | None]) -> list[bytes | None]:
     return [None if v is None else bytes(v) for v in values]
-
-
-class Reports:
-    """Collects ``(kind, message)`` reports."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    def __call__(self, kind: str, message: str) -> None:
-        self.seen.append((kind, message))
-
-    def kinds(self) -> list[str]:
-        return [kind for kind, _ in self.seen]
 
 
 class Clock:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.store_helpers import key, value
 from torchcache.errors import KeyingError
 from torchcache.stores.batched import BatchedStore, VerifyReport
 from torchcache.stores.packed import PackedStore
@@ -24,15 +25,6 @@ from torchcache.stores.packed_format import encode_key
 from torchcache.stores.redis import RedisStore
 
 StoreFactory = Callable[[int], BatchedStore]
-
-
-def key(i: int) -> str:
-    """A key as the cache makes them: 32 lowercase hex digits."""
-    return hashlib.md5(str(i).encode()).hexdigest()
-
-
-def value(i: int, size: int = 1000) -> bytes:
-    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
 
 
 class ReferenceStore(BatchedStore):
