@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .._fork import after_fork
-from ..codec import MAX_ITEM_BYTES, PREFIX
+from ..codec import MAX_ITEM_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
 from ..stores.base import Store
 from ..stores.batched import BatchedStore
@@ -208,12 +208,16 @@ class PersistentTier:
         if not packed:
             return frames, None
         todo = [frames[i] for i in packed]
-        raw_len = PREFIX.unpack_from(todo[0])[6]  # decode_many checked the prefix of what it left
-        rows = np.empty((len(todo), raw_len), dtype=np.uint8) if 0 < raw_len <= MAX_ITEM_BYTES else None
+        # The row size comes from the first frame decoded in full (its header checked),
+        # never from a prefix alone: a planted prefix must not size an allocation.
+        first: Any = self.codec.decode_many(todo[:1])[0]
+        raw_len = len(first[1]) if isinstance(first, tuple) else 0
+        rows = np.empty((len(todo), raw_len), dtype=np.uint8) if raw_len else None
         landed = [False] * len(todo)
 
         def work(start: int, stop: int) -> list[Any]:
-            out: list[Any] = self.codec.decode_many(todo[start:stop])
+            out: list[Any] = [first] if start == 0 else []
+            out += self.codec.decode_many(todo[max(start, 1) : stop])
             if rows is not None:
                 for j, frame in enumerate(out, start):
                     if isinstance(frame, tuple) and len(frame[1]) == raw_len:
