@@ -23,13 +23,14 @@ import xxhash
 from .codec import DEFAULT_QUALITY
 from .errors import ConfigError
 from .policy import parse_size
-from .stores.redis_url import redact_url
+from .stores.redis_url import parse_url, redact_url
 from .tree import DTYPES
 
 __all__ = [
     "LEGACY_OPTIONS",
     "REDIS_SCHEMES",
     "Settings",
+    "check_redis_url",
     "is_url",
     "module_dir_name",
     "resolve_location",
@@ -160,9 +161,12 @@ def is_url(location: object) -> bool:
     return isinstance(location, str) and location.lower().startswith(REDIS_SCHEMES)
 
 
-def _redis_url(value: str) -> str:
-    from .stores.redis_url import parse_url
+def check_redis_url(value: str) -> str:
+    """``value``, a Redis URL, once it parses and the redis package is there.
 
+    Raises:
+        ConfigError: Naming ``persistent_cache_dir``, if it is malformed or redis is missing.
+    """
     parse_url(value, "persistent_cache_dir")  # a ConfigError naming the option; never shows the password
     if importlib.util.find_spec("redis") is None:
         raise ConfigError(
@@ -175,7 +179,7 @@ def _cache_dir(value: object) -> Path | str | None:
     if value is None:
         return None
     if is_url(value):
-        return _redis_url(value)  # type: ignore[arg-type]
+        return check_redis_url(value)  # type: ignore[arg-type]
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"persistent_cache_dir must be a path (str or os.PathLike) or None, got {value!r}")
     text = os.fspath(value)
@@ -267,7 +271,7 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
         return persistent_cache_dir
     env = os.environ.get("TORCHCACHE_DIR")
     if env and is_url(env):
-        return _redis_url(env)
+        return check_redis_url(env)
     if env:
         return Path(env).expanduser()
     import platformdirs

@@ -26,7 +26,7 @@ import xxhash
 from . import shm
 from ._fork import renew_lock_after_fork
 from ._version import __version__
-from .config import _redis_url, is_url, module_dir_name, resolve_root
+from .config import check_redis_url, is_url, module_dir_name, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
 from .faults import FaultLog
 from .meta import META_NAME, load_meta, write_json_atomic
@@ -99,7 +99,7 @@ class SampleCache:
         self.redis_url: str | None = None
         self.directory: Path | None = None
         if is_url(cache_dir):
-            self.redis_url = _redis_url(str(cache_dir)) if self.max_disk_size else None
+            self.redis_url = check_redis_url(str(cache_dir)) if self.max_disk_size else None
         elif self.max_disk_size:
             self.directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
             self.directory /= dirname
