@@ -419,6 +419,18 @@ def test_fingerprints_follow_class_attributes_length_and_version(tmp_path: Path,
         each.close()
 
 
+def test_a_list_or_a_tensor_is_a_dataset_keyed_by_its_values(tmp_path: Path) -> None:
+    assert fingerprint_dataset([1, 2, 3]) == fingerprint_dataset([1, 2, 3])
+    assert fingerprint_dataset([1, 2, 3]) != fingerprint_dataset([1, 2, 4])
+    assert fingerprint_dataset(torch.arange(4)) != fingerprint_dataset(torch.arange(4) + 1)
+    data = CachedDataset([10, 20, 30], tmp_path, max_memory_size=0)
+    assert [data[i] for i in range(3)] == [10, 20, 30] and data.stats().misses == 3
+    again = CachedDataset([10, 20, 30], tmp_path, max_memory_size=0)
+    assert [again[i] for i in range(3)] == [10, 20, 30] and again.stats().hits == 3
+    for each in (data, again):
+        each.close()
+
+
 def test_a_bad_sample_type_is_a_clear_error() -> None:
     data = CachedDataset(Labelled(), max_memory_size="1MB")
     with pytest.raises(SampleTypeError, match=r"sample\[1\]\['label'\]: cannot cache a value of type PIL\.Image\.Fake"):

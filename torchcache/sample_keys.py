@@ -107,7 +107,12 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     for klass in cls.__mro__:
         if klass is not object and not klass.__module__.startswith(("torch.", "builtins", "typing")):
             h.update(tag(b"S", f"{klass.__module__}.{klass.__qualname__}|{_source(klass)}".encode()))
-    _describe_attributes(dataset, h, 0)
+    if isinstance(dataset, (torch.Tensor, np.ndarray, list, tuple, dict)) or not isinstance(
+        getattr(dataset, "__dict__", None), dict
+    ):  # a tensor, array or list used as a dataset: its values
+        _describe(dataset, h, 0)
+    else:
+        _describe_attributes(dataset, h, 0)
     h.update(tag(b"n", str(len(dataset)).encode()))
     h.update(tag(b"V", repr(version).encode("utf-8", "surrogatepass")))
     return h.hexdigest()
