@@ -1,4 +1,4 @@
-"""The Redis store against the packed disk store: fill, then random batches of hits.
+"""The Redis store against the packed disk store, and with a local copy: fill, then random batches of hits.
 
 Usage::
 
@@ -14,6 +14,12 @@ warm for the packed store). Each value starts with its entry number and every re
 checked against its entry. Reported: microseconds per item to fill, the median and
 range of milliseconds per batch of hits, and round trips per batch (Redis:
 ``RedisStore.round_trips``). Exits non-zero if a read returned wrong bytes.
+
+Two more rows give the Redis store with a local copy in front
+(:class:`~torchcache.stores.layered.LayeredStore`, ``local_cache_dir``): ``redis+copy``
+is filled through the copy, so its hits are local; ``new copy`` reads the same batches
+once through an empty copy (a second machine's first epoch: each batch goes to the
+server once and is written to the copy).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from torchcache.stores.batched import BatchedStore  # noqa: E402
+from torchcache.stores.layered import LayeredStore  # noqa: E402
 from torchcache.stores.packed import PackedStore  # noqa: E402
 from torchcache.stores.redis import RedisStore  # noqa: E402
 
@@ -95,6 +102,22 @@ def fill(store: BatchedStore, n: int, pool: bytes) -> float:
     return elapsed / n * 1e6
 
 
+def _no_faults(kind: str, message: str) -> None:
+    raise AssertionError(f"unexpected fault {kind}: {message}")
+
+
+def summary(times: list[float], fill_us: float, trips: float, right: bool) -> dict[str, float]:
+    """One row of results."""
+    return {
+        "fill_us_per_item": fill_us,
+        "batch_ms_median": statistics.median(times) * 1e3,
+        "batch_ms_min": min(times) * 1e3,
+        "batch_ms_max": max(times) * 1e3,
+        "round_trips_per_batch": trips,
+        "correct": float(right),
+    }
+
+
 def read(store: BatchedStore, batches: list[np.ndarray], pool: bytes) -> tuple[list[float], bool]:
     """Read each batch of hits; return the seconds of each and whether every value was right."""
     times, ok = [], True
@@ -123,36 +146,46 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     ok = True
     try:
-        redis_store = RedisStore(f"redis://127.0.0.1:{port}/0", "bench", 1 << 40)
+        url = f"redis://127.0.0.1:{port}/0"
+        redis_store = RedisStore(url, "bench", 1 << 40)
+        behind = RedisStore(url, "bench-copy", 1 << 40)
+        layered = LayeredStore(PackedStore(base / "copy", 1 << 40), behind, _no_faults)
         packed = PackedStore(base / "packed", 1 << 40)
-        for name, store in (("redis", redis_store), ("packed", packed)):
+        stores: list[tuple[str, BatchedStore, RedisStore | None]] = [
+            ("redis", redis_store, redis_store),
+            ("packed", packed, None),
+            ("redis+copy", layered, behind),
+        ]
+        for name, store, server in stores:
             fill_us = fill(store, n, pool)
             read(store, batches[:2], pool)  # warm up (connections, page cache)
-            trips = redis_store.round_trips
+            trips = server.round_trips if server else 0
             times, right = read(store, batches, pool)
             ok = ok and right
-            results[name] = {
-                "fill_us_per_item": fill_us,
-                "batch_ms_median": statistics.median(times) * 1e3,
-                "batch_ms_min": min(times) * 1e3,
-                "batch_ms_max": max(times) * 1e3,
-                "round_trips_per_batch": (redis_store.round_trips - trips) / len(batches) if name == "redis" else 0,
-                "correct": float(right),
-            }
+            trips_per_batch = (server.round_trips - trips) / len(batches) if server else 0
+            results[name] = summary(times, fill_us, trips_per_batch, right)
+        fresh = LayeredStore(PackedStore(base / "new-copy", 1 << 40), behind, _no_faults)
+        trips = behind.round_trips
+        times, right = read(fresh, batches, pool)  # every batch once: from the server into the copy
+        ok = ok and right
+        results["new copy"] = summary(times, 0.0, (behind.round_trips - trips) / len(batches), right)
         used = redis_store.nbytes
-        redis_store.clear()
-        redis_store.close()
-        packed.close()
+        for each in (redis_store, behind):
+            each.clear()
+        for each in (redis_store, layered, fresh, packed):
+            each.close()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         shutil.rmtree(base, ignore_errors=True)
     print(f"{n:,} entries of {VALUE:,} bytes ({used / 1e6:.1f} MB in Redis), batches of {BATCH:,} random hits")
-    print(f"{'store':8} {'fill us/item':>12} {'hits ms/batch median [min-max]':>32} {'round trips/batch':>18}  correct")
+    header = f"{'store':10} {'fill us/item':>12} {'hits ms/batch median [min-max]':>32} {'round trips/batch':>18}"
+    print(f"{header}  correct")
     for name, row in results.items():
         spread = f"{row['batch_ms_median']:.2f} [{row['batch_ms_min']:.2f}-{row['batch_ms_max']:.2f}]"
-        trips = f"{row['round_trips_per_batch']:.0f}" if name == "redis" else "-"
-        print(f"{name:8} {row['fill_us_per_item']:12.1f} {spread:>32} {trips:>18}  {bool(row['correct'])}")
+        trips = "-" if name == "packed" else f"{row['round_trips_per_batch']:.0f}"
+        fill_us = "-" if name == "new copy" else f"{row['fill_us_per_item']:.1f}"
+        print(f"{name:10} {fill_us:>12} {spread:>32} {trips:>18}  {bool(row['correct'])}")
     if args.json:
         args.json.write_text(json.dumps({"entries": n, "value_bytes": VALUE, "batch": BATCH, **results}, indent=2))
     if not ok:

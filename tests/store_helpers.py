@@ -1,8 +1,13 @@
-"""Keys, values and a report collector shared by the byte-store tests."""
+"""Keys, values, a report collector and the reference store shared by the byte-store tests."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+
+from torchcache.stores.batched import BatchedStore, VerifyReport
+from torchcache.stores.packed_format import encode_key
 
 
 def key(i: int) -> str:
@@ -26,3 +31,69 @@ class Reports:
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.seen]
+
+
+class ReferenceStore(BatchedStore):
+    """The contract in plain Python: a dict, a byte budget, MRU eviction by write time."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        kbs = [encode_key(k) for k in keys]  # validates
+        del kbs
+        with self._lock:
+            return [self._data.get(k) for k in keys]
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        for k, _ in items:
+            encode_key(k)
+        with self._lock:
+            stored = []
+            for k, data in items:
+                self._data.pop(k, None)
+                if len(data) > self.max_bytes:
+                    continue
+                while sum(map(len, self._data.values())) + len(data) > self.max_bytes:
+                    self._data.pop(next(reversed(self._data)))
+                self._data[k] = bytes(data)
+                stored.append(k)
+            return sum(1 for k in set(stored) if k in self._data)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        for k in keys:
+            encode_key(k)
+        with self._lock:
+            return sum(self._data.pop(k, None) is not None for k in keys)
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self._data.values()))
+
+    @property
+    def disk_bytes(self) -> int:
+        return 0
+
+    def clear(self) -> None:
+        self._data.clear()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        return VerifyReport(entries=len(self._data))

@@ -1,8 +1,9 @@
 """The batched store contract, run against every batched store.
 
-A new store (Redis, say) is tested by adding one parameter to the ``store_kind`` fixture
-and one branch to ``make_store``. ``ReferenceStore`` is the contract in plain Python: a
-dict with a byte budget and whole-entry MRU eviction by write time.
+A new store is tested by adding one parameter to the ``store_kind`` fixture and one
+branch to ``make_store``. ``ReferenceStore`` (in ``tests/store_helpers.py``) is the
+contract in plain Python: a dict with a byte budget and whole-entry MRU eviction by
+write time.
 """
 
 from __future__ import annotations
@@ -10,90 +11,24 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.store_helpers import key, value
+from tests.store_helpers import ReferenceStore, key, value
 from torchcache.errors import KeyingError
-from torchcache.stores.batched import BatchedStore, VerifyReport
+from torchcache.stores.batched import BatchedStore
+from torchcache.stores.layered import LayeredStore
 from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_format import encode_key
 from torchcache.stores.redis import RedisStore
 
 StoreFactory = Callable[[int], BatchedStore]
 
 
-class ReferenceStore(BatchedStore):
-    """The contract in plain Python: a dict, a byte budget, MRU eviction by write time."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._data: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
-        kbs = [encode_key(k) for k in keys]  # validates
-        del kbs
-        with self._lock:
-            return [self._data.get(k) for k in keys]
-
-    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
-        for k, _ in items:
-            encode_key(k)
-        with self._lock:
-            stored = []
-            for k, data in items:
-                self._data.pop(k, None)
-                if len(data) > self.max_bytes:
-                    continue
-                while sum(map(len, self._data.values())) + len(data) > self.max_bytes:
-                    self._data.pop(next(reversed(self._data)))
-                self._data[k] = bytes(data)
-                stored.append(k)
-            return sum(1 for k in set(stored) if k in self._data)
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        for k in keys:
-            encode_key(k)
-        with self._lock:
-            return sum(self._data.pop(k, None) is not None for k in keys)
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            return iter(list(self._data))
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data
-
-    @property
-    def nbytes(self) -> int:
-        return sum(map(len, self._data.values()))
-
-    @property
-    def disk_bytes(self) -> int:
-        return 0
-
-    def clear(self) -> None:
-        self._data.clear()
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def verify(self, fix: bool = False) -> VerifyReport:
-        return VerifyReport(entries=len(self._data))
-
-
-@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster"])
+@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster", "layered"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -103,10 +38,10 @@ def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
     made: list[BatchedStore] = []
     count = iter(range(1000))
     server = None
-    if store_kind.startswith("redis"):
+    if store_kind.startswith("redis") or store_kind == "layered":
         from tests.redis_servers import shared  # skips (or fails under CI) without redis-server
 
-        server = shared(store_kind)
+        server = shared("redis" if store_kind == "layered" else store_kind)
 
     def make(max_bytes: int) -> BatchedStore:
         if store_kind == "reference":
@@ -115,6 +50,9 @@ def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
             store = PackedStore(tmp_path / f"store{next(count)}", max_bytes, report=_no_reports)
         else:
             store = RedisStore(server.url, f"contract{next(count)}", max_bytes, report=_no_reports)
+            if store_kind == "layered":  # a local copy in front of the server
+                near = PackedStore(tmp_path / f"store{next(count)}", max_bytes, report=_no_reports)
+                store = LayeredStore(near, store, report=_no_reports)
         made.append(store)
         return store
 

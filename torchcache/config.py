@@ -30,9 +30,11 @@ __all__ = [
     "LEGACY_OPTIONS",
     "REDIS_SCHEMES",
     "Settings",
+    "check_local_dir",
     "check_redis_url",
     "is_url",
     "module_dir_name",
+    "resolve_local_dir",
     "resolve_location",
     "resolve_root",
 ]
@@ -62,6 +64,14 @@ class Settings:
     shared_args: frozenset[str] = frozenset()
     batch_dims: Mapping[str, int] = field(default_factory=dict)
     keep_eval: bool = False
+    local_cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
+            raise ConfigError(
+                "local_cache_dir keeps a local copy of a persistent tier on a Redis server, but "
+                f"persistent_cache_dir is the directory {self.persistent_cache_dir}; leave local_cache_dir out"
+            )
 
     @classmethod
     def create(cls, stacklevel: int = 3, **options: Any) -> Settings:
@@ -120,6 +130,8 @@ def _validate(name: str, value: Any) -> Any:
         return _bool(name, value)
     if name == "persistent_cache_dir":
         return _cache_dir(value)
+    if name == "local_cache_dir":
+        return check_local_dir(value)
     if name == "persistent_module_hash":
         return module_dir_name(value)
     if name in ("max_memory_cache_size", "max_persistent_cache_size"):
@@ -175,22 +187,33 @@ def check_redis_url(value: str) -> str:
     return value
 
 
-def _cache_dir(value: object) -> Path | str | None:
+def _cache_dir(value: object, name: str = "persistent_cache_dir") -> Path | str | None:
     if value is None:
         return None
     if is_url(value):
         return check_redis_url(value)  # type: ignore[arg-type]
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"persistent_cache_dir must be a path (str or os.PathLike) or None, got {value!r}")
+        raise ConfigError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
     text = os.fspath(value)
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(
-            f"persistent_cache_dir must be a non-empty path, got {value!r}; pass None for the default "
+            f"{name} must be a non-empty path, got {value!r}; pass None for the default "
             "cache directory or '.' for the working directory"
         )
     if "\0" in text:
-        raise ConfigError(f"persistent_cache_dir must not contain a NUL character, got {value!r}")
+        raise ConfigError(f"{name} must not contain a NUL character, got {value!r}")
     return Path(text).expanduser()
+
+
+def check_local_dir(value: object) -> Path | None:
+    """``local_cache_dir`` as a path (``None`` stays ``None``).
+
+    Raises:
+        ConfigError: Naming ``local_cache_dir``, if it is a Redis URL or not a usable path.
+    """
+    if is_url(value):
+        raise ConfigError(f"local_cache_dir must be a local directory, got the Redis URL {redact_url(value)}")  # type: ignore[arg-type]
+    return _cache_dir(value, "local_cache_dir")  # type: ignore[return-value]
 
 
 def _device(value: object) -> torch.device | None:
@@ -277,6 +300,25 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
     import platformdirs
 
     return Path(platformdirs.user_cache_path("torchcache"))
+
+
+def resolve_local_dir(local_cache_dir: Path | None) -> Path | None:
+    """Where a local copy of a Redis persistent tier goes: the argument, else ``$TORCHCACHE_LOCAL_DIR``.
+
+    Returns:
+        A directory, or ``None`` for no local copy.
+
+    Raises:
+        ConfigError: If ``$TORCHCACHE_LOCAL_DIR`` is a Redis URL.
+    """
+    if local_cache_dir is not None:
+        return local_cache_dir
+    env = os.environ.get("TORCHCACHE_LOCAL_DIR")
+    if not env:
+        return None
+    if is_url(env):
+        raise ConfigError(f"TORCHCACHE_LOCAL_DIR must be a local directory, got the Redis URL {redact_url(env)}")
+    return Path(env).expanduser()
 
 
 def resolve_root(persistent_cache_dir: Path | str | None) -> Path:

@@ -87,6 +87,9 @@ class CachedDataset(Dataset[Any]):
         version: Part of the fingerprint: change it when the data changed in a way the
             fingerprint cannot see (files edited on disk are not seen).
         transform: Applied to every sample after the cache, at every access.
+        local_cache_dir: With a Redis URL as ``cache_dir``: a directory on this machine that
+            keeps a copy of the samples read from the server, so that their hits do not
+            cross the network (default ``$TORCHCACHE_LOCAL_DIR``, else none).
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
@@ -117,6 +120,7 @@ class CachedDataset(Dataset[Any]):
         max_disk_size: int | float | str | None = None,
         version: object = None,
         transform: Callable[[Any], Any] | None = None,
+        local_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.dataset = dataset
         self.transform = transform
@@ -143,7 +147,12 @@ class CachedDataset(Dataset[Any]):
             self.fingerprint = fingerprint_dataset(dataset, version)
             info = {"name": f"{cls.__module__}.{cls.__qualname__}", "length": length, "version": repr(version)}
             self.cache = SampleCache(
-                self.fingerprint, cache_dir, max_memory_size=max_memory_size, max_disk_size=max_disk_size, info=info
+                self.fingerprint,
+                cache_dir,
+                max_memory_size=max_memory_size,
+                max_disk_size=max_disk_size,
+                info=info,
+                local_cache_dir=local_cache_dir,
             )
         self.length = length
 

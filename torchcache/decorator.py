@@ -56,6 +56,7 @@ def torchcache(
     enabled: bool = True,
     persistent: bool = False,
     persistent_cache_dir: str | Path | None = None,
+    local_cache_dir: str | Path | None = None,
     persistent_module_hash: str | None = None,
     max_memory_cache_size: int | float | str = int(1e9),
     max_persistent_cache_size: int | float | str = int(10e9),
@@ -82,7 +83,13 @@ def torchcache(
         enabled: ``False`` returns the target unchanged.
         persistent: Also keep entries on disk, across runs and processes.
         persistent_cache_dir: The cache root; default ``$TORCHCACHE_DIR``, else the user
-            cache directory (``platformdirs.user_cache_path("torchcache")``).
+            cache directory (``platformdirs.user_cache_path("torchcache")``); or a Redis URL
+            (``redis://host:6379/0``, ``rediss://``, ``redis+cluster://``) to share entries
+            between machines (``pip install 'torchcache[redis]'``).
+        local_cache_dir: With a Redis URL: a directory on this machine that keeps a copy of
+            the entries this machine reads and writes, so that their hits do not cross the
+            network (bounded by ``max_persistent_cache_size`` too); default
+            ``$TORCHCACHE_LOCAL_DIR``, else none. Not for a local ``persistent_cache_dir``.
         persistent_module_hash: Use this name for the module's directory instead of the
             computed module key (changes to the code or weights then no longer
             invalidate the cache). Any string; unsafe characters are mapped.
@@ -132,6 +139,7 @@ def torchcache(
         enabled=enabled,
         persistent=persistent,
         persistent_cache_dir=persistent_cache_dir,
+        local_cache_dir=local_cache_dir,
         persistent_module_hash=persistent_module_hash,
         max_memory_cache_size=max_memory_cache_size,
         max_persistent_cache_size=max_persistent_cache_size,

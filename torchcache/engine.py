@@ -24,7 +24,7 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
 from .arguments import CallArguments, CallSplitter, ShapeHint
-from .config import Settings, resolve_location
+from .config import Settings, resolve_local_dir, resolve_location
 from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
@@ -196,6 +196,7 @@ class Cache:
         key = self._freeze_key()
         try:
             location = resolve_location(self.settings.persistent_cache_dir)
+            local = resolve_local_dir(self.settings.local_cache_dir) if isinstance(location, str) else None
         except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
             self.faults.warn("write", f"{exc}; caching in memory only")
             self._disk_ready = True
@@ -211,7 +212,7 @@ class Cache:
         settings = self.settings
         # Kept while this cache uses the tier: other caches of this key share it.
         self._shared, self._disk = open_shared_tier(
-            location, key, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults
+            location, key, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults, local=local
         )
         self._disk_ready = True
 

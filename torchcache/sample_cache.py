@@ -26,7 +26,7 @@ import xxhash
 from . import shm
 from ._fork import renew_lock_after_fork
 from ._version import __version__
-from .config import check_redis_url, is_url, module_dir_name, resolve_root
+from .config import check_local_dir, check_redis_url, is_url, module_dir_name, resolve_local_dir, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
 from .faults import FaultLog
 from .meta import META_NAME, load_meta, write_json_atomic
@@ -60,6 +60,10 @@ class SampleCache:
         max_disk_size: The disk tier's budget; ``None`` for :data:`DEFAULT_DISK_SIZE` when a
             ``cache_dir`` is given and no disk tier otherwise; 0 for no disk tier.
         info: More fields for the disk tier's ``torchcache.json`` (``name``, ``length``...).
+        local_cache_dir: With a Redis URL as ``cache_dir``: a directory on this machine that
+            keeps a copy of the samples read from and written to the server, under
+            ``max_disk_size`` too, so that their hits do not cross the network; default
+            ``$TORCHCACHE_LOCAL_DIR``, else none. Not for a local ``cache_dir``.
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -84,6 +88,7 @@ class SampleCache:
         max_memory_size: int | float | str | None = None,
         max_disk_size: int | float | str | None = None,
         info: Mapping[str, Any] | None = None,
+        local_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         dirname = module_dir_name(name)
         if dirname is None:
@@ -98,8 +103,18 @@ class SampleCache:
         #: The Redis server of the persistent tier, when ``cache_dir`` is a Redis URL.
         self.redis_url: str | None = None
         self.directory: Path | None = None
+        #: The local copy of the Redis tier (``None``: none).
+        self.local_directory: Path | None = None
         if is_url(cache_dir):
             self.redis_url = check_redis_url(str(cache_dir)) if self.max_disk_size else None
+            local = resolve_local_dir(check_local_dir(local_cache_dir))
+            if local is not None and self.redis_url is not None:
+                self.local_directory = local / dirname
+        elif local_cache_dir is not None:
+            raise ConfigError(
+                "local_cache_dir keeps a local copy of a disk tier on a Redis server, but cache_dir is "
+                f"{'not given' if cache_dir is None else 'a directory'}; leave local_cache_dir out"
+            )
         elif self.max_disk_size:
             self.directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
             self.directory /= dirname
@@ -123,6 +138,9 @@ class SampleCache:
         renew_lock_after_fork(self, "_lock")
         if self.directory is not None:
             self._update_meta({}, create=True)
+        if self.local_directory is not None and self.redis_url is not None:
+            copy_of = {"copy_of": redact_url(self.redis_url)}
+            self._update_meta(copy_of, create=True, directory=self.local_directory)
 
     def __repr__(self) -> str:
         disk = self.directory if self.redis_url is None else redact_url(self.redis_url)
@@ -166,10 +184,7 @@ class SampleCache:
                     self._held_pid = os.getpid()
                 store: BatchedStore
                 if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
-                    from .stores.redis import RedisStore
-
-                    namespace = xxhash.xxh3_128_hexdigest(self.dirname.encode())
-                    store = RedisStore(location, namespace, store_bytes(size), report=self._reporter(name))
+                    store = self._redis_store(location, store_bytes(size))
                 else:
                     store = PackedStore(location, store_bytes(size), report=self._reporter(name))
             except (StoreError, ConfigError) as exc:
@@ -177,6 +192,23 @@ class SampleCache:
                 continue
             self._tiers.append(SampleTier(name, store, size, self._faults))
         self._pid = os.getpid()
+
+    def _redis_store(self, url: str, max_bytes: int) -> BatchedStore:
+        """The disk tier on a Redis server, behind its local copy when there is one."""
+        from .stores.layered import LayeredStore
+        from .stores.redis import RedisStore
+
+        namespace = xxhash.xxh3_128_hexdigest(self.dirname.encode())
+        report = self._reporter("disk")
+        store = RedisStore(url, namespace, max_bytes, report=report)
+        if self.local_directory is None:
+            return store
+        try:
+            near = PackedStore(self.local_directory, max_bytes, report=report)
+        except StoreError as exc:
+            self._faults.warn("disk-local", f"no local copy of the disk tier ({exc}); hits are read from the server")
+            return store
+        return LayeredStore(near, store, report)
 
     def _reporter(self, tier: str) -> Callable[[str, str], None]:
         def report(kind: str, message: str) -> None:
@@ -292,9 +324,12 @@ class SampleCache:
         """Record more fields in the disk tier's ``torchcache.json``; return whether it was written."""
         return self.directory is not None and self._update_meta(fields, create=False)
 
-    def _update_meta(self, fields: Mapping[str, Any], create: bool) -> bool:
-        assert self.directory is not None  # callers check
-        old = self.metadata()
+    def _update_meta(self, fields: Mapping[str, Any], create: bool, directory: Path | None = None) -> bool:
+        directory = directory or self.directory
+        assert directory is not None  # callers check
+        old, problem = load_meta(directory)
+        if problem is not None:
+            old = None
         if old is None or old.get("kind") != "dataset":
             if not create:
                 return False
@@ -304,10 +339,10 @@ class SampleCache:
         if meta == old:
             return True
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            write_json_atomic(self.directory / META_NAME, meta)
+            os.makedirs(directory, exist_ok=True)
+            write_json_atomic(directory / META_NAME, meta)
         except OSError as exc:
-            self._faults.warn("disk-meta", f"cannot write {self.directory / META_NAME} ({exc})")
+            self._faults.warn("disk-meta", f"cannot write {directory / META_NAME} ({exc})")
             return False
         return True
 

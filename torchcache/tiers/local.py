@@ -22,7 +22,7 @@ from ..stores.disk import DiskStore
 from ..stores.packed import PackedStore
 from .persistent import PersistentTier
 
-__all__ = ["has_legacy_entries", "legacy_store", "open_local_tier"]
+__all__ = ["has_legacy_entries", "legacy_store", "meta_toucher", "open_local_store", "open_local_tier"]
 
 _UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
 _HEX = frozenset("0123456789abcdef")
@@ -64,7 +64,8 @@ def _ensure_meta(directory: Path, meta: dict[str, Any], report: Callable[[str, s
         report("meta", f"replaced the damaged metadata file {path} ({problem})")
 
 
-def _toucher(directory: Path) -> Callable[[], None]:
+def meta_toucher(directory: Path) -> Callable[[], None]:
+    """A function that marks the cache in ``directory`` as used now (its metadata file's mtime)."""
     path = directory / META_NAME
 
     def touch() -> None:
@@ -72,6 +73,22 @@ def _toucher(directory: Path) -> Callable[[], None]:
             os.utime(path, follow_symlinks=not _UTIME_NOFOLLOW)
 
     return touch
+
+
+def open_local_store(
+    directory: Path, max_bytes: int, meta: dict[str, Any], report: Callable[[str, str], None]
+) -> PackedStore:
+    """The packed store of a module directory (created if missing, with its metadata file).
+
+    Raises:
+        StoreError: If the directory cannot be created or its store opened.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
+    _ensure_meta(directory, {**meta, "created": time.time(), "max_bytes": max_bytes}, report)
+    return PackedStore(directory, max_bytes, report=report)
 
 
 def open_local_tier(
@@ -82,13 +99,8 @@ def open_local_tier(
     Raises:
         StoreError: If the directory cannot be created or its store opened.
     """
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
-    _ensure_meta(directory, {**meta, "created": time.time(), "max_bytes": max_bytes}, report)
-    store = PackedStore(directory, max_bytes, report=report)
+    store = open_local_store(directory, max_bytes, meta, report)
     legacy = legacy_store(directory) if has_legacy_entries(directory) else None
-    tier = PersistentTier(store, quality, report, where=str(directory), legacy=legacy, touch=_toucher(directory))
+    tier = PersistentTier(store, quality, report, where=str(directory), legacy=legacy, touch=meta_toucher(directory))
     tier.touch()
     return tier

@@ -16,7 +16,8 @@ from typing import Any
 from .._fork import after_fork
 from ..errors import ConfigError, StoreError
 from ..faults import FaultLog
-from .local import open_local_tier
+from ..stores.batched import BatchedStore
+from .local import meta_toucher, open_local_store, open_local_tier
 from .persistent import PersistentTier
 
 __all__ = ["SharedTier", "open_shared_tier"]
@@ -51,7 +52,14 @@ after_fork(_new_locks_after_fork)
 
 
 def open_shared_tier(
-    location: Path | str, name: str, max_bytes: int, quality: int, meta: dict[str, Any], faults: FaultLog
+    location: Path | str,
+    name: str,
+    max_bytes: int,
+    quality: int,
+    meta: dict[str, Any],
+    faults: FaultLog,
+    *,
+    local: Path | None = None,
 ) -> tuple[SharedTier, PersistentTier | None]:
     """The shared tier of module key ``name`` under ``location`` with these settings, made at first use.
 
@@ -62,12 +70,13 @@ def open_shared_tier(
         quality: brotli quality of new entries.
         meta: What the metadata file records (local directories).
         faults: The fault log of the cache that asks.
+        local: With a Redis URL: the root of a local copy of its entries (``None``: none).
 
     Returns:
         The shared tier (keep a reference while using it) and its persistent tier, or ``None``
         when the location cannot be used (``faults`` was warned).
     """
-    key = f"{location}|{name}|{max_bytes}|{quality}"
+    key = f"{location}|{name}|{max_bytes}|{quality}|{local}"
     with _tiers_lock:
         shared = _tiers.get(key)
         if shared is None:
@@ -77,7 +86,7 @@ def open_shared_tier(
         if shared.tier is None:
             try:
                 if isinstance(location, str):
-                    shared.tier = open_redis_tier(location, name, max_bytes, quality, shared.report)
+                    shared.tier = open_redis_tier(location, name, max_bytes, quality, shared.report, local, meta)
                 else:
                     shared.tier = open_local_tier(location / name, max_bytes, quality, meta, shared.report)
             except (StoreError, ConfigError) as exc:
@@ -86,15 +95,38 @@ def open_shared_tier(
 
 
 def open_redis_tier(
-    url: str, namespace: str, max_bytes: int, quality: int, report: Callable[[str, str], None]
+    url: str,
+    namespace: str,
+    max_bytes: int,
+    quality: int,
+    report: Callable[[str, str], None],
+    local: Path | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> PersistentTier:
     """The persistent tier of a module on a Redis server or cluster (nothing is sent yet).
+
+    With ``local``, a packed store at ``local / namespace`` keeps a copy of the entries
+    read and written (:class:`~torchcache.stores.layered.LayeredStore`); if it cannot be
+    opened, ``report`` is told and the server is used alone.
 
     Raises:
         ConfigError: If the URL is invalid or the redis package is missing.
     """
+    from ..stores.layered import LayeredStore
     from ..stores.redis import RedisStore
     from ..stores.redis_url import redact_url
 
-    store = RedisStore(url, namespace, max_bytes, report=report)
-    return PersistentTier(store, quality, report, where=f"{redact_url(url)} (namespace {namespace})")
+    where = f"{redact_url(url)} (namespace {namespace})"
+    store: BatchedStore = RedisStore(url, namespace, max_bytes, report=report)
+    touch = None
+    if local is not None:
+        directory = local / namespace
+        try:
+            near = open_local_store(directory, max_bytes, {**(meta or {}), "copy_of": redact_url(url)}, report)
+        except StoreError as exc:
+            report("local", f"{exc}; no local copy, every hit is read from the server")
+        else:
+            store = LayeredStore(near, store, report)
+            where = f"{where} with a local copy in {directory}"
+            touch = meta_toucher(directory)
+    return PersistentTier(store, quality, report, where=where, touch=touch)

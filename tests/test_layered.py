@@ -1,0 +1,301 @@
+"""A local copy in front of a shared store: ``local_cache_dir`` with a Redis ``persistent_cache_dir``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import Counting, cached, run_python
+from tests.store_helpers import ReferenceStore, Reports, key, value
+from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
+from torchcache.cli import main
+from torchcache.errors import StoreError
+from torchcache.meta import load_meta
+from torchcache.stores.layered import LayeredStore
+from torchcache.stores.packed import PackedStore
+
+
+class CountingStore(ReferenceStore):
+    """The reference store, counting the keys it was asked for."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.asked: list[str] = []
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        self.asked += keys
+        return super().get_many(keys)
+
+
+class BrokenStore(ReferenceStore):
+    """A local store whose disk fails on every read and write."""
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        raise StoreError("disk gone")
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        raise StoreError("disk gone")
+
+
+@pytest.fixture
+def layers(tmp_path: Path) -> Iterator[tuple[LayeredStore, CountingStore, Reports]]:
+    reports = Reports()
+    far = CountingStore(10**7)
+    store = LayeredStore(PackedStore(tmp_path / "near", 10**7, report=reports), far, reports)
+    yield store, far, reports
+    store.close()
+
+
+def test_entries_read_from_the_shared_store_are_then_served_locally(
+    layers: tuple[LayeredStore, CountingStore, Reports],
+) -> None:
+    store, far, reports = layers
+    far.put_many([(key(i), value(i)) for i in range(20)])
+    got = store.get_many([key(i) for i in range(25)])
+    assert [None if v is None else bytes(v) for v in got] == [value(i) for i in range(20)] + [None] * 5
+    far.asked.clear()
+    again = store.get_many([key(i) for i in range(25)])
+    assert [bytes(v) for v in again[:20]] == [value(i) for i in range(20)]
+    assert far.asked == [key(i) for i in range(20, 25)]  # only the misses crossed over
+    assert reports.seen == []
+
+
+def test_writes_reach_both_and_the_shared_store_is_the_authority(
+    layers: tuple[LayeredStore, CountingStore, Reports],
+) -> None:
+    store, far, _ = layers
+    assert store.put_many([(key(i), value(i)) for i in range(10)]) == 10
+    assert len(store) == len(far) == 10 and store.nbytes == far.nbytes and key(3) in store
+    assert sorted(store.keys()) == sorted(far.keys())
+    assert store.disk_bytes > 0  # the local copy's files
+    far.asked.clear()
+    assert bytes(store.get_many([key(3)])[0] or b"") == value(3) and far.asked == []
+    assert store.delete_many([key(3), key(4)]) == 2
+    assert store.get_many([key(3)]) == [None] and key(3) not in store
+    store.clear()
+    assert len(store) == 0 and store.get_many([key(5)]) == [None]
+
+
+def test_an_entry_the_server_dropped_is_still_served_by_the_copy(
+    layers: tuple[LayeredStore, CountingStore, Reports],
+) -> None:
+    store, far, _ = layers
+    store.put_many([(key(1), value(1))])
+    far.clear()  # evicted by the server, or cleared by another job: the output is still right
+    assert bytes(store.get_many([key(1)])[0] or b"") == value(1)
+
+
+def test_a_damaged_local_entry_is_read_from_the_shared_store_and_replaced(
+    layers: tuple[LayeredStore, CountingStore, Reports], tmp_path: Path
+) -> None:
+    store, far, reports = layers
+    store.put_many([(key(i), value(i, 4000)) for i in range(4)])
+    store.flush()
+    for segment in (tmp_path / "near").glob("seg-*"):
+        data = bytearray(segment.read_bytes())
+        for i in range(64, len(data), 997):
+            data[i] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    got = store.get_many([key(i) for i in range(4)])
+    assert [bytes(v) for v in got if v is not None] == [value(i, 4000) for i in range(4)]
+    assert "corrupt" in reports.kinds()
+    far.asked.clear()
+    assert [bytes(v) for v in store.get_many([key(0)]) if v is not None] == [value(0, 4000)]
+    assert far.asked == []  # the copy was written again
+
+
+def test_a_failing_local_copy_is_reported_once_and_left_out() -> None:
+    reports = Reports()
+    far = CountingStore(10**7)
+    store = LayeredStore(BrokenStore(10**7), far, reports)
+    assert store.put_many([(key(i), value(i)) for i in range(3)]) == 3
+    assert [bytes(v) for v in store.get_many([key(i) for i in range(3)]) if v is not None] == [
+        value(i) for i in range(3)
+    ]
+    assert reports.kinds() == ["local"] and "disk gone" in reports.seen[0][1]
+    assert not store.near_enabled
+    report = store.verify()
+    assert report.ok and report.entries == 3
+
+
+def test_verify_names_the_local_copy_in_its_problems(
+    layers: tuple[LayeredStore, CountingStore, Reports], tmp_path: Path
+) -> None:
+    store, _, _ = layers
+    store.put_many([(key(i), value(i, 4000)) for i in range(4)])
+    store.flush()
+    segment = next((tmp_path / "near").glob("seg-*"))
+    data = bytearray(segment.read_bytes())
+    data[200] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    report = store.verify(fix=True)
+    assert report.bad and all(bad in {key(i) for i in range(4)} for bad in report.bad)
+    assert store.verify().ok
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+def test_local_cache_dir_is_only_for_a_redis_tier(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="local_cache_dir"):
+        torchcache(persistent=True, persistent_cache_dir=tmp_path, local_cache_dir=tmp_path / "copy")
+    with pytest.raises(ConfigError, match="local_cache_dir must be a local directory"):
+        torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir="redis://h:1/0")
+    with pytest.raises(ConfigError, match="local_cache_dir must be a path"):
+        torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir=3)
+    with pytest.raises(ConfigError, match="local_cache_dir"):
+        CachedDataset(list(range(3)), tmp_path, local_cache_dir=tmp_path / "copy")
+    with pytest.raises(ConfigError, match="local_cache_dir must be a local directory"):
+        CachedDataset(list(range(3)), "redis://127.0.0.1:1/0", local_cache_dir="redis://127.0.0.1:1/0")
+
+
+# -- through @torchcache and CachedDataset, on a real server ------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    from tests.redis_servers import own_server
+
+    with own_server() as running:
+        yield running
+
+
+_MODULE = """
+import json, sys, warnings, torch
+from tests.helpers import Counting, cached
+model = cached(Counting, persistent=True, persistent_cache_dir=sys.argv[1], local_cache_dir=sys.argv[2],
+               max_memory_cache_size=0)()
+x = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = model(x)
+    model.cache_instance.flush()
+print(json.dumps({"items": model.items, "sum": float(y.sum()), "hits": model.cache_instance.stats().hits,
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def _run(script: str, *args: str) -> dict[str, Any]:
+    done = run_python(script, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _kill(server: Any) -> None:
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+
+
+def test_a_later_run_hits_the_local_copy_without_the_server(server: Any, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    first = _run(_MODULE, server.url, str(copy))
+    assert first["items"] == 32 and first["warnings"] == []
+    other_machine = _run(_MODULE, server.url, str(tmp_path / "other"))  # hits the server, fills its own copy
+    assert other_machine["items"] == 0 and other_machine["hits"] == 32
+    _kill(server)
+    for directory in (copy, tmp_path / "other"):
+        later = _run(_MODULE, server.url, str(directory))
+        assert later["items"] == 0 and later["hits"] == 32 and later["sum"] == first["sum"]
+        assert later["warnings"] == []  # nothing was asked of the server
+    metas = [load_meta(path.parent)[0] for path in copy.glob("*/index.lmdb")]
+    assert len(metas) == 1 and metas[0] is not None and metas[0]["copy_of"] == server.url
+
+
+def test_the_local_copy_comes_from_the_environment(
+    server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHCACHE_DIR", server.url)
+    monkeypatch.setenv("TORCHCACHE_LOCAL_DIR", str(tmp_path / "copy"))
+    model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    x = torch.randn(8, 4)
+    first = model(x)
+    model.cache_instance.flush()
+    _kill(server)
+    assert torch.equal(model(x), first) and model.items == 8  # the second call hit the copy
+    assert len(list((tmp_path / "copy").glob("*/index.lmdb"))) == 1
+
+
+def test_a_read_only_local_copy_warns_once_and_the_server_serves(server: Any, tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes to read-only directories")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    copy.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        model = cached(Counting, persistent=True, persistent_cache_dir=server.url, local_cache_dir=copy)()
+        plain = Counting()
+        x = torch.randn(8, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(model(x), plain(x))
+        assert [w for w in caught if issubclass(w.category, CacheWarning)]
+    finally:
+        copy.chmod(stat.S_IRWXU)
+
+
+def test_a_local_copy_that_cannot_be_made_leaves_the_server_alone(server: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model = cached(Counting, persistent=True, persistent_cache_dir=server.url, local_cache_dir=blocker)(dim_out=3)
+    plain = Counting(dim_out=3)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(model(x), plain(x))
+        model.cache_instance.flush()
+    messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(messages) == 1 and "no local copy" in messages[0]
+    disk = model.cache_instance.stats().disk
+    assert disk is not None and disk.entries == 8  # on the server
+
+
+_DATASET = """
+import json, sys, torch
+from torchcache import CachedDataset
+
+class Ramp(torch.utils.data.Dataset):
+    def __init__(self):
+        self.calls = 0
+    def __len__(self):
+        return 24
+    def __getitem__(self, i):
+        self.calls += 1
+        return torch.arange(6, dtype=torch.int16) * i, i
+
+ramp = Ramp()
+data = CachedDataset(ramp, sys.argv[1], max_memory_size=0, local_cache_dir=sys.argv[2])
+seen = [(int(x.sum()), int(y)) for x, y in (data[i] for i in range(24))]
+assert seen == [(15 * i, i) for i in range(24)], seen
+data.close()
+print(json.dumps({"calls": ramp.calls, "disk_hits": data.stats().disk.hits}))
+"""
+
+
+def test_a_dataset_cache_on_a_server_keeps_a_local_copy(server: Any, tmp_path: Path) -> None:
+    copy = str(tmp_path / "copy")
+    assert _run(_DATASET, server.url, copy) == {"calls": 24, "disk_hits": 0}
+    _kill(server)
+    assert _run(_DATASET, server.url, copy) == {"calls": 0, "disk_hits": 24}  # from the copy alone
+    metas = [load_meta(path.parent)[0] for path in Path(copy).glob("*/index.lmdb")]
+    assert len(metas) == 1 and metas[0] is not None
+    assert metas[0]["kind"] == "dataset" and metas[0]["copy_of"] == server.url and metas[0]["length"] == 24
+
+
+def test_the_command_line_lists_and_verifies_a_local_copy(
+    server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "copy"
+    _run(_MODULE, server.url, str(copy))
+    assert main(["ls", str(copy)]) == 0
+    listing = capsys.readouterr().out
+    assert "Counting" in listing and "32" in listing
+    assert main(["verify", str(copy)]) == 0

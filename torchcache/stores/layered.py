@@ -1,0 +1,170 @@
+"""A local store in front of a shared one: repeated hits never cross the network.
+
+:class:`LayeredStore` keeps a local copy (a :class:`~torchcache.stores.packed.PackedStore`
+on a node's disk) of the entries of a shared store (a Redis server or cluster) that this
+machine read or wrote. A batch is looked up in the local copy first and only its misses
+go to the server, in one round trip; the entries found there are copied into the local
+copy. Writes go to both.
+
+The shared store is the authority on what the cache holds (``len``, ``keys``, its
+budget); the local copy holds a subset, under its own budget, with its own MRU
+eviction. An entry is the output of a keyed computation, so a copy is never stale: an
+entry the server evicted or another job cleared is still correct where a copy has it.
+
+Faults of the local copy (a full or read-only disk, a damaged file) are reported once
+under the kind ``"local"`` and turn the copy off for this process; the shared store
+keeps working. Faults of the shared store reach the caller as they would without a
+copy, while local hits keep being served.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from ..errors import StoreError
+from .batched import BatchedStore, VerifyReport
+
+__all__ = ["LayeredStore"]
+
+
+class LayeredStore(BatchedStore):
+    """A local copy in front of a shared store.
+
+    Args:
+        near: The local copy (on this machine's disk).
+        far: The shared store (on a server); its budget is the store's budget.
+        report: Called with ``("local", message)`` when the local copy fails.
+    """
+
+    remote = True
+
+    def __init__(self, near: BatchedStore, far: BatchedStore, report: Callable[[str, str], None]) -> None:
+        self.near = near
+        self.far = far
+        self.max_bytes = far.max_bytes
+        self._report = report
+        self._near_on = True
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LayeredStore(near={self.near!r}, far={self.far!r})"
+
+    @property
+    def near_enabled(self) -> bool:
+        """Whether the local copy is still used (a fault turns it off)."""
+        return self._near_on
+
+    def _near_failed(self, exc: StoreError, doing: str) -> None:
+        with self._lock:
+            if not self._near_on:
+                return
+            self._near_on = False
+        self._report("local", f"cannot {doing} the local copy {self.near} ({exc}); using the shared store alone")
+
+    # -- reads --------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
+        keys = list(keys)
+        found: list[bytes | memoryview | None] = [None] * len(keys)
+        if self._near_on:
+            try:
+                found = self.near.get_many(keys)
+            except StoreError as exc:
+                self._near_failed(exc, "read")
+        missing = [i for i, data in enumerate(found) if data is None]
+        if not missing:
+            return found
+        fetched = self.far.get_many([keys[i] for i in missing])
+        copies: list[tuple[str, bytes | memoryview]] = []
+        for i, data in zip(missing, fetched):
+            if data is not None:
+                found[i] = data
+                copies.append((keys[i], data))
+        if copies and self._near_on:
+            try:
+                self.near.put_many(copies)
+            except StoreError as exc:
+                self._near_failed(exc, "write")
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.far
+
+    def keys(self) -> Iterator[str]:
+        """The shared store's keys."""
+        return self.far.keys()
+
+    def __len__(self) -> int:
+        """Entries in the shared store."""
+        return len(self.far)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes in the shared store."""
+        return self.far.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the local copy takes on disk."""
+        return self.near.disk_bytes
+
+    # -- writes -------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        """Store entries in the local copy and in the shared store.
+
+        Returns:
+            How many are in the shared store when the call returns.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreError: As the shared store's ``put_many`` (the local copy has them).
+        """
+        if self._near_on:
+            try:
+                self.near.put_many(items)
+            except StoreError as exc:
+                self._near_failed(exc, "write")
+        return self.far.put_many(items)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove entries from both; return how many the shared store had.
+
+        Raises:
+            StoreError: If either store cannot be written (the entry is then not trusted).
+        """
+        self.near.delete_many(keys)
+        return self.far.delete_many(keys)
+
+    def clear(self) -> None:
+        """Remove every entry from both.
+
+        Raises:
+            StoreError: If either store cannot be written.
+        """
+        self.near.clear()
+        self.far.clear()
+
+    def flush(self) -> None:
+        """Make both stores' writes visible to other processes."""
+        self.near.flush()
+        self.far.flush()
+
+    def close(self) -> None:
+        """Close both; they reopen if used again."""
+        try:
+            self.near.close()
+        finally:
+            self.far.close()
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Verify both stores; the local copy's problems are named so.
+
+        Raises:
+            StoreError: If ``fix`` is set and either store cannot be written.
+        """
+        far = self.far.verify(fix)
+        near = self.near.verify(fix)
+        bad = list(dict.fromkeys(far.bad + near.bad))
+        problems = far.problems + [f"local copy: {problem}" for problem in near.problems]
+        return VerifyReport(entries=far.entries, bad=bad, problems=problems, fixed=far.fixed or near.fixed)
