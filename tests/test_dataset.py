@@ -388,6 +388,24 @@ def test_processes_of_one_job_share_the_ram_tier(monkeypatch: pytest.MonkeyPatch
     assert job_id() == f"elastic-none-{os.getppid()}"
 
 
+def test_closing_one_cache_frees_its_ram_tier_while_the_job_goes_on(log: Path) -> None:
+    first = CachedDataset(Numbers(6, log), max_memory_size="1MB")
+    second = CachedDataset(Numbers(7, log), max_memory_size="1MB")
+    twin = CachedDataset(Numbers(7, log), max_memory_size="1MB")  # the same cache, one more user
+    for data in (first, second, twin):
+        data[1]
+    assert first.cache.memory_dir is not None and second.cache.memory_dir is not None
+    assert first.cache.memory_dir.parent == second.cache.memory_dir.parent  # one job
+    assert first.cache.memory_dir.exists() and second.cache.memory_dir.exists()
+    first.close()
+    assert not first.cache.memory_dir.exists()  # its RAM is given back now
+    second.close()
+    assert second.cache.memory_dir.exists()  # the twin still uses it
+    assert twin[1][1] == 1 and twin.stats().memory.hits == 2  # type: ignore[union-attr]
+    twin.close()
+    assert not second.cache.memory_dir.exists() and not second.cache.memory_dir.parent.exists()
+
+
 # -- keys, indices, fingerprints ------------------------------------------------------
 def test_indices_are_normalized_and_checked(log: Path) -> None:
     data = CachedDataset(Numbers(5, log), max_memory_size="1MB")

@@ -123,11 +123,12 @@ class SampleCache:
         self.max_memory_size = 0
         if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
             try:
-                self.job_dir = shm.new_job_dir()
+                job_dir = shm.new_job_dir()
+                self._hold_memory(job_dir, held_job=True)
             except StoreError as exc:
                 self._faults.warn("memory-open", f"no RAM tier ({exc})")
             else:
-                self._held_pid = os.getpid()
+                self.job_dir = job_dir
                 size = shm.default_memory_size() if max_memory_size is None else max_memory_size
                 self.max_memory_size = parse_size(size, "max_memory_size")
         self._info = dict(info or {})
@@ -172,6 +173,24 @@ class SampleCache:
                 self._open_tiers()
         return self._tiers
 
+    def _hold_memory(self, job_dir: Path, held_job: bool = False) -> None:
+        """Hold the job directory (unless ``held_job``) and this cache's RAM tier directory in it.
+
+        Each is removed when its last user lets go: the cache's own at :meth:`close` (unless
+        another cache of this name in the job uses it), the job's when the job ends.
+
+        Raises:
+            StoreError: If either cannot be created or locked (then neither is held).
+        """
+        if not held_job:
+            shm.hold(job_dir)
+        try:
+            shm.hold(job_dir / self.dirname)
+        except StoreError:
+            shm.release(job_dir)
+            raise
+        self._held_pid = os.getpid()
+
     def _open_tiers(self) -> None:
         self._tiers = []
         places = [(self.memory_dir, self.max_memory_size), (self.directory or self.redis_url, self.max_disk_size)]
@@ -180,8 +199,7 @@ class SampleCache:
                 continue
             try:
                 if name == "memory" and self.job_dir is not None and self._held_pid != os.getpid():
-                    shm.hold(self.job_dir)
-                    self._held_pid = os.getpid()
+                    self._hold_memory(self.job_dir)
                 store: BatchedStore
                 if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
                     store = self._redis_store(location, store_bytes(size))
@@ -363,6 +381,7 @@ class SampleCache:
             self._tiers, self._pid = [], None
             if self.job_dir is not None and self._held_pid == os.getpid():
                 self._held_pid = None
+                shm.release(self.job_dir / self.dirname)  # removed unless another cache uses it
                 shm.release(self.job_dir)
 
 

@@ -16,6 +16,8 @@ exclusively has no live user: it is renamed away and removed. That happens when 
 process lets go of its last hold (at exit, after multiprocessing has joined its
 DataLoader workers, or at ``close()``), and to every sibling job directory when a job
 starts, so the leftovers of a job killed with ``kill -9`` go at the next start.
+A dataset's directory in a job directory is held the same way, with a lock of its own:
+closing the last cache of a dataset in a job removes its RAM tier while the job goes on.
 """
 
 from __future__ import annotations
