@@ -245,7 +245,8 @@ def test_disk_limit_counts_what_an_earlier_run_left(cache_root: Path, tmp_path: 
 
 FORKED = PREAMBLE + textwrap.dedent(
     """
-    import os, signal, traceback
+    import faulthandler, os, signal, traceback
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang of the parent prints its threads' stacks
     x = inputs(200, 41)
     plain = Counting()
     model = cached(Counting, persistent=True, max_memory_cache_size=0)()
