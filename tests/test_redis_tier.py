@@ -178,6 +178,22 @@ def test_the_command_line_lists_verifies_and_clears_caches_on_a_server(
         assert password not in out.out + out.err
 
 
+_UNSTORED = """
+import sys, torch
+from tests.helpers import Counting, cached
+model = cached(Counting, persistent=True, persistent_cache_dir=sys.argv[1], max_memory_cache_size=0)()
+model(torch.randn(16, 4))  # no flush: the writes are pending when the process exits
+"""
+
+
+def test_writes_a_server_never_took_are_counted_at_exit() -> None:
+    with own_server() as server:
+        url = server.url
+    done = run_python(_UNSTORED, url)  # the server is gone: every write fails, at exit at the latest
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "16 entries computed in this process could not be stored" in done.stderr, done.stderr[-3000:]
+
+
 _DATASET = """
 import json, sys, torch
 from torch.utils.data import DataLoader, Dataset

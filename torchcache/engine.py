@@ -436,10 +436,23 @@ def _no_cache() -> None:
 
 
 def _summarize_at_exit() -> None:
-    """Flush every cache and log its summary at INFO level (interpreter exit)."""
+    """Flush every cache and log its summary at INFO level (interpreter exit).
+
+    Entries that a server did not take in this process (it was away or full) are counted
+    in one warning per tier, whatever was warned before: none is lost silently.
+    """
+    told: set[int] = set()
     for cache in list(_caches):
         if cache._hits or cache._misses:
             cache.flush()
+            disk = cache._disk
+            if disk is not None and disk.unstored and id(disk) not in told:
+                told.add(id(disk))
+                cache.faults.warn(
+                    "unstored",
+                    f"{disk.unstored} entries computed in this process could not be stored in {disk.where} "
+                    "(the server was away or full); they are computed again when next needed",
+                )
             if logger.isEnabledFor(logging.INFO):
                 logger.info(cache.summary())
 

@@ -118,6 +118,8 @@ class PersistentTier:
         self._pending = {}
         self._pending_lock = threading.Lock()
         self._skipped: set[str] = set()  # damaged entries that could not be removed
+        #: Entries a remote store did not take (away or full), since the tier was made.
+        self.unstored = 0
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
 
     def __repr__(self) -> str:
@@ -343,11 +345,11 @@ class PersistentTier:
                     if self._skipped:
                         self._skipped.difference_update(job.keys)
                 except StoreUnavailableError as exc:
-                    self._report("unavailable", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
+                    self._not_stored(job, "unavailable", exc)
                 except StoreError as exc:
                     if not self.store.remote:
                         raise  # a disk that refuses writes: writes off (_write_failed)
-                    self._report("refused", f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
+                    self._not_stored(job, "refused", exc)
                 self._touch_now_and_then()
         finally:
             with self._pending_lock:
@@ -355,6 +357,11 @@ class PersistentTier:
                     entry = self._pending.get(key)
                     if entry is not None and entry[0] is job:
                         del self._pending[key]
+
+    def _not_stored(self, job: _WriteJob, kind: str, exc: StoreError) -> None:
+        with self._pending_lock:
+            self.unstored += len(job.keys)
+        self._report(kind, f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
 
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False
