@@ -653,6 +653,26 @@ def test_a_valid_zero_elision_frame_allocates_about_its_raw_length() -> None:
     assert _peak_bytes(lambda: decode_frame(frame)) < len(payload) + (1 << 20)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 5000), st.floats(0, 1), st.integers(0, 7), st.sampled_from([2, 4, 8]), st.integers(0, 2**32 - 1))
+def test_unelide_writes_into_a_given_row_or_allocates_its_own(
+    length: int, zero_fraction: float, extra: int, word: int, seed: int
+) -> None:
+    payload = _sparse_payload(np.float32, length, zero_fraction, extra, seed)
+    stored = _zero_frame(payload, word)[PREFIX_SIZE + 2 :]  # the header is b"{}"
+    row = np.full(len(payload), 0xAB, dtype=np.uint8)  # garbage first: every byte is written
+    got = unelide(stored, len(payload), word, out=row)
+    assert bytes(got) == payload and row.tobytes() == payload
+    assert len(payload) == 0 or np.frombuffer(got, dtype=np.uint8).ctypes.data == row.ctypes.data
+    for unusable in (np.zeros(len(payload) + 1, dtype=np.uint8), np.zeros(len(payload), dtype=np.int8)):
+        before = unusable.copy()
+        assert bytes(unelide(stored, len(payload), word, out=unusable)) == payload
+        assert np.array_equal(unusable, before)  # a row of another size or dtype is left alone
+    frozen = np.zeros(len(payload), dtype=np.uint8)
+    frozen.flags.writeable = False
+    assert bytes(unelide(stored, len(payload), word, out=frozen)) == payload
+
+
 def test_unelide_checks_its_arguments() -> None:
     with pytest.raises(CorruptEntryError, match="word size"):
         unelide(b"", 0, 5)
@@ -670,18 +690,19 @@ def test_unelide_checks_its_arguments() -> None:
         (lambda n: torch.relu(torch.randn(n, 768)), CODEC_BROTLI),  # small rows: brotli, not elided
     ],
 )
+@pytest.mark.parametrize("n", [4, 40])  # decoded on the calling thread, and in chunks on the pool
 def test_the_disk_tier_stores_each_kind_of_output_with_its_codec(
-    tmp_path: Path, make: Callable[[int], torch.Tensor], codec: int
+    tmp_path: Path, make: Callable[[int], torch.Tensor], codec: int, n: int
 ) -> None:
     from torchcache.tiers.local import open_local_tier
     from torchcache.tree import Layout, flatten
 
     reports: list[tuple[str, str]] = []
     tier = open_local_tier(tmp_path / "module", 10**9, 5, {"torchcache_version": "test"}, lambda *r: reports.append(r))
-    outputs = make(4)
+    outputs = make(n)
     spec, leaves = flatten(outputs)
     layout = Layout.of(spec, leaves, None)
-    keys = [f"{i:032x}" for i in range(4)]
+    keys = [f"{i:032x}" for i in range(n)]
     tier.write(keys, layout, [leaf.contiguous() for leaf in leaves])
     tier.flush()
     frames = tier.store.get_many(keys)  # from the store itself, not the tier's write queue
@@ -692,6 +713,6 @@ def test_the_disk_tier_stores_each_kind_of_output_with_its_codec(
         if codec == CODEC_ZERO:
             assert fields[3] == outputs.dtype.itemsize
     positions, got_layout, got = tier.read(keys)
-    assert positions == [0, 1, 2, 3] and got_layout == layout
+    assert positions == list(range(n)) and got_layout == layout
     assert torch.equal(got[0].view(torch.uint8), outputs.view(torch.uint8))
     assert reports == []

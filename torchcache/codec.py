@@ -183,7 +183,9 @@ def _bit_count(mask: np.ndarray[Any, np.dtype[np.uint8]]) -> int:
     return int(_BITS_OF_BYTE[mask].sum(dtype=np.int64))  # pragma: no cover - numpy < 2
 
 
-def unelide(stored: bytes | memoryview, raw_len: int, word: int) -> memoryview:
+def unelide(
+    stored: bytes | memoryview, raw_len: int, word: int, out: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+) -> memoryview:
     """Rebuild the payload of a zero-elided frame.
 
     Every length is checked before the output is allocated: the mask's length follows
@@ -195,6 +197,8 @@ def unelide(stored: bytes | memoryview, raw_len: int, word: int) -> memoryview:
         stored: The stored payload.
         raw_len: The payload size the frame declares.
         word: The frame's word size (2, 4 or 8).
+        out: Where to write the payload, if it is a writable uint8 array of ``raw_len``
+            bytes (a row of the caller's batch: no buffer is allocated, nothing copied).
 
     Returns:
         The ``raw_len`` payload bytes (a view of the one buffer written).
@@ -222,7 +226,10 @@ def unelide(stored: bytes | memoryview, raw_len: int, word: int) -> memoryview:
         raise CorruptEntryError("the zero-elision mask does not count the stored words")
     if n % 8 and mask_len and mask[-1] >> (n % 8):
         raise CorruptEntryError("the zero-elision mask marks words past the payload")
-    out = np.zeros(raw_len, dtype=np.uint8)
+    if out is not None and out.shape == (raw_len,) and out.dtype == np.uint8 and out.flags.writeable:
+        out.fill(0)
+    else:
+        out = np.zeros(raw_len, dtype=np.uint8)
     if count:
         words = out[: n * word].view(_WORD_DTYPES[word])
         values = np.frombuffer(view[mask_len : mask_len + values_len], dtype=_WORD_DTYPES[word])
@@ -463,7 +470,10 @@ def nested_deeper_than(value: object, limit: int) -> bool:
 
 
 def split_frame(
-    data: bytes | memoryview, verify: bool = True, raw_size: Callable[[bytes], int] | None = None
+    data: bytes | memoryview,
+    verify: bool = True,
+    raw_size: Callable[[bytes], int] | None = None,
+    out: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
 ) -> tuple[bytes, bytes | memoryview]:
     """Check a frame and return its header bytes and its decompressed payload.
 
@@ -473,6 +483,7 @@ def split_frame(
         raw_size: Called with the header bytes, returns the payload size the header
             describes; a frame that declares another size is rejected before its payload
             is decompressed. It may raise :class:`CorruptEntryError`.
+        out: Where a zero-elided payload may be written (see :func:`unelide`).
 
     Raises:
         CorruptEntryError: If the frame is truncated, altered or not a torchcache entry.
@@ -495,7 +506,7 @@ def split_frame(
     if codec == CODEC_RAW:
         payload = stored
     elif codec == CODEC_ZERO:
-        payload = unelide(stored, raw_len, word)
+        payload = unelide(stored, raw_len, word, out)
     else:
         payload = inflate(stored, raw_len)
     return header, payload

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,18 +137,21 @@ class FrameCodec:
             self._streak[layout] = streak
         return frames
 
-    def decode(self, data: bytes | memoryview, verify: bool = False) -> Frame:
+    def decode(
+        self, data: bytes | memoryview, verify: bool = False, out: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+    ) -> Frame:
         """Check a frame's structure and decompress its row.
 
         Args:
             data: The frame.
             verify: Also check the frame's own checksum (stores check theirs, which
                 covers the whole frame, so frames read from a store need not).
+            out: Where a zero-elided row may be written (a ``(row_bytes,)`` uint8 array).
 
         Raises:
             CorruptEntryError: If the frame is damaged or its header is not a valid layout.
         """
-        header, payload = split_frame(data, verify=verify, raw_size=self._row_bytes)
+        header, payload = split_frame(data, verify=verify, raw_size=self._row_bytes, out=out)
         return header, payload
 
     def _row_bytes(self, header_bytes: bytes) -> int:
@@ -182,7 +186,10 @@ class FrameCodec:
         return self.layout_of(header), joined[:, head:]
 
     def decode_many(
-        self, datas: Sequence[bytes | memoryview | None], raw_only: bool = False
+        self,
+        datas: Sequence[bytes | memoryview | None],
+        raw_only: bool = False,
+        outs: Sequence[np.ndarray[Any, np.dtype[np.uint8]]] | np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> list[Frame | CorruptEntryError | bytes | memoryview | None]:
         """:meth:`decode` each frame; a damaged one gives its error in its place.
 
@@ -193,10 +200,11 @@ class FrameCodec:
             datas: Frames, ``None`` for misses.
             raw_only: Decode only raw frames; others are returned as they are, for
                 :meth:`decode_many` to decompress elsewhere (on a pool).
+            outs: One row per frame, where zero-elided payloads may be written.
         """
         out: list[Frame | CorruptEntryError | bytes | memoryview | None] = []
         unpack, last, last_len, row = PREFIX.unpack_from, b"", -1, -1
-        for data in datas:
+        for n, data in enumerate(datas):
             if data is None:
                 out.append(None)
                 continue
@@ -218,7 +226,7 @@ class FrameCodec:
                     out.append(data)
                     continue
             try:
-                frame = self.decode(data)
+                frame = self.decode(data, out=None if outs is None else outs[n])
             except CorruptEntryError as exc:
                 out.append(exc)
                 continue

@@ -219,12 +219,15 @@ class PersistentTier:
 
         def work(start: int, stop: int) -> list[Any]:
             out: list[Any] = [first] if start == 0 else []
-            out += self.codec.decode_many(todo[max(start, 1) : stop])
+            begin = max(start, 1)
+            out += self.codec.decode_many(todo[begin:stop], outs=None if rows is None else rows[begin:stop])
             if rows is not None:
                 for j, frame in enumerate(out, start):
                     if isinstance(frame, tuple) and len(frame[1]) == raw_len:
-                        rows[j] = np.frombuffer(frame[1], dtype=np.uint8)
-                        out[j - start] = (frame[0], memoryview(rows[j]))
+                        row = rows[j]
+                        if np.frombuffer(frame[1], dtype=np.uint8).ctypes.data != row.ctypes.data:
+                            row[:] = np.frombuffer(frame[1], dtype=np.uint8)  # not unelided in place
+                        out[j - start] = (frame[0], memoryview(row))
                         landed[j] = True
             return out
 
