@@ -178,6 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems: list[Problem] = []
     damaged: dict[Path, ModuleCache] = {}
     removed: list[Problem] = []
+    from_stores: list[Problem] = []  # entries (and index rows) the stores repaired themselves
     failures: list[str] = []
     busy = 0
     try:
@@ -193,6 +194,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems.extend(found)
             if fixed:
                 removed.extend(found)
+                from_stores.extend(found)
             found, in_progress = verify_files(files, now, progress.update)
             problems.extend(found)
             busy += len(in_progress)
@@ -240,8 +242,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(table(["PROBLEM", "REASON", "FILE"], rows))
         if busy:
             print(f"left {plural(busy, 'recent temporary file')} alone (a write may be in progress)")
-        if len(removed) > rebuilt:
-            files_removed = [p for p in removed if p.path not in damaged]
+        if from_stores:
+            print(f"removed or repaired {plural(len(from_stores), 'damaged entry', 'damaged entries')}")
+        files_removed = [p for p in removed if p.path not in damaged and p not in from_stores]
+        if files_removed:
             size = format_size(sum(p.size for p in files_removed))
             print(f"removed {plural(len(files_removed), 'file')} ({size})")
         if rebuilt:
