@@ -230,3 +230,29 @@ class ProcessGroup:
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
+
+
+#: A script that reads the 24 samples of a small dataset through ``CachedDataset(ramp,
+#: argv[1], local_cache_dir=argv[2] if given)`` and prints how many were computed and
+#: how many came from the disk tier.
+RAMP_DATASET = """
+import json, sys, torch
+from torchcache import CachedDataset
+
+class Ramp(torch.utils.data.Dataset):
+    def __init__(self):
+        self.calls = 0
+    def __len__(self):
+        return 24
+    def __getitem__(self, i):
+        self.calls += 1
+        return torch.arange(6, dtype=torch.int16) * i, i
+
+ramp = Ramp()
+local = sys.argv[2] if len(sys.argv) > 2 else None
+data = CachedDataset(ramp, sys.argv[1], max_memory_size=0, local_cache_dir=local)
+seen = [(int(x.sum()), int(y)) for x, y in (data[i] for i in range(24))]
+assert seen == [(15 * i, i) for i in range(24)], seen
+data.close()
+print(json.dumps({"calls": ramp.calls, "disk_hits": data.stats().disk.hits}))
+"""

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import Counting, cached, run_python
+from tests.helpers import RAMP_DATASET, Counting, cached, run_python
 from tests.store_helpers import ReferenceStore, Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
 from torchcache.cli import main
@@ -94,17 +94,22 @@ def test_an_entry_the_server_dropped_is_still_served_by_the_copy(
     assert bytes(store.get_many([key(1)])[0] or b"") == value(1)
 
 
+def _fill_and_damage(store: LayeredStore, near: Path, every: int) -> None:
+    """Store 4 entries of 4,000 bytes, then flip a byte of the local copy's segments every ``every`` bytes."""
+    store.put_many([(key(i), value(i, 4000)) for i in range(4)])
+    store.flush()
+    for segment in near.glob("seg-*"):
+        data = bytearray(segment.read_bytes())
+        for i in range(200, len(data), every):
+            data[i] ^= 0xFF
+        segment.write_bytes(bytes(data))
+
+
 def test_a_damaged_local_entry_is_read_from_the_shared_store_and_replaced(
     layers: tuple[LayeredStore, CountingStore, Reports], tmp_path: Path
 ) -> None:
     store, far, reports = layers
-    store.put_many([(key(i), value(i, 4000)) for i in range(4)])
-    store.flush()
-    for segment in (tmp_path / "near").glob("seg-*"):
-        data = bytearray(segment.read_bytes())
-        for i in range(64, len(data), 997):
-            data[i] ^= 0xFF
-        segment.write_bytes(bytes(data))
+    _fill_and_damage(store, tmp_path / "near", every=997)
     got = store.get_many([key(i) for i in range(4)])
     assert [bytes(v) for v in got if v is not None] == [value(i, 4000) for i in range(4)]
     assert "corrupt" in reports.kinds()
@@ -127,16 +132,12 @@ def test_a_failing_local_copy_is_reported_once_and_left_out() -> None:
     assert report.ok and report.entries == 3
 
 
-def test_verify_names_the_local_copy_in_its_problems(
+def test_verify_checks_and_fixes_the_local_copy_too(
     layers: tuple[LayeredStore, CountingStore, Reports], tmp_path: Path
 ) -> None:
     store, _, _ = layers
-    store.put_many([(key(i), value(i, 4000)) for i in range(4)])
-    store.flush()
-    segment = next((tmp_path / "near").glob("seg-*"))
-    data = bytearray(segment.read_bytes())
-    data[200] ^= 0xFF
-    segment.write_bytes(bytes(data))
+    _fill_and_damage(store, tmp_path / "near", every=10**9)  # one flipped byte
+    assert not store.verify().ok
     report = store.verify(fix=True)
     assert report.bad and all(bad in {key(i) for i in range(4)} for bad in report.bad)
     assert store.verify().ok
@@ -258,33 +259,11 @@ def test_a_local_copy_that_cannot_be_made_leaves_the_server_alone(server: Any, t
     assert disk is not None and disk.entries == 8  # on the server
 
 
-_DATASET = """
-import json, sys, torch
-from torchcache import CachedDataset
-
-class Ramp(torch.utils.data.Dataset):
-    def __init__(self):
-        self.calls = 0
-    def __len__(self):
-        return 24
-    def __getitem__(self, i):
-        self.calls += 1
-        return torch.arange(6, dtype=torch.int16) * i, i
-
-ramp = Ramp()
-data = CachedDataset(ramp, sys.argv[1], max_memory_size=0, local_cache_dir=sys.argv[2])
-seen = [(int(x.sum()), int(y)) for x, y in (data[i] for i in range(24))]
-assert seen == [(15 * i, i) for i in range(24)], seen
-data.close()
-print(json.dumps({"calls": ramp.calls, "disk_hits": data.stats().disk.hits}))
-"""
-
-
 def test_a_dataset_cache_on_a_server_keeps_a_local_copy(server: Any, tmp_path: Path) -> None:
     copy = str(tmp_path / "copy")
-    assert _run(_DATASET, server.url, copy) == {"calls": 24, "disk_hits": 0}
+    assert _run(RAMP_DATASET, server.url, copy) == {"calls": 24, "disk_hits": 0}
     _kill(server)
-    assert _run(_DATASET, server.url, copy) == {"calls": 0, "disk_hits": 24}  # from the copy alone
+    assert _run(RAMP_DATASET, server.url, copy) == {"calls": 0, "disk_hits": 24}  # from the copy alone
     metas = [load_meta(path.parent)[0] for path in Path(copy).glob("*/index.lmdb")]
     assert len(metas) == 1 and metas[0] is not None
     assert metas[0]["kind"] == "dataset" and metas[0]["copy_of"] == server.url and metas[0]["length"] == 24

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import Counting, cached, run_python
+from tests.helpers import RAMP_DATASET, Counting, cached, run_python
 from tests.redis_servers import RedisClusterServers, RedisServer, own_server, shared
 from torchcache import CacheWarning, ConfigError, torchcache
 
@@ -194,32 +194,10 @@ def test_writes_a_server_never_took_are_counted_at_exit() -> None:
     assert "16 entries computed in this process could not be stored" in done.stderr, done.stderr[-3000:]
 
 
-_DATASET = """
-import json, sys, torch
-from torch.utils.data import DataLoader, Dataset
-from torchcache import CachedDataset
-
-class Ramp(Dataset):
-    def __init__(self):
-        self.calls = 0
-    def __len__(self):
-        return 24
-    def __getitem__(self, i):
-        self.calls += 1
-        return torch.arange(6, dtype=torch.int16) * i, i
-
-ramp = Ramp()
-data = CachedDataset(ramp, sys.argv[1], max_memory_size=0)
-seen = [(int(x.sum()), int(y)) for x, y in (data[i] for i in range(24))]
-assert seen == [(15 * i, i) for i in range(24)], seen
-print(json.dumps({"calls": ramp.calls, "disk_hits": data.stats().disk.hits}))
-"""
-
-
 def test_a_dataset_cache_on_a_server_serves_a_second_process(target: RedisServer | RedisClusterServers) -> None:
     runs = []
     for _ in range(2):
-        done = run_python(_DATASET, target.url)
+        done = run_python(RAMP_DATASET, target.url)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0] == {"calls": 24, "disk_hits": 0}
