@@ -229,6 +229,19 @@ def test_a_warmed_disk_cache_copied_elsewhere_serves_without_the_dataset(tmp_pat
     assert calls(log) == list(range(30))
 
 
+def test_serving_without_the_dataset_skips_caches_of_a_sample_cache(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(3, log), tmp_path, max_memory_size=0)
+    data[0]
+    data.close()
+    alone = SampleCache("crops", tmp_path, max_memory_size=0, max_disk_size="1MB")
+    alone.get("a.jpg", lambda key: 1)
+    alone.close()
+    served = CachedDataset(None, tmp_path, max_memory_size=0)  # the one dataset cache, not "crops"
+    assert served.fingerprint == data.fingerprint and len(served) == 3
+    assert served[0][1] == 0
+    served.close()
+
+
 def test_serving_without_the_dataset_names_a_missing_sample(tmp_path: Path, log: Path) -> None:
     cache_dir = tmp_path / "cache"
     for nothing in (tmp_path / "missing", tmp_path):

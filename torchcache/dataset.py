@@ -39,6 +39,9 @@ class MissingSampleError(TorchCacheError, LookupError):
 def _find_cache(directory: Path) -> Path:
     """The dataset cache at ``directory``, or the single one right under it.
 
+    Caches of a :class:`~torchcache.SampleCache` used on its own record no length and
+    are not counted.
+
     Raises:
         ConfigError: If there is none, or several.
     """
@@ -51,7 +54,8 @@ def _find_cache(directory: Path) -> Path:
     try:
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             meta = read_meta(Path(entry.path)) if entry.is_dir(follow_symlinks=False) else None
-            if meta is not None and meta.get("kind") == "dataset":
+            # A SampleCache used on its own has no length: it is no dataset to serve.
+            if meta is not None and meta.get("kind") == "dataset" and type(meta.get("length")) is int:
                 found.append((Path(entry.path), meta.get("name")))
     except OSError as exc:
         raise ConfigError(f"cannot read the cache directory {directory}: {exc}") from exc
