@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,46 @@ assert seen == [(15 * i, i) for i in range(24)], seen
 data.close()
 print(json.dumps({"calls": ramp.calls, "disk_hits": data.stats().disk.hits}))
 """
+
+
+# -- workers that run at the same time, coordinated through their pipes ----------------------
+# Imports torch once, then forks a worker per "start NAME ARGS" line (an interpreter per worker
+# costs seconds). A worker runs work(name, *args, say=..., ask=...): say() prints one line
+# "NAME words" (in one write, so lines of several workers never mix), ask() reads the next
+# line the test sent it with "tell NAME words". "wait NAME" prints "NAME status CODE".
+FORK_SERVER = textwrap.dedent(
+    """
+    import os, sys, traceback
+
+    def say(*words):
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+    def serve(work):
+        workers = {}
+        for line in sys.stdin:
+            command, name, *rest = line.split()
+            if command == "start":
+                read, write = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(write)
+                    orders = os.fdopen(read)
+                    code = 0
+                    try:
+                        work(name, *rest, say=lambda *words: say(name, *words), ask=lambda: orders.readline().strip())
+                    except BaseException:
+                        traceback.print_exc()
+                        say(name, "error")
+                        code = 3
+                    os._exit(code)
+                os.close(read)
+                workers[name] = (pid, os.fdopen(write, "w"))
+                say(name, "pid", pid)
+            elif command == "tell":
+                workers[name][1].write(" ".join(rest) + "\\n")
+                workers[name][1].flush()
+            elif command == "wait":
+                _, status = os.waitpid(workers[name][0], 0)
+                say(name, "status", os.waitstatus_to_exitcode(status))
+    """
+)

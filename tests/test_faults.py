@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.helpers import (
+    FORK_SERVER,
     Counting,
     ProcessGroup,
     assert_all_entries_decode,
@@ -460,27 +461,24 @@ def test_process_killed_while_writing_leaves_no_partial_entry(cache_root: Path) 
 
 BATCH = 32
 STEPS = 24
-# Imports torch once and forks a writer per "start NAME POOL ORDER CHECKPOINTS" line (an
-# interpreter per writer costs seconds). A writer prints "NAME step K" after each call; with
+# A fork server (:data:`tests.helpers.FORK_SERVER`) whose workers are writers, started with
+# "start NAME POOL ORDER CHECKPOINTS". A writer prints "NAME step K" after each call; with
 # CHECKPOINTS, also "NAME pwritev" before each write to a segment file and "NAME commit" before
 # each index commit, and then waits for the test to "tell NAME go" (or to kill it right there).
-LAUNCHER = textwrap.dedent(
+LAUNCHER = FORK_SERVER + textwrap.dedent(
     f"""
-    import os, signal, sys, threading, traceback
+    import signal, threading
     import torch
     import torchcache.stores.packed_index as packed_index
     from tests.helpers import Counting, cached
 
-    def say(*words):  # one write: lines of several processes never mix (print writes in pieces)
-        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
-
-    def stop_at_checkpoints(name, orders):
+    def stop_at_checkpoints(say, ask):
         lock = threading.Lock()
 
         def checkpoint(what):
             with lock:
-                say(name, what)
-                if orders.readline().strip() != "go":
+                say(what)
+                if ask() != "go":
                     os._exit(4)
 
         real_pwritev, real_commit = os.pwritev, packed_index.Change.commit
@@ -495,48 +493,26 @@ LAUNCHER = textwrap.dedent(
 
         os.pwritev, packed_index.Change.commit = pwritev, commit
 
-    def write(name, pool, order):
-        generator = torch.Generator().manual_seed(pool)
+    def write(name, pool, order, checkpoints, say, ask):
+        if checkpoints == "1":
+            stop_at_checkpoints(say, ask)
+        generator = torch.Generator().manual_seed(int(pool))
         batches = [torch.randn({BATCH}, 4, generator=generator) for _ in range({STEPS})]
         model = cached(Counting, persistent=True, max_memory_cache_size=0)()
         plain = Counting()
-        for step, i in enumerate(torch.randperm({STEPS}, generator=torch.Generator().manual_seed(order)).tolist()):
+        shuffled = torch.randperm({STEPS}, generator=torch.Generator().manual_seed(int(order))).tolist()
+        for step, i in enumerate(shuffled):
             if not torch.equal(model(batches[i]), plain(batches[i])):
                 raise AssertionError(f"{{name}}: a wrong output at step {{step}}")
             if step % 4 == 3:
                 model.cache_instance.flush()
-            say(name, "step", step)
+            say("step", step)
         model.cache_instance.flush()
-        say(name, "done")
+        say("done")
         while True:
             signal.pause()  # wait for the kill
 
-    writers = {{}}
-    for line in sys.stdin:
-        command, name, *args = line.split()
-        if command == "start":
-            read, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(write_end)
-                try:
-                    if args[2] == "1":
-                        stop_at_checkpoints(name, os.fdopen(read))
-                    write(name, int(args[0]), int(args[1]))
-                except BaseException:
-                    traceback.print_exc()
-                    say(name, "error")
-                finally:
-                    os._exit(3)
-            os.close(read)
-            writers[name] = (pid, os.fdopen(write_end, "w"))
-            say(name, "pid", pid)
-        elif command == "tell":
-            writers[name][1].write(" ".join(args) + "\\n")
-            writers[name][1].flush()
-        elif command == "wait":
-            _, status = os.waitpid(writers[name][0], 0)
-            say(name, "status", os.waitstatus_to_exitcode(status))
+    serve(write)
     """
 )
 
