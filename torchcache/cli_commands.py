@@ -179,6 +179,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     damaged: dict[Path, ModuleCache] = {}
     removed: list[Problem] = []
     from_stores: list[Problem] = []  # entries (and index rows) the stores repaired themselves
+    files_removed: list[Problem] = []
     failures: list[str] = []
     busy = 0
     try:
@@ -201,19 +202,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if args.fix:
+        repaired = {id(p) for p in from_stores}
         for problem in problems:
-            if problem in removed or problem.kind == "store":
+            if id(problem) in repaired or problem.kind == "store":
                 continue
             try:
                 if problem.path in damaged:
                     rebuild_meta(damaged[problem.path])
                 else:
                     remove_file(problem.path)
+                    files_removed.append(problem)
                 removed.append(problem)
             except OSError as exc:
                 failures.append(f"cannot fix {problem.path}: {exc.strerror or exc}")
     rebuilt = sum(p.path in damaged for p in removed)
     left = len(problems) - len(removed)
+    fixed_ids = {id(p) for p in removed}
     if args.json:
         print_json(
             {
@@ -226,8 +230,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         "kind": p.kind,
                         "reason": p.reason,
                         "bytes": p.size,
-                        "removed": p in removed and p.path not in damaged,
-                        "fixed": p in removed,
+                        "removed": id(p) in fixed_ids and p.path not in damaged,
+                        "fixed": id(p) in fixed_ids,
                     }
                     for p in problems
                 ],
@@ -244,7 +248,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"left {plural(busy, 'recent temporary file')} alone (a write may be in progress)")
         if from_stores:
             print(f"removed or repaired {plural(len(from_stores), 'damaged entry', 'damaged entries')}")
-        files_removed = [p for p in removed if p.path not in damaged and p not in from_stores]
         if files_removed:
             size = format_size(sum(p.size for p in files_removed))
             print(f"removed {plural(len(files_removed), 'file')} ({size})")

@@ -224,9 +224,9 @@ class PersistentTier:
             if rows is not None:
                 for j, frame in enumerate(out, start):
                     if isinstance(frame, tuple) and len(frame[1]) == raw_len:
-                        row = rows[j]
-                        if np.frombuffer(frame[1], dtype=np.uint8).ctypes.data != row.ctypes.data:
-                            row[:] = np.frombuffer(frame[1], dtype=np.uint8)  # not unelided in place
+                        row, payload = rows[j], np.frombuffer(frame[1], dtype=np.uint8)
+                        if payload.ctypes.data != row.ctypes.data:
+                            row[:] = payload  # not unelided in place
                         out[j - start] = (frame[0], memoryview(row))
                         landed[j] = True
             return out
