@@ -32,10 +32,13 @@ from torchcache.codec import (
     decode_frame,
     decode_header,
     encode_frame,
+    encode_header,
+    encode_zero_frames,
     frame_length,
     nested_deeper_than,
     split_frame,
     unelide,
+    unelide_rows,
     word_size,
 )
 from torchcache.errors import CorruptEntryError
@@ -680,6 +683,96 @@ def test_unelide_checks_its_arguments() -> None:
     assert bytes(unelide(b"\x00", 8, 4)) == bytes(8)
 
 
+def _sparse_rows(rows: int, length: int, word: int, seed: int) -> np.ndarray:
+    """``rows`` payloads of ``length`` bytes, each with its own fraction of zero words (0 to 1)."""
+    rng = np.random.default_rng(seed)
+    out = rng.integers(0, 256, (rows, length), dtype=np.uint8)
+    n = length // word
+    words = out[:, : n * word].view({2: np.uint16, 4: np.uint32, 8: np.uint64}[word])
+    words[rng.random((rows, n)) < rng.random((rows, 1))] = 0
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 24), st.integers(0, 600), st.sampled_from([2, 4, 8]), st.integers(0, 2**32 - 1))
+def test_zero_frames_of_a_batch_are_the_frames_of_each_row(rows: int, length: int, word: int, seed: int) -> None:
+    payloads = _sparse_rows(rows, length, word, seed)
+    header = encode_header(HEADER)
+    frames = encode_zero_frames(header, payloads, word)
+    assert len(frames) == rows
+    for frame, payload in zip(frames, payloads):
+        alone = encode_frame(header, memoryview(payload), None, word)
+        if frame is None:  # elision did not pay: the one-row encoder stores it raw too
+            assert alone[5] == CODEC_RAW
+        else:
+            assert frame == alone and bytes(decode_frame(frame)[1]) == payload.tobytes()
+
+
+def _stored_payloads(payloads: np.ndarray, word: int) -> list[bytes]:
+    """The stored zero-elided payload of every row, elided whatever its sparsity."""
+    return [_zero_frame(payload.tobytes(), word)[PREFIX_SIZE + 2 :] for payload in payloads]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 16),
+    st.integers(1, 400),
+    st.sampled_from([2, 4, 8]),
+    st.lists(st.tuples(st.integers(0, 15), st.integers(0, 10**6), st.sampled_from(["flip", "cut", "grow"]))),
+    st.integers(0, 2**32 - 1),
+)
+def test_rows_rebuilt_together_match_one_by_one_and_damage_is_left_alone(
+    rows: int, length: int, word: int, damage: list[tuple[int, int, str]], seed: int
+) -> None:
+    payloads = _sparse_rows(rows, length, word, seed)
+    stored = [bytearray(s) for s in _stored_payloads(payloads, word)]
+    for row, at, how in damage:
+        target = stored[row % rows]
+        if how == "flip" and target:
+            target[at % len(target)] ^= 1 << (at % 8)
+        elif how == "cut" and target:
+            del target[at % len(target) :]
+        elif how == "grow":
+            target += bytes([at % 256]) * (1 + at % 9)
+    out = np.full((rows, length), 0xAB, dtype=np.uint8)
+    done = unelide_rows([bytes(s) for s in stored], word, out)
+    for i, data in enumerate(stored):
+        try:
+            expected: bytes | None = bytes(unelide(bytes(data), length, word))
+        except CorruptEntryError:
+            expected = None
+        if length < word:  # no whole word: left to the one-by-one decoder
+            assert not done[i]
+        else:
+            assert done[i] == (expected is not None)
+        if done[i]:
+            assert out[i].tobytes() == expected
+        else:
+            assert (out[i] == 0xAB).all()  # a row that was not rebuilt is not touched
+
+
+def test_rows_rebuilt_together_into_rows_of_a_wider_array() -> None:
+    payloads = _sparse_rows(6, 1002, 4, seed=3)  # a 2-byte tail after the last whole word
+    wide = np.full((6, 1100), 0xCD, dtype=np.uint8)
+    stored = _stored_payloads(payloads, 4)
+    stored[2] = stored[2][:-1]  # damaged: the others still land
+    done = unelide_rows(stored, 4, wide[:, :1002])
+    assert done.tolist() == [True, True, False, True, True, True]
+    assert np.array_equal(wide[done, :1002], payloads[done])
+    assert (wide[2] == 0xCD).all() and (wide[:, 1002:] == 0xCD).all()
+
+
+def test_batch_elision_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="word size"):
+        encode_zero_frames(b"{}", np.zeros((2, 64), dtype=np.uint8), 3)
+    with pytest.raises(ValueError, match="word size"):
+        unelide_rows([b""], 5, np.zeros((1, 8), dtype=np.uint8))
+    with pytest.raises(ValueError, match="out must be"):
+        unelide_rows([b"", b""], 4, np.zeros((1, 8), dtype=np.uint8))
+    with pytest.raises(ValueError, match="out must be"):
+        unelide_rows([b""], 4, np.zeros((1, 8), dtype=np.uint8)[:, ::2])
+
+
 @pytest.mark.parametrize(
     ("make", "codec"),
     [
@@ -687,7 +780,9 @@ def test_unelide_checks_its_arguments() -> None:
         (lambda n: torch.nn.functional.gelu(torch.randn(n, 64, 96)), CODEC_RAW),
         (lambda n: torch.randint(0, 32000, (n, 512)), CODEC_BROTLI),
         (lambda n: torch.relu(torch.randn(n, 64, 256)).half(), CODEC_ZERO),
-        (lambda n: torch.relu(torch.randn(n, 768)), CODEC_BROTLI),  # small rows: brotli, not elided
+        (lambda n: torch.relu(torch.randn(n, 768)), CODEC_ZERO),  # small rows, elided as one array
+        (lambda n: torch.relu(torch.randn(n, 100)).bfloat16(), CODEC_ZERO),
+        (lambda n: torch.randint(0, 32000, (n, 16)), CODEC_BROTLI),
     ],
 )
 @pytest.mark.parametrize("n", [4, 40])  # decoded on the calling thread, and in chunks on the pool
@@ -716,3 +811,35 @@ def test_the_disk_tier_stores_each_kind_of_output_with_its_codec(
     assert positions == list(range(n)) and got_layout == layout
     assert torch.equal(got[0].view(torch.uint8), outputs.view(torch.uint8))
     assert reports == []
+
+
+def test_small_zero_elided_rows_read_together_next_to_other_frames_and_damage(tmp_path: Path) -> None:
+    from torchcache.tiers.local import open_local_tier
+    from torchcache.tree import Layout, flatten
+
+    reports: list[tuple[str, str]] = []
+    tier = open_local_tier(tmp_path / "module", 10**9, 5, {"torchcache_version": "test"}, lambda *r: reports.append(r))
+    outputs = torch.relu(torch.randn(40, 768))
+    spec, leaves = flatten(outputs)
+    layout = Layout.of(spec, leaves, None)
+    keys = [f"{i:032x}" for i in range(40)]
+    tier.write(keys, layout, [outputs])
+    tier.flush()
+    header = tier.codec.header_of(layout)
+    payload = [outputs[i].numpy().tobytes() for i in range(40)]
+    _, stored, raw_len, word = _zero_parts(bytes(tier.store.get_many([keys[7]])[0]))
+    other = Layout.of(*flatten(outputs.view(torch.int32)), None)
+    planted = {
+        3: _sealed_word(CODEC_ZERO, 2, header, _zero_frame(payload[3], 2)[PREFIX_SIZE + 2 :], raw_len),  # other word
+        5: encode_frame(header, payload[5], 11),  # brotli
+        7: _sealed_word(CODEC_ZERO, word, header, _flip_mask_bit(stored, 0), raw_len),  # bit count wrong
+        9: encode_frame(header, payload[9], None),  # raw
+        11: encode_frame(tier.codec.header_of(other), payload[11], None, word),  # another layout
+    }
+    tier.store.put_many([(keys[i], frame) for i, frame in planted.items()])
+    positions, got_layout, got = tier.read(keys)
+    assert got_layout == layout
+    assert positions == [i for i in range(40) if i not in (7, 11)]
+    assert torch.equal(got[0], outputs[positions])
+    assert [kind for kind, _ in reports] == ["corrupt"] and "1 corrupt" in reports[0][1]
+    assert keys[7] not in tier.store and keys[11] in tier.store

@@ -20,6 +20,7 @@ import torch
 from ..codec import (
     CODEC_BROTLI,
     CODEC_RAW,
+    CODEC_ZERO,
     MAGIC,
     MIN_ELIDE_BYTES,
     PREFIX,
@@ -28,8 +29,10 @@ from ..codec import (
     encode_frame,
     encode_header,
     encode_raw_frames,
+    encode_zero_frames,
     parse_header,
     split_frame,
+    unelide_rows,
     word_size,
 )
 from ..errors import CorruptEntryError
@@ -95,10 +98,8 @@ class FrameCodec:
             self._layouts.setdefault(header, layout)
         return header
 
-    def _word_of(self, layout: Layout) -> int | None:
-        """The zero-elision word size for rows of ``layout``; ``None``: rows too small to elide."""
-        if layout.row_bytes < MIN_ELIDE_BYTES:
-            return None
+    def _word_of(self, layout: Layout) -> int:
+        """The zero-elision word size for rows of ``layout``."""
         word = self._words.get(layout)
         if word is None:
             word = self._words[layout] = word_size(
@@ -111,26 +112,34 @@ class FrameCodec:
     def encode(self, layout: Layout, packed: np.ndarray) -> list[bytes | memoryview]:
         """One frame per row of ``packed`` (see :func:`pack_rows`).
 
-        Rows that try a compressed codec are encoded one by one; the others (most rows,
-        once brotli stopped paying for a layout with small rows) as one array.
+        Small rows (under :data:`~torchcache.codec.MIN_ELIDE_BYTES`) are zero-elided as one
+        array and, where that does not pay, framed raw as one array; rows that try brotli
+        and large rows are encoded one by one.
         """
         header = self.header_of(layout)
         word = self._word_of(layout)
         with self._lock:
             streak = self._streak.get(layout, 0)
+        small = layout.row_bytes < MIN_ELIDE_BYTES
+        elided = encode_zero_frames(header, packed, word) if small else None
+        raw: np.ndarray | None = None
         frames: list[bytes | memoryview] = []
-        raw = encode_raw_frames(header, packed) if word is None else None
         for i, row in enumerate(packed):
             attempt = streak < _GIVE_UP_AFTER or streak % _RETRY_EVERY == 0
-            if attempt or word is not None:
+            if attempt or not small:
                 frame = encode_frame(header, memoryview(row), self.quality if attempt else None, word)
                 frames.append(frame)
                 if attempt:
                     streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
                     continue
             else:
-                assert raw is not None
-                frames.append(memoryview(raw[i]))
+                assert elided is not None
+                ready: bytes | memoryview | None = elided[i]
+                if ready is None:
+                    if raw is None:
+                        raw = encode_raw_frames(header, packed)
+                    ready = memoryview(raw[i])
+                frames.append(ready)
             if streak:
                 streak += 1
         with self._lock:
@@ -184,6 +193,61 @@ class FrameCodec:
         ):
             return None
         return self.layout_of(header), joined[:, head:]
+
+    def unelide_many(
+        self, datas: Sequence[bytes | memoryview], header: bytes, rows: np.ndarray[Any, np.dtype[np.uint8]]
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Rebuild the zero-elided frames of ``datas`` that carry ``header`` into ``rows``, in one pass.
+
+        Each frame's prefix is checked field by field against the layout ``header``
+        describes (its row size and word size); the payloads of those that pass are
+        checked and rebuilt together (:func:`~torchcache.codec.unelide_rows`). Frames of
+        another codec, header or word size, and damaged ones, are left alone for
+        :meth:`decode` to decode or reject one by one. Frames read from a store need no
+        checksum of their own (see :meth:`decode`).
+
+        Args:
+            datas: Frames.
+            header: The header bytes of a frame already decoded in full (so its layout
+                is known and valid).
+            rows: A ``(len(datas), row_bytes)`` uint8 array with contiguous rows.
+
+        Returns:
+            For each frame, whether its row was written.
+        """
+        raw_len = self.layout_of(header).row_bytes
+        word = self._word_of(self.layout_of(header))
+        unpack, start, header_len = PREFIX.unpack_from, PREFIX_SIZE + len(header), len(header)
+        picked: list[int] = []
+        stored: list[memoryview] = []
+        for i, data in enumerate(datas):
+            if len(data) < start:
+                continue
+            magic, version, codec, param, hlen, size, raw, _ = unpack(data)
+            if (
+                codec == CODEC_ZERO
+                and param == word
+                and raw == raw_len
+                and hlen == header_len
+                and magic == MAGIC
+                and version == VERSION
+                and len(data) == start + size
+                and data[PREFIX_SIZE:start] == header
+            ):
+                picked.append(i)
+                stored.append(memoryview(data)[start:])
+        done = np.zeros(len(datas), dtype=np.bool_)
+        if not picked:
+            return done
+        if len(picked) == len(datas):
+            done[:] = unelide_rows(stored, word, rows)
+            return done
+        into = np.empty((len(picked), raw_len), dtype=np.uint8)
+        ok = unelide_rows(stored, word, into)
+        where = np.asarray(picked)[ok]
+        rows[where] = into[ok]
+        done[where] = True
+        return done
 
     def decode_many(
         self,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .._fork import after_fork
-from ..codec import MAX_ITEM_BYTES
+from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
 from ..stores.base import Store
 from ..stores.batched import BatchedStore
@@ -199,11 +199,12 @@ class PersistentTier:
     def _decode(
         self, datas: Sequence[bytes | memoryview | None]
     ) -> tuple[list[Frame | CorruptEntryError | None], np.ndarray | None]:
-        """Check and decode frames: raw ones here, compressed ones in chunks on the shared pool.
+        """Check and decode frames: raw ones and small zero-elided ones here, others on the pool.
 
-        Compressed payloads are copied, on the pool, into the rows of one array as they
-        are decoded; it is returned when every compressed frame landed there (one size),
-        so that the caller need not copy them again.
+        Compressed payloads are decoded into the rows of one array: small zero-elided
+        rows all at once on this thread (:meth:`FrameCodec.unelide_many`), the others in
+        chunks on the shared pool. The array is returned when every compressed frame
+        landed there (one size), so that the caller need not copy them again.
         """
         frames: list[Any] = self.codec.decode_many(datas, raw_only=True)
         packed = [i for i, frame in enumerate(frames) if isinstance(frame, (bytes, memoryview))]
@@ -215,29 +216,40 @@ class PersistentTier:
         first: Any = self.codec.decode_many(todo[:1])[0]
         raw_len = len(first[1]) if isinstance(first, tuple) else 0
         rows = np.empty((len(todo), raw_len), dtype=np.uint8) if raw_len else None
+        decoded: list[Any] = [None] * len(todo)
         landed = [False] * len(todo)
 
-        def work(start: int, stop: int) -> list[Any]:
-            out: list[Any] = [first] if start == 0 else []
-            begin = max(start, 1)
-            out += self.codec.decode_many(todo[begin:stop], outs=None if rows is None else rows[begin:stop])
-            if rows is not None:
-                for j, frame in enumerate(out, start):
-                    if isinstance(frame, tuple) and len(frame[1]) == raw_len:
-                        row, payload = rows[j], np.frombuffer(frame[1], dtype=np.uint8)
-                        if payload.ctypes.data != row.ctypes.data:
-                            row[:] = payload  # not unelided in place
-                        out[j - start] = (frame[0], memoryview(row))
-                        landed[j] = True
-            return out
+        def land(j: int, frame: Any) -> None:
+            if rows is not None and isinstance(frame, tuple) and len(frame[1]) == raw_len:
+                row, payload = rows[j], np.frombuffer(frame[1], dtype=np.uint8)
+                if payload.ctypes.data != row.ctypes.data:
+                    row[:] = payload  # not unelided in place
+                frame = (frame[0], memoryview(row))
+                landed[j] = True
+            decoded[j] = frame
 
-        if len(todo) < _PARALLEL_MIN_ITEMS:
-            decoded = work(0, len(todo))
+        def work(chunk: list[int]) -> None:
+            outs = None if rows is None else [rows[j] for j in chunk]
+            for j, frame in zip(chunk, self.codec.decode_many([todo[j] for j in chunk], outs=outs)):
+                land(j, frame)
+
+        land(0, first)
+        rest = list(range(1, len(todo)))
+        if rows is not None and raw_len < MIN_ELIDE_BYTES and rest:
+            # Small zero-elided rows: rebuilt together here, which costs less than one pool task.
+            done = self.codec.unelide_many(todo[1:], first[0], rows[1:])
+            header = first[0]
+            for j in np.flatnonzero(done).tolist():
+                decoded[j + 1], landed[j + 1] = (header, memoryview(rows[j + 1])), True
+            rest = [j for j in rest if not done[j - 1]]
+        if len(rest) < _PARALLEL_MIN_ITEMS:
+            work(rest)
         else:
-            size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(todo) // _READ_CHUNKS))
+            size = max(_PARALLEL_MIN_ITEMS // 2, -(-len(rest) // _READ_CHUNKS))
             pool = _decode_pool()
-            futures = [pool.submit(work, start, min(start + size, len(todo))) for start in range(0, len(todo), size)]
-            decoded = [frame for future in futures for frame in future.result()]
+            futures = [pool.submit(work, rest[at : at + size]) for at in range(0, len(rest), size)]
+            for future in futures:
+                future.result()
         for i, frame in zip(packed, decoded):
             frames[i] = frame
         every = len(packed) == sum(data is not None for data in datas)  # no raw frame, no damaged prefix
