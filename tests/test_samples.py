@@ -195,6 +195,50 @@ def test_random_samples_round_trip(sample: Any) -> None:
     round_trip(sample)
 
 
+plain_leaves = st.one_of(
+    st.integers(-(2**64), 2**64),  # past int64: the general encoder's big integers
+    st.floats(allow_nan=True),
+    st.booleans(),  # a bool is not an int: the general encoder's
+    st.builds(
+        random_tensor,
+        st.sampled_from(sorted(TORCH_DTYPES.values(), key=str)),
+        st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    ),
+    st.builds(lambda n: torch.randn(n, 3).t(), st.integers(0, 3)),  # not contiguous
+    st.builds(lambda n: torch.nn.Parameter(torch.randn(n)), st.integers(0, 3)),  # a subclass
+    st.builds(lambda n: torch.randn(n, dtype=torch.complex64).conj(), st.integers(0, 3)),
+)
+plain_samples = st.one_of(
+    plain_leaves,
+    st.lists(plain_leaves, max_size=18),
+    st.lists(plain_leaves, max_size=18).map(tuple),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain_samples)
+def test_plain_samples_encode_as_the_general_encoder_does(sample: Any) -> None:
+    import torchcache.samples as samples_module
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
+        fast = encode_sample(sample)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(samples_module, "_plain_frame", lambda sample: None)
+            general = encode_sample(sample)
+        assert fast == general
+        round_trip(sample)
+
+
+def test_plain_samples_take_the_fast_path() -> None:
+    import torchcache.samples as samples_module
+
+    for sample in ((torch.zeros(3, 8, 8, dtype=torch.uint8), 7), [torch.ones(2), 1.5, -3], torch.arange(4)):
+        assert samples_module._plain_frame(sample) == encode_sample(sample)
+    for sample in ((torch.ones(2), "label"), {"x": torch.ones(2)}, (True,), (torch.ones(4)[::2],), 3):
+        assert samples_module._plain_frame(sample) is None
+
+
 # -- refused values ----------------------------------------------------------------
 class FakeImage:
     """Stands in for a PIL image (its module is what the hint looks at)."""

@@ -183,6 +183,75 @@ class _Encoder:
         return str(value.dtype.str)
 
 
+_PLAIN_ITEMS = 16
+_plain_headers: dict[tuple[Any, ...], bytes] = {}
+
+
+def _plain_frame(sample: object) -> bytes | None:
+    """The frame of the most common samples, built without walking a tree; ``None`` for the others.
+
+    A plain sample is one contiguous CPU tensor, or a tuple or list of at most
+    :data:`_PLAIN_ITEMS` such tensors, ``int`` (within int64) and ``float`` values, as a
+    dataset of ``(image, label)`` returns. Its prefix and header depend only on its
+    structure, dtypes and shapes, so they are made once per structure; the frame is the
+    one :class:`_Encoder` makes (its leaves at multiples of 8 bytes).
+    """
+    cls = type(sample)
+    items: tuple[object, ...] | list[object]
+    if cls is torch.Tensor:
+        items = (sample,)
+    elif (cls is tuple or cls is list) and len(sample) <= _PLAIN_ITEMS:  # type: ignore[arg-type]
+        items = sample  # type: ignore[assignment]
+    else:
+        return None
+    signature: list[object] = [cls]
+    chunks: list[bytes | memoryview] = []
+    size = 0
+    for value in items:
+        kind = type(value)
+        if kind is torch.Tensor:
+            tensor: torch.Tensor = value  # type: ignore[assignment]
+            if (
+                tensor.device.type != "cpu"
+                or tensor.layout != torch.strided
+                or tensor.dtype not in _TORCH_NAME
+                or not tensor.is_contiguous()
+                or tensor.is_conj()
+                or tensor.is_neg()
+            ):
+                return None
+            data: bytes | memoryview = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+            signature.append((tensor.dtype, tensor.shape))
+        elif kind is int:
+            if not _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
+                return None
+            data = _I64.pack(value)
+            signature.append(int)
+        elif kind is float:
+            data = _F64.pack(value)
+            signature.append(float)
+        else:
+            return None
+        pad = -size % _ALIGN
+        if pad:
+            chunks.append(b"\0" * pad)
+        chunks.append(data)
+        size += pad + len(data)
+    key = tuple(signature)
+    head = _plain_headers.get(key)
+    if head is None:
+        leaves = [
+            "i" if kind is int else "f" if kind is float else ["t", _TORCH_NAME[kind[0]], list(kind[1])]  # type: ignore[index]
+            for kind in signature[1:]
+        ]
+        tree = leaves[0] if cls is torch.Tensor else ["u" if cls is tuple else "l", leaves]
+        header = json.dumps(tree, separators=(",", ":")).encode("ascii")
+        if len(_plain_headers) >= _PLAN_CACHE_SIZE:
+            _plain_headers.clear()
+        head = _plain_headers[key] = _PREFIX.pack(_MAGIC, _VERSION, len(header)) + header
+    return b"".join([head, *chunks])
+
+
 def encode_sample(sample: object, name: str = "sample") -> bytes:
     """Encode a sample into a frame.
 
@@ -202,6 +271,9 @@ def encode_sample(sample: object, name: str = "sample") -> bytes:
         >>> decode_sample(frame)
         (tensor([0, 1, 2]), {'label': 7})
     """
+    frame = _plain_frame(sample)
+    if frame is not None:
+        return frame
     encoder = _Encoder()
     tree = encoder.node(sample, name, 0)
     header = json.dumps(tree, separators=(",", ":")).encode("ascii")
