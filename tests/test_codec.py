@@ -843,3 +843,19 @@ def test_small_zero_elided_rows_read_together_next_to_other_frames_and_damage(tm
     assert torch.equal(got[0], outputs[positions])
     assert [kind for kind, _ in reports] == ["corrupt"] and "1 corrupt" in reports[0][1]
     assert keys[7] not in tier.store and keys[11] in tier.store
+
+
+def test_batches_of_many_rows_are_elided_and_rebuilt_in_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.codec as codec
+
+    payloads = _sparse_rows(50, 400, 4, seed=9)
+    whole = encode_zero_frames(b"{}", payloads, 4)
+    stored = _stored_payloads(payloads, 4)
+    stored[31] = stored[31][:-4]
+    expected = np.full((50, 400), 0xAB, dtype=np.uint8)
+    done = unelide_rows(stored, 4, expected)
+    monkeypatch.setattr(codec, "_BATCH_WORDS", 300)  # three rows of 100 words per pass
+    assert encode_zero_frames(b"{}", payloads, 4) == whole
+    out = np.full((50, 400), 0xAB, dtype=np.uint8)
+    assert np.array_equal(unelide_rows(stored, 4, out), done) and not done[31] and done.sum() == 49
+    assert np.array_equal(out, expected)

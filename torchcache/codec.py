@@ -158,6 +158,7 @@ def word_size(itemsizes: Sequence[int], nbytes: Sequence[int]) -> int:
 
 
 _SCATTER_WORDS = 1 << 14  # a multiple of 8
+_BATCH_WORDS = 1 << 20  # words per vectorized pass over many rows
 _WORD_DTYPES: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -337,6 +338,10 @@ def encode_zero_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.ui
     n = raw_len // word
     if n == 0 or raw_len < _MIN_COMPRESS or count_rows == 0:
         return [None] * count_rows
+    step = max(1, _BATCH_WORDS // n)  # rows per pass: temporaries stay small
+    if count_rows > step:
+        passes = (encode_zero_frames(header_bytes, rows[at : at + step], word) for at in range(0, count_rows, step))
+        return [frame for frames in passes for frame in frames]
     rows = np.ascontiguousarray(rows)
     words = rows[:, : n * word].view(_WORD_DTYPES[word])
     nonzero = words != 0
@@ -397,6 +402,10 @@ def unelide_rows(
         raise ValueError(f"out must be a ({len(stored)}, raw_len) uint8 array with contiguous rows")
     raw_len = out.shape[1]
     n = raw_len // word
+    step = max(1, _BATCH_WORDS // max(n, 1))  # rows per pass: temporaries stay small
+    if len(stored) > step:
+        parts = [unelide_rows(stored[at : at + step], word, out[at : at + step]) for at in range(0, len(stored), step)]
+        return np.concatenate(parts)
     tail = raw_len - n * word
     mask_len = -(-n // 8)
     values_len = np.fromiter(map(len, stored), dtype=np.int64, count=len(stored)) - mask_len - tail
