@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.store_helpers import Reports, key, value
-from torchcache.errors import StoreError
+from torchcache.errors import KeyingError, StoreError
 from torchcache.stores import packed_segments
 from torchcache.stores.packed import INDEX_BASE_BYTES, PackedStore
-from torchcache.stores.packed_format import HEADER, segment_name
+from torchcache.stores.packed_format import HEADER, encode_key, encode_keys, segment_name
 from torchcache.stores.packed_index import ENTRY, INDEX_NAME
 
 FORK = multiprocessing.get_context("fork")
@@ -512,3 +514,32 @@ def test_overhead_at_200k_entries_of_3072_bytes(root: Path) -> None:
         store.put_many([(key(i), payload) for i in range(start, min(200_000, start + 1024))])
     store.flush()
     assert store.disk_bytes <= 1.05 * 200_000 * 3072
+
+
+_key_chars = st.sampled_from("0123456789abcdef")
+_odd_chars = st.sampled_from("0123456789abcdefABCDEFg \n")
+_keys = st.one_of(
+    st.integers(1, 33).flatmap(lambda n: st.text(_key_chars, min_size=2 * n, max_size=2 * n)),
+    st.text(st.one_of(_key_chars, _odd_chars), max_size=70),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.lists(_keys, max_size=6),
+        st.integers(2, 32).flatmap(
+            lambda w: st.lists(st.text(_key_chars, min_size=w, max_size=w), min_size=1, max_size=6)
+        ),
+    )
+)
+def test_keys_of_a_batch_encode_as_each_key_does(keys: list[str]) -> None:
+    try:
+        expected: list[bytes] | None = [encode_key(k) for k in keys]
+    except KeyingError:
+        expected = None
+    if expected is None:
+        with pytest.raises(KeyingError):
+            encode_keys(keys)
+    else:
+        assert encode_keys(keys) == expected

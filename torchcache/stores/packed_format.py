@@ -96,19 +96,26 @@ def is_key(key: str) -> bool:
 
 
 def encode_keys(keys: list[str] | tuple[str, ...]) -> list[bytes]:
-    """:func:`encode_key` for many keys, fast when all are 32 digits long.
+    r""":func:`encode_key` for many keys, fast when all have one even number of digits.
 
     Raises:
         KeyingError: If a key is not 4 to 64 lowercase hex digits.
+
+    Example:
+        >>> encode_keys(["00ff", "abcd"]), encode_keys(["abcde"]) == [encode_key("abcde")]
+        ([b'\x00\xff', b'\xab\xcd'], True)
     """
+    width = len(keys[0]) if keys and type(keys[0]) is str else 0
     try:
         joined = "".join(keys)
-        raw = bytes.fromhex(joined) if len(joined) == 32 * len(keys) else b""
+        even = width % 2 == 0 and 4 <= width <= 64 and len(joined) == width * len(keys)
+        raw = bytes.fromhex(joined) if even else b""
     except (TypeError, ValueError):
         raw = b""
-    # Whitespace or capitals pass fromhex: only an exact round trip is 32-digit lowercase hex.
-    if raw and raw.hex() == joined and all(len(key) == 32 for key in keys):
-        return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+    # Whitespace or capitals pass fromhex: only an exact round trip is lowercase hex.
+    if raw and raw.hex() == joined and all(len(key) == width for key in keys):
+        size = width // 2
+        return [raw[i : i + size] for i in range(0, len(raw), size)]
     return [encode_key(key) for key in keys]
 
 
