@@ -217,25 +217,13 @@ class FrameCodec:
         """
         raw_len = self.layout_of(header).row_bytes
         word = self._word_of(self.layout_of(header))
-        unpack, start, header_len = PREFIX.unpack_from, PREFIX_SIZE + len(header), len(header)
         picked: list[int] = []
         stored: list[memoryview] = []
         for i, data in enumerate(datas):
-            if len(data) < start:
-                continue
-            magic, version, codec, param, hlen, size, raw, _ = unpack(data)
-            if (
-                codec == CODEC_ZERO
-                and param == word
-                and raw == raw_len
-                and hlen == header_len
-                and magic == MAGIC
-                and version == VERSION
-                and len(data) == start + size
-                and data[PREFIX_SIZE:start] == header
-            ):
+            payload = _stored_if(data, header, CODEC_ZERO, word, raw_len)
+            if payload is not None:
                 picked.append(i)
-                stored.append(memoryview(data)[start:])
+                stored.append(payload)
         done = np.zeros(len(datas), dtype=np.bool_)
         if not picked:
             return done
@@ -267,26 +255,17 @@ class FrameCodec:
             outs: One row per frame, where zero-elided payloads may be written.
         """
         out: list[Frame | CorruptEntryError | bytes | memoryview | None] = []
-        unpack, last, last_len, row = PREFIX.unpack_from, b"", -1, -1
+        last, row = b"", -1
         for n, data in enumerate(datas):
             if data is None:
                 out.append(None)
                 continue
             if len(data) >= PREFIX_SIZE:
-                magic, version, codec, _, header_len, stored, raw, _ = unpack(data)
-                if (
-                    header_len == last_len
-                    and raw == row
-                    and codec == CODEC_RAW
-                    and stored == raw
-                    and magic == MAGIC
-                    and version == VERSION
-                    and len(data) == PREFIX_SIZE + header_len + raw
-                    and data[PREFIX_SIZE : PREFIX_SIZE + header_len] == last
-                ):
-                    out.append((last, memoryview(data)[PREFIX_SIZE + header_len :]))
+                payload = _stored_if(data, last, CODEC_RAW, 0, row) if row >= 0 else None
+                if payload is not None:
+                    out.append((last, payload))
                     continue
-                if raw_only and codec != CODEC_RAW:
+                if raw_only and data[5] != CODEC_RAW:  # the codec byte
                     out.append(data)
                     continue
             try:
@@ -296,5 +275,29 @@ class FrameCodec:
                 continue
             out.append(frame)
             last, row = frame[0], len(frame[1])
-            last_len = len(last)
         return out
+
+
+def _stored_if(data: bytes | memoryview, header: bytes, codec: int, word: int, raw_len: int) -> memoryview | None:
+    """The stored payload of a frame whose fixed fields and header are the given ones, else ``None``.
+
+    The frame's checksum is not computed (see :meth:`FrameCodec.decode`); a raw frame
+    must also store exactly ``raw_len`` bytes.
+    """
+    start = PREFIX_SIZE + len(header)
+    if len(data) < start:
+        return None
+    magic, version, found, param, header_len, stored, raw, _ = PREFIX.unpack_from(data)
+    if (
+        found == codec
+        and param == word
+        and raw == raw_len
+        and header_len == len(header)
+        and magic == MAGIC
+        and version == VERSION
+        and len(data) == start + stored
+        and (codec != CODEC_RAW or stored == raw)
+        and data[PREFIX_SIZE:start] == header
+    ):
+        return memoryview(data)[start:]
+    return None
