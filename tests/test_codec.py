@@ -859,3 +859,31 @@ def test_batches_of_many_rows_are_elided_and_rebuilt_in_passes(monkeypatch: pyte
     out = np.full((50, 400), 0xAB, dtype=np.uint8)
     assert np.array_equal(unelide_rows(stored, 4, out), done) and not done[31] and done.sum() == 49
     assert np.array_equal(out, expected)
+
+
+def test_zero_elision_is_tried_now_and_then_once_a_layout_is_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.tiers.frames as frames_module
+    from torchcache.tiers.frames import FrameCodec
+    from torchcache.tree import Layout, flatten
+
+    calls: list[int] = []
+    real = frames_module.encode_zero_frames
+
+    def counting(header: bytes, rows: np.ndarray, word: int) -> list[bytes | None]:
+        calls.append(len(rows))
+        return real(header, rows, word)
+
+    monkeypatch.setattr(frames_module, "encode_zero_frames", counting)
+    codec = FrameCodec(quality=5)
+    dense = torch.randn(64, 768) + 10  # no zeros
+    layout = Layout.of(*flatten(dense), None)
+    packed = dense.view(torch.uint8).numpy()
+    for _ in range(40):
+        frames = codec.encode(layout, packed)
+        assert all(decode_frame(bytes(f))[1] == packed[i].tobytes() for i, f in enumerate(frames))
+    assert len(calls) == 8 + 2  # the first 8 jobs, then jobs 16 and 32
+    sparse = torch.relu(torch.randn(64, 768))
+    packed = sparse.view(torch.uint8).numpy()
+    kinds = [{bytes(f)[5] for f in codec.encode(layout, packed)} for _ in range(16)]
+    assert not any(CODEC_ZERO in k for k in kinds[:8])  # jobs 40-47 do not try
+    assert all(CODEC_ZERO in k for k in kinds[8:])  # job 48 tries, and from then on every job

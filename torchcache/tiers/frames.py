@@ -3,9 +3,9 @@
 A frame (:mod:`torchcache.codec`) holds one item: its layout header and its row of
 bytes, raw, zero-elided or brotli-compressed, under a checksum. :class:`FrameCodec`
 keeps what one persistent tier learns about its layouts: the header bytes of each, the
-zero-elision word size, and how often brotli paid. When brotli keeps failing to pay for
-a layout (random or GELU-like outputs), it is only retried now and then, so outputs it
-does not shrink cost no brotli time.
+zero-elision word size, and how often brotli and zero elision paid. When either keeps
+failing to pay for a layout (random or GELU-like outputs), it is only retried now and
+then, so outputs it does not shrink cost no time in it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ __all__ = ["Frame", "FrameCodec", "pack_rows"]
 Frame = tuple[bytes, bytes | memoryview]
 
 _RETRY_EVERY = 256  # once brotli stopped paying: one row in 256 tries it again
-_GIVE_UP_AFTER = 8
+_GIVE_UP_AFTER = 8  # rows that brotli, or jobs that zero elision, did not pay for
+_RETRY_JOBS = 16  # once zero elision stopped paying: one job in 16 tries it again
 
 
 def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.ndarray:
@@ -69,6 +70,7 @@ class FrameCodec:
         self._layouts: dict[bytes, Layout] = {}
         self._headers: dict[Layout, bytes] = {}
         self._streak: dict[Layout, int] = {}
+        self._dense: dict[Layout, int] = {}  # jobs in a row where no row was zero-elided
         self._words: dict[Layout, int] = {}
         self._lock = threading.Lock()
 
@@ -114,14 +116,17 @@ class FrameCodec:
 
         Small rows (under :data:`~torchcache.codec.MIN_ELIDE_BYTES`) are zero-elided as one
         array and, where that does not pay, framed raw as one array; rows that try brotli
-        and large rows are encoded one by one.
+        and large rows are encoded one by one. Once zero elision has not paid for a whole
+        job several times in a row (dense outputs), it is tried on one job in 16 only.
         """
         header = self.header_of(layout)
-        word = self._word_of(layout)
         with self._lock:
             streak = self._streak.get(layout, 0)
+            dense = self._dense.get(layout, 0)
+        tries = dense < _GIVE_UP_AFTER or dense % _RETRY_JOBS == 0
+        word = self._word_of(layout) if tries else None
         small = layout.row_bytes < MIN_ELIDE_BYTES
-        elided = encode_zero_frames(header, packed, word) if small else None
+        elided = encode_zero_frames(header, packed, word) if small and word is not None else None
         raw: np.ndarray | None = None
         frames: list[bytes | memoryview] = []
         for i, row in enumerate(packed):
@@ -133,8 +138,7 @@ class FrameCodec:
                     streak = streak + 1 if frame[5] != CODEC_BROTLI else 0
                     continue
             else:
-                assert elided is not None
-                ready: bytes | memoryview | None = elided[i]
+                ready: bytes | memoryview | None = None if elided is None else elided[i]
                 if ready is None:
                     if raw is None:
                         raw = encode_raw_frames(header, packed)
@@ -142,8 +146,10 @@ class FrameCodec:
                 frames.append(ready)
             if streak:
                 streak += 1
+        sparse = word is not None and any(frame[5] == CODEC_ZERO for frame in frames)
         with self._lock:
             self._streak[layout] = streak
+            self._dense[layout] = 0 if sparse else dense + 1
         return frames
 
     def decode(
