@@ -569,6 +569,26 @@ def test_a_damaged_entry_is_a_warning_and_a_recompute(log: Path) -> None:
     data.close()
 
 
+def test_an_unexpected_error_of_a_tier_read_is_a_warning_and_a_recompute(
+    log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = CachedDataset(Numbers(4, log), max_memory_size="1MB")
+    data[1]
+
+    def broken(self: PackedStore, keys: list[str]) -> list[bytes | None]:
+        raise ValueError("an unforeseen fault")
+
+    monkeypatch.setattr(PackedStore, "get_many", broken)
+    with pytest.warns(CacheWarning, match="ValueError: an unforeseen fault") as record:
+        samples = [data[1], data[1]]
+    assert len([w for w in record if issubclass(w.category, CacheWarning)]) == 1
+    assert all(label == 1 and torch.equal(image, expected(1)) for image, label in samples)
+    assert calls(log) == [1, 1, 1]
+    monkeypatch.undo()
+    assert data[1][1] == 1 and calls(log) == [1, 1, 1]  # a hit again
+    data.close()
+
+
 def test_a_disk_tier_that_cannot_be_opened_is_a_warning(tmp_path: Path, log: Path) -> None:
     blocked = tmp_path / "cache"
     blocked.mkdir()

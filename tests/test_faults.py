@@ -992,3 +992,29 @@ def test_a_failed_metadata_rename_leaves_no_temporary_file(tmp_path: Path) -> No
     with pytest.raises(OSError):
         write_json_atomic(tmp_path / META_NAME, {"torchcache_version": "test"})
     assert sorted(p.name for p in tmp_path.iterdir()) == [META_NAME]
+
+
+def test_an_unexpected_error_of_a_disk_read_is_warned_once_and_the_batch_computed(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = Counting()
+    model = cached(Counting, persistent=True, max_memory_cache_size=0)()
+    x = torch.randn(6, 4)
+    model(x)
+    model.cache_instance.flush()
+
+    def broken(self: PersistentTier, keys: list[str]) -> Any:
+        raise RuntimeError("an unforeseen fault")
+
+    monkeypatch.setattr(PersistentTier, "read", broken)
+    items = model.items
+    with cache_warnings() as caught:
+        first, second = model(x), model(x)
+    assert len(caught) == 1, messages(caught)
+    assert "RuntimeError: an unforeseen fault" in str(caught[0].message)
+    assert_same(first, plain(x))
+    assert_same(second, plain(x))
+    assert model.items == items + 12  # computed, both times
+    monkeypatch.undo()
+    assert_same(model(x), plain(x))
+    assert model.items == items + 12  # the entries are read again

@@ -339,7 +339,11 @@ class Cache:
         disk = self._disk_tier() if self.settings.persistent else None
         if disk is not None and missing:
             hex_keys = [keys[pos].hex() for pos in missing]
-            found_at, disk_layout, disk_leaves = disk.read(hex_keys)
+            try:
+                found_at, disk_layout, disk_leaves = disk.read(hex_keys)
+            except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
+                self.faults.warn("read", f"cannot read cache entries, recomputing them: {type(exc).__name__}: {exc}")
+                found_at, disk_layout, disk_leaves = [], None, []
             if found_at and (layout is None or disk_layout == layout):
                 layout = disk_layout
                 positions = [missing[i] for i in found_at]

@@ -98,8 +98,9 @@ class SampleTier:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
         try:
             return self.store.get_many(keys)
-        except (OSError, lmdb.Error) as exc:
-            self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({exc}); samples are computed")
+        except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample (OSError, lmdb.Error...)
+            what = str(exc) if isinstance(exc, (OSError, lmdb.Error)) else f"{type(exc).__name__}: {exc}"
+            self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({what}); samples are computed")
             return [None] * len(keys)
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
