@@ -52,7 +52,7 @@ _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
 _READ_CHUNKS = 8
 _WRITERS = 2
-_WRITE_CHUNK = 1024
+_WRITE_CHUNK = 256  # items per write job: LMDB keeps about two transactions of copied pages
 _TOUCH_EVERY = 60.0
 _MAX_SKIPPED = 1 << 16
 
