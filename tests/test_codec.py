@@ -887,3 +887,27 @@ def test_zero_elision_is_tried_now_and_then_once_a_layout_is_dense(monkeypatch: 
     kinds = [{bytes(f)[5] for f in codec.encode(layout, packed)} for _ in range(16)]
     assert not any(CODEC_ZERO in k for k in kinds[:8])  # jobs 40-47 do not try
     assert all(CODEC_ZERO in k for k in kinds[8:])  # job 48 tries, and from then on every job
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(12, 768), lambda: torch.relu(torch.randn(12, 768))])
+def test_a_batch_mixing_long_and_short_headers_of_one_layout_is_read_whole(
+    tmp_path: Path, make: Callable[[], torch.Tensor]
+) -> None:
+    from torchcache.tiers.local import open_local_tier
+    from torchcache.tree import Layout, flatten
+
+    reports: list[tuple[str, str]] = []
+    tier = open_local_tier(tmp_path / "module", 10**9, 5, {"torchcache_version": "test"}, lambda *r: reports.append(r))
+    outputs = make()
+    layout = Layout.of(*flatten(outputs), None)
+    keys = [f"{i:032x}" for i in range(12)]
+    tier.write(keys[6:], layout, [outputs[6:]])  # short headers
+    tier.flush()
+    long = b'{"leaves":[{"dtype":"float32","offset":0,"shape":[768]}],"tree":"T"}'  # as torchcache 1.0 wrote
+    tier.store.put_many([(keys[i], encode_frame(long, outputs[i].numpy().tobytes(), None, 4)) for i in range(6)])
+    header_lengths = {int.from_bytes(bytes(f)[8:12], "little") for f in tier.store.get_many(keys) if f is not None}
+    assert header_lengths == {len(long), len(tier.codec.header_of(layout))}  # both forms in the store
+    positions, got_layout, got = tier.read(keys[3:9])
+    assert positions == list(range(6)) and got_layout == layout
+    assert torch.equal(got[0], outputs[3:9])
+    assert reports == []

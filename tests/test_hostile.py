@@ -38,7 +38,7 @@ import xxhash
 from tests.helpers import Counting, assert_same, cached, run_python
 from torchcache import CacheWarning
 from torchcache.cli import main
-from torchcache.codec import CODEC_BROTLI, MAGIC
+from torchcache.codec import CODEC_BROTLI, MAGIC, encode_header
 from torchcache.meta import META_NAME
 from torchcache.stores.packed import PackedStore
 from torchcache.stores.packed_format import parse_segment_name
@@ -67,10 +67,15 @@ def _sealed(header: bytes, stored: bytes, raw_len: int, codec: int = CODEC_BROTL
 
 
 def _header(size: int) -> bytes:
-    """The header of a float32 output of ``size`` values per item (the module's own has 16)."""
-    spec, leaves = flatten(torch.zeros(1, 16))
-    header = json.dumps(Layout.of(spec, leaves, None).to_header(), separators=(",", ":"), sort_keys=True).encode()
-    return header.replace(b'"shape":[16]', b'"shape":[' + str(size).encode() + b"]")
+    """The long-form header (torchcache 1.0's) of a float32 output of ``size`` values per item (the module's has 16)."""
+    return b'{"leaves":[{"dtype":"float32","offset":0,"shape":[' + str(size).encode() + b']}],"tree":"T"}'
+
+
+def _short_header(size: int | str) -> bytes:
+    """The short-form header of a float32 output of ``size`` values per item."""
+    header = encode_header(Layout.of(*flatten(torch.zeros(1, 16)), None).to_header())
+    assert header == b'{"l":[["float32",[16]]],"t":"T"}'
+    return header.replace(b"[16]", b"[" + str(size).encode() + b"]")
 
 
 @functools.lru_cache(maxsize=1)
@@ -260,6 +265,12 @@ CASES: dict[str, Case] = {
         "record",
         _record(lambda: _sealed(_header(16).replace(b'"offset":0', b'"offset":NaN'), b"\x00" * 64, 64, 0)),
         **ENTRY_CORRUPT,
+    ),
+    "record: short header, shape of 10**30 elements": Case(
+        "record", _record(lambda: _sealed(_short_header(10**30), b"\x00" * 64, 64, 0)), **ENTRY_CORRUPT
+    ),
+    "record: short header, NaN in a shape": Case(
+        "record", _record(lambda: _sealed(_short_header("NaN"), b"\x00" * 64, 64, 0)), **ENTRY_CORRUPT
     ),
     "record: random bytes": Case("record", _record(lambda: os.urandom(5000)), **ENTRY_CORRUPT),
     # the packed store's index

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -230,15 +231,37 @@ def test_header_round_trip(output: Any, cache_dtype: torch.dtype | None) -> None
     assert restored.spec == spec
 
 
+def _long(layout: Layout) -> dict[str, Any]:
+    """The long form of a layout's header, as torchcache 1.0 wrote it."""
+    short = layout.to_header()
+    leaves = [
+        {"dtype": item[0], "shape": item[1], "offset": offset, **({"out_dtype": item[2]} if len(item) == 3 else {})}
+        for item, offset in zip(short["l"], layout.offsets)
+    ]
+    return {"tree": short["t"], "leaves": leaves}
+
+
+_HEADER_OUTPUT = {"a": torch.zeros(2, 3), "b": (torch.zeros(2, 5, dtype=torch.int8), torch.zeros(2, 2))}
+
+
 def _header() -> dict[str, Any]:
-    layout = _layout({"a": torch.zeros(2, 3), "b": (torch.zeros(2, 5, dtype=torch.int8), torch.zeros(2, 2))})
-    header = json.loads(json.dumps(layout.to_header()))
+    """A long-form header (torchcache 1.0's), checked to parse."""
+    layout = _layout(_HEADER_OUTPUT)
+    header = json.loads(json.dumps(_long(layout)))
     assert Layout.from_header(copy.deepcopy(header)) == layout
     return header
 
 
-def _edit(path: str, value: Any) -> dict[str, Any]:
-    header = _header()
+def _short_header() -> dict[str, Any]:
+    """A short-form header (what is written now), checked to parse."""
+    layout = Layout.of(*flatten(_HEADER_OUTPUT), torch.float16)  # the first leaf names its out_dtype
+    header = json.loads(json.dumps(layout.to_header()))
+    assert Layout.from_header(copy.deepcopy(header)) == layout and len(header["l"][0]) == 3
+    return header
+
+
+def _edit(path: str, value: Any, make: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    header = (make or _header)()
     node: Any = header
     *parents, last = path.split(".")
     for part in parents:
@@ -274,6 +297,47 @@ def test_from_header_rejects_invalid_fields(path: str, value: Any) -> None:
         Layout.from_header(header)
 
 
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("l.0.0", "float33"),
+        ("l.0.0", "__class__"),
+        ("l.0.0", ["float32"]),
+        ("l.0.2", "object"),
+        ("l.0.1", [-1]),
+        ("l.1.1", [5, -2]),
+        ("l.0.1", [1.5]),
+        ("l.0.1", "3"),
+        ("l.0.1", [True]),
+        ("l.0", []),
+        ("l.0", ["float16"]),
+        ("l.0", ["float16", [3], "float32", "x"]),
+        ("l.0", {"dtype": "float16", "shape": [3]}),
+        ("l", "T"),
+        ("t", ["dict", [["a", "T"], ["b", ["tuple", ["T"]]]]]),
+        ("t", "T"),
+        ("t", ["set", [["a", "T"]]]),
+    ],
+)
+def test_from_header_rejects_invalid_fields_of_the_short_form(path: str, value: Any) -> None:
+    header = _edit(path, value, _short_header)
+    with pytest.raises(ValueError):
+        Layout.from_header(header)
+
+
+def test_both_forms_of_a_header_give_one_layout() -> None:
+    for cache_dtype in (None, torch.float16):
+        layout = Layout.of(*flatten(_HEADER_OUTPUT), cache_dtype)
+        assert Layout.from_header(layout.to_header()) == Layout.from_header(_long(layout)) == layout
+    short = _short_header()
+    for missing in ("l", "t"):
+        with pytest.raises(ValueError):
+            Layout.from_header({k: v for k, v in short.items() if k != missing})
+    short["l"].append(short["l"][-1])
+    with pytest.raises(ValueError, match="number of leaves"):
+        Layout.from_header(short)
+
+
 def test_from_header_rejects_missing_and_extra_leaves() -> None:
     header = _header()
     header["leaves"].pop()
@@ -296,13 +360,17 @@ def test_from_header_rejects_missing_fields(missing: str) -> None:
 def test_header_names_out_dtype_only_when_it_differs() -> None:
     spec, leaves = flatten((torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.int64)))
     plain = Layout.of(spec, leaves, None).to_header()
-    assert ["out_dtype" in leaf for leaf in plain["leaves"]] == [False, False]
+    assert plain["l"] == [["float32", [3]], ["int64", [4]]]
     halved = Layout.of(spec, leaves, torch.float16).to_header()
-    assert [leaf.get("out_dtype") for leaf in halved["leaves"]] == ["float32", None]
+    assert halved["l"] == [["float16", [3], "float32"], ["int64", [4]]]
     for header in (plain, halved):
         assert Layout.from_header(header) == Layout.of(spec, leaves, None if header is plain else torch.float16)
-    spelled_out = {**plain, "leaves": [dict(leaf, out_dtype=leaf["dtype"]) for leaf in plain["leaves"]]}
+    spelled_out = {**plain, "l": [[*item, item[0]] for item in plain["l"]]}
     assert Layout.from_header(spelled_out) == Layout.from_header(plain)
+    long = _long(Layout.of(spec, leaves, None))
+    assert ["out_dtype" in leaf for leaf in long["leaves"]] == [False, False]
+    long_spelled_out = {**long, "leaves": [dict(leaf, out_dtype=leaf["dtype"]) for leaf in long["leaves"]]}
+    assert Layout.from_header(long_spelled_out) == Layout.from_header(plain)
 
 
 # -- typed outputs: namedtuples, dataclasses, dict subclasses, None ---------------------------

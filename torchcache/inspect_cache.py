@@ -14,7 +14,6 @@ regular file, or is cut short, is not opened at all: see :func:`index_problem`.)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -476,16 +475,15 @@ def summarize_layouts(directory: Path, files: CacheFiles, sample: int) -> list[L
         One summary per layout, the most common first; unreadable headers are grouped
         under ``layout=None``.
     """
-    groups: dict[str, tuple[Layout | None, str, int]] = {}
+    groups: dict[Layout | None, tuple[Layout | None, str, int]] = {}
     for read in _sample_headers(directory, files, sample):
         try:
-            header = read()
-            layout = Layout.from_header(header)
-            key, description = json.dumps(header, sort_keys=True), _describe(layout)
+            layout = Layout.from_header(read())
+            key, description = layout, _describe(layout)  # both forms of a header: one layout
         except FileNotFoundError:
             continue
         except (OSError, KeyError, TypeError, ValueError, RecursionError):
-            layout, key, description = None, "", "unreadable header"
+            layout, key, description = None, None, "unreadable header"
         _, _, count = groups.get(key, (layout, description, 0))
         groups[key] = (layout, description, count + 1)
     summaries = [LayoutSummary(desc, count, layout) for layout, desc, count in groups.values()]

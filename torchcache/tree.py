@@ -267,18 +267,24 @@ class Layout:
         return cls(json.dumps(spec, separators=(",", ":")), tuple(specs))
 
     def to_header(self) -> dict[str, Any]:
-        """A JSON-able description, the header of a stored entry."""
-        leaves = []
-        for leaf, offset in zip(self.leaves, self.offsets):
-            item: dict[str, Any] = {"dtype": _NAMES[leaf.dtype], "shape": list(leaf.shape), "offset": offset}
+        """A JSON-able description, the header of a stored entry.
+
+        The short form: ``{"l": [[dtype, shape] or [dtype, shape, out_dtype], ...],
+        "t": tree}``, the leaves' offsets implied by their shapes. :meth:`from_header`
+        also reads the long form of torchcache 1.0, ``{"leaves": [{"dtype", "shape",
+        "offset", "out_dtype"}, ...], "tree": tree}``.
+        """
+        leaves: list[list[Any]] = []
+        for leaf in self.leaves:
+            item: list[Any] = [_NAMES[leaf.dtype], list(leaf.shape)]
             if leaf.out_dtype != leaf.dtype:  # only with cache_dtype; absent means "same as dtype"
-                item["out_dtype"] = _NAMES[leaf.out_dtype]
+                item.append(_NAMES[leaf.out_dtype])
             leaves.append(item)
-        return {"tree": json.loads(self.spec_json), "leaves": leaves}
+        return {"t": json.loads(self.spec_json), "l": leaves}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Layout:
-        """Parse :meth:`to_header` output, validating every field.
+        """Parse :meth:`to_header` output (either form), validating every field.
 
         The structure is validated (node kinds, names, depth) before anything else reads
         it; class names are checked for form only, so an entry whose class this process
@@ -288,18 +294,22 @@ class Layout:
             ValueError: If a field is missing or invalid.
         """
         try:
-            tree = header["tree"]
+            short = "t" in header
+            tree = header["t"] if short else header["tree"]
             count = _count_leaves(tree)
             leaves = []
-            for item in header["leaves"]:
-                shape = item["shape"]
+            for item in header["l"] if short else header["leaves"]:
+                if short:
+                    if type(item) is not list or len(item) not in (2, 3):
+                        raise ValueError(f"invalid leaf {_short(item)}")
+                    name, shape, out_name = item[0], item[1], item[2] if len(item) == 3 else item[0]
+                else:
+                    name, shape, out_name = item["dtype"], item["shape"], item.get("out_dtype", item["dtype"])
                 if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                     raise ValueError(f"invalid shape {_short(shape)}")
-                dtype = DTYPES[item["dtype"]]
-                out_dtype = DTYPES[item["out_dtype"]] if "out_dtype" in item else dtype
-                leaves.append(LeafSpec(tuple(shape), dtype, out_dtype))
+                leaves.append(LeafSpec(tuple(shape), DTYPES[name], DTYPES[out_name]))
             layout = cls(json.dumps(tree, separators=(",", ":")), tuple(leaves))
-            if [item["offset"] for item in header["leaves"]] != layout.offsets:
+            if not short and [item["offset"] for item in header["leaves"]] != layout.offsets:
                 raise ValueError("leaf offsets do not match the layout")
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"invalid header: {type(exc).__name__}: {_short(exc)}") from None
