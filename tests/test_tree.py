@@ -325,6 +325,15 @@ def test_from_header_rejects_invalid_fields_of_the_short_form(path: str, value: 
         Layout.from_header(header)
 
 
+def test_the_header_of_a_lone_tensor_leaves_its_tree_out() -> None:
+    layout = _layout(torch.zeros(2, 768))
+    assert layout.to_header() == {"l": [["float32", [768]]]}
+    assert Layout.from_header({"l": [["float32", [768]]], "t": "T"}) == layout
+    assert "t" in _layout((torch.zeros(2, 768),)).to_header()
+    with pytest.raises(ValueError, match="number of leaves"):
+        Layout.from_header({"l": [["float32", [768]], ["float32", [768]]]})
+
+
 def test_both_forms_of_a_header_give_one_layout() -> None:
     for cache_dtype in (None, torch.float16):
         layout = Layout.of(*flatten(_HEADER_OUTPUT), cache_dtype)

@@ -270,7 +270,8 @@ class Layout:
         """A JSON-able description, the header of a stored entry.
 
         The short form: ``{"l": [[dtype, shape] or [dtype, shape, out_dtype], ...],
-        "t": tree}``, the leaves' offsets implied by their shapes. :meth:`from_header`
+        "t": tree}``, the leaves' offsets implied by their shapes, and ``"t"`` left out
+        when the output is a lone tensor (tree ``"T"``). :meth:`from_header`
         also reads the long form of torchcache 1.0, ``{"leaves": [{"dtype", "shape",
         "offset", "out_dtype"}, ...], "tree": tree}``.
         """
@@ -280,6 +281,8 @@ class Layout:
             if leaf.out_dtype != leaf.dtype:  # only with cache_dtype; absent means "same as dtype"
                 item.append(_NAMES[leaf.out_dtype])
             leaves.append(item)
+        if self.spec_json == '"T"':  # a lone tensor, the most common output: its tree goes without saying
+            return {"l": leaves}
         return {"t": json.loads(self.spec_json), "l": leaves}
 
     @classmethod
@@ -294,8 +297,8 @@ class Layout:
             ValueError: If a field is missing or invalid.
         """
         try:
-            short = "t" in header
-            tree = header["t"] if short else header["tree"]
+            short = "l" in header
+            tree = header.get("t", "T") if short else header["tree"]
             count = _count_leaves(tree)
             leaves = []
             for item in header["l"] if short else header["leaves"]:
