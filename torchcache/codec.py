@@ -162,30 +162,50 @@ _BATCH_WORDS = 1 << 20  # words per vectorized pass over many rows
 _WORD_DTYPES: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _elide(payload: bytes | memoryview, word: int, limit: float) -> bytes | None:
-    """Zero-elide ``payload``, or ``None`` when too few words are zero or it would not fit ``limit``."""
-    raw = np.frombuffer(payload, dtype=np.uint8)
-    n = len(raw) // word
-    words = raw[: n * word].view(_WORD_DTYPES[word])
+def _elide_rows(rows: np.ndarray[Any, np.dtype[np.uint8]], word: int) -> list[bytes | None]:
+    """The zero-elided payload of each row of a ``(n, raw_len)`` array, in vectorized passes.
+
+    ``None`` for a row with fewer than :data:`ZERO_MIN_FRACTION` zero words, or whose
+    elided payload would be larger than :data:`RAW_RATIO` of the raw one.
+    """
+    count_rows, raw_len = rows.shape
+    n = raw_len // word
+    if n == 0 or count_rows == 0:
+        return [None] * count_rows
+    step = max(1, _BATCH_WORDS // n)  # rows per pass: temporaries stay small
+    if count_rows > step:
+        passes = (_elide_rows(rows[at : at + step], word) for at in range(0, count_rows, step))
+        return [payload for payloads in passes for payload in payloads]
+    rows = np.ascontiguousarray(rows)
+    words = rows[:, : n * word].view(_WORD_DTYPES[word])
     nonzero = words != 0
-    count = int(np.count_nonzero(nonzero))
-    if n == 0 or n - count < ZERO_MIN_FRACTION * n:
-        return None
-    size = -(-n // 8) + count * word + len(raw) - n * word
-    if size > limit:
-        return None
-    mask = np.packbits(nonzero, bitorder="little")
-    return b"".join((mask.tobytes(), words[nonzero].tobytes(), raw[n * word :].tobytes()))
+    counts = np.count_nonzero(nonzero, axis=1)
+    tail = raw_len - n * word
+    sizes = -(-n // 8) + counts * word + tail
+    keep = (n - counts >= ZERO_MIN_FRACTION * n) & (sizes <= RAW_RATIO * raw_len)
+    if not keep.any():
+        return [None] * count_rows
+    masks = np.packbits(nonzero, axis=1, bitorder="little")
+    values = memoryview(words.reshape(-1)[np.flatnonzero(nonzero)].tobytes())
+    tails = rows[:, n * word :]
+    out: list[bytes | None] = []
+    start = 0
+    for i, (end, kept) in enumerate(zip(np.cumsum(counts * word).tolist(), keep.tolist())):
+        out.append(b"".join((masks[i].tobytes(), values[start:end], tails[i].tobytes())) if kept else None)
+        start = end
+    return out
 
 
 _BITS_OF_BYTE = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
-def _bit_count(mask: np.ndarray[Any, np.dtype[np.uint8]]) -> int:
-    """The number of set bits in ``mask`` (``np.bitwise_count`` where numpy has it, numpy >= 2)."""
+def _row_bit_counts(masks: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The number of set bits in each row of ``masks`` (``np.bitwise_count`` where numpy has it, numpy >= 2)."""
     if hasattr(np, "bitwise_count"):
-        return int(np.bitwise_count(mask).sum(dtype=np.int64))
-    return int(_BITS_OF_BYTE[mask].sum(dtype=np.int64))  # pragma: no cover - numpy < 2
+        counts: np.ndarray[Any, np.dtype[np.int64]] = np.bitwise_count(masks).sum(axis=1, dtype=np.int64)
+    else:  # pragma: no cover - numpy < 2
+        counts = _BITS_OF_BYTE[masks].sum(axis=1, dtype=np.int64)
+    return counts
 
 
 def unelide(
@@ -227,7 +247,7 @@ def unelide(
     count = values_len // word
     view = memoryview(stored)
     mask = np.frombuffer(view[:mask_len], dtype=np.uint8)
-    if _bit_count(mask) != count:
+    if int(_row_bit_counts(mask[None])[0]) != count:
         raise CorruptEntryError("the zero-elision mask does not count the stored words")
     if n % 8 and mask_len and mask[-1] >> (n % 8):
         raise CorruptEntryError("the zero-elision mask marks words past the payload")
@@ -290,7 +310,7 @@ def encode_frame(
     stored: bytes | memoryview = payload
     codec, param = CODEC_RAW, 0
     if word is not None and raw_len >= _MIN_COMPRESS:
-        elided = _elide(payload, word, RAW_RATIO * raw_len)
+        elided = _elide_rows(np.frombuffer(payload, dtype=np.uint8)[None], word)[0]
         if elided is not None:
             stored, codec, param = elided, CODEC_ZERO, word
     if quality is not None and raw_len >= _MIN_COMPRESS:
@@ -334,38 +354,10 @@ def encode_zero_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.ui
     """
     if word not in _WORD_DTYPES:
         raise ValueError(f"word size must be one of {WORD_SIZES}, not {word}")
-    count_rows, raw_len = rows.shape
-    n = raw_len // word
-    if n == 0 or raw_len < _MIN_COMPRESS or count_rows == 0:
-        return [None] * count_rows
-    step = max(1, _BATCH_WORDS // n)  # rows per pass: temporaries stay small
-    if count_rows > step:
-        passes = (encode_zero_frames(header_bytes, rows[at : at + step], word) for at in range(0, count_rows, step))
-        return [frame for frames in passes for frame in frames]
-    rows = np.ascontiguousarray(rows)
-    words = rows[:, : n * word].view(_WORD_DTYPES[word])
-    nonzero = words != 0
-    counts = np.count_nonzero(nonzero, axis=1)
-    tail = raw_len - n * word
-    mask_len = -(-n // 8)
-    sizes = mask_len + counts * word + tail
-    keep = (n - counts >= ZERO_MIN_FRACTION * n) & (sizes <= RAW_RATIO * raw_len)
-    if not keep.any():
-        return [None] * count_rows
-    masks = np.packbits(nonzero, axis=1, bitorder="little")
-    values = memoryview(words.reshape(-1)[np.flatnonzero(nonzero)].tobytes())
-    tails = rows[:, n * word :]
-    ends = np.cumsum(counts * word).tolist()
-    out: list[bytes | None] = []
-    start = 0
-    for i, (end, kept) in enumerate(zip(ends, keep.tolist())):
-        if kept:
-            stored = b"".join((masks[i].tobytes(), values[start:end], tails[i].tobytes()))
-            out.append(_seal(header_bytes, CODEC_ZERO, word, stored, raw_len))
-        else:
-            out.append(None)
-        start = end
-    return out
+    raw_len = rows.shape[1]
+    if raw_len < _MIN_COMPRESS:
+        return [None] * rows.shape[0]
+    return [None if p is None else _seal(header_bytes, CODEC_ZERO, word, p, raw_len) for p in _elide_rows(rows, word)]
 
 
 def unelide_rows(
@@ -402,7 +394,9 @@ def unelide_rows(
         raise ValueError(f"out must be a ({len(stored)}, raw_len) uint8 array with contiguous rows")
     raw_len = out.shape[1]
     n = raw_len // word
-    step = max(1, _BATCH_WORDS // max(n, 1))  # rows per pass: temporaries stay small
+    if n == 0:
+        return np.zeros(len(stored), dtype=np.bool_)
+    step = max(1, _BATCH_WORDS // n)  # rows per pass: temporaries stay small
     if len(stored) > step:
         parts = [unelide_rows(stored[at : at + step], word, out[at : at + step]) for at in range(0, len(stored), step)]
         return np.concatenate(parts)
@@ -410,8 +404,6 @@ def unelide_rows(
     mask_len = -(-n // 8)
     values_len = np.fromiter(map(len, stored), dtype=np.int64, count=len(stored)) - mask_len - tail
     ok: np.ndarray[Any, np.dtype[np.bool_]] = (values_len >= 0) & (values_len % word == 0) & (values_len <= n * word)
-    if n == 0:
-        return np.zeros(len(stored), dtype=np.bool_)
     if not ok.any():
         return ok
     good = np.flatnonzero(ok)
@@ -444,15 +436,6 @@ def unelide_rows(
         tails = b"".join([stored[i][mask_len + size :] for i, size in zip(good.tolist(), lengths)])
         out[good, n * word :] = np.frombuffer(tails, dtype=np.uint8).reshape(len(good), tail)
     return ok
-
-
-def _row_bit_counts(masks: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """The number of set bits in each row of ``masks``."""
-    if hasattr(np, "bitwise_count"):
-        counts: np.ndarray[Any, np.dtype[np.int64]] = np.bitwise_count(masks).sum(axis=1, dtype=np.int64)
-    else:  # pragma: no cover - numpy < 2
-        counts = _BITS_OF_BYTE[masks].sum(axis=1, dtype=np.int64)
-    return counts
 
 
 def encode_raw_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, Any]:
