@@ -193,8 +193,9 @@ def _plain_frame(sample: object) -> bytes | None:
     A plain sample is one contiguous CPU tensor, or a tuple or list of at most
     :data:`_PLAIN_ITEMS` such tensors, ``int`` (within int64) and ``float`` values, as a
     dataset of ``(image, label)`` returns. Its prefix and header depend only on its
-    structure, dtypes and shapes, so they are made once per structure; the frame is the
-    one :class:`_Encoder` makes (its leaves at multiples of 8 bytes).
+    structure, dtypes and shapes, so they are taken from the first frame of each
+    structure that :func:`_encode_tree` makes; the frame is the one it would make (its
+    leaves at multiples of 8 bytes).
     """
     cls = type(sample)
     items: tuple[object, ...] | list[object]
@@ -239,16 +240,12 @@ def _plain_frame(sample: object) -> bytes | None:
         size += pad + len(data)
     key = tuple(signature)
     head = _plain_headers.get(key)
-    if head is None:
-        leaves = [
-            "i" if kind is int else "f" if kind is float else ["t", _TORCH_NAME[kind[0]], list(kind[1])]  # type: ignore[index]
-            for kind in signature[1:]
-        ]
-        tree = leaves[0] if cls is torch.Tensor else ["u" if cls is tuple else "l", leaves]
-        header = json.dumps(tree, separators=(",", ":")).encode("ascii")
+    if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
+        frame = _encode_tree(sample, "sample")
         if len(_plain_headers) >= _PLAN_CACHE_SIZE:
             _plain_headers.clear()
-        head = _plain_headers[key] = _PREFIX.pack(_MAGIC, _VERSION, len(header)) + header
+        _plain_headers[key] = frame[: _PREFIX.size + _PREFIX.unpack_from(frame)[2]]
+        return frame
     return b"".join([head, *chunks])
 
 
@@ -272,8 +269,11 @@ def encode_sample(sample: object, name: str = "sample") -> bytes:
         (tensor([0, 1, 2]), {'label': 7})
     """
     frame = _plain_frame(sample)
-    if frame is not None:
-        return frame
+    return frame if frame is not None else _encode_tree(sample, name)
+
+
+def _encode_tree(sample: object, name: str) -> bytes:
+    """:func:`encode_sample` for any sample, by walking its structure."""
     encoder = _Encoder()
     tree = encoder.node(sample, name, 0)
     header = json.dumps(tree, separators=(",", ":")).encode("ascii")

@@ -221,8 +221,8 @@ class FrameCodec:
         Returns:
             For each frame, whether its row was written.
         """
-        raw_len = self.layout_of(header).row_bytes
-        word = self._word_of(self.layout_of(header))
+        layout = self.layout_of(header)
+        raw_len, word = layout.row_bytes, self._word_of(layout)
         picked: list[int] = []
         stored: list[memoryview] = []
         for i, data in enumerate(datas):
@@ -247,7 +247,7 @@ class FrameCodec:
         self,
         datas: Sequence[bytes | memoryview | None],
         raw_only: bool = False,
-        outs: Sequence[np.ndarray[Any, np.dtype[np.uint8]]] | np.ndarray[Any, np.dtype[np.uint8]] | None = None,
+        outs: Sequence[np.ndarray[Any, np.dtype[np.uint8]]] | None = None,
     ) -> list[Frame | CorruptEntryError | bytes | memoryview | None]:
         """:meth:`decode` each frame; a damaged one gives its error in its place.
 
