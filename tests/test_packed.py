@@ -64,7 +64,7 @@ def locate(store: PackedStore, i: int) -> tuple[int, int, int]:
 def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = PackedStore(root, 10**9)
     fill(store, range(10))  # the segment and the index exist
-    calls: dict[str, int] = {"change": 0, "pwritev": 0, "pread": 0, "begin": 0}
+    calls: dict[str, int] = {"change": 0, "pwritev": 0, "pread": 0, "fstat": 0, "begin": 0}
     index = store._ensure(write=False)
     assert index is not None
 
@@ -79,12 +79,14 @@ def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypa
     monkeypatch.setattr(index, "begin", counting("begin", index.begin))
     monkeypatch.setattr(packed_segments.os, "pwritev", counting("pwritev", os.pwritev))
     monkeypatch.setattr(packed_segments.os, "pread", counting("pread", os.pread))
+    monkeypatch.setattr(packed_segments.os, "fstat", counting("fstat", os.fstat))
     assert store.put_many([(key(i), value(i, 3072)) for i in range(1000, 2024)]) == 1024
     assert calls["change"] == 1 and calls["pwritev"] <= 3  # 1,024 records: two or three iovec arrays
-    calls.update(change=0, begin=0, pread=0)
+    calls.update(change=0, begin=0, pread=0, fstat=0)
     got = store.get_many([key(i) for i in range(1000, 2024)])
     assert all(bytes(v or b"") == value(i, 3072) for v, i in zip(got, range(1000, 2024)))
-    assert calls["change"] == 0 and calls["begin"] == 1 and calls["pread"] == 1024
+    # one segment: opened, its size checked, then every record read from its mapping
+    assert calls["change"] == 0 and calls["begin"] == 1 and calls["pread"] == 0 and calls["fstat"] <= 2
 
 
 # -- several processes ------------------------------------------------------------------
@@ -269,6 +271,46 @@ def test_a_torn_tail_and_a_truncated_segment(root: Path, reports: Reports) -> No
     assert store.verify().bad == [key(99)]
     store.verify(fix=True)
     assert store.verify().ok and len(store) == 99
+
+
+def test_a_segment_cut_short_under_its_mapping_gives_misses(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(100))
+    keys = [key(i) for i in range(100)]
+    held = store.get_many(keys)  # the segment is mapped, and views of it are held
+    seg, offset, _ = locate(store, 60)
+    os.truncate(root / segment_name(seg), offset + 10)  # records 60 to 99 are gone
+    got = store.get_many(keys)
+    assert [i for i, v in enumerate(got) if v is None] == list(range(60, 100))
+    assert all(bytes(got[i] or b"") == value(i) for i in range(60))
+    assert set(reports.kinds()) == {"corrupt"}
+    assert all(bytes(held[i] or b"") == value(i) for i in range(60))  # views of bytes still there stay right
+
+
+def test_a_mapped_segment_that_grows_is_mapped_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = PackedStore(root, 10**8)
+    reader = PackedStore(root, 10**8)
+    fill(writer, range(50))
+    held = reader.get_many([key(i) for i in range(50)])
+    fill(writer, range(50, 300))  # the same segment grows past the reader's mapping
+    assert len(segments(root)) == 1
+    preads: list[int] = []
+    real_pread = os.pread
+    monkeypatch.setattr(packed_segments.os, "pread", lambda *args: preads.append(1) or real_pread(*args))
+    got = reader.get_many([key(i) for i in range(300)])
+    assert preads == []  # read from a new mapping, not record by record
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(got))
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(held))
+
+
+def test_views_outlive_their_segment_and_the_store(root: Path) -> None:
+    store = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(store, range(100))
+    held = store.get_many([key(i) for i in range(100)])
+    store.clear()  # every segment file is removed
+    assert segments(root) == [] and store.get_many([key(0)]) == [None]
+    store.close()
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(held))
 
 
 def test_verify_fix_removes_bad_entries(root: Path, reports: Reports) -> None:

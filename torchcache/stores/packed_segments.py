@@ -3,9 +3,19 @@
 Each process appends only to segments it created, so appends need no cross-process
 lock: it holds a shared ``flock`` on each while it may still write to it, and a segment
 is compacted or removed only under an exclusive ``flock`` that a live writer's shared
-one forbids (a killed writer's lock goes with it). Reads use ``os.pread`` on cached
-descriptors: a record never changes once written and segment numbers are never reused,
-so a descriptor whose file was removed since still reads the right bytes.
+one forbids (a killed writer's lock goes with it). A record never changes once written
+and segment numbers are never reused, so a descriptor or mapping of a file removed since
+still reads the right bytes.
+
+Batches are read from read-only shared mappings of the segments (a slice and a checksum
+per record, no system call); single reads and whatever a mapping cannot serve use
+``os.pread`` on cached descriptors. torchcache never shortens a segment below a record
+that an index row pointed to, and a batch first checks each segment's size with one
+``fstat``: a file found shorter than its mapping is read with ``pread`` only, so its
+lost records are misses. Like LMDB's own map of its index, a mapping cannot guard
+against a file cut short by another program in the microseconds between that check and
+the copy, or against a disk that fails under it: the kernel ends the process then
+(``SIGBUS``), where ``pread`` would have raised.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import secrets
 from collections.abc import Sequence
@@ -30,6 +41,9 @@ MISSING = "missing"
 IRREGULAR = "not a regular file"
 _O_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _MAX_READERS = 256
+_MAX_MAPS = 64  # each mapping holds a descriptor of its own
+_EMPTY = memoryview(b"")
+_MAX_MAP = 1 << 33  # records start below 4 GiB
 _digest = xxhash.xxh3_64_intdigest
 _MAX_OFFSET = (1 << 32) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -80,6 +94,7 @@ class SegmentFiles:
         self.segment_bytes = segment_bytes
         self.writer: Writer | None = None
         self._readers: dict[int, tuple[int, int]] = {}
+        self._maps: dict[int, memoryview] = {}
         self._batch: list[Writer] = []
 
     def path(self, seg: int) -> str:
@@ -126,38 +141,38 @@ class SegmentFiles:
     ) -> list[tuple[int, int, int, int, bytes]]:
         """Read the records of ``found`` (``(segment, offset, length, position, row)``, in file order) into ``out``.
 
+        Each payload is a view of a read-only mapping of its segment.
+
         Returns:
-            The items that were not read whole (missing file, short read, or a record
-            that fails its checks), for :meth:`read` to look at one by one.
+            The items that were not read whole (missing file, a record past the end,
+            or one that fails its checks), for :meth:`read` to look at one by one.
 
         Raises:
-            OSError: If a file exists and cannot be read.
+            OSError: If a file exists and cannot be read or mapped.
         """
         failed: list[tuple[int, int, int, int, bytes]] = []
-        readers, pread, hsize, unpack, digest = self._readers, os.pread, HEADER.size, HEADER.unpack_from, _digest
-        for seg in {item[0] for item in found}.difference(readers):
-            self._open_reader(seg)
-        refreshed: set[int] = set()
+        hsize, unpack, digest = HEADER.size, HEADER.unpack_from, _digest
+        seg, view = -1, _EMPTY
         for item in found:
-            seg, offset, length, i, _ = item
+            if item[0] != seg:
+                seg = item[0]
+                view = self._view(seg, 0)
+            _, offset, length, i, _ = item
             kb = kbs[i]
-            cached = readers.get(seg)
-            size = hsize + len(kb) + length
-            if cached is not None and offset + size > cached[1] and seg not in refreshed:
-                refreshed.add(seg)  # the segment may have grown since it was opened
-                cached = readers[seg] = (cached[0], os.fstat(cached[0]).st_size)
-            if cached is None or offset + size > cached[1]:
-                failed.append(item)
-                continue
-            data = pread(cached[0], size, offset)  # payload_of, inlined: this loop is the hot path
-            start = hsize + len(kb)
-            magic, klen, plen, check = unpack(data, 0) if len(data) == size else (None, 0, 0, 0)
-            payload = memoryview(data)[start:]
+            start = offset + hsize + len(kb)
+            end = start + length
+            if end > len(view):
+                view = self._view(seg, end)  # the segment may have grown since it was mapped
+                if end > len(view):
+                    failed.append(item)
+                    continue
+            magic, klen, plen, check = unpack(view, offset)  # payload_of, inlined: this loop is the hot path
+            payload = view[start:end]
             if (
                 magic == MAGIC
                 and plen == length
                 and klen == len(kb)
-                and data[hsize:start] == kb
+                and view[start - klen : start] == kb
                 and digest(payload, digest(kb, length)) == check
             ):
                 out[i] = payload
@@ -165,8 +180,37 @@ class SegmentFiles:
                 failed.append(item)
         return failed
 
+    def _view(self, seg: int, need: int) -> memoryview:
+        """A view of a read-only mapping of segment ``seg``, no longer than the file is now.
+
+        The mapping is made again if the file is shorter than it (then the records past
+        the end are misses) or has grown since and ``need`` bytes are wanted.
+
+        Raises:
+            OSError: If the file exists and cannot be read or mapped.
+        """
+        cached = self._readers.get(seg) or self._open_reader(seg)
+        if isinstance(cached, str):
+            return _EMPTY
+        fd = cached[0]
+        size = os.fstat(fd).st_size  # a mapping is read only within the file's size now
+        self._readers[seg] = (fd, size)
+        size = min(size, _MAX_MAP)  # a giant (sparse) file: what lies past this is read with pread
+        view = self._maps.get(seg)
+        if view is not None and (len(view) > size or len(view) < min(need, size)):
+            del self._maps[seg]  # views already given out keep the old mapping alive
+            view = None
+        if view is None:
+            if size == 0:
+                return _EMPTY
+            if len(self._maps) >= _MAX_MAPS:
+                del self._maps[next(iter(self._maps))]
+            view = self._maps[seg] = memoryview(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ))
+        return view
+
     def forget(self, seg: int) -> None:
         """Close the cached descriptor of a segment, if any."""
+        self._maps.pop(seg, None)  # unmapped once no view of it is left
         cached = self._readers.pop(seg, None)
         if cached is not None:
             with contextlib.suppress(OSError):
@@ -370,6 +414,7 @@ class SegmentFiles:
         """Close every descriptor (the shared lock on the current segment goes with it)."""
         for seg in list(self._readers):
             self.forget(seg)
+        self._maps.clear()
         if self.writer is not None:
             with contextlib.suppress(OSError):
                 os.close(self.writer.fd)
