@@ -23,6 +23,7 @@ from torchcache.samples import (
     TORCH_DTYPES,
     SampleTypeError,
     decode_sample,
+    decode_samples,
     encode_sample,
 )
 
@@ -193,6 +194,54 @@ samples = st.recursive(
 @given(samples)
 def test_random_samples_round_trip(sample: Any) -> None:
     round_trip(sample)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 3), samples), min_size=1, max_size=8), st.randoms(use_true_random=False))
+def test_a_batch_decodes_as_each_frame_does(batch: list[tuple[int, Any]], rng: Any) -> None:
+    # several copies of each sample, so that frames of one structure meet in a batch
+    wanted = [sample for copies, sample in batch for _ in range(copies + 1)]
+    rng.shuffle(wanted)
+    frames: list[Any] = [encode_sample(sample) for sample in wanted]
+    damaged = {j for j in range(len(frames)) if rng.random() < 0.2}
+    for j in damaged:  # cut short, or another frame's length: a CorruptEntryError in its place
+        frames[j] = frames[j][: rng.randrange(len(frames[j]))]
+    got = decode_samples([memoryview(f) for f in frames])
+    assert len(got) == len(frames)
+    for j, (frame, value) in enumerate(zip(frames, got)):
+        if j in damaged:
+            with pytest.raises(CorruptEntryError) as info:
+                decode_sample(frame)
+            assert isinstance(value, CorruptEntryError) and str(value) == str(info.value)
+        else:
+            assert_same(value, wanted[j], f"sample {j}")
+
+
+def test_a_batch_gives_writable_samples_that_alias_neither_each_other_nor_the_frames() -> None:
+    wanted = [
+        (torch.full((2, 3), float(i)), np.full(4, i), torch.full((5,), i, dtype=torch.bfloat16), i) for i in range(6)
+    ]
+    frames = [bytearray(encode_sample(sample)) for sample in wanted]
+    got = decode_samples(frames)
+    for frame in frames:
+        frame[:] = b"\xff" * len(frame)  # the caller reuses its buffers
+    for sample in got:
+        sample[0].add_(100)
+        sample[1][:] = -1
+        sample[2].zero_()
+    for i, (tensor, array, half, label) in enumerate(got):
+        assert torch.equal(tensor, torch.full((2, 3), i + 100.0)) and tensor.is_contiguous()
+        assert array.tolist() == [-1] * 4 and half.dtype == torch.bfloat16 and not half.any() and label == i
+    assert [s[3] for s in decode_samples(frames[:0] + [encode_sample(w) for w in wanted])] == list(range(6))
+
+
+def test_a_batch_with_a_bad_string_decodes_the_others() -> None:
+    good = [encode_sample(("ab", torch.ones(3))) for _ in range(3)]
+    bad = bytearray(good[1])
+    bad[bad.index(b"ab")] = 0xFF  # not UTF-8
+    got = decode_samples([good[0], bytes(bad), good[2]])
+    assert isinstance(got[1], CorruptEntryError) and "cannot decode" in str(got[1])
+    assert got[0][0] == got[2][0] == "ab" and torch.equal(got[2][1], torch.ones(3))
 
 
 plain_leaves = st.one_of(

@@ -167,6 +167,8 @@ class CachedDataset(Dataset[Any]):
         return self.length
 
     def _index(self, index: object) -> int:
+        if type(index) is int and 0 <= index < self.length:
+            return index
         try:
             i = int(index.__index__())  # type: ignore[attr-defined]
         except (AttributeError, TypeError):

@@ -33,7 +33,7 @@ from .meta import META_NAME, load_meta, write_json_atomic
 from .policy import parse_size
 from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, store_bytes
-from .samples import decode_sample, encode_sample
+from .samples import decode_samples, encode_sample
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .stores.batched import BatchedStore
 from .stores.packed import PackedStore
@@ -44,6 +44,7 @@ __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 #: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
 DEFAULT_DISK_SIZE = "50GB"
 _TIERS = ("memory", "disk")
+_HEX_KEYS = 1 << 64
 
 
 class SampleCache:
@@ -254,7 +255,8 @@ class SampleCache:
             SampleTypeError: If a computed sample holds a value that cannot be cached.
             ValueError: If ``compute_many`` returns the wrong number of samples.
         """
-        skeys = [store_key(key) for key in keys]
+        # an int in [0, 2**64) is 16 hex digits (store_key's rule, inlined for the common case)
+        skeys = [f"{key:016x}" if type(key) is int and 0 <= key < _HEX_KEYS else store_key(key) for key in keys]
         results: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
         served = {"memory": 0, "disk": 0}
@@ -262,19 +264,19 @@ class SampleCache:
         for level, tier in enumerate(tiers):
             if not pending:
                 break
-            missed, promote = [], []
-            for i, frame in zip(pending, tier.get_many([skeys[i] for i in pending])):
-                if frame is not None:
-                    try:
-                        results[i] = decode_sample(frame)
-                    except CorruptEntryError as exc:
-                        self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({exc}); recomputed")
-                        tier.drop(skeys[i])
-                    else:
-                        served[tier.name] += 1
-                        promote.append((skeys[i], frame))
-                        continue
-                missed.append(i)
+            frames = tier.get_many([skeys[i] for i in pending])
+            found = [(i, frame) for i, frame in zip(pending, frames) if frame is not None]
+            promote, hit = [], set()
+            for (i, frame), sample in zip(found, decode_samples([frame for _, frame in found])):
+                if isinstance(sample, CorruptEntryError):
+                    self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
+                    tier.drop(skeys[i])
+                else:
+                    results[i] = sample
+                    hit.add(i)
+                    promote.append((skeys[i], frame))
+            served[tier.name] += len(hit)
+            missed = [i for i in pending if i not in hit]
             for upper in tiers[:level]:
                 upper.put_many(promote)
             pending = missed

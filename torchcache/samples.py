@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 
 from .errors import CorruptEntryError, KeyingError
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "SampleTypeError", "decode_sample", "encode_sample"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "SampleTypeError", "decode_sample", "decode_samples", "encode_sample"]
 
 #: Containers nested deeper than this are refused (encoding) or rejected (decoding).
 MAX_DEPTH = 32
@@ -283,16 +283,24 @@ def _encode_tree(sample: object, name: str) -> bytes:
 
 
 # -- decoding ---------------------------------------------------------------------
-Build = Callable[[bytearray], Any]
+# A builder takes its parameters, then the data buffer, where this sample's data starts
+# in it, and the tensors and arrays already made for this sample (its leaves, in order).
+Build = Callable[[bytearray, int, list[Any]], Any]
+_Leaf = tuple[str, Any, int, int, tuple[int, ...]]  # kind, dtype, element count, offset, shape
+_STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
 
 class _Plan:
-    """What a header describes: the data size it needs, and how to build the sample from it."""
+    """What a header describes: the data size it needs, and how to build samples from it."""
 
     def __init__(self, tree: object) -> None:
         self.size = 0
         self.nodes = 0
+        self.leaves: list[_Leaf] = []
         self.build = self.compile(tree, 0)
+        #: "leaf", "tuple" or "list" when the sample is its leaves alone, in order: then a
+        #: batch of samples is made by zipping the leaves' values.
+        self.flat = _flat(self.build, len(self.leaves))
 
     def take(self, nbytes: int) -> int:
         offset = self.size + (-self.size % _ALIGN)
@@ -307,7 +315,7 @@ class _Plan:
             return partial(_constant, node)
         if isinstance(node, str) and node in _NUMBERS:
             form = _NUMBERS[node]
-            return partial(_number, form, self.take(form.size))
+            return self.leaf((node, form, 1, self.take(form.size), ()))
         if not isinstance(node, list) or not node or not isinstance(node[0], str):
             raise ValueError(f"unknown node {str(node)[:40]}")
         tag, args = node[0], node[1:]
@@ -338,68 +346,139 @@ class _Plan:
         if count == 0:
             return partial(_empty_tensor, dtype, shape)
         npdt = _NUMPY_OF.get(dtype)
-        if npdt is not None:
-            return partial(_tensor_from_numpy, npdt, count, at, shape)
-        return partial(_tensor, dtype, count, at, shape)
+        return self.leaf(("n", npdt, count, at, shape) if npdt is not None else ("t", dtype, count, at, shape))
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Build:
         count = _numel(shape)
-        return partial(_array, dtype, count, self.take(count * dtype.itemsize), shape)
+        at = self.take(count * dtype.itemsize)
+        if count == 0:
+            return partial(_empty_array, dtype, shape)
+        return self.leaf(("a", dtype, count, at, shape))
+
+    def leaf(self, spec: _Leaf) -> Build:
+        self.leaves.append(spec)
+        return partial(_leaf, len(self.leaves) - 1)
+
+    def build_many(self, datas: list[memoryview]) -> list[Any]:
+        """Build one sample from each data section (each exactly :attr:`size` bytes).
+
+        The sections are copied once, into one buffer: the tensors and arrays of the
+        samples are views of it, as a ``TensorDataset``'s samples are views of its
+        tensors.
+        """
+        if len(datas) == 1:
+            buf = bytearray(datas[0])
+            leaves = [_one_leaf(spec, buf) for spec in self.leaves]
+            return [self.build(buf, 0, leaves)]
+        stride = self.size + (-self.size % _STRIDE_ALIGN)
+        pad = bytes(stride - self.size)
+        parts: list[bytes | memoryview] = []
+        for data in datas:
+            parts += (data, pad)
+        buf = bytearray().join(parts)
+        per_leaf = [_batch_leaf(spec, buf, len(datas), stride) for spec in self.leaves]
+        if self.flat == "tuple":
+            return list(zip(*per_leaf))
+        if self.flat == "list":
+            return [list(values) for values in zip(*per_leaf)]
+        if self.flat == "leaf":
+            return list(per_leaf[0])
+        build = self.build
+        return [build(buf, j * stride, [views[j] for views in per_leaf]) for j in range(len(datas))]
 
 
-# The builders of a plan: each takes its parameters, then the data.
+def _flat(build: Build, leaves: int) -> str | None:
+    """What a sample is when it is its leaves alone, in order (see :attr:`_Plan.flat`)."""
+    if not isinstance(build, partial) or leaves == 0:
+        return None
+    if build.func is _leaf:
+        return "leaf"
+    if build.func in (_tuple, _list):
+        parts = build.args[0]
+        if len(parts) == leaves and all(
+            isinstance(part, partial) and part.func is _leaf and part.args == (k,) for k, part in enumerate(parts)
+        ):
+            return "tuple" if build.func is _tuple else "list"
+    return None
+
+
+def _one_leaf(spec: _Leaf, buf: bytearray) -> Any:
+    """The value of one sample's leaf."""
+    kind, dtype, count, at, shape = spec
+    if kind in _NUMBERS:
+        values = dtype.unpack_from(buf, at)
+        return values[0] if len(values) == 1 else complex(*values)
+    if kind == "n":
+        return torch.from_numpy(np.frombuffer(buf, dtype, count, at).reshape(shape))
+    if kind == "t":
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=at).view(shape)
+    return np.frombuffer(buf, dtype, count, at).reshape(shape)
+
+
+def _batch_leaf(spec: _Leaf, buf: bytearray, n: int, stride: int) -> Sequence[Any]:
+    """The values of one leaf for ``n`` samples laid ``stride`` bytes apart in ``buf``."""
+    kind, dtype, count, at, shape = spec
+    if kind in _NUMBERS:  # Python numbers, bit for bit (NaN payloads included)
+        values: list[Any] = np.ndarray((n,), _NUMBER_DTYPES[kind], buffer=buf, offset=at, strides=(stride,)).tolist()
+        return values
+    if kind == "t":  # a dtype numpy lacks: view the bytes, then reinterpret them
+        raw = torch.frombuffer(buf, dtype=torch.uint8).as_strided((n, count * dtype.itemsize), (stride, 1), at)
+        return raw.view(dtype).view((n, *shape)).unbind(0)
+    strides = [dtype.itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    rows = np.ndarray((n, *shape), dtype, buffer=buf, offset=at, strides=(stride, *strides))
+    return torch.from_numpy(rows).unbind(0) if kind == "n" else list(rows)
+
+
+# The builders of a plan: each takes its parameters, then the buffer, this sample's
+# start in it and its leaves.
 _NUMBERS = {"i": _I64, "f": _F64, "c": _C128}
+_NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
 
 
-def _constant(value: object, buf: bytearray) -> object:
+def _constant(value: object, buf: bytearray, base: int, leaves: list[Any]) -> object:
     return value
 
 
-def _number(form: struct.Struct, at: int, buf: bytearray) -> object:
-    values = form.unpack_from(buf, at)
-    return values[0] if len(values) == 1 else complex(*values)
+def _bytes(at: int, n: int, buf: bytearray, base: int, leaves: list[Any]) -> bytes:
+    return bytes(buf[base + at : base + at + n])
 
 
-def _bytes(at: int, n: int, buf: bytearray) -> bytes:
-    return bytes(buf[at : at + n])
+def _str(at: int, n: int, buf: bytearray, base: int, leaves: list[Any]) -> str:
+    return buf[base + at : base + at + n].decode("utf-8", "surrogatepass")
 
 
-def _str(at: int, n: int, buf: bytearray) -> str:
-    return buf[at : at + n].decode("utf-8", "surrogatepass")
+def _numpy_scalar(dtype: np.dtype[Any], at: int, buf: bytearray, base: int, leaves: list[Any]) -> object:
+    return np.frombuffer(buf, dtype, 1, base + at)[0]
 
 
-def _numpy_scalar(dtype: np.dtype[Any], at: int, buf: bytearray) -> object:
-    return np.frombuffer(buf, dtype, 1, at)[0]
+def _tuple(parts: list[Build], buf: bytearray, base: int, leaves: list[Any]) -> tuple[Any, ...]:
+    return tuple([part(buf, base, leaves) for part in parts])
 
 
-def _tuple(parts: list[Build], buf: bytearray) -> tuple[Any, ...]:
-    return tuple([part(buf) for part in parts])
+def _list(parts: list[Build], buf: bytearray, base: int, leaves: list[Any]) -> list[Any]:
+    return [part(buf, base, leaves) for part in parts]
 
 
-def _list(parts: list[Build], buf: bytearray) -> list[Any]:
-    return [part(buf) for part in parts]
+def _dict(pairs: list[tuple[str | int, Build]], buf: bytearray, base: int, leaves: list[Any]) -> dict[str | int, Any]:
+    return {key: part(buf, base, leaves) for key, part in pairs}
 
 
-def _dict(pairs: list[tuple[str | int, Build]], buf: bytearray) -> dict[str | int, Any]:
-    return {key: part(buf) for key, part in pairs}
-
-
-def _empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], buf: bytearray) -> torch.Tensor:
+def _empty_tensor(
+    dtype: torch.dtype, shape: tuple[int, ...], buf: bytearray, base: int, leaves: list[Any]
+) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _tensor_from_numpy(
-    dtype: np.dtype[Any], count: int, at: int, shape: tuple[int, ...], buf: bytearray
-) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(buf, dtype, count, at).reshape(shape))
+def _empty_array(
+    dtype: np.dtype[Any], shape: tuple[int, ...], buf: bytearray, base: int, leaves: list[Any]
+) -> np.ndarray[Any, Any]:
+    return np.empty(shape, dtype)
 
 
-def _tensor(dtype: torch.dtype, count: int, at: int, shape: tuple[int, ...], buf: bytearray) -> torch.Tensor:
-    return torch.frombuffer(buf, dtype=dtype, count=count, offset=at).view(shape)
-
-
-def _array(dtype: np.dtype[Any], count: int, at: int, shape: tuple[int, ...], buf: bytearray) -> np.ndarray[Any, Any]:
-    return np.frombuffer(buf, dtype, count, at).reshape(shape)
+def _leaf(k: int, buf: bytearray, base: int, leaves: list[Any]) -> Any:
+    return leaves[k]
 
 
 def _count(value: object) -> bool:
@@ -440,17 +519,8 @@ def _plan(header: bytes) -> _Plan:
     return plan
 
 
-def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
-    """Decode a frame made by :func:`encode_sample`.
-
-    The data is copied once; the tensors and arrays returned are writable views of that
-    copy, never of ``frame``.
-
-    Args:
-        frame: The frame.
-
-    Returns:
-        The sample.
+def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, memoryview]:
+    """The plan of a sample frame and its data section.
 
     Raises:
         CorruptEntryError: If the frame is not a valid sample frame.
@@ -469,7 +539,79 @@ def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
     plan = _plan(bytes(view[_PREFIX.size : start]))
     if len(view) - start != plan.size:
         raise CorruptEntryError(f"a sample frame holds {len(view) - start} data bytes, its header needs {plan.size}")
+    return plan, view[start:]
+
+
+_DECODE_ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError)
+
+
+def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
+    """Decode a frame made by :func:`encode_sample`.
+
+    The data is copied once; the tensors and arrays returned are writable views of that
+    copy, never of ``frame``.
+
+    Args:
+        frame: The frame.
+
+    Returns:
+        The sample.
+
+    Raises:
+        CorruptEntryError: If the frame is not a valid sample frame.
+    """
+    plan, data = _split(frame)
     try:
-        return plan.build(bytearray(view[start:]))
-    except (ValueError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
+        return plan.build_many([data])[0]
+    except _DECODE_ERRORS as exc:
         raise CorruptEntryError(f"cannot decode a sample: {str(exc)[:200]}") from None
+
+
+def decode_samples(frames: Sequence[bytes | bytearray | memoryview]) -> list[Any]:
+    """Decode many frames made by :func:`encode_sample`; what :func:`decode_sample` gives for each.
+
+    Frames of one structure are copied into one buffer, and their tensors and arrays are
+    made as one strided view, then split: the samples' tensors and arrays are writable
+    views of that buffer (as a ``TensorDataset``'s samples are views of its tensors),
+    never of ``frames``.
+
+    Args:
+        frames: The frames.
+
+    Returns:
+        For each frame its sample, or the :class:`~torchcache.errors.CorruptEntryError`
+        that :func:`decode_sample` would raise for it (returned, not raised).
+    """
+    out: list[Any] = [None] * len(frames)
+    groups: dict[int, tuple[_Plan, list[int], list[memoryview]]] = {}
+    head, size, last = b"", -1, None  # the last good frame's prefix and header, its length and plan
+    for j, frame in enumerate(frames):
+        view = memoryview(frame)
+        if last is not None and len(view) == size and view.itemsize == 1 and view[: len(head)] == head:
+            plan, data = last, view[len(head) :]  # the same structure as the frame before
+        else:
+            try:
+                plan, data = _split(frame)
+            except CorruptEntryError as exc:
+                out[j] = exc
+                continue
+            if view.ndim == 1 and view.itemsize == 1:
+                head, size, last = bytes(view[: len(view) - len(data)]), len(view), plan
+        group = groups.get(id(plan))
+        if group is None:
+            group = groups[id(plan)] = (plan, [], [])
+        group[1].append(j)
+        group[2].append(data)
+    for plan, members, datas in groups.values():
+        try:
+            built = plan.build_many(datas)
+        except _DECODE_ERRORS:  # one bad sample (a string that is not UTF-8): one by one
+            built = []
+            for data in datas:
+                try:
+                    built.append(plan.build_many([data])[0])
+                except _DECODE_ERRORS as exc:
+                    built.append(CorruptEntryError(f"cannot decode a sample: {str(exc)[:200]}"))
+        for j, sample in zip(members, built):
+            out[j] = sample
+    return out
