@@ -235,6 +235,18 @@ def test_a_batch_gives_writable_samples_that_alias_neither_each_other_nor_the_fr
     assert [s[3] for s in decode_samples(frames[:0] + [encode_sample(w) for w in wanted])] == list(range(6))
 
 
+def test_a_batch_of_one_length_with_other_headers_and_odd_views() -> None:
+    a, b = encode_sample({"a": torch.ones(3)}), encode_sample({"b": torch.zeros(3)})
+    assert len(a) == len(b)  # one length, another header: not decoded as the first frame's structure
+    broken = bytearray(a)
+    broken[broken.index(b'"a"')] = ord("{")  # the header is no longer JSON
+    two_d = memoryview(a).cast("B", (1, len(a)))  # a 2-D view of a frame
+    got = decode_samples([a, b, bytes(broken), two_d, memoryview(b"..." + b)[3:]])
+    assert torch.equal(got[0]["a"], torch.ones(3)) and torch.equal(got[1]["b"], torch.zeros(3))
+    assert isinstance(got[2], CorruptEntryError)
+    assert torch.equal(got[3]["a"], torch.ones(3)) and torch.equal(got[4]["b"], torch.zeros(3))
+
+
 def test_a_batch_with_a_bad_string_decodes_the_others() -> None:
     good = [encode_sample(("ab", torch.ones(3))) for _ in range(3)]
     bad = bytearray(good[1])
