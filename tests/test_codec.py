@@ -911,3 +911,24 @@ def test_a_batch_mixing_long_and_short_headers_of_one_layout_is_read_whole(
     assert positions == list(range(6)) and got_layout == layout
     assert torch.equal(got[0], outputs[3:9])
     assert reports == []
+
+
+def test_raw_rows_of_one_layout_are_one_contiguous_array_and_others_are_refused() -> None:
+    from torchcache.tiers.frames import FrameCodec
+    from torchcache.tree import Layout, flatten
+
+    codec = FrameCodec(quality=5)
+    noise = np.random.default_rng(0).integers(0, 256, (8, 768 * 4), dtype=np.uint8)
+    dense = torch.from_numpy(noise).view(torch.float32)  # incompressible: raw frames
+    layout = Layout.of(*flatten(dense), None)
+    frames = [bytes(f) for f in codec.encode(layout, dense.view(torch.uint8).numpy())]
+    assert {f[5] for f in frames} == {CODEC_RAW}
+    found = codec.raw_rows([memoryview(b"." + f)[1:] for f in frames])  # views at odd addresses
+    assert found is not None
+    got_layout, rows = found
+    assert got_layout == layout and rows.shape == (8, 768 * 4) and rows.flags.c_contiguous
+    assert rows.ctypes.data % 16 == 0 and np.array_equal(rows, dense.view(torch.uint8).numpy())
+    other = bytearray(frames[3])
+    other[PREFIX_SIZE + 5] ^= 1  # another header of the same length
+    assert codec.raw_rows([*frames[:3], bytes(other), *frames[4:]]) is None
+    assert codec.raw_rows([*frames[:3], frames[3][:-4], *frames[4:]]) is None  # another length

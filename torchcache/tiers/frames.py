@@ -191,14 +191,18 @@ class FrameCodec:
         except CorruptEntryError:
             return None
         head = len(datas[0]) - len(payload)
-        joined = np.frombuffer(bytearray().join(datas), dtype=np.uint8).reshape(len(datas), -1)
+        views = [memoryview(data) for data in datas]
+        # Heads and payloads joined apart: the payloads make one contiguous, aligned array,
+        # which the output tensors view without another copy.
+        heads = np.frombuffer(bytearray().join([view[:head] for view in views]), dtype=np.uint8).reshape(len(datas), -1)
         fixed = PREFIX_SIZE - 8  # the prefix before its checksum
         if not (
-            (joined[:, :fixed] == joined[0, :fixed]).all()
-            and (joined[:, PREFIX_SIZE:head] == np.frombuffer(header, dtype=np.uint8)).all()
+            (heads[:, :fixed] == heads[0, :fixed]).all()
+            and (heads[:, PREFIX_SIZE:] == np.frombuffer(header, dtype=np.uint8)).all()
         ):
             return None
-        return self.layout_of(header), joined[:, head:]
+        rows = np.frombuffer(bytearray().join([view[head:] for view in views]), dtype=np.uint8)
+        return self.layout_of(header), rows.reshape(len(datas), -1)
 
     def unelide_many(
         self, datas: Sequence[bytes | memoryview], header: bytes, rows: np.ndarray[Any, np.dtype[np.uint8]]
