@@ -84,6 +84,18 @@ def test_tensors_of_every_dtype_and_shape(name: str, shape: tuple[int, ...]) -> 
     assert decoded.data_ptr() != tensor.data_ptr() or tensor.numel() == 0
 
 
+@pytest.mark.parametrize("name", sorted(TORCH_DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 7)])
+def test_batches_of_every_dtype_and_shape(name: str, shape: tuple[int, ...]) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
+        wanted = [
+            (random_tensor(TORCH_DTYPES[name], shape), i, [random_tensor(TORCH_DTYPES[name], shape)]) for i in range(5)
+        ]
+        got = decode_samples([encode_sample(sample) for sample in wanted])
+    assert_same(got, wanted)
+
+
 def test_the_dtype_tables_cover_the_usual_dtypes() -> None:
     for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.uint8, torch.float8_e4m3fn):
         assert dtype in TORCH_DTYPES.values()

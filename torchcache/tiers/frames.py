@@ -175,9 +175,10 @@ class FrameCodec:
     def raw_rows(self, datas: Sequence[bytes | memoryview]) -> tuple[Layout, np.ndarray] | None:
         """The payload rows of frames that are all raw and of one layout, checked as a whole.
 
-        Every frame is copied once into one array; their prefixes (checksum aside) and
-        headers are compared with the first frame's in a few vectorized operations, so a
-        batch costs no Python work per item. Frames read from a store need no checksum of
+        The payloads are copied once, into one contiguous array, and the heads (prefix
+        and header) into another; the prefixes (checksum aside) and headers are compared
+        with the first frame's in a few vectorized operations, so a batch costs no numpy
+        call per item. Frames read from a store need no checksum of
         their own (see :meth:`decode`).
 
         Returns:
