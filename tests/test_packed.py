@@ -303,6 +303,20 @@ def test_a_mapped_segment_that_grows_is_mapped_again(root: Path, monkeypatch: py
     assert all(bytes(v or b"") == value(i) for i, v in enumerate(held))
 
 
+def test_a_segment_that_cannot_be_mapped_is_read_with_pread(
+    root: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PackedStore(root, 10**8, report=reports)
+    fill(store, range(100))
+
+    def refuse(*args: Any) -> None:
+        raise OSError(errno.ENODEV, "this file system cannot map files")
+
+    monkeypatch.setattr(packed_segments.mmap, "mmap", refuse)
+    got = store.get_many([key(i) for i in range(100)])
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(got)) and reports.seen == []
+
+
 def test_views_outlive_their_segment_and_the_store(root: Path) -> None:
     store = PackedStore(root, 10**8, segment_bytes=20_000)
     fill(store, range(100))

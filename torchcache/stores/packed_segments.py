@@ -11,8 +11,8 @@ Batches are read from read-only shared mappings of the segments (a slice and a c
 per record, no system call); single reads and whatever a mapping cannot serve use
 ``os.pread`` on cached descriptors. torchcache never shortens a segment below a record
 that an index row pointed to, and a batch first checks each segment's size with one
-``fstat``: a file found shorter than its mapping is read with ``pread`` only, so its
-lost records are misses. Like LMDB's own map of its index, a mapping cannot guard
+``fstat``: a file found shorter than its mapping is mapped again at its size, and its
+records past the end are misses. Like LMDB's own map of its index, a mapping cannot guard
 against a file cut short by another program in the microseconds between that check and
 the copy, or against a disk that fails under it: the kernel ends the process then
 (``SIGBUS``), where ``pread`` would have raised.
