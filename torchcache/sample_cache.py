@@ -44,7 +44,6 @@ __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 #: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
 DEFAULT_DISK_SIZE = "50GB"
 _TIERS = ("memory", "disk")
-_HEX_KEYS = 1 << 64
 
 
 class SampleCache:
@@ -255,8 +254,7 @@ class SampleCache:
             SampleTypeError: If a computed sample holds a value that cannot be cached.
             ValueError: If ``compute_many`` returns the wrong number of samples.
         """
-        # an int in [0, 2**64) is 16 hex digits (store_key's rule, inlined for the common case)
-        skeys = [f"{key:016x}" if type(key) is int and 0 <= key < _HEX_KEYS else store_key(key) for key in keys]
+        skeys = [store_key(key) for key in keys]
         results: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
         served = {"memory": 0, "disk": 0}

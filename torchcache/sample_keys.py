@@ -33,6 +33,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_ITEMS = 1000
 _MAX_DEPTH = 4
 _MAX_HASHED = 1 << 24
+_HEX_KEYS = 1 << 64  # int keys below this are their own 16 hex digits
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, Path, torch.dtype, torch.device)
 
 
@@ -128,6 +129,8 @@ def store_key(key: int | str) -> str:
         >>> store_key(255), len(store_key("cat.jpg"))
         ('00000000000000ff', 32)
     """
+    if type(key) is int and 0 <= key < _HEX_KEYS:  # the common case first: a dataset index
+        return f"{key:016x}"
     if isinstance(key, str):
         return xxhash.xxh3_128_hexdigest(b"s" + key.encode("utf-8", "surrogatepass"))
     if isinstance(key, bool):
@@ -136,4 +139,4 @@ def store_key(key: int | str) -> str:
         index = operator.index(key)
     except TypeError:
         raise KeyingError(f"a sample key must be an int or a str, got {type(key).__name__}") from None
-    return f"{index:016x}" if 0 <= index < 2**64 else xxhash.xxh3_128_hexdigest(f"i{index}".encode())
+    return f"{index:016x}" if 0 <= index < _HEX_KEYS else xxhash.xxh3_128_hexdigest(f"i{index}".encode())

@@ -370,12 +370,8 @@ class _Plan:
             buf = bytearray(datas[0])
             leaves = [_one_leaf(spec, buf) for spec in self.leaves]
             return [self.build(buf, 0, leaves)]
-        stride = self.size + (-self.size % _STRIDE_ALIGN)
-        pad = bytes(stride - self.size)
-        parts: list[bytes | memoryview] = []
-        for data in datas:
-            parts += (data, pad)
-        return self.build_rows(bytearray().join(parts), 0, len(datas), stride)
+        buf, stride = _padded(datas, self.size, 0)
+        return self.build_rows(buf, 0, len(datas), stride)
 
     def build_rows(self, buf: bytearray, base: int, n: int, stride: int) -> list[Any]:
         """Build ``n`` samples whose data sections start at ``base``, ``stride`` bytes apart in ``buf``.
@@ -391,6 +387,16 @@ class _Plan:
             return list(per_leaf[0])
         build = self.build
         return [build(buf, base + j * stride, [views[j] for views in per_leaf]) for j in range(n)]
+
+
+def _padded(chunks: Sequence[bytes | bytearray | memoryview], size: int, lead: int) -> tuple[bytearray, int]:
+    """Chunks of ``size`` bytes joined ``stride`` bytes apart (a multiple of 16), the first at ``lead``."""
+    stride = size + (-size % _STRIDE_ALIGN)
+    pad = bytes(stride - size)
+    parts: list[bytes | bytearray | memoryview] = [bytes(lead)]
+    for chunk in chunks:
+        parts += (chunk, pad)
+    return bytearray().join(parts), stride
 
 
 def _flat(build: Build, leaves: int) -> str | None:
@@ -642,12 +648,7 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
     if len(alike) < 2:
         return everything
     lead = -head % _STRIDE_ALIGN  # so that each data section starts 16-byte aligned
-    stride = size + (-size % _STRIDE_ALIGN)
-    pad = bytes(stride - size)
-    parts: list[bytes | bytearray | memoryview] = [bytes(lead)]
-    for j in alike:
-        parts += (frames[j], pad)
-    buf = bytearray().join(parts)
+    buf, stride = _padded([frames[j] for j in alike], size, lead)
     heads = np.ndarray((len(alike), head), np.uint8, buffer=buf, offset=lead, strides=(stride, 1))
     if not (heads == np.frombuffer(first, np.uint8, head)).all():
         return everything

@@ -43,7 +43,7 @@ _O_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | 
 _MAX_READERS = 256
 _MAX_MAPS = 64  # each mapping holds a descriptor of its own
 _EMPTY = memoryview(b"")
-_MAX_MAP = 1 << 33  # records start below 4 GiB
+_MAX_MAP_BYTES = 1 << 33  # records start below 4 GiB
 _digest = xxhash.xxh3_64_intdigest
 _MAX_OFFSET = (1 << 32) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -195,7 +195,7 @@ class SegmentFiles:
         fd = cached[0]
         size = os.fstat(fd).st_size  # a mapping is read only within the file's size now
         self._readers[seg] = (fd, size)
-        size = min(size, _MAX_MAP)  # a giant (sparse) file: what lies past this is read with pread
+        size = min(size, _MAX_MAP_BYTES)  # a giant (sparse) file: what lies past this is read with pread
         view = self._maps.get(seg)
         if view is not None and (len(view) > size or len(view) < min(need, size)):
             del self._maps[seg]  # views already given out keep the old mapping alive
