@@ -74,7 +74,7 @@ def _header(size: int) -> bytes:
 def _short_header(size: int | str) -> bytes:
     """The short-form header of a float32 output of ``size`` values per item."""
     header = encode_header(Layout.of(*flatten(torch.zeros(1, 16)), None).to_header())
-    assert header == b'{"l":[["float32",[16]]]}'
+    assert header == b'{"l":[["f4",[16]]]}'
     return header.replace(b"[16]", b"[" + str(size).encode() + b"]")
 
 

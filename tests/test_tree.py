@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -327,11 +328,23 @@ def test_from_header_rejects_invalid_fields_of_the_short_form(path: str, value: 
 
 def test_the_header_of_a_lone_tensor_leaves_its_tree_out() -> None:
     layout = _layout(torch.zeros(2, 768))
-    assert layout.to_header() == {"l": [["float32", [768]]]}
-    assert Layout.from_header({"l": [["float32", [768]]], "t": "T"}) == layout
+    assert layout.to_header() == {"l": [["f4", [768]]]}
+    assert Layout.from_header({"l": [["f4", [768]]], "t": "T"}) == layout
     assert "t" in _layout((torch.zeros(2, 768),)).to_header()
     with pytest.raises(ValueError, match="number of leaves"):
         Layout.from_header({"l": [["float32", [768]], ["float32", [768]]]})
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES.values(), key=str))
+def test_a_header_names_each_dtype_by_a_code_and_reads_its_name_too(dtype: torch.dtype) -> None:
+    layout = _layout(torch.zeros(2, 3, dtype=dtype))
+    header = layout.to_header()
+    code = header["l"][0][0]
+    assert len(code) <= 3 and code != str(dtype).removeprefix("torch.")
+    if dtype is not torch.bfloat16:  # numpy's type string
+        assert np.dtype(code) == torch.zeros(0, dtype=dtype).numpy().dtype
+    assert Layout.from_header(header) == layout
+    assert Layout.from_header({"l": [[str(dtype).removeprefix("torch."), [3]]]}) == layout
 
 
 def test_both_forms_of_a_header_give_one_layout() -> None:
@@ -369,9 +382,9 @@ def test_from_header_rejects_missing_fields(missing: str) -> None:
 def test_header_names_out_dtype_only_when_it_differs() -> None:
     spec, leaves = flatten((torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.int64)))
     plain = Layout.of(spec, leaves, None).to_header()
-    assert plain["l"] == [["float32", [3]], ["int64", [4]]]
+    assert plain["l"] == [["f4", [3]], ["i8", [4]]]
     halved = Layout.of(spec, leaves, torch.float16).to_header()
-    assert halved["l"] == [["float16", [3], "float32"], ["int64", [4]]]
+    assert halved["l"] == [["f2", [3], "f4"], ["i8", [4]]]
     for header in (plain, halved):
         assert Layout.from_header(header) == Layout.of(spec, leaves, None if header is plain else torch.float16)
     spelled_out = {**plain, "l": [[*item, item[0]] for item in plain["l"]]}

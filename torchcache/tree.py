@@ -61,6 +61,24 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
+#: The dtype codes of stored headers: numpy's type strings, and "bf2" for bfloat16.
+#: Headers name a dtype by its code (a (768,) entry's header is 25 bytes with names,
+#: 20 with codes) and are read with either.
+_CODES = {
+    torch.float64: "f8",
+    torch.float32: "f4",
+    torch.float16: "f2",
+    torch.bfloat16: "bf2",
+    torch.complex64: "c8",
+    torch.complex128: "c16",
+    torch.int64: "i8",
+    torch.int32: "i4",
+    torch.int16: "i2",
+    torch.int8: "i1",
+    torch.uint8: "u1",
+    torch.bool: "b1",
+}
+_HEADER_DTYPES = {**DTYPES, **{code: dt for dt, code in _CODES.items()}}
 ALIGN = 8
 #: Containers nested deeper than this are neither cached nor read from a file.
 MAX_DEPTH = 32
@@ -270,16 +288,17 @@ class Layout:
         """A JSON-able description, the header of a stored entry.
 
         The short form: ``{"l": [[dtype, shape] or [dtype, shape, out_dtype], ...],
-        "t": tree}``, the leaves' offsets implied by their shapes, and ``"t"`` left out
-        when the output is a lone tensor (tree ``"T"``). :meth:`from_header`
-        also reads the long form of torchcache 1.0, ``{"leaves": [{"dtype", "shape",
+        "t": tree}``, each dtype by its code (``"f4"`` for float32), the leaves' offsets
+        implied by their shapes, and ``"t"`` left out when the output is a lone tensor
+        (tree ``"T"``). :meth:`from_header` also reads dtype names (``"float32"``) in
+        the short form, and the long form of torchcache 1.0, ``{"leaves": [{"dtype", "shape",
         "offset", "out_dtype"}, ...], "tree": tree}``.
         """
         leaves: list[list[Any]] = []
         for leaf in self.leaves:
-            item: list[Any] = [_NAMES[leaf.dtype], list(leaf.shape)]
+            item: list[Any] = [_CODES[leaf.dtype], list(leaf.shape)]
             if leaf.out_dtype != leaf.dtype:  # only with cache_dtype; absent means "same as dtype"
-                item.append(_NAMES[leaf.out_dtype])
+                item.append(_CODES[leaf.out_dtype])
             leaves.append(item)
         if self.spec_json == '"T"':  # a lone tensor, the most common output: its tree goes without saying
             return {"l": leaves}
@@ -310,7 +329,7 @@ class Layout:
                     name, shape, out_name = item["dtype"], item["shape"], item.get("out_dtype", item["dtype"])
                 if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                     raise ValueError(f"invalid shape {_short(shape)}")
-                leaves.append(LeafSpec(tuple(shape), DTYPES[name], DTYPES[out_name]))
+                leaves.append(LeafSpec(tuple(shape), _HEADER_DTYPES[name], _HEADER_DTYPES[out_name]))
             layout = cls(json.dumps(tree, separators=(",", ":")), tuple(leaves))
             if not short and [item["offset"] for item in header["leaves"]] != layout.offsets:
                 raise ValueError("leaf offsets do not match the layout")

@@ -52,7 +52,11 @@ _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
 _READ_CHUNKS = 8
 _WRITERS = 2
-_WRITE_CHUNK = 256  # items per write job: LMDB keeps about two transactions of copied pages
+# Items per write job, one index transaction each. LMDB's file keeps room for about two
+# transactions of copied pages, so smaller jobs keep the index smaller: at 200,000
+# (768,) entries 192 takes 2.5 bytes per entry less than 256, for about 1 us per item of
+# fill (benchmarks/RESULTS.md).
+_WRITE_CHUNK = 192
 _TOUCH_EVERY = 60.0
 _MAX_SKIPPED = 1 << 16
 
