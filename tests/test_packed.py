@@ -599,3 +599,21 @@ def test_keys_of_a_batch_encode_as_each_key_does(keys: list[str]) -> None:
             encode_keys(keys)
     else:
         assert encode_keys(keys) == expected
+
+
+def test_a_batch_over_several_segments_is_counted_in_each(root: Path) -> None:
+    store = PackedStore(root, 10**8, segment_bytes=20_000)
+    store.put_many([(key(i), value(i, 1000 + i)) for i in range(60)])  # one call, several segments
+    store.put_many([(key(i), value(i, 500)) for i in range(5)])  # replaces five, in the open segment
+    index = store._ensure(write=False)
+    assert index is not None
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+        places = [(ENTRY.unpack(raw), kb) for kb, raw in txn.cursor(db=index.entries)]
+    assert len(table) > 2
+    want: dict[int, list[int]] = {seg: [0, 0] for seg in table}
+    for (seg, _, length), kb in places:
+        want[seg][0] += HEADER.size + len(kb) + length
+        want[seg][1] += 1
+    assert {seg: [row.live, row.records] for seg, row in table.items()} == want
+    assert store.nbytes == sum(1000 + i for i in range(5, 60)) + 5 * 500 and store.verify().ok

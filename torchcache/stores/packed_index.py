@@ -373,20 +373,21 @@ class Change:
         """Index new records of distinct keys, replacing older ones, with one pass of accounting."""
         replace, entries, pack = self.txn.replace, self.index.entries, ENTRY.pack
         replaced: list[tuple[bytes, bytes]] = []
-        per_seg: dict[int, list[int]] = {}
-        payload = records = 0
         for kb, (seg, offset), length in zip(kbs, places, lengths):
             old = replace(kb, pack(seg, offset, length), db=entries)
             if old is not None:
                 replaced.append((kb, old))
-            size = HEADER.size + len(kb) + length
-            acc = per_seg.get(seg)
-            if acc is None:
-                acc = per_seg[seg] = [0, 0]
-            acc[0] += size
-            acc[1] += 1
-            payload += length
-            records += size
+        payload = sum(lengths)
+        records = payload + sum(map(len, kbs)) + HEADER.size * len(kbs)
+        segs = {seg for seg, _ in places}
+        per_seg: dict[int, list[int]] = {}
+        if len(segs) == 1:  # the common case: the whole batch went to one segment
+            per_seg[segs.pop()] = [records, len(kbs)]
+        else:
+            for kb, (seg, _), length in zip(kbs, places, lengths):
+                acc = per_seg.setdefault(seg, [0, 0])
+                acc[0] += HEADER.size + len(kb) + length
+                acc[1] += 1
         for kb, raw in replaced:
             old_entry = unpack_entry(raw)
             if old_entry is not None:
