@@ -41,7 +41,7 @@ QUIET_WAIT = 10.0  # seconds to wait at most for a quiet machine before a task
 # by up to 4x. Fixed thresholds make every worker behave like a warmed-up process.
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 RETRY_BUDGET = 240.0  # seconds into the run after which disturbed tasks are not rerun
-ROUNDS = 3  # processes per side for W1, W2 and W4 (1 with --quick)
+ROUNDS = 3  # processes per side for W1, W2, W3 reads and W4 (1 with --quick)
 
 
 def log(msg: str) -> None:
@@ -182,9 +182,11 @@ def plan(only: set[str], rounds: int) -> list[Step]:
 
     Each workload (and each W3 shape) runs in processes of its own: the cost of
     allocating large outputs depends on what the process allocated before. W1,
-    W2 and W4 run in ``rounds`` processes per side, alternating sides, and their
-    repeats are pooled: on this VM a process can be 30% slower than the next one
-    for its whole life (even a plain conv forward).
+    W2, W4 and the W3 reads (with their raw-read reference) run in ``rounds``
+    processes per side, alternating sides, and their repeats are pooled: on this
+    VM a process can be 30% slower than the next one for its whole life (even a
+    plain conv forward), and memory-bound passes such as W3's (197,768) hits run
+    at half speed for seconds at a time.
     """
     steps: list[Step] = []
     for w in ("W1", "W2"):
@@ -195,9 +197,10 @@ def plan(only: set[str], rounds: int) -> list[Step]:
     if "W3" in only:
         for kind in ("feat768", "tok197"):
             case = f"W3.{kind}"
-            for side in ("new", "old"):
-                steps += [(side, "w3fill", case, f"w3-{side}"), (side, "w3read", case, f"w3-{side}")]
-            steps.append(("ref", "w3ref", case, "w3-ref"))
+            steps += [(side, "w3fill", case, f"w3-{side}") for side in ("new", "old")]
+            for _round in range(rounds):
+                steps += [(side, "w3read", case, f"w3-{side}") for side in ("new", "old")]
+                steps.append(("ref", "w3ref", case, "w3-ref"))
     if "W4" in only:
         for w in ("W4a", "W4b"):
             steps += [(side, "w4", w, f"w4-{side}-{r}") for r in range(rounds) for side in ("new", "old")]
