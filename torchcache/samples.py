@@ -22,6 +22,7 @@ Integrity (checksums) is the store's job.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from collections.abc import Callable, Sequence
@@ -206,7 +207,7 @@ def _plain_frame(sample: object) -> bytes | None:
     else:
         return None
     signature: list[object] = [cls]
-    chunks: list[bytes | memoryview] = []
+    chunks: list[bytes | memoryview | ctypes.Array[ctypes.c_ubyte]] = []
     size = 0
     for value in items:
         kind = type(value)
@@ -221,7 +222,7 @@ def _plain_frame(sample: object) -> bytes | None:
                 or tensor.is_neg()
             ):
                 return None
-            data: bytes | memoryview = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+            data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte] = _bytes_in_place(tensor)
             signature.append((tensor.dtype, tensor.shape))
         elif kind is int:
             if not _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
@@ -247,6 +248,16 @@ def _plain_frame(sample: object) -> bytes | None:
         _plain_headers[key] = frame[: _PREFIX.size + _PREFIX.unpack_from(frame)[2]]
         return frame
     return b"".join([head, *chunks])
+
+
+def _bytes_in_place(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte]:
+    """The bytes of a contiguous CPU tensor, read where they lie (no copy).
+
+    About 1 us, where ``tensor.detach().reshape(-1).view(torch.uint8).numpy()`` takes
+    about 6. The view does not keep the tensor alive: it is used only while the tensor
+    is (the sample holds it until its frame is joined).
+    """
+    return (ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())
 
 
 def encode_sample(sample: object, name: str = "sample") -> bytes:
