@@ -232,8 +232,12 @@ class Index:
         self.env.close()
 
     def begin(self) -> lmdb.Transaction[bytes]:
-        """A read transaction: a consistent snapshot, without a lock."""
-        return self.env.begin()
+        """A read transaction: a consistent snapshot, without a lock.
+
+        Its default table is ``entries`` (``txn.get(kb)`` reads an entry; py-lmdb parses
+        a ``db=`` argument on every call).
+        """
+        return self.env.begin(db=self.entries)
 
     def change(self) -> Change:
         """Begin a write transaction (the store's one cross-process lock).

@@ -71,8 +71,8 @@ class EntryReader:
                     if seg not in known:
                         self.files.forget(seg)
                 self._gen = gen
-            get, db = txn.get, index.entries
-            raws = [get(kbs[i], db=db) for i in positions]
+            get = txn.get  # the transaction's default table is the entries
+            raws = [get(kbs[i]) for i in positions]
         for i, raw in zip(positions, raws):
             if raw is not None:
                 kb = kbs[i]
