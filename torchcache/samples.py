@@ -677,7 +677,8 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
 
 def _flat_bytes(frame: bytes | bytearray | memoryview) -> bool:
     """Whether ``frame`` is bytes, or a one-dimensional contiguous view of bytes (its length is its size)."""
-    if type(frame) is bytes:
+    kind = type(frame)
+    if kind is bytes:
         return True
-    view = memoryview(frame)
-    return view.ndim == 1 and view.itemsize == 1 and view.c_contiguous
+    view = frame if kind is memoryview else memoryview(frame)
+    return view.ndim == 1 and view.itemsize == 1 and view.c_contiguous  # type: ignore[union-attr]
