@@ -26,7 +26,7 @@ from torchcache.dataset import MissingSampleError
 from torchcache.errors import ConfigError, KeyingError
 from torchcache.faults import FaultLog
 from torchcache.sample_keys import fingerprint_dataset, store_key
-from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, store_bytes
+from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
 from torchcache.samples import SampleTypeError, decode_sample, encode_sample
 from torchcache.shm import LOCK_NAME, job_id
 from torchcache.stores.packed import PackedStore
@@ -628,3 +628,12 @@ def test_a_dataset_cache_logs_its_summary_while_it_is_used(
     line = next(r.getMessage() for r in caplog.records if "hits" in r.getMessage())
     assert f"dataset {data.cache.name}" in line and "1 hits, 1 misses" in line and "memory 1 entries" in line
     data.close()
+
+
+def test_each_tier_stores_in_segments_of_a_sixteenth_of_its_room(tmp_path: Path) -> None:
+    cache = SampleCache("seg", tmp_path / "disk", max_memory_size="64MB", max_disk_size="2GB")
+    cache.get_many([0, 1], lambda keys: [torch.zeros(4) for _ in keys])
+    sizes = {tier.name: tier.store.segment_bytes for tier in cache._open()}  # type: ignore[attr-defined]
+    assert sizes == {"memory": store_bytes(64 * 10**6) // 16, "disk": store_bytes(2 * 10**9) // 16}
+    assert segment_bytes(10**12) == 1 << 28  # the largest a segment gets
+    cache.close()

@@ -32,7 +32,7 @@ from .faults import FaultLog
 from .meta import META_NAME, load_meta, write_json_atomic
 from .policy import parse_size
 from .sample_keys import store_key
-from .sample_tiers import HitCounters, SampleTier, store_bytes
+from .sample_tiers import HitCounters, SampleTier, segment_bytes, store_bytes
 from .samples import decode_samples, encode_sample
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .stores.batched import BatchedStore
@@ -204,7 +204,9 @@ class SampleCache:
                 if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
                     store = self._redis_store(location, store_bytes(size))
                 else:
-                    store = PackedStore(location, store_bytes(size), report=self._reporter(name))
+                    store = PackedStore(
+                        location, store_bytes(size), segment_bytes=segment_bytes(size), report=self._reporter(name)
+                    )
             except (StoreError, ConfigError) as exc:
                 self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
                 continue
