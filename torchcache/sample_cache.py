@@ -266,7 +266,7 @@ class SampleCache:
                 break
             frames = tier.get_many([skeys[i] for i in pending])
             found = [(i, frame) for i, frame in zip(pending, frames) if frame is not None]
-            promote, hit = [], set()
+            promote, hit, uppers = [], set(), tiers[:level]
             for (i, frame), sample in zip(found, decode_samples([frame for _, frame in found])):
                 if isinstance(sample, CorruptEntryError):
                     self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
@@ -274,10 +274,11 @@ class SampleCache:
                 else:
                     results[i] = sample
                     hit.add(i)
-                    promote.append((skeys[i], frame))
+                    if uppers:  # a hit below the first tier is copied up
+                        promote.append((skeys[i], frame))
             served[tier.name] += len(hit)
             missed = [i for i in pending if i not in hit]
-            for upper in tiers[:level]:
+            for upper in uppers:
                 upper.put_many(promote)
             pending = missed
         if pending:

@@ -584,7 +584,15 @@ def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
     Raises:
         CorruptEntryError: If the frame is not a valid sample frame.
     """
-    plan, data = _split(frame)
+    return _build_one(*_split(frame))
+
+
+def _build_one(plan: _Plan, data: memoryview) -> Any:
+    """The sample of one data section.
+
+    Raises:
+        CorruptEntryError: If the data does not build (a string that is not UTF-8).
+    """
     try:
         return plan.build_many([data])[0]
     except _DECODE_ERRORS as exc:
@@ -627,9 +635,9 @@ def decode_samples(frames: Sequence[bytes | bytearray | memoryview]) -> list[Any
             built = []
             for data in datas:
                 try:
-                    built.append(plan.build_many([data])[0])
-                except _DECODE_ERRORS as exc:
-                    built.append(CorruptEntryError(f"cannot decode a sample: {str(exc)[:200]}"))
+                    built.append(_build_one(plan, data))
+                except CorruptEntryError as exc:
+                    built.append(exc)
         for j, sample in zip(members, built):
             out[j] = sample
     return out
