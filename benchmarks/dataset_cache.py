@@ -15,8 +15,9 @@ fresh shuffled order, timed from ``iter(loader)`` to the last batch. Compared:
 
 - uncached: the dataset itself;
 - torchcache: ``CachedDataset(dataset, max_memory_size=budget)`` (RAM tier only), where
-  the budget is the fraction times the dataset's charge: ``len(encode_sample(sample)) +
-  ENTRY_OVERHEAD`` per sample; a fraction of 0 is ``max_memory_size=0`` (no tier);
+  the budget holds the fraction's number of samples in the tier's slot file: its header
+  and table (``slot_layout``) plus one slot per sample; a fraction of 0 is
+  ``max_memory_size=0`` (no tier);
 - stocaching 0.2.1: a ``SharedCache`` sized for the same number of samples, with
   ``get_slot``/``set_slot`` in ``__getitem__`` (the label comes from a list);
 - floor: the same samples preloaded into one uint8 tensor, indexed in ``__getitem__``.
@@ -61,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchcache
 from torchcache import CachedDataset
-from torchcache.sample_tiers import ENTRY_OVERHEAD
-from torchcache.samples import encode_sample
+from torchcache.samples import encode_sample, frame_head
+from torchcache.stores.slots import slot_layout
 
 try:
     from PIL import Image
@@ -245,8 +246,11 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
     base = ImageFiles(root, files, labels)
     floor_images, ref, seconds = build_reference(base)
     say(f"reference pass (uncached, in index order): {seconds:.2f} s")
-    charge = len(encode_sample(base[0])) + ENTRY_OVERHEAD
-    assert all(len(encode_sample(base[i])) + ENTRY_OVERHEAD == charge for i in (1, items // 2, items - 1))
+    frame = encode_sample(base[0])
+    assert all(len(encode_sample(base[i])) == len(frame) for i in (1, items // 2, items - 1))
+    head = frame_head(frame)
+    assert head is not None
+    _, charge, fixed = slot_layout(len(frame), head, items)  # bytes per slot, header and table
     slots = {f: round(f * items) for f in FRACTIONS}
     libraries = ["torchcache"] + (["stocaching"] if SharedCache is not None else [])
     rng = np.random.default_rng(1)
@@ -265,7 +269,8 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
     def make(lib: str, f: float, r: int) -> Dataset[Any]:
         if lib == "stocaching":
             return Stocached(base, slots[f])
-        return CachedDataset(base, max_memory_size=slots[f] * charge, version=f"bench-{f}-{r}")
+        budget = fixed + slots[f] * charge if slots[f] else 0
+        return CachedDataset(base, max_memory_size=budget, version=f"bench-{f}-{r}")
 
     def drop(lib: str, f: float, dataset: Dataset[Any]) -> None:
         if isinstance(dataset, Stocached):

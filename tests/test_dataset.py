@@ -30,6 +30,7 @@ from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, s
 from torchcache.samples import SampleTypeError, decode_sample, encode_sample
 from torchcache.shm import LOCK_NAME, job_id
 from torchcache.stores.packed import PackedStore
+from torchcache.stores.slots import SlotStore
 
 
 @pytest.fixture(autouse=True)
@@ -105,14 +106,20 @@ def check_batch(images: torch.Tensor, labels: torch.Tensor) -> list[int]:
     return list(labels.tolist())
 
 
-def stored_samples(directory: Path) -> Iterator[tuple[int, Any]]:
-    """Every entry of a tier's store, decoded, by index (checks the store's own consistency)."""
+def stored_samples(directory: Path, length: int) -> Iterator[tuple[int, Any]]:
+    """Every entry of a tier's store and slots, decoded, by index (checks the store's own consistency)."""
     store = PackedStore(directory, 10**9)
     assert store.verify().ok
     for key in sorted(store.keys()):
         frame = store.get(key)
         assert frame is not None
         yield int(key, 16), decode_sample(frame)
+    slots = SlotStore(directory, length, 10**9, report=lambda kind, message: pytest.fail(message))
+    found, buf = slots.read(range(length))
+    at, stride, size = slots.frame_at, slots.stride, slots.frame_size
+    for j, index in enumerate(found):
+        yield index, decode_sample(buf[j * stride + at : j * stride + at + size])
+    slots.close()
 
 
 def fail(key: object) -> Any:
@@ -152,7 +159,7 @@ def test_the_memory_budget_holds_across_workers(log: Path) -> None:
     assert 0.25 * n < stats.memory.entries < n / 2
     assert stats.memory.bytes <= budget
     assert data.cache.memory_dir is not None
-    cached = dict(stored_samples(data.cache.memory_dir))
+    cached = dict(stored_samples(data.cache.memory_dir, n))
     assert len(cached) == stats.memory.entries
     for i, sample in cached.items():
         assert torch.equal(sample[0], expected(i, shape)) and sample[1] == i
@@ -316,7 +323,7 @@ def test_a_worker_killed_mid_epoch_leaves_every_cached_sample_right(
     gc.collect()
     for directory in (data.cache.memory_dir, data.cache.directory):
         assert directory is not None
-        found = dict(stored_samples(directory))
+        found = dict(stored_samples(directory, 60))
         assert 0 < len(found) < 60
         for i, (image, label) in found.items():
             assert label == i and torch.equal(image, expected(i))
@@ -556,36 +563,74 @@ def test_a_tier_passed_by_another_writer_takes_its_own_entries_back(
 
 
 # -- faults ------------------------------------------------------------------------
-def test_a_damaged_entry_is_a_warning_and_a_recompute(log: Path) -> None:
+def test_a_damaged_entry_is_a_warning_and_a_recompute() -> None:
+    cache = SampleCache("damaged-entry", max_memory_size="1MB")
+    computed: list[str] = []
+
+    def compute(key: str) -> Any:
+        computed.append(key)
+        return torch.full((4,), len(key))
+
+    cache.get("two", compute)
+    assert cache.memory_dir is not None
+    PackedStore(cache.memory_dir, "1MB").put_many([(store_key("two"), b"TCSM not a sample")])
+    with pytest.warns(CacheWarning, match="damaged"):
+        assert torch.equal(cache.get("two", compute), torch.full((4,), 3))
+    assert torch.equal(cache.get("two", compute), torch.full((4,), 3))  # rewritten: a hit, no warning
+    assert computed == ["two", "two"] and cache.stats().memory.hits == 1
+    cache.close()
+
+
+@pytest.mark.parametrize("where", ["frame", "checksum", "table"])
+def test_a_damaged_slot_is_a_warning_and_a_recompute(log: Path, where: str) -> None:
     data = CachedDataset(Numbers(4, log), max_memory_size="1MB")
     data[2]
     assert data.cache.memory_dir is not None
-    PackedStore(data.cache.memory_dir, "1MB").put_many([(store_key(2), b"TCSM not a sample")])
+    slots = SlotStore(data.cache.memory_dir, 4, 10**6, report=lambda kind, message: None)
+    assert slots.ready and 2 in slots
+    number = int(slots._table[2]) - 1  # type: ignore[index]
+    if where == "table":  # the table points at another sample's slot
+        data[3]
+        slots._table[2] = slots._table[3]  # type: ignore[index]
+    else:
+        slot = slots._slots[number]  # type: ignore[index]
+        slot[slots.frame_at + slots.frame_size - 1 if where == "frame" else 3] ^= 0x10
+    slots.close()
     with pytest.warns(CacheWarning, match="damaged"):
         image, label = data[2]
     assert label == 2 and torch.equal(image, expected(2))
-    data[2]  # rewritten: a hit, no warning
-    assert calls(log) == [2, 2] and data.stats().memory.hits == 1
+    data[2]  # rewritten in a new slot: a hit, no warning
+    assert calls(log).count(2) == 2 and data.stats().memory.hits == 1
     data.close()
 
 
+@pytest.mark.parametrize("part", ["store", "slots"])
 def test_an_unexpected_error_of_a_tier_read_is_a_warning_and_a_recompute(
-    log: Path, monkeypatch: pytest.MonkeyPatch
+    log: Path, monkeypatch: pytest.MonkeyPatch, part: str
 ) -> None:
     data = CachedDataset(Numbers(4, log), max_memory_size="1MB")
-    data[1]
 
-    def broken(self: PackedStore, keys: list[str]) -> list[bytes | None]:
+    def get(index: int) -> Any:
+        if part == "slots":
+            return data[index]
+        return data.cache.get(f"name {index}", lambda name: data.dataset[index])  # not an index: the store
+
+    get(1)
+
+    def broken(*args: Any) -> Any:
         raise ValueError("an unforeseen fault")
 
-    monkeypatch.setattr(PackedStore, "get_many", broken)
+    if part == "store":
+        monkeypatch.setattr(PackedStore, "get_many", broken)
+    else:
+        monkeypatch.setattr(SlotStore, "read", broken)
     with pytest.warns(CacheWarning, match="ValueError: an unforeseen fault") as record:
-        samples = [data[1], data[1]]
+        samples = [get(1), get(1)]
     assert len([w for w in record if issubclass(w.category, CacheWarning)]) == 1
     assert all(label == 1 and torch.equal(image, expected(1)) for image, label in samples)
     assert calls(log) == [1, 1, 1]
     monkeypatch.undo()
-    assert data[1][1] == 1 and calls(log) == [1, 1, 1]  # a hit again
+    assert get(1)[1] == 1 and calls(log) == [1, 1, 1]  # a hit again
     data.close()
 
 

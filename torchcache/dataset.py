@@ -140,7 +140,11 @@ class CachedDataset(Dataset[Any]):
             self.fingerprint = directory.name
             size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size
             self.cache = SampleCache(
-                directory.name, directory.parent, max_memory_size=max_memory_size, max_disk_size=size
+                directory.name,
+                directory.parent,
+                max_memory_size=max_memory_size,
+                max_disk_size=size,
+                info={"length": length},
             )
         else:
             try:
@@ -201,7 +205,11 @@ class CachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples of a batch of indices (one lookup per tier), each transformed."""
-        samples = self.cache.get_many([self._index(i) for i in indices], self._compute)
+        if set(map(type, indices)) == {int} and min(indices) >= 0 and max(indices) < self.length:
+            keys = indices  # the common case: indices in range, checked at C speed
+        else:
+            keys = [self._index(i) for i in indices]
+        samples = self.cache.get_many(keys, self._compute)
         return samples if self.transform is None else [self.transform(sample) for sample in samples]
 
     def warmup(self, num_workers: int | None = None, *, batch_size: int = 64, progress: bool = True) -> CacheStats:

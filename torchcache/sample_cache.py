@@ -33,11 +33,12 @@ from .meta import META_NAME, load_meta, write_json_atomic
 from .policy import parse_size
 from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, segment_bytes, store_bytes
-from .samples import decode_samples, encode_sample
+from .samples import decode_rows, decode_samples, encode_sample
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .stores.batched import BatchedStore
 from .stores.packed import PackedStore
 from .stores.redis_url import redact_url
+from .stores.slots import SlotStore
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 
@@ -132,6 +133,9 @@ class SampleCache:
                 size = shm.default_memory_size() if max_memory_size is None else max_memory_size
                 self.max_memory_size = parse_size(size, "max_memory_size")
         self._info = dict(info or {})
+        length = self._info.get("length")
+        #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
+        self.length: int | None = length if type(length) is int and length > 0 else None
         self._counters = HitCounters()
         self._tiers: list[SampleTier] = []
         self._pid: int | None = None
@@ -210,7 +214,10 @@ class SampleCache:
             except (StoreError, ConfigError) as exc:
                 self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
                 continue
-            self._tiers.append(SampleTier(name, store, size, self._faults))
+            slots = None
+            if name == "memory" and self.length is not None and isinstance(location, Path):
+                slots = SlotStore(location, self.length, size, self._reporter(name))
+            self._tiers.append(SampleTier(name, store, size, self._faults, slots))
         self._pid = os.getpid()
 
     def _redis_store(self, url: str, max_bytes: int) -> BatchedStore:
@@ -256,11 +263,17 @@ class SampleCache:
             SampleTypeError: If a computed sample holds a value that cannot be cached.
             ValueError: If ``compute_many`` returns the wrong number of samples.
         """
-        skeys = [store_key(key) for key in keys]
         results: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
         served = {"memory": 0, "disk": 0}
         tiers = self._open()
+        slots = tiers[0].slots_ready() if tiers else None  # only the RAM tier, the first, has slots
+        if slots is not None:
+            hit = self._from_slots(tiers[0], slots, keys, results)
+            if hit:
+                served[tiers[0].name] += len(hit)
+                pending = [i for i in pending if i not in hit] if len(hit) < len(keys) else []
+        skeys = [store_key(key) for key in keys] if pending else []
         for level, tier in enumerate(tiers):
             if not pending:
                 break
@@ -297,17 +310,49 @@ class SampleCache:
         self._summaries.tick(self.summary)
         return results
 
+    def _from_slots(
+        self, tier: SampleTier, slots: SlotStore, keys: Sequence[int | str], results: list[Any]
+    ) -> set[int]:
+        """Fill ``results`` from the slots of a tier for the keys that are indices; return their positions."""
+        ints = [i for i, key in enumerate(keys) if type(key) is int]
+        if not ints:
+            return set()
+        wanted: Sequence[Any] = [keys[i] for i in ints] if len(ints) < len(keys) else keys
+        found, buf = tier.read_slots(wanted)
+        if not found:
+            return set()
+        stride, at, size = slots.stride, slots.frame_at, slots.frame_size
+        samples: list[Any] | None = decode_rows(buf, len(found), stride, at, size)
+        if samples is not None:  # the common case: every frame alike, none damaged
+            places = [ints[position] for position in found]
+            for i, sample in zip(places, samples):
+                results[i] = sample
+            return set(places)
+        view = memoryview(buf)  # frames of several structures (or a damaged one): one by one
+        hit = set()
+        for position, sample in zip(
+            found, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
+        ):
+            i = ints[position]
+            if isinstance(sample, CorruptEntryError):
+                self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
+                tier.drop(store_key(keys[i]))
+            else:
+                results[i] = sample
+                hit.add(i)
+        return hit
+
     def __contains__(self, key: object) -> bool:
         try:
             skey = store_key(key)  # type: ignore[arg-type]
         except KeyingError:
             return False
-        return any(skey in tier.store for tier in self._open())
+        return any(skey in tier for tier in self._open())
 
     def missing(self, keys: Sequence[int | str], tier: str | None = None) -> list[int | str]:
         """The keys not stored in ``tier`` (``"memory"`` or ``"disk"``; ``None``: in no tier)."""
-        stores = [t.store for t in self._open() if tier is None or t.name == tier]
-        return [key for key in keys if not any(store_key(key) in store for store in stores)]
+        tiers = [t for t in self._open() if tier is None or t.name == tier]
+        return [key for key in keys if not any(store_key(key) in t for t in tiers)]
 
     # -- upkeep -------------------------------------------------------------------------
     def summary(self) -> str:
@@ -317,13 +362,13 @@ class SampleCache:
     def stats(self) -> CacheStats:
         """Hits per tier and misses (over this process and its DataLoader workers), and each tier's size."""
         memory_hits, disk_hits, misses = self._counters.totals()
-        by_name = {tier.name: tier.store for tier in self._open()}
+        by_name = {tier.name: tier for tier in self._open()}
 
         def tier_stats(name: str, hits: int, max_bytes: int) -> TierStats:
-            store = by_name.get(name)
-            if store is None:
+            tier = by_name.get(name)
+            if tier is None:
                 return TierStats(entries=0, bytes=0, max_bytes=max_bytes, hits=hits)
-            return TierStats(entries=len(store), bytes=store.nbytes, max_bytes=max_bytes, hits=hits)
+            return TierStats(entries=len(tier), bytes=tier.nbytes, max_bytes=max_bytes, hits=hits)
 
         hits = memory_hits + disk_hits
         return CacheStats(
@@ -380,7 +425,7 @@ class SampleCache:
         with self._lock:
             if self._pid == os.getpid():
                 for tier in self._tiers:
-                    tier.store.close()
+                    tier.close()
             self._tiers, self._pid = [], None
             if self.job_dir is not None and self._held_pid == os.getpid():
                 self._held_pid = None

@@ -8,6 +8,11 @@ would rewrite the tier all the time for the same hit rate.) The store under a ti
 an eighth more room than the budget, so that two processes admitting at once never make
 it evict: the one that finds the budget passed after its write removes its own entries.
 A tier that fails to write warns once and is only read from then on, in that process.
+
+The RAM tier of a dataset of known length keeps the samples whose frames share the
+first frame's size in a :class:`~torchcache.stores.slots.SlotStore` (one slot per
+index, no index transaction) and the others in its packed store; both count against
+its one budget.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import torch.utils.data
 
 from ._log import logger
 from .faults import FaultLog
+from .samples import frame_head
 from .stores.batched import BatchedStore
 from .stores.packed import INDEX_ENTRY_BYTES
+from .stores.slots import SlotStore
 
 __all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "segment_bytes", "store_bytes"]
 
@@ -78,21 +85,63 @@ class SampleTier:
     Args:
         name: ``"memory"`` or ``"disk"``, for messages.
         store: The store.
-        budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry.
+        budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry
+            in the store, and the slot file's bytes.
         faults: Where faults are warned about.
+        slots: Slots for the samples of a dataset (keys that are indices), if any.
     """
 
-    def __init__(self, name: str, store: BatchedStore, budget: int, faults: FaultLog) -> None:
+    def __init__(
+        self, name: str, store: BatchedStore, budget: int, faults: FaultLog, slots: SlotStore | None = None
+    ) -> None:
         self.name = name
         self.store = store
         self.budget = budget
         self.faults = faults
+        self.slots = slots
         self.writable = True
         self.full = False
 
+    def _store_used(self) -> int:
+        return self.store.nbytes + len(self.store) * ENTRY_OVERHEAD
+
     def used(self) -> int:
         """The bytes the tier's entries count against its budget."""
-        return self.store.nbytes + len(self.store) * ENTRY_OVERHEAD
+        return self._store_used() + (self.slots.nbytes if self.slots is not None else 0)
+
+    def __len__(self) -> int:
+        """Entries in the store and the slots."""
+        return len(self.store) + (len(self.slots) if self.slots is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the store's entries and of the slot file."""
+        return self.store.nbytes + (self.slots.nbytes if self.slots is not None else 0)
+
+    def __contains__(self, key: object) -> bool:
+        slots = self.slots
+        if slots is not None and type(key) is str and len(key) == 16 and int(key, 16) in slots:
+            return True
+        return key in self.store
+
+    def slots_ready(self) -> SlotStore | None:
+        """The slot store, if it exists now (another process of the job may have made it)."""
+        slots = self.slots
+        if slots is None or not (slots.ready or slots.attach()):
+            return None
+        return slots
+
+    def read_slots(self, indices: Sequence[int]) -> tuple[list[int], bytearray]:
+        """The found positions of ``indices`` and their slots (see :meth:`SlotStore.read`); none if it fails."""
+        slots = self.slots
+        assert slots is not None
+        try:
+            return slots.read(indices)
+        except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample
+            what = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+            message = f"cannot read the {self.name} tier's slots ({what}); samples are computed"
+            self.faults.warn(f"{self.name}-read", message)
+            return [], bytearray()
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
@@ -108,6 +157,10 @@ class SampleTier:
         if not items or self.full or not self.writable:
             return
         try:
+            if self.slots is not None and self.slots.usable:
+                items = self._put_slots(items)
+                if not items or self.full:
+                    return
             room = self.budget - self.used()
             admitted = []
             for key, frame in items:
@@ -127,6 +180,39 @@ class SampleTier:
                 f"cannot write to the {self.name} tier ({exc}); samples are computed, not cached there, from now on",
             )
 
+    def _put_slots(self, items: Sequence[tuple[str, bytes | memoryview]]) -> Sequence[tuple[str, bytes | memoryview]]:
+        """Store in the slots what they take; return the items for the packed store.
+
+        The first frame stored fixes the slots' frame size; frames of other sizes, and keys
+        that are not indices of the dataset, go to the packed store.
+
+        Raises:
+            OSError: If the slots cannot be written.
+        """
+        slots = self.slots
+        assert slots is not None
+        chosen: list[tuple[int, bytes | memoryview]] = []
+        rest: list[tuple[str, bytes | memoryview]] = []
+        for key, frame in items:
+            index = int(key, 16) if len(key) == 16 else -1  # store keys of indices have 16 digits
+            if 0 <= index < slots.length and (not slots.ready or len(frame) == slots.frame_size):
+                chosen.append((index, frame))
+            else:
+                rest.append((key, frame))
+        if not chosen:
+            return items
+        if not slots.ready:
+            head = frame_head(chosen[0][1])
+            if head is None or not slots.create(len(chosen[0][1]), head):
+                return items
+            size = slots.frame_size
+            rest += [(f"{index:016x}", frame) for index, frame in chosen if len(frame) != size]
+            chosen = [(index, frame) for index, frame in chosen if len(frame) == size]
+        if slots.put_many(chosen, self.budget - self._store_used()):
+            self.full = True
+            logger.info("the %s tier %s is full: later samples are not cached there", self.name, slots.path)
+        return rest
+
     def _give_back(self, written: list[tuple[str, bytes | memoryview]]) -> None:
         """If other processes wrote at the same time and the budget is passed, remove this write's entries."""
         over = self.used() - self.budget
@@ -143,8 +229,16 @@ class SampleTier:
 
     def drop(self, key: str) -> None:
         """Remove a damaged entry, if the tier can be written."""
+        if self.slots is not None and len(key) == 16:
+            self.slots.drop(int(key, 16))
         with contextlib.suppress(OSError, lmdb.Error):
             self.store.delete_many([key])
+
+    def close(self) -> None:
+        """Close the store and the slots."""
+        self.store.close()
+        if self.slots is not None:
+            self.slots.close()
 
 
 def store_bytes(budget: int) -> int:

@@ -34,7 +34,16 @@ import torch
 
 from .errors import CorruptEntryError, KeyingError
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "SampleTypeError", "decode_sample", "decode_samples", "encode_sample"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "SampleTypeError",
+    "decode_rows",
+    "decode_sample",
+    "decode_samples",
+    "encode_sample",
+    "frame_head",
+]
 
 #: Containers nested deeper than this are refused (encoding) or rejected (decoding).
 MAX_DEPTH = 32
@@ -681,6 +690,51 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
         return []
     done = set(alike)
     return [j for j in everything if j not in done]
+
+
+def frame_head(frame: bytes | bytearray | memoryview) -> int | None:
+    """The bytes of a sample frame before its data section; ``None`` if it is not a valid frame.
+
+    Example:
+        >>> frame = encode_sample((torch.zeros(2, dtype=torch.uint8), 3))
+        >>> 0 < frame_head(frame) < len(frame), frame_head(b"junk")
+        (True, None)
+    """
+    try:
+        _, data = _split(frame)
+    except CorruptEntryError:
+        return None
+    return len(frame) - len(data)
+
+
+def decode_rows(buf: bytearray, n: int, stride: int, at: int, size: int) -> list[Any] | None:
+    """Decode ``n`` frames of ``size`` bytes laid ``stride`` bytes apart in ``buf``, the first at ``at``.
+
+    The samples are views of ``buf``, as :func:`decode_samples` makes them of its own
+    copy: a batch of frames already side by side (a gathered block of slots) is decoded
+    without another copy and without work per frame in Python.
+
+    Returns:
+        The samples, or ``None`` when the frames are not alike (their headers differ), their
+        data sections are not 16-byte aligned, or one fails to build: decode them one by one
+        then (:func:`decode_samples` on views of the rows).
+    """
+    if n == 0:
+        return []
+    try:
+        plan, data = _split(memoryview(buf)[at : at + size])
+    except CorruptEntryError:
+        return None
+    head = size - len(data)
+    if (at + head) % _STRIDE_ALIGN or stride % _STRIDE_ALIGN or at + (n - 1) * stride + size > len(buf):
+        return None
+    heads = np.ndarray((n, head), np.uint8, buffer=buf, offset=at, strides=(stride, 1))
+    if n > 1 and not (heads[1:] == heads[0]).all():
+        return None
+    try:
+        return plan.build_rows(buf, at + head, n, stride)
+    except _DECODE_ERRORS:
+        return None
 
 
 def _flat_bytes(frame: bytes | bytearray | memoryview) -> bool:
