@@ -329,3 +329,36 @@ def test_decode_rows_builds_alike_frames_and_declines_others() -> None:
         3,
         2,
     )
+
+
+def test_samples_of_one_size_and_several_structures_share_the_slots() -> None:
+    class Shapes(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.full((2, 6) if i % 2 else (3, 4), float(i)), i  # one frame size, two headers
+
+    data = CachedDataset(Shapes(), max_memory_size="1MB")
+    first = data.__getitems__(list(range(10)))
+    again = data.__getitems__(list(range(10)))  # from the slots, built one by one
+    assert data.stats().memory.hits == 10
+    assert data.cache.memory_dir is not None and len(PackedStore(data.cache.memory_dir, "1MB")) == 0
+    for i, ((x, a), (y, b)) in enumerate(zip(first, again)):
+        assert a == b == i and torch.equal(x, y) and y.shape == ((2, 6) if i % 2 else (3, 4))
+    data.close()
+
+
+def test_a_file_system_without_fallocate_gets_its_pages_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unsupported(*args: Any) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    store, reports = make(tmp_path, length=3000)
+    assert store.create(SIZE, 35) and reports == []
+    assert os.stat(tmp_path / SLOTS_NAME).st_blocks * 512 >= store.slots_at  # header and table written
+    store.put_many([(2999, frame(2999))], 10**6)
+    assert read_all(store, [2999]) == {2999: frame(2999)}
+    store.close()
