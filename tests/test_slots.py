@@ -362,3 +362,20 @@ def test_a_file_system_without_fallocate_gets_its_pages_written(
     store.put_many([(2999, frame(2999))], 10**6)
     assert read_all(store, [2999]) == {2999: frame(2999)}
     store.close()
+
+
+def test_a_slot_that_passes_its_checksum_but_is_not_a_sample_is_a_warning_and_a_recompute() -> None:
+    data = CachedDataset([(torch.full((4,), float(i)), i) for i in range(6)], max_memory_size="1MB")
+    data.__getitems__(list(range(6)))
+    assert data.cache.memory_dir is not None
+    planted = SlotStore(data.cache.memory_dir, 6, 10**6, report=lambda kind, message: None)
+    assert planted.attach()
+    planted.drop(3)
+    planted.put_many([(3, b"\xff" * planted.frame_size)], 10**6)  # a valid slot holding no sample frame
+    planted.close()
+    with pytest.warns(CacheWarning, match="damaged"):
+        samples = data.__getitems__(list(range(6)))
+    assert [label for _, label in samples] == list(range(6)) and torch.equal(samples[3][0], torch.full((4,), 3.0))
+    assert data.stats().memory.hits == 5
+    assert data[3][1] == 3 and data.stats().memory.hits == 6  # written again, a hit
+    data.close()
