@@ -379,3 +379,16 @@ def test_a_slot_that_passes_its_checksum_but_is_not_a_sample_is_a_warning_and_a_
     assert data.stats().memory.hits == 5
     assert data[3][1] == 3 and data.stats().memory.hits == 6  # written again, a hit
     data.close()
+
+
+def test_int_keys_outside_the_dataset_skip_the_slots_without_a_warning(recwarn: pytest.WarningsRecorder) -> None:
+    from torchcache import SampleCache
+
+    cache = SampleCache("outside", max_memory_size="1MB", info={"length": 4})
+    keys = [2, 2**63 + 5, -3, 4]
+    first = cache.get_many(keys, lambda missing: [torch.full((2,), float(k % 97)) for k in missing])
+    again = cache.get_many(keys, lambda missing: pytest.fail(f"computed {missing}"))
+    assert [float(x[0]) for x in first] == [float(x[0]) for x in again] == [float(k % 97) for k in keys]
+    assert not [w for w in recwarn if issubclass(w.category, CacheWarning)]
+    assert cache.memory_dir is not None and len(PackedStore(cache.memory_dir, "1MB")) == 3  # only 2 is in a slot
+    cache.close()

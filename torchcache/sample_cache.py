@@ -314,7 +314,8 @@ class SampleCache:
         self, tier: SampleTier, slots: SlotStore, keys: Sequence[int | str], results: list[Any]
     ) -> set[int]:
         """Fill ``results`` from the slots of a tier for the keys that are indices; return their positions."""
-        ints = [i for i, key in enumerate(keys) if type(key) is int]
+        length = slots.length
+        ints = [i for i, key in enumerate(keys) if type(key) is int and 0 <= key < length]
         if not ints:
             return set()
         wanted: Sequence[Any] = [keys[i] for i in ints] if len(ints) < len(keys) else keys
