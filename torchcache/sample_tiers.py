@@ -191,23 +191,26 @@ class SampleTier:
         """
         slots = self.slots
         assert slots is not None
+
+        def index_of(key: str) -> int:  # store keys of indices have 16 digits
+            index = int(key, 16) if len(key) == 16 else -1
+            return index if index < slots.length else -1
+
+        if not slots.ready:
+            first = next((frame for key, frame in items if index_of(key) >= 0), None)
+            head = None if first is None else frame_head(first)
+            if first is None or head is None or not slots.create(len(first), head):
+                return items
         chosen: list[tuple[int, bytes | memoryview]] = []
         rest: list[tuple[str, bytes | memoryview]] = []
         for key, frame in items:
-            index = int(key, 16) if len(key) == 16 else -1  # store keys of indices have 16 digits
-            if 0 <= index < slots.length and (not slots.ready or len(frame) == slots.frame_size):
+            index = index_of(key)
+            if index >= 0 and len(frame) == slots.frame_size:
                 chosen.append((index, frame))
             else:
                 rest.append((key, frame))
         if not chosen:
-            return items
-        if not slots.ready:
-            head = frame_head(chosen[0][1])
-            if head is None or not slots.create(len(chosen[0][1]), head):
-                return items
-            size = slots.frame_size
-            rest += [(f"{index:016x}", frame) for index, frame in chosen if len(frame) != size]
-            chosen = [(index, frame) for index, frame in chosen if len(frame) == size]
+            return rest
         if slots.put_many(chosen, self.budget - self._store_used()):
             self.full = True
             logger.info("the %s tier %s is full: later samples are not cached there", self.name, slots.path)
