@@ -27,10 +27,10 @@ from torchcache.errors import ConfigError, KeyingError
 from torchcache.faults import FaultLog
 from torchcache.sample_keys import fingerprint_dataset, store_key
 from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
-from torchcache.samples import SampleTypeError, decode_sample, encode_sample
+from torchcache.samples import SampleTypeError, decode_sample, encode_sample, frame_head
 from torchcache.shm import LOCK_NAME, job_id
 from torchcache.stores.packed import PackedStore
-from torchcache.stores.slots import SlotStore
+from torchcache.stores.slots import SlotStore, slot_layout
 
 
 @pytest.fixture(autouse=True)
@@ -485,6 +485,41 @@ def test_a_bad_sample_type_is_a_clear_error() -> None:
         data.__getitems__([1, 2])
     with pytest.raises(TypeError, match="__len__"):
         CachedDataset(iter([1, 2]))
+    data.close()
+
+
+class BadAt(Numbers):
+    """:class:`Numbers`, but sample ``bad`` holds a value that cannot be cached."""
+
+    def __init__(self, n: int, log: Path, bad: int) -> None:
+        super().__init__(n, log)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> Any:
+        image, label = super().__getitem__(i)
+        return (image, {"label": FakeImage()}) if i == self.bad else (image, label)
+
+
+def test_a_full_tier_encodes_no_sample_but_still_refuses_bad_ones(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.sample_cache as sample_cache
+
+    frame = encode_sample((expected(0), 0))
+    head = frame_head(frame)
+    assert head is not None
+    _, stride, fixed = slot_layout(len(frame), head, 40)
+    data = CachedDataset(BadAt(40, log, bad=30), max_memory_size=fixed + 10 * stride)
+    assert [label for _, label in data.__getitems__(list(range(20)))] == list(range(20))
+    assert data.stats().memory.entries == 10  # the tier is full
+    encoded: list[object] = []
+    monkeypatch.setattr(sample_cache, "encode_sample", lambda sample: encoded.append(sample) or b"")
+    samples = data.__getitems__(list(range(20, 30)))
+    assert [label for _, label in samples] == list(range(20, 30))
+    for i, (image, _) in zip(range(20, 30), samples):
+        assert torch.equal(image, expected(i))
+    assert encoded == []  # nothing is encoded for a tier that takes no more
+    with pytest.raises(SampleTypeError, match=r"sample\[1\]\['label'\]: cannot cache a value of type PIL"):
+        data[30]
+    assert data.stats().memory.entries == 10 and calls(log) == list(range(31))
     data.close()
 
 

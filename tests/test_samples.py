@@ -22,6 +22,7 @@ from torchcache.samples import (
     NUMPY_DTYPES,
     TORCH_DTYPES,
     SampleTypeError,
+    check_sample,
     decode_sample,
     decode_samples,
     encode_sample,
@@ -347,6 +348,32 @@ def test_unsupported_values_name_their_type_path_and_fix(sample: Any, path: str,
     for word in words:
         assert word in message, message
     assert isinstance(info.value, KeyingError) and isinstance(info.value, TypeError)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plain_samples)
+def test_check_sample_accepts_what_encodes(sample: Any) -> None:
+    encode_sample(sample)
+    assert check_sample(sample) is None
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        (torch.ones(2), {"label": FakeImage()}),
+        (torch.ones(2), FakeImage()),
+        [torch.ones(2), object()],
+        (torch.ones(2).to_sparse(), 1),
+        (torch.empty(2, device="meta"), 1),
+        ({"a": np.array([object()])},),
+    ],
+)
+def test_check_sample_refuses_what_encoding_refuses(sample: Any) -> None:
+    with pytest.raises(SampleTypeError) as encoding:
+        encode_sample(sample)
+    with pytest.raises(SampleTypeError) as checking:
+        check_sample(sample)
+    assert str(checking.value) == str(encoding.value)
 
 
 def test_nesting_deeper_than_the_limit_is_refused() -> None:

@@ -33,7 +33,7 @@ from .meta import META_NAME, load_meta, write_json_atomic
 from .policy import parse_size
 from .sample_keys import store_key
 from .sample_tiers import HitCounters, SampleTier, segment_bytes, store_bytes
-from .samples import decode_rows, decode_samples, encode_sample
+from .samples import check_sample, decode_rows, decode_samples, encode_sample
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .stores.batched import BatchedStore
 from .stores.packed import PackedStore
@@ -273,7 +273,7 @@ class SampleCache:
             if hit:
                 served[tiers[0].name] += len(hit)
                 pending = [i for i in pending if i not in hit] if len(hit) < len(keys) else []
-        skeys = [store_key(key) for key in keys] if pending else []
+        skeys = {i: store_key(keys[i]) for i in pending}  # hits in slots need no store key
         for level, tier in enumerate(tiers):
             if not pending:
                 break
@@ -298,12 +298,15 @@ class SampleCache:
             computed = compute_many([keys[i] for i in pending])
             if len(computed) != len(pending):
                 raise ValueError(f"compute_many returned {len(computed)} samples for {len(pending)} keys")
+            takers = [tier for tier in tiers if tier.accepting]  # full tiers: samples are only checked
             items = []
             for i, sample in zip(pending, computed):
                 results[i] = sample
-                if tiers:
+                if takers:
                     items.append((skeys[i], _encode(sample, keys[i])))
-            for tier in tiers:
+                elif tiers:
+                    _encode(sample, keys[i], check_only=True)
+            for tier in takers:
                 tier.put_many(items)
         self._counters.add(served["memory"], served["disk"], len(pending))
         self._faults.emit()
@@ -434,8 +437,12 @@ class SampleCache:
                 shm.release(self.job_dir)
 
 
-def _encode(sample: object, key: object) -> bytes:
+def _encode(sample: object, key: object, check_only: bool = False) -> bytes:
+    """The frame of a sample (only checked, ``b""``, with ``check_only``); a :class:`SampleTypeError` names the key."""
     try:
+        if check_only:
+            check_sample(sample)
+            return b""
         return encode_sample(sample)
     except KeyingError as exc:
         raise type(exc)(f"the sample of {key!r}: {exc}") from None

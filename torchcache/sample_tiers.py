@@ -102,6 +102,11 @@ class SampleTier:
         self.writable = True
         self.full = False
 
+    @property
+    def accepting(self) -> bool:
+        """Whether the tier takes new entries (it is neither full nor failed, in this process)."""
+        return self.writable and not self.full
+
     def _store_used(self) -> int:
         return self.store.nbytes + len(self.store) * ENTRY_OVERHEAD
 
@@ -154,7 +159,7 @@ class SampleTier:
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Write the items that fit; once one does not, take no more."""
-        if not items or self.full or not self.writable:
+        if not items or not self.accepting:
             return
         try:
             if self.slots is not None and self.slots.usable:

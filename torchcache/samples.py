@@ -38,6 +38,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NODES",
     "SampleTypeError",
+    "check_sample",
     "decode_rows",
     "decode_sample",
     "decode_samples",
@@ -197,7 +198,7 @@ _PLAIN_ITEMS = 16
 _plain_headers: dict[tuple[Any, ...], bytes] = {}
 
 
-def _plain_frame(sample: object) -> bytes | None:
+def _plain_frame(sample: object, build: bool = True) -> bytes | None:
     """The frame of the most common samples, built without walking a tree; ``None`` for the others.
 
     A plain sample is one contiguous CPU tensor, or a tuple or list of at most
@@ -205,7 +206,8 @@ def _plain_frame(sample: object) -> bytes | None:
     dataset of ``(image, label)`` returns. Its prefix and header depend only on its
     structure, dtypes and shapes, so they are taken from the first frame of each
     structure that :func:`_encode_tree` makes; the frame is the one it would make (its
-    leaves at multiples of 8 bytes).
+    leaves at multiples of 8 bytes). With ``build=False``, only whether the sample is
+    plain: ``b""`` for a plain sample (nothing is built), ``None`` for the others.
     """
     cls = type(sample)
     items: tuple[object, ...] | list[object]
@@ -231,6 +233,8 @@ def _plain_frame(sample: object) -> bytes | None:
                 or tensor.is_neg()
             ):
                 return None
+            if not build:
+                continue
             data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte] = _bytes_in_place(tensor)
             signature.append((tensor.dtype, tensor.shape))
         elif kind is int:
@@ -243,11 +247,15 @@ def _plain_frame(sample: object) -> bytes | None:
             signature.append(float)
         else:
             return None
+        if not build:
+            continue
         pad = -size % _ALIGN
         if pad:
             chunks.append(b"\0" * pad)
         chunks.append(data)
         size += pad + len(data)
+    if not build:
+        return b""
     key = tuple(signature)
     head = _plain_headers.get(key)
     if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
@@ -290,6 +298,19 @@ def encode_sample(sample: object, name: str = "sample") -> bytes:
     """
     frame = _plain_frame(sample)
     return frame if frame is not None else _encode_tree(sample, name)
+
+
+def check_sample(sample: object, name: str = "sample") -> None:
+    """Check that a sample can be cached, as :func:`encode_sample` would, without keeping a frame.
+
+    For a plain sample (a tensor, or a short tuple or list of tensors and numbers) this
+    only looks at types, about a microsecond; any other sample is encoded.
+
+    Raises:
+        SampleTypeError: As :func:`encode_sample`.
+    """
+    if _plain_frame(sample, build=False) is None:
+        _encode_tree(sample, name)
 
 
 def _encode_tree(sample: object, name: str) -> bytes:
