@@ -287,6 +287,57 @@ def test_a_full_file_system_turns_the_tier_writes_off_with_a_warning(
     tier.close()
 
 
+class Opener:
+    """Opens a tier's packed store when called, and counts the calls; ``fail`` raises instead."""
+
+    def __init__(self, directory: Path, fail: bool = False) -> None:
+        self.directory, self.fail, self.calls = directory, fail, 0
+
+    def __call__(self) -> PackedStore:
+        self.calls += 1
+        if self.fail:
+            raise StoreError(f"cannot create the store directory {self.directory}: Permission denied")
+        return PackedStore(self.directory, 10**6)
+
+
+def test_a_tier_opens_its_store_only_for_what_is_not_in_its_slots(tmp_path: Path) -> None:
+    def tier(opener: Opener) -> SampleTier:
+        return SampleTier("memory", opener, 10**6, FaultLog("lazy"), SlotStore(tmp_path, 10, 10**6, lambda k, m: None))
+
+    samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(10)}
+    writer = tier(Opener(tmp_path / "store"))
+    writer.put_many([(store_key(i), samples[i]) for i in range(6)] + [("ab" * 8 + "cd", b"other")])
+    assert writer._opener is not None and writer._opener.calls == 1  # the budget counts the store
+    reader_opener = Opener(tmp_path / "store")
+    reader = tier(reader_opener)  # as in another process
+    slots = reader.slots_ready()
+    assert slots is not None
+    found, buf = reader.read_slots(list(range(10)))
+    assert found == list(range(6)) and reader_opener.calls == 0
+    assert decode_rows(buf, 6, slots.stride, slots.frame_at, slots.frame_size)[3][1] == 3
+    reader.flush()
+    assert reader_opener.calls == 0
+    assert reader.get_many(["ab" * 8 + "cd"]) == [b"other"] and reader_opener.calls == 1
+    assert len(reader) == 7 and reader_opener.calls == 1
+    for each in (writer, reader):
+        each.close()
+
+
+def test_a_store_that_cannot_be_opened_leaves_the_slots_working(tmp_path: Path) -> None:
+    opener = Opener(tmp_path / "store", fail=True)
+    tier = SampleTier("memory", opener, 10**6, FaultLog("lazy"), SlotStore(tmp_path, 10, 10**6, lambda k, m: None))
+    with pytest.warns(CacheWarning, match="cannot open the memory tier's store .*Permission denied.*only its slots"):
+        tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(4)] + [("ab" * 8, b"x")])
+        tier.faults.emit()
+    assert tier.writable and opener.calls == 1
+    assert tier.read_slots([0, 3, 5])[0] == [0, 1]
+    assert tier.get_many(["ab" * 8]) == [None] and "ab" * 8 not in tier
+    assert len(tier) == 4 and tier.nbytes > 0 and tier.used() == tier.nbytes
+    tier.drop("ab" * 8)
+    assert opener.calls == 1  # not tried again
+    tier.close()
+
+
 def test_samples_of_other_sizes_go_to_the_packed_store(tmp_path: Path) -> None:
     class Varied(torch.utils.data.Dataset[Any]):
         def __len__(self) -> int:

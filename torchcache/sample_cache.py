@@ -14,6 +14,7 @@ fault of a tier (a full or read-only disk, a damaged entry) is one
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -201,21 +202,29 @@ class SampleCache:
         for name, (location, size) in zip(_TIERS, places):
             if location is None or not size:
                 continue
+            with_slots = name == "memory" and self.length is not None and isinstance(location, Path)
             try:
                 if name == "memory" and self.job_dir is not None and self._held_pid != os.getpid():
                     self._hold_memory(self.job_dir)
-                store: BatchedStore
+                store: BatchedStore | Callable[[], BatchedStore]
                 if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
                     store = self._redis_store(location, store_bytes(size))
                 else:
-                    store = PackedStore(
-                        location, store_bytes(size), segment_bytes=segment_bytes(size), report=self._reporter(name)
+                    store = functools.partial(
+                        PackedStore,
+                        location,
+                        store_bytes(size),
+                        segment_bytes=segment_bytes(size),
+                        report=self._reporter(name),
                     )
+                    if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
+                        store = store()
             except (StoreError, ConfigError) as exc:
                 self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
                 continue
             slots = None
-            if name == "memory" and self.length is not None and isinstance(location, Path):
+            if with_slots:
+                assert isinstance(location, Path) and self.length is not None
                 slots = SlotStore(location, self.length, size, self._reporter(name))
             self._tiers.append(SampleTier(name, store, size, self._faults, slots))
         self._pid = os.getpid()
@@ -419,7 +428,7 @@ class SampleCache:
     def flush(self) -> None:
         """Make this process's writes durable against a killed process (they are when ``get`` returns)."""
         for tier in self._tiers if self._pid == os.getpid() else []:
-            tier.store.flush()
+            tier.flush()
 
     def close(self) -> None:
         """Close the stores and let go of the RAM tier; it is removed if no other process uses it.

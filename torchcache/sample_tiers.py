@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.context
 import multiprocessing.sharedctypes
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmdb
 import torch.utils.data
 
 from ._log import logger
+from .errors import ConfigError
 from .faults import FaultLog
 from .samples import frame_head
 from .stores.batched import BatchedStore
@@ -84,7 +86,10 @@ class SampleTier:
 
     Args:
         name: ``"memory"`` or ``"disk"``, for messages.
-        store: The store.
+        store: The store, or a function that opens it: then it is opened on first use
+            (a RAM tier whose samples are all in slots never opens its store in a
+            DataLoader worker), and if it cannot be, the tier warns once and keeps to
+            its slots.
         budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry
             in the store, and the slot file's bytes.
         faults: Where faults are warned about.
@@ -92,10 +97,21 @@ class SampleTier:
     """
 
     def __init__(
-        self, name: str, store: BatchedStore, budget: int, faults: FaultLog, slots: SlotStore | None = None
+        self,
+        name: str,
+        store: BatchedStore | Callable[[], BatchedStore],
+        budget: int,
+        faults: FaultLog,
+        slots: SlotStore | None = None,
     ) -> None:
         self.name = name
-        self.store = store
+        self._store: BatchedStore | None = None
+        self._opener: Callable[[], BatchedStore] | None = None
+        if callable(store):
+            self._opener = store
+        else:
+            self._store = store
+        self._open_lock = threading.Lock()
         self.budget = budget
         self.faults = faults
         self.slots = slots
@@ -103,12 +119,29 @@ class SampleTier:
         self.full = False
 
     @property
+    def store(self) -> BatchedStore | None:
+        """The packed store, opened now if it was not (``None`` if it cannot be)."""
+        if self._store is None and self._opener is not None:
+            with self._open_lock:
+                if self._store is None and self._opener is not None:
+                    try:
+                        self._store = self._opener()
+                    except (OSError, lmdb.Error, ConfigError) as exc:  # StoreError is an OSError
+                        self._opener = None
+                        self.faults.warn(
+                            f"{self.name}-open",
+                            f"cannot open the {self.name} tier's store ({exc}); only its slots are used",
+                        )
+        return self._store
+
+    @property
     def accepting(self) -> bool:
         """Whether the tier takes new entries (it is neither full nor failed, in this process)."""
         return self.writable and not self.full
 
     def _store_used(self) -> int:
-        return self.store.nbytes + len(self.store) * ENTRY_OVERHEAD
+        store = self.store
+        return 0 if store is None else store.nbytes + len(store) * ENTRY_OVERHEAD
 
     def used(self) -> int:
         """The bytes the tier's entries count against its budget."""
@@ -116,18 +149,21 @@ class SampleTier:
 
     def __len__(self) -> int:
         """Entries in the store and the slots."""
-        return len(self.store) + (len(self.slots) if self.slots is not None else 0)
+        store = self.store
+        return (0 if store is None else len(store)) + (len(self.slots) if self.slots is not None else 0)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the store's entries and of the slot file."""
-        return self.store.nbytes + (self.slots.nbytes if self.slots is not None else 0)
+        store = self.store
+        return (0 if store is None else store.nbytes) + (self.slots.nbytes if self.slots is not None else 0)
 
     def __contains__(self, key: object) -> bool:
         slots = self.slots
         if slots is not None and type(key) is str and len(key) == 16 and int(key, 16) in slots:
             return True
-        return key in self.store
+        store = self.store
+        return store is not None and key in store
 
     def slots_ready(self) -> SlotStore | None:
         """The slot store, if it exists now (another process of the job may have made it)."""
@@ -151,7 +187,10 @@ class SampleTier:
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
         try:
-            return self.store.get_many(keys)
+            store = self.store
+            if store is None or (self.slots is not None and len(store) == 0):  # the usual RAM tier: all in slots
+                return [None] * len(keys)
+            return store.get_many(keys)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample (OSError, lmdb.Error...)
             what = str(exc) if isinstance(exc, (OSError, lmdb.Error)) else f"{type(exc).__name__}: {exc}"
             self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({what}); samples are computed")
@@ -166,18 +205,21 @@ class SampleTier:
                 items = self._put_slots(items)
                 if not items or self.full:
                     return
+            store = self.store
+            if store is None:
+                return
             room = self.budget - self.used()
             admitted = []
             for key, frame in items:
                 room -= len(frame) + ENTRY_OVERHEAD
                 if room < 0:
                     self.full = True
-                    logger.info("the %s tier %s is full: later samples are not cached there", self.name, self.store)
+                    logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
                     break
                 admitted.append((key, frame))
             if admitted:
-                self.store.put_many(admitted)
-                self._give_back(admitted)
+                store.put_many(admitted)
+                self._give_back(store, admitted)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
             self.writable = False
             self.faults.warn(
@@ -221,7 +263,7 @@ class SampleTier:
             logger.info("the %s tier %s is full: later samples are not cached there", self.name, slots.path)
         return rest
 
-    def _give_back(self, written: list[tuple[str, bytes | memoryview]]) -> None:
+    def _give_back(self, store: BatchedStore, written: list[tuple[str, bytes | memoryview]]) -> None:
         """If other processes wrote at the same time and the budget is passed, remove this write's entries."""
         over = self.used() - self.budget
         if over <= 0:
@@ -233,18 +275,26 @@ class SampleTier:
                 break
             back.append(key)
             over -= len(frame) + ENTRY_OVERHEAD
-        self.store.delete_many(back)
+        store.delete_many(back)
 
     def drop(self, key: str) -> None:
         """Remove a damaged entry, if the tier can be written."""
         if self.slots is not None and len(key) == 16:
             self.slots.drop(int(key, 16))
-        with contextlib.suppress(OSError, lmdb.Error):
-            self.store.delete_many([key])
+        store = self.store
+        if store is not None:
+            with contextlib.suppress(OSError, lmdb.Error):
+                store.delete_many([key])
+
+    def flush(self) -> None:
+        """Make the store's writes durable, if it was opened (slots are written through)."""
+        if self._store is not None:
+            self._store.flush()
 
     def close(self) -> None:
-        """Close the store and the slots."""
-        self.store.close()
+        """Close the store (if it was opened) and the slots."""
+        if self._store is not None:
+            self._store.close()
         if self.slots is not None:
             self.slots.close()
 
