@@ -198,7 +198,41 @@ _PLAIN_ITEMS = 16
 _plain_headers: dict[tuple[Any, ...], bytes] = {}
 
 
-def _plain_frame(sample: object, build: bool = True) -> bytes | None:
+def _plain_items(sample: object) -> Sequence[object] | None:
+    """The values of a plain sample (see :func:`_plain_frame`); ``None`` for any other sample.
+
+    Only types and flags are looked at: about 0.6 us for an ``(image, label)`` pair.
+    """
+    cls = type(sample)
+    items: Sequence[object]
+    if cls is torch.Tensor:
+        items = (sample,)
+    elif (cls is tuple or cls is list) and len(sample) <= _PLAIN_ITEMS:  # type: ignore[arg-type]
+        items = sample  # type: ignore[assignment]
+    else:
+        return None
+    for value in items:
+        kind = type(value)
+        if kind is torch.Tensor:
+            tensor: torch.Tensor = value  # type: ignore[assignment]
+            if not (
+                tensor.is_cpu  # tensor.device.type costs 0.6 us, this 0.1
+                and tensor.layout == torch.strided
+                and tensor.dtype in _TORCH_NAME
+                and tensor.is_contiguous()
+                and not tensor.is_conj()
+                and not tensor.is_neg()
+            ):
+                return None
+        elif kind is int:
+            if not _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
+                return None
+        elif kind is not float:
+            return None
+    return items
+
+
+def _plain_frame(sample: object) -> bytes | None:
     """The frame of the most common samples, built without walking a tree; ``None`` for the others.
 
     A plain sample is one contiguous CPU tensor, or a tuple or list of at most
@@ -206,56 +240,31 @@ def _plain_frame(sample: object, build: bool = True) -> bytes | None:
     dataset of ``(image, label)`` returns. Its prefix and header depend only on its
     structure, dtypes and shapes, so they are taken from the first frame of each
     structure that :func:`_encode_tree` makes; the frame is the one it would make (its
-    leaves at multiples of 8 bytes). With ``build=False``, only whether the sample is
-    plain: ``b""`` for a plain sample (nothing is built), ``None`` for the others.
+    leaves at multiples of 8 bytes).
     """
-    cls = type(sample)
-    items: tuple[object, ...] | list[object]
-    if cls is torch.Tensor:
-        items = (sample,)
-    elif (cls is tuple or cls is list) and len(sample) <= _PLAIN_ITEMS:  # type: ignore[arg-type]
-        items = sample  # type: ignore[assignment]
-    else:
+    items = _plain_items(sample)
+    if items is None:
         return None
-    signature: list[object] = [cls]
+    signature: list[object] = [type(sample)]
     chunks: list[bytes | memoryview | ctypes.Array[ctypes.c_ubyte]] = []
     size = 0
     for value in items:
-        kind = type(value)
-        if kind is torch.Tensor:
+        data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte]
+        if type(value) is torch.Tensor:
             tensor: torch.Tensor = value  # type: ignore[assignment]
-            if (
-                tensor.device.type != "cpu"
-                or tensor.layout != torch.strided
-                or tensor.dtype not in _TORCH_NAME
-                or not tensor.is_contiguous()
-                or tensor.is_conj()
-                or tensor.is_neg()
-            ):
-                return None
-            if not build:
-                continue
-            data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte] = _bytes_in_place(tensor)
+            data = _bytes_in_place(tensor)
             signature.append((tensor.dtype, tensor.shape))
-        elif kind is int:
-            if not _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
-                return None
+        elif type(value) is int:
             data = _I64.pack(value)
             signature.append(int)
-        elif kind is float:
-            data = _F64.pack(value)
-            signature.append(float)
         else:
-            return None
-        if not build:
-            continue
+            data = _F64.pack(value)  # type: ignore[arg-type]
+            signature.append(float)
         pad = -size % _ALIGN
         if pad:
             chunks.append(b"\0" * pad)
         chunks.append(data)
         size += pad + len(data)
-    if not build:
-        return b""
     key = tuple(signature)
     head = _plain_headers.get(key)
     if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
@@ -309,7 +318,7 @@ def check_sample(sample: object, name: str = "sample") -> None:
     Raises:
         SampleTypeError: As :func:`encode_sample`.
     """
-    if _plain_frame(sample, build=False) is None:
+    if _plain_items(sample) is None:
         _encode_tree(sample, name)
 
 
