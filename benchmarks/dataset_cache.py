@@ -26,10 +26,21 @@ The run is made of rounds (3 by default). A round runs the floor, an uncached ep
 then for each fraction makes both caches afresh and runs their first epochs (which fill
 them) and one later epoch each, the two libraries in alternating order; a second
 uncached epoch runs after the 50 % fraction. Every figure is the median over the rounds,
-"uncached" the median of all uncached epochs. Every batch is checked sample by sample
-against the uncached samples (a 64-bit weighted sum of each sample's bytes, and its
-label), and each epoch's checksum against the reference's. The run exits 1 if a sample was wrong (2 with
-``--strict`` if a target was missed). The images live in a temporary directory, the RAM
+"uncached" the median of all uncached epochs; the two libraries' later epochs of a round
+run back to back, so their ratio is also shown round by round, where a slow spell of
+the machine weighs on both.
+
+Then each library's own cost, which epochs of real samples drown in the noise of a
+shared machine: samples that are copies of preloaded ones (``Copies``), fetched and
+collated in this process in alternating passes over the whole dataset (microseconds per
+sample), and DataLoader passes of one batch per worker (the start of an epoch's workers,
+where torchcache opens its RAM tier), the order turning each time; medians over the
+passes.
+
+Every batch of an epoch is checked sample by sample against the uncached samples (a
+64-bit weighted sum of each sample's bytes, and its label), and each epoch's checksum
+against the reference's; after the cost passes, every sample is checked once. The run
+exits 1 if a sample was wrong (2 with ``--strict`` if a target was missed). The images live in a temporary directory, the RAM
 tiers under a fresh ``/dev/shm`` directory with their own ``TORCHCACHE_JOB_ID``; both
 are removed at the end.
 """
@@ -395,7 +406,7 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
                 epoch(f"{lib} {f:.0%} later", caches[lib], later)
             for lib in ordered:
                 drop(lib, f, caches.pop(lib))
-    costs, cost_wrong = library_cost(floor_images, labels, ref, charge, fixed, max(5, 2 * rounds + 1), say)
+    costs, cost_wrong = library_cost(floor_images, labels, ref, charge, fixed, max(9, 3 * rounds), say)
     wrong += cost_wrong
     return {"times": times, "wrong": wrong, "charge": charge, "cached": cached, "libraries": libraries, "costs": costs}
 
