@@ -40,9 +40,9 @@ passes.
 Every batch of an epoch is checked sample by sample against the uncached samples (a
 64-bit weighted sum of each sample's bytes, and its label), and each epoch's checksum
 against the reference's; after the cost passes, every sample is checked once. The run
-exits 1 if a sample was wrong (2 with ``--strict`` if a target was missed). The images live in a temporary directory, the RAM
-tiers under a fresh ``/dev/shm`` directory with their own ``TORCHCACHE_JOB_ID``; both
-are removed at the end.
+exits 1 if a sample was wrong (2 with ``--strict`` if a target was missed). The images
+live in a temporary directory, the RAM tiers under a fresh ``/dev/shm`` directory with
+their own ``TORCHCACHE_JOB_ID``; both are removed at the end.
 """
 
 from __future__ import annotations
