@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -249,23 +250,26 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
     }
 
 
-def fetch_all(dataset: Dataset[Any], order: list[int]) -> float:
-    """Microseconds per sample to fetch and collate ``order`` in batches, in this process."""
+def batches(dataset: Dataset[Any], order: list[int]) -> Iterator[tuple[list[int], Any]]:
+    """The indices of each batch of ``order`` and the batch, fetched and collated in this process."""
     getitems = getattr(dataset, "__getitems__", None)
-    start = time.perf_counter()
     for at in range(0, len(order), BATCH):
         picked = order[at : at + BATCH]
-        default_collate(getitems(picked) if getitems is not None else [dataset[i] for i in picked])
+        yield picked, default_collate(getitems(picked) if getitems is not None else [dataset[i] for i in picked])
+
+
+def fetch_all(dataset: Dataset[Any], order: list[int]) -> float:
+    """Microseconds per sample to fetch and collate ``order`` in batches, in this process."""
+    start = time.perf_counter()
+    for _ in batches(dataset, order):
+        pass
     return (time.perf_counter() - start) / len(order) * 1e6
 
 
 def check_all(dataset: Dataset[Any], order: list[int], ref: Reference) -> int:
     """The samples of ``order`` that differ from the reference, fetched in this process."""
-    getitems = getattr(dataset, "__getitems__", None)
     wrong = 0
-    for at in range(0, len(order), BATCH):
-        picked = order[at : at + BATCH]
-        images, labels = default_collate(getitems(picked) if getitems is not None else [dataset[i] for i in picked])
+    for picked, (images, labels) in batches(dataset, order):
         wrong += int(((ref.digest(images) != ref.digests[picked]) | (labels.numpy() != ref.labels[picked])).sum())
     return wrong
 
