@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import multiprocessing
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from torchcache import CachedDataset, CacheWarning
+from torchcache import CachedDataset, CacheWarning, sample_cache
 from torchcache.errors import StoreError
 from torchcache.faults import FaultLog
 from torchcache.sample_keys import store_key
@@ -397,6 +398,56 @@ def test_samples_of_one_size_and_several_structures_share_the_slots() -> None:
     assert data.cache.memory_dir is not None and len(PackedStore(data.cache.memory_dir, "1MB")) == 0
     for i, ((x, a), (y, b)) in enumerate(zip(first, again)):
         assert a == b == i and torch.equal(x, y) and y.shape == ((2, 6) if i % 2 else (3, 4))
+    data.close()
+
+
+def every_kind(i: int) -> dict[str, Any]:
+    """A sample with a leaf of every kind, its frame of one size whatever ``i``."""
+    return {
+        "bf16": torch.full((2, 3), i + 0.5, dtype=torch.bfloat16),  # a dtype numpy lacks
+        "f32": np.full((3,), -i, np.float32),
+        "half": np.float16(i / 4),
+        "text": f"\u00e9\udcff{chr(65 + i % 26)}",  # a lone surrogate too
+        "raw": bytes([i % 256]) * 3,
+        "number": float("nan") if i % 2 else i + 0.25,
+        "c": complex(i, -i),
+        "rest": (None, True, [i, 2.5]),
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
+
+
+def test_every_kind_of_value_comes_back_from_the_slots_as_a_copy_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Kinds(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 9
+
+        def __getitem__(self, i: int) -> Any:
+            return every_kind(i)
+
+    data = CachedDataset(Kinds(), max_memory_size="1MB")
+    data.__getitems__(list(range(9)))
+    with monkeypatch.context() as patch:  # one read of the slots, built as views of it, not one by one
+        patch.setattr(sample_cache, "decode_samples", None)
+        served = data.__getitems__([8, 0, 3, 5])
+    assert data.stats().memory.hits == 4
+    assert all(same(sample, every_kind(i)) for i, sample in zip([8, 0, 3, 5], served))
+    served[1]["bf16"].add_(7)  # a transform that writes in place
+    served[1]["f32"][:] = 99
+    assert same(data.__getitems__([0, 3])[0], every_kind(0))  # the cache is as it was
+    assert data.stats().memory.hits == 6
     data.close()
 
 

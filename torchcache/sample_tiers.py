@@ -172,7 +172,7 @@ class SampleTier:
             return None
         return slots
 
-    def read_slots(self, indices: Sequence[int]) -> tuple[list[int], bytearray]:
+    def read_slots(self, indices: Sequence[int]) -> tuple[list[int], memoryview]:
         """The found positions of ``indices`` and their slots (see :meth:`SlotStore.read`); none if it fails."""
         slots = self.slots
         assert slots is not None
@@ -182,7 +182,7 @@ class SampleTier:
             what = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
             message = f"cannot read the {self.name} tier's slots ({what}); samples are computed"
             self.faults.warn(f"{self.name}-read", message)
-            return [], bytearray()
+            return [], memoryview(b"")
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""

@@ -335,7 +335,10 @@ def _encode_tree(sample: object, name: str) -> bytes:
 # -- decoding ---------------------------------------------------------------------
 # A builder takes its parameters, then the data buffer, where this sample's data starts
 # in it, and the tensors and arrays already made for this sample (its leaves, in order).
-Build = Callable[[bytearray, int, list[Any]], Any]
+#: The buffer samples are views of: a ``bytearray``, or a ``memoryview`` of uninitialised
+#: memory (``SlotStore.read`` fills one without zeroing it first).
+Buffer = bytearray | memoryview
+Build = Callable[[Buffer, int, list[Any]], Any]
 _Leaf = tuple[str, Any, int, int, tuple[int, ...]]  # kind, dtype, element count, offset, shape
 _STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
@@ -423,7 +426,7 @@ class _Plan:
         buf, stride = _padded(datas, self.size, 0)
         return self.build_rows(buf, 0, len(datas), stride)
 
-    def build_rows(self, buf: bytearray, base: int, n: int, stride: int) -> list[Any]:
+    def build_rows(self, buf: Buffer, base: int, n: int, stride: int) -> list[Any]:
         """Build ``n`` samples whose data sections start at ``base``, ``stride`` bytes apart in ``buf``.
 
         ``base`` and ``stride`` are multiples of 16, so every leaf is aligned.
@@ -464,7 +467,7 @@ def _flat(build: Build, leaves: int) -> str | None:
     return None
 
 
-def _one_leaf(spec: _Leaf, buf: bytearray) -> Any:
+def _one_leaf(spec: _Leaf, buf: Buffer) -> Any:
     """The value of one sample's leaf."""
     kind, dtype, count, at, shape = spec
     if kind in _NUMBERS:
@@ -477,7 +480,7 @@ def _one_leaf(spec: _Leaf, buf: bytearray) -> Any:
     return np.frombuffer(buf, dtype, count, at).reshape(shape)
 
 
-def _batch_leaf(spec: _Leaf, buf: bytearray, n: int, stride: int, base: int) -> Sequence[Any]:
+def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Sequence[Any]:
     """The values of one leaf for ``n`` samples laid ``stride`` bytes apart in ``buf`` from ``base``."""
     kind, dtype, count, at, shape = spec
     at += base
@@ -500,47 +503,47 @@ _NUMBERS = {"i": _I64, "f": _F64, "c": _C128}
 _NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
 
 
-def _constant(value: object, buf: bytearray, base: int, leaves: list[Any]) -> object:
+def _constant(value: object, buf: Buffer, base: int, leaves: list[Any]) -> object:
     return value
 
 
-def _bytes(at: int, n: int, buf: bytearray, base: int, leaves: list[Any]) -> bytes:
+def _bytes(at: int, n: int, buf: Buffer, base: int, leaves: list[Any]) -> bytes:
     return bytes(buf[base + at : base + at + n])
 
 
-def _str(at: int, n: int, buf: bytearray, base: int, leaves: list[Any]) -> str:
-    return buf[base + at : base + at + n].decode("utf-8", "surrogatepass")
+def _str(at: int, n: int, buf: Buffer, base: int, leaves: list[Any]) -> str:
+    return str(buf[base + at : base + at + n], "utf-8", "surrogatepass")
 
 
-def _numpy_scalar(dtype: np.dtype[Any], at: int, buf: bytearray, base: int, leaves: list[Any]) -> object:
+def _numpy_scalar(dtype: np.dtype[Any], at: int, buf: Buffer, base: int, leaves: list[Any]) -> object:
     return np.frombuffer(buf, dtype, 1, base + at)[0]
 
 
-def _tuple(parts: list[Build], buf: bytearray, base: int, leaves: list[Any]) -> tuple[Any, ...]:
+def _tuple(parts: list[Build], buf: Buffer, base: int, leaves: list[Any]) -> tuple[Any, ...]:
     return tuple([part(buf, base, leaves) for part in parts])
 
 
-def _list(parts: list[Build], buf: bytearray, base: int, leaves: list[Any]) -> list[Any]:
+def _list(parts: list[Build], buf: Buffer, base: int, leaves: list[Any]) -> list[Any]:
     return [part(buf, base, leaves) for part in parts]
 
 
-def _dict(pairs: list[tuple[str | int, Build]], buf: bytearray, base: int, leaves: list[Any]) -> dict[str | int, Any]:
+def _dict(pairs: list[tuple[str | int, Build]], buf: Buffer, base: int, leaves: list[Any]) -> dict[str | int, Any]:
     return {key: part(buf, base, leaves) for key, part in pairs}
 
 
 def _empty_tensor(
-    dtype: torch.dtype, shape: tuple[int, ...], buf: bytearray, base: int, leaves: list[Any]
+    dtype: torch.dtype, shape: tuple[int, ...], buf: Buffer, base: int, leaves: list[Any]
 ) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
 def _empty_array(
-    dtype: np.dtype[Any], shape: tuple[int, ...], buf: bytearray, base: int, leaves: list[Any]
+    dtype: np.dtype[Any], shape: tuple[int, ...], buf: Buffer, base: int, leaves: list[Any]
 ) -> np.ndarray[Any, Any]:
     return np.empty(shape, dtype)
 
 
-def _leaf(k: int, buf: bytearray, base: int, leaves: list[Any]) -> Any:
+def _leaf(k: int, buf: Buffer, base: int, leaves: list[Any]) -> Any:
     return leaves[k]
 
 
@@ -737,7 +740,7 @@ def frame_head(frame: bytes | bytearray | memoryview) -> int | None:
     return len(frame) - len(data)
 
 
-def decode_rows(buf: bytearray, n: int, stride: int, at: int, size: int) -> list[Any] | None:
+def decode_rows(buf: Buffer, n: int, stride: int, at: int, size: int) -> list[Any] | None:
     """Decode ``n`` frames of ``size`` bytes laid ``stride`` bytes apart in ``buf``, the first at ``at``.
 
     The samples are views of ``buf``, as :func:`decode_samples` makes them of its own

@@ -245,12 +245,12 @@ class SlotStore:
                     os.unlink(tmp)
 
     # -- reads ----------------------------------------------------------------------
-    def read(self, indices: Sequence[int]) -> tuple[list[int], bytearray]:
+    def read(self, indices: Sequence[int]) -> tuple[list[int], memoryview]:
         """Copy the checked slots of ``indices`` into a new buffer.
 
         Returns:
-            The positions (into ``indices``) found, and a buffer that holds their slots
-            one after the other, :attr:`stride` bytes apart, each frame at
+            The positions (into ``indices``) found, and a writable buffer that holds their
+            slots one after the other, :attr:`stride` bytes apart, each frame at
             :attr:`frame_at` (the sample's data 16-byte aligned when the buffer is).
 
         Raises:
@@ -258,22 +258,21 @@ class SlotStore:
         """
         table, slots = self._table, self._slots
         if table is None or slots is None or not indices:
-            return [], bytearray()
+            return [], memoryview(b"")
         wanted = np.fromiter(indices, np.int64, len(indices))
         inside = (wanted >= 0) & (wanted < self.length)
         numbers = np.zeros(len(wanted), np.int64)
         numbers[inside] = table[wanted[inside]]
         present = np.flatnonzero((numbers > 0) & (numbers <= self.capacity))
         if not len(present):
-            return [], bytearray()
+            return [], memoryview(b"")
         if os.fstat(self._fd).st_size < self.slots_at + self.capacity * self.stride:
             raise StoreError(f"{self.path} was cut short")
         stride, at, size = self.stride, self.frame_at, self.frame_size
-        buf = bytearray(len(present) * stride)
-        rows = np.frombuffer(buf, np.uint8).reshape(len(present), stride)
+        rows = np.empty((len(present), stride), np.uint8)  # not zeroed: every byte is copied over
         np.take(slots, numbers[present] - 1, axis=0, out=rows, mode="clip")  # in range: checked above
         checks = rows[:, :8].copy().view(np.uint64).ravel().tolist()
-        view = memoryview(buf)
+        view = rows.reshape(-1).data
         digest = xxhash.xxh3_64_intdigest
         bad = [
             j
@@ -284,12 +283,10 @@ class SlotStore:
         ]
         positions = present.tolist()
         if not bad:
-            return positions, buf
+            return positions, view
         self._recheck(wanted, numbers, [positions[j] for j in bad])
         keep = sorted(set(range(len(positions))) - set(bad))
-        out = bytearray(len(keep) * stride)  # the good rows, packed together again
-        np.frombuffer(out, np.uint8).reshape(len(keep), stride)[:] = rows[keep]
-        return [positions[j] for j in keep], out
+        return [positions[j] for j in keep], rows[keep].reshape(-1).data  # the good rows, packed again
 
     def _recheck(self, wanted: np.ndarray[Any, Any], numbers: np.ndarray[Any, Any], bad: list[int]) -> None:
         """Unpublish the slots that still fail their check when read again, and report them.
