@@ -324,6 +324,24 @@ def test_a_tier_opens_its_store_only_for_what_is_not_in_its_slots(tmp_path: Path
         each.close()
 
 
+def test_a_miss_leaves_the_store_closed_until_a_sample_goes_there(tmp_path: Path) -> None:
+    def tier(opener: Opener) -> SampleTier:
+        return SampleTier("memory", opener, 10**6, FaultLog("spill"), SlotStore(tmp_path, 10, 10**6, lambda k, m: None))
+
+    writer_opener, reader_opener = Opener(tmp_path / "store"), Opener(tmp_path / "store")
+    writer, reader = tier(writer_opener), tier(reader_opener)  # as in two processes
+    writer.put_many([(store_key(i), encode_sample((torch.full((4,), float(i)), i))) for i in range(4)])
+    assert writer_opener.calls == 0  # every sample went to the slots
+    assert reader.slots_ready() is not None and reader.read_slots([0, 9])[0] == [0]
+    assert reader.get_many([store_key(9), "ab" * 9]) == [None, None] and "ab" * 9 not in reader
+    assert reader_opener.calls == 0
+    writer.put_many([("ab" * 9, b"not an index"), (store_key(5), encode_sample(torch.zeros(3)))])  # other sizes
+    assert reader.get_many([store_key(5), "ab" * 9]) == [encode_sample(torch.zeros(3)), b"not an index"]
+    assert "ab" * 9 in reader and reader_opener.calls == 1
+    for each in (writer, reader):
+        each.close()
+
+
 def test_a_store_that_cannot_be_opened_leaves_the_slots_working(tmp_path: Path) -> None:
     opener = Opener(tmp_path / "store", fail=True)
     tier = SampleTier("memory", opener, 10**6, FaultLog("lazy"), SlotStore(tmp_path, 10, 10**6, lambda k, m: None))

@@ -139,7 +139,14 @@ class SampleTier:
         """Whether the tier takes new entries (it is neither full nor failed, in this process)."""
         return self.writable and not self.full
 
+    def _slots_only(self) -> bool:
+        """Whether every sample of the tier is in its slots: the store beside them was never written."""
+        slots = self.slots
+        return slots is not None and slots.ready and not slots.spilled
+
     def _store_used(self) -> int:
+        if self._slots_only():
+            return 0
         store = self.store
         return 0 if store is None else store.nbytes + len(store) * ENTRY_OVERHEAD
 
@@ -162,6 +169,8 @@ class SampleTier:
         slots = self.slots
         if slots is not None and type(key) is str and len(key) == 16 and int(key, 16) in slots:
             return True
+        if self._slots_only():
+            return False
         store = self.store
         return store is not None and key in store
 
@@ -187,8 +196,10 @@ class SampleTier:
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
         try:
+            if self._slots_only():  # the usual RAM tier: its store is not even opened
+                return [None] * len(keys)
             store = self.store
-            if store is None or (self.slots is not None and len(store) == 0):  # the usual RAM tier: all in slots
+            if store is None or (self.slots is not None and len(store) == 0):
                 return [None] * len(keys)
             return store.get_many(keys)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample (OSError, lmdb.Error...)
@@ -218,6 +229,8 @@ class SampleTier:
                     break
                 admitted.append((key, frame))
             if admitted:
+                if self.slots is not None:
+                    self.slots.mark_spilled()  # before the write: a reader that misses it only recomputes
                 store.put_many(admitted)
                 self._give_back(store, admitted)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError

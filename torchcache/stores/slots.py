@@ -10,7 +10,9 @@ The file (``slots.tcslot``)::
 
     header page   magic, version, frame size, frame offset in a slot, slot stride,
                   dataset length, slots, table and slot offsets, xxh3 of these;
-                  at byte 512 the number of slots handed out so far
+                  at byte 512 the number of slots handed out so far; at byte 520
+                  a flag set once a sample of the dataset went to the packed store
+                  beside the file (until then readers leave that store closed)
     table         one little-endian int32 per dataset index: 0 for none, else slot + 1
     slots         ``stride`` bytes each: the xxh3_64 of the frame seeded by the index
                   (8 bytes), 8 zero bytes, padding, the frame (so that the sample's
@@ -55,6 +57,7 @@ _VERSION = 1
 _HEAD = struct.Struct("<8sIIIIQQQQ")  # magic, version, frame size, frame offset, stride, length, slots, table, slots at
 _U64 = struct.Struct("<Q")
 _CLAIMED_AT = 512
+_SPILLED_AT = 520
 _PAGE = 4096
 _ALIGN = 16
 _CHECK = 16  # checksum and zero bytes before the frame's padding
@@ -111,6 +114,7 @@ class SlotStore:
         self._table: np.ndarray[Any, np.dtype[np.int32]] | None = None
         self._slots: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._claimed: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._spilled: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self.frame_size = 0
         self.frame_at = 0
         self.stride = 0
@@ -189,8 +193,21 @@ class SlotStore:
         self.frame_size, self.frame_at, self.stride = frame_size, frame_at, stride
         self.capacity, self.slots_at = capacity, slots_at
         self._claimed = np.ndarray((1,), np.uint64, buffer=self._map, offset=_CLAIMED_AT)
+        self._spilled = np.ndarray((1,), np.uint64, buffer=self._map, offset=_SPILLED_AT)
         self._slots = np.ndarray((capacity, stride), np.uint8, buffer=self._map, offset=slots_at)
         self._table = np.ndarray((self.length,), np.int32, buffer=self._map, offset=_PAGE)
+
+    @property
+    def spilled(self) -> bool:
+        """Whether the packed store beside the file may hold samples (``True`` while the file is not open)."""
+        spilled = self._spilled
+        return spilled is None or bool(spilled[0])
+
+    def mark_spilled(self) -> None:
+        """Note in the file, before a sample goes to the packed store beside it, that the store is in use."""
+        spilled = self._spilled
+        if spilled is not None and not spilled[0]:
+            spilled[0] = 1
 
     def _unusable(self, why: str) -> bool:
         self.usable = False
@@ -378,7 +395,7 @@ class SlotStore:
     def close(self) -> None:
         """Unmap and close the file (views of it already handed out stay valid)."""
         with self._lock:
-            self._table = self._slots = self._claimed = None
+            self._table = self._slots = self._claimed = self._spilled = None
             if self._map is not None:
                 with contextlib.suppress(BufferError):  # arrays still view it: unmapped when they go
                     self._map.close()
