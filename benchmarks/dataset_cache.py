@@ -37,6 +37,11 @@ sample), and DataLoader passes of one batch per worker (the start of an epoch's 
 where torchcache opens its RAM tier), the order turning each time; medians over the
 passes.
 
+Each epoch's CPU time is measured too (this process and its workers, which end before
+the epoch does: they are not persistent). On a machine shared with other work it varies
+far less than the epoch's wall time, so the two libraries' CPU per later epoch is shown
+beside their times.
+
 Every batch of an epoch is checked sample by sample against the uncached samples (a
 64-bit weighted sum of each sample's bytes, and its label), and each epoch's checksum
 against the reference's; after the cost passes, every sample is checked once. The run
@@ -53,6 +58,7 @@ import io
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import statistics
@@ -199,10 +205,23 @@ class Reference:
         return (rows * self.weights).sum(axis=1, dtype=np.uint64)  # modulo 2**64
 
 
+def cpu_seconds() -> float:
+    """CPU time (user and system) of this process and of its children that have ended."""
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
+
+
 def run_epoch(dataset: Dataset[Any], order: list[int], ref: Reference | None) -> dict[str, Any]:
-    """One timed DataLoader pass in ``order``; counts the samples that differ from ``ref``."""
+    """One timed DataLoader pass in ``order``; counts the samples that differ from ``ref``.
+
+    Also the CPU time the epoch took, in this process and its workers (which end, and are
+    waited for, before the last batch's loop ends: the workers are not persistent).
+    """
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS, sampler=order)
     wrong, checksum, at = 0, 0, 0
+    cpu = cpu_seconds()
     start = time.perf_counter()
     for images, labels in loader:
         picked = order[at : at + len(labels)]
@@ -216,11 +235,12 @@ def run_epoch(dataset: Dataset[Any], order: list[int], ref: Reference | None) ->
         wrong += int(((digests != ref.digests[picked]) | (labels.numpy() != ref.labels[picked])).sum())
         checksum = (checksum + int(digests.sum(dtype=np.uint64))) % 2**64
     seconds = time.perf_counter() - start
+    cpu = cpu_seconds() - cpu
     if at != len(order):
         wrong += len(order) - at
     if ref is not None and checksum != ref.checksum:
         wrong = max(wrong, 1)
-    return {"s": seconds, "wrong": wrong}
+    return {"s": seconds, "cpu_s": cpu, "wrong": wrong}
 
 
 def build_reference(base: ImageFiles) -> tuple[torch.Tensor, Reference, float]:
@@ -365,6 +385,7 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
     rng = np.random.default_rng(1)
     wrong = 0
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     cached: dict[tuple[str, float], float] = {}
 
     def epoch(name: str, dataset: Dataset[Any], order: list[int]) -> None:
@@ -372,8 +393,9 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
         result = run_epoch(dataset, order, ref)
         wrong += result["wrong"]
         times.setdefault(name, []).append(result["s"])
+        cpu.setdefault(name, []).append(result["cpu_s"])
         flag = f"  WRONG SAMPLES: {result['wrong']}" if result["wrong"] else ""
-        say(f"  {name:<26} {result['s']:7.2f} s{flag}")
+        say(f"  {name:<26} {result['s']:7.2f} s  (CPU {result['cpu_s']:5.2f} s){flag}")
 
     def make(lib: str, f: float, r: int) -> Dataset[Any]:
         if lib == "stocaching":
@@ -412,7 +434,15 @@ def measure(items: int, rounds: int, work: Path, log: list[str]) -> dict[str, An
                 drop(lib, f, caches.pop(lib))
     costs, cost_wrong = library_cost(floor_images, labels, ref, charge, fixed, max(9, 3 * rounds), say)
     wrong += cost_wrong
-    return {"times": times, "wrong": wrong, "charge": charge, "cached": cached, "libraries": libraries, "costs": costs}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "wrong": wrong,
+        "charge": charge,
+        "cached": cached,
+        "libraries": libraries,
+        "costs": costs,
+    }
 
 
 def summarize(items: int, raw: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, bool | None]], dict[str, Any]]:
@@ -464,6 +494,17 @@ def summarize(items: int, raw: dict[str, Any]) -> tuple[list[str], list[tuple[st
         )
         faster = sum(r <= 1.0 for p in paired for r in p)
         lines.append(f"torchcache's later epoch at most stocaching's in {faster} of {sum(map(len, paired))} rounds")
+        cpu = {name: statistics.median(values) for name, values in raw["cpu"].items()}
+        cpu_ratios = [cpu[f"torchcache {f:.0%} later"] / cpu[f"stocaching {f:.0%} later"] for f in FRACTIONS]
+        figures["cpu_later_s"] = {name: value for name, value in cpu.items() if name.endswith("later")}
+        figures["cpu_tc_over_stocaching"] = cpu_ratios
+        lines.append(
+            "CPU of a later epoch (this process and its workers), median s, tc | stoc (tc/stoc): "
+            + ", ".join(
+                f"{f:.0%} {cpu[f'torchcache {f:.0%} later']:.2f} | {cpu[f'stocaching {f:.0%} later']:.2f} ({r:.2f})"
+                for f, r in zip(FRACTIONS, cpu_ratios)
+            )
+        )
     else:
         targets.append(("at least as fast as stocaching", "stocaching not installed", None))
     saved = [uncached - t for t in tc_later]
@@ -581,6 +622,7 @@ def main() -> int:
             "wrong": raw["wrong"],
             "cached": {f"{lib}_{f:.2f}": v for (lib, f), v in raw["cached"].items()},
             "epochs": raw["times"],
+            "epochs_cpu": raw["cpu"],
             "figures": figures,
             "targets": [{"target": n, "measured": v, "met": ok} for n, v, ok in targets],
         }
