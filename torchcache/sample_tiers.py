@@ -141,8 +141,7 @@ class SampleTier:
 
     def _slots_only(self) -> bool:
         """Whether every sample of the tier is in its slots: the store beside them was never written."""
-        slots = self.slots
-        return slots is not None and slots.ready and not slots.spilled
+        return self.slots is not None and not self.slots.spilled  # spilled while the file is not open
 
     def _store_used(self) -> int:
         if self._slots_only():
@@ -199,9 +198,7 @@ class SampleTier:
             if self._slots_only():  # the usual RAM tier: its store is not even opened
                 return [None] * len(keys)
             store = self.store
-            if store is None or (self.slots is not None and len(store) == 0):
-                return [None] * len(keys)
-            return store.get_many(keys)
+            return [None] * len(keys) if store is None else store.get_many(keys)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample (OSError, lmdb.Error...)
             what = str(exc) if isinstance(exc, (OSError, lmdb.Error)) else f"{type(exc).__name__}: {exc}"
             self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({what}); samples are computed")
