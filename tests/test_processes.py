@@ -117,7 +117,9 @@ def test_two_processes_writing_at_once_leave_valid_entries(cache_root: Path, tmp
     assert_all_entries_decode(cache_root)
     names = {STORE_FILE.sub("seg-N.tcs", p.name) for p in cache_root.rglob("*") if p.is_file()}
     assert {"index.lmdb", "seg-N.tcs", "torchcache.json"} <= names <= STORE_NAMES  # no temporary file left
-    assert len(list(cache_root.glob("*/seg-*.tcs"))) >= 2  # each process appended to a segment of its own
+    writers = sum(1 for _, misses in counts if misses)  # one may find every entry already written by the other
+    segments = list(cache_root.glob("*/seg-*.tcs"))
+    assert writers >= 1 and len(segments) >= writers, (counts, segments)  # each writer has a segment of its own
 
     x = torch.randn(n, 4, generator=torch.Generator().manual_seed(11))
     reader = cached(Counting, persistent=True)()
