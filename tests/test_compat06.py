@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -766,7 +767,7 @@ def test_fail_on_bad_parameters():
     are not, so they are not matched. Two calls that 0.6 refused are now accepted
     (documented under "Inputs and outputs" in docs/usage.md): a 1-d tensor is a batch
     of scalars (a 0-d tensor is refused instead), and lists of plain values are keyed
-    (an arbitrary object is refused instead).
+    (an object without a state that can be encoded exactly, such as a lock, is refused instead).
     """
 
     @torchcache()
@@ -791,7 +792,7 @@ def test_fail_on_bad_parameters():
     # 0.6: module(torch.tensor([[1, 2, 3]]), [1, 2, 3]) -> "All non-Tensor extra args to the call"
     assert torch.equal(module(torch.tensor([[1, 2, 3]]), [1, 2, 3]), torch.tensor([0]))
     with pytest.raises(ValueError):
-        module(torch.tensor([[1, 2, 3]]), object())
+        module(torch.tensor([[1, 2, 3]]), threading.Lock())
 
     with pytest.raises(ValueError):  # 0.6: "All inputs must have the same batch dimension"
         module(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[7, 8, 9]]))

@@ -52,7 +52,8 @@ class Numbers(Dataset[Any]):
     """Sample ``i`` is ``(a tensor filled with i % 251, i)``; every call appends ``i`` to a log file."""
 
     def __init__(self, n: int, log: Path, shape: tuple[int, ...] = (3, 4, 4)) -> None:
-        self.n, self.log, self.shape = n, log, shape
+        # The log as a plain string: a Path would be keyed by its file's size and mtime, which calls change.
+        self.n, self.log, self.shape = n, str(log), shape
 
     def __len__(self) -> int:
         return self.n
@@ -68,11 +69,11 @@ class Killing(Numbers):
 
     def __init__(self, n: int, log: Path, kill_at: int, flag: Path) -> None:
         super().__init__(n, log)
-        self.kill_at, self.flag = kill_at, flag
+        self.kill_at, self.flag = kill_at, str(flag)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        if i == self.kill_at and not self.flag.exists():
-            self.flag.touch()
+        if i == self.kill_at and not os.path.exists(self.flag):
+            Path(self.flag).touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__getitem__(i)
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -583,7 +584,8 @@ def test_non_tensor_arguments_are_keyed_by_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "value", [object(), {1, 2}, b"bytes", [1, object()], {1: torch.zeros(2)}, (torch.zeros(3, 1),)]
+    "value",
+    [threading.Lock(), [1, threading.Lock()], {"a": (x for x in ())}, {1: torch.zeros(2)}, (torch.zeros(3, 1),)],
 )
 def test_unsupported_argument_type_raises_type_error_naming_it(value: object) -> None:
     @torchcache()

@@ -29,12 +29,16 @@ from .errors import ConfigError, KeyingError
 from .keys import Context, encode_value, tensor_digest
 from .tiers.batch import index_tensor
 
-__all__ = ["CallArguments", "CallSplitter", "ShapeHint"]
+__all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
 _MAX_DEPTH = 16
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class UncachedInput(KeyingError):
+    """A per-item input whose content cannot be keyed (meta, nested, sparse): the call runs uncached."""
 
 
 @dataclass
@@ -157,10 +161,11 @@ class _Splitter:
             self.context.add(encode_value(value, f"argument {label!r}"))
 
     def _add_tensor(self, label: str, dim: int, tensor: torch.Tensor) -> None:
-        if tensor.layout != torch.strided:
-            raise KeyingError(
-                f"argument {label!r}: a {tensor.layout} tensor cannot be keyed per item; pass x.to_dense()"
-            )
+        if tensor.device.type == "meta":
+            raise UncachedInput(f"argument {label!r} is on the meta device: it has no content to key items by")
+        if getattr(tensor, "is_nested", False) or tensor.layout != torch.strided:
+            kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
+            raise UncachedInput(f"argument {label!r} is a {kind} tensor, which cannot be keyed per item")
         if tensor.dim() <= dim:
             expected = "(batch, ...)" if dim == 0 else f"with the batch at dimension {dim}"
             raise KeyingError(
@@ -179,7 +184,21 @@ class _Splitter:
                 "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
             )
         self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
+        if tensor.is_quantized:
+            self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
+
+
+def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
+    """What turns a quantized tensor's integers into values: its scheme, scales and zero points."""
+    scheme = tensor.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return f"{scheme}|{tensor.q_scale().hex()}|{tensor.q_zero_point()}".encode()
+    axis = tensor.q_per_channel_axis()
+    if axis == dim:
+        raise UncachedInput(f"argument {label!r} is quantized per channel along its batch dimension")
+    scales = tensor_digest([("scales", tensor.q_per_channel_scales()), ("zero", tensor.q_per_channel_zero_points())])
+    return f"{scheme}|{axis}|{scales}".encode()
 
 
 def _describe_skeleton(value: Any, label: str) -> bytes:

@@ -99,7 +99,8 @@ class CachedMethod:
             )
         check_frozen(module, f"the instance of {name}")
         module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
-        return cls(module, method.__func__, settings, describe_instance(module))
+        described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
+        return cls(module, method.__func__, settings, described)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method through the cache."""

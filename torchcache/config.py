@@ -44,6 +44,7 @@ LEGACY_OPTIONS = ("zstd_compression", "zstd_compression_level", "zstd_compressio
 _CPU = torch.device("cpu")
 _HASH_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
+_MAPPED_RE = re.compile(r"-[0-9a-f]{16}$")  # what a mapped name ends with: never taken as it is
 _STORED_DTYPES = frozenset(DTYPES.values())
 
 
@@ -65,6 +66,7 @@ class Settings:
     batch_dims: Mapping[str, int] = field(default_factory=dict)
     keep_eval: bool = False
     local_cache_dir: Path | None = None
+    key_ignore: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
@@ -116,6 +118,8 @@ class Settings:
             settings["shared_args"] = sorted(self.shared_args)
         if self.batch_dims:
             settings["batch_dims"] = {name: self.batch_dims[name] for name in sorted(self.batch_dims)}
+        if self.key_ignore:
+            settings["key_ignore"] = sorted(self.key_ignore)
         return settings
 
 
@@ -161,6 +165,13 @@ def _validate(name: str, value: Any) -> Any:
         return frozenset(value)
     if name == "batch_dims":
         return _batch_dims(value)
+    if name == "key_ignore":
+        if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(
+                f"key_ignore must be a list of attribute names or dotted paths such as ['fn', 'head.scales'], "
+                f"got {value!r}"
+            )
+        return frozenset(value)
     raise ConfigError(f"unknown torchcache option {name!r}")  # pragma: no cover - guarded by signatures
 
 
@@ -262,7 +273,8 @@ def module_dir_name(value: object) -> str | None:
     Any string is accepted (torchcache 0.6 accepted any). A string that is not a safe
     directory name (letters, digits, ``_``, ``-``, ``.``; at most 128 characters; not
     ``.`` or ``..``) becomes its safe characters joined by ``_`` plus 16 hex digits of
-    its hash, so that two different strings never share a directory.
+    its hash, so that two different strings never share a directory. A safe string that
+    ends the way mapped names do (``-`` and 16 hex digits) is mapped too.
 
     Raises:
         ConfigError: If the value is neither a string nor None, or is empty.
@@ -270,12 +282,14 @@ def module_dir_name(value: object) -> str | None:
     Example:
         >>> module_dir_name("resnet50-v2"), module_dir_name("resnet50 v2")
         ('resnet50-v2', 'resnet50_v2-058acb977cc773ad')
+        >>> module_dir_name("resnet50_v2-058acb977cc773ad") != "resnet50_v2-058acb977cc773ad"
+        True
     """
     if value is None:
         return None
     if not isinstance(value, str) or not value:
         raise ConfigError(f"persistent_module_hash must be a non-empty string or None, got {value!r}")
-    if _HASH_RE.match(value) and value not in (".", ".."):
+    if _HASH_RE.match(value) and value not in (".", "..") and not _MAPPED_RE.search(value):
         return value
     stem = _UNSAFE_RE.sub("_", value).strip("._")[:96] or "module"
     return f"{stem}-{xxhash.xxh3_64_hexdigest(value.encode('utf-8', 'surrogatepass'))}"

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -51,7 +51,17 @@ _initializing = threading.local()
 _subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
+@overload
+def torchcache(target: T, /) -> T: ...
+
+
+@overload
+def torchcache(target: None = None, /, **options: Any) -> Callable[[T], T]: ...
+
+
 def torchcache(
+    target: Any = None,
+    /,
     *,
     enabled: bool = True,
     persistent: bool = False,
@@ -67,11 +77,13 @@ def torchcache(
     shared_args: Collection[str] = (),
     batch_dims: Mapping[str, int] | None = None,
     keep_eval: bool = False,
+    key_ignore: Collection[str] = (),
     **legacy: Any,
-) -> Callable[[T], T]:
+) -> Any:
     """Cache the outputs of a module class or instance, a method or a function, per batch item.
 
-    Always called with parentheses. Every tensor argument (also inside a tuple, list or
+    Used as ``@torchcache()`` with options, or as ``@torchcache`` with the defaults, like
+    :func:`functools.lru_cache`. Every tensor argument (also inside a tuple, list or
     dict argument) is per item, shaped ``(batch, ...)`` with the same batch, unless it
     is named in ``shared_args``; other arguments (``None``, ``bool``, ``int``, ``float``,
     ``str``, ``torch.dtype``, ``torch.device`` and tuples, lists and dicts of them) are
@@ -80,6 +92,8 @@ def torchcache(
     ``None`` leaves included.
 
     Args:
+        target: The class, instance, method or function to cache, when used without
+            parentheses (``@torchcache``); then every option has its default.
         enabled: ``False`` returns the target unchanged.
         persistent: Also keep entries on disk, across runs and processes.
         persistent_cache_dir: The cache root; default ``$TORCHCACHE_DIR``, else the user
@@ -109,12 +123,18 @@ def torchcache(
         keep_eval: Keep the module in eval mode: ``model.train()`` on it or on a parent
             leaves it (and its submodules) in eval mode, so dropout and batch norm never
             run in training mode under the cache.
+        key_ignore: Attributes of the module (or its submodules) and init arguments that do
+            not change outputs and that the key cannot encode (a lock, a logger handle), by
+            name (``"fn"``: that name anywhere) or dotted path below the module
+            (``"layer1.0.fn"``). Everything else is part of the key, or refused with a
+            :class:`~torchcache.KeyingError` that names it.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
             accepted and ignored, with a ``DeprecationWarning``.
 
     Returns:
-        A decorator for a module class, a module instance, a method or a function.
+        A decorator for a module class, a module instance, a method or a function; or,
+        called on one (``torchcache(model)``), the cached target itself.
 
     Raises:
         ConfigError: If an option has an invalid value.
@@ -150,6 +170,7 @@ def torchcache(
         shared_args=shared_args,
         batch_dims=batch_dims if batch_dims is not None else {},
         keep_eval=keep_eval,
+        key_ignore=key_ignore,
         **legacy,
     )
 
@@ -165,11 +186,10 @@ def torchcache(
         if inspect.isfunction(target) or inspect.ismethod(target) or isinstance(target, functools.partial):
             return decorate_function(target, settings)  # type: ignore[return-value]
         raise TypeError(
-            f"torchcache() caches nn.Module subclasses or instances, their methods, and functions; "
-            f"got {target!r}. Note that it is always called with parentheses: @torchcache()"
+            f"torchcache() caches nn.Module subclasses or instances, their methods, and functions; got {target!r}"
         )
 
-    return decorate
+    return decorate if target is None else decorate(target)
 
 
 # -- modules ------------------------------------------------------------------------------
@@ -294,7 +314,11 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
         if not instance_settings.enabled:
             self.__dict__["cache_instance"] = None
             return
-        _bind(self, _Binding(instance_settings, describe_init(args, kwargs), name), original_forward)
+        init_digest = b""
+        if instance_settings.persistent_module_hash is None:  # else the user gave the key
+            ignore = instance_settings.key_ignore
+            init_digest = describe_init(args, kwargs, ignore) + describe_instance(self, ignore)
+        _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
 
     _patch(cls, original_forward)
     cls.__init__ = __init__  # type: ignore[method-assign]
@@ -349,7 +373,9 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     cls = type(module)
     name = f"{cls.__module__}.{cls.__qualname__}"
     check_frozen(module, cls.__qualname__)
-    binding = _Binding(settings, describe_instance(module), name)
+    # Else the user gave the key. Taken now, so that a refusal comes when the model is wrapped.
+    described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
+    binding = _Binding(settings, described, name)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)
     return module

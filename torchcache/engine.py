@@ -23,7 +23,7 @@ import torch
 from ._fork import renew_lock_after_fork
 from ._log import logger
 from ._version import __version__
-from .arguments import CallArguments, CallSplitter, ShapeHint
+from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput
 from .config import Settings, resolve_local_dir, resolve_location
 from .errors import ConfigError, StoreError
 from .faults import FaultLog
@@ -268,7 +268,11 @@ class Cache:
         ``fn`` is called back with the caller's own layout of positional and keyword
         arguments, with only the per-item tensors replaced by the rows to compute.
         """
-        call, context = self._split(args, kwargs, training)
+        try:
+            call, context = self._split(args, kwargs, training)
+        except UncachedInput as exc:
+            self.faults.warn("uncached", f"{exc}; such calls run without the cache")
+            return fn(*args, **kwargs)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")

@@ -13,25 +13,26 @@ little). On an accelerator, items with more than ``subsample_count`` elements ar
 subsampled on the device in 64 evenly spread contiguous runs before the single copy to
 the host; the count is part of the key.
 
-Non-tensor arguments are encoded canonically with a type tag, so ``True``, ``1``,
-``1.0``, ``"1"`` and ``None`` are five different keys.
+Non-tensor arguments are encoded canonically with a type tag by
+:mod:`torchcache.canonical`, so ``True``, ``1``, ``1.0``, ``"1"`` and ``None`` are five
+different keys. Quantized inputs add their scheme, scale and zero point to the context.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from .errors import KeyingError
+from .canonical import encode_key_value, tensor_content_digest
 
 __all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "tag", "tensor_digest"]
 
 #: Version of the key derivation and of the entry format; part of every module key.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 _SUBSAMPLE_RUNS = 64
 _index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -46,52 +47,22 @@ def encode_value(value: object, name: str = "argument") -> bytes:
     """Encode a non-tensor argument canonically, type included.
 
     Args:
-        value: ``None``, ``bool``, ``int``, ``float``, ``str``, ``torch.dtype``,
-            ``torch.device``, or a tuple, list or dict of these.
+        value: Anything :mod:`torchcache.canonical` encodes exactly (numbers, strings,
+            bytes, enums, torch dtypes and devices, tuples, lists, dicts in order, sets,
+            dataclasses, functions, objects with plain state), with no tensor inside.
         name: The argument's name, for error messages.
 
     Returns:
         Bytes that are equal for equal values of equal types, and different otherwise.
 
     Raises:
-        KeyingError: If the value (or something inside it) has another type.
+        KeyingError: If the value (or something inside it) cannot be encoded exactly.
 
     Example:
         >>> len({encode_value(v) for v in (True, 1, 1.0, "1", None)})
         5
     """
-    if value is None:
-        return b"N"
-    if isinstance(value, bool):
-        return b"T" if value else b"F"
-    if isinstance(value, int):
-        return tag(b"i", str(value).encode())
-    if isinstance(value, float):
-        return tag(b"f", value.hex().encode())
-    if isinstance(value, str):
-        return tag(b"s", value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, torch.dtype):
-        return tag(b"d", str(value).encode())
-    if isinstance(value, torch.device):
-        return tag(b"v", str(value).encode())
-    if type(value) in (tuple, list):
-        seq: Sequence[object] = value  # type: ignore[assignment]
-        parts = [encode_value(v, f"{name}[{i}]") for i, v in enumerate(seq)]
-        return tag(b"t" if isinstance(value, tuple) else b"l", b"".join(parts))
-    if type(value) is dict:
-        mapping: Mapping[object, object] = value  # type: ignore[assignment]
-        items = sorted((encode_value(k, f"{name} key"), encode_value(v, f"{name}[{k!r}]")) for k, v in mapping.items())
-        return tag(b"m", b"".join(k + v for k, v in items))
-    if isinstance(value, torch.Tensor):
-        raise KeyingError(
-            f"{name}: tensors are only supported as top-level arguments shaped (batch, ...), "
-            "not inside a tuple, list or dict"
-        )
-    raise KeyingError(
-        f"{name}: cannot be part of a cache key: got {type(value).__name__}; expected a tensor "
-        "shaped (batch, ...), None, bool, int, float, str, torch.dtype, torch.device, or a "
-        "tuple, list or dict of these"
-    )
+    return encode_key_value(value, name)
 
 
 class Context:
@@ -132,7 +103,8 @@ def item_rows(tensor: torch.Tensor, subsample_count: int | None) -> tuple[np.nda
         The array, and whether the rows are a subsample.
     """
     batch = tensor.shape[0]
-    flat = tensor.detach().reshape(batch, -1)
+    data = tensor.detach()
+    flat = (data.int_repr() if data.is_quantized else data).reshape(batch, -1)
     subsampled = False
     if flat.device.type != "cpu":
         numel = flat.shape[1]
@@ -189,6 +161,9 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = xxhash.xxh3_128()
     for name, tensor in tensors:
         h.update(tag(b"n", name.encode()))
+        if tensor.is_quantized or tensor.device.type == "meta" or getattr(tensor, "is_nested", False):
+            h.update(tag(b"q", tensor_content_digest(tensor, name)))
+            continue
         h.update(tag(b"d", str(tensor.dtype).encode()))
         h.update(tag(b"s", repr(tuple(tensor.shape)).encode()))
         data = tensor.detach()
