@@ -202,7 +202,8 @@ class KeyEncoder:
         """Whether the attribute ``name`` at ``path`` is declared as not changing outputs."""
         if not self._ignore:
             return False
-        relative = path[len(self._root) + 1 :] if path.startswith(self._root + ".") else path
+        full = f"{path}.{name}"
+        relative = full[len(self._root) + 1 :] if full.startswith(self._root + ".") else full
         return name in self._ignore or relative in self._ignore
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -241,6 +242,8 @@ class KeyEncoder:
                     f"{path}: tensors are only supported as top-level arguments shaped (batch, ...) or inside "
                     "tuples, lists and dicts, not inside other objects; pass the tensor as an argument"
                 )
+            if value.device.type == "meta":
+                raise self.refuse(path, "a tensor on the meta device has no content to key by")
             return _tag(b"X", _qualname(cls).encode() + tensor_content_digest(value, path))
         if isinstance(value, np.ndarray):
             return self._encode_array(value, path, child)
