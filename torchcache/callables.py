@@ -76,6 +76,7 @@ class CachedMethod:
         signature = inspect.signature(func)
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
         self.cache_instance = Cache(settings, self._name, "module", signature, fingerprint)
+        self.cache_instance.watch_weights(module)
         _method_caches.setdefault(module, []).append(weakref.ref(self.cache_instance))
         self._conversion: tuple[Any, ...] | None = None
         self._call = outside_compile(self._call_cached)

@@ -67,6 +67,8 @@ class Settings:
     keep_eval: bool = False
     local_cache_dir: Path | None = None
     key_ignore: frozenset[str] = frozenset()
+    verify_weights: int | None = None
+    exact_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
@@ -130,7 +132,7 @@ def _bool(name: str, value: object) -> bool:
 
 
 def _validate(name: str, value: Any) -> Any:
-    if name in ("enabled", "persistent", "keep_eval"):
+    if name in ("enabled", "persistent", "keep_eval", "exact_batches"):
         return _bool(name, value)
     if name == "persistent_cache_dir":
         return _cache_dir(value)
@@ -165,6 +167,15 @@ def _validate(name: str, value: Any) -> Any:
         return frozenset(value)
     if name == "batch_dims":
         return _batch_dims(value)
+    if name == "verify_weights":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"verify_weights must be None (off) or an int >= 1 (hash the weights every that many calls), "
+                f"got {value!r}"
+            )
+        return value
     if name == "key_ignore":
         if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(

@@ -78,6 +78,8 @@ def torchcache(
     batch_dims: Mapping[str, int] | None = None,
     keep_eval: bool = False,
     key_ignore: Collection[str] = (),
+    verify_weights: int | None = None,
+    exact_batches: bool = False,
     **legacy: Any,
 ) -> Any:
     """Cache the outputs of a module class or instance, a method or a function, per batch item.
@@ -128,6 +130,15 @@ def torchcache(
             name (``"fn"``: that name anywhere) or dotted path below the module
             (``"layer1.0.fn"``). Everything else is part of the key, or refused with a
             :class:`~torchcache.KeyingError` that names it.
+        verify_weights: Hash the weights every this many calls and take the key again if
+            they changed (``None``: never). In-place changes made by torch operations
+            (``copy_``, ``mul_``, optimizer steps, EMA, batch norm) are seen at every call
+            without it; it is for writes that bypass torch's version counters
+            (``p.data.copy_()``, writes through ``p.numpy()``).
+        exact_batches: Compute a batch with any miss whole, as an uncached call would, so
+            that no returned batch mixes items computed in batches of other sizes (CPU
+            and GPU kernels can differ in the last bits between batch sizes). Hits then
+            come only from batches found whole in the cache.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
             accepted and ignored, with a ``DeprecationWarning``.
@@ -171,6 +182,8 @@ def torchcache(
         batch_dims=batch_dims if batch_dims is not None else {},
         keep_eval=keep_eval,
         key_ignore=key_ignore,
+        verify_weights=verify_weights,
+        exact_batches=exact_batches,
         **legacy,
     )
 
@@ -222,6 +235,7 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
 
     cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
     cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
+    cache.watch_weights(module)
     return cache
 
 

@@ -35,6 +35,7 @@ from .tiers.memory import MemoryTier
 from .tiers.persistent import PersistentTier
 from .tiers.shared import SharedTier, open_shared_tier
 from .tree import Layout, RebuildError, flatten
+from .versions import VersionWatch
 
 __all__ = ["Cache"]
 
@@ -71,6 +72,7 @@ class Cache:
         self._splitter = CallSplitter(signature, settings.shared_args, settings.batch_dims)
         self._fingerprint = fingerprint
         self._rebind: Callable[[Any], Cache] | None = None
+        self._watch: VersionWatch | None = None
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
         self._stale = False
@@ -103,6 +105,11 @@ class Cache:
         """Remember the object this cache belongs to and how to make one for a copy of it."""
         self._owner = weakref.ref(owner)
         self._rebind = rebind
+
+    def watch_weights(self, module: torch.nn.Module) -> None:
+        """Take the key again at the first call after ``module``'s weights change in place."""
+        if self.settings.persistent_module_hash is None:
+            self._watch = VersionWatch(module, self.settings.verify_weights)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Cache:
         """A new cache for the copy of the owner (same settings, its own memory tier).
@@ -144,6 +151,8 @@ class Cache:
         if self._module_hash is None:
             with self._lock:  # threads making the first calls at once fingerprint once
                 if self._module_hash is None:
+                    if self._watch is not None:
+                        self._watch.reset()  # before hashing: a write during it is seen at the next call
                     self._module_hash = self._fingerprint()
                     logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
         return self._module_hash
@@ -162,6 +171,8 @@ class Cache:
     def _rekey(self) -> None:
         with self._lock:
             self._stale = False
+            if self._watch is not None:
+                self._watch.reset()  # before hashing: a write during it is seen at the next call
             key = self._fingerprint()
             if key == self._module_hash:
                 return
@@ -268,6 +279,9 @@ class Cache:
         ``fn`` is called back with the caller's own layout of positional and keyword
         arguments, with only the per-item tensors replaced by the rows to compute.
         """
+        watch = self._watch
+        if watch is not None and self._module_hash is not None and not self._stale and watch.changed():
+            self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
         try:
             call, context = self._split(args, kwargs, training)
         except UncachedInput as exc:
@@ -359,28 +373,34 @@ class Cache:
             self.faults.emit()
 
         if missing:
-            if len(missing) == batch:
+            # exact_batches: a batch with any miss is computed whole, as an uncached call computes it.
+            whole = len(missing) == batch or self.settings.exact_batches
+            if whole:
                 computed = fn(*call.args, **call.kwargs)
             else:
                 sub_args, sub_kwargs = call.select(missing)
                 computed = fn(*sub_args, **sub_kwargs)
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
-            self._check_items(leaves, len(missing), call.batch)
+            self._check_items(leaves, batch if whole else len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
                 self.faults.warn(
                     "layout", "cached outputs do not match the shapes just computed; computing the whole batch"
                 )
                 self._count(misses=batch)
-                return fn(*call.args, **call.kwargs)
+                return computed if whole else fn(*call.args, **call.kwargs)
             layout = new_layout
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
-            self._store(keys, missing, layout, leaves)
-            if len(missing) == batch:
+            if whole:
+                if len(missing) < batch:
+                    rows = index_tensor(missing, leaves[0].device) if leaves else None
+                    leaves = [leaf.index_select(0, rows) for leaf in leaves] if rows is not None else leaves
+                self._store(keys, missing, layout, leaves)
                 self._count(misses=batch)
                 return computed
+            self._store(keys, missing, layout, leaves)
             parts.append((missing, leaves))
         assert layout is not None
         try:
