@@ -74,4 +74,8 @@ def outside_compile(fn: Callable[..., T]) -> Callable[..., T]:
             disabled = torch._dynamo.disable(fn, recursive=True, reason=_COMPILE_REASON)  # type: ignore[no-untyped-call]
         return disabled(*args, **kwargs)
 
+    # What torch._dynamo.disable marks, set without importing dynamo: a trace that reaches
+    # this function does not go into it, from the first compile of a process on.
+    inner._torchdynamo_disable = True  # type: ignore[attr-defined]
+    inner._torchdynamo_disable_msg = _COMPILE_REASON  # type: ignore[attr-defined]
     return inner

@@ -74,8 +74,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _TORCH_NAME = {dt: name for name, dt in TORCH_DTYPES.items()}
 # Built with numpy (faster); the others (bfloat16, float8...) with torch.frombuffer.
+# Names numpy has as dtypes (``hasattr(np, "bool")`` would warn under numpy 1.x).
+_NUMPY_NAMES = frozenset(("float64", "float32", "float16", "complex64", "complex128", "bool"))
 _NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
-    TORCH_DTYPES[name]: np.dtype(name) for name in TORCH_DTYPES if hasattr(np, name)
+    TORCH_DTYPES[name]: np.dtype(name)
+    for name in TORCH_DTYPES
+    if name in _NUMPY_NAMES or name.startswith(("int", "uint"))
 }
 #: Numpy dtypes that can be cached, by ``dtype.str`` (both byte orders).
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
