@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Union
@@ -100,40 +100,44 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
         (['dict', [['a', 'T'], ['b', ['tuple', ['T', 'N']]]]], [(2, 3), (2,)])
     """
     leaves: list[torch.Tensor] = []
+    return _flatten_node(output, name, 0, leaves), leaves
 
-    def walk(node: object, path: str, depth: int) -> Spec:
-        if isinstance(node, torch.Tensor):
-            leaves.append(node)
-            return "T"
-        if node is None:
-            return "N"
-        if depth >= MAX_DEPTH:
-            raise KeyingError(f"{path}: the output nests containers more than {MAX_DEPTH} deep")
-        cls = type(node)
-        if isinstance(node, (tuple, list)) and (cls is tuple or cls is list):
-            kind = "tuple" if cls is tuple else "list"
-            return [kind, [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node)]]
-        if isinstance(node, dict) and cls is dict:
-            items: list[Any] = []
-            for key, value in node.items():
-                if not isinstance(key, str):
-                    raise KeyingError(f"{path}: dict keys must be str to be cached, got {key!r}")
-                items.append([key, walk(value, f"{path}[{key!r}]", depth + 1)])
-            return ["dict", items]
-        typed = kind_of(cls)
-        if typed is None:
-            raise KeyingError(
-                f"{path}: cannot cache an output of type {describe_type(cls)}; expected a tensor shaped "
-                "(batch, ...), None, or a tuple, list, dict (str keys), namedtuple, dataclass or dict subclass "
-                "of such values (a dict subclass must keep the __init__ of dict or OrderedDict)"
-            )
-        fields = []
-        for key, value in members(node, typed, path):
-            child = f"{path}[{key!r}]" if typed == "mapping" else f"{path}.{key}"
-            fields.append([key, walk(value, child, depth + 1)])
-        return [typed, type_name(cls), fields]
 
-    return walk(output, name, 0), leaves
+# The walks below are module functions, not closures: a nested function that calls itself
+# holds a reference to its own cell, a cycle that would keep the leaves it captured (a
+# batch of output tensors) alive until the cyclic garbage collector runs.
+def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor]) -> Spec:
+    """The spec of ``node``; its tensor leaves are appended to ``leaves``."""
+    if isinstance(node, torch.Tensor):
+        leaves.append(node)
+        return "T"
+    if node is None:
+        return "N"
+    if depth >= MAX_DEPTH:
+        raise KeyingError(f"{path}: the output nests containers more than {MAX_DEPTH} deep")
+    cls = type(node)
+    if isinstance(node, (tuple, list)) and (cls is tuple or cls is list):
+        kind = "tuple" if cls is tuple else "list"
+        return [kind, [_flatten_node(v, f"{path}[{i}]", depth + 1, leaves) for i, v in enumerate(node)]]
+    if isinstance(node, dict) and cls is dict:
+        items: list[Any] = []
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise KeyingError(f"{path}: dict keys must be str to be cached, got {key!r}")
+            items.append([key, _flatten_node(value, f"{path}[{key!r}]", depth + 1, leaves)])
+        return ["dict", items]
+    typed = kind_of(cls)
+    if typed is None:
+        raise KeyingError(
+            f"{path}: cannot cache an output of type {describe_type(cls)}; expected a tensor shaped "
+            "(batch, ...), None, or a tuple, list, dict (str keys), namedtuple, dataclass or dict subclass "
+            "of such values (a dict subclass must keep the __init__ of dict or OrderedDict)"
+        )
+    fields = []
+    for key, value in members(node, typed, path):
+        child = f"{path}[{key!r}]" if typed == "mapping" else f"{path}.{key}"
+        fields.append([key, _flatten_node(value, child, depth + 1, leaves)])
+    return [typed, type_name(cls), fields]
 
 
 def unflatten(spec: Spec, leaves: list[torch.Tensor]) -> Any:
@@ -143,21 +147,21 @@ def unflatten(spec: Spec, leaves: list[torch.Tensor]) -> Any:
         RebuildError: If the spec names a class that cannot be rebuilt in this process
             (its module is not imported, or the class changed); recompute the output.
     """
-    it = iter(leaves)
+    return _rebuild_node(spec, iter(leaves))
 
-    def rebuild(node: Spec) -> Any:
-        if isinstance(node, str):
-            return next(it) if node == "T" else None
-        if len(node) == 2:
-            kind, items = node
-            if kind == "dict":
-                return {key: rebuild(value) for key, value in items}
-            values = [rebuild(value) for value in items]
-            return tuple(values) if kind == "tuple" else values
-        kind, name, fields = node
-        return build(kind, name, [key for key, _ in fields], [rebuild(value) for _, value in fields])
 
-    return rebuild(spec)
+def _rebuild_node(node: Spec, leaves: Iterator[torch.Tensor]) -> Any:
+    """The value of ``node``, taking its tensor leaves from ``leaves`` in order."""
+    if isinstance(node, str):
+        return next(leaves) if node == "T" else None
+    if len(node) == 2:
+        kind, items = node
+        if kind == "dict":
+            return {key: _rebuild_node(value, leaves) for key, value in items}
+        values = [_rebuild_node(value, leaves) for value in items]
+        return tuple(values) if kind == "tuple" else values
+    kind, name, fields = node
+    return build(kind, name, [key for key, _ in fields], [_rebuild_node(value, leaves) for _, value in fields])
 
 
 def leaf_paths(spec: Spec, name: str = "output") -> list[str]:
@@ -168,24 +172,25 @@ def leaf_paths(spec: Spec, name: str = "output") -> list[str]:
         ['output[0]', 'output[1].logits']
     """
     paths: list[str] = []
-
-    def walk(node: Spec, path: str) -> None:
-        if isinstance(node, str):
-            if node == "T":
-                paths.append(path)
-        elif len(node) == 3:
-            kind, _, fields = node
-            for key, value in fields:
-                walk(value, f"{path}[{key!r}]" if kind == "mapping" else f"{path}.{key}")
-        elif node[0] == "dict":
-            for key, value in node[1]:
-                walk(value, f"{path}[{key!r}]")
-        else:
-            for i, value in enumerate(node[1]):
-                walk(value, f"{path}[{i}]")
-
-    walk(spec, name)
+    _collect_paths(spec, name, paths)
     return paths
+
+
+def _collect_paths(node: Spec, path: str, paths: list[str]) -> None:
+    """Append the path of every tensor leaf under ``node`` to ``paths``."""
+    if isinstance(node, str):
+        if node == "T":
+            paths.append(path)
+    elif len(node) == 3:
+        kind, _, fields = node
+        for key, value in fields:
+            _collect_paths(value, f"{path}[{key!r}]" if kind == "mapping" else f"{path}.{key}", paths)
+    elif node[0] == "dict":
+        for key, value in node[1]:
+            _collect_paths(value, f"{path}[{key!r}]", paths)
+    else:
+        for i, value in enumerate(node[1]):
+            _collect_paths(value, f"{path}[{i}]", paths)
 
 
 def describe(spec: Spec, leaves: Iterable[str]) -> str:
@@ -199,24 +204,24 @@ def describe(spec: Spec, leaves: Iterable[str]) -> str:
         >>> describe(["mapping", "collections:OrderedDict", [["a", "T"]]], ["f32[3]"])
         "OrderedDict({'a': f32[3]})"
     """
-    it = iter(leaves)
+    return _describe_node(spec, iter(leaves))
 
-    def walk(node: Spec) -> str:
-        if isinstance(node, str):
-            return next(it) if node == "T" else "None"
-        if len(node) == 3:
-            kind, name, fields = node
-            short = str(name).partition(":")[2]
-            if kind == "mapping":
-                return short + "({" + ", ".join(f"{key!r}: {walk(value)}" for key, value in fields) + "})"
-            return short + "(" + ", ".join(f"{key}={walk(value)}" for key, value in fields) + ")"
-        kind, items = node
-        if kind == "dict":
-            return "{" + ", ".join(f"{key!r}: {walk(value)}" for key, value in items) + "}"
-        inner = ", ".join(walk(value) for value in items)
-        return f"({inner}{',' if len(items) == 1 else ''})" if kind == "tuple" else f"[{inner}]"
 
-    return walk(spec)
+def _describe_node(node: Spec, leaves: Iterator[str]) -> str:
+    """The text of ``node``, taking the text of its tensor leaves from ``leaves`` in order."""
+    if isinstance(node, str):
+        return next(leaves) if node == "T" else "None"
+    if len(node) == 3:
+        kind, name, fields = node
+        short = str(name).partition(":")[2]
+        if kind == "mapping":
+            return short + "({" + ", ".join(f"{key!r}: {_describe_node(value, leaves)}" for key, value in fields) + "})"
+        return short + "(" + ", ".join(f"{key}={_describe_node(value, leaves)}" for key, value in fields) + ")"
+    kind, items = node
+    if kind == "dict":
+        return "{" + ", ".join(f"{key!r}: {_describe_node(value, leaves)}" for key, value in items) + "}"
+    inner = ", ".join(_describe_node(value, leaves) for value in items)
+    return f"({inner}{',' if len(items) == 1 else ''})" if kind == "tuple" else f"[{inner}]"
 
 
 @dataclass(frozen=True)
