@@ -1,0 +1,149 @@
+"""What keying a module costs: wrap time, the per-call weight check, and verify_weights.
+
+For a ViT-B-sized module (12 transformer layers of width 768, 86 M parameters, 148
+tensors) it measures:
+
+- **wrap**: ``torchcache()(model)`` (every attribute of every submodule through the
+  canonical encoder) plus the first module key (every weight hashed), as a user pays
+  them once per process and again after each change of weights;
+- **check**: the version-counter check that runs before every cached call, against the
+  W1 memory-hit path (a batch of 256 images of 3x64x64 whose (768,) features are all in
+  memory), the cost it adds to;
+- **verify**: one ``verify_weights`` content check (all weights hashed).
+
+Each figure is the median over ``--repeats`` runs with its minimum and maximum. The
+benchmark checks its own results: the cached outputs equal the uncached ones, and the
+check sees an in-place change. It writes ``--json`` for ``report.py``.
+
+    python benchmarks/keys_and_versions.py [--repeats 7] [--json results/keys_and_versions.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import CheapFeatures
+
+from torchcache import torchcache
+from torchcache.versions import VersionWatch
+
+
+class VitB(nn.Module):
+    """A ViT-B-sized encoder: 16x16 patch embedding, 12 layers of width 768, 12 heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 768, 16, stride=16)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 768))
+        self.pos = nn.Parameter(torch.zeros(1, 197, 768))
+        layer = nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(768)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The class token's features, ``(batch, 768)``."""
+        tokens = self.patch(images).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], dim=1) + self.pos
+        return self.norm(self.encoder(tokens))[:, 0]
+
+
+def timed(fn: Callable[[], object], repeats: int, inner: int = 1) -> list[float]:
+    """Seconds per call of ``fn``, ``repeats`` times (each the mean of ``inner`` calls)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return times
+
+
+def spread(values: list[float], scale: float) -> dict[str, float]:
+    return {
+        "median": statistics.median(values) * scale,
+        "min": min(values) * scale,
+        "max": max(values) * scale,
+        "runs": len(values),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    def vit() -> nn.Module:
+        return VitB().eval().requires_grad_(False)
+
+    models = [vit() for _ in range(args.repeats)]
+    tensors = sum(1 for _ in models[0].parameters()) + sum(1 for _ in models[0].buffers())
+    params = sum(p.numel() for p in models[0].parameters())
+    wrap = []
+    for model in models:
+        start = time.perf_counter()
+        torchcache()(model)
+        _ = model.cache_instance.module_hash
+        wrap.append(time.perf_counter() - start)
+    watch = VersionWatch(models[0])
+    watch.reset()
+    check = timed(watch.changed, args.repeats, inner=2000)
+    with torch.no_grad():
+        models[0].norm.weight.mul_(1.0)
+    seen = watch.changed()
+    verify_watch = VersionWatch(models[0], verify_every=1)
+    verify_watch.reset()
+    verify = timed(verify_watch.changed, args.repeats)
+    del models
+
+    features = CheapFeatures().eval().requires_grad_(False)
+    plain = CheapFeatures().eval().requires_grad_(False)
+    plain.load_state_dict(features.state_dict())
+    cached = torchcache()(features)
+    images = torch.randn(256, 3, 64, 64)
+    with torch.no_grad():
+        first = cached(images)
+        correct = torch.equal(first, plain(images)) and torch.equal(cached(images), first)
+        hit = timed(lambda: cached(images), args.repeats, inner=5)
+
+    results = {
+        "model": f"ViT-B-sized encoder, {params / 1e6:.0f} M parameters, {tensors} tensors",
+        "wrap_s": spread(wrap, 1.0),
+        "check_us": spread(check, 1e6),
+        "w1_hit_ms": spread(hit, 1e3),
+        "check_share_of_w1_hit": statistics.median(check) / statistics.median(hit),
+        "verify_ms": spread(verify, 1e3),
+        "correct": bool(correct and seen),
+    }
+    print(f"{results['model']}")
+    print(f"wrap + first key      {results['wrap_s']['median']:.3f} s [{wrap_range(results['wrap_s'])}]")
+    print(f"weight check per call {results['check_us']['median']:.1f} us [{wrap_range(results['check_us'])}]")
+    print(f"W1 memory-hit batch   {results['w1_hit_ms']['median']:.2f} ms [{wrap_range(results['w1_hit_ms'])}]")
+    print(f"check / W1 hit        {results['check_share_of_w1_hit']:.2%}")
+    print(f"verify_weights check  {results['verify_ms']['median']:.1f} ms [{wrap_range(results['verify_ms'])}]")
+    print(f"correct               {results['correct']}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if results["correct"] else 1
+
+
+def wrap_range(figure: dict[str, float]) -> str:
+    return f"{figure['min']:.3g}-{figure['max']:.3g}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
