@@ -531,3 +531,46 @@ def test_a_dataset_attribute_that_cannot_be_keyed_asks_for_a_version(tmp_path: P
         CachedDataset(_Rows([[1.0]], threading.Lock()), tmp_path / "c")
     data = CachedDataset(_Rows([[1.0]], threading.Lock()), tmp_path / "c", version="v1")
     assert torch.equal(data[0], torch.tensor([1.0]))
+
+
+# -- Hugging Face configurations ---------------------------------------------------------------------
+
+_VIT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 37}
+_VIT.update(image_size=16, patch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_act", "relu"), ("layer_norm_eps", 1e-3), ("qkv_bias", False)],
+)
+def test_hugging_face_configurations_that_change_outputs_have_other_keys(field: str, value: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+
+    def build(**changes: Any) -> nn.Module:
+        torch.manual_seed(0)
+        return _frozen(transformers.ViTModel(transformers.ViTConfig(**_VIT, **changes)))
+
+    base, other = build(), build(**{field: value})
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert not torch.equal(base(x).last_hidden_state, other(x).last_hidden_state)
+    assert torchcache()(base).cache_instance.module_hash != torchcache()(other).cache_instance.module_hash
+
+
+@pytest.mark.parametrize("package", ["torchvision", "timm"])
+def test_model_library_configurations_that_change_outputs_have_other_keys(package: str) -> None:
+    library = pytest.importorskip(package, reason=f"{package} is not installed (it needs its own torch build)")
+
+    def build(**kwargs: Any) -> nn.Module:
+        torch.manual_seed(0)
+        if package == "torchvision":
+            return _frozen(library.models.resnet18(weights=None, **kwargs))
+        return _frozen(library.create_model("resnet18", pretrained=False, **kwargs))
+
+    x = torch.randn(2, 3, 32, 32)
+    for changes in ({"num_classes": 10}, {"zero_init_residual": True}):
+        base, other = build(), build(**changes)
+        with torch.no_grad():
+            differ = base(x).shape != other(x).shape or not torch.equal(base(x), other(x))
+        if differ:
+            assert torchcache()(base).cache_instance.module_hash != torchcache()(other).cache_instance.module_hash
