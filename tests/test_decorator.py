@@ -257,15 +257,19 @@ def test_clear_removes_memory_and_disk_entries_of_the_module(cache_root: Path) -
     mine = model.cache_instance.cache_dir
     assert len(entry_files(mine)) == 5
 
+    model(x)  # a memory hit, counted until clear()
+    assert model.cache_instance.stats().hits == 5
     model.cache_instance.clear()
     stats = model.cache_instance.stats()
     assert stats.memory.entries == 0
     assert stats.disk is not None and stats.disk.entries == 0
+    assert (stats.hits, stats.misses, stats.memory.hits, stats.disk.hits) == (0, 0, 0, 0)  # counters reset
     assert entry_files(mine) == []
     assert len(entry_files(other.cache_instance.cache_dir)) == 5  # other modules keep theirs
 
     assert_same(model(x), plain(x))
     assert model.seen == [5, 5]  # found neither in memory nor on disk
+    assert (model.cache_instance.stats().hits, model.cache_instance.stats().misses) == (0, 5)
 
 
 def test_flush_waits_for_background_writes(cache_root: Path) -> None:
@@ -860,3 +864,31 @@ def test_returned_tensors_do_not_alias_each_other() -> None:
     b = model(x)
     a.zero_()
     assert_same(b, plain(x))
+
+
+def test_torchcache_works_without_parentheses_on_classes_instances_methods_and_functions() -> None:
+    @torchcache
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(3, 4)
+    assert_same(double(x), x * 2)
+    assert_same(double(x), x * 2)
+    assert double.cache_instance.stats().hits == 3  # type: ignore[attr-defined]
+
+    Decorated = torchcache(type("CountingBare", (Counting,), {"__module__": Counting.__module__}))
+    module = Decorated()
+    module(x)
+    module(x)
+    assert module.seen == [3]
+
+    instance = torchcache(Counting())
+    instance(x)
+    instance(x)
+    assert instance.seen == [3] and instance.cache_instance.stats().hits == 3
+
+    owner = Counting()
+    method = torchcache(owner.forward)
+    method(x)
+    method(x)
+    assert owner.seen == [3]

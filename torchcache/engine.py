@@ -96,6 +96,8 @@ class Cache:
         self._hits = 0
         self._misses = 0
         self._memory_hits = 0
+        # The disk tier's hit count when the counters were last reset (a tier may be shared).
+        self._disk_hits_seen: tuple[PersistentTier | None, int] = (None, 0)
         self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
         self._summaries = PeriodicSummary()
         _caches.add(self)
@@ -243,7 +245,7 @@ class Cache:
                 len(disk.store) if disk else 0,
                 disk.store.nbytes if disk else 0,
                 self.settings.max_persistent_cache_size,
-                disk.hits if disk else 0,
+                (disk.hits - (self._disk_hits_seen[1] if self._disk_hits_seen[0] is disk else 0)) if disk else 0,
             ),
         )
 
@@ -259,10 +261,13 @@ class Cache:
         self.faults.emit()
 
     def clear(self) -> None:
-        """Remove this module's entries from memory and from disk."""
+        """Remove this module's entries from memory and from disk, and set the counters of :meth:`stats` to zero."""
         with self._lock:
+            with self.memory.lock:
+                self._hits = self._misses = self._memory_hits = 0
             self.memory.clear()
             disk = self._disk_tier() if self.settings.persistent else None
+            self._disk_hits_seen = (disk, disk.hits if disk is not None else 0)
             if disk is not None:
                 try:
                     disk.clear()
