@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -692,6 +693,18 @@ def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> Non
         data = CachedDataset(Numbers(2, log))
     assert data.cache.memory_dir is None and data[1][1] == 1 and data.stats().memory.max_bytes == 0
     data.close()
+
+
+def test_the_users_ram_root_is_removed_with_its_last_job(shm_root: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(2, log), max_memory_size="1MB")
+    assert data[1][1] == 1
+    root = shm_root / f"torchcache-{os.getuid()}"
+    assert root.is_dir() and stat.S_IMODE(root.stat().st_mode) == 0o700
+    data.close()
+    assert not root.exists()  # no empty directory stays behind in /dev/shm
+    again = CachedDataset(Numbers(2, log), max_memory_size="1MB")
+    assert again[0][1] == 0 and root.is_dir()
+    again.close()
 
 
 def test_a_dataset_cache_logs_its_summary_while_it_is_used(

@@ -168,6 +168,7 @@ def hold(job: Path) -> None:
             return
         for _ in range(100):  # each retry means a remover took the directory away meanwhile
             try:
+                os.makedirs(job.parent, mode=0o700, exist_ok=True)  # the user's root, if a remover took it
                 os.makedirs(job, mode=0o700, exist_ok=True)
                 fd = _open_lock(job)
             except FileNotFoundError:
@@ -224,6 +225,8 @@ def _remove_if_unused(job: Path) -> bool:
     finally:
         os.close(fd)
     shutil.rmtree(trash, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the user's root too, once no job is left in it
+        os.rmdir(job.parent)
     return True
 
 
