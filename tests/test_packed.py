@@ -16,13 +16,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import run_python
 from tests.store_helpers import Reports, key, value
 from torchcache.errors import KeyingError, StoreError
-from torchcache.stores import packed_segments
+from torchcache.stores import packed_index, packed_segments
 from torchcache.stores.packed import INDEX_BASE_BYTES, PackedStore
 from torchcache.stores.packed_format import HEADER, encode_key, encode_keys, segment_name
 from torchcache.stores.packed_index import ENTRY, INDEX_NAME
@@ -617,3 +619,107 @@ def test_a_batch_over_several_segments_is_counted_in_each(root: Path) -> None:
         want[seg][1] += 1
     assert {seg: [row.live, row.records] for seg, row in table.items()} == want
     assert store.nbytes == sum(1000 + i for i in range(5, 60)) + 5 * 500 and store.verify().ok
+
+
+# -- opening under limits -----------------------------------------------------------------
+_UNDER_LIMIT = """
+import os, resource, sys
+from torchcache.stores.packed import PackedStore
+
+root, limit = sys.argv[1], sys.argv[2]
+if limit == "tight":  # a little above what this process maps now: too little for any index map
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (8 << 20),) * 2)
+else:
+    resource.setrlimit(resource.RLIMIT_AS, (int(limit),) * 2)
+seen = []
+store = PackedStore(root, "1GB", report=lambda kind, message: seen.append(kind))
+got = store.get_many([format(i, "08x") for i in range(100)])
+print(sum(v is not None and bytes(v) == bytes([i]) * 1000 for i, v in enumerate(got)))
+try:
+    print(store.put_many([(format(i, "08x"), bytes([i]) * 1000) for i in range(100, 110)]))
+except OSError as exc:
+    print("unwritable", type(exc).__name__)
+print(",".join(seen))
+"""
+
+
+def _fill_for_child(root: Path) -> tuple[int, int]:
+    store = PackedStore(root, "1GB")
+    store.put_many([(format(i, "08x"), bytes([i]) * 1000) for i in range(100)])
+    store.close()
+    st = os.stat(root / INDEX_NAME)
+    return st.st_ino, st.st_size
+
+
+def test_an_index_opens_and_serves_hits_under_an_address_space_limit(root: Path) -> None:
+    _fill_for_child(root)
+    done = run_python(_UNDER_LIMIT, str(root), str(8_000_000 * 1024))  # ulimit -v 8000000
+    assert done.returncode == 0, done.stderr
+    hits, stored, reported = done.stdout.splitlines()
+    assert (hits, stored, reported) == ("100", "10", "")
+    assert len(PackedStore(root, "1GB")) == 110
+
+
+def test_no_address_space_for_the_index_leaves_it_as_it_is(root: Path) -> None:
+    identity = _fill_for_child(root)
+    done = run_python(_UNDER_LIMIT, str(root), "tight")
+    assert done.returncode == 0, done.stderr
+    hits, stored, reported = done.stdout.splitlines()
+    assert (hits, stored, reported) == ("0", "unwritable StoreError", "index")  # unavailable, warned once
+    st = os.stat(root / INDEX_NAME)
+    assert (st.st_ino, st.st_size) == identity  # neither removed nor rebuilt
+    got = PackedStore(root, "1GB").get_many([format(i, "08x") for i in range(100)])
+    assert all(v is not None and bytes(v) == bytes([i]) * 1000 for i, v in enumerate(got))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lmdb.MemoryError("mdb_env_open", "Cannot allocate memory"),
+        lmdb.LockError("mdb_env_open", "Resource temporarily unavailable"),
+        lmdb.DiskError("mdb_env_open", "No space left on device"),
+        lmdb.ReadersFullError("mdb_env_open", "readers full"),
+        OSError(errno.ENOMEM, "Cannot allocate memory"),
+        OSError(errno.EAGAIN, "Resource temporarily unavailable"),
+    ],
+    ids=lambda e: type(e).__name__ + (f"-{errno.errorcode[e.errno]}" if isinstance(e, OSError) else ""),
+)
+def test_an_error_opening_the_index_is_not_damage(
+    root: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    filler = PackedStore(root, 10**8)
+    fill(filler, range(50))
+    filler.close()
+    before = os.stat(root / INDEX_NAME)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(packed_index.lmdb, "open", refuse)
+    store = PackedStore(root, 10**8, report=reports)
+    assert store.get_many([key(i) for i in range(50)]) == [None] * 50
+    with pytest.raises(StoreError):
+        store.put_many([(key(99), b"x")])
+    assert len(store) == 0 and key(1) not in store
+    assert reports.kinds() == ["index"] and "unavailable" in reports.seen[0][1]  # once, for every use
+    after = os.stat(root / INDEX_NAME)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    monkeypatch.undo()  # the next use opens it
+    got = store.get_many([key(i) for i in range(50)])
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(got))
+    assert reports.kinds() == ["index"]
+
+
+def test_a_map_found_full_grows_and_the_write_goes_through(root: Path) -> None:
+    store = PackedStore(root, 10**7)
+    store._handle.map_size = 1 << 18  # a map far too small for what follows
+    store.close()
+    fill(store, range(2000), size=10)  # small entries: the index outgrows its map several times
+    index = store._ensure(write=False)
+    assert index is not None and index.map_size > 1 << 18
+    got = store.get_many([key(i) for i in range(2000)])
+    assert all(bytes(v or b"") == value(i, 10) for i, v in enumerate(got))
+    other = PackedStore(root, 10**7)  # another store of this directory maps it at its size
+    assert len(other) == 2000

@@ -33,7 +33,7 @@ from . import packed_upkeep as upkeep
 from .batched import BatchedStore, VerifyReport
 from .packed_evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_within_bounds, release
 from .packed_format import decode_key, encode_key, encode_keys, encode_records, record_size
-from .packed_index import Change, Index
+from .packed_index import Change, Index, map_size_for
 from .packed_open import IndexHandle
 from .packed_read import EntryReader
 from .packed_segments import SegmentFiles
@@ -44,6 +44,8 @@ __all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "MAX_ENTRY_BYTES", "PackedSt
 #: The largest entry stored by default; a longer length in the index is a lie and is not read.
 MAX_ENTRY_BYTES = 1 << 28
 _CHUNK_KEYS = 4096
+#: Times a write that finds the index's map full grows it and writes again.
+_GROW_TRIES = 8
 
 
 def _default_report(kind: str, message: str) -> None:
@@ -110,7 +112,9 @@ class PackedStore(BatchedStore):
         self._files = SegmentFiles(self._root, self.segment_bytes)
         self._reported: set[str] = set()
         self._reader = EntryReader(self._root, self._files, int(max_entry_bytes), self._report)
-        self._handle = IndexHandle(self._root, self._files, self._report, self._forget_doomed)
+        self._handle = IndexHandle(
+            self._root, self._files, self._report, self._forget_doomed, map_size_for(self.max_bytes)
+        )
         try:
             os.makedirs(self._root, exist_ok=True)
         except OSError as exc:
@@ -269,6 +273,15 @@ class PackedStore(BatchedStore):
         change.commit()
         self._reader.doomed.clear()
 
+    def _grow(self, index: Index) -> bool:
+        """Double the index's map after a write found it full (no transaction open); whether it grew."""
+        try:
+            index.grow()
+        except lmdb.Error as exc:
+            self._report("index", f"cannot grow the map of the index of {self._root}: {exc}", "grow")
+            return False
+        return True
+
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         """Store entries under the budget (see :meth:`BatchedStore.put_many`).
 
@@ -289,22 +302,26 @@ class PackedStore(BatchedStore):
         if not plan:
             return 0
         with self._lock:
-            index, change = self._change()
-            victims: Victims = []
-            try:
-                kbs, datas = list(plan), list(plan.values())
-                places = self._files.append(change, encode_records(kbs, datas))
-                change.add_many(kbs, places, list(map(len, datas)))
-                victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent)
-                self._commit(change)
-            except BaseException as exc:
-                with contextlib.suppress(lmdb.Error):
-                    change.abort()
-                self._files.aborted()
-                release(self._files, victims, remove=False)
-                if isinstance(exc, (OSError, lmdb.Error)):
-                    raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
-                raise
+            for attempt in range(_GROW_TRIES):
+                index, change = self._change()
+                victims: Victims = []
+                try:
+                    kbs, datas = list(plan), list(plan.values())
+                    places = self._files.append(change, encode_records(kbs, datas))
+                    change.add_many(kbs, places, list(map(len, datas)))
+                    victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent)
+                    self._commit(change)
+                except BaseException as exc:
+                    with contextlib.suppress(lmdb.Error):
+                        change.abort()
+                    self._files.aborted()
+                    release(self._files, victims, remove=False)
+                    if isinstance(exc, lmdb.MapFullError) and attempt + 1 < _GROW_TRIES and self._grow(index):
+                        continue  # the index outgrew its map: write the batch again in a larger one
+                    if isinstance(exc, (OSError, lmdb.Error)):
+                        raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
+                    raise
+                break
             self._files.committed()
             release(self._files, victims, remove=True)
             try:
@@ -348,6 +365,10 @@ class PackedStore(BatchedStore):
                         removed += 1
                 self._commit(change)
             except lmdb.Error as exc:
+                with contextlib.suppress(lmdb.Error):
+                    change.abort()
+                if isinstance(exc, lmdb.MapFullError):
+                    self._grow(change.index)  # the next write has room
                 raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
         return removed
 
@@ -381,6 +402,10 @@ class PackedStore(BatchedStore):
                 change.clear()
                 self._commit(change)
             except lmdb.Error as exc:
+                with contextlib.suppress(lmdb.Error):
+                    change.abort()
+                if isinstance(exc, lmdb.MapFullError):
+                    self._grow(index)
                 raise StoreError(f"cannot clear the store {self._root}: {exc}") from exc
             self._files.seal_writer()
             self._reader.bad.clear()

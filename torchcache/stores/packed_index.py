@@ -9,11 +9,21 @@ mid-transaction leaves the index as it was. It runs with ``sync=False`` and
 ``metasync=False``: durable against a killed process, not against a power cut, which a
 cache does not need. Nothing in the index is unpickled, and every value is checked for
 its exact size before it is unpacked.
+
+The map is sized from the store's budget (:func:`map_size_for`), not a fixed 64 GiB
+of address space that a process under ``ulimit -v`` cannot map, and doubled when a
+write finds it full; a process whose map another one outgrew adopts the new size. The
+data file is written with ``pwrite`` (no ``writemap``), and the lock file, which LMDB
+writes through a shared mapping, has its pages allocated before LMDB maps it: on a
+full file system opening fails with ``ENOSPC`` instead of a ``SIGBUS``. Only a checked
+inconsistency (:data:`DAMAGE`, :class:`IndexDamageError`) means the file is damaged;
+any other error opening it (``ENOMEM``, ``EAGAIN``, ``ENOSPC``) leaves it as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import struct
@@ -24,24 +34,47 @@ from typing import NamedTuple
 import lmdb
 
 from .._fork import after_fork
+from ..errors import StoreError
 from .packed_format import HEADER, record_size
 
 __all__ = [
-    "cut_short",
+    "DAMAGE",
     "ENTRY",
     "FORMAT",
     "INDEX_NAME",
+    "MIN_MAP_SIZE",
     "Change",
     "Entry",
     "Index",
+    "IndexDamageError",
     "Segment",
+    "cut_short",
+    "map_size_for",
     "open_index",
     "unpack_entry",
 ]
 
 INDEX_NAME = "index.lmdb"
 FORMAT = 1
-_MAP_SIZE = 1 << 36  # virtual: 64 GiB of address space, the file grows as needed
+#: The smallest map (address space, not disk): room for the index of about 300,000 entries.
+MIN_MAP_SIZE = 32 << 20
+#: The largest map sized from a budget (a map grows past it only when a write finds it full).
+_MAX_MAP_SIZE = 1 << 36
+#: Index bytes an entry may take (INDEX_ENTRY_BYTES of packed_evict) and the smallest entry sized for.
+_ENTRY_INDEX_BYTES, _SIZED_ENTRY = 96, 1024
+_MAX_READERS = 1024
+#: Bytes of LMDB's lock file with 1,024 reader slots (192 + 64 per further slot), to a whole page.
+_LOCK_BYTES = -(-(192 + 64 * (_MAX_READERS - 1)) // 4096) * 4096
+#: LMDB errors that mean the index file failed a check of its content (others, such as
+#: ENOMEM, too many readers or a full disk, do not).
+DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.BadValsizeError,
+)
 ENTRY = struct.Struct("<III")
 _SEGMENT = struct.Struct("<BQQQQ")
 _U64 = struct.Struct("<Q")
@@ -95,14 +128,39 @@ def _u64(value: bytes | memoryview | None) -> int:
     return _U64.unpack(value)[0] if value is not None and len(value) == _U64.size else 0
 
 
-def open_index(root: str, readonly: bool) -> Index:
+class IndexDamageError(StoreError):
+    """The index file, or its lock file, is not a regular file: it is replaced, like a damaged one."""
+
+
+def map_size_for(max_bytes: int) -> int:
+    """The map an index of a store with a budget of ``max_bytes`` opens with.
+
+    Twice what the index of a full store of 1 KiB entries takes (96 bytes each), at
+    least :data:`MIN_MAP_SIZE` and at most 64 GiB; a store of smaller entries grows it
+    when a write finds it full (:meth:`Index.grow`).
+
+    Example:
+        >>> map_size_for(10**9) // 2**20, map_size_for(10**6) // 2**20
+        (178, 32)
+    """
+    wanted = 2 * (max(0, int(max_bytes)) // _SIZED_ENTRY) * _ENTRY_INDEX_BYTES
+    return _blocks(min(_MAX_MAP_SIZE, max(MIN_MAP_SIZE, wanted)))
+
+
+def open_index(root: str, readonly: bool, map_size: int = MIN_MAP_SIZE) -> Index:
     """Open (or create) the index of a store directory.
 
     The index file must be a regular file (or absent): LMDB would block reading a FIFO.
 
+    Args:
+        root: The store directory.
+        readonly: Open it for reading only.
+        map_size: The address space to map it in (raised to the file's size and room to grow).
+
     Raises:
-        lmdb.Error: If LMDB refuses the file (damaged, another format, no access).
-        OSError: If the path is not a regular file.
+        IndexDamageError: If the index or its lock file is not a regular file.
+        lmdb.Error: If LMDB refuses the file (damaged, another format, no access, no memory).
+        OSError: If the lock file cannot be given its pages (a full file system).
     """
     path = os.path.join(root, INDEX_NAME)
     for name in (path, path + "-lock"):
@@ -111,7 +169,7 @@ def open_index(root: str, readonly: bool) -> Index:
         except FileNotFoundError:
             continue
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{name} is not a regular file")
+            raise IndexDamageError(errno.EINVAL, f"{name} is not a regular file")
     with _shared_lock:
         try:
             st = os.stat(path)
@@ -122,12 +180,12 @@ def open_index(root: str, readonly: bool) -> Index:
             shared.users += 1
             return shared
         if not readonly:
-            index = Index(path, readonly=False, lock=True)
+            index = Index(path, readonly=False, lock=True, map_size=map_size)
         else:
             try:
-                index = Index(path, readonly=True, lock=True)
-            except lmdb.Error:  # the lock file cannot be written either: read without it
-                index = Index(path, readonly=True, lock=False)
+                index = Index(path, readonly=True, lock=True, map_size=map_size)
+            except (lmdb.Error, StoreError):  # the lock file cannot be written either: read without it
+                index = Index(path, readonly=True, lock=False, map_size=map_size)
         _shared[index.identity] = index
         return index
 
@@ -183,19 +241,56 @@ def _forget_shared() -> None:
 after_fork(_forget_shared)
 
 
+def _reserve_lock_file(path: str) -> None:
+    """Give LMDB's lock file its pages before LMDB maps and writes it (a hole would be a SIGBUS).
+
+    Allocating pages leaves what they hold as it is, so this is safe while other
+    processes use the file. Where the file cannot be opened for writing, LMDB fails the
+    same way (and the index is read without the lock); a file system without
+    ``fallocate`` is left to LMDB as before.
+
+    Raises:
+        StoreError: If the file system has no room for the pages (``ENOSPC``).
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.posix_fallocate(fd, 0, _LOCK_BYTES)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise StoreError(exc.errno, f"cannot allocate the index lock file {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
 class Index:
     """An open LMDB environment with the store's three tables.
 
+    Args:
+        path: The index file.
+        readonly: Open it for reading only.
+        lock: Use LMDB's lock file (readers then take a slot in it).
+        map_size: The address space to map it in; raised to twice the file's size.
+
     Raises:
         lmdb.Error: If LMDB cannot open it.
+        StoreError: If the lock file cannot be given its pages (a full file system).
     """
 
-    def __init__(self, path: str, readonly: bool, lock: bool) -> None:
+    def __init__(self, path: str, readonly: bool, lock: bool, map_size: int = MIN_MAP_SIZE) -> None:
         self.path = path
         self.readonly = readonly
+        with contextlib.suppress(OSError):
+            map_size = max(map_size, 2 * os.stat(path).st_size)  # room to grow beyond what it holds
+        if lock:  # readers write their slot in it too
+            _reserve_lock_file(path + "-lock")
         self.env = lmdb.open(
             path,
-            map_size=_MAP_SIZE,
+            map_size=_blocks(map_size),
             subdir=False,
             readonly=readonly,
             lock=lock,
@@ -204,7 +299,7 @@ class Index:
             readahead=True,
             meminit=False,
             max_dbs=3,
-            max_readers=1024,
+            max_readers=_MAX_READERS,
             mode=0o644,
         )
         try:
@@ -236,8 +331,15 @@ class Index:
 
         Its default table is ``entries`` (``txn.get(kb)`` reads an entry; py-lmdb parses
         a ``db=`` argument on every call).
+
+        Raises:
+            lmdb.Error: If it cannot begin.
         """
-        return self.env.begin(db=self.entries)
+        try:
+            return self.env.begin(db=self.entries)
+        except lmdb.MapResizedError:  # another process grew the map past this one's
+            self.env.set_mapsize(0)
+            return self.env.begin(db=self.entries)
 
     def change(self) -> Change:
         """Begin a write transaction (the store's one cross-process lock).
@@ -245,7 +347,28 @@ class Index:
         Raises:
             lmdb.Error: If it cannot begin.
         """
-        return Change(self, self.env.begin(write=True))
+        try:
+            txn = self.env.begin(write=True)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            txn = self.env.begin(write=True)
+        return Change(self, txn)
+
+    @property
+    def map_size(self) -> int:
+        """The address space the index is mapped in (its largest size until it grows)."""
+        return int(self.env.info()["map_size"])
+
+    def grow(self) -> None:
+        """Double the map, after a write found it full (call with no transaction open).
+
+        Every process that opens the index later, or begins a transaction after it grew
+        beyond their map, maps the new size.
+
+        Raises:
+            lmdb.Error: If it cannot be mapped at that size (no address space left).
+        """
+        self.env.set_mapsize(_blocks(2 * self.map_size))
 
     def file_bytes(self) -> int:
         """Bytes the index and its lock file take on disk."""

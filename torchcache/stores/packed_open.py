@@ -19,13 +19,10 @@ import lmdb
 
 from ..errors import StoreError
 from . import packed_upkeep as upkeep
-from .packed_index import INDEX_NAME, Index
+from .packed_index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index
 from .packed_segments import SegmentFiles
 
-__all__ = ["IndexHandle"]
-
-#: LMDB errors that mean the index file is damaged (others, such as too many readers, do not).
-DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError, lmdb.BadValsizeError)
+__all__ = ["DAMAGE", "IndexHandle"]
 
 
 class IndexHandle:
@@ -36,6 +33,8 @@ class IndexHandle:
         files: This process's segment files of that directory.
         report: Called with ``(kind, message, once)`` for faults.
         on_fork: Called in a forked child to drop state that belongs to the parent.
+        map_size: The address space to map the index in (see
+            :func:`~torchcache.stores.packed_index.map_size_for`).
     """
 
     def __init__(
@@ -44,8 +43,10 @@ class IndexHandle:
         files: SegmentFiles,
         report: Callable[[str, str, str | None], None],
         on_fork: Callable[[], None],
+        map_size: int = MIN_MAP_SIZE,
     ) -> None:
         self.root = root
+        self.map_size = map_size
         self.path = os.path.join(root, INDEX_NAME)
         self.files = files
         self.report = report
@@ -92,17 +93,26 @@ class IndexHandle:
                     upkeep.seal_orphans(index, self.files)  # what writers that died left
         if write:
             if index is None:
-                raise StoreError(errno.ENOENT, f"the store directory {self.root} is gone or has no usable index")
+                raise StoreError(errno.ENOENT, f"the store directory {self.root} is gone or its index cannot be opened")
             if index.readonly:
                 raise StoreError(errno.EROFS, f"the store directory {self.root} is read-only")
         return index
 
     def _open(self) -> Index | None:
-        """Open the index; rebuild it from the segments if it is new or was damaged."""
+        """Open the index; rebuild it from the segments if it is new or was damaged.
+
+        An index that cannot be opened for another reason (no memory or address space, a
+        full disk) is left as it is: the store is unavailable (reported once), and opening
+        is tried again at the next use.
+        """
         try:
-            return upkeep.open_or_recover(self.root, lambda kind, message: self.report(kind, message, None))
+            return upkeep.open_or_recover(
+                self.root, lambda kind, message: self.report(kind, message, None), self.map_size
+            )
         except (lmdb.Error, OSError) as exc:
-            self.report("index", f"cannot open the index of {self.root} ({exc}); every read is a miss", "open")
+            self.report(
+                "index", f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss", "open"
+            )
             return None
 
     def failed(self, exc: Exception) -> None:

@@ -23,7 +23,17 @@ import lmdb
 
 from .files import open_regular
 from .packed_format import encode_record, scan_records
-from .packed_index import INDEX_NAME, Change, Entry, Index, cut_short, open_index
+from .packed_index import (
+    DAMAGE,
+    INDEX_NAME,
+    MIN_MAP_SIZE,
+    Change,
+    Entry,
+    Index,
+    IndexDamageError,
+    cut_short,
+    open_index,
+)
 from .packed_segments import SegmentFiles
 
 __all__ = [
@@ -40,6 +50,8 @@ _MOVE_BYTES = 8 << 20
 _LOCK_WAIT_SECONDS = 30.0
 _NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
 Report = Callable[[str, str], None]
+#: Times a write that finds the index's map full grows it and tries again.
+_GROW_TRIES = 8
 
 
 @contextlib.contextmanager
@@ -110,14 +122,17 @@ def discard_index(root: str, identity: tuple[int, int] | None) -> None:
                     os.rename(name, f"{name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
 
 
-def open_or_recover(root: str, report: Report) -> Index:
+def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> Index:
     """Open a store's index: read-only where it cannot be written, replaced if damaged.
 
-    A new index (none existed, or a damaged one was removed) is filled from the segment
-    files, so nothing intact is lost with the index.
+    Only a failed check of the file's content is damage (a file cut short, one that is
+    not a regular file, or an LMDB error of :data:`~torchcache.stores.packed_index.DAMAGE`):
+    the index is then replaced, and the new one is filled from the segment files, so
+    nothing intact is lost with it. Any other error opening it (no memory or address
+    space, a full disk, a lock held) is raised and the file is left as it is.
 
     Raises:
-        lmdb.Error: If LMDB still refuses it.
+        lmdb.Error: If LMDB refuses it for another reason than damage.
         OSError: If it cannot be opened or replaced.
     """
     problem = cut_short(os.path.join(root, INDEX_NAME))
@@ -125,22 +140,35 @@ def open_or_recover(root: str, report: Report) -> Index:
         report("index", f"the index of {root} is {problem}; rebuilding it from the segment files")
         discard_index(root, None)
     try:
-        index = open_index(root, readonly=False)
-    except (lmdb.Error, OSError) as exc:
-        if _no_access(exc):
-            return open_index(root, readonly=True)
+        index = open_index(root, readonly=False, map_size=map_size)
+    except (*DAMAGE, IndexDamageError) as exc:
         report("index", f"the index of {root} is damaged ({exc}); rebuilding it from the segment files")
         discard_index(root, None)
-        index = open_index(root, readonly=False)
+        index = open_index(root, readonly=False, map_size=map_size)
+    except (lmdb.Error, OSError) as exc:
+        if _no_access(exc):
+            return open_index(root, readonly=True, map_size=map_size)
+        raise
     try:
-        change = index.change()
-        if not change.fresh:
-            change.abort()
-            return index
-        files = SegmentFiles(root, 1)
-        count = _rebuild(change, files)
-        change.commit()
-        files.close()
+        count = 0
+        for attempt in range(_GROW_TRIES):
+            change = index.change()
+            if not change.fresh:
+                change.abort()
+                return index
+            files = SegmentFiles(root, 1)
+            try:
+                count = _rebuild(change, files)
+                change.commit()
+                break
+            except lmdb.MapFullError:
+                with contextlib.suppress(lmdb.Error):
+                    change.abort()
+                if attempt + 1 == _GROW_TRIES:
+                    raise
+                index.grow()
+            finally:
+                files.close()
         if count:
             report("index", f"indexed {count} entries found in the segment files of {root}")
     except lmdb.ReadonlyError:
