@@ -2,14 +2,15 @@
 
 Usage::
 
-    python benchmarks/brotli_quality.py [--items N]
+    python benchmarks/brotli_quality.py [--items N] [--json PATH]
 
 Encodes items exactly as the disk tier does (``encode_frame`` with the window the codec
 picks, stored raw when brotli does not shrink the payload to ``RAW_RATIO``), checks that
 every frame decodes to its item, and prints per item: the stored size against the raw
 size, the encode time (what a miss pays on the writer threads) and the decode time (what
 a disk hit pays), single-threaded. Quality ``raw`` is ``brotli_quality`` with compression
-never tried.
+never tried. The rows go to ``--json`` (by default
+``benchmarks/results/brotli_quality.json``) for ``report.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import brotli
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
 
 from torchcache.codec import RAW_RATIO, encode_frame, encode_header, split_frame
 
@@ -65,12 +69,14 @@ def per_item_us(fn: Callable[[], object], n: int, repeats: int = 3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=64, help="items per output kind and shape (default 64)")
+    parser.add_argument("--json", help="default: benchmarks/results/brotli_quality.json")
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
         f"torch {torch.__version__}, brotli {brotli.__version__}; raw below {RAW_RATIO:.0%} stores raw"
     )
     failures = 0
+    rows = []
     for shape, label in (((768,), "(768,)"), ((197, 768), "(197, 768)")):
         n = args.items if shape == (768,) else max(4, args.items // 8)
         print(f"\nitems {label}, {n} per kind; us per item, single thread")
@@ -89,7 +95,11 @@ def main() -> int:
                 size = statistics.mean(len(f) for f in frames)
                 name = "raw" if quality is None else str(quality)
                 print(f"{kind:<10} {name:>7} {size / raw:>9.3f} {enc:>10.0f} {dec:>10.0f}")
+                row = {"shape": label, "output": kind, "quality": name, "size_ratio": size / raw}
+                rows.append(row | {"encode_us": enc, "decode_us": dec, "items": n})
     print(f"\nchecks: {'all frames decode to their items' if not failures else f'{failures} FAILED'}")
+    results = {"brotli": brotli.__version__, "raw_ratio": RAW_RATIO, "rows": rows, "failures": failures}
+    write_results("brotli_quality", results, args.json)
     return 1 if failures else 0
 
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/codec_speed.py [--items N]
+    python benchmarks/codec_speed.py [--items N] [--json PATH]
 
 For ReLU float32 features shaped (197, 768) (sparse), GELU-like float32 features of the
 same shape (dense) and int64 token ids, encodes every item with each codec the disk tier
@@ -14,7 +14,7 @@ checksum plus decoding, what a disk hit pays before its one copy into the batch)
 Modes: ``raw`` never compresses; ``zero`` tries zero elision only (a payload with too few
 zero words stays raw); ``brotli5`` tries brotli quality 5 only; ``auto`` is what the disk
 tier does when it tries both (zero elision, then brotli only when it beats it by a
-margin).
+margin). The rows go to ``--json`` (by default ``benchmarks/results/codec_speed.json``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _meta import write_results
 from brotli_quality import per_item_us
 
 from torchcache.codec import encode_frame, encode_header, split_frame, word_size
@@ -61,10 +62,12 @@ def main() -> None:
     """Run the benchmark and print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=16)
+    parser.add_argument("--json", help="default: benchmarks/results/codec_speed.json")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, numpy {np.__version__}")
     print(f"{'output':<20} {'mode':<8} {'codec':<7} {'size':>6} {'encode us':>10} {'decode us':>10} {'MB/s':>7}")
     header = encode_header({"bench": 1})
+    rows = []
     for kind in ("relu f32 (197,768)", "gelu f32 (197,768)", "int64 ids (512,)"):
         payloads, word = outputs(kind, args.items)
         raw_bytes = len(payloads[0])
@@ -89,7 +92,10 @@ def main() -> None:
             ratio = statistics.mean(len(f) for f in frames) / raw_bytes
             speed = raw_bytes / dec
             print(f"{kind:<20} {mode:<8} {'/'.join(codecs):<7} {ratio:>5.3f}x {enc:>10.0f} {dec:>10.0f} {speed:>7.0f}")
+            rows.append({"output": kind, "mode": mode, "codec": "/".join(codecs), "size_ratio": ratio})
+            rows[-1] |= {"encode_us": enc, "decode_us": dec, "decode_mb_s": speed, "raw_bytes": raw_bytes}
         print(f"{'':<20} ({raw_bytes} bytes per item, word size {word}; round trips checked)")
+    write_results("codec_speed", {"items": args.items, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

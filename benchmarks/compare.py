@@ -8,7 +8,9 @@ The new side runs under the current interpreter with the repository root first
 on ``sys.path``; the old side runs in ``benchmarks/.venv-old``, created on first
 use (torch==2.13.0 first, then torchcache==0.6.0). Each task runs in its own
 worker subprocess (``worker.py``); this driver collects their JSON, prints one
-table and exits non-zero when any correctness check failed.
+table, writes it with the raw results to ``--json`` (by default
+``benchmarks/results/compare.json``) and exits non-zero when any correctness check
+failed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from _meta import write_results
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".venv-old"
@@ -352,7 +356,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--only", default=",".join(ALL), help="comma-separated workloads, e.g. W1,W3")
-    p.add_argument("--json", type=Path, default=None, help="dump raw results here")
+    p.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/compare.json")
     p.add_argument("--keep-tmp", action="store_true", help="keep benchmarks/.tmp")
     p.add_argument("--default-malloc", action="store_true", help="keep glibc's dynamic mmap threshold")
     p.add_argument("--no-wait", dest="wait", action="store_false", help="no waiting for a quiet machine, no reruns")
@@ -382,9 +386,8 @@ def main() -> int:
     print_table(lines)
     failed = print_checks(results, only)
     print(f"total {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        dump = {"machine": info, "args": vars(args) | {"json": str(args.json)}, "results": results, "table": lines}
-        args.json.write_text(json.dumps(dump, indent=1))
+    dump = {"machine": info, "args": vars(args) | {"json": str(args.json)}, "workers": results, "table": lines}
+    write_results("compare", dump | {"checks_failed": failed}, args.json)
     return 1 if failed else 0
 
 

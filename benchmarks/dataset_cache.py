@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import platform
 import resource
@@ -87,6 +86,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
 
 import torchcache
 from torchcache import CachedDataset
@@ -656,7 +659,7 @@ def main() -> int:
     parser.add_argument(
         "--pairs", type=int, help="extra pairs of later epochs at 25-100 %% (default 20; 4 with --quick)"
     )
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", help="default: benchmarks/results/dataset_cache.json")
     parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
     args = parser.parse_args()
     items = args.items or (4000 if args.quick else 20000)
@@ -700,24 +703,23 @@ def main() -> int:
         verdict = "not measured" if ok is None else "met" if ok else "MISSED"
         print(f"  {name:<64} {value:<48} {verdict}")
     print(f"wrong samples: {raw['wrong']}")
-    if args.json:
-        result = {
-            "items": items,
-            "rounds": rounds,
-            "machine": machine,
-            "versions": found,
-            "load_average": {"before": load_before, "after": load_after},
-            "seconds": elapsed,
-            "charge_bytes": raw["charge"],
-            "wrong": raw["wrong"],
-            "cached": {f"{lib}_{f:.2f}": v for (lib, f), v in raw["cached"].items()},
-            "epochs": raw["times"],
-            "epochs_cpu": raw["cpu"],
-            "paired_epochs": raw["paired"],
-            "figures": figures,
-            "targets": [{"target": n, "measured": v, "met": ok} for n, v, ok in targets],
-        }
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    result = {
+        "items": items,
+        "rounds": rounds,
+        "machine": machine,
+        "versions": found,
+        "load_average": {"before": load_before, "after": load_after},
+        "seconds": elapsed,
+        "charge_bytes": raw["charge"],
+        "wrong": raw["wrong"],
+        "cached": {f"{lib}_{f:.2f}": v for (lib, f), v in raw["cached"].items()},
+        "epochs": raw["times"],
+        "epochs_cpu": raw["cpu"],
+        "paired_epochs": raw["paired"],
+        "figures": figures,
+        "targets": [{"target": n, "measured": v, "met": ok} for n, v, ok in targets],
+    }
+    write_results("dataset_cache", result, args.json)
     if raw["wrong"]:
         print("FAILED: some samples served differ from the uncached samples")
         return 1

@@ -13,15 +13,15 @@ tensors) it measures:
 
 Each figure is the median over ``--repeats`` runs with its minimum and maximum. The
 benchmark checks its own results: the cached outputs equal the uncached ones, and the
-check sees an in-place change. It writes ``--json`` for ``report.py``.
+check sees an in-place change. It writes its JSON (``--json``, by default
+``benchmarks/results/keys_and_versions.json``) for ``report.py``.
 
-    python benchmarks/keys_and_versions.py [--repeats 7] [--json results/keys_and_versions.json]
+    python benchmarks/keys_and_versions.py [--repeats 7] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _meta import write_results
 from workloads import CheapFeatures
 
 from torchcache import torchcache
@@ -82,7 +83,7 @@ def spread(values: list[float], scale: float) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/keys_and_versions.json")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -135,9 +136,7 @@ def main() -> int:
     print(f"check / W1 hit        {results['check_share_of_w1_hit']:.2%}")
     print(f"verify_weights check  {results['verify_ms']['median']:.1f} ms [{wrap_range(results['verify_ms'])}]")
     print(f"correct               {results['correct']}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_results("keys_and_versions", results, args.json)
     return 0 if results["correct"] else 1
 
 

@@ -2,13 +2,14 @@
 
 Usage::
 
-    python benchmarks/memory_rss.py [--gb 1.0]
+    python benchmarks/memory_rss.py [--gb 1.0] [--json PATH]
 
 Fills the memory tier of a decorated function with about ``--gb`` GB of entries, for
 small (768,) items and for large (197, 768) items, then reads the process's resident
 set size (``VmRSS`` in ``/proc/self/status``, Linux only). Inputs are made and dropped
 batch by batch, so what stays resident is the cache. It checks that every entry is
-served back equal to its output and prints RSS growth next to the bytes the tier reports.
+served back equal to its output and prints RSS growth next to the bytes the tier reports
+(and writes them to ``--json``, by default ``benchmarks/results/memory_rss.json``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
 
 from torchcache import torchcache
 
@@ -64,9 +68,11 @@ def fill(shape: tuple[int, ...], batch: int, total: int) -> tuple[int, int, int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="bytes of entries per case, in GB (default 1.0)")
+    parser.add_argument("--json", help="default: benchmarks/results/memory_rss.json")
     args = parser.parse_args()
     total = int(args.gb * 1e9)
     ok = True
+    rows = []
     print(f"{'items':<12} {'entries':>9} {'stats bytes':>14} {'RSS growth':>14} {'RSS/stats':>10}  check")
     for shape, batch in (((768,), 256), ((197, 768), 16)):
         grown, nbytes, entries, correct = fill(shape, batch, total)
@@ -75,6 +81,9 @@ def main() -> int:
             f"{shape!s:<12} {entries:>9,} {nbytes:>14,} {grown:>14,} {grown / nbytes:>10.3f}  "
             f"{'hits equal outputs' if correct else 'WRONG'}"
         )
+        rows.append({"shape": str(shape), "entries": entries, "stats_bytes": nbytes, "rss_growth": grown})
+        rows[-1] |= {"rss_over_stats": grown / nbytes, "correct": bool(correct)}
+    write_results("memory_rss", {"gb": args.gb, "rows": rows, "correct": bool(ok)}, args.json)
     return 0 if ok else 1
 
 

@@ -14,7 +14,8 @@ the store in a fresh process and run a first ``get_many`` of 1,024 missing keys;
 in another fresh process, 20 ``get_many`` of 1,024 random hits (median) against the
 floor: an ``np.memmap`` gather of the same rows from one ``.npy`` file, in a fresh
 process too. The page cache is warm for both (the files were just written). It exits
-non-zero if a read returned wrong bytes or a target was missed.
+non-zero if a read returned wrong bytes or a target was missed. The results, with every
+batch's time, go to ``--json`` (by default ``benchmarks/results/packed_store.json``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results  # noqa: E402
 
 from torchcache.stores.packed import PackedStore  # noqa: E402
 
@@ -176,7 +181,7 @@ def main() -> int:
     parser.add_argument("--large", action="store_true", help="1,000,000 entries instead of 200,000")
     parser.add_argument("--lmdb-values", action="store_true", help="also measure values kept in LMDB itself")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the store (a temporary directory)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results there too")
+    parser.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/packed_store.json")
     args = parser.parse_args()
     n = 1_000_000 if args.large else 200_000
     base = Path(tempfile.mkdtemp(prefix="packed-bench-", dir=args.dir))
@@ -201,6 +206,8 @@ def main() -> int:
         "batch_ms": store_ms,
         "floor_ms": floor_ms,
         "batch_ratio": store_ms / floor_ms,
+        "batch_runs_ms": [t * 1e3 for t in store["times"]],  # type: ignore[attr-defined]
+        "floor_runs_ms": [t * 1e3 for t in floor["times"]],  # type: ignore[attr-defined]
         "correct": bool(opened["ok"] and store["ok"] and floor["ok"]),
         "machine": f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "lmdb_values": extra,
@@ -214,9 +221,9 @@ def main() -> int:
     if extra:
         print(f"  LMDB values alone: fill {extra['fill_us']:.2f} us/item, disk/raw {extra['disk_ratio']:.3f}, ", end="")
         print(f"batch {extra['batch_ms_same_process']:.2f} ms (same process)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     missed = [name for name, target in TARGETS.items() if float(results[name]) > target]  # type: ignore[arg-type]
+    results["targets_missed"] = missed
+    write_results("packed_store", results, args.json)
     if not results["correct"]:
         print("FAILED: a read returned wrong bytes")
         return 1

@@ -25,13 +25,13 @@ The records live in one segment file ``header | key | payload`` and the index ma
 key to ``(offset, length)``, the packed store's layout reduced to its minimum. Every
 step runs on the same 20 random batches (sorted indices, like ``disk_tier.py``); the
 script prints the median of each and their sum against the memmap gather, and exits
-non-zero if a copied row differs from the memmap's.
+non-zero if a copied row differs from the memmap's. The medians, with every batch's
+times, go to ``--json`` (by default ``benchmarks/results/read_floor.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import platform
@@ -41,10 +41,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
 import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
 
 DIM = 768
 BATCH = 1024
@@ -83,7 +88,7 @@ def build(work: Path, items: int) -> tuple[np.ndarray, list[bytes]]:
     return np.load(work / "rows.npy", mmap_mode="r"), keys
 
 
-def measure(work: Path, rows: np.ndarray, keys: list[bytes], items: int) -> dict[str, float]:
+def measure(work: Path, rows: np.ndarray, keys: list[bytes], items: int) -> dict[str, Any]:
     env = lmdb.open(str(work / "index.lmdb"), subdir=False, readonly=True, lock=False)
     fd = os.open(work / "seg", os.O_RDONLY)
     view = memoryview(mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ))
@@ -138,15 +143,16 @@ def measure(work: Path, rows: np.ndarray, keys: list[bytes], items: int) -> dict
         wrong += int(not np.array_equal(joined, floor))
     os.close(fd)
     env.close()
-    medians = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    medians: dict[str, Any] = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
     medians["wrong"] = wrong
+    medians["runs_ms"] = {k: [t * 1e3 for t in v] for k, v in times.items()}
     return medians
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", type=int, default=200_000)
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", help="write the results here (default: benchmarks/results/read_floor.json)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="torchcache-read-floor-"))
     try:
@@ -173,8 +179,7 @@ def main() -> int:
     ):
         print(f"  {label:<32} {result[name]:6.2f} ms  ({result[name] / memmap:4.1f}x memmap)")
     print(f"  sum (faster look-up)            {total:6.2f} ms  ({total / memmap:4.1f}x memmap; the target is 4x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**result, "sum_ms": total, "items": args.items, "machine": machine}))
+    write_results("read_floor", {**result, "sum_ms": total, "items": args.items, "machine": machine}, args.json)
     return 0
 
 

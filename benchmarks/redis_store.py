@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/redis_store.py                # 20,000 entries of 3,072 bytes
     python benchmarks/redis_store.py --entries 5000 --batches 10
-    python benchmarks/redis_store.py --json out.json
+    python benchmarks/redis_store.py --json out.json  # default: benchmarks/results/redis_store.json
 
 A ``redis-server`` is started on a free loopback port (no persistence, a temporary
 directory) and stopped at the end. Both stores get the same 20,000 entries of 3 KiB
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shutil
 import signal
 import socket
@@ -41,6 +40,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results  # noqa: E402
 
 from torchcache.stores.batched import BatchedStore  # noqa: E402
 from torchcache.stores.layered import LayeredStore  # noqa: E402
@@ -135,7 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=20_000)
     parser.add_argument("--batches", type=int, default=30, help="batches of 1,024 hits read from each store")
-    parser.add_argument("--json", type=Path, default=None, help="write the results there too")
+    parser.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/redis_store.json")
     args = parser.parse_args()
     n = args.entries
     base = Path(tempfile.mkdtemp(prefix="redis-bench-"))
@@ -186,8 +189,7 @@ def main() -> int:
         trips = "-" if name == "packed" else f"{row['round_trips_per_batch']:.0f}"
         fill_us = "-" if name == "new copy" else f"{row['fill_us_per_item']:.1f}"
         print(f"{name:10} {fill_us:>12} {spread:>32} {trips:>18}  {bool(row['correct'])}")
-    if args.json:
-        args.json.write_text(json.dumps({"entries": n, "value_bytes": VALUE, "batch": BATCH, **results}, indent=2))
+    write_results("redis_store", {"entries": n, "value_bytes": VALUE, "batch": BATCH, **results}, args.json)
     if not ok:
         print("WRONG BYTES: a read returned something other than the entry written", file=sys.stderr)
     return 0 if ok else 1
