@@ -42,6 +42,7 @@ from tests.helpers import (
 from torchcache import CacheWarning
 from torchcache.codec import PREFIX_SIZE
 from torchcache.errors import StoreError, StoreUnavailableError
+from torchcache.stores.disk import DiskStore
 from torchcache.stores.packed import PackedStore
 from torchcache.stores.packed_format import HEADER
 from torchcache.tiers.persistent import PersistentTier
@@ -709,6 +710,151 @@ def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
     fresh = cached(Counting, persistent=True, max_memory_cache_size=0)(4, 4096)
     assert_same(fresh(x[:4]), plain(x[:4]))
     assert fresh.items == 0
+
+
+WriteFault = Callable[[pytest.MonkeyPatch, list[int]], None]
+
+
+def _failing(code: int) -> Callable[..., Any]:
+    def fail(*args: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
+def _half_written(monkeypatch: pytest.MonkeyPatch, then: Callable[..., Any]) -> None:
+    """``pwritev`` writes half of what it is given and says so; ``pwrite`` (the rest) is ``then``."""
+    real_pwrite = os.pwrite
+
+    def half(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        data = b"".join(bytes(b) for b in buffers)
+        return real_pwrite(fd, data[: len(data) // 2], offset)
+
+    monkeypatch.setattr(os, "pwritev", half)
+    monkeypatch.setattr(os, "pwrite", then)
+
+
+def _no_progress(monkeypatch: pytest.MonkeyPatch, spins: list[int]) -> None:
+    def nothing(*args: Any) -> int:
+        spins.append(1)
+        if len(spins) > 1000:  # a loop that waits for progress would never end: stop it here
+            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
+        return 0
+
+    _half_written(monkeypatch, nothing)
+
+
+#: Faults of the calls that write the packed store's files (segments, and the index's lock file).
+WRITE_FAULTS: dict[str, WriteFault] = {
+    "pwritev ENOSPC": lambda mp, spins: mp.setattr(os, "pwritev", _failing(errno.ENOSPC)),
+    "pwritev EIO": lambda mp, spins: mp.setattr(os, "pwritev", _failing(errno.EIO)),
+    "short write, then ENOSPC": lambda mp, spins: _half_written(mp, _failing(errno.ENOSPC)),
+    "short write, then EIO": lambda mp, spins: _half_written(mp, _failing(errno.EIO)),
+    "short write, then no progress": _no_progress,
+    "fallocate ENOSPC": lambda mp, spins: mp.setattr(os, "posix_fallocate", _failing(errno.ENOSPC)),
+    "fallocate EIO": lambda mp, spins: mp.setattr(os, "posix_fallocate", _failing(errno.EIO)),
+}
+
+
+@pytest.mark.parametrize("fault", list(WRITE_FAULTS))
+def test_a_failing_write_warns_computes_and_leaves_no_partial_entry(
+    fault: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = Counting(4, 256)
+    x, y = torch.randn(N, 4), torch.randn(N, 4)
+    spins: list[int] = []
+    with monkeypatch.context() as patched:
+        WRITE_FAULTS[fault](patched, spins)
+        model = cached(Counting, persistent=True)(4, 256)
+        with cache_warnings() as caught:
+            first = model(x)
+            model.cache_instance.flush()
+            second = model(y)
+            model.cache_instance.flush()
+    assert_same(first, plain(x))
+    assert_same(second, plain(y))
+    assert caught, "the failed write was not warned"
+    assert len(spins) < 10  # a write that makes no progress is an error, not a loop
+    assert_whole(cache_root)
+    assert temporaries(cache_root) == []
+    directory = model.cache_instance.cache_dir
+    if (directory / "index.lmdb").exists():
+        with PackedStore(directory, 1 << 40) as store:
+            records = store.usage()["records"]
+        assert sum(segment_bytes(directory).values()) == records  # the failed batch's bytes were given back
+    fresh = cached(Counting, persistent=True, max_memory_cache_size=0)(4, 256)
+    with cache_warnings() as none:
+        assert_same(fresh(torch.cat([x, y])), plain(torch.cat([x, y])))
+        fresh.cache_instance.flush()
+    assert none == [], messages(none)
+    assert_whole(cache_root)
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "short, then ENOSPC", "no progress"])
+def test_a_failing_write_of_a_file_per_entry_store_leaves_no_file(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DiskStore(tmp_path / "store", 10**6)
+    assert store.put("abcd01", b"x" * 5000)
+    real_write, calls = os.write, []
+
+    def write(fd: int, data: Any) -> int:
+        calls.append(1)
+        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
+            raise RuntimeError("write was called 1000 times and wrote nothing")
+        if kind == "no progress":
+            return 0
+        if kind == "short, then ENOSPC" and len(calls) == 1:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        code = errno.EIO if kind == "EIO" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(StoreError):
+        store.put("abcd02", b"y" * 5000)
+    monkeypatch.undo()
+    assert len(calls) < 10
+    assert store.get("abcd02") is None and store.get("abcd01") == b"x" * 5000
+    assert sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file()) == ["abcd01.tce"]
+
+
+FULL_TMPFS = textwrap.dedent(
+    """
+    import os, sys, warnings, torch
+    from tests.helpers import Counting, assert_same, cached
+
+    if sys.argv[1] == "filled":  # another writer took every block before the cache opened its files
+        fd = os.open(os.path.join(os.environ["TORCHCACHE_DIR"], "filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, bytes(4096))
+        except OSError:
+            pass
+        os.close(fd)
+    model = cached(Counting, persistent=True)(4, 65536)  # 256 KB per item
+    plain = Counting(4, 65536)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+            assert_same(model(x), plain(x))
+            model.cache_instance.flush()
+            assert_same(model(x), plain(x))
+    print(sum(issubclass(w.category, Warning) and "torchcache" in str(w.message) for w in caught))
+    """
+)
+
+
+@pytest.mark.parametrize("state", ["empty", "filled"])
+def test_a_full_tmpfs_warns_and_computes_without_a_signal(
+    state: str, tmp_path: Path, mounts: Callable[..., None]
+) -> None:
+    point = tmp_path / "small"
+    point.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=256k", "tmpfs", point)
+    done = run_python(FULL_TMPFS, state, env={**os.environ, "TORCHCACHE_DIR": str(point)})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be a SIGBUS
+    assert int(done.stdout.split()[-1]) >= 1, done.stderr[-2000:]
 
 
 def test_a_read_only_directory_warns_once_and_keeps_reading(

@@ -288,6 +288,84 @@ def test_a_full_file_system_turns_the_tier_writes_off_with_a_warning(
     tier.close()
 
 
+def _pwrite_fault(kind: str) -> Any:
+    real = os.pwrite
+    calls: list[int] = []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(1)
+        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
+            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
+        if kind == "no progress":
+            return 0
+        if kind == "short, then ENOSPC" and len(calls) == 1:
+            return real(fd, bytes(data)[: len(data) // 2], offset)
+        code = errno.EIO if kind == "EIO" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    pwrite.calls = calls  # type: ignore[attr-defined]
+    return pwrite
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "short, then ENOSPC", "no progress"])
+def test_a_failing_slot_write_is_an_error_and_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    store, _ = make(tmp_path)
+    assert store.create(SIZE, 35)
+    assert store.put_many([(i, frame(i)) for i in range(5)], 10**6) == 0
+    fault = _pwrite_fault(kind)
+    monkeypatch.setattr(slots_module.os, "pwrite", fault)
+    with pytest.raises(OSError) as caught:
+        store.put_many([(i, frame(i)) for i in range(5, 10)], 10**6)
+    assert caught.value.errno in (errno.ENOSPC, errno.EIO) and len(fault.calls) < 10
+    monkeypatch.undo()
+    assert read_all(store, list(range(10))) == {i: frame(i) for i in range(5)}  # none of the failed batch
+    assert len(store) == 5
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "no progress"])
+def test_a_failing_slot_write_warns_and_the_tier_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    store = PackedStore(tmp_path / "store", 10**6)
+    tier = SampleTier("memory", store, 10**6, FaultLog("full"), SlotStore(tmp_path, 10, 10**6, lambda k, m: None))
+    samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(4)}
+    tier.put_many([(store_key(i), samples[i]) for i in range(2)])
+    monkeypatch.setattr(slots_module.os, "pwrite", _pwrite_fault(kind))
+    with pytest.warns(CacheWarning):
+        tier.put_many([(store_key(i), samples[i]) for i in range(2, 4)])
+        tier.faults.emit()
+    monkeypatch.undo()
+    assert tier.slots is not None and not tier.writable
+    assert read_all(tier.slots, list(range(4))) == {i: bytes(samples[i]) for i in range(2)}  # nothing half-written
+    tier.close()
+
+
+def test_a_slot_file_whose_table_has_no_pages_gets_them_or_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    maker, _ = make(tmp_path)
+    assert maker.create(SIZE, 35)
+    maker.close()
+    path = tmp_path / SLOTS_NAME
+    data = path.read_bytes()
+    path.unlink()
+    with path.open("wb") as file:  # the same file, sparse: its table has no pages
+        file.write(data[:4096])
+        file.truncate(len(data))
+    assert os.stat(path).st_blocks * 512 < maker.slots_at
+    monkeypatch.setattr(slots_module.os, "posix_fallocate", _pwrite_fault("ENOSPC"))
+    store, reports = make(tmp_path)
+    assert not store.ready and not store.usable and "pages" in reports[0][1]  # never written through the map
+    monkeypatch.undo()
+    store, reports = make(tmp_path)
+    assert store.ready and reports == [] and os.stat(path).st_blocks * 512 >= store.slots_at
+    assert store.put_many([(1, frame(1))], 10**6) == 0 and read_all(store, [1]) == {1: frame(1)}
+    store.close()
+
+
 class Opener:
     """Opens a tier's packed store when called, and counts the calls; ``fail`` raises instead."""
 

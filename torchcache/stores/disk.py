@@ -22,6 +22,7 @@ not read it again until it changes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import stat
@@ -299,7 +300,10 @@ class DiskStore(Store):
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view) :]
+                    written = os.write(fd, view)
+                    if written <= 0:  # no progress: the file system has no room (never loop on it)
+                        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
+                    view = view[written:]
             finally:
                 os.close(fd)
             os.replace(tmp, final)

@@ -66,6 +66,8 @@ def _write_parts(fd: int, parts: list[bytes | memoryview], offset: int) -> int:
             pos = offset + written
             while rest:
                 done = os.pwrite(fd, rest, pos)
+                if done <= 0:  # no progress: the file system has no room (never loop on it)
+                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
                 rest, pos = rest[done:], pos + done
         offset += want
     return offset

@@ -183,6 +183,12 @@ class SlotStore:
             or slots_at + capacity * stride > min(st.st_size, _MAX_FILE)
         ):
             return "its header does not describe the file"
+        if st.st_blocks * 512 < slots_at:  # made elsewhere without its pages: writing them could SIGBUS
+            try:
+                os.posix_fallocate(fd, 0, slots_at)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return f"its header and table cannot be given their pages ({exc.strerror})"
         self._map_file(fd, frame_size, frame_at, stride, capacity, slots_at)
         return None
 
@@ -420,6 +426,6 @@ def _allocate(fd: int, size: int) -> None:
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         written = os.pwrite(fd, data, offset)
-        if written <= 0:  # pragma: no cover - pwrite raises rather than write nothing
-            raise OSError(errno.ENOSPC, "no space left")
+        if written <= 0:  # no progress: the file system has no room (never loop on it)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
         data, offset = data[written:], offset + written
