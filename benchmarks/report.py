@@ -1,0 +1,488 @@
+"""Write ``benchmarks/RESULTS.md`` from the JSON files the benchmarks leave in ``benchmarks/results/``.
+
+Usage::
+
+    python benchmarks/report.py [--results DIR] [--out PATH]
+
+RESULTS.md is the current table, never edited by hand: one section per benchmark with
+its figures (median and min-max where the JSON holds several runs), the targets it is
+held to (met / not met, where the JSON holds what they need), the command that made the
+figures, its date, machine and versions. A benchmark's older figures live in the git
+history of its JSON file. Targets are in ``TARGETS`` below, one place to change them;
+a benchmark without a renderer here gets a flat table of its numbers. The module runs
+past 450 lines because it holds one short renderer per benchmark, kept side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+# What each benchmark measures, in the order of RESULTS.md.
+ABOUT = {
+    "compare": "this torchcache against torchcache 0.6.0 on the same workloads W1-W6 (memory hits, disk hits, "
+    "miss path, bytes on disk, plain-torch floor); see README.md for the workloads",
+    "keys_and_versions": "keying a ViT-B-sized module: wrap time, the weight check before every call against "
+    "a W1 hit, one verify_weights check",
+    "read_floor": "the least a checked, content-keyed read of 1,024 disk hits costs in Python (numpy, lmdb, "
+    "xxhash; no torchcache code)",
+    "disk_tier": "the persistent tier through the public API at 200,000 (768,) items: fill, bytes, open, "
+    "1,024 random hits",
+    "packed_store": "the packed disk store through its own API: fill, bytes, open, batch reads against a memmap",
+    "memory_rss": "the memory tier: resident memory growth against what stats() reports, for 1 GB of entries",
+    "brotli_quality": "size, encode and decode cost per brotli quality on ReLU, GELU and bf16 outputs",
+    "codec_speed": "size, encode and decode cost of each frame codec (raw, zero elision, brotli, auto)",
+    "dataset_cache": "CachedDataset epochs against stocaching and a preloaded floor",
+    "redis_store": "the Redis store, the packed store and the Redis store behind a local copy: fill and "
+    "batches of hits",
+}
+
+# name: (threshold, "min" (figure >= threshold) or "max" (figure <= threshold))
+TARGETS = {
+    "W1 hits at least 5x faster than 0.6.0": (5.0, "min"),
+    "W1 hits within 1.5x of the W6 floor": (1.5, "max"),
+    "W2 hits within 1.5x of the W6 floor": (1.5, "max"),
+    "W3 (768,) warm disk hits at least 5x faster than 0.6.0": (5.0, "min"),
+    "W3 (197,768) warm disk hits at least as fast as 0.6.0": (1.0, "max"),
+    "W3 (197,768) cold disk hits at least as fast as 0.6.0": (1.0, "max"),
+    "W3 (197,768) warm hits within 1.3x of brotli's decode over the cores": (1.3, "max"),
+    "W4a miss path per item at least 5x lower than 0.6.0": (5.0, "min"),
+    "W4b first pass with a backbone within 1.15x of uncached": (1.15, "max"),
+    "W5 ReLU f32 at the default at most 0.6x raw": (0.6, "max"),
+    "W5 GELU f32 (dense) at most raw plus its header (1.05x raw)": (1.05, "max"),
+    "disk_tier fill, incl. flush, at most 25 us per item": (25.0, "max"),
+    "disk_tier bytes on disk at most 1.05x raw": (1.05, "max"),
+    "disk_tier open (first call + flush) at most 0.5 s": (0.5, "max"),
+    "disk_tier 1,024 hits within 4x of the memmap gather": (4.0, "max"),
+    "disk_tier 1,024 hits within 1.3x of the read floor (read_floor.py sum)": (1.3, "max"),
+    "read_floor sum within 4x of the memmap gather": (4.0, "max"),
+    "packed_store fill at most 15 us per item": (15.0, "max"),
+    "packed_store bytes on disk at most 1.05x raw": (1.05, "max"),
+    "packed_store open + 1,024 misses at most 0.5 s": (0.5, "max"),
+    "packed_store 1,024 hits within 3x of the memmap gather": (3.0, "max"),
+}
+
+# compare.py's targets: (name in TARGETS, numerator (side, key), denominator or None, label);
+# side "raw" takes the key from either side (W5's raw item size).
+COMPARE_RATIOS: list[tuple[str, tuple[str, str], tuple[str, str] | None, str]] = [
+    ("W1 hits at least 5x faster than 0.6.0", ("old", "W1/hit"), ("new", "W1/hit"), "0.6.0 / new"),
+    ("W1 hits within 1.5x of the W6 floor", ("new", "W1/hit"), ("ref", "W6/W1"), "new / floor"),
+    ("W2 hits within 1.5x of the W6 floor", ("new", "W2/hit"), ("ref", "W6/W2"), "new / floor"),
+    (
+        "W3 (768,) warm disk hits at least 5x faster than 0.6.0",
+        ("old", "W3/feat768/warm"),
+        ("new", "W3/feat768/warm"),
+        "0.6.0 / new",
+    ),
+    (
+        "W3 (197,768) warm disk hits at least as fast as 0.6.0",
+        ("new", "W3/tok197/warm"),
+        ("old", "W3/tok197/warm"),
+        "new / 0.6.0",
+    ),
+    (
+        "W3 (197,768) cold disk hits at least as fast as 0.6.0",
+        ("new", "W3/tok197/cold"),
+        ("old", "W3/tok197/cold"),
+        "new / 0.6.0",
+    ),
+    (
+        "W3 (197,768) warm hits within 1.3x of brotli's decode over the cores",
+        ("new", "W3/tok197/warm"),
+        ("ref", "W3/tok197/brotli"),
+        "new / brotli decode",
+    ),
+    (
+        "W4a miss path per item at least 5x lower than 0.6.0",
+        ("old", "W4a/miss_cost"),
+        ("new", "W4a/miss_cost"),
+        "0.6.0 / new, us/item",
+    ),
+    ("W4b first pass with a backbone within 1.15x of uncached", ("new", "W4b/ratio"), None, "first / uncached"),
+    (
+        "W5 ReLU f32 at the default at most 0.6x raw",
+        ("new", "W5/relu_f32/default"),
+        ("raw", "W5/relu_f32/raw"),
+        "B/item / raw",
+    ),
+    (
+        "W5 GELU f32 (dense) at most raw plus its header (1.05x raw)",
+        ("new", "W5/gelu_f32/default"),
+        ("raw", "W5/gelu_f32/raw"),
+        "B/item / raw",
+    ),
+]
+
+
+def fmt(x: float) -> str:
+    """About three significant digits."""
+    digits = 0 if abs(x) >= 100 else 1 if abs(x) >= 10 else 2 if abs(x) >= 1 else 3
+    return f"{x:.{digits}f}"
+
+
+def spread(values: list[float]) -> str:
+    """Median, and min-max when there are several values."""
+    text = fmt(statistics.median(values))
+    return text + (f" [{fmt(min(values))}-{fmt(max(values))}]" if len(values) > 1 else "")
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """A markdown table; the first row is the header."""
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
+    return out + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
+
+
+def target_rows(checks: list[tuple[str, float | None, str]]) -> list[list[str]]:
+    """Rows of (target, measured, verdict) for checks of (name in TARGETS, figure or None, how it was measured)."""
+    rows = [["target", "measured", "verdict"]]
+    for name, value, shown in checks:
+        limit, kind = TARGETS[name]
+        if value is None:
+            rows.append([name, shown or "not in this run", "not measured"])
+            continue
+        met = value >= limit if kind == "min" else value <= limit
+        rows.append([name, shown, "met" if met else "**not met**"])
+    return rows
+
+
+def provenance(rec: dict[str, Any]) -> list[str]:
+    """The command, date, duration, load, machine and versions of one JSON file."""
+    m, v, load = rec["machine"], rec["versions"], rec.get("load_average", {})
+    loads = " -> ".join(f"{x:.2f}" for x in (load.get("before"), load.get("after")) if x is not None)
+    return [
+        f"`{rec['command']}` on {rec['date'][:16].replace('T', ' ')} UTC, {rec['seconds']:.0f} s, "
+        f"load average {loads or '?'}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; "
+        f"python {v['python']}, torch {v['torch']}, numpy {v['numpy']}, torchcache {v['torchcache']} "
+        f"(commit {v['commit']})",
+        "",
+    ]
+
+
+def pooled(res: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """compare.py's worker records: values per side and key, repeats of several processes pooled."""
+    recs: dict[str, dict[str, list[float]]] = {"new": {}, "old": {}, "ref": {}}
+    for worker in res["workers"]:
+        for r in worker["records"]:
+            recs[worker["side"]].setdefault(r["key"], []).extend(r["values"])
+    return recs
+
+
+def render_compare(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    res = rec["results"]
+    recs = pooled(res)
+
+    def med(side: str, key: str) -> float | None:
+        values = recs["new"].get(key) or recs["old"].get(key) if side == "raw" else recs[side].get(key)
+        return statistics.median(values) if values else None
+
+    checks: list[tuple[str, float | None, str]] = []
+    for name, (side, key), below, label in COMPARE_RATIOS:
+        a, b = med(side, key), med(*below) if below else 1.0
+        if a is None or not b:
+            checks.append((name, None, ""))
+        elif below is None:  # a ratio of its own: show its spread
+            checks.append((name, a, f"{label}: {spread(recs[side][key])}x"))
+        else:
+            checks.append((name, a / b, f"{label}: {fmt(a)} / {fmt(b)} = {a / b:.2f}x"))
+    lines = [
+        "Times in ms per batch unless the unit says otherwise; median [min-max] over the repeats of every "
+        "process; `new/floor` relates the new median to the W6 floor (W1, W2), the raw-read reference (W3), "
+        "the raw file writes of the same process (W4a) or the raw bytes (W5).",
+        "",
+        *table(res["table"]),
+        "",
+    ]
+    if not any(key.endswith("/cold") for key in recs["new"]):
+        lines += ["Cold page-cache rows need root (`/proc/sys/vm/drop_caches`); this run could not drop caches.", ""]
+    disturbed = [f"{w['side']} {w['task']}" for w in res["workers"] if w.get("other_cpu", 0) > 0.3]
+    if disturbed:
+        lines += [
+            f"Other processes kept more than 0.3 cores busy during {len(disturbed)} of "
+            f"{len(res['workers'])} tasks ({', '.join(sorted(set(disturbed)))}).",
+            "",
+        ]
+    lines += [f"Correctness checks failed: {res.get('checks_failed', '?')}.", ""]
+    return lines + table(target_rows(checks)) + [""]
+
+
+def render_keys(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+
+    def cell(figure: dict[str, float]) -> str:
+        return f"{fmt(figure['median'])} [{fmt(figure['min'])}-{fmt(figure['max'])}]"
+
+    rows = [
+        ["figure", "median [min-max]", "runs"],
+        ["wrap + first module key", cell(r["wrap_s"]) + " s", str(r["wrap_s"]["runs"])],
+        ["weight check before each call", cell(r["check_us"]) + " us", str(r["check_us"]["runs"])],
+        ["W1 memory-hit batch (256 x 3x64x64)", cell(r["w1_hit_ms"]) + " ms", str(r["w1_hit_ms"]["runs"])],
+        ["check / W1 hit batch (medians)", f"{r['check_share_of_w1_hit']:.2%}", ""],
+        ["one verify_weights check", cell(r["verify_ms"]) + " ms", str(r["verify_ms"]["runs"])],
+    ]
+    return [f"{r['model']}; outputs checked: {'correct' if r['correct'] else '**WRONG**'}.", "", *table(rows), ""]
+
+
+def render_read_floor(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    runs, memmap = r.get("runs_ms", {}), r["memmap"]
+    rows = [["step", "ms per 1,024 hits, median [min-max]", "x memmap"]]
+    for key, label in (
+        ("memmap", "memmap gather (the reference)"),
+        ("key", "key: xxh3-128 per row and item"),
+        ("lookup_get", "look up: txn.get loop"),
+        ("lookup_getmulti", "look up: Cursor.getmulti"),
+        ("check", "check: header + xxh3-64 each"),
+        ("copy", "copy: payloads joined"),
+    ):
+        rows.append([label, spread(runs[key]) if key in runs else fmt(r[key]), f"{r[key] / memmap:.1f}"])
+    rows.append(["sum (faster look-up)", fmt(r["sum_ms"]), f"{r['sum_ms'] / memmap:.1f}"])
+    checks = [("read_floor sum within 4x of the memmap gather", r["sum_ms"] / memmap, f"{r['sum_ms'] / memmap:.1f}x")]
+    head = f"{r['items']:,} rows of (768,) float32, 20 random batches of 1,024; every copied batch checked."
+    return [head, "", *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def render_disk_tier(rec: dict[str, Any], every: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    hits = spread(r["hit_runs_ms"]) if "hit_runs_ms" in r else fmt(r["hit_ms"])
+    memmap = spread(r["memmap_runs_ms"]) if "memmap_runs_ms" in r else fmt(r["memmap_ms"])
+    rows = [
+        ["figure", "value"],
+        ["fill, incl. flush", f"{r['fill_us']:.1f} us/item"],
+        ["bytes on disk / raw", f"{r['disk_ratio']:.3f}x"],
+        ["open: first call + flush, fresh process", f"{r['open_s'] * 1e3:.0f} ms"],
+        ["1,024 random hits, fresh process, ms median [min-max]", hits],
+        ["memmap gather of the same rows, ms", memmap],
+    ]
+    floor = every.get("read_floor", {}).get("results")
+    same = floor is not None and floor.get("items") == r["items"]
+    checks = [
+        ("disk_tier fill, incl. flush, at most 25 us per item", r["fill_us"], f"{r['fill_us']:.1f} us"),
+        ("disk_tier bytes on disk at most 1.05x raw", r["disk_ratio"], f"{r['disk_ratio']:.3f}x"),
+        ("disk_tier open (first call + flush) at most 0.5 s", r["open_s"], f"{r['open_s'] * 1e3:.0f} ms"),
+        ("disk_tier 1,024 hits within 4x of the memmap gather", r["hit_ratio"], f"{r['hit_ratio']:.1f}x"),
+        (
+            "disk_tier 1,024 hits within 1.3x of the read floor (read_floor.py sum)",
+            r["hit_ms"] / floor["sum_ms"] if same else None,
+            f"{fmt(r['hit_ms'])} / {fmt(floor['sum_ms'])} ms = {r['hit_ms'] / floor['sum_ms']:.2f}x"
+            if same
+            else "no read_floor.json of the same size",
+        ),
+    ]
+    head = f"{r['items']:,} items of (768,) float32, `max_memory_cache_size=0`; every hit checked against its row."
+    return [head, "", *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def render_packed(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    batch = spread(r["batch_runs_ms"]) if "batch_runs_ms" in r else fmt(r["batch_ms"])
+    floor = spread(r["floor_runs_ms"]) if "floor_runs_ms" in r else fmt(r["floor_ms"])
+    rows = [
+        ["figure", "value"],
+        ["fill: put_many of 1,024, then flush", f"{r['fill_us']:.2f} us/item"],
+        ["bytes on disk / raw", f"{r['disk_ratio']:.4f}x"],
+        ["open + get_many of 1,024 misses, fresh process", f"{r['open_s'] * 1e3:.0f} ms"],
+        ["get_many of 1,024 random hits, fresh process, ms median [min-max]", batch],
+        ["np.memmap gather of the same rows, ms", floor],
+    ]
+    if r.get("lmdb_values"):
+        x = r["lmdb_values"]
+        rows.append(
+            [
+                "values in LMDB alone: fill, disk/raw, batch",
+                f"{x['fill_us']:.2f} us, {x['disk_ratio']:.3f}x, {x['batch_ms_same_process']:.2f} ms",
+            ]
+        )
+    checks = [
+        ("packed_store fill at most 15 us per item", r["fill_us"], f"{r['fill_us']:.2f} us"),
+        ("packed_store bytes on disk at most 1.05x raw", r["disk_ratio"], f"{r['disk_ratio']:.4f}x"),
+        ("packed_store open + 1,024 misses at most 0.5 s", r["open_s"], f"{r['open_s'] * 1e3:.0f} ms"),
+        ("packed_store 1,024 hits within 3x of the memmap gather", r["batch_ratio"], f"{r['batch_ratio']:.2f}x"),
+    ]
+    head = f"{r['entries']:,} entries of 3,072 bytes; reads checked: {'correct' if r['correct'] else '**WRONG**'}."
+    return [head, "", *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def render_memory(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    rows = [["items", "entries", "stats() bytes", "RSS growth", "RSS / stats", "hits equal outputs"]]
+    for x in r["rows"]:
+        rows.append(
+            [
+                x["shape"],
+                f"{x['entries']:,}",
+                f"{x['stats_bytes']:,}",
+                f"{x['rss_growth']:,}",
+                f"{x['rss_over_stats']:.3f}",
+                "yes" if x["correct"] else "**NO**",
+            ]
+        )
+    return [f"About {r['gb']} GB of entries per case.", "", *table(rows), ""]
+
+
+def render_brotli(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    rows = [["items", "output", "quality", "size / raw", "encode us/item", "decode us/item"]]
+    last = ("", "")
+    for x in r["rows"]:
+        now = (x["shape"], x["output"])
+        shown = [now[0] if now[0] != last[0] else "", now[1] if now != last else ""]
+        last = now
+        rows.append([*shown, x["quality"], f"{x['size_ratio']:.3f}", f"{x['encode_us']:.0f}", f"{x['decode_us']:.0f}"])
+    head = (
+        f"brotli {r['brotli']}; a frame stays raw unless brotli shrinks it below {r['raw_ratio']:.0%}; "
+        f"single thread; decode failures: {r['failures']}."
+    )
+    return [head, "", *table(rows), ""]
+
+
+def render_codec(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    rows = [["output", "mode", "stored as", "size / raw", "encode us/item", "decode us/item", "decode MB/s"]]
+    for x in r["rows"]:
+        rows.append(
+            [
+                x["output"],
+                x["mode"],
+                x["codec"],
+                f"{x['size_ratio']:.3f}",
+                f"{x['encode_us']:.0f}",
+                f"{x['decode_us']:.0f}",
+                f"{x['decode_mb_s']:.0f}",
+            ]
+        )
+    return [f"{r['items']} items per output, single thread; every frame round trip checked.", "", *table(rows), ""]
+
+
+def render_dataset(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    f = r["figures"]
+    unc = f["uncached_s"]
+    rows = [["cached", "library", "first epoch s", "first / uncached", "later epochs s, median [min-max]", "speedup"]]
+    for key, x in f.items():
+        if not isinstance(x, dict) or "later_s" not in x:
+            continue
+        lib, frac = key.rsplit("_", 1)
+        rows.append(
+            [
+                f"{float(frac):.0%}",
+                lib,
+                f"{x['first_s']:.2f}",
+                f"{x['first_s'] / unc:.2f}x",
+                spread(x["later_all_s"]),
+                f"{unc / x['later_s']:.2f}x",
+            ]
+        )
+    for name in ("uncached", "floor"):
+        rows.append(["", name, "", "", spread(r["epochs"][name]), f"{unc / f[name + '_s']:.2f}x"])
+    verdicts = [["target", "measured", "verdict"]]
+    for t in r["targets"]:
+        verdicts.append(
+            [t["target"], t["measured"], "not measured" if t["met"] is None else "met" if t["met"] else "**not met**"]
+        )
+    head = f"{r['items']:,} images, {r['rounds']} rounds; wrong samples: {r['wrong']}."
+    return [head, "", *table(rows), "", *table(verdicts), ""]
+
+
+def render_redis(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    rows = [["store", "fill us/item", "hits ms/batch, median [min-max]", "round trips/batch", "correct"]]
+    for name, x in r.items():
+        if not isinstance(x, dict):
+            continue
+        rows.append(
+            [
+                name,
+                "-" if name == "new copy" else f"{x['fill_us_per_item']:.1f}",
+                f"{x['batch_ms_median']:.2f} [{x['batch_ms_min']:.2f}-{x['batch_ms_max']:.2f}]",
+                "-" if name == "packed" else f"{x['round_trips_per_batch']:.0f}",
+                str(bool(x["correct"])),
+            ]
+        )
+    head = f"{r['entries']:,} entries of {r['value_bytes']:,} bytes, random batches of {r['batch']:,} hits."
+    return [head, "", *table(rows), ""]
+
+
+def render_flat(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    """Any other benchmark: its top-level numbers."""
+    res = rec["results"]
+    rows = [["figure", "value"]] + [[k, fmt(v)] for k, v in res.items() if isinstance(v, (int, float))]
+    return [*table(rows), ""]
+
+
+RENDER: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
+    "compare": render_compare,
+    "keys_and_versions": render_keys,
+    "read_floor": render_read_floor,
+    "disk_tier": render_disk_tier,
+    "packed_store": render_packed,
+    "memory_rss": render_memory,
+    "brotli_quality": render_brotli,
+    "codec_speed": render_codec,
+    "dataset_cache": render_dataset,
+    "redis_store": render_redis,
+}
+
+
+def report(every: dict[str, dict[str, Any]]) -> str:
+    """The text of RESULTS.md for the loaded JSON files (name -> record)."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; do not edit by hand. "
+        "To refresh a section, run its benchmark (each writes `benchmarks/results/<name>.json`, see "
+        "`benchmarks/README.md`), then `python benchmarks/report.py`. Earlier figures are in the git history "
+        "of the JSON files.",
+        "",
+        "What each benchmark measures:",
+        "",
+    ]
+    names = [n for n in ABOUT if n in every] + sorted(n for n in every if n not in ABOUT)
+    lines += [f"- `{n}.py`: {ABOUT.get(n, 'see its docstring')}" for n in ABOUT]
+    missing = [n for n in ABOUT if n not in every]
+    if missing:
+        lines += ["", "Not in this table (no JSON file yet): " + ", ".join(f"`{n}.py`" for n in missing) + "."]
+    machines = {
+        f"{r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['ram_gib']} GiB" for r in every.values()
+    }
+    lines += [
+        "",
+        f"Machines: {'; '.join(sorted(machines))}. Each section names its command, date, load average before "
+        "and after, machine and versions. These machines may be shared with other work: the figures are noisy "
+        "(read the min-max spreads and the load averages), and a target at the edge can flip between runs.",
+        "",
+    ]
+    for name in names:
+        rec = every[name]
+        lines += [f"## {name}", "", *provenance(rec), *RENDER.get(name, render_flat)(rec, every)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=HERE / "results", help="folder of the JSON files")
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args()
+    every = {}
+    for path in sorted(args.results.glob("*.json")):
+        rec = json.loads(path.read_text())
+        if "results" not in rec or "command" not in rec:
+            print(f"skipped {path}: not written by benchmarks/_meta.py", file=sys.stderr)
+            continue
+        every[rec.get("benchmark", path.stem)] = rec
+    if not every:
+        print(f"no results in {args.results}: run the benchmarks first", file=sys.stderr)
+        return 1
+    args.out.write_text(report(every))
+    print(f"wrote {args.out} from {len(every)} result files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
