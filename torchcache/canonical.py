@@ -60,6 +60,7 @@ MODULE_MANAGED = frozenset(vars(torch.nn.Module())) | {
 CONFIG_UNKEYED = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
 _MAX_DEPTH = 100
 _MAX_NODES = 20_000_000
+_LONG = 256  # sequences longer than this are encoded as their length and a digest of their items
 _pack_double = struct.Struct("<d").pack
 _source_lock = threading.Lock()
 _FUNCTION_TYPES = (
@@ -208,16 +209,24 @@ class KeyEncoder:
 
     # -- dispatch ---------------------------------------------------------------------------
     def _encode(self, value: object, path: str, depth: int) -> bytes:
+        cls = type(value)
+        scalar = _SCALARS.get(cls)
+        if scalar is not None:
+            return scalar(value)
         self._nodes += 1
         if self._nodes > _MAX_NODES:
             raise self.refuse(path, f"the value holds more than {_MAX_NODES:,} objects")
         if depth > _MAX_DEPTH:
             raise self.refuse(path, f"the value nests more than {_MAX_DEPTH} levels deep")
-        cls = type(value)
-        scalar = _SCALARS.get(cls)
-        if scalar is not None:
-            return scalar(value)
         ident = id(value)
+        if cls is tuple or cls is list:  # the bulk of large values: no memo, a cycle check only
+            if ident in self._active:
+                return _tag(b"@", str(depth - self._active[ident]).encode())
+            self._active[ident] = depth
+            try:
+                return self._encode_sequence(value, b"t" if cls is tuple else b"l", path, depth + 1)  # type: ignore[arg-type]
+            finally:
+                del self._active[ident]
         memo = self._memo.get(ident)
         if memo is not None:
             return memo
@@ -231,6 +240,23 @@ class KeyEncoder:
         self._memo[ident] = encoded
         self._alive.append(value)
         return encoded
+
+    def _encode_sequence(self, value: list[Any] | tuple[Any, ...], kind: bytes, path: str, depth: int) -> bytes:
+        """A tuple or list, item by item; a long one by the digest of its items' encodings (bounded memory)."""
+        scalars = _SCALARS.get
+        encode = self._encode
+        self._nodes += len(value)
+        if len(value) <= _LONG:
+            parts = []
+            for i, item in enumerate(value):
+                scalar = scalars(type(item))
+                parts.append(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
+            return _tag(kind, b"".join(parts))
+        h = xxhash.xxh3_128()
+        for i, item in enumerate(value):
+            scalar = scalars(type(item))
+            h.update(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
+        return _tag(kind.upper() + b"#", f"{len(value)}|".encode() + h.digest())
 
     def _encode_object(self, value: Any, cls: type, path: str, depth: int) -> bytes:
         child = depth + 1
@@ -251,9 +277,6 @@ class KeyEncoder:
             return self._encode_module(value, path, child)
         if cls is torch.Size:
             return _tag(b"Z", repr(tuple(value)).encode())
-        if cls is tuple or cls is list:
-            kind = b"t" if cls is tuple else b"l"
-            return _tag(kind, b"".join(self._encode(v, f"{path}[{i}]", child) for i, v in enumerate(value)))
         if cls is dict or cls is collections.OrderedDict:
             return _tag(b"m" if cls is dict else b"o", self._items(value.items(), path, child))
         if cls is set or cls is frozenset:
