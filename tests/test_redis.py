@@ -7,6 +7,7 @@ only a server has. Servers are real ``redis-server`` processes on loopback (see
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import pickle
@@ -504,3 +505,72 @@ def test_keys_skip_names_that_are_no_keys(server: RedisServer) -> None:
     assert "XYZ" not in store and key(2) not in store
     with pytest.raises(KeyingError):
         store.get_many(["XYZ"])
+
+
+# -- planted bookkeeping ---------------------------------------------------------------------
+PLANTS: dict[str, dict[str, Any]] = {
+    "negative totals": {"bytes": -100000000000, "payload": -100000000000},
+    "huge totals": {"bytes": 100000000000, "payload": 100000000000},
+    "payload above bytes": {"bytes": 10, "payload": 10**6},
+    "not integers": {"bytes": "1.5", "payload": "lots", "clock": "x"},
+    "not numbers": {"bytes": "\x00\xff", "payload": "9" * 400, "clock": "-7"},
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_planted_totals_are_recomputed_and_eviction_keeps_the_budget(
+    target: RedisServer | RedisClusterServers, plant: str
+) -> None:
+    budget = 20_000
+    store = RedisStore(target.url, "planted", budget)
+    store.put_many([(key(i), value(i)) for i in range(10)])
+    with target.client() as client:
+        client.hset("tc:{planted}:stats", mapping=PLANTS[plant])
+    shown = repr(store)
+    assert "10 entries" in shown, shown
+    assert len(store) == 10 and store.nbytes == 10 * 1000
+    for start in range(10, 100, 10):  # writes go on, and evict to keep the budget
+        assert store.put_many([(key(i), value(i)) for i in range(start, start + 10)]) > 0
+        assert 0 < store.nbytes <= budget
+    report = store.verify()
+    assert report.ok, report.problems
+    assert 10 <= len(store) <= budget // 1000 and store.nbytes == 1000 * len(store)
+    written = {key(i): value(i) for i in range(100)}
+    kept = sorted(store.keys())
+    assert as_bytes(store.get_many(kept)) == [written[k] for k in kept]
+
+
+def test_planted_sizes_count_as_nothing_and_verify_fixes_them(target: RedisServer | RedisClusterServers) -> None:
+    store = RedisStore(target.url, "sizes", 50_000)
+    store.put_many([(key(i), value(i)) for i in range(10)])
+    with target.client() as client:
+        client.hset("tc:{sizes}:sizes", mapping={key(3): "abc", key(4): -5, key(77): "1e400"})
+        client.hset("tc:{sizes}:stats", "bytes", "abc")
+    assert "entries" in repr(store) and len(store) == 10
+    assert store.delete_many([key(3), key(5)]) == 2  # the scripts take the planted sizes as 0
+    store.put_many([(key(4), value(4, 2000))])  # replaces an entry with a planted size
+    report = store.verify()
+    assert not report.ok and any("not byte counts" in p for p in report.problems)
+    assert store.verify(fix=True).fixed and store.verify().ok
+    assert len(store) == 8 and store.nbytes == 7 * 1000 + 2000
+
+
+def test_planted_totals_do_not_break_the_command_line(server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from torchcache.cli import main
+
+    store = RedisStore(server.url, "cli0planted", "1MB")
+    store.put_many([(key(i), value(i)) for i in range(5)])
+    with server.client() as client:
+        client.hset("tc:{cli0planted}:stats", mapping={"bytes": "1.5", "payload": "-3"})
+        client.hset("tc:{cli0planted}:sizes", key(1), "many")
+    assert main(["ls", server.url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["caches"] == [{"key": "cli0planted", "entries": 5, "bytes": 4000}]
+    assert main(["info", "cli0planted", "--root", server.url]) == 0
+    assert "4.0 kB" in capsys.readouterr().out
+    assert main(["verify", server.url]) == 1  # the planted size (and values that are not frames)
+    assert "not byte counts" in capsys.readouterr().out
+    assert main(["verify", "--fix", server.url]) == 0
+    assert main(["verify", server.url]) == 0
+    capsys.readouterr()
+    assert store.verify().ok and store.nbytes == 1000 * len(store)

@@ -202,3 +202,24 @@ def test_a_dataset_cache_on_a_server_serves_a_second_process(target: RedisServer
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0] == {"calls": 24, "disk_hits": 0}
     assert runs[1] == {"calls": 0, "disk_hits": 24}  # every sample from the server
+
+
+def test_planted_bookkeeping_never_breaks_a_call_or_the_stats(server_url: str) -> None:
+    model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
+    plain = Counting()
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    model(x)
+    model.cache_instance.flush()
+    namespace = model.cache_instance.module_hash
+    with shared("redis").client() as client:
+        client.hset(f"tc:{{{namespace}}}:stats", mapping={"bytes": -100000000000, "payload": "x", "clock": "1.5"})
+        client.hset(f"tc:{{{namespace}}}:sizes", "planted", "not a size")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        assert torch.equal(model(x), plain(x)) and torch.equal(model(y), plain(y))
+        model.cache_instance.flush()
+        repr(model.cache_instance)
+        stats = model.cache_instance.stats()
+        model.cache_instance.summary()
+    assert model.items == 16 and stats.disk is not None and stats.disk.entries == 16
+    assert stats.disk.bytes == model.cache_instance._disk.store.nbytes > 0  # type: ignore[union-attr]

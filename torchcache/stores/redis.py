@@ -129,7 +129,7 @@ class RedisStore(BatchedStore):
         try:
             count, payload = self._link.call(self._ns.usage, "read the totals")
             used = f"{format_size(payload)} in {count} entries"
-        except StoreError:
+        except Exception:  # noqa: BLE001 - a repr must not raise, whatever the server holds
             used = "unavailable"
         return (
             f"RedisStore({self.url!r}, namespace={self.namespace!r}, "

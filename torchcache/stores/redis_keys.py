@@ -10,6 +10,12 @@ atomically):
 - ``tc:{ns}:stats``, a hash of totals: ``bytes`` (charged against the budget),
   ``payload`` (payload bytes) and ``clock``.
 
+Nothing read from the server is trusted: a total that is not a non-negative integer,
+payload bytes above the bytes charged, or a charge above the budget that every write
+keeps (left by a process with a larger budget, or planted) is recomputed from the sizes
+hash before a script uses it, and a size that is not a non-negative integer counts as 0;
+:func:`parse_count` does the same check in Python.
+
 Each entry is charged what torchcache writes for it: the value (a record of header,
 key and payload, see :mod:`~torchcache.stores.packed_format`), the entry's name, and
 the key twice with a score and a size in the bookkeeping. The scripts compute the same
@@ -26,7 +32,10 @@ from __future__ import annotations
 
 from .packed_format import HEADER
 
-__all__ = ["FORGET", "PUT", "REBUILD", "STATS_PATTERN", "Keyspace", "charge"]
+__all__ = ["FORGET", "MAX_COUNT", "PUT", "REBUILD", "STATS_PATTERN", "Keyspace", "charge", "parse_count"]
+
+#: The largest count taken from the server (Lua numbers are doubles: exact below 2**53).
+MAX_COUNT = (1 << 53) - 1
 
 #: Charged per entry on top of its payload and names: the record header, a score and a size.
 _FIXED = HEADER.size + 16
@@ -35,6 +44,27 @@ _FIXED = HEADER.size + 16
 def _key_bytes(key: str) -> int:
     """Bytes of a key's packed form inside the record (see ``encode_key``)."""
     return len(key) // 2 if len(key) % 2 == 0 else 33
+
+
+def parse_count(value: object) -> int | None:
+    """A count read from the server: a non-negative integer up to :data:`MAX_COUNT`, else ``None``.
+
+    Example:
+        >>> parse_count(b"12"), parse_count(b"-100000000000"), parse_count(b"1.5"), parse_count(None)
+        (12, None, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, (bytes, str)) and 0 < len(value) <= 20:
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        if not text.isascii() or not text.isdigit():
+            return None
+        number = int(text)
+    else:
+        return None
+    return number if 0 <= number <= MAX_COUNT else None
 
 
 def charge(prefix_len: int, key: str, payload: int) -> int:
@@ -89,6 +119,33 @@ local function charge(k, n)
   if #k % 2 == 0 then kb = #k / 2 end
   return n + fixed + kb + 3 * #k
 end
+local function count_of(v)
+  local n = tonumber(v)
+  if n == nil or n ~= n or n < 0 or n ~= math.floor(n) or n > {MAX_COUNT} then return nil end
+  return n
+end
+local function recount(sizes)
+  local flat = redis.call('HGETALL', sizes)
+  local used, payload = 0, 0
+  for i = 1, #flat, 2 do
+    local n = count_of(flat[i + 1]) or 0
+    used = used + charge(flat[i], n)
+    payload = payload + n
+  end
+  return used, payload
+end
+local function totals(order, sizes, stats, budget)
+  local t = redis.call('HMGET', stats, 'bytes', 'payload', 'clock')
+  local used, payload, clock = count_of(t[1] or 0), count_of(t[2] or 0), count_of(t[3] or 0)
+  if used == nil or payload == nil or payload > used or used > budget then
+    used, payload = recount(sizes)
+  end
+  if clock == nil then
+    local top = redis.call('ZRANGE', order, -1, -1, 'WITHSCORES')
+    clock = math.floor(count_of(top[2]) or 0)
+  end
+  return used, payload, clock
+end
 """
 
 #: KEYS: order, sizes, stats. ARGV: prefix length, budget, entry prefix to unlink victims
@@ -100,17 +157,17 @@ PUT = (
     + """
 local order, sizes, stats = KEYS[1], KEYS[2], KEYS[3]
 local budget, unlink = tonumber(ARGV[2]), ARGV[3]
-local totals = redis.call('HMGET', stats, 'bytes', 'payload', 'clock')
-local used, payload, clock = tonumber(totals[1] or 0), tonumber(totals[2] or 0), tonumber(totals[3] or 0)
+local used, payload, clock = totals(order, sizes, stats, budget)
 local victims = {}
 for i = 4, #ARGV, 2 do
   local k, n = ARGV[i], tonumber(ARGV[i + 1])
   local old = redis.call('HGET', sizes, k)
   if old then
+    local on = count_of(old) or 0
     redis.call('HDEL', sizes, k)
     redis.call('ZREM', order, k)
-    used = used - charge(k, tonumber(old))
-    payload = payload - tonumber(old)
+    used = math.max(0, used - charge(k, on))
+    payload = math.max(0, payload - on)
   end
   local c = charge(k, n)
   while used + c > budget do
@@ -120,10 +177,10 @@ for i = 4, #ARGV, 2 do
       break
     end
     local v = top[1]
-    local vn = tonumber(redis.call('HGET', sizes, v) or 0)
+    local vn = count_of(redis.call('HGET', sizes, v) or 0) or 0
     redis.call('HDEL', sizes, v)
-    used = used - charge(v, vn)
-    payload = payload - vn
+    used = math.max(0, used - charge(v, vn))
+    payload = math.max(0, payload - vn)
     victims[#victims + 1] = v
   end
   clock = clock + 1
@@ -148,21 +205,25 @@ FORGET = (
     _CHARGE
     + """
 local order, sizes, stats = KEYS[1], KEYS[2], KEYS[3]
-local removed, used, payload = 0, 0, 0
+local used, payload = totals(order, sizes, stats, math.huge)
+local removed = 0
 for i = 2, #ARGV do
   local k = ARGV[i]
   local old = redis.call('HGET', sizes, k)
   if old then
+    local on = count_of(old) or 0
     redis.call('HDEL', sizes, k)
     redis.call('ZREM', order, k)
     removed = removed + 1
-    used = used + charge(k, tonumber(old))
-    payload = payload + tonumber(old)
+    used = used - charge(k, on)
+    payload = payload - on
   end
 end
 if removed > 0 then
-  redis.call('HINCRBY', stats, 'bytes', -used)
-  redis.call('HINCRBY', stats, 'payload', -payload)
+  if used < 0 or payload < 0 or payload > used then
+    used, payload = recount(sizes)
+  end
+  redis.call('HSET', stats, 'bytes', used, 'payload', payload)
 end
 return removed
 """
@@ -174,11 +235,11 @@ REBUILD = (
     _CHARGE
     + """
 local order, sizes, stats = KEYS[1], KEYS[2], KEYS[3]
-local clock = tonumber(redis.call('HGET', stats, 'clock') or 0)
+local _, _, clock = totals(order, sizes, stats, math.huge)
 local flat = redis.call('HGETALL', sizes)
 local have, used, payload = {}, 0, 0
 for i = 1, #flat, 2 do
-  local k, n = flat[i], tonumber(flat[i + 1])
+  local k, n = flat[i], count_of(flat[i + 1]) or 0
   have[k] = true
   used = used + charge(k, n)
   payload = payload + n

@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 
 from .packed_format import encode_records
-from .redis_keys import FORGET, PUT, Keyspace
+from .redis_keys import FORGET, PUT, Keyspace, parse_count
 from .redis_link import Client, RedisLink, node_clients
 
 __all__ = ["SCAN_COUNT", "Namespace"]
 
 #: Names asked for per ``SCAN``.
 SCAN_COUNT = 1000
+#: The most a Redis string holds: no entry's payload is larger.
+_MAX_VALUE_BYTES = 512 << 20
 
 #: ``(key, packed key, payload)`` of an entry to write.
 Item = tuple[str, bytes, "bytes | memoryview"]
@@ -67,13 +69,30 @@ class Namespace:
         return bool(client.exists(name))
 
     def usage(self, client: Client) -> tuple[int, int]:
-        """Entries and payload bytes in the bookkeeping."""
+        """Entries and payload bytes in the bookkeeping.
+
+        Totals that fail their check (not a non-negative integer, payload bytes above
+        the bytes charged, bytes above the budget, or more payload than the entries can
+        hold) are recomputed from the sizes hash.
+        """
         self.link.count(1)
+        order, sizes, stats = self.space.meta
         pipe = client.pipeline(transaction=False)
-        pipe.zcard(self.space.meta[0])
-        pipe.hget(self.space.meta[2], "payload")
-        count, payload = pipe.execute()
-        return int(count), int(payload or 0)
+        pipe.zcard(order)
+        pipe.hmget(stats, "bytes", "payload")
+        count, (used_raw, payload_raw) = pipe.execute()
+        entries = parse_count(count) or 0
+        used, payload = parse_count(used_raw or 0), parse_count(payload_raw or 0)
+        if (
+            used is None
+            or payload is None
+            or payload > used
+            or used > self.max_bytes
+            or payload > entries * _MAX_VALUE_BYTES
+        ):
+            self.link.count(1)
+            payload = sum(parse_count(n) or 0 for n in client.hvals(sizes))
+        return entries, payload
 
     def scan(self, node: Client, cursor: int) -> tuple[int, list[bytes]]:
         """One page of entry names on one node: ``(next cursor, names)``."""

@@ -12,12 +12,13 @@ during a check may show up as a problem, and a fix is best run while nobody writ
 
 from __future__ import annotations
 
+import reprlib
 import time
 
 from ..errors import KeyingError
 from .batched import VerifyReport
 from .packed_format import check_record, encode_key, is_key
-from .redis_keys import REBUILD, STATS_PATTERN, charge
+from .redis_keys import REBUILD, STATS_PATTERN, charge, parse_count
 from .redis_link import Client, RedisLink, fetch_on_node, node_clients
 from .redis_namespace import Namespace
 from .redis_url import RedisAddress
@@ -82,13 +83,17 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
         result.problems.append(f"{len(unaccounted)} entries on the server are missing from the bookkeeping")
     if mismatched:
         result.problems.append(f"{len(mismatched)} entries have another size than the bookkeeping says")
-    if int(count) != len(sizes):
-        result.problems.append(f"the write order holds {int(count)} keys but the sizes hash {len(sizes)}")
-    want_used = sum(charge(len(space.prefix), key, n) for key, n in sizes.items())
-    if int(used or 0) != want_used or int(payload or 0) != sum(sizes.values()):
+    malformed = [key for key, n in sizes.items() if n < 0]
+    if malformed:
+        result.problems.append(f"{len(malformed)} sizes in the bookkeeping are not byte counts")
+    if parse_count(count) != len(sizes):
+        result.problems.append(f"the write order holds {count!r} keys but the sizes hash {len(sizes)}")
+    want_used = sum(charge(len(space.prefix), key, max(0, n)) for key, n in sizes.items())
+    want_payload = sum(max(0, n) for n in sizes.values())
+    if parse_count(used or 0) != want_used or parse_count(payload or 0) != want_payload:
         result.problems.append(
-            f"the totals say {int(used or 0)} bytes charged, {int(payload or 0)} payload bytes; "
-            f"the sizes say {want_used} and {sum(sizes.values())}"
+            f"the totals say {_shown(used)} bytes charged, {_shown(payload)} payload bytes; "
+            f"the sizes say {want_used} and {want_payload}"
         )
     if fix and not result.ok:
         _repair(client, namespace, bad_names, gone)
@@ -99,6 +104,12 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
         client.eval(REBUILD, 3, *space.meta, len(space.prefix))
         result.fixed = True
     return result
+
+
+def _shown(value: object) -> str:
+    """A total read from the server, for a message (bounded: it may be anything)."""
+    count = parse_count(value or 0)
+    return str(count) if count is not None else reprlib.repr(value)
 
 
 def _payload(key: str, value: object) -> int | None:
@@ -119,7 +130,8 @@ def _sizes(client: Client, namespace: Namespace) -> dict[str, int]:
         link.count(1)
         cursor, page = client.hscan(space.meta[1], cursor, count=_PAGE)
         for key, size in page.items():
-            sizes[key.decode("utf-8", "replace")] = int(size)
+            count = parse_count(size)
+            sizes[key.decode("utf-8", "replace")] = -1 if count is None else count  # -1: matches no entry
         if int(cursor) == 0:
             return sizes
 
