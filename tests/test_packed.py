@@ -723,3 +723,57 @@ def test_a_map_found_full_grows_and_the_write_goes_through(root: Path) -> None:
     assert all(bytes(v or b"") == value(i, 10) for i, v in enumerate(got))
     other = PackedStore(root, 10**7)  # another store of this directory maps it at its size
     assert len(other) == 2000
+
+
+# -- planted bookkeeping ------------------------------------------------------------------
+def _plant(root: Path, **values: int) -> None:
+    env = lmdb.open(str(root / INDEX_NAME), subdir=False, max_dbs=3, lock=False)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        for name, number in values.items():
+            txn.put(name.encode(), number.to_bytes(8, "little"), db=meta)
+    env.close()
+
+
+PLANTED_META: dict[str, dict[str, int]] = {
+    "payload too large": {"payload": 10**12},
+    "records too small": {"records": 3},
+    "files wrong": {"files": 1 << 62},
+    "all zero": {"payload": 0, "records": 0, "files": 0},
+    "all at the top": {"payload": (1 << 64) - 1, "records": (1 << 64) - 1, "files": (1 << 64) - 1},
+    "counters out of range": {"clock": (1 << 64) - 1, "gen": (1 << 64) - 1, "next_seg": 1},
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTED_META))
+def test_planted_index_totals_are_recomputed_from_the_entries(root: Path, plant: str) -> None:
+    store = PackedStore(root, 200_000, segment_bytes=20_000)
+    fill(store, range(100))
+    want = store.usage()
+    store.close()
+    _plant(root, **PLANTED_META[plant])
+    reopened = PackedStore(root, 200_000, segment_bytes=20_000)
+    assert reopened.usage() == want and reopened.nbytes == want["payload"]
+    assert "in 100 entries" in repr(reopened)
+    fill(reopened, range(100, 400))  # writes go on, eviction keeps the budget
+    usage = reopened.usage()
+    assert usage["records"] + usage["entries"] * 96 <= 200_000 and usage["entries"] > 50
+    assert reopened.verify().ok
+    got = reopened.get_many([key(i) for i in range(400)])
+    assert all(v is None or bytes(v) == value(i) for i, v in enumerate(got))
+
+
+def test_verify_reports_and_fixes_planted_totals(root: Path) -> None:
+    store = PackedStore(root, 10**8)
+    fill(store, range(50))
+    store.close()
+    _plant(root, payload=7, records=10**9, files=5)
+    index = packed_index.open_index(str(root), readonly=True)
+    with index.begin() as txn:
+        assert index.stored_totals(txn)[b"records"] == 10**9  # as planted, and checked on every read:
+        assert index.totals(txn)[b"records"] < 10**8
+    index.close()
+    reopened = PackedStore(root, 10**8)
+    report = reopened.verify()
+    assert len(report.problems) == 3 and not report.ok
+    assert reopened.verify(fix=True).fixed and reopened.verify().ok

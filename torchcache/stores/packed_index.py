@@ -80,6 +80,11 @@ _SEGMENT = struct.Struct("<BQQQQ")
 _U64 = struct.Struct("<Q")
 _SEG_KEY = struct.Struct(">I")
 _META = (b"format", b"clock", b"payload", b"records", b"files", b"gen", b"next_seg")
+#: Counters above this are not taken from the index (they could never be reached).
+_MAX_TOTAL = 1 << 60
+_MAX_SEGMENT = (1 << 32) - 2
+#: Bytes of a record beyond its payload: the header and a key of 2 to 33 bytes.
+_MIN_RECORD, _MAX_RECORD = HEADER.size + 2, HEADER.size + 33
 _BLOCK = 4096
 _shared: dict[tuple[int, int], Index] = {}  # open environments of this process, by file identity
 # Reentrant: a store dropped by the garbage collector while this thread opens an index
@@ -378,9 +383,50 @@ class Index:
                 total += os.stat(name).st_blocks * 512
         return total
 
-    def totals(self, txn: lmdb.Transaction[bytes]) -> dict[bytes, int]:
-        """The meta counters as seen by ``txn``."""
+    def stored_totals(self, txn: lmdb.Transaction[bytes]) -> dict[bytes, int]:
+        """The meta counters as stored, unchecked (what :func:`verify` compares with the entries)."""
         return {name: _u64(txn.get(name, db=self.meta)) for name in _META}
+
+    def totals(self, txn: lmdb.Transaction[bytes]) -> dict[bytes, int]:
+        """The meta counters as seen by ``txn``, checked.
+
+        The byte totals must agree with the entry count (``payload <= records``, and the
+        record bytes beyond the payload between the smallest and largest header and key
+        per entry) and ``files`` with the segment table; totals that do not (planted, or
+        written by a broken process) are recomputed from the entries and segments. A
+        clock, generation or next segment number out of range is taken from the segment
+        table. A write transaction then stores the recomputed values.
+        """
+        totals = self.stored_totals(txn)
+        table = self.segment_table(txn)
+        files = sum(_blocks(row.end) for row in table.values())
+        count = self.count(txn)
+        payload, records = totals[b"payload"], totals[b"records"]
+        extra = records - payload
+        if (
+            totals[b"files"] != files
+            or not payload <= records <= files
+            or not count * _MIN_RECORD <= extra <= count * _MAX_RECORD
+        ):
+            totals[b"payload"], totals[b"records"] = self._recount(txn)
+            totals[b"files"] = files
+        if totals[b"clock"] > _MAX_TOTAL:
+            totals[b"clock"] = max((row.stamp for row in table.values() if row.stamp <= _MAX_TOTAL), default=0)
+        if totals[b"gen"] > _MAX_TOTAL:
+            totals[b"gen"] = 0
+        last = max(table, default=0)
+        if not last < totals[b"next_seg"] <= _MAX_SEGMENT:
+            totals[b"next_seg"] = last + 1
+        return totals
+
+    def _recount(self, txn: lmdb.Transaction[bytes]) -> tuple[int, int]:
+        """Payload and record bytes of the entries (a malformed row counts as nothing)."""
+        payload = records = 0
+        for kb, entry in self.iter_entries(txn):
+            if entry is not None:
+                payload += entry.length
+                records += record_size(kb, entry.length)
+        return payload, records
 
     def generation(self, txn: lmdb.Transaction[bytes]) -> int:
         """The count of segment removals, as seen by ``txn``."""

@@ -33,7 +33,7 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     result = VerifyReport()
     with index.begin() as txn:
         table = index.segment_table(txn)
-        totals = index.totals(txn)
+        totals = index.stored_totals(txn)
     bad: list[tuple[bytes, Entry | None]] = []
     live: dict[int, list[int]] = {seg: [0, 0] for seg in table}
     payload = start = 0
@@ -60,6 +60,12 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     result.bad = [decode_key(kb) for kb, _ in bad]
     if not bad and payload != totals[b"payload"]:
         result.problems.append(f"the index counts {totals[b'payload']:,} payload bytes, the entries hold {payload:,}")
+    records = sum(size for size, _ in live.values())
+    if not bad and records != totals[b"records"]:
+        result.problems.append(f"the index counts {totals[b'records']:,} record bytes, the entries take {records:,}")
+    files_bytes = sum(-(-row.end // 4096) * 4096 for row in table.values())
+    if totals[b"files"] != files_bytes:
+        result.problems.append(f"the index counts {totals[b'files']:,} file bytes, its segments take {files_bytes:,}")
     for seg, (size, count) in live.items():
         if (size, count) != (table[seg].live, table[seg].records) and not bad:
             result.problems.append(f"segment {seg}: the index counts {table[seg].records} live records, found {count}")
@@ -100,6 +106,7 @@ def _repair(index: Index, files: SegmentFiles, bad: list[tuple[bytes, Entry | No
         for seg, (size, count) in counts.items():
             row = change.segment(seg)
             row[2], row[3] = size, count
+        change.files = sum(-(-row.end // 4096) * 4096 for row in change.table().values())
         change.commit()
     except BaseException:
         with contextlib.suppress(lmdb.Error):
