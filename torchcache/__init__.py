@@ -22,6 +22,7 @@ from ._version import __version__
 from .dataset import CachedDataset
 from .decorator import torchcache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
+from .features import FeatureDataset, MissingFeatureError, extract_features
 from .precompute import precompute
 from .sample_cache import SampleCache
 from .stats import CacheStats, TierStats
@@ -33,12 +34,15 @@ __all__ = [
     "CachedDataset",
     "ConfigError",
     "CorruptEntryError",
+    "FeatureDataset",
     "KeyingError",
+    "MissingFeatureError",
     "SampleCache",
     "StoreError",
     "TierStats",
     "TorchCacheError",
     "__version__",
+    "extract_features",
     "flush_all",
     "precompute",
     "set_logger_config",
