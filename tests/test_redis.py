@@ -574,3 +574,13 @@ def test_planted_totals_do_not_break_the_command_line(server: RedisServer, capsy
     assert main(["verify", server.url]) == 0
     capsys.readouterr()
     assert store.verify().ok and store.nbytes == 1000 * len(store)
+
+
+def test_with_the_server_away_the_count_is_the_last_one_read(reports: Reports) -> None:
+    with own_server() as redis_server:
+        store = RedisStore(redis_server.url, "away", "10MB", report=reports, clock=Clock(), timeout=2.0)
+        assert store.put_many([(key(i), value(i)) for i in range(30)]) == 30
+        assert (len(store), store.nbytes) == (30, 30_000)
+        redis_server.kill()
+        assert (len(store), store.nbytes) == (30, 30_000)  # not 0: the server did not lose them
+        assert "unavailable" in repr(store) and reports.kinds() == ["unavailable"]

@@ -223,3 +223,19 @@ def test_planted_bookkeeping_never_breaks_a_call_or_the_stats(server_url: str) -
         model.cache_instance.summary()
     assert model.items == 16 and stats.disk is not None and stats.disk.entries == 16
     assert stats.disk.bytes == model.cache_instance._disk.store.nbytes > 0  # type: ignore[union-attr]
+
+
+def test_with_the_server_away_the_stats_keep_the_last_count() -> None:
+    with own_server() as server:
+        model = cached(Counting, persistent=True, persistent_cache_dir=server.url, max_memory_cache_size=0)()
+        model(torch.randn(8, 4))
+        model.cache_instance.flush()
+        before = model.cache_instance.stats().disk
+        assert before is not None and before.entries == 8
+        server.kill()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)
+            after = model.cache_instance.stats().disk
+            summary = model.cache_instance.summary()
+        assert after is not None and (after.entries, after.bytes) == (8, before.bytes)
+        assert "8 entries" in summary

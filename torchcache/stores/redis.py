@@ -110,6 +110,7 @@ class RedisStore(BatchedStore):
         self._link = RedisLink(self.address, float(timeout), clock or time.monotonic, self._report_fn)
         self._space = Keyspace(self.namespace)
         self._ns = Namespace(self._link, self._space, self.max_bytes)
+        self._last_usage = (0, 0)  # what len() and nbytes say while the server is away
 
     @property
     def round_trips(self) -> int:
@@ -224,13 +225,24 @@ class RedisStore(BatchedStore):
                     break
 
     def __len__(self) -> int:
-        """Entries in the bookkeeping: written by torchcache and not removed (the server may have evicted some)."""
-        return self._ask(self._ns.usage, "count entries", (0, 0))[0]
+        """Entries in the bookkeeping: written by torchcache and not removed (the server may have evicted some).
+
+        While the server cannot be read, the count last read (0 if none was).
+        """
+        return self._usage()[0]
 
     @property
     def nbytes(self) -> int:
         """Payload bytes of the entries in the bookkeeping (see :meth:`__len__`)."""
-        return self._ask(self._ns.usage, "read the totals", (0, 0))[1]
+        return self._usage()[1]
+
+    def _usage(self) -> tuple[int, int]:
+        """Entries and payload bytes; the last ones read while the server cannot be read."""
+        usage = self._ask(self._ns.usage, "read the totals", None)
+        if usage is None:
+            return self._last_usage
+        self._last_usage = usage
+        return usage
 
     @property
     def disk_bytes(self) -> int:
@@ -300,6 +312,7 @@ class RedisStore(BatchedStore):
             StoreError: If the server refused the request.
         """
         self._link.call(self._ns.clear, f"clear namespace {self.namespace}")
+        self._last_usage = (0, 0)
         with self._lock:
             self._reported.clear()
 
