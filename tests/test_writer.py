@@ -199,18 +199,50 @@ def test_an_error_in_on_error_does_not_stop_the_writer(recorder: _Recorder) -> N
     assert len(recorder.errors) == 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are a Linux feature")
-def test_writer_threads_run_at_a_lower_priority_than_the_caller() -> None:
+def _priority() -> int:
+    """The scheduling priority (niceness) of the calling thread."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+_linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread priorities are a Linux feature"
+)
+
+
+@_linux_only
+def test_writer_threads_run_at_a_lower_priority_than_the_caller(pool: writer_module._Pool) -> None:
     seen: list[int] = []
-
-    def sink(job: Any) -> None:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-
-    writer = BackgroundWriter(sink, lambda exc: None)
+    writer = BackgroundWriter(lambda job: seen.append(_priority()), lambda exc: None)
     writer.submit("job", 1)
     assert writer.flush(_HANG)
-    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen == [min(caller + WRITER_NICENESS, 19)]
+    assert seen == [min(_priority() + WRITER_NICENESS, 19)]
+
+
+@_linux_only
+def test_a_writer_thread_started_by_a_writer_thread_is_lowered_once(pool: writer_module._Pool) -> None:
+    seen: dict[str, int] = {}
+    errors: list[BaseException] = []
+    inner_done = threading.Event()
+
+    def inner_sink(job: str) -> None:
+        seen[job] = _priority()
+        inner_done.set()
+
+    inner = BackgroundWriter(inner_sink, errors.append)
+
+    def outer_sink(job: str) -> None:
+        seen[job] = _priority()
+        # This thread is busy until "inner" is written, so a second thread, started by
+        # this one, writes it.
+        inner.submit("inner", nbytes=1)
+        assert inner_done.wait(_HANG), "no second thread wrote the inner job"
+
+    outer = BackgroundWriter(outer_sink, errors.append)
+    outer.submit("outer", nbytes=1)
+    assert outer.flush(_HANG) and inner.flush(_HANG)
+    assert errors == []
+    lowered = min(_priority() + WRITER_NICENESS, 19)
+    assert seen == {"outer": lowered, "inner": lowered}
 
 
 # -- the threads: shared by every writer, bounded, holding nothing while idle ------------------

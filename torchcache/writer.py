@@ -56,6 +56,8 @@ _DEFAULT_PENDING = 256 * 2**20
 _JOIN_TIMEOUT = 30.0
 
 _writers: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+#: Per thread: on a writer thread, ``base_priority`` is the priority it was lowered from.
+_thread_state = threading.local()
 
 
 class _Pool:
@@ -95,7 +97,7 @@ class _Pool:
         if self.stopped:
             return bool(self.threads)
         if self.idle < len(self.ready) and len(self.threads) < MAX_THREADS:
-            thread = threading.Thread(target=_serve, args=(self,), name=THREAD_NAME, daemon=True)
+            thread = threading.Thread(target=_serve, args=(self, _base_priority()), name=THREAD_NAME, daemon=True)
             try:
                 thread.start()
             except RuntimeError:  # interpreter shutdown: no new threads
@@ -148,9 +150,9 @@ class _Pool:
         return True
 
 
-def _serve(pool: _Pool) -> None:
-    """The loop of one writer thread."""
-    _lower_priority()
+def _serve(pool: _Pool, base: int | None) -> None:
+    """The loop of one writer thread, lowered from the ``base`` priority (see :func:`_base_priority`)."""
+    _lower_priority(base)
     while pool.run_next(wait=True):
         pass
 
@@ -238,8 +240,23 @@ class BackgroundWriter:
                 logger.exception("torchcache: error while reporting a write failure")
 
 
-def _lower_priority() -> None:
-    """Lower this thread's scheduling priority, where the OS sets it per thread (Linux).
+def _base_priority() -> int | None:
+    """The priority a writer thread started now is lowered from, where the OS sets it per thread (Linux).
+
+    That is the calling thread's priority, or, on a writer thread (which starts one when
+    other writers wait), the priority its own thread was lowered from: lowered once from
+    the caller's, never again from an already lowered one. ``None`` where there is none.
+    """
+    base: int | None = getattr(_thread_state, "base_priority", None)
+    if base is not None or not (sys.platform.startswith("linux") and hasattr(os, "getpriority")):
+        return base
+    with contextlib.suppress(OSError):
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    return None
+
+
+def _lower_priority(base: int | None) -> None:
+    """Lower this thread's scheduling priority below ``base``, where the OS sets it per thread (Linux).
 
     Compression and file writes then use the cores the model leaves idle instead of
     slowing its forward pass: an intra-op thread pool waits for its slowest thread, so
@@ -247,10 +264,11 @@ def _lower_priority() -> None:
     happen: when the forward pass waits (on ``submit`` back-pressure, ``flush`` or
     anything else), the writer threads have the cores.
     """
-    if sys.platform.startswith("linux") and hasattr(os, "setpriority"):
-        thread = threading.get_native_id()
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + WRITER_NICENESS, 19))
+    if base is None or not hasattr(os, "setpriority"):
+        return
+    _thread_state.base_priority = base
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(base + WRITER_NICENESS, 19))
 
 
 def flush_all() -> None:
