@@ -395,12 +395,25 @@ def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixtu
 
     code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--dry-run")
     assert code == 0 and oldest.exists()
-    assert out.splitlines()[1].startswith(oldest.name[:12]) and len(out.splitlines()) == 4
-    assert out.splitlines()[-1].startswith("would remove 1 module cache (")
+    lines = out.splitlines()
+    assert lines[0] == f"would remove 1 module cache ({format_size(sizes[oldest.name])}):"
+    assert lines[1].split()[:2] == ["KEY", "NAME"] and lines[2].startswith(oldest.name[:12]) and lines[3] == ""
+    assert lines[4].startswith("left 2 module caches, 8 entries, ") and len(lines) == 5
+
+    code, out, _ = run(capsys, "prune", "--max-size", str(limit))
+    assert code == 0 and not oldest.exists() and middle.exists() and newest.exists()
+    assert out.splitlines()[0] == f"removed 1 module cache ({format_size(sizes[oldest.name])}):"
+    assert out.splitlines()[2].startswith(oldest.name[:12]) and "left 2 module caches" in out
+    shutil.rmtree(middle.parent)
+    cache_root.mkdir()
+    oldest, middle, newest = make_three()
+    unrelated = make_unrelated(cache_root)
+    sizes = cache_sizes(capsys)
+    limit = sizes[middle.name] + sizes[newest.name]
 
     code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--json")
     data = json.loads(out)
-    assert code == 0 and data["dry_run"] is False
+    assert code == 0 and data["dry_run"] is False and data["in_use"] == []
     assert [c["key"] for c in data["removed"]] == [oldest.name]
     assert [c["key"] for c in data["kept"]] == [newest.name, middle.name]
     assert data["freed_bytes"] == sizes[oldest.name]
@@ -584,7 +597,7 @@ def test_damaged_metadata_never_hides_a_cache(
 def test_clear_and_prune_remove_caches_with_damaged_metadata(
     capsys: pytest.CaptureFixture[str], cache_root: Path, how: str
 ) -> None:
-    _, _, directory = make_cache(items=4)
+    directory = make_dir(items=4)
     (directory / META_NAME).write_bytes(b"\x00" * 10)
     argv = ["clear", "--all", "-y"] if how == "clear" else ["prune", "--keep", "0"]
     code, out, err = run(capsys, *argv)
@@ -688,16 +701,17 @@ def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
     import torchcache.cli_commands as cli_module
 
     oldest, middle, newest = make_three()
-    real_remove = cli_module.remove_cache
+    real_remove = cli_module.remove_unused_cache
 
-    def remove(directory: Path) -> tuple[int, Path | None]:
+    def remove(directory: Path) -> tuple[int, Path | None] | None:
         if directory == middle:
             raise PermissionError(13, "Permission denied")
         return real_remove(directory)
 
-    monkeypatch.setattr(cli_module, "remove_cache", remove)
+    monkeypatch.setattr(cli_module, "remove_unused_cache", remove)
     code, out, err = run(capsys, "prune", "--keep", "0")
     assert code == 1
     assert f"torchcache: error: cannot remove {middle}: Permission denied" in err
-    assert "removed 2 module caches" in out and oldest.name[:12] in out
+    assert "removed 2 module caches" in out and oldest.name[:12] in out and middle.name[:12] not in out
+    assert "left 1 module cache, 4 entries" in out
     assert not oldest.exists() and middle.exists() and not newest.exists()

@@ -23,6 +23,7 @@ from .dataset import CachedDataset
 from .decorator import torchcache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
 from .features import FeatureDataset, MissingFeatureError, extract_features
+from .maintenance import set_root_budget
 from .precompute import precompute
 from .sample_cache import SampleCache
 from .stats import CacheStats, TierStats
@@ -46,6 +47,7 @@ __all__ = [
     "flush_all",
     "precompute",
     "set_logger_config",
+    "set_root_budget",
     "torchcache",
 ]
 

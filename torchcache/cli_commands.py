@@ -29,14 +29,18 @@ from .cli_output import (
     when,
 )
 from .config import is_url, resolve_root
-from .errors import StoreError
+from .errors import ConfigError, StoreError
 from .inspect_cache import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
 from .maintenance import (
     Problem,
+    cache_in_use,
     migrate_cache,
     rebuild_meta,
     remove_cache,
     remove_file,
+    remove_unused_cache,
+    root_budget,
+    scan_root,
     select_for_prune,
     verify_files,
     verify_store,
@@ -108,11 +112,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     layouts = [] if dataset else summarize_layouts(cache.directory, files, args.sample)
     sampled = sum(s.entries for s in layouts)
     settings = cache.meta.get("settings")
+    budget = _root_budget(cache.directory.parent)
     if args.json:
         shapes = [
             {"layout": s.description, "entries": s.entries, "item_bytes": s.layout and s.layout.nbytes} for s in layouts
         ]
-        print_json({**cache_json(cache), "meta": cache.meta, "sampled_entries": sampled, "layouts": shapes})
+        data = {**cache_json(cache), "meta": cache.meta, "sampled_entries": sampled, "layouts": shapes}
+        print_json({**data, "root_budget": budget})
         return 0
     limit = cache.max_bytes
     used = f" ({cache.nbytes / limit:.1%} used)" if limit else ""
@@ -132,6 +138,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("reclaimable", f"{format_size(cache.reclaimable_bytes)} ({cache.reclaimable_bytes:,} bytes)"),
         ("on disk", f"{format_size(cache.disk_bytes)} ({cache.disk_bytes:,} bytes)"),
         ("size limit", "-" if limit is None else f"{format_size(limit)}{used}"),
+        ("root budget", _budget_text(budget)),
         ("temporary files", str(cache.temporaries)),
         (
             "1.0 entries",
@@ -153,6 +160,36 @@ def cmd_info(args: argparse.Namespace) -> int:
         ]
         print(table(["ENTRIES", "ITEM SIZE", "LAYOUT"], rows, right=(0, 1)))
     return 0
+
+
+def _root_budget(root: Path) -> dict[str, object]:
+    """The budget of a cache root, where it comes from and what its module caches take, for ``info``."""
+    usage = scan_root(root)
+    data: dict[str, object] = {
+        "root": str(root),
+        "max_bytes": None,
+        "source": None,
+        "used_bytes": sum(c.nbytes for c in usage),
+        "module_caches": len(usage),
+    }
+    try:
+        data["max_bytes"], data["source"] = root_budget()
+    except ConfigError as exc:
+        data["problem"] = f"{exc}; no budget is kept"
+    return data
+
+
+def _budget_text(budget: dict[str, object]) -> str:
+    """The ``root budget`` line of ``info``: the budget, its source, and the share of it in use."""
+    caches, used, limit = budget["module_caches"], budget["used_bytes"], budget["max_bytes"]
+    assert isinstance(caches, int) and isinstance(used, int)
+    taken = f"{format_size(used)} used by {plural(caches, 'module cache')} in {budget['root']}"
+    if "problem" in budget:
+        return f"none ({budget['problem']}); {taken}"
+    if not isinstance(limit, int):
+        return f"none ({budget['source']} is 0); {taken}"
+    source = "the default; TORCHCACHE_MAX_SIZE sets it" if budget["source"] == "default" else budget["source"]
+    return f"{format_size(limit)} ({source}); {taken} ({used / limit:.1%})"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -267,6 +304,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     """``torchcache prune``: remove whole module caches, least recently used first, until the condition holds.
 
+    A module cache that a live process has open is kept (and named); with ``--max-size``,
+    more recently used ones may go in its place.
+
     Args:
         args: The parsed arguments of the command.
 
@@ -275,51 +315,73 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """
     root = _root(args.root)
     caches = find_caches(root)
-    victims = select_for_prune(caches, time.time(), max_bytes=args.max_size, older_than=args.older_than, keep=args.keep)
-    kept = [c for c in caches if c not in victims]
-    # Everything printed is formatted before anything is removed.
-    shown = cache_table(victims) if victims and not args.json else ""
-    kept_json = [cache_json(c) for c in kept] if args.json else []
-    victims_json = [cache_json(c) for c in victims] if args.json else []
-    left = totals(kept)
-    freed, failed = (sum(c.nbytes for c in victims), 0) if args.dry_run else _remove(victims)
+    busy: list[ModuleCache] = []
+
+    def in_use(cache: ModuleCache) -> bool:
+        if cache_in_use(cache.directory):
+            busy.append(cache)
+            return True
+        return False
+
+    victims = select_for_prune(
+        caches, time.time(), max_bytes=args.max_size, older_than=args.older_than, keep=args.keep, in_use=in_use
+    )
+    if args.dry_run:
+        removed, freed, failed = victims, sum(c.nbytes for c in victims), 0
+    else:
+        removed, freed, failed = _remove(victims, busy)
+    kept = [c for c in caches if c not in removed]
     if args.json:
         print_json(
             {
                 "root": str(root),
                 "dry_run": args.dry_run,
-                "removed": victims_json,
-                "kept": kept_json,
+                "removed": [cache_json(c) for c in removed],
+                "in_use": [cache_json(c) for c in busy],
+                "kept": [cache_json(c) for c in kept],
                 "freed_bytes": freed,
             }
         )
-    elif not victims:
+    elif not victims and not busy:
         print(f"nothing to prune: {totals(caches)} under {root}")
     else:
-        print(shown)
         verb = "would remove" if args.dry_run else "removed"
-        print(f"\n{verb} {plural(len(victims) - failed, 'module cache')} ({format_size(freed)}); {left} left")
+        print(f"{verb} {plural(len(removed), 'module cache')} ({format_size(freed)})" + (":" if removed else ""))
+        if removed:
+            print(cache_table(removed))
+        if busy:
+            print(f"\nkept {plural(len(busy), 'module cache')} in use by a running process:")
+            print(cache_table(busy))
+        print(f"\nleft {totals(kept)} under {root}")
     return 1 if failed else 0
 
 
-def _remove(caches: Sequence[ModuleCache]) -> tuple[int, int]:
-    """Remove module caches; return the bytes freed and how many could not be removed.
+def _remove(caches: Sequence[ModuleCache], busy: list[ModuleCache] | None = None) -> tuple[list[ModuleCache], int, int]:
+    """Remove module caches; return those removed, the bytes freed and how many could not be removed.
 
     Directories holding other files are kept (and named); a cache that cannot be
-    removed is named and the others are still removed.
+    removed is named and the others are still removed. With ``busy``, a cache that a
+    process has open is kept and added to it.
     """
+    removed: list[ModuleCache] = []
     freed = failed = 0
     for cache in caches:
         try:
-            size, kept = remove_cache(cache.directory)
+            done = remove_cache(cache.directory) if busy is None else remove_unused_cache(cache.directory)
         except OSError as exc:
             failed += 1
             error(f"cannot remove {cache.directory}: {exc.strerror or exc}")
             continue
+        if done is None:
+            assert busy is not None
+            busy.append(cache)
+            continue
+        size, kept = done
+        removed.append(cache)
         freed += size
         if kept is not None:
             note(f"kept {kept}: it holds files that torchcache did not write")
-    return freed, failed
+    return removed, freed, failed
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
@@ -359,8 +421,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
         if stdin.readline().strip().lower() not in ("y", "yes"):
             print("aborted; nothing removed", file=sys.stderr)
             return 1
-    freed, failed = _remove(targets)
-    print(f"removed {plural(len(targets) - failed, 'module cache')} ({format_size(freed)})")
+    removed, freed, failed = _remove(targets)
+    print(f"removed {plural(len(removed), 'module cache')} ({format_size(freed)})")
     return 1 if failed else 0
 
 

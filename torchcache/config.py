@@ -27,8 +27,10 @@ from .stores.redis_url import parse_url, redact_url
 from .tree import DTYPES
 
 __all__ = [
+    "DEFAULT_ROOT_BUDGET",
     "LEGACY_OPTIONS",
     "REDIS_SCHEMES",
+    "ROOT_BUDGET_ENV",
     "Settings",
     "check_local_dir",
     "check_redis_url",
@@ -37,6 +39,7 @@ __all__ = [
     "resolve_local_dir",
     "resolve_location",
     "resolve_root",
+    "resolve_root_budget",
 ]
 
 #: Options of torchcache 0.6.0 that are accepted and ignored (brotli replaced zstd).
@@ -356,3 +359,27 @@ def resolve_root(persistent_cache_dir: Path | str | None) -> Path:
     if isinstance(location, str):
         raise ConfigError(f"expected a cache directory, got the Redis URL {redact_url(location)}")
     return location
+
+
+#: The environment variable that sets the budget of a whole cache root (``"20GB"``; ``"0"``: none).
+ROOT_BUDGET_ENV = "TORCHCACHE_MAX_SIZE"
+#: The budget of a cache root when nothing sets one: five module caches at the default
+#: ``max_persistent_cache_size`` (10 GB each), the same on every machine and file system.
+DEFAULT_ROOT_BUDGET = 50 * 10**9
+
+
+def resolve_root_budget() -> tuple[int | None, str]:
+    """The budget of a cache root from ``$TORCHCACHE_MAX_SIZE``, else :data:`DEFAULT_ROOT_BUDGET`.
+
+    Returns:
+        The budget in bytes (``None`` when the variable is ``0``: no budget) and where it
+        came from (``"TORCHCACHE_MAX_SIZE"`` or ``"default"``).
+
+    Raises:
+        ConfigError: If the variable is set and is not a byte count such as ``20GB``.
+    """
+    env = os.environ.get(ROOT_BUDGET_ENV, "").strip()
+    if not env:
+        return DEFAULT_ROOT_BUDGET, "default"
+    budget = parse_size(env, ROOT_BUDGET_ENV)
+    return budget or None, ROOT_BUDGET_ENV

@@ -28,6 +28,7 @@ from .config import Settings, resolve_local_dir, resolve_location
 from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
+from .maintenance import claim_module_cache
 from .outputs import OutputPlan, UnbatchedOutputError
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
@@ -214,6 +215,7 @@ class Cache:
             self.faults.warn("write", f"{exc}; caching in memory only")
             self._disk_ready = True
             return
+        self._root_claim = claim_module_cache(location, key, self.faults.warn, local)  # the root's budget
         meta = {
             "torchcache_version": __version__,
             "format_version": FORMAT_VERSION,

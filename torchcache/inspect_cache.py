@@ -1,10 +1,12 @@
 """Find and describe the module caches under a cache root.
 
 A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``,
-or one that holds entries whatever its metadata: a packed store (``index.lmdb`` and
-``seg-*.tcs``) or torchcache 1.0 entry files (``<3 hex digits>/<key>.tce`` that start
-like a frame). A damaged, missing or foreign ``torchcache.json`` never hides a cache, it
-is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything else under
+or one that holds cache files whatever its metadata: a packed store's (``index.lmdb`` or
+``seg-*.tcs``, whatever kind of file is at those names: a FIFO there is a damaged store,
+not a foreign file) or torchcache 1.0 entry files (``<3 hex digits>/<key>.tce`` that start
+like a frame). A damaged, missing or foreign ``torchcache.json`` (a FIFO, a directory, an
+unreadable file, garbage) never hides a cache, it is a problem that ``verify`` reports and
+``verify --fix`` rebuilds. Anything else under
 the root is not torchcache's and is never touched. Files are opened without blocking,
 only when they are regular files, and read only as far as their prefix says. Nothing
 here removes entries; :mod:`torchcache.maintenance` does. (Opening a packed store whose
@@ -39,6 +41,7 @@ from .tree import Layout, describe
 __all__ = [
     "CacheFiles",
     "CacheLookupError",
+    "CacheUsage",
     "FileInfo",
     "LayoutSummary",
     "ModuleCache",
@@ -47,6 +50,7 @@ __all__ = [
     "list_files",
     "load_cache",
     "open_store",
+    "read_usage",
     "resolve_cache",
     "summarize_layouts",
 ]
@@ -72,17 +76,38 @@ class FileInfo:
 
 @dataclass(frozen=True)
 class CacheFiles:
-    """torchcache's own files in a module directory (the metadata file aside)."""
+    """torchcache's own files in a module directory (the metadata file aside).
+
+    ``irregular`` are the things at the names of torchcache's files that are neither
+    regular files nor directories (a FIFO, a socket, a link): never opened, and unlinked
+    (never what a link points to) when the cache is removed.
+    """
 
     entries: list[FileInfo]
     temporaries: list[FileInfo]
     shards: list[Path]
     store: list[FileInfo] = field(default_factory=list)
+    irregular: list[Path] = field(default_factory=list)
 
     @property
     def has_store(self) -> bool:
         """Whether the directory has a packed store index."""
         return any(f.path.name == INDEX_NAME for f in self.store)
+
+    @property
+    def has_store_data(self) -> bool:
+        """Whether anything is at the name of a packed store's index or segment, whatever kind of file it is."""
+        names = [f.path.name for f in self.store] + [p.name for p in self.irregular]
+        return any(name == INDEX_NAME or parse_segment_name(name) is not None for name in names)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What a budget needs of one module cache: its directory, when it was last used, its bytes."""
+
+    directory: Path
+    last_used: float
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -143,7 +168,9 @@ def _disk_bytes(st: os.stat_result) -> int:
 def list_files(directory: Path) -> CacheFiles:
     """List the entry files, temporary files and shard directories of a module directory.
 
-    Symbolic links and files torchcache does not write are left out.
+    Files torchcache does not write are left out, and so are symbolic links and other
+    things that are not regular files, except at the names of torchcache's own files
+    (``irregular``).
 
     Raises:
         OSError: If the directory cannot be listed.
@@ -152,6 +179,7 @@ def list_files(directory: Path) -> CacheFiles:
     temporaries: list[FileInfo] = []
     shards: list[Path] = []
     store: list[FileInfo] = []
+    irregular: list[Path] = []
     try:
         top = list(os.scandir(directory))
     except FileNotFoundError:
@@ -166,6 +194,8 @@ def list_files(directory: Path) -> CacheFiles:
                     temporaries.append(_info(item))
                 elif _is_store_file(item.name):
                     store.append(_info(item))
+            elif _is_store_file(item.name):
+                irregular.append(Path(item.path))
         except FileNotFoundError:
             continue
     for shard in shards:
@@ -175,9 +205,12 @@ def list_files(directory: Path) -> CacheFiles:
             continue
         for child in children:
             try:
-                if not child.is_file(follow_symlinks=False):
+                if child.is_dir(follow_symlinks=False):
                     continue
-                if _ENTRY_RE.fullmatch(child.name):
+                if not child.is_file(follow_symlinks=False):
+                    if _ENTRY_RE.fullmatch(child.name):
+                        irregular.append(Path(child.path))
+                elif _ENTRY_RE.fullmatch(child.name):
                     entries.append(_info(child))
                 elif _TMP_RE.fullmatch(child.name):
                     temporaries.append(_info(child))
@@ -185,7 +218,7 @@ def list_files(directory: Path) -> CacheFiles:
                 continue
     entries.sort(key=lambda f: f.path)
     temporaries.sort(key=lambda f: f.path)
-    return CacheFiles(entries, temporaries, sorted(shards), sorted(store, key=lambda f: f.path))
+    return CacheFiles(entries, temporaries, sorted(shards), sorted(store, key=lambda f: f.path), sorted(irregular))
 
 
 def _is_store_file(name: str) -> bool:
@@ -268,16 +301,11 @@ def load_cache(directory: Path) -> ModuleCache | None:
         problem = f"no {META_NAME}"
     usage = _store_usage(directory)  # first: opening a store may seal or rebuild it, which changes its files
     files = list_files(directory)
-    if problem is not None and usage is None and not _holds_entries(files.entries):
+    if problem is not None and not _has_cache_files(files):
         return None
-    try:
-        st: os.stat_result | None = os.lstat(directory / META_NAME)
-    except OSError:
-        st = None
+    st, last_used = _meta_stat(directory, files)
     meta_file = st is not None and stat.S_ISREG(st.st_mode)
     own = [*files.entries, *files.temporaries, *files.store]
-    newest = max((f.mtime for f in own), default=0.0)
-    last_used = st.st_mtime if st is not None and (meta_file or not own) else newest
     meta = meta or {}
     version, name = meta.get("torchcache_version"), meta.get("name")
     return ModuleCache(
@@ -297,6 +325,49 @@ def load_cache(directory: Path) -> ModuleCache | None:
         disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
     )
+
+
+def _has_cache_files(files: CacheFiles) -> bool:
+    """Whether a directory holds a packed store's files (of any kind) or 1.0 entries."""
+    return files.has_store_data or _holds_entries(files.entries)
+
+
+def _meta_stat(directory: Path, files: CacheFiles) -> tuple[os.stat_result | None, float]:
+    """The metadata file's ``lstat`` (``None`` if there is none), and when the cache was last used.
+
+    That is the metadata's modification time where it is a regular file (or the cache has
+    no other file), else the newest of its files'.
+    """
+    try:
+        st: os.stat_result | None = os.lstat(directory / META_NAME)
+    except OSError:
+        st = None
+    own = [*files.entries, *files.temporaries, *files.store]
+    if st is not None and (stat.S_ISREG(st.st_mode) or not own):
+        return st, st.st_mtime
+    return st, max((f.mtime for f in own), default=0.0)
+
+
+def read_usage(directory: Path) -> CacheUsage | None:
+    """The last use and size of the module cache in ``directory``, or ``None`` if it is not one.
+
+    Counted as :func:`load_cache` counts them, from a listing of its files and the
+    ``lstat`` of its metadata, without opening its store: cheap enough to run over a
+    whole root whenever a cache opens. The metadata is read only when the directory has
+    no cache files, to tell a module cache from a foreign directory.
+
+    Raises:
+        OSError: If the directory cannot be listed.
+    """
+    files = list_files(directory)
+    if not _has_cache_files(files):
+        meta, problem = load_meta(directory)
+        if meta is None or problem is not None:
+            return None
+    st, last_used = _meta_stat(directory, files)
+    meta_bytes = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else 0
+    own = [*files.entries, *files.temporaries, *files.store]
+    return CacheUsage(directory, last_used, meta_bytes + sum(f.size for f in own))
 
 
 def _segment_bytes(files: CacheFiles) -> int:

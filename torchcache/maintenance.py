@@ -11,46 +11,85 @@ files survive with their directory.
 Temporary files younger than :data:`TMP_GRACE_SECONDS` may be a write in progress in
 another process (removing one would make that process stop writing), so checking keeps
 them; removing a whole module cache removes them regardless.
+
+The cache root as a whole has a budget (:func:`root_budget`: :func:`set_root_budget`,
+else ``$TORCHCACHE_MAX_SIZE``, else :data:`~torchcache.config.DEFAULT_ROOT_BUDGET`),
+kept by :func:`enforce_root_budget` whenever a cache opens (:func:`claim_module_cache`):
+whole module caches go, least recently used first, like ``torchcache prune``. A process
+that opens a cache holds a shared ``flock`` on its directory (:class:`CacheClaim`), no
+file is added; a cache is removed only under an exclusive one, taken without waiting,
+and only if no writer holds one of its segments either (what a process that took no
+claim, such as a dataset cache, holds while it writes), so a cache in use by a live
+process is never removed. Where a directory cannot be locked (some network file
+systems), nothing is removed automatically. The budget's part makes this module longer
+than the others; it shares their selection and removal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
 import stat
+import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from ._log import logger
 from ._version import __version__
 from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
+from .config import resolve_root_budget
 from .errors import CorruptEntryError, StoreError
-from .inspect_cache import CacheFiles, FileInfo, ModuleCache, index_problem, list_files, open_store
-from .meta import META_NAME, meta_time, write_json_atomic
+from .inspect_cache import (
+    CacheFiles,
+    CacheUsage,
+    FileInfo,
+    ModuleCache,
+    index_problem,
+    list_files,
+    open_store,
+    read_usage,
+)
+from .meta import META_NAME, is_disk_wide, meta_time, write_json_atomic
+from .policy import format_size, parse_size
 from .stores.batched import BatchedStore
 from .stores.disk import ENTRY_SUFFIX
 from .stores.files import open_regular, read_at
 from .stores.packed import PackedStore
+from .stores.packed_format import parse_segment_name
 from .stores.packed_index import INDEX_NAME
 from .stores.packed_upkeep import discard_index
 from .tree import Layout
 
 __all__ = [
     "TMP_GRACE_SECONDS",
+    "CacheClaim",
     "Migration",
     "Problem",
+    "cache_in_use",
     "check_entries",
     "check_entry",
     "check_frame",
     "check_sample",
+    "claim_directory",
+    "claim_module_cache",
+    "enforce_root_budget",
     "migrate_cache",
     "parse_duration",
     "rebuild_meta",
     "remove_cache",
     "remove_file",
+    "remove_unused_cache",
+    "root_budget",
+    "scan_root",
     "select_for_prune",
+    "set_root_budget",
     "verify_files",
     "verify_store",
 ]
@@ -61,6 +100,10 @@ _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw])\s*$", re.IGNORECAS
 _UNLIMITED = 1 << 62
 _MIGRATE_BATCH = 256
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_O_DIR = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: Seconds a claim waits for a removal of its directory in progress in another process.
+_CLAIM_WAIT = 30.0
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN)
 
 
 @dataclass(frozen=True)
@@ -290,14 +333,21 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
         raise OSError(exc.errno, f"cannot clear the packed store: {exc}") from exc
     files = list_files(directory)
     meta = directory / META_NAME
+    meta_dir = False
     with contextlib.suppress(FileNotFoundError):
         st = os.lstat(meta)
-        if not stat.S_ISDIR(st.st_mode):  # a directory there is not ours: it keeps the module directory
+        meta_dir = stat.S_ISDIR(st.st_mode)
+        if not meta_dir:
             files.temporaries.append(FileInfo(meta, st.st_size if stat.S_ISREG(st.st_mode) else 0, 0.0))  # last
+    for path in files.irregular:  # FIFOs and links at the names of torchcache's files: unlinked, never opened
+        remove_file(path)
     own = (*files.entries, *sorted(files.store, key=lambda f: f.path.name.startswith("index")), *files.temporaries)
     # Sizes as listed before the store was cleared (as `torchcache ls` reports them), files it removed included.
     freed = sum(seen.pop(item.path, item.size) for item in own if remove_file(item.path))
     freed += sum(size for path, size in seen.items() if not os.path.lexists(path))
+    if meta_dir:  # an empty directory at the metadata's name goes; one that holds files keeps the module directory
+        with contextlib.suppress(OSError):
+            os.rmdir(meta)
     for shard in files.shards:
         with contextlib.suppress(OSError):  # not empty: unknown files, or entries written meanwhile
             os.rmdir(shard)
@@ -311,18 +361,35 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
     return freed, kept
 
 
+class _Sized(Protocol):
+    """A module cache as pruning sees it (:class:`ModuleCache`, :class:`CacheUsage`)."""
+
+    @property
+    def last_used(self) -> float: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+_C = TypeVar("_C", bound=_Sized)
+
+
 def select_for_prune(
-    caches: Sequence[ModuleCache],
+    caches: Sequence[_C],
     now: float,
     *,
     max_bytes: int | None = None,
     older_than: float | None = None,
     keep: int | None = None,
-) -> list[ModuleCache]:
+    in_use: Callable[[_C], bool] | None = None,
+) -> list[_C]:
     """Pick the module caches to remove, least recently used first, until the condition holds.
 
     Exactly one of ``max_bytes`` (total size to get under), ``older_than`` (seconds since
-    last use) and ``keep`` (how many of the most recently used to keep) is given.
+    last use) and ``keep`` (how many of the most recently used to keep) is given. A cache
+    that ``in_use`` says a process has open is never picked (it is asked only of the
+    caches that would be); with ``max_bytes`` it still counts toward the total, so more
+    recently used ones may go in its place.
 
     Raises:
         ValueError: If not exactly one condition is given.
@@ -330,18 +397,23 @@ def select_for_prune(
     if sum(x is not None for x in (max_bytes, older_than, keep)) != 1:
         raise ValueError("give exactly one of max_bytes, older_than and keep")
     order = sorted(caches, key=lambda c: c.last_used)
+
+    def free(cache: _C) -> bool:
+        return in_use is None or not in_use(cache)
+
     if keep is not None:
-        return order[: max(0, len(order) - keep)]
+        return [c for c in order[: max(0, len(order) - keep)] if free(c)]
     if older_than is not None:
-        return [c for c in order if now - c.last_used > older_than]
+        return [c for c in order if now - c.last_used > older_than and free(c)]
     assert max_bytes is not None
     total = sum(c.nbytes for c in order)
     chosen = []
     for cache in order:
         if total <= max_bytes:
             break
-        chosen.append(cache)
-        total -= cache.nbytes
+        if free(cache):
+            chosen.append(cache)
+            total -= cache.nbytes
     return chosen
 
 
@@ -433,3 +505,310 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
         with contextlib.suppress(OSError):  # damaged files left, or unknown ones
             os.rmdir(shard)
     return Migration(len(migrated & after), len((migrated | before) - after), damaged)
+
+
+# -- the budget of a cache root ---------------------------------------------------------------
+_budget_override: tuple[int | None] | None = None
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+class CacheClaim:
+    """This process's shared ``flock`` on a module directory: while it is held, no budget or prune removes the cache.
+
+    The lock is given back by :meth:`release`, or when the claim is garbage-collected.
+    A forked child shares its parent's lock until both have let it go.
+    """
+
+    def __init__(self, directory: Path, fd: int) -> None:
+        self.directory = directory
+        self._release = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        """Give the lock back (again is fine)."""
+        self._release()
+
+    def __repr__(self) -> str:
+        return f"<CacheClaim of {self.directory} ({'held' if self._release.alive else 'released'})>"
+
+
+def _same_directory(fd: int, directory: Path) -> bool:
+    """Whether ``directory`` (not followed if it is a link) is still the directory open as ``fd``."""
+    try:
+        st, held = os.lstat(directory), os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def claim_directory(directory: Path, wait: float = _CLAIM_WAIT) -> CacheClaim | None:
+    """Make ``directory`` if it is missing and take a shared lock on it, so that no budget or prune removes it.
+
+    A removal of the directory in progress in another process is waited for (at most
+    ``wait`` seconds), then the directory is made anew.
+
+    Returns:
+        The claim, or ``None`` if the directory cannot be made, opened or locked (a
+        read-only or network file system; the cache still works, unclaimed).
+    """
+    deadline = time.monotonic() + wait
+    for _ in range(8):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory, _O_DIR)
+        except OSError:
+            return None
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # being removed: no more than a few files to unlink
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+            if os.path.islink(directory) or _same_directory(fd, directory):
+                return CacheClaim(directory, fd)  # a linked module directory is never removed: nothing to check
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)  # removed while we waited: make it again
+    return None
+
+
+def _writer_holds_segment(directory: Path) -> bool:
+    """Whether a live writer holds the lock on one of the directory's segment files (see the segment files)."""
+    try:
+        with os.scandir(directory) as items:
+            names = [item.name for item in items if parse_segment_name(item.name) is not None]
+    except OSError:
+        return False
+    for name in names:
+        try:
+            opened = open_regular(directory / name)
+        except OSError:
+            continue
+        if opened is None:
+            continue
+        try:
+            fcntl.flock(opened[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return True
+        finally:
+            os.close(opened[0])  # and with it the lock
+    return False
+
+
+def _lock_unused(directory: Path) -> int | None:
+    """A descriptor of ``directory`` holding an exclusive lock, if no process has the cache open, else ``None``.
+
+    ``None`` too where that cannot be told: a directory that cannot be opened or locked
+    (a link, a network file system), or that was replaced meanwhile.
+    """
+    try:
+        fd = os.open(directory, _O_DIR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_directory(fd, directory) and not _writer_holds_segment(directory):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def cache_in_use(directory: Path) -> bool:
+    """Whether a process has the module cache in ``directory`` open, as far as can be told (see :func:`_lock_unused`).
+
+    A process has it open while it holds a :class:`CacheClaim` on it, or while it writes
+    to one of its segments. A directory that cannot be locked counts as in use.
+    """
+    fd = _lock_unused(directory)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def remove_unused_cache(directory: Path) -> tuple[int, Path | None] | None:
+    """Remove a module cache as :func:`remove_cache` does, unless a process has it open.
+
+    It is removed under an exclusive lock on its directory, which a process that opens
+    it meanwhile waits for (and then makes the directory anew).
+
+    Returns:
+        ``None`` if it is in use (nothing is removed), else what :func:`remove_cache` returns.
+
+    Raises:
+        OSError: If a file cannot be removed.
+    """
+    fd = _lock_unused(directory)
+    if fd is None:
+        return None
+    try:
+        return remove_cache(directory)
+    finally:
+        os.close(fd)
+
+
+def set_root_budget(max_size: int | float | str | None) -> None:
+    """Set the budget of every cache root this process uses, which ``$TORCHCACHE_MAX_SIZE`` sets otherwise.
+
+    Whenever a persistent cache opens, the module caches under its root are removed,
+    least recently used first, until they take no more than this, as ``torchcache prune
+    --max-size`` does; a cache that a live process has open is never removed. Processes
+    started from this one (spawned DataLoader workers, ``torchrun`` ranks) read
+    ``$TORCHCACHE_MAX_SIZE``, not this setting.
+
+    Args:
+        max_size: Bytes, as an int or float (``20e9``) or a string such as ``"20GB"`` or
+            ``"500GiB"``; ``0`` for no budget; ``None`` to go back to
+            ``$TORCHCACHE_MAX_SIZE``, else the default (50 GB).
+
+    Raises:
+        ConfigError: If ``max_size`` is not a byte count.
+
+    Example:
+        >>> import torchcache
+        >>> torchcache.set_root_budget("20GB")
+        >>> torchcache.set_root_budget(None)
+    """
+    global _budget_override
+    _budget_override = None if max_size is None else (parse_size(max_size, "max_size") or None,)
+
+
+def root_budget() -> tuple[int | None, str]:
+    """The budget of a cache root in this process, and where it comes from.
+
+    Returns:
+        The bytes (``None``: no budget), and ``"set_root_budget()"``,
+        ``"TORCHCACHE_MAX_SIZE"`` or ``"default"``.
+
+    Raises:
+        ConfigError: If ``$TORCHCACHE_MAX_SIZE`` decides it and is not a byte count.
+    """
+    override = _budget_override
+    if override is not None:
+        return override[0], "set_root_budget()"
+    return resolve_root_budget()
+
+
+def scan_root(root: Path) -> list[CacheUsage]:
+    """The module caches under a root, with their last use and size, without opening any store.
+
+    A missing root holds none; a directory under it that cannot be listed is left out.
+
+    Raises:
+        OSError: If the root cannot be listed.
+    """
+    try:
+        children = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    found = []
+    for child in children:
+        try:
+            usage = read_usage(Path(child.path)) if child.is_dir(follow_symlinks=False) else None
+        except OSError:
+            continue
+        if usage is not None:
+            found.append(usage)
+    return found
+
+
+def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheUsage]:
+    """Remove module caches under ``root``, least recently used first, until they fit its budget.
+
+    A cache that a live process has open is never removed (see :func:`cache_in_use`);
+    when those alone take more than the budget, the root stays over it. Only one process
+    at a time enforces the budget of a root: if another is doing it, this returns at once.
+
+    Args:
+        root: The cache root.
+        max_bytes: The budget (default: :func:`root_budget`; ``None`` there: no budget).
+
+    Returns:
+        The module caches removed.
+
+    Raises:
+        ConfigError: If ``$TORCHCACHE_MAX_SIZE`` decides the budget and is not a byte count.
+        OSError: If the root cannot be listed or a cache cannot be removed (those before
+            it are removed).
+    """
+    if max_bytes is None:
+        max_bytes = root_budget()[0]
+        if max_bytes is None:
+            return []
+    try:
+        fd = os.open(root, _O_DIR)
+    except FileNotFoundError:
+        return []
+    removed: list[CacheUsage] = []
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return removed  # another process is enforcing it now
+            raise
+        caches = scan_root(root)
+        if sum(c.nbytes for c in caches) <= max_bytes:
+            return removed
+        victims = select_for_prune(caches, time.time(), max_bytes=max_bytes, in_use=lambda c: cache_in_use(c.directory))
+        for victim in victims:
+            if remove_unused_cache(victim.directory) is not None:
+                removed.append(victim)
+        return removed
+    finally:
+        os.close(fd)
+
+
+def _warn_once(root: Path, kind: str, message: str, warn: Callable[[str, str], None]) -> None:
+    with _warned_lock:
+        if (str(root), kind) in _warned:
+            return
+        _warned.add((str(root), kind))
+    warn("budget", message)
+
+
+def claim_module_cache(
+    location: Path | str, key: str, warn: Callable[[str, str], None], local: Path | None = None
+) -> CacheClaim | None:
+    """Claim a module cache's directory as this process opens it, then keep its root under budget.
+
+    Called once whenever a persistent cache opens its disk tier; cheap (a listing of the
+    root, and of each module directory). Nothing it meets reaches the caller: a budget
+    that cannot be kept is one warning per root and problem in this process.
+
+    Args:
+        location: The cache root, or a Redis URL (then ``local`` is the root, if any).
+        key: The module key (the directory under the root).
+        warn: Called with a kind and a message to warn about (a cache's
+            :meth:`~torchcache.faults.FaultLog.warn`).
+        local: With a Redis URL, the root of the local copies of its entries.
+
+    Returns:
+        The claim, to keep while the cache is used (``None`` if there is no local
+        directory or it cannot be claimed).
+    """
+    root = local if isinstance(location, str) else location
+    if root is None:
+        return None
+    claim = claim_directory(root / key)
+    try:
+        removed = enforce_root_budget(root)
+    except OSError as exc:
+        if not is_disk_wide(exc):  # a read-only or full disk: the store reports it
+            _warn_once(root, "remove", f"cannot keep the cache root {root} under its budget: {exc}", warn)
+    except Exception as exc:  # noqa: BLE001 - never into the forward pass
+        _warn_once(root, type(exc).__name__, f"{exc}; the cache root {root} is not kept under a budget", warn)
+    else:
+        if removed:
+            freed = format_size(sum(c.nbytes for c in removed))
+            logger.info(
+                "torchcache: removed %d module cache(s) (%s) from %s to keep its budget", len(removed), freed, root
+            )
+    return claim
