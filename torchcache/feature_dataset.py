@@ -98,6 +98,8 @@ def find_features(location: str | os.PathLike[str] | None) -> Path:
     path = resolve_root(None if location is None else Path(os.fspath(location)).expanduser())
     if path.is_file():
         return path
+    if not path.is_dir():
+        raise ConfigError(f"there is no features cache at {path}")
     if (path / FEATURES_NAME).is_file():
         return path / FEATURES_NAME
     try:
@@ -150,6 +152,13 @@ class FeatureDataset(Dataset[Any]):
             return cls(FeatureFile.open(found))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_faults"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._faults = FaultLog(str(self.file.header.get("module", "features")))
 
     def __repr__(self) -> str:
         f = self.file.layout.features

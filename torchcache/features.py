@@ -185,7 +185,7 @@ def _open_existing(path: Path, header: dict[str, Any], faults: FaultLog) -> Feat
     """The features file at ``path`` if it is whole and made for ``header``; a damaged one is removed."""
     try:
         file = FeatureFile.open(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (CorruptEntryError, ValueError) as exc:
         faults.warn("corrupt", f"the features file {path} is damaged ({exc}): computed again")
@@ -259,7 +259,14 @@ class _Collate:
         from torch.utils.data._utils.collate import default_collate
 
         inputs, others = zip(*(self.layout.split(s) for s in samples), strict=True)
-        return default_collate(list(inputs)), list(others), len(samples)  # type: ignore[no-untyped-call]
+        try:
+            batch = default_collate(list(inputs))  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"the inputs of a batch cannot be stacked ({exc}): extract_features needs inputs of one shape "
+                "(resize or pad them in the dataset; variable shapes are not supported yet)"
+            ) from None
+        return batch, list(others), len(samples)
 
 
 def _extract(

@@ -1,0 +1,564 @@
+"""extract_features and FeatureDataset: outputs, keys, resuming, processes, damage, hostile files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchcache
+from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
+from torchcache.errors import CorruptEntryError
+from torchcache.feature_store import FEATURES_NAME, FeatureFile
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+READS: dict[int, int] = {}
+
+
+class Images(Dataset[Any]):
+    """``(image, label)`` samples from one tensor of images."""
+
+    def __init__(self, n: int = 37, seed: int = 1, shape: tuple[int, ...] = (3, 8, 8)) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(n, *shape, generator=g)
+        self.labels = (torch.arange(n) * 7 % 5).tolist()
+        READS[id(self)] = 0
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def reads(self) -> int:
+        """Samples read (not an attribute: one that changes would change the dataset's key)."""
+        return READS[id(self)]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        READS[id(self)] += 1
+        return self.images[i], self.labels[i]
+
+
+class Fields(Dataset[Any]):
+    """Dict samples with fields of every storable kind."""
+
+    def __init__(self, n: int = 11) -> None:
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(2))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "id": i * 3,
+            "x": self.x[i],
+            "weight": i / 2,
+            "flag": i % 2 == 0,
+            "mask": torch.arange(3) < i % 4,
+            "box": np.full((2,), i, np.float32),
+            "grade": np.int16(i),
+        }
+
+
+COUNTS: dict[int, list[int]] = {}
+
+
+def count_samples(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    COUNTS[id(module)][0] += len(args[0])
+
+
+class Net(torch.nn.Module):
+    """A small conv net, frozen, that counts the samples it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.fc = torch.nn.Linear(4, 5)
+        self.requires_grad_(False)
+        self.eval()
+        COUNTS[id(self)] = [0]
+        self.register_forward_hook(count_samples)
+
+    @property
+    def seen(self) -> list[int]:
+        """Samples seen, counted by a hook: a changing attribute would change the key, as it should."""
+        return COUNTS[id(self)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).relu().mean((2, 3)))
+
+
+class Scale(torch.nn.Module):
+    """Elementwise, so its outputs do not depend on the batch."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def extract(backbone: torch.nn.Module, dataset: Any, **kwargs: Any) -> FeatureDataset:
+    kwargs.setdefault("batch_size", 8)
+    kwargs.setdefault("progress", False)
+    return extract_features(backbone, dataset, **kwargs)
+
+
+def feature_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.name.startswith("features-"))
+
+
+# -- outputs ---------------------------------------------------------------------------
+def test_outputs_equal_the_backbone_over_the_same_batches(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    features = extract(net, data, batch_size=8)
+    with torch.no_grad():
+        expected = torch.cat([net(data.images[i : i + 8]) for i in range(0, len(data), 8)])
+        single = torch.cat([net(data.images[i : i + 1]) for i in range(len(data))])
+    assert len(features) == len(data)
+    for i in range(len(data)):
+        x, y = features[i]
+        assert torch.equal(x, expected[i])  # bit-exact: the same batches as the uncached run
+        assert torch.allclose(x, single[i], atol=1e-6)  # other batch sizes: up to rounding
+        assert type(y) is int and y == data.labels[i]
+    x, y = features[-1]
+    assert torch.equal(x, expected[-1]) and y == data.labels[-1]
+
+
+def test_batched_reads_through_a_dataloader(cache_root: Path) -> None:
+    net, data = Net(), Images(n=50)
+    features = extract(net, data)
+    with torch.no_grad():
+        expected = torch.cat([net(data.images[i : i + 8]) for i in range(0, len(data), 8)])
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(3)).tolist()
+    loader = DataLoader(features, batch_size=16, sampler=order)
+    got_x, got_y = zip(*loader, strict=True)
+    assert torch.equal(torch.cat(got_x), expected[order])
+    assert torch.cat(got_y).tolist() == [data.labels[i] for i in order]
+    batch = features.__getitems__([5, -1, 5])
+    assert torch.equal(batch[0][0], expected[5]) and torch.equal(batch[1][0], expected[-1])
+
+
+def test_batch_size_independent_backbones_match_one_sample_at_a_time(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(20, 6))
+    net = Scale()
+    features = extract(net, data, batch_size=7)
+    for i in range(len(data)):
+        (x,) = features[i]
+        assert torch.equal(x, net(data[i][0]))
+
+
+def test_every_kind_of_field_comes_back_as_it_was(cache_root: Path) -> None:
+    data, net = Fields(), Scale()
+    features = extract(net, data, input="x", batch_size=4)
+    for i in range(len(data)):
+        got, want = features[i], data[i]
+        assert list(got) == list(want)
+        assert torch.equal(got["x"], net(want["x"]))
+        for key in ("id", "weight", "flag"):
+            assert type(got[key]) is type(want[key]) and got[key] == want[key]
+        assert torch.equal(got["mask"], want["mask"])
+        assert isinstance(got["box"], np.ndarray) and np.array_equal(got["box"], want["box"])
+        assert type(got["grade"]) is np.int16 and got["grade"] == want["grade"]
+
+
+def test_tensor_and_list_samples(cache_root: Path) -> None:
+    images = torch.randn(9, 6)
+    net = Scale()
+    plain = extract(net, images, batch_size=4)  # a tensor is a dataset of tensors
+    assert torch.equal(plain[3], net(images[3])) and torch.equal(plain[8], net(images[8]))
+
+    class Pairs(Dataset[Any]):
+        def __len__(self) -> int:
+            return 9
+
+        def __getitem__(self, i: int) -> list[Any]:
+            return [float(i), images[i]]
+
+    listed = extract(net, Pairs(), input=1, batch_size=4)
+    got = listed[2]
+    assert isinstance(got, list) and got[0] == 2.0 and torch.equal(got[1], net(images[2]))
+
+
+# -- keys ------------------------------------------------------------------------------
+def test_a_second_call_reads_neither_backbone_nor_dataset(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    first = extract(net, data)
+    assert net.seen[0] == len(data)
+    reads = data.reads
+    second = extract(net, data)
+    assert net.seen[0] == len(data) and data.reads == reads
+    assert second.path == first.path
+    assert all(torch.equal(second[i][0], first[i][0]) for i in range(len(data)))
+
+
+def test_changed_weights_dataset_or_version_compute_afresh(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    base = extract(net, data)
+    with torch.no_grad():
+        net.fc.bias.add_(1)
+    changed_weights = extract(net, data)
+    assert net.seen[0] == 2 * len(data) and changed_weights.path != base.path
+    assert torch.allclose(changed_weights[0][0], base[0][0] + 1, atol=1e-5)
+
+    other = Images(seed=2)
+    changed_data = extract(net, other)
+    assert net.seen[0] == 3 * len(data) and changed_data.path not in (base.path, changed_weights.path)
+
+    versioned = extract(net, other, version="v2")
+    assert net.seen[0] == 4 * len(data) and versioned.path != changed_data.path
+    assert extract(net, other, version="v2").path == versioned.path and net.seen[0] == 4 * len(data)
+    assert len(feature_dirs(cache_root)) == 4
+
+
+def test_train_mode_is_keyed_and_stochastic_layers_are_refused(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    net = Scale().eval()
+    a = extract(net, data)
+    b = extract(net.train(), data)
+    assert a.path != b.path
+    dropout = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout()).requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"eval\(\)"):
+        extract(dropout, data)
+    assert len(extract(dropout.eval(), data)) == 10
+
+
+def test_cache_dir_and_torchcache_dir(cache_root: Path, tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    default = extract(Scale(), data)
+    assert default.path is not None and default.path.parent.parent == cache_root
+    assert json.loads((default.path.parent / "torchcache.json").read_text())["kind"] == "features"
+    elsewhere = extract(Scale(), data, cache_dir=tmp_path / "root")
+    assert elsewhere.path is not None and elsewhere.path.parent.parent == tmp_path / "root"
+
+
+# -- portable --------------------------------------------------------------------------
+def test_a_warm_cache_opens_without_backbone_anywhere(cache_root: Path, tmp_path: Path) -> None:
+    net, data = Net(), Images()
+    made = extract(net, data)
+    assert made.path is not None
+    moved = tmp_path / "moved"
+    shutil.copytree(made.path.parent, moved / made.path.parent.name)
+    for opened in (
+        FeatureDataset.open(moved / made.path.parent.name),
+        FeatureDataset.open(moved),  # a root that holds one features cache
+        FeatureDataset.open(moved / made.path.parent.name / FEATURES_NAME),
+        extract_features(None, None, cache_dir=moved),
+    ):
+        assert len(opened) == len(data) and opened.shape == (5,) and opened.dtype == torch.float32
+        assert all(torch.equal(opened[i][0], made[i][0]) and opened[i][1] == made[i][1] for i in range(len(data)))
+        assert opened.info["dataset"].endswith("Images")
+        opened.close()
+    with pytest.raises(ConfigError, match="no features cache"):
+        FeatureDataset.open(tmp_path / "empty-root-does-not-exist")
+    extract(Net(), Images(seed=5), cache_dir=moved)
+    with pytest.raises(ConfigError, match="2 features caches"):
+        FeatureDataset.open(moved)
+
+
+def test_it_pickles_as_its_path_into_dataloader_workers(cache_root: Path) -> None:
+    net, data = Scale(), torch.utils.data.TensorDataset(torch.randn(40, 6))
+    features = extract(net, data)
+    clone = pickle.loads(pickle.dumps(FeatureDataset.open(features.path)))
+    assert torch.equal(clone[7][0], features[7][0])
+    loader = DataLoader(features, batch_size=8, num_workers=2, shuffle=False)
+    assert torch.equal(torch.cat([x for (x,) in loader]), torch.stack([features[i][0] for i in range(40)]))
+
+
+# -- refusals --------------------------------------------------------------------------
+class Augmented(Images):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = super().__getitem__(i)
+        return image + torch.rand(1), label
+
+
+def test_random_augmentation_is_refused(cache_root: Path) -> None:
+    with pytest.raises(ConfigError, match="random augmentation"):
+        extract(Net(), Augmented())
+    assert feature_dirs(cache_root) == []
+
+
+def test_trainable_backbones_and_bad_arguments_are_refused(cache_root: Path) -> None:
+    data = Images()
+    with pytest.raises(ConfigError, match="require grad"):
+        extract(torch.nn.Conv2d(3, 4, 3), data)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        extract(lambda x: x, data)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="batch_size"):
+        extract(Net(), data, batch_size=0)
+    with pytest.raises(ConfigError, match="num_workers"):
+        extract(Net(), data, num_workers=-1)
+    with pytest.raises(ConfigError, match="input=2"):
+        extract(Net(), data, input=2)
+    with pytest.raises(ConfigError, match="pass the backbone"):
+        extract_features(None, data)
+
+
+def test_fields_and_outputs_that_vary_or_cannot_be_stored_are_refused(cache_root: Path) -> None:
+    class Named(Images):
+        def __getitem__(self, i: int) -> Any:
+            return self.images[i], "cat"
+
+    with pytest.raises(ConfigError, match="str"):
+        extract(Net(), Named())
+
+    class Ragged(Dataset[Any]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.ones(2 + (i > 1))
+
+    with pytest.raises(ConfigError, match="outputs of one shape"):
+        extract(torch.nn.Identity(), Ragged(), batch_size=2)  # batches of one shape, outputs of two
+    with pytest.raises(ConfigError, match="inputs of one shape"):
+        extract(torch.nn.Identity(), Ragged(), batch_size=4, version="whole batches")
+
+    class Pair(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    with pytest.raises(ConfigError, match="one tensor"):
+        extract(Pair(), torch.randn(4, 2))
+
+
+# -- interrupted and concurrent runs ---------------------------------------------------
+KIT = """
+import hashlib, json, os, signal, sys
+import torch
+from torch.utils.data import Dataset
+from torchcache import extract_features
+
+class Images(Dataset):
+    def __init__(self, n):
+        self.x = torch.randn(n, 16, generator=torch.Generator().manual_seed(1))
+        self.y = [i % 3 for i in range(n)]
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        if os.environ.get("KILL_AT") == str(i):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.x[i], self.y[i]
+
+SEEN = [0]
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(2)), requires_grad=False)
+    def forward(self, x):
+        SEEN[0] += len(x)
+        return x * self.w
+
+root, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+net, data = Net(), Images(n)
+features = extract_features(net, data, batch_size=batch, cache_dir=root, progress=False)
+digest = hashlib.sha256()
+for i in range(n):
+    x, y = features[i]
+    assert torch.equal(x, data.x[i] * net.w) and y == data.y[i], i
+    digest.update(x.numpy().tobytes() + bytes([y]))
+print(json.dumps({"computed": SEEN[0], "digest": digest.hexdigest(), "path": str(features.path)}))
+"""
+
+
+def run_kit(script: Path, root: Path, n: int, batch: int, **env: str) -> subprocess.Popen[str]:
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.Popen(
+        [sys.executable, str(script), str(root), str(n), str(batch)],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Path) -> None:
+    script = tmp_path / "kit.py"
+    script.write_text(KIT)
+    root, n, batch, kill_at = tmp_path / "root", 40, 8, 27
+    killed = run_kit(script, root, n, batch, KILL_AT=str(kill_at))
+    killed.communicate(timeout=300)
+    assert killed.returncode == -9
+    (directory,) = feature_dirs(root)
+    file = FeatureFile.open(directory / FEATURES_NAME)
+    written = file.count()
+    assert kill_at // batch * batch <= written < n  # the batches before the kill, not the one it hit
+    assert file.missing().tolist() == list(range(written, n))
+    file.close()
+    resumed = finish(run_kit(script, root, n, batch))
+    assert resumed["computed"] == n - written
+    again = finish(run_kit(script, root, n, batch))
+    assert again["computed"] == 0 and again["digest"] == resumed["digest"]
+
+
+def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:
+    script = tmp_path / "kit.py"
+    script.write_text(KIT)
+    root, n, batch = tmp_path / "root", 3000, 16
+    first, second = run_kit(script, root, n, batch), run_kit(script, root, n, batch)
+    a, b = finish(first), finish(second)
+    assert a["digest"] == b["digest"] and a["path"] == b["path"]
+    assert n <= a["computed"] + b["computed"] <= 2 * n
+    third = finish(run_kit(script, root, n, batch))
+    assert third["computed"] == 0 and third["digest"] == a["digest"]
+    file = FeatureFile.open(Path(a["path"]))
+    assert file.count() == n
+    file.close()
+
+
+# -- damage and hostile files ----------------------------------------------------------
+def test_a_damaged_row_is_a_warning_and_computed_again(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    features = extract(net, data)
+    expected = features[4][0]
+    file = features.file
+    assert features.path is not None
+    with open(features.path, "r+b") as raw:
+        raw.seek(file.rows_at + 4 * file.stride + 3)
+        byte = raw.read(1)
+        raw.seek(-1, os.SEEK_CUR)
+        raw.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(CacheWarning, match="damaged rows"):
+        x, _ = features[4]
+    assert torch.equal(x, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(features[4][0], expected)  # written again: no second warning
+    assert FeatureFile.open(features.path).count() == len(data)
+
+
+def test_a_damaged_row_without_backbone_is_an_error(cache_root: Path) -> None:
+    features = extract(Net(), Images())
+    assert features.path is not None
+    with open(features.path, "r+b") as raw:
+        raw.seek(features.file.rows_at + 2 * features.file.stride)
+        raw.write(b"\xff" * 8)
+    opened = FeatureDataset.open(features.path)
+    assert opened[1][1] == features[1][1]
+    with pytest.warns(CacheWarning), pytest.raises(MissingFeatureError, match="extract_features"):
+        opened[2]
+
+
+@pytest.mark.parametrize("damage", ["magic", "json", "truncate", "empty", "table"])
+def test_a_damaged_file_is_a_warning_and_computed_again(cache_root: Path, damage: str) -> None:
+    net, data = Net(), Images()
+    with torch.no_grad():
+        expected = torch.cat([net(data.images[i : i + 8]) for i in range(0, len(data), 8)])
+    features = extract(net, data)
+    path, checks_at = features.path, features.file.checks_at
+    assert path is not None
+    features.close()
+    raw = bytearray(path.read_bytes())
+    if damage == "magic":
+        raw[:8] = b"XXXXXXXX"
+    elif damage == "json":
+        raw[60] ^= 0x20
+    elif damage == "truncate":
+        raw = raw[: len(raw) - 100]
+    elif damage == "empty":
+        raw = bytearray()
+    else:  # every row marked written, with a wrong check
+        raw[checks_at : checks_at + 8 * len(data)] = b"\x01" * 8 * len(data)
+    path.write_bytes(bytes(raw))
+    seen = net.seen[0]
+    with pytest.warns(CacheWarning, match="damaged"):
+        again = extract(net, data)
+        got = [again[i][0] for i in range(len(data))]  # a damaged table: found as rows are read
+    # Rows found damaged as they are read are computed one read at a time: equal up to rounding.
+    assert all(torch.allclose(got[i], expected[i], atol=1e-6) for i in range(len(data)))
+    assert net.seen[0] == seen + len(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(torch.equal(again[i][0], got[i]) for i in range(len(data)))
+
+
+class Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {os.environ['TORCHCACHE_DIR']}/ran",))
+
+
+def test_no_file_in_the_cache_makes_torchcache_run_code(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    features = extract(net, data)
+    path = features.path
+    assert path is not None
+    features.close()
+    payload = pickle.dumps(Payload())
+    raw = bytearray(path.read_bytes())
+    file = FeatureFile.open(path)
+    raw[file.rows_at : file.rows_at + len(payload)] = payload
+    file.close()
+    path.write_bytes(bytes(raw))
+    with pytest.warns(CacheWarning, match="damaged rows"):
+        again = extract(net, data)
+        assert again[0][1] == data.labels[0]  # row 0 fails its check: computed again
+    again.close()
+    path.write_bytes(payload)  # a pickle in place of the whole file
+    with pytest.raises(ConfigError, match="not a usable features cache"):
+        FeatureDataset.open(path)
+    with pytest.warns(CacheWarning, match="damaged"):
+        assert len(extract(net, data)) == len(data)
+    (path.parent / "torchcache.json").write_bytes(payload)
+    assert len(extract(net, data)) == len(data)
+    assert not (cache_root / "ran").exists()
+
+
+def test_hostile_headers_are_refused(tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(4, 6))
+    features = extract(Scale(), data, cache_dir=tmp_path)
+    path = features.path
+    assert path is not None
+    header = dict(features.file.header)
+    features.close()
+    import struct
+
+    import xxhash
+
+    for layout in (
+        {**header["layout"], "stride": 1 << 40},
+        {**header["layout"], "fields": [{**header["layout"]["fields"][0], "dtype": "object"}]},
+        {**header["layout"], "fields": [{**header["layout"]["fields"][0], "offset": 1 << 20}]},
+        {**header["layout"], "container": "os.system"},
+    ):
+        text = json.dumps({**header, "layout": layout}, sort_keys=True, separators=(",", ":")).encode()
+        head = struct.pack("<8sIIQQQQQ", b"TCFEATS1", 1, len(text), 4, 32, 4096, 8192, 8192 + 4 * 32) + text
+        path.write_bytes(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(9000))
+        with pytest.raises(CorruptEntryError):
+            FeatureFile.open(path)
+
+
+def test_an_unusable_cache_dir_keeps_features_in_memory(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    net = Scale()
+    with pytest.warns(CacheWarning, match="kept in memory"):
+        features = extract(net, data, cache_dir=blocker)
+    assert features.path is None
+    assert all(torch.equal(features[i][0], net(data[i][0])) for i in range(10))
+
+
+def test_exports() -> None:
+    for name in ("extract_features", "FeatureDataset", "MissingFeatureError"):
+        assert name in torchcache.__all__ and getattr(torchcache, name) is not None
+    assert textwrap.dedent(extract_features.__doc__ or "").strip()
