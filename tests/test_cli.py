@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -715,3 +717,139 @@ def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
     assert "removed 2 module caches" in out and oldest.name[:12] in out and middle.name[:12] not in out
     assert "left 1 module cache, 4 entries" in out
     assert not oldest.exists() and middle.exists() and not newest.exists()
+
+
+# -- a damaged cache whatever is at its metadata's name ------------------------------------------
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _every_file_a_fifo(meta: Path) -> None:
+    for path in meta.parent.iterdir():
+        _fifo(path)
+
+
+def _directory(meta: Path) -> None:
+    meta.unlink()
+    meta.mkdir()
+
+
+UNREADABLE = {
+    "FIFO": _fifo,
+    "every file a FIFO": _every_file_a_fifo,
+    "directory": _directory,
+    "garbage": lambda meta: meta.write_bytes(b"\xff{{{ not json"),
+    "no permission": lambda meta: meta.chmod(0),
+}
+
+
+def _bounded(argv: list[str]) -> tuple[int, str, str]:
+    """Run the command on a thread that must end within a minute (a read of a FIFO would block)."""
+    out, err = io.StringIO(), io.StringIO()
+    result: list[int] = []
+
+    def target() -> None:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result.append(main(argv))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"torchcache {' '.join(argv)} blocked"
+    return result[0], out.getvalue(), err.getvalue()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants FIFOs")
+@pytest.mark.parametrize("damage", list(UNREADABLE))
+def test_a_cache_with_unreadable_metadata_is_damaged_for_every_command(cache_root: Path, damage: str) -> None:
+    if damage == "no permission" and os.geteuid() == 0:
+        pytest.skip("root reads a file whatever its mode")
+    directory = make_dir(items=4)
+    healthy = make_dir(out=2, items=2)
+    UNREADABLE[damage](directory / META_NAME)
+    try:
+        code, out, _ = _bounded(["ls", "--json"])
+        listed = {c["key"]: c for c in json.loads(out)["caches"]}
+        assert code == 0 and set(listed) == {directory.name, healthy.name}
+        assert listed[directory.name]["metadata_problem"] and listed[healthy.name]["metadata_problem"] is None
+        code, out, _ = _bounded(["ls"])
+        assert code == 0 and "(damaged metadata)" in out and "1 module cache with damaged metadata" in out
+
+        code, out, err = _bounded(["verify"])
+        assert code == 1 and "no problems found" not in out and "problem" in err
+        rows = [line.split() for line in out.splitlines() if line.startswith("metadata ")]
+        assert [row[-1] for row in rows] == [f"{directory.name}/{META_NAME}"]
+
+        code, out, err = _bounded(["clear", directory.name, "-y"])
+        assert (code, err) == (0, "") and out.startswith("removed 1 module cache")
+        assert not directory.exists() and count_entries(healthy) == 2
+    finally:
+        if directory.exists():
+            os.chmod(directory / META_NAME, 0o644)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants FIFOs")
+def test_clear_all_and_prune_remove_caches_of_fifos(cache_root: Path) -> None:
+    caches = [make_dir(out=n, items=3) for n in (2, 3)]
+    for directory in caches:
+        _every_file_a_fifo(directory / META_NAME)
+    code, out, _ = _bounded(["prune", "--keep", "1"])
+    assert code == 0 and out.startswith("removed 1 module cache (0 B):")
+    code, out, _ = _bounded(["clear", "--all", "-y"])
+    assert code == 0 and out.startswith("removed 1 module cache")
+    assert list(cache_root.iterdir()) == []
+
+
+# -- the budget of the root ------------------------------------------------------------------------------
+def test_info_shows_the_root_budget(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHCACHE_MAX_SIZE", raising=False)
+    directory, other = make_dir(items=4), make_dir(out=2, items=2)
+    used = sum(cache_sizes(capsys).values())
+    code, out, _ = run(capsys, "info", directory.name)
+    line = next(line for line in out.splitlines() if line.startswith("root budget"))
+    assert code == 0 and line == (
+        f"root budget      50.0 GB (the default; TORCHCACHE_MAX_SIZE sets it); {format_size(used)} used by "
+        f"2 module caches in {cache_root} (0.0%)"
+    )
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "1MB")
+    code, out, _ = run(capsys, "info", directory.name, "--json")
+    budget = json.loads(out)["root_budget"]
+    assert budget == {
+        "root": str(cache_root),
+        "max_bytes": 10**6,
+        "source": "TORCHCACHE_MAX_SIZE",
+        "used_bytes": used,
+        "module_caches": 2,
+    }
+    assert (
+        f"1.0 MB (TORCHCACHE_MAX_SIZE); {format_size(used)} used by 2 module caches"
+        in run(capsys, "info", other.name)[1]
+    )
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "0")
+    assert "root budget      none (TORCHCACHE_MAX_SIZE is 0); " in run(capsys, "info", other.name)[1]
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "much")
+    code, out, _ = run(capsys, "info", other.name)
+    assert code == 0 and "root budget      none (TORCHCACHE_MAX_SIZE must be a byte count such as 1e9" in out
+    assert "no budget is kept" in out
+
+
+def test_prune_keeps_a_cache_this_process_has_open(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
+    oldest = make_dir(items=3)
+    model, _, open_dir = make_cache(out=2, items=2)  # open here, as in another process
+    os.utime(open_dir / META_NAME, (time.time() - 600,) * 2)
+    os.utime(oldest / META_NAME, (time.time() - 300,) * 2)
+    code, out, _ = run(capsys, "prune", "--keep", "0", "--dry-run")
+    assert code == 0 and out.startswith("would remove 1 module cache (") and open_dir.exists()
+    code, out, _ = run(capsys, "prune", "--keep", "0")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("removed 1 module cache (") and lines[2].startswith(oldest.name[:12])
+    assert "kept 1 module cache in use by a running process:" in out and open_dir.name[:12] in lines[-3]
+    assert not oldest.exists() and open_dir.exists()
+    data = json.loads(run(capsys, "prune", "--max-size", "1", "--json")[1])
+    assert data["removed"] == [] and [c["key"] for c in data["in_use"]] == [open_dir.name]
+    del model
+    gc.collect()
+    assert run(capsys, "prune", "--keep", "0")[0] == 0 and not open_dir.exists()

@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     prune = command(
         "prune",
         "remove whole module caches, least recently used first",
-        "Remove whole module caches, least recently used first, until the condition holds.",
+        "Remove whole module caches, least recently used first, until the condition holds. A module cache that "
+        "a running process has open is kept (with --max-size, more recently used ones may go in its place). "
+        "Caches also go on their own: whenever a cache opens, the root is kept under its budget "
+        "($TORCHCACHE_MAX_SIZE, default 50GB; `torchcache info` shows it).",
         cmd_prune,
     )
     prune.add_argument("root", nargs="?", metavar="ROOT", help=root_help)
