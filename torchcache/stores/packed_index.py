@@ -376,11 +376,11 @@ class Index:
         self.env.set_mapsize(_blocks(2 * self.map_size))
 
     def file_bytes(self) -> int:
-        """Bytes the index and its lock file take on disk."""
+        """Bytes the index takes on disk, and its lock file beyond the fixed pages allocated for it."""
         total = 0
-        for name in (self.path, self.path + "-lock"):
+        for name, fixed in ((self.path, 0), (self.path + "-lock", _LOCK_BYTES)):
             with contextlib.suppress(OSError):
-                total += os.stat(name).st_blocks * 512
+                total += max(0, os.stat(name).st_blocks * 512 - fixed)
         return total
 
     def stored_totals(self, txn: lmdb.Transaction[bytes]) -> dict[bytes, int]:
