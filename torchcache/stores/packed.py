@@ -12,7 +12,7 @@ The budget (record bytes plus the index's share) spans runs and processes. Evict
 drops whole segments, the most recently written first (MRU): "used" means written, by
 any process; reads do not count, so they never write. Deleted and replaced entries
 leave dead bytes, compacted away once the files pass the budget by 5 %: the disk
-stays within 1.1 times the budget. ``docs/packed-store.md`` has the design.
+stays within 1.1 times the budget. ``docs/how-it-works.md`` (The packed disk store) has the design.
 """
 
 from __future__ import annotations
