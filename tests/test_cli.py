@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import gc
 import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -705,10 +708,10 @@ def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
     oldest, middle, newest = make_three()
     real_remove = cli_module.remove_unused_cache
 
-    def remove(directory: Path) -> tuple[int, Path | None] | None:
+    def remove(directory: Path, strict: bool = True) -> tuple[int, Path | None] | None:
         if directory == middle:
             raise PermissionError(13, "Permission denied")
-        return real_remove(directory)
+        return real_remove(directory, strict)
 
     monkeypatch.setattr(cli_module, "remove_unused_cache", remove)
     code, out, err = run(capsys, "prune", "--keep", "0")
@@ -853,3 +856,23 @@ def test_prune_keeps_a_cache_this_process_has_open(capsys: pytest.CaptureFixture
     del model
     gc.collect()
     assert run(capsys, "prune", "--keep", "0")[0] == 0 and not open_dir.exists()
+
+
+def test_prune_still_removes_where_directories_cannot_be_locked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.maintenance as maintenance
+
+    oldest, middle, newest = make_three()
+    real_flock = fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:  # as on a network file system that cannot lock directories
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(maintenance.fcntl, "flock", flock)
+    assert maintenance.enforce_root_budget(oldest.parent, 1) == []  # the budget removes nothing it cannot lock
+    code, out, _ = run(capsys, "prune", "--keep", "1")
+    assert code == 0 and out.startswith("removed 2 module caches (")
+    assert not oldest.exists() and not middle.exists() and newest.exists()

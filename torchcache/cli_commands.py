@@ -318,7 +318,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     busy: list[ModuleCache] = []
 
     def in_use(cache: ModuleCache) -> bool:
-        if cache_in_use(cache.directory):
+        if cache_in_use(cache.directory, strict=False):  # where directories cannot be locked, as before
             busy.append(cache)
             return True
         return False
@@ -367,7 +367,7 @@ def _remove(caches: Sequence[ModuleCache], busy: list[ModuleCache] | None = None
     freed = failed = 0
     for cache in caches:
         try:
-            done = remove_cache(cache.directory) if busy is None else remove_unused_cache(cache.directory)
+            done = remove_cache(cache.directory) if busy is None else remove_unused_cache(cache.directory, strict=False)
         except OSError as exc:
             failed += 1
             error(f"cannot remove {cache.directory}: {exc.strerror or exc}")

@@ -556,6 +556,8 @@ def claim_directory(directory: Path, wait: float = _CLAIM_WAIT) -> CacheClaim | 
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(directory, _O_DIR)
+        except FileNotFoundError:  # removed between the two: make it again
+            continue
         except OSError:
             return None
         try:
@@ -600,11 +602,12 @@ def _writer_holds_segment(directory: Path) -> bool:
     return False
 
 
-def _lock_unused(directory: Path) -> int | None:
+def _lock_unused(directory: Path, strict: bool) -> int | None:
     """A descriptor of ``directory`` holding an exclusive lock, if no process has the cache open, else ``None``.
 
-    ``None`` too where that cannot be told: a directory that cannot be opened or locked
-    (a link, a network file system), or that was replaced meanwhile.
+    ``None`` too for a directory that cannot be opened (a link) or was replaced
+    meanwhile. One that cannot be locked (some network file systems) counts as in use
+    if ``strict``, else the descriptor comes back unlocked.
     """
     try:
         fd = os.open(directory, _O_DIR | getattr(os, "O_NOFOLLOW", 0))
@@ -612,32 +615,44 @@ def _lock_unused(directory: Path) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if _same_directory(fd, directory) and not _writer_holds_segment(directory):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
+    except OSError as exc:
+        if strict or exc.errno in _BUSY:
+            os.close(fd)
+            return None
+    if _same_directory(fd, directory) and not _writer_holds_segment(directory):
+        return fd
+    os.close(fd)  # and with it the lock
     return None
 
 
-def cache_in_use(directory: Path) -> bool:
-    """Whether a process has the module cache in ``directory`` open, as far as can be told (see :func:`_lock_unused`).
+def cache_in_use(directory: Path, strict: bool = True) -> bool:
+    """Whether a process has the module cache in ``directory`` open, as far as can be told.
 
     A process has it open while it holds a :class:`CacheClaim` on it, or while it writes
-    to one of its segments. A directory that cannot be locked counts as in use.
+    to one of its segments.
+
+    Args:
+        directory: The module directory.
+        strict: Count a cache whose directory cannot be locked (some network file
+            systems) as in use.
     """
-    fd = _lock_unused(directory)
+    fd = _lock_unused(directory, strict)
     if fd is None:
         return True
     os.close(fd)
     return False
 
 
-def remove_unused_cache(directory: Path) -> tuple[int, Path | None] | None:
+def remove_unused_cache(directory: Path, strict: bool = True) -> tuple[int, Path | None] | None:
     """Remove a module cache as :func:`remove_cache` does, unless a process has it open.
 
     It is removed under an exclusive lock on its directory, which a process that opens
     it meanwhile waits for (and then makes the directory anew).
+
+    Args:
+        directory: The module directory.
+        strict: Keep a cache whose directory cannot be locked (some network file
+            systems); else remove it unless a writer holds one of its segments.
 
     Returns:
         ``None`` if it is in use (nothing is removed), else what :func:`remove_cache` returns.
@@ -645,7 +660,7 @@ def remove_unused_cache(directory: Path) -> tuple[int, Path | None] | None:
     Raises:
         OSError: If a file cannot be removed.
     """
-    fd = _lock_unused(directory)
+    fd = _lock_unused(directory, strict)
     if fd is None:
         return None
     try:
@@ -724,7 +739,9 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
 
     A cache that a live process has open is never removed (see :func:`cache_in_use`);
     when those alone take more than the budget, the root stays over it. Only one process
-    at a time enforces the budget of a root: if another is doing it, this returns at once.
+    at a time enforces the budget of a root: if another is doing it, this returns at once,
+    and so it does where the root cannot be opened or locked (missing, not a directory,
+    some network file systems).
 
     Args:
         root: The cache root.
@@ -735,8 +752,8 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
 
     Raises:
         ConfigError: If ``$TORCHCACHE_MAX_SIZE`` decides the budget and is not a byte count.
-        OSError: If the root cannot be listed or a cache cannot be removed (those before
-            it are removed).
+        OSError: If the root cannot be listed, or a cache cannot be removed (the first
+            such error, once the others are removed).
     """
     if max_bytes is None:
         max_bytes = root_budget()[0]
@@ -744,23 +761,27 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
             return []
     try:
         fd = os.open(root, _O_DIR)
-    except FileNotFoundError:
+    except OSError:  # missing, or not a directory: no cache to remove (opening one reports why)
         return []
     removed: list[CacheUsage] = []
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in _BUSY:
-                return removed  # another process is enforcing it now
-            raise
+        except OSError:  # another process is enforcing it now, or directories cannot be locked here
+            return removed
         caches = scan_root(root)
         if sum(c.nbytes for c in caches) <= max_bytes:
             return removed
         victims = select_for_prune(caches, time.time(), max_bytes=max_bytes, in_use=lambda c: cache_in_use(c.directory))
+        failure: OSError | None = None
         for victim in victims:
-            if remove_unused_cache(victim.directory) is not None:
-                removed.append(victim)
+            try:
+                if remove_unused_cache(victim.directory) is not None:
+                    removed.append(victim)
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return removed
     finally:
         os.close(fd)
