@@ -52,6 +52,7 @@ _NUMPY = {
     )
 }
 _PLAIN = {"int": np.dtype("<i8"), "float": np.dtype("<f8"), "bool": np.dtype("bool")}
+_PLAIN_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
 _KINDS = ("features", "tensor", "array", "scalar", "int", "float", "bool")
 _CONTAINERS = ("tensor", "tuple", "list", "dict")
 
@@ -215,8 +216,16 @@ class SampleLayout:
         rows[:, first.offset : first.offset + first.nbytes] = raw.reshape(count, first.nbytes)
         for j, f in enumerate(self.fields[1:]):
             column = rows[:, f.offset : f.offset + f.nbytes]
-            for row, sample in zip(column, others, strict=True):
-                row[:] = self._field_bytes(f, sample[j])
+            values = [sample[j] for sample in others]
+            plain = _PLAIN_TYPES.get(f.kind)
+            if plain is not None and all(type(v) is plain for v in values):  # the common case: one array
+                try:
+                    column[:] = np.asarray(values, f.numpy_dtype).view(np.uint8).reshape(count, f.nbytes)
+                except OverflowError:
+                    raise ConfigError(f"field {f.name} of a sample is beyond a 64-bit integer") from None
+                continue
+            for row, value in zip(column, values, strict=True):
+                row[:] = self._field_bytes(f, value)
 
     def _field_bytes(self, f: Field, value: object) -> np.ndarray[Any, Any]:
         found = describe_field(f.name, value)

@@ -1,0 +1,338 @@
+"""Linear probe: epochs over ``extract_features`` against a hand-written np.memmap and the uncached backbone.
+
+Usage::
+
+    python benchmarks/linear_probe.py                  # 10,000 samples, then 100,000
+    python benchmarks/linear_probe.py --items 10000    # one size
+    python benchmarks/linear_probe.py --quick          # 2,000 samples, 3 epochs (a smoke run)
+    python benchmarks/linear_probe.py --workers 2 --json out.json
+
+The dataset holds generated uint8 images (3, 32, 32) and int labels; a sample is
+``(image as float32 / 255, label)``. The backbone is a small frozen conv net whose
+outputs are (512,) float32 (two strided convolutions, a 2x2 average pool). Every epoch
+is a ``DataLoader(batch_size=256, num_workers=--workers)`` pass, timed from
+``iter(loader)`` to the last batch, that touches each batch. Compared, per size:
+
+- uncached: the images through the backbone, ``shuffle=False`` (what every epoch costs
+  without a cache);
+- first epoch: ``extract_features`` into a fresh cache directory (the backbone over the
+  dataset, rows written), then one shuffled pass over the features it returns; run in
+  ``--rounds`` pairs with an uncached epoch, back to back in alternating order, and
+  judged on the median of the pairs' ratios;
+- memmap: the hand-written alternative, the same features written to an ``np.memmap``
+  with the labels in an array, read by a ``Dataset`` whose ``__getitem__`` copies one
+  row, through the same DataLoader settings, ``shuffle=True``;
+- later epochs: ``--epochs`` pairs of a memmap epoch and a features epoch, back to back
+  in alternating order; the median of each, and the median of the ratios of the pairs;
+- second process: a new Python process builds the same dataset and backbone, calls
+  ``extract_features`` (which finds the cache: the backbone must not run, counted by a
+  hook) and runs one shuffled epoch; its time from the call to the last batch against
+  the memmap's median epoch.
+
+Checks: every sample of the features equals the memmap's row and label (the memmap
+holds the uncached backbone's outputs over the same batches, so equality is bit for
+bit), each epoch sees every label once, and the second process saw the same features
+(a checksum) without a backbone call. The run exits 1 if a check failed (2 with
+``--strict`` if a target was missed). Targets: later epochs within 1.5x of the memmap,
+the first epoch within 1.1x of uncached, the second process's first epoch within 1.5x
+of the memmap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
+
+from torchcache import extract_features
+
+BATCH = 256
+TARGETS = {"later": 1.5, "first": 1.1, "second": 1.5}
+
+
+class Images(Dataset[Any]):
+    """Generated uint8 images and int labels; a sample is ``(float32 image / 255, label)``."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
+        self.labels = (torch.arange(n) % 10).tolist()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i].float() / 255, self.labels[i]
+
+
+class Backbone(torch.nn.Module):
+    """A small conv net: (3, 32, 32) images to (512,) features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 128, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(2),
+            torch.nn.Flatten(),
+        )
+        self.requires_grad_(False)
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, 3, 32, 32) images to (batch, 512) features."""
+        return self.layers(x)  # type: ignore[no-any-return]
+
+
+class Memmap(Dataset[Any]):
+    """The hand-written alternative: features in an np.memmap, labels in an array."""
+
+    def __init__(self, path: Path, n: int, labels: np.ndarray[Any, Any]) -> None:
+        self.features = np.memmap(path, np.float32, "r", shape=(n, 512))
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.from_numpy(np.array(self.features[i])), int(self.labels[i])
+
+
+def make_backbone() -> Backbone:
+    torch.manual_seed(0)
+    return Backbone()
+
+
+def epoch(dataset: Dataset[Any], workers: int, shuffle: bool = True) -> tuple[float, int]:
+    """Seconds for one pass, and the sum of the labels seen (each label once per epoch)."""
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers)
+    seen = 0
+    start = time.perf_counter()
+    for x, y in loader:
+        seen += int(y.sum()) + 0 * x.shape[0]
+    return time.perf_counter() - start, seen
+
+
+def uncached_epoch(backbone: Backbone, data: Images, workers: int) -> tuple[float, list[torch.Tensor]]:
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=workers)
+    outputs = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for x, _ in loader:
+            outputs.append(backbone(x))
+    return time.perf_counter() - start, outputs
+
+
+def child(root: str, n: int, workers: int) -> None:
+    """The second process: open the cache through extract_features, run one epoch, report."""
+    data, backbone = Images(n), make_backbone()
+    calls = [0]
+    backbone.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + 1))
+    start = time.perf_counter()
+    features = extract_features(backbone, data, batch_size=BATCH, num_workers=workers, cache_dir=root, progress=False)
+    opened = time.perf_counter() - start
+    _, seen = epoch(features, workers)
+    seconds = time.perf_counter() - start
+    checksum = float(sum(float(x.double().sum()) for x, _ in DataLoader(features, batch_size=4096)))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "open_seconds": opened,
+                "backbone_calls": calls[0],
+                "labels": seen,
+                "checksum": checksum,
+            }
+        )
+    )
+
+
+def run_size(n: int, workers: int, epochs: int, rounds: int, scratch: Path) -> tuple[dict[str, Any], list[str]]:
+    failures: list[str] = []
+    data, backbone = Images(n), make_backbone()
+    labels = np.asarray(data.labels, np.int64)
+    label_sum = int(labels.sum())
+    uncached_times, firsts, extracts, first_ratios = [], [], [], []
+    reference = torch.empty(0)
+    features = None
+    for r in range(rounds):  # back to back, in alternating order: a slow spell weighs on both
+        pair = {}
+        for name in ("uncached", "first") if r % 2 == 0 else ("first", "uncached"):
+            if name == "uncached":
+                seconds, outputs = uncached_epoch(backbone, data, workers)
+                reference = torch.cat(outputs)
+                uncached_times.append(seconds)
+            else:
+                if features is not None:
+                    features.close()
+                start = time.perf_counter()
+                features = extract_features(
+                    backbone,
+                    data,
+                    batch_size=BATCH,
+                    num_workers=workers,
+                    cache_dir=scratch / f"root-{n}-{r}",
+                    progress=False,
+                )
+                extracts.append(time.perf_counter() - start)
+                _, seen = epoch(features, workers)
+                seconds = time.perf_counter() - start
+                firsts.append(seconds)
+                if seen != label_sum:
+                    failures.append(f"{n}: the first epoch over the features did not see every label once")
+            pair[name] = seconds
+        first_ratios.append(pair["first"] / pair["uncached"])
+    assert features is not None and features.path is not None
+    root = features.path.parent.parent
+    uncached, first = statistics.median(uncached_times), statistics.median(firsts)
+    mm_path = scratch / f"features-{n}.f32"
+    mm = np.memmap(mm_path, np.float32, "w+", shape=(n, 512))
+    mm[:] = reference.numpy()
+    mm.flush()
+    del mm
+    memmap = Memmap(mm_path, n, labels)
+
+    for i, (x, y) in enumerate(DataLoader(features, batch_size=4096)):
+        rows = slice(i * 4096, i * 4096 + len(x))
+        if not torch.equal(x, reference[rows]) or not np.array_equal(y.numpy(), labels[rows]):
+            failures.append(f"{n}: features {rows.start}-{rows.stop} differ from the uncached backbone's")
+
+    times: dict[str, list[float]] = {"memmap": [], "features": []}
+    ratios = []
+    for r in range(epochs):
+        pair = {}
+        for name in ("memmap", "features") if r % 2 == 0 else ("features", "memmap"):
+            seconds, seen = epoch(memmap if name == "memmap" else features, workers)
+            if seen != label_sum:
+                failures.append(f"{n}: a {name} epoch did not see every label once")
+            pair[name] = seconds
+            times[name].append(seconds)
+        ratios.append(pair["features"] / pair["memmap"])
+    memmap_median = statistics.median(times["memmap"])
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(root), str(n), str(workers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if out.returncode:
+        failures.append(f"{n}: the second process failed: {out.stderr[-2000:]}")
+        second: dict[str, Any] = {"seconds": float("nan"), "open_seconds": float("nan"), "backbone_calls": -1}
+    else:
+        second = json.loads(out.stdout.strip().splitlines()[-1])
+        checksum = float(reference.double().sum())
+        if (
+            second["backbone_calls"]
+            or second["labels"] != label_sum
+            or abs(second["checksum"] - checksum) > 1e-6 * abs(checksum)
+        ):
+            failures.append(f"{n}: the second process ran the backbone or saw other features: {second}")
+    result = {
+        "items": n,
+        "feature_shape": [512],
+        "batch_size": BATCH,
+        "workers": workers,
+        "uncached_epoch_s": uncached,
+        "uncached_epochs_s": uncached_times,
+        "extract_s": statistics.median(extracts),
+        "first_epoch_s": first,
+        "first_epochs_s": firsts,
+        "first_over_uncached": statistics.median(first_ratios),
+        "memmap_epoch_s": memmap_median,
+        "features_epoch_s": statistics.median(times["features"]),
+        "later_over_memmap": statistics.median(ratios),
+        "later_epochs_s": times,
+        "second_process_first_epoch_s": second["seconds"],
+        "second_process_open_s": second["open_seconds"],
+        "second_over_memmap": second["seconds"] / memmap_median,
+        "second_process_backbone_calls": second["backbone_calls"],
+        "bytes_on_disk": features.file.size,
+        "correct": not failures,
+    }
+    features.close()
+    return result, failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--items", type=int, action="append", help="samples (repeatable; default 10,000 and 100,000)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers in every epoch (default 0)")
+    parser.add_argument("--epochs", type=int, help="pairs of later epochs (default 7; 3 with --quick)")
+    parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2,000 samples, 3 pairs")
+    parser.add_argument("--json", help="default: benchmarks/results/linear_probe.json")
+    parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        return 0
+    sizes = args.items or ([2000] if args.quick else [10_000, 100_000])
+    epochs = args.epochs or (3 if args.quick else 7)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    missed = []
+    with tempfile.TemporaryDirectory(prefix="linear-probe-") as scratch:
+        for n in sizes:
+            rounds = args.rounds or (1 if args.quick else 3)
+            result, failed = run_size(n, args.workers, epochs, rounds, Path(scratch))
+            failures += failed
+            results[str(n)] = result
+            print(
+                f"{n:>7,} samples: uncached epoch {result['uncached_epoch_s']:.2f} s | first epoch "
+                f"{result['first_epoch_s']:.2f} s ({result['first_over_uncached']:.2f}x uncached; extraction "
+                f"{result['extract_s']:.2f} s) | later epochs: memmap {result['memmap_epoch_s'] * 1e3:.1f} ms, "
+                f"features {result['features_epoch_s'] * 1e3:.1f} ms ({result['later_over_memmap']:.2f}x) | second "
+                f"process {result['second_process_first_epoch_s'] * 1e3:.1f} ms ({result['second_over_memmap']:.2f}x "
+                f"memmap, {result['second_process_backbone_calls']} backbone calls)"
+            )
+            for key, target in (
+                ("later_over_memmap", "later"),
+                ("first_over_uncached", "first"),
+                ("second_over_memmap", "second"),
+            ):
+                met = result[key] <= TARGETS[target]
+                results[f"{n} {key}"] = result[key]
+                if not met:
+                    missed.append(f"{n}: {key} {result[key]:.2f} > {TARGETS[target]}")
+    results["targets"] = {
+        "later epochs within 1.5x of the memmap": TARGETS["later"],
+        "first epoch within 1.1x of uncached": TARGETS["first"],
+        "second process's first epoch within 1.5x of the memmap": TARGETS["second"],
+    }
+    results["missed"] = missed
+    results["correct"] = not failures
+    write_results("linear_probe", results, args.json)
+    for line in failures:
+        print("WRONG:", line)
+    for line in missed:
+        print("target missed:", line)
+    if failures:
+        return 1
+    return 2 if missed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
