@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -693,6 +694,22 @@ def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> Non
         data = CachedDataset(Numbers(2, log))
     assert data.cache.memory_dir is None and data[1][1] == 1 and data.stats().memory.max_bytes == 0
     data.close()
+
+
+def test_a_second_cache_with_a_larger_ram_budget_is_told_it_shares_the_smaller_tier(log: Path) -> None:
+    first = CachedDataset(Numbers(64, log), max_memory_size=8192 + 20 * 128)  # 20 slots of 128 bytes
+    [first[i] for i in range(64)]
+    with pytest.warns(CacheWarning, match="was made for .* samples by an earlier cache of this dataset"):
+        second = CachedDataset(Numbers(64, log), max_memory_size="10MB")
+        [second[i] for i in range(64)]
+    own = CachedDataset(Numbers(64, log), max_memory_size="10MB", version="own")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        [own[i] for i in range(64)]
+        [own[i] for i in range(64)]
+    assert own.stats().memory.hits == 64  # its own tier, of its own size, holds every sample
+    for data in (first, second, own):
+        data.close()
 
 
 def test_the_users_ram_root_is_removed_with_its_last_job(shm_root: Path, log: Path) -> None:

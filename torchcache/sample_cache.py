@@ -226,6 +226,14 @@ class SampleCache:
             if with_slots:
                 assert isinstance(location, Path) and self.length is not None
                 slots = SlotStore(location, self.length, size, self._reporter(name))
+                if slots.shortfall():  # made by a cache of this dataset with a smaller budget, in this job
+                    self._faults.report(
+                        "memory-size",
+                        f"the RAM tier's slot file {slots.path} was made for {slots.capacity:,} samples by an "
+                        "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
+                        "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
+                        "cache its own RAM tier with another version=",
+                    )
             self._tiers.append(SampleTier(name, store, size, self._faults, slots))
         self._pid = os.getpid()
 

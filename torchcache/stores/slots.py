@@ -203,6 +203,15 @@ class SlotStore:
         self._slots = np.ndarray((capacity, stride), np.uint8, buffer=self._map, offset=slots_at)
         self._table = np.ndarray((self.length,), np.int32, buffer=self._map, offset=_PAGE)
 
+    def shortfall(self) -> int | None:
+        """Samples this budget would hold beyond the open file's slots (a file made for a smaller budget).
+
+        ``None`` while the file is not open.
+        """
+        if self._table is None:
+            return None
+        return max(0, min((self.max_bytes - self.slots_at) // self.stride, self.length) - self.capacity)
+
     @property
     def spilled(self) -> bool:
         """Whether the packed store beside the file may hold samples (``True`` while the file is not open)."""
