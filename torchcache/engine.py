@@ -320,7 +320,7 @@ class Cache:
                 try:
                     output = self._outputs.rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
                 except RebuildError as exc:
-                    error: RebuildError | None = exc
+                    error: RebuildError | None = exc.with_traceback(None)  # no frame (and batch) kept alive
                 else:
                     self._count(hits=batch, memory_hits=batch)
                     return output
