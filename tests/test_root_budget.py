@@ -221,11 +221,11 @@ def test_the_least_recently_used_cache_goes_when_another_opens(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = fill(1)
-    budget = budget_for(sizes(cache_root)[first])
-    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", budget)  # the children below and this process read it
     second = fill(2)
     used = sizes(cache_root)
-    assert set(used) == {first, second}  # both fit while the second was opened
+    assert set(used) == {first, second}
+    budget = budget_for(used[first])
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", budget)  # this process reads it
     assert max(used.values()) < int(budget) < sum(used.values())
     set_last_used(first, 200)
     set_last_used(second, 100)
@@ -260,3 +260,29 @@ def test_a_cache_a_live_process_holds_is_never_removed(
     later = open_cache(4)  # once its process ended, the held cache goes
     assert not held.exists()
     assert {model.cache_instance.cache_dir, later.cache_instance.cache_dir} == set(sizes(cache_root))
+
+
+def test_a_dataset_cache_that_is_only_read_is_kept(tmp_path: Path) -> None:
+    from torchcache import CachedDataset
+
+    data = CachedDataset(list(range(64)), tmp_path, max_memory_size=0)
+    assert [data[i] for i in range(64)] == list(range(64))
+    directory = data.cache.directory
+    assert directory is not None and directory.is_dir()
+    reader = CachedDataset(list(range(64)), tmp_path, max_memory_size=0)
+    assert reader[3] == 3  # opens the tiers: the directory is claimed
+    data.close()
+    removed = enforce_root_budget(tmp_path, max_bytes=1)
+    assert directory.is_dir() and all(c.directory != directory for c in removed)
+    reader.close()
+    enforce_root_budget(tmp_path, max_bytes=1)
+    assert not directory.exists()
+
+
+def test_a_cache_that_grows_past_the_root_budget_removes_the_least_recently_used(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = fill(1)
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", budget_for(sizes(cache_root)[first]))  # the children read it
+    second = fill(2)  # opens within the budget, then grows past it: its flush removes the other one
+    assert not first.exists() and set(sizes(cache_root)) == {second}

@@ -28,7 +28,7 @@ from .config import Settings, resolve_local_dir, resolve_location
 from .errors import ConfigError, StoreError
 from .faults import FaultLog
 from .keys import FORMAT_VERSION, Context, hash_items
-from .maintenance import claim_module_cache
+from .maintenance import CacheClaim, claim_module_cache, keep_root_budget
 from .outputs import OutputPlan, UnbatchedOutputError
 from .stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from .tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
@@ -86,6 +86,7 @@ class Cache:
             )
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
         self._disk: PersistentTier | None = None
+        self._root_claim: CacheClaim | None = None  # this process's hold on its directory (root budget)
         self._shared: SharedTier | None = None
         self._disk_ready = not settings.persistent
         self.faults = FaultLog(name)
@@ -260,6 +261,8 @@ class Cache:
         if self._disk is not None:
             self._disk.flush()
             self._disk.touch()
+            if self._root_claim is not None:  # the cache grew: keep the root under its budget
+                keep_root_budget(self._root_claim.directory.parent, self.faults.warn)
         self.faults.emit()
 
     def clear(self) -> None:

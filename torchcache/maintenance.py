@@ -819,6 +819,15 @@ def claim_module_cache(
     if root is None:
         return None
     claim = claim_directory(root / key)
+    keep_root_budget(root, warn)
+    return claim
+
+
+def keep_root_budget(root: Path, warn: Callable[[str, str], None]) -> None:
+    """Remove least recently used caches nobody holds until ``root`` fits its budget; never raises.
+
+    Called when a cache opens (:func:`claim_module_cache`) and when it has grown (a flush).
+    """
     try:
         removed = enforce_root_budget(root)
     except OSError as exc:
@@ -832,4 +841,3 @@ def claim_module_cache(
             logger.info(
                 "torchcache: removed %d module cache(s) (%s) from %s to keep its budget", len(removed), freed, root
             )
-    return claim

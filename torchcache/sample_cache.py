@@ -30,6 +30,7 @@ from ._version import __version__
 from .config import check_local_dir, check_redis_url, is_url, module_dir_name, resolve_local_dir, resolve_root
 from .errors import ConfigError, CorruptEntryError, KeyingError, StoreError
 from .faults import FaultLog
+from .maintenance import CacheClaim, claim_module_cache
 from .meta import META_NAME, load_meta, write_json_atomic
 from .policy import parse_size
 from .sample_keys import store_key
@@ -139,6 +140,7 @@ class SampleCache:
         self.length: int | None = length if type(length) is int and length > 0 else None
         self._counters = HitCounters()
         self._tiers: list[SampleTier] = []
+        self._root_claim: CacheClaim | None = None
         self._pid: int | None = None
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
@@ -160,7 +162,7 @@ class SampleCache:
     # -- state across processes -----------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_tiers=[], _pid=None, _held_pid=None, _faults=self._faults.name, _lock=None)
+        state.update(_tiers=[], _pid=None, _held_pid=None, _faults=self._faults.name, _lock=None, _root_claim=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -198,6 +200,8 @@ class SampleCache:
 
     def _open_tiers(self) -> None:
         self._tiers = []
+        if self.directory is not None and self.max_disk_size:  # held while used: the root's budget keeps it
+            self._root_claim = claim_module_cache(self.directory.parent, self.directory.name, self._faults.warn)
         places = [(self.memory_dir, self.max_memory_size), (self.directory or self.redis_url, self.max_disk_size)]
         for name, (location, size) in zip(_TIERS, places):
             if location is None or not size:
@@ -447,7 +451,9 @@ class SampleCache:
             if self._pid == os.getpid():
                 for tier in self._tiers:
                     tier.close()
-            self._tiers, self._pid = [], None
+                if self._root_claim is not None:
+                    self._root_claim.release()
+            self._tiers, self._pid, self._root_claim = [], None, None
             if self.job_dir is not None and self._held_pid == os.getpid():
                 self._held_pid = None
                 shm.release(self.job_dir / self.dirname)  # removed unless another cache uses it
