@@ -110,7 +110,8 @@ def extract_features(
         >>> head = torch.nn.Linear(4, 3).requires_grad_(False)
         >>> feats = extract_features(head, data, batch_size=4, cache_dir=tempfile.mkdtemp(), progress=False)
         >>> x, y = feats[7]
-        >>> torch.equal(x, head(data[7][0])), y
+        >>> image, label = data[7]
+        >>> torch.equal(x, head(image)), y
         (True, tensor(7))
         >>> len(feats), feats.shape
         (10, (3,))
