@@ -21,11 +21,13 @@ object by its ``__dict__`` and ``__slots__``, a ``pathlib.Path`` by its parts, a
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import enum
 import functools
 import inspect
+import linecache
 import os
 import struct
 import sys
@@ -85,14 +87,73 @@ after_fork(_new_source_lock_after_fork)  # another thread may have held it at fo
 
 
 def class_source(obj: Callable[..., Any] | type) -> str:
-    """The source of a class or function, or ``""`` when it has none (built in, made by ``exec``)."""
-    # inspect.getsource parses the file with ast, which is not thread-safe in CPython 3.11
-    # ("AST constructor recursion depth mismatch" when two threads parse at once).
+    """The source of a class or function, or ``""`` when it has none (built in, made by ``exec``).
+
+    A class's source is found once per class object: its file is parsed once (not once
+    per class, as :func:`inspect.getsource` does), and the class keeps the source it was
+    defined from, as its code does, even if the file is edited later.
+    """
+    # ast is not thread-safe in CPython 3.11 ("AST constructor recursion depth mismatch"
+    # when two threads parse at once): every parse happens under the lock.
     with _source_lock:
+        if isinstance(obj, type):
+            cached = _class_sources.get(obj)
+            if cached is None:
+                cached = _class_sources[obj] = _find_class_source(obj)
+            return cached
         try:
             return inspect.getsource(obj)
         except (OSError, TypeError):
             return ""
+
+
+_class_sources: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+_file_classes: dict[tuple[str, int], dict[str, str]] = {}
+
+
+def _find_class_source(cls: type) -> str:
+    """The source of ``cls`` from one parse of its file; :func:`inspect.getsource` where that fails."""
+    try:
+        filename = inspect.getsourcefile(cls)
+        module = sys.modules.get(cls.__module__)
+        lines = linecache.getlines(filename, module.__dict__ if module else None) if filename else []
+    except (OSError, TypeError):
+        return ""
+    if lines:
+        key = (filename or "", hash(tuple(lines)))
+        classes = _file_classes.get(key)
+        if classes is None:
+            classes = _file_classes[key] = _classes_in(lines)
+        found = classes.get(cls.__qualname__)
+        if found is not None:
+            return found
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _classes_in(lines: list[str]) -> dict[str, str]:
+    """The source of every class defined in a file, by qualified name (first definition wins, as in inspect)."""
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[str, str] = {}
+    stack: list[tuple[ast.AST, str]] = [(tree, "")]
+    while stack:
+        node, prefix = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                name = prefix + child.name
+                start = min([child.lineno] + [d.lineno for d in child.decorator_list]) - 1
+                found.setdefault(name, "".join(lines[start : child.end_lineno]))
+                stack.append((child, name + "."))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stack.append((child, f"{prefix}{child.name}.<locals>."))
+            else:
+                stack.append((child, prefix))
+    return found
 
 
 def _tag(kind: bytes, payload: bytes) -> bytes:
