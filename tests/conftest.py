@@ -9,7 +9,32 @@ from pathlib import Path
 import pytest
 import torch
 
+import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
+
 _LOG_VARIABLES = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
+_log = logging.getLogger("torchcache")
+_LOG_AT_IMPORT = (list(_log.handlers), _log.level, _log.propagate)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """Every test starts with the ``torchcache`` logger as the import left it.
+
+    A test or doctest that configured it (``set_logger_config`` stops propagation) would
+    otherwise change the next one, whatever the order: pytest also attaches its capture
+    handlers to non-propagating loggers when a test starts, before any fixture runs.
+    """
+    handlers, level, propagate = _LOG_AT_IMPORT
+    for handler in list(_log.handlers):
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            _log.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in _log.handlers:
+            _log.addHandler(handler)
+    _log.setLevel(level)
+    _log.propagate = propagate
+    return (yield)
 
 
 @pytest.fixture(autouse=True)
