@@ -562,3 +562,32 @@ def test_exports() -> None:
     for name in ("extract_features", "FeatureDataset", "MissingFeatureError"):
         assert name in torchcache.__all__ and getattr(torchcache, name) is not None
     assert textwrap.dedent(extract_features.__doc__ or "").strip()
+
+
+# -- the command line ------------------------------------------------------------------
+def test_the_command_line_lists_checks_and_clears_a_features_cache(
+    cache_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli import main
+
+    extract(Net(), Images(37))
+    (directory,) = feature_dirs(cache_root)
+    capsys.readouterr()
+    assert main(["ls", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    row = next(c for c in (listed if isinstance(listed, list) else listed["caches"]) if directory.name in json.dumps(c))
+    assert row["entries"] == 37 and row["bytes"] > (directory / FEATURES_NAME).stat().st_size - 1
+    assert main(["verify"]) == 0
+    file = FeatureFile.open(directory / FEATURES_NAME)
+    with open(directory / FEATURES_NAME, "r+b") as raw:  # damage one written row
+        raw.seek(file.rows_at + 5 * file.stride)
+        raw.write(bytes(4))
+    file.close()
+    capsys.readouterr()
+    assert main(["verify"]) == 1
+    assert "row 5" in capsys.readouterr().out
+    assert main(["verify", "--fix"]) == 0  # found and fixed
+    assert main(["verify"]) == 0  # the row is marked as not written: computed again at the next extraction
+    capsys.readouterr()
+    assert main(["clear", "--all", "--yes"]) == 0
+    assert not directory.exists()

@@ -27,7 +27,8 @@ from typing import Any
 import lmdb
 
 from .codec import MAGIC, PREFIX_SIZE, parse_header, read_prefix
-from .errors import TorchCacheError
+from .errors import CorruptEntryError, TorchCacheError
+from .feature_store import FEATURES_NAME, FeatureFile
 from .meta import META_NAME, load_meta, meta_size, meta_time
 from .stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from .stores.files import open_regular, read_at
@@ -222,7 +223,19 @@ def list_files(directory: Path) -> CacheFiles:
 
 
 def _is_store_file(name: str) -> bool:
-    return name in (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME) or parse_segment_name(name) is not None
+    return name in (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME) or parse_segment_name(name) is not None
+
+
+def _feature_rows(directory: Path) -> int:
+    """Rows written in a features cache's file (0 if it has none, or it cannot be read)."""
+    try:
+        file = FeatureFile.open(directory / FEATURES_NAME)
+    except (CorruptEntryError, OSError):
+        return 0
+    try:
+        return file.count()
+    finally:
+        file.close()
 
 
 def index_problem(directory: Path) -> str | None:
@@ -316,7 +329,9 @@ def load_cache(directory: Path) -> ModuleCache | None:
         max_bytes=meta_size(meta.get("max_bytes")),
         version=version if isinstance(version, str) else None,
         last_used=last_used,
-        entries=len(files.entries) + (usage["entries"] if usage else 0),
+        entries=len(files.entries)
+        + (usage["entries"] if usage else 0)
+        + (_feature_rows(directory) if meta.get("kind") == "features" else 0),
         legacy_entries=len(files.entries),
         live_bytes=usage["records"] if usage else 0,
         reclaimable_bytes=max(0, _segment_bytes(files) - usage["records"]) if usage else 0,

@@ -41,11 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from ._log import logger
 from ._version import __version__
 from .codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from .config import resolve_root_budget
 from .errors import CorruptEntryError, StoreError
+from .feature_store import FEATURES_NAME, FeatureFile
 from .inspect_cache import (
     CacheFiles,
     CacheUsage,
@@ -103,6 +106,7 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _O_DIR = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 #: Seconds a claim waits for a removal of its directory in progress in another process.
 _CLAIM_WAIT = 30.0
+_FEATURE_CHUNK = 4096
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN)
 
 
@@ -114,6 +118,52 @@ class Problem:
     kind: str
     reason: str
     size: int
+
+
+def verify_features(
+    directory: Path, fix: bool, tick: Callable[[int], None] | None = None
+) -> tuple[int, list[Problem], bool]:
+    """Check a features cache (:func:`~torchcache.extract_features`): its header and every written row.
+
+    With ``fix``, damaged rows are marked as not written (computed again at the next
+    extraction), and a file whose header fails its checks is removed.
+
+    Returns:
+        The rows checked, the problems, and whether they were fixed.
+
+    Raises:
+        StoreError: If the file cannot be written with ``fix``.
+    """
+    path = directory / FEATURES_NAME
+    try:
+        file = FeatureFile.open(path)
+    except FileNotFoundError:
+        return 0, [], fix
+    except (CorruptEntryError, OSError) as exc:
+        if fix:
+            remove_file(path)
+        return 0, [Problem(path, "corrupt", f"the features file is not usable: {exc}", 0)], fix
+    problems: list[Problem] = []
+    checked = 0
+    try:
+        written = np.setdiff1d(np.arange(file.length), file.missing())
+        damaged: list[int] = []
+        for start in range(0, len(written), _FEATURE_CHUNK):
+            chunk = written[start : start + _FEATURE_CHUNK]
+            _, _, bad = file.read(chunk)
+            damaged.extend(int(chunk[j]) for j in bad)
+            checked += len(chunk)
+            if tick is not None:
+                tick(len(chunk))
+        problems.extend(Problem(directory / f"row {i}", "corrupt", "row failed its check", 0) for i in damaged)
+        if fix and damaged:
+            try:
+                file.unmark(damaged)
+            except OSError as exc:
+                raise StoreError(f"cannot mark the damaged rows of {path}: {exc}") from exc
+    finally:
+        file.close()
+    return checked, problems, fix
 
 
 def _row_bytes(header_bytes: bytes) -> int:
@@ -162,6 +212,8 @@ def verify_store(
     Raises:
         StoreError: If the store cannot be opened, or with ``fix`` written.
     """
+    if kind == "features":
+        return verify_features(directory, fix, tick)
     problems: list[Problem] = []
     broken = index_problem(directory)
     if broken is not None:
