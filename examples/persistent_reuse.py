@@ -9,7 +9,8 @@ item is computed and written to CACHE_DIR. Run 2 is a new Python process (this s
 started again with ``--child``). Its memory cache is empty, but it reads every item
 from disk and never runs the encoder. Without CACHE_DIR the cache goes to a temporary
 directory, removed at the end. With CACHE_DIR it is kept, so running the script again
-finds everything on disk in run 1 as well.
+finds everything on disk in run 1 as well. ``TORCHCACHE_EXAMPLE_SMALL=1`` embeds 256
+images instead.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 
 from torchcache import torchcache
 
-N_IMAGES = 1024
+N_IMAGES = 256 if os.environ.get("TORCHCACHE_EXAMPLE_SMALL") == "1" else 1024
 BATCH_SIZE = 128
 
 
@@ -92,16 +93,20 @@ def run(title: str) -> None:
 
 
 def describe(cache_root: Path) -> None:
-    """Show what a persistent cache looks like on disk."""
+    """Show what a persistent cache looks like on disk, then what ``torchcache ls`` says of it."""
     print(f"{str(cache_root) + '/':<50}the cache root ($TORCHCACHE_DIR)")
     for module_dir in sorted(p for p in cache_root.iterdir() if p.is_dir()):
-        entries = sorted(module_dir.glob("*/*.tce"))
         meta = json.loads((module_dir / "torchcache.json").read_text())
-        first = entries[0].relative_to(module_dir)
+        segments = sorted(module_dir.glob("seg-*.tcs"))
+        segment_bytes = sum(p.stat().st_size for p in segments)
         print(f"  {module_dir.name + '/':<48}one directory per module key")
         about = f"name={meta['name']} kind={meta['kind']} version={meta['torchcache_version']}"
         print(f"    {'torchcache.json':<46}{about}")
-        print(f"    {first!s:<46}one of {len(entries)} entry files, in 3-hex-digit subdirectories")
+        print(f"    {'index.lmdb':<46}the index: entry key -> segment, offset, length")
+        print(f"    {'seg-*.tcs':<46}{len(segments)} segment file(s), {segment_bytes / 1e6:.2f} MB of packed entries")
+    # The command line describes caches too: `torchcache info KEY` shows one in detail.
+    print("\n$ torchcache ls", flush=True)
+    subprocess.run([sys.executable, "-m", "torchcache", "ls", str(cache_root)], check=True)
 
 
 def main() -> None:
@@ -119,6 +124,7 @@ def main() -> None:
     os.environ["TORCHCACHE_DIR"] = str(cache_root)
     try:
         run("run 1: this process")
+        sys.stdout.flush()  # before the child's lines
         subprocess.run([sys.executable, __file__, "--child"], check=True)
         describe(cache_root)
         if keep:
