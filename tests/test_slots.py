@@ -193,7 +193,7 @@ def test_a_writer_that_dies_between_claim_and_publish_leaves_misses(
     def died(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(slots_module, "_pwrite_all", died)
+    monkeypatch.setattr(slots_module, "pwrite_all", died)
     with pytest.raises(OSError):
         store.put_many([(2, frame(2)), (3, frame(3))], 10**6)
     monkeypatch.undo()
@@ -279,7 +279,7 @@ def test_a_full_file_system_turns_the_tier_writes_off_with_a_warning(
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(slots_module, "_pwrite_all", full)
+    monkeypatch.setattr(slots_module, "pwrite_all", full)
     sample = encode_sample((torch.zeros(4), 1))
     with pytest.warns(CacheWarning, match="No space left"):
         tier.put_many([(store_key(1), sample)])

@@ -40,7 +40,7 @@ import xxhash
 
 from .errors import CorruptEntryError, StoreError
 from .feature_layout import SampleLayout
-from .stores.files import read_at
+from .stores.files import allocate, pwrite_all, read_at
 
 __all__ = ["FEATURES_NAME", "FeatureFile"]
 
@@ -117,8 +117,8 @@ class FeatureFile:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.ftruncate(fd, size)
-            _allocate(fd, size)
-            _pwrite_all(fd, memoryview(head + _U64.pack(xxhash.xxh3_64_intdigest(head))), 0)
+            allocate(fd, size)
+            pwrite_all(fd, memoryview(head + _U64.pack(xxhash.xxh3_64_intdigest(head))), 0)
             try:
                 os.link(tmp, path)
             except FileExistsError:  # another process made it first: use that one
@@ -286,7 +286,7 @@ class FeatureFile:
             assert self._map is not None
             self._map[offset : offset + len(raw)] = raw
         else:
-            _pwrite_all(self._fd, raw, offset)
+            pwrite_all(self._fd, raw, offset)
 
     @contextlib.contextmanager
     def _locked(self) -> Any:
@@ -358,20 +358,3 @@ def _runs(indices: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(indices) != 1) + 1
     starts = [0, *breaks.tolist()]
     return list(zip(starts, [*breaks.tolist(), len(indices)], strict=True))
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Give the file its blocks now, so that a full disk fails here and never in a later write."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        if written <= 0:  # no progress: the file system has no room (never loop on it)
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
-        data, offset = data[written:], offset + written

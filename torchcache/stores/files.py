@@ -11,7 +11,7 @@ import errno
 import os
 import stat
 
-__all__ = ["open_regular", "read_at", "read_bounded"]
+__all__ = ["allocate", "open_regular", "pwrite_all", "read_at", "read_bounded"]
 
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOTHING_THERE = (errno.ENOENT, errno.ENOTDIR, errno.ENXIO)
@@ -82,3 +82,37 @@ def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes | None:
         return data
     finally:
         os.close(fd)
+
+
+def allocate(fd: int, size: int, *, fill: bool = False) -> None:
+    """Give the first ``size`` bytes of a file their blocks now, so that a full disk fails here.
+
+    Where the file system has no ``fallocate``, the bytes are written as zeros with
+    ``fill`` (for a file written through a memory map, which must never fault), and left
+    to later writes otherwise.
+
+    Raises:
+        OSError: If the file system has no room (``ENOSPC``) or another error occurs.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        if fill:
+            zeros = bytes(min(size, 1 << 20))
+            for at in range(0, size, len(zeros)):
+                pwrite_all(fd, memoryview(zeros)[: min(len(zeros), size - at)], at)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``; a write that makes no progress is ``ENOSPC``, never a loop.
+
+    Raises:
+        OSError: If a write fails.
+    """
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        if written <= 0:  # no progress: the file system has no room
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
+        data, offset = data[written:], offset + written

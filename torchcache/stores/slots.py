@@ -47,7 +47,7 @@ import numpy as np
 import xxhash
 
 from ..errors import StoreError
-from .files import read_at
+from .files import allocate, pwrite_all, read_at
 
 __all__ = ["SLOTS_NAME", "SlotStore", "slot_layout"]
 
@@ -257,7 +257,7 @@ class SlotStore:
                     _MAGIC, _VERSION, frame_size, frame_at, stride, self.length, capacity, _PAGE, slots_at
                 )
                 os.ftruncate(fd, slots_at + capacity * stride)
-                _allocate(fd, slots_at)  # header and table: written through the mapping, never a fault
+                allocate(fd, slots_at, fill=True)  # header and table: written through the mapping, never a fault
                 os.pwrite(fd, head_bytes + _U64.pack(xxhash.xxh3_64_intdigest(head_bytes)), 0)
                 try:
                     os.link(tmp, self.path)
@@ -398,7 +398,7 @@ class SlotStore:
         digest = xxhash.xxh3_64_intdigest
         checks = [digest(frames[j], index) for j, index in enumerate(indices)]
         rows[:, :8] = np.asarray(checks, np.uint64).view(np.uint8).reshape(count, 8)
-        _pwrite_all(self._fd, memoryview(rows.data).cast("B"), self.slots_at + first * self.stride)
+        pwrite_all(self._fd, memoryview(rows.data).cast("B"), self.slots_at + first * self.stride)
         table[np.asarray(indices, np.int64)] = np.arange(first + 1, first + count + 1, dtype=np.int32)
         return len(todo) - count
 
@@ -418,23 +418,3 @@ class SlotStore:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Give the first ``size`` bytes of a file their pages now (zeros where none is written)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        zeros = bytes(min(size, 1 << 20))
-        for at in range(0, size, len(zeros)):
-            _pwrite_all(fd, memoryview(zeros)[: min(len(zeros), size - at)], at)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        if written <= 0:  # no progress: the file system has no room (never loop on it)
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
-        data, offset = data[written:], offset + written
