@@ -37,6 +37,8 @@ ABOUT = {
     "1,024 random hits",
     "packed_store": "the packed disk store through its own API: fill, bytes, open, batch reads against a memmap",
     "memory_rss": "the memory tier: resident memory growth against what stats() reports, for 1 GB of entries",
+    "memory_bounds": "resident memory growth under a 50 MB budget with the cyclic collector off: outputs of "
+    "changing width, wide outputs, a CachedDataset read by 2 DataLoader workers (bound: budget + 10 % + 50 MB)",
     "brotli_quality": "size, encode and decode cost per brotli quality on ReLU, GELU and bf16 outputs",
     "codec_speed": "size, encode and decode cost of each frame codec (raw, zero elision, brotli, auto)",
     "dataset_cache": "CachedDataset epochs against stocaching and a preloaded floor",

@@ -13,12 +13,20 @@ unused rows are compacted (their live rows move to a smaller tensor). The one ov
 (:data:`CAPACITY_OVERHEAD`, 0) is transient: while a slab is grown or compacted, its old
 and new tensors both exist until the copy is done. Rows move only inside :meth:`put`,
 under ``lock``, so ``(slab, row)`` pairs from :meth:`find` stay valid while it is held.
+
+Freed slabs are handed back to the system: glibc's allocator raises its threshold for
+serving large blocks from the heap each time one is freed, and slabs of changing sizes
+then fragment the heap (resident memory twice the budget was measured with outputs
+whose width changes from call to call). After a slab of several MB is released or
+compacted, ``malloc_trim`` returns the free pages (on glibc; elsewhere nothing happens).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,6 +41,26 @@ _MIN_ROWS = 16
 #: How far, as a fraction of ``max_bytes``, the slabs' allocated capacity may exceed the
 #: budget between calls (0: never; see the module docstring for the transient copy).
 CAPACITY_OVERHEAD = 0.0
+#: Bytes of slabs freed at once from which the free pages are handed back to the system.
+TRIM_BYTES = 4 << 20
+
+
+def _load_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc.malloc_trim if libc is not None else None  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_trim = _load_trim()
+
+
+def release_freed(nbytes: int) -> None:
+    """Hand the heap's free pages back to the system after ``nbytes`` of slabs were freed (if many)."""
+    if _trim is not None and nbytes >= TRIM_BYTES:
+        _trim(0)
 
 
 class Slab:
@@ -237,9 +265,12 @@ class MemoryTier:
                 self._reclaim(minimum * row_bytes - room, keep=slab)
                 room = limit - (self._allocated - slab.nbytes)
             target = max(minimum, min(target, room // row_bytes))
-        self._allocated -= slab.nbytes
+        before = slab.nbytes
+        self._allocated -= before
         slab.grow(target)
         self._allocated += slab.nbytes
+        if slab.device.type == "cpu":
+            release_freed(before)  # the slab's old tensors
 
     def _reclaim(self, nbytes: int, keep: Slab) -> None:
         """Compact slabs other than ``keep``, most unused bytes first, to free ``nbytes``."""
@@ -256,6 +287,7 @@ class MemoryTier:
                 self._index[key] = (other, row)
             self._allocated -= before - other.nbytes
             nbytes -= before - other.nbytes
+            release_freed(before - other.nbytes)
 
     def _evict(self, key: bytes) -> None:
         slab, row = self._index.pop(key)
@@ -264,6 +296,8 @@ class MemoryTier:
         if slab.live == 0:
             self._slabs.pop((slab.layout, str(slab.device)), None)
             self._allocated -= slab.nbytes
+            if slab.device.type == "cpu":
+                release_freed(slab.nbytes)
 
     def discard(self, key: bytes) -> None:
         """Remove one entry, if present."""
@@ -277,4 +311,5 @@ class MemoryTier:
         self._policy.clear()
         self._slabs.clear()
         self._used = 0
-        self._allocated = 0
+        freed, self._allocated = self._allocated, 0
+        release_freed(freed)
