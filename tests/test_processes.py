@@ -64,7 +64,11 @@ class Workers(ProcessGroup):
 
     def start(self, name: str, *args: object) -> None:
         self.send("start", name, *args)
-        assert self.line(name).startswith("pid ")
+        # The server says "pid" after the fork, so the worker's first lines may come before it.
+        early = []
+        while not (text := self.line(name)).startswith("pid "):
+            early.append((name, text))
+        self.backlog[:0] = early
 
     def tell(self, name: str, *words: object) -> None:
         self.send("tell", name, *words)
