@@ -17,6 +17,9 @@ Objects the encoder has no rule for are encoded by their class and the state tha
 :meth:`object.__reduce_ex__` gives, the protocol pickle uses to save them: a plain
 object by its ``__dict__`` and ``__slots__``, a ``pathlib.Path`` by its parts, a
 ``logging.Logger`` by its name. Nothing is unpickled: the state is only hashed.
+
+The module runs past 450 lines because every type it encodes has its branch here, side
+by side, where a reader checks that none is missing.
 """
 
 from __future__ import annotations
