@@ -163,7 +163,7 @@ def test_interrupt_inside_a_batch_stores_nothing_of_it(cache_root: Path) -> None
 @pytest.mark.parametrize(
     ("target", "match"),
     [
-        (Plain(), r"decorated with @torchcache\(\); decorate its class: @torchcache\(persistent=True\) above"),
+        (Plain(), r"a cached module .*; wrap it \(model = torchcache\(persistent=True\)\(model\)\) or decorate"),
         (Wrapper(), r"its submodule 'backbone' is cached: precompute\(model.backbone, batches\)"),
         (Encoder, r"needs a module instance, got the class Encoder; pass an instance"),
         (Switchable(), r"caching turned off \(torchcache_enabled=False\)"),

@@ -103,9 +103,10 @@ def _cache_of(obj: object) -> Cache:
         hint = (
             f"; its submodule {inner[0]!r} is cached: precompute(model.{inner[0]}, batches)"
             if inner
-            else f"; decorate its class: @torchcache(persistent=True) above class {type(obj).__qualname__}(nn.Module)"
+            else f"; wrap it (model = torchcache(persistent=True)(model)) or decorate its class "
+            f"{type(obj).__qualname__} with @torchcache(persistent=True)"
         )
-        raise TypeError(f"precompute() needs a module whose class is decorated with @torchcache(){hint}")
+        raise TypeError(f"precompute() needs a cached module (a wrapped instance or a decorated class){hint}")
     raise TypeError(
         f"precompute() needs a module instance or a function decorated with @torchcache(), got {obj!r}; "
         "decorate it with @torchcache(persistent=True) to fill a cache that later runs read"
