@@ -12,6 +12,10 @@ per item. A tensor argument named in ``shared_args`` is the same for the whole b
 (an attention mask shaped ``(T, T)``): it is hashed whole into the key of every item
 and passed whole. Everything else is encoded canonically into the key.
 
+A per-item tensor without content to key by (on the meta device, nested, sparse, or
+quantized per channel along its batch dimension) makes the call run uncached
+(:class:`UncachedInput`, one warning): the forward works as without the cache.
+
 Labels keep positional and keyword arguments apart: ``*args[0]`` and ``**name`` can
 never be confused with a parameter called ``args[0]``.
 """
