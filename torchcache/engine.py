@@ -404,9 +404,9 @@ class Cache:
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
             if whole:
-                if len(missing) < batch:
-                    rows = index_tensor(missing, leaves[0].device) if leaves else None
-                    leaves = [leaf.index_select(0, rows) for leaf in leaves] if rows is not None else leaves
+                if leaves and len(missing) < batch:  # store the misses' rows only
+                    rows = index_tensor(missing, leaves[0].device)
+                    leaves = [leaf.index_select(0, rows) for leaf in leaves]
                 self._store(keys, missing, layout, leaves)
                 self._count(misses=batch)
                 return computed
