@@ -93,7 +93,7 @@ from _meta import write_results
 
 import torchcache
 from torchcache import CachedDataset
-from torchcache.samples import encode_sample, frame_head
+from torchcache.datasets.samples import encode_sample, frame_head
 from torchcache.stores.slots import slot_layout
 
 try:

@@ -38,7 +38,7 @@ from _meta import write_results
 from workloads import CheapFeatures
 
 from torchcache import torchcache
-from torchcache.versions import VersionWatch
+from torchcache.module.versions import VersionWatch
 
 
 class VitB(nn.Module):

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _meta import write_results  # noqa: E402
 
-from torchcache.stores.packed import PackedStore  # noqa: E402
+from torchcache.stores.packed.store import PackedStore  # noqa: E402
 
 VALUE = 3072
 BATCH = 1024
@@ -68,7 +68,7 @@ _CHILD = textwrap.dedent(
     t0 = time.perf_counter()
     import numpy as np
     sys.path.insert(0, sys.argv[1])
-    from torchcache.stores.packed import PackedStore
+    from torchcache.stores.packed.store import PackedStore
     sys.path.insert(0, sys.argv[2])
     from packed_store import key_of
     imported = time.perf_counter() - t0

@@ -47,8 +47,8 @@ from _meta import write_results  # noqa: E402
 
 from torchcache.stores.batched import BatchedStore  # noqa: E402
 from torchcache.stores.layered import LayeredStore  # noqa: E402
-from torchcache.stores.packed import PackedStore  # noqa: E402
-from torchcache.stores.redis import RedisStore  # noqa: E402
+from torchcache.stores.packed.store import PackedStore  # noqa: E402
+from torchcache.stores.redis.store import RedisStore  # noqa: E402
 
 VALUE = 3072
 BATCH = 1024

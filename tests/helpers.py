@@ -21,8 +21,8 @@ from torch import nn
 
 from torchcache import torchcache
 from torchcache.codec import decode_frame
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_index import INDEX_NAME
+from torchcache.stores.packed.index import INDEX_NAME
+from torchcache.stores.packed.store import PackedStore
 
 
 def _weights(*shape: int, seed: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from torchcache.stores.batched import BatchedStore, VerifyReport
-from torchcache.stores.packed_format import encode_key
+from torchcache.stores.packed.format import encode_key
 
 
 def key(i: int) -> str:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torchcache import torchcache
-from torchcache.engine import Cache
+from torchcache.module.engine import Cache
 from torchcache.tree import flatten, leaf_paths, unflatten
 
 BUDGET = 20_000_000

@@ -23,14 +23,14 @@ from torch import nn
 
 from tests.helpers import stored_entries
 from torchcache import CacheWarning, torchcache
-from torchcache.cli import main
-from torchcache.cli_output import Progress as _Progress
+from torchcache.catalog.maintenance import TMP_GRACE_SECONDS, parse_duration
+from torchcache.cli.main import main
+from torchcache.cli.output import Progress as _Progress
 from torchcache.codec import encode_frame
-from torchcache.maintenance import TMP_GRACE_SECONDS, parse_duration
 from torchcache.meta import META_NAME
 from torchcache.policy import format_size
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_format import encode_key, record_size
+from torchcache.stores.packed.format import encode_key, record_size
+from torchcache.stores.packed.store import PackedStore
 from torchcache.tree import Layout, flatten
 
 
@@ -703,7 +703,7 @@ def test_info_reports_live_and_reclaimable_bytes(capsys: pytest.CaptureFixture[s
 def test_prune_says_what_it_removed_when_one_cache_cannot_be_removed(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchcache.cli_commands as cli_module
+    import torchcache.cli.commands as cli_module
 
     oldest, middle, newest = make_three()
     real_remove = cli_module.remove_unused_cache
@@ -861,7 +861,7 @@ def test_prune_keeps_a_cache_this_process_has_open(capsys: pytest.CaptureFixture
 def test_prune_still_removes_where_directories_cannot_be_locked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchcache.maintenance as maintenance
+    import torchcache.catalog.maintenance as maintenance
 
     oldest, middle, newest = make_three()
     real_flock = fcntl.flock

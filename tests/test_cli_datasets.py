@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from torchcache import CachedDataset
-from torchcache.cli import main
-from torchcache.samples import encode_sample
-from torchcache.stores.packed import PackedStore
+from torchcache.cli.main import main
+from torchcache.datasets.samples import encode_sample
+from torchcache.stores.packed.store import PackedStore
 
 
 class Squares(torch.utils.data.Dataset[Any]):

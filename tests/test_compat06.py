@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from tests.helpers import entry_files
 from torchcache import ConfigError, set_logger_config, torchcache
-from torchcache.stores.packed import INDEX_ENTRY_BYTES
-from torchcache.stores.packed_format import HEADER
+from torchcache.stores.packed.format import HEADER
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
 
 # Test Module

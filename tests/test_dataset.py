@@ -24,14 +24,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.helpers import REPO, run_python
 from torchcache import CachedDataset, CacheWarning, SampleCache
-from torchcache.dataset import MissingSampleError
+from torchcache.datasets.dataset import MissingSampleError
+from torchcache.datasets.sample_keys import fingerprint_dataset, store_key
+from torchcache.datasets.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
+from torchcache.datasets.samples import SampleTypeError, decode_sample, encode_sample, frame_head
+from torchcache.datasets.shm import LOCK_NAME, job_id
 from torchcache.errors import ConfigError, KeyingError
 from torchcache.faults import FaultLog
-from torchcache.sample_keys import fingerprint_dataset, store_key
-from torchcache.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
-from torchcache.samples import SampleTypeError, decode_sample, encode_sample, frame_head
-from torchcache.shm import LOCK_NAME, job_id
-from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed.store import PackedStore
 from torchcache.stores.slots import SlotStore, slot_layout
 
 
@@ -504,7 +504,7 @@ class BadAt(Numbers):
 
 
 def test_a_full_tier_encodes_no_sample_but_still_refuses_bad_ones(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchcache.sample_cache as sample_cache
+    import torchcache.datasets.sample_cache as sample_cache
 
     frame = encode_sample((expected(0), 0))
     head = frame_head(frame)

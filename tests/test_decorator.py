@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 from torchcache import CacheStats, CacheWarning, ConfigError, TierStats, torchcache
 from torchcache.codec import decode_frame
-from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed.store import PackedStore
 
 
 @contextmanager

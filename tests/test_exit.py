@@ -16,14 +16,14 @@ import torch
 
 from tests.helpers import assert_all_entries_decode, entry_files, run_python
 from torchcache import flush_all, torchcache
-from torchcache.writer import MAX_THREADS, THREAD_NAME
+from torchcache.tiers.writer import MAX_THREADS, THREAD_NAME
 
 # -- many processes that re-create caches and exit as their writer threads idle out ------------
 RECREATE = textwrap.dedent(
     """
     import faulthandler, gc, json, sys, threading, time
     import lmdb, torch
-    import torchcache.writer as writer
+    import torchcache.tiers.writer as writer
     from torchcache import torchcache
 
     faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the run, with every thread's stack
@@ -113,7 +113,7 @@ JOINED = textwrap.dedent(
     atexit.register(threads_left)
 
     import sys, torch
-    import torchcache.writer as writer
+    import torchcache.tiers.writer as writer
     from torchcache import torchcache
 
     writer.IDLE_TIMEOUT = 600.0  # idle threads would still be there at exit
@@ -188,7 +188,7 @@ FAILING_DISK = textwrap.dedent(
     """
     import errno, json, os, subprocess, sys, threading, time, types, warnings
     import torch
-    import torchcache.stores.packed_segments as segments
+    import torchcache.stores.packed.segments as segments
     import torchcache.tiers.persistent as persistent
     from tests.helpers import Counting, cached
 

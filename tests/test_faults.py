@@ -43,8 +43,8 @@ from torchcache import CacheWarning
 from torchcache.codec import PREFIX_SIZE
 from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.stores.disk import DiskStore
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_format import HEADER
+from torchcache.stores.packed.format import HEADER
+from torchcache.stores.packed.store import PackedStore
 from torchcache.tiers.persistent import PersistentTier
 
 N = 12
@@ -470,7 +470,7 @@ LAUNCHER = FORK_SERVER + textwrap.dedent(
     f"""
     import signal, threading
     import torch
-    import torchcache.stores.packed_index as packed_index
+    import torchcache.stores.packed.index as packed_index
     from tests.helpers import Counting, cached
 
     def stop_at_checkpoints(say, ask):

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import torchcache
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
-from torchcache.feature_store import FEATURES_NAME, FeatureFile
+from torchcache.stores.features.file import FEATURES_NAME, FeatureFile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -568,7 +568,7 @@ def test_exports() -> None:
 def test_the_command_line_lists_checks_and_clears_a_features_cache(
     cache_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchcache.cli import main
+    from torchcache.cli.main import main
 
     extract(Net(), Images(37))
     (directory,) = feature_dirs(cache_root)

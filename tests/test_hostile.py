@@ -37,13 +37,13 @@ import xxhash
 
 from tests.helpers import Counting, assert_same, cached, run_python
 from torchcache import CacheWarning
-from torchcache.cli import main
+from torchcache.cli.main import main
 from torchcache.codec import CODEC_BROTLI, MAGIC, encode_header
 from torchcache.meta import META_NAME
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_format import parse_segment_name
-from torchcache.stores.packed_index import INDEX_NAME
-from torchcache.stores.packed_upkeep import LOCK_NAME
+from torchcache.stores.packed.format import parse_segment_name
+from torchcache.stores.packed.index import INDEX_NAME
+from torchcache.stores.packed.store import PackedStore
+from torchcache.stores.packed.upkeep import LOCK_NAME
 from torchcache.tree import Layout, flatten
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants FIFOs")

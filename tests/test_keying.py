@@ -23,9 +23,9 @@ from torch import nn
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.config import module_dir_name
-from torchcache.dataset import CachedDataset
-from torchcache.fingerprint import describe_instance
-from torchcache.sample_keys import fingerprint_dataset
+from torchcache.datasets.dataset import CachedDataset
+from torchcache.datasets.sample_keys import fingerprint_dataset
+from torchcache.module.fingerprint import describe_instance
 
 
 def _quantize(values: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from torchcache import torchcache
 from torchcache.errors import KeyingError
-from torchcache.fingerprint import describe_init, fingerprint_function, fingerprint_module
 from torchcache.keys import Context, encode_value, hash_items
+from torchcache.module.fingerprint import describe_init, fingerprint_function, fingerprint_module
 
 CTX = Context("test-module").digest()
 SETTINGS: dict[str, object] = {"cache_dtype": None, "subsample_count": 10000}

@@ -17,11 +17,11 @@ import torch
 from tests.helpers import RAMP_DATASET, Counting, cached, run_python
 from tests.store_helpers import ReferenceStore, Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
-from torchcache.cli import main
+from torchcache.cli.main import main
 from torchcache.errors import StoreError
 from torchcache.meta import load_meta
 from torchcache.stores.layered import LayeredStore
-from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed.store import PackedStore
 
 
 class CountingStore(ReferenceStore):

@@ -25,13 +25,13 @@ import torch
 
 from tests.helpers import Counting, assert_same, cached, run_python, stored_entries
 from torchcache import CacheWarning, codec
-from torchcache.cli import main
+from torchcache.catalog.maintenance import TMP_GRACE_SECONDS
+from torchcache.cli.main import main
 from torchcache.codec import encode_frame
-from torchcache.maintenance import TMP_GRACE_SECONDS
 from torchcache.meta import META_NAME
 from torchcache.stores.disk import DiskStore
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_index import INDEX_NAME
+from torchcache.stores.packed.index import INDEX_NAME
+from torchcache.stores.packed.store import PackedStore
 from torchcache.tree import Layout, flatten
 
 ITEMS = 40

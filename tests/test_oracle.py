@@ -23,8 +23,8 @@ from tests.helpers import (
     stored_entries,
 )
 from torchcache import torchcache
-from torchcache.stores.packed import INDEX_ENTRY_BYTES
-from torchcache.stores.packed_format import HEADER
+from torchcache.stores.packed.format import HEADER
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
 POOL = 24
 #: What the packed store charges an entry's budget besides its frame: the record

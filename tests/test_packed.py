@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from tests.helpers import run_python
 from tests.store_helpers import Reports, key, value
 from torchcache.errors import KeyingError, StoreError
-from torchcache.stores import packed_index, packed_segments
-from torchcache.stores.packed import INDEX_BASE_BYTES, PackedStore
-from torchcache.stores.packed_format import HEADER, encode_key, encode_keys, segment_name
-from torchcache.stores.packed_index import ENTRY, INDEX_NAME
+from torchcache.stores.packed import index as packed_index
+from torchcache.stores.packed import segments as packed_segments
+from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, segment_name
+from torchcache.stores.packed.index import ENTRY, INDEX_NAME
+from torchcache.stores.packed.store import INDEX_BASE_BYTES, PackedStore
 
 FORK = multiprocessing.get_context("fork")
 DEADLINE = 60.0
@@ -411,7 +412,7 @@ def test_hostile_files_at_the_index_path(root: Path, kind: str) -> None:
     else:
         os.mkfifo(root / (INDEX_NAME + "-lock"))
     code = (
-        "import sys; from torchcache.stores.packed import PackedStore\n"
+        "import sys; from torchcache.stores.packed.store import PackedStore\n"
         "s = PackedStore(sys.argv[1], 10**7, report=lambda k, m: print(k))\n"
         "s.put_many([('abcd', b'x')]); assert bytes(s.get('abcd')) == b'x'; print('ok')\n"
     )
@@ -624,7 +625,7 @@ def test_a_batch_over_several_segments_is_counted_in_each(root: Path) -> None:
 # -- opening under limits -----------------------------------------------------------------
 _UNDER_LIMIT = """
 import os, resource, sys
-from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed.store import PackedStore
 
 root, limit = sys.argv[1], sys.argv[2]
 if limit == "tight":  # a little above what this process maps now: too little for any index map

@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import assert_all_entries_decode, entry_files
 from torchcache import CacheStats, torchcache
-from torchcache.precompute import precompute
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.packed_index import INDEX_NAME
+from torchcache.module.precompute import precompute
+from torchcache.stores.packed.index import INDEX_NAME
+from torchcache.stores.packed.store import PackedStore
 
 
 @torchcache(persistent=True)

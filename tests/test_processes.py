@@ -21,7 +21,7 @@ from tests.helpers import (
     run_python,
     stored_entries,
 )
-from torchcache.stores.packed import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, PackedStore
+from torchcache.stores.packed.store import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, PackedStore
 
 STORE_FILE = re.compile(r"seg-[0-9a-f]{8}\.tcs")
 STORE_NAMES = {"index.lmdb", "index.lmdb-lock", "compact.lock", "seg-N.tcs", "torchcache.json"}

@@ -23,9 +23,9 @@ import pytest
 from tests.redis_servers import RedisClusterServers, RedisServer, own_server, require_redis, shared
 from tests.store_helpers import Reports, key, value
 from torchcache.errors import ConfigError, KeyingError, StoreError, StoreUnavailableError
-from torchcache.stores.packed_format import encode_key, encode_record
-from torchcache.stores.redis import RedisStore
-from torchcache.stores.redis_link import BACKOFF_MAX, BACKOFF_START
+from torchcache.stores.packed.format import encode_key, encode_record
+from torchcache.stores.redis.link import BACKOFF_MAX, BACKOFF_START
+from torchcache.stores.redis.store import RedisStore
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-Pa55word"
@@ -141,7 +141,7 @@ def test_missing_redis_package_says_which_extra(monkeypatch: pytest.MonkeyPatch)
 _WRITER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from torchcache.stores.redis import RedisStore
+from torchcache.stores.redis.store import RedisStore
 store = RedisStore(sys.argv[2], "shared", "10MB")
 n = store.put_many([(f"{i:032x}", bytes([i]) * 3072) for i in range(200)])
 print(n)
@@ -556,7 +556,7 @@ def test_planted_sizes_count_as_nothing_and_verify_fixes_them(target: RedisServe
 
 
 def test_planted_totals_do_not_break_the_command_line(server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
-    from torchcache.cli import main
+    from torchcache.cli.main import main
 
     store = RedisStore(server.url, "cli0planted", "1MB")
     store.put_many([(key(i), value(i)) for i in range(5)])

@@ -58,7 +58,7 @@ def test_hits_come_back_equal_and_the_key_namespace_is_the_module_key(server_url
     stats = model.cache_instance.stats()
     assert model.items == 16 and stats.hits == 16 and stats.disk is not None and stats.disk.entries == 16
     assert model.cache_instance.cache_dir is None  # not a local directory
-    from torchcache.stores.redis import RedisStore
+    from torchcache.stores.redis.store import RedisStore
 
     assert RedisStore.namespaces(server_url) == [model.cache_instance.module_hash]
 
@@ -146,8 +146,8 @@ def test_a_full_server_refuses_writes_but_calls_stay_right() -> None:
 def test_the_command_line_lists_verifies_and_clears_caches_on_a_server(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from torchcache.cli import main
-    from torchcache.stores.redis import RedisStore
+    from torchcache.cli.main import main
+    from torchcache.stores.redis.store import RedisStore
 
     password = "cli-s3cret"
     with own_server(password=password) as server:

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import torchcache
-import torchcache.maintenance as maintenance
+import torchcache.catalog.maintenance as maintenance
 from tests.helpers import Counting, ProcessGroup, cached, run_python
 from torchcache import CacheWarning, ConfigError
-from torchcache.config import DEFAULT_ROOT_BUDGET, resolve_root_budget
-from torchcache.inspect_cache import CacheUsage
-from torchcache.maintenance import (
+from torchcache.catalog.inspect import CacheUsage
+from torchcache.catalog.maintenance import (
     cache_in_use,
     claim_directory,
     enforce_root_budget,
@@ -29,6 +28,7 @@ from torchcache.maintenance import (
     select_for_prune,
     set_root_budget,
 )
+from torchcache.config import DEFAULT_ROOT_BUDGET, resolve_root_budget
 from torchcache.meta import META_NAME
 
 #: Output width of the modules that fill caches: 512 items of 256 float32 take 512 kB, far

@@ -16,8 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchcache.errors import CorruptEntryError, KeyingError
-from torchcache.samples import (
+from torchcache.datasets.samples import (
     MAX_DEPTH,
     NUMPY_DTYPES,
     TORCH_DTYPES,
@@ -27,6 +26,7 @@ from torchcache.samples import (
     decode_samples,
     encode_sample,
 )
+from torchcache.errors import CorruptEntryError, KeyingError
 
 PREFIX = struct.Struct("<4sBxxxI")
 
@@ -292,7 +292,7 @@ plain_samples = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plain_samples)
 def test_plain_samples_encode_as_the_general_encoder_does(sample: Any) -> None:
-    import torchcache.samples as samples_module
+    import torchcache.datasets.samples as samples_module
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
@@ -306,7 +306,7 @@ def test_plain_samples_encode_as_the_general_encoder_does(sample: Any) -> None:
 
 
 def test_plain_samples_take_the_fast_path() -> None:
-    import torchcache.samples as samples_module
+    import torchcache.datasets.samples as samples_module
 
     for sample in ((torch.zeros(3, 8, 8, dtype=torch.uint8), 7), [torch.ones(2), 1.5, -3], torch.arange(4)):
         assert samples_module._plain_frame(sample) == encode_sample(sample)

@@ -18,14 +18,15 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from torchcache import CachedDataset, CacheWarning, sample_cache
+from torchcache import CachedDataset, CacheWarning
+from torchcache.datasets import sample_cache
+from torchcache.datasets.sample_keys import store_key
+from torchcache.datasets.sample_tiers import SampleTier
+from torchcache.datasets.samples import decode_rows, decode_samples, encode_sample, frame_head
 from torchcache.errors import StoreError
 from torchcache.faults import FaultLog
-from torchcache.sample_keys import store_key
-from torchcache.sample_tiers import SampleTier
-from torchcache.samples import decode_rows, decode_samples, encode_sample, frame_head
 from torchcache.stores import slots as slots_module
-from torchcache.stores.packed import PackedStore
+from torchcache.stores.packed.store import PackedStore
 from torchcache.stores.slots import SLOTS_NAME, SlotStore, slot_layout
 
 SIZE = 100

@@ -22,8 +22,8 @@ from tests.store_helpers import ReferenceStore, key, value
 from torchcache.errors import KeyingError
 from torchcache.stores.batched import BatchedStore
 from torchcache.stores.layered import LayeredStore
-from torchcache.stores.packed import PackedStore
-from torchcache.stores.redis import RedisStore
+from torchcache.stores.packed.store import PackedStore
+from torchcache.stores.redis.store import RedisStore
 
 StoreFactory = Callable[[int], BatchedStore]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import torchcache.writer as writer_module
-from torchcache.writer import MAX_THREADS, THREAD_NAME, WRITER_NICENESS, BackgroundWriter, flush_all, stop_threads
+import torchcache.tiers.writer as writer_module
+from torchcache.tiers.writer import MAX_THREADS, THREAD_NAME, WRITER_NICENESS, BackgroundWriter, flush_all, stop_threads
 
 # Generous bounds for waits that only end early when the writer misbehaves; no test
 # depends on how long anything takes.

@@ -19,15 +19,15 @@ True
 
 from ._log import configure_from_env, set_logger_config
 from ._version import __version__
-from .dataset import CachedDataset
-from .decorator import torchcache
+from .catalog.maintenance import set_root_budget
+from .datasets.dataset import CachedDataset, MissingSampleError
+from .datasets.sample_cache import SampleCache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
 from .features import FeatureDataset, MissingFeatureError, extract_features
-from .maintenance import set_root_budget
-from .precompute import precompute
-from .sample_cache import SampleCache
+from .module.decorator import torchcache
+from .module.precompute import precompute
 from .stats import CacheStats, TierStats
-from .writer import flush_all
+from .tiers.writer import flush_all
 
 __all__ = [
     "CacheStats",
@@ -38,6 +38,7 @@ __all__ = [
     "FeatureDataset",
     "KeyingError",
     "MissingFeatureError",
+    "MissingSampleError",
     "SampleCache",
     "StoreError",
     "TierStats",

@@ -1,5 +1,5 @@
 """``python -m torchcache``: the ``torchcache`` command."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -23,7 +23,7 @@ import xxhash
 from .codec import DEFAULT_QUALITY
 from .errors import ConfigError
 from .policy import parse_size
-from .stores.redis_url import parse_url, redact_url
+from .stores.redis.url import parse_url, redact_url
 from .tree import DTYPES
 
 __all__ = [

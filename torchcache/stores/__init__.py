@@ -8,6 +8,6 @@ and decode them. :class:`PackedStore` is the persistent store; :class:`DiskStore
 from .base import Store
 from .batched import BatchedStore
 from .disk import DiskStore
-from .packed import PackedStore
+from .packed.store import PackedStore
 
 __all__ = ["BatchedStore", "DiskStore", "PackedStore", "Store"]

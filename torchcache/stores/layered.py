@@ -1,6 +1,6 @@
 """A local store in front of a shared one: repeated hits never cross the network.
 
-:class:`LayeredStore` keeps a local copy (a :class:`~torchcache.stores.packed.PackedStore`
+:class:`LayeredStore` keeps a local copy (a :class:`~torchcache.stores.packed.store.PackedStore`
 on a node's disk) of the entries of a shared store (a Redis server or cluster) that this
 machine read or wrote. A batch is looked up in the local copy first and only its misses
 go to the server, in one round trip; the entries found there are copied into the local

@@ -1,7 +1,7 @@
 """The persistent tier on a local directory: a packed store, its metadata, and 1.0 files.
 
 A module directory holds ``torchcache.json`` (what the cache is, for ``torchcache ls``;
-its mtime is the last use) and a :class:`~torchcache.stores.packed.PackedStore`
+its mtime is the last use) and a :class:`~torchcache.stores.packed.store.PackedStore`
 (``index.lmdb`` and ``seg-*.tcs``). A directory that torchcache 1.0 filled (entries at
 ``<3 hex digits>/<key>.tce``) is read in place until ``torchcache migrate`` packs it.
 """
@@ -19,7 +19,7 @@ from ..codec import PREFIX_SIZE, frame_length
 from ..errors import StoreError
 from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
 from ..stores.disk import DiskStore
-from ..stores.packed import PackedStore
+from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
 
 __all__ = ["has_legacy_entries", "legacy_store", "meta_toucher", "open_local_store", "open_local_tier"]

@@ -5,7 +5,7 @@ calling thread (one index pass, one read per hit in file order); the frames are 
 checked and decompressed in chunks on a small shared thread pool (brotli and numpy
 release the GIL) and land in one ``(n, row_bytes)`` buffer, from which each output leaf
 is a strided view: one copy per hit. Writes are encoded on the process's writer threads
-(:class:`~torchcache.writer.BackgroundWriter`) and stored with one ``put_many`` per job.
+(:class:`~torchcache.tiers.writer.BackgroundWriter`) and stored with one ``put_many`` per job.
 Each item is stored raw, zero-elided or brotli-compressed, whichever pays
 (:class:`~torchcache.tiers.frames.FrameCodec`).
 
@@ -42,8 +42,8 @@ from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
 from ..stores.base import Store
 from ..stores.batched import BatchedStore
 from ..tree import Layout
-from ..writer import BackgroundWriter
 from .frames import Frame, FrameCodec, pack_rows
+from .writer import BackgroundWriter
 
 __all__ = ["PersistentTier"]
 

@@ -113,8 +113,8 @@ def open_redis_tier(
         ConfigError: If the URL is invalid or the redis package is missing.
     """
     from ..stores.layered import LayeredStore
-    from ..stores.redis import RedisStore
-    from ..stores.redis_url import redact_url
+    from ..stores.redis.store import RedisStore
+    from ..stores.redis.url import redact_url
 
     where = f"{redact_url(url)} (namespace {namespace})"
     store: BatchedStore = RedisStore(url, namespace, max_bytes, report=report)

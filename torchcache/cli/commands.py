@@ -1,0 +1,468 @@
+"""What each ``torchcache`` command does: one handler per command, from parsed arguments to exit status.
+
+Each handler finds caches with :mod:`torchcache.catalog.inspect`, checks and removes them
+with :mod:`torchcache.catalog.maintenance` (which only ever removes torchcache's own files), and
+writes with :mod:`torchcache.cli.output`. Library errors propagate to the caller, which
+reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..catalog.inspect import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
+from ..catalog.maintenance import (
+    Problem,
+    cache_in_use,
+    migrate_cache,
+    rebuild_meta,
+    remove_cache,
+    remove_file,
+    remove_unused_cache,
+    root_budget,
+    scan_root,
+    select_for_prune,
+    verify_files,
+    verify_store,
+)
+from ..config import is_url, resolve_root
+from ..errors import ConfigError, StoreError
+from ..meta import META_NAME
+from ..policy import format_size
+from .output import (
+    Progress,
+    cache_json,
+    cache_table,
+    damaged_note,
+    error,
+    note,
+    plural,
+    print_json,
+    relative,
+    table,
+    totals,
+    when,
+)
+
+__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_migrate", "cmd_prune", "cmd_verify"]
+
+
+def _root(arg: str | None) -> Path:
+    """The root a command works on: the argument, else the decorator's default root."""
+    if arg is None:
+        return resolve_root(None)
+    path = Path(arg).expanduser()
+    if not path.exists():
+        raise CacheLookupError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CacheLookupError(f"{path} is not a directory")
+    return path
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``torchcache ls``: list the module caches under a root, most recently used first.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 0.
+    """
+    if is_url(args.root):
+        from . import redis as cli_redis
+
+        return cli_redis.redis_ls(args.root, args)
+    root = _root(args.root)
+    caches = find_caches(root)
+    if args.json:
+        print_json({"root": str(root), "caches": [cache_json(c) for c in caches]})
+    elif not caches:
+        print(f"no module caches under {root}")
+    else:
+        print(cache_table(caches))
+        print(f"\n{totals(caches)} under {root}")
+        damaged_note(caches)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """``torchcache info``: describe one module cache and the layouts of a sample of its entries.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 0.
+
+    Raises:
+        CacheLookupError: If no module cache, or more than one, matches the target.
+    """
+    if is_url(args.root):
+        from . import redis as cli_redis
+
+        return cli_redis.redis_info(args.root, args)
+    root = _root(args.root)
+    cache = resolve_cache(root, args.target, root_given=args.root is not None)
+    files = list_files(cache.directory)
+    dataset = cache.meta.get("kind") == "dataset"  # its entries are samples, not output frames
+    layouts = [] if dataset else summarize_layouts(cache.directory, files, args.sample)
+    sampled = sum(s.entries for s in layouts)
+    settings = cache.meta.get("settings")
+    budget = _root_budget(cache.directory.parent)
+    if args.json:
+        shapes = [
+            {"layout": s.description, "entries": s.entries, "item_bytes": s.layout and s.layout.nbytes} for s in layouts
+        ]
+        data = {**cache_json(cache), "meta": cache.meta, "sampled_entries": sampled, "layouts": shapes}
+        print_json({**data, "root_budget": budget})
+        return 0
+    limit = cache.max_bytes
+    used = f" ({cache.nbytes / limit:.1%} used)" if limit else ""
+    fields = [
+        ("directory", str(cache.directory)),
+        ("module key", cache.key),
+        ("name", cache.name),
+        ("kind", str(cache.meta.get("kind", "-"))),
+        *([("dataset length", str(cache.meta.get("length", "-")))] if dataset else []),
+        ("created", when(cache.created)),
+        ("last used", when(cache.last_used)),
+        ("torchcache", cache.version or "-"),
+        ("format", str(cache.meta.get("format_version", "-"))),
+        ("entries", f"{cache.entries:,}"),
+        ("size", f"{format_size(cache.nbytes)} ({cache.nbytes:,} bytes)"),
+        ("live", f"{format_size(cache.live_bytes)} ({cache.live_bytes:,} bytes)"),
+        ("reclaimable", f"{format_size(cache.reclaimable_bytes)} ({cache.reclaimable_bytes:,} bytes)"),
+        ("on disk", f"{format_size(cache.disk_bytes)} ({cache.disk_bytes:,} bytes)"),
+        ("size limit", "-" if limit is None else f"{format_size(limit)}{used}"),
+        ("root budget", _budget_text(budget)),
+        ("temporary files", str(cache.temporaries)),
+        (
+            "1.0 entries",
+            f"{cache.legacy_entries:,}"
+            + (" (read in place; `torchcache migrate` packs them)" if cache.legacy_entries else ""),
+        ),
+        ("metadata", cache.meta_problem or "ok"),
+    ]
+    if isinstance(settings, dict):
+        fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items(), key=str)) or "-"))
+    width = max(len(label) for label, _ in fields)
+    for label, value in fields:
+        print(f"{label:<{width}}  {value}")
+    if layouts:
+        print(f"\nlayouts (headers of {plural(sampled, 'entry', 'entries')}):")
+        rows = [
+            [f"{s.entries:,}", "-" if s.layout is None else format_size(s.layout.nbytes), s.description]
+            for s in layouts
+        ]
+        print(table(["ENTRIES", "ITEM SIZE", "LAYOUT"], rows, right=(0, 1)))
+    return 0
+
+
+def _root_budget(root: Path) -> dict[str, object]:
+    """The budget of a cache root, where it comes from and what its module caches take, for ``info``."""
+    usage = scan_root(root)
+    data: dict[str, object] = {
+        "root": str(root),
+        "max_bytes": None,
+        "source": None,
+        "used_bytes": sum(c.nbytes for c in usage),
+        "module_caches": len(usage),
+    }
+    try:
+        data["max_bytes"], data["source"] = root_budget()
+    except ConfigError as exc:
+        data["problem"] = f"{exc}; no budget is kept"
+    return data
+
+
+def _budget_text(budget: dict[str, object]) -> str:
+    """The ``root budget`` line of ``info``: the budget, its source, and the share of it in use."""
+    caches, used, limit = budget["module_caches"], budget["used_bytes"], budget["max_bytes"]
+    assert isinstance(caches, int) and isinstance(used, int)
+    taken = f"{format_size(used)} used by {plural(caches, 'module cache')} in {budget['root']}"
+    if "problem" in budget:
+        return f"none ({budget['problem']}); {taken}"
+    if not isinstance(limit, int):
+        return f"none ({budget['source']} is 0); {taken}"
+    source = "the default; TORCHCACHE_MAX_SIZE sets it" if budget["source"] == "default" else budget["source"]
+    return f"{format_size(limit)} ({source}); {taken} ({used / limit:.1%})"
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``torchcache verify``: check every entry and the metadata, and fix what is wrong with ``--fix``.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if problems were found and not fixed, else 0.
+    """
+    if is_url(args.path):
+        from . import redis as cli_redis
+
+        return cli_redis.redis_verify(args.path, args)
+    root = _root(args.path)
+    caches = find_caches(root)
+    listed = [(cache, list_files(cache.directory)) for cache in caches]
+    total = sum(len(files.entries) for _, files in listed)
+    now = time.time()
+    total += sum(cache.entries - cache.legacy_entries for cache in caches)
+    progress = Progress(total, "verify")
+    problems: list[Problem] = []
+    damaged: dict[Path, ModuleCache] = {}
+    removed: list[Problem] = []
+    from_stores: list[Problem] = []  # entries (and index rows) the stores repaired themselves
+    files_removed: list[Problem] = []
+    failures: list[str] = []
+    busy = 0
+    try:
+        for cache, files in listed:
+            if cache.meta_problem is not None:
+                damaged[cache.directory / META_NAME] = cache
+                problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
+            try:
+                _, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
+            except StoreError as exc:
+                found, fixed = [Problem(cache.directory, "store", str(exc), 0)], False
+                failures.append(f"cannot check the store of {cache.directory}: {exc}") if args.fix else None
+            problems.extend(found)
+            if fixed:
+                removed.extend(found)
+                from_stores.extend(found)
+            found, in_progress = verify_files(files, now, progress.update)
+            problems.extend(found)
+            busy += len(in_progress)
+    finally:
+        progress.close()
+    if args.fix:
+        repaired = {id(p) for p in from_stores}
+        for problem in problems:
+            if id(problem) in repaired or problem.kind == "store":
+                continue
+            try:
+                if problem.path in damaged:
+                    rebuild_meta(damaged[problem.path])
+                else:
+                    remove_file(problem.path)
+                    files_removed.append(problem)
+                removed.append(problem)
+            except OSError as exc:
+                failures.append(f"cannot fix {problem.path}: {exc.strerror or exc}")
+    rebuilt = sum(p.path in damaged for p in removed)
+    left = len(problems) - len(removed)
+    fixed_ids = {id(p) for p in removed}
+    if args.json:
+        print_json(
+            {
+                "root": str(root),
+                "module_caches": len(caches),
+                "entries_checked": total,
+                "problems": [
+                    {
+                        "path": str(p.path),
+                        "kind": p.kind,
+                        "reason": p.reason,
+                        "bytes": p.size,
+                        "removed": id(p) in fixed_ids and p.path not in damaged,
+                        "fixed": id(p) in fixed_ids,
+                    }
+                    for p in problems
+                ],
+                "temporary_files_in_use": busy,
+                "ok": left == 0,
+            }
+        )
+    else:
+        print(f"checked {plural(total, 'entry', 'entries')} in {plural(len(caches), 'module cache')} under {root}")
+        if problems:
+            rows = [[p.kind, p.reason, relative(p.path, root)] for p in problems]
+            print(table(["PROBLEM", "REASON", "FILE"], rows))
+        if busy:
+            print(f"left {plural(busy, 'recent temporary file')} alone (a write may be in progress)")
+        if from_stores:
+            print(f"removed or repaired {plural(len(from_stores), 'damaged entry', 'damaged entries')}")
+        if files_removed:
+            size = format_size(sum(p.size for p in files_removed))
+            print(f"removed {plural(len(files_removed), 'file')} ({size})")
+        if rebuilt:
+            print(f"rebuilt the metadata of {plural(rebuilt, 'module cache')}")
+        if not problems:
+            print("no problems found")
+    for failure in failures:
+        error(failure)
+    if left:
+        if not failures:
+            error(f"{plural(left, 'problem')} found; run `torchcache verify --fix` to fix them")
+        return 1
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """``torchcache prune``: remove whole module caches, least recently used first, until the condition holds.
+
+    A module cache that a live process has open is kept (and named); with ``--max-size``,
+    more recently used ones may go in its place.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if a module cache could not be removed, else 0.
+    """
+    root = _root(args.root)
+    caches = find_caches(root)
+    busy: list[ModuleCache] = []
+
+    def in_use(cache: ModuleCache) -> bool:
+        if cache_in_use(cache.directory, strict=False):  # where directories cannot be locked, as before
+            busy.append(cache)
+            return True
+        return False
+
+    victims = select_for_prune(
+        caches, time.time(), max_bytes=args.max_size, older_than=args.older_than, keep=args.keep, in_use=in_use
+    )
+    if args.dry_run:
+        removed, freed, failed = victims, sum(c.nbytes for c in victims), 0
+    else:
+        removed, freed, failed = _remove(victims, busy)
+    kept = [c for c in caches if c not in removed]
+    if args.json:
+        print_json(
+            {
+                "root": str(root),
+                "dry_run": args.dry_run,
+                "removed": [cache_json(c) for c in removed],
+                "in_use": [cache_json(c) for c in busy],
+                "kept": [cache_json(c) for c in kept],
+                "freed_bytes": freed,
+            }
+        )
+    elif not victims and not busy:
+        print(f"nothing to prune: {totals(caches)} under {root}")
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {plural(len(removed), 'module cache')} ({format_size(freed)})" + (":" if removed else ""))
+        if removed:
+            print(cache_table(removed))
+        if busy:
+            print(f"\nkept {plural(len(busy), 'module cache')} in use by a running process:")
+            print(cache_table(busy))
+        print(f"\nleft {totals(kept)} under {root}")
+    return 1 if failed else 0
+
+
+def _remove(caches: Sequence[ModuleCache], busy: list[ModuleCache] | None = None) -> tuple[list[ModuleCache], int, int]:
+    """Remove module caches; return those removed, the bytes freed and how many could not be removed.
+
+    Directories holding other files are kept (and named); a cache that cannot be
+    removed is named and the others are still removed. With ``busy``, a cache that a
+    process has open is kept and added to it.
+    """
+    removed: list[ModuleCache] = []
+    freed = failed = 0
+    for cache in caches:
+        try:
+            done = remove_cache(cache.directory) if busy is None else remove_unused_cache(cache.directory, strict=False)
+        except OSError as exc:
+            failed += 1
+            error(f"cannot remove {cache.directory}: {exc.strerror or exc}")
+            continue
+        if done is None:
+            assert busy is not None
+            busy.append(cache)
+            continue
+        size, kept = done
+        removed.append(cache)
+        freed += size
+        if kept is not None:
+            note(f"kept {kept}: it holds files that torchcache did not write")
+    return removed, freed, failed
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """``torchcache clear``: remove one module cache, or every one under the root, once confirmed.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if not confirmed or a module cache could not be removed, else 0.
+
+    Raises:
+        CacheLookupError: If no module cache, or more than one, matches the target.
+    """
+    if is_url(args.root):
+        from . import redis as cli_redis
+
+        return cli_redis.redis_clear(args.root, args)
+    root = _root(args.root)
+    targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
+    if not targets:
+        print(f"nothing to clear: no module caches under {root}")
+        return 0
+    size = format_size(sum(c.nbytes for c in targets))
+    single = len(targets) == 1 and not args.all
+    what = (
+        f"module cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
+        if single
+        else f"{plural(len(targets), 'module cache')} ({size}) under {root}"
+    )
+    if not args.yes:
+        stdin = sys.stdin
+        if stdin is None or not stdin.isatty():
+            error(f"refusing to remove {what} without confirmation (stdin is not a terminal); pass --yes")
+            return 1
+        print(f"remove {what}? [y/N] ", end="", file=sys.stderr, flush=True)
+        if stdin.readline().strip().lower() not in ("y", "yes"):
+            print("aborted; nothing removed", file=sys.stderr)
+            return 1
+    removed, freed, failed = _remove(targets)
+    print(f"removed {plural(len(removed), 'module cache')} ({format_size(freed)})")
+    return 1 if failed else 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """``torchcache migrate``: pack the torchcache 1.0 entry files of module caches into their packed stores.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if damaged files were left or a module cache could not be migrated, else 0.
+    """
+    root = _root(args.path)
+    caches = [cache for cache in find_caches(root) if cache.legacy_entries]
+    if not caches:
+        print(f"nothing to migrate: no torchcache 1.0 entries under {root}")
+        return 0
+    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
+    moved = dropped = 0
+    damaged: list[Problem] = []
+    failures: list[str] = []
+    try:
+        for cache in caches:
+            try:
+                done = migrate_cache(cache, progress.update)
+            except StoreError as exc:  # the others are still migrated
+                failures.append(f"cannot migrate {cache.directory}: {exc}")
+                continue
+            moved, dropped = moved + done.moved, dropped + done.dropped
+            damaged.extend(done.damaged)
+    finally:
+        progress.close()
+    migrated = len(caches) - len(failures)
+    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
+    if dropped:
+        print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
+    if damaged:
+        rows = [[p.reason, relative(p.path, root)] for p in damaged]
+        print(table(["REASON", "FILE"], rows))
+        error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
+    for failure in failures:
+        error(failure)
+    return 1 if damaged or failures else 0

@@ -1,0 +1,168 @@
+"""The ``torchcache`` command line: its argument parser, and :func:`main`, which runs a command.
+
+:func:`main` parses the arguments, hands them to the command's handler in
+:mod:`torchcache.cli.commands` and returns its exit status; it turns library errors into
+one ``torchcache: error: ...`` line on stderr and status 1 (usage errors give status 2,
+as argparse does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from .._version import __version__
+from ..catalog.maintenance import parse_duration
+from ..errors import ConfigError, TorchCacheError
+from ..policy import parse_size
+from .commands import cmd_clear, cmd_info, cmd_ls, cmd_migrate, cmd_prune, cmd_verify
+from .output import PROG, error, note
+
+__all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors read ``torchcache: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "--max-size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number (0 or more), got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``torchcache`` command."""
+    parser = _Parser(
+        prog=PROG,
+        description="Inspect and maintain torchcache's caches on disk. The default root is the decorator's: "
+        "$TORCHCACHE_DIR, else the user cache directory.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    root_help = "cache root (default: $TORCHCACHE_DIR, else the user cache directory)"
+    key_help = (
+        "a module cache directory, or its key (a unique prefix is enough); with --root, a key is looked up "
+        "under that root only"
+    )
+
+    def command(name: str, summary: str, description: str, handler: Callable[[argparse.Namespace], int]) -> Any:
+        sub = commands.add_parser(name, help=summary, description=description)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    ls = command("ls", "list the module caches under a root", "List module caches, most recently used first.", cmd_ls)
+    ls.add_argument("root", nargs="?", metavar="ROOT", help=root_help)
+    info = command(
+        "info",
+        "describe one module cache",
+        "Describe a module cache: metadata, size, size limit and the layouts of a sample of its entries.",
+        cmd_info,
+    )
+    info.add_argument("target", metavar="DIR_OR_KEY", help=key_help)
+    info.add_argument("--root", help=root_help)
+    info.add_argument(
+        "--sample", type=_count, default=100, metavar="N", help="entries whose headers are read (default: 100)"
+    )
+    verify = command(
+        "verify",
+        "check every entry and the index, and look for stray temporary files",
+        "Check every module cache's metadata, its packed store's index and every entry (record checksum, frame, "
+        "header, payload size), and look for stray temporary files. The exit status is 1 if problems were found "
+        "and not fixed.",
+        cmd_verify,
+    )
+    verify.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
+    verify.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove corrupt entries and stray temporary files, repair the index, rebuild damaged metadata",
+    )
+    prune = command(
+        "prune",
+        "remove whole module caches, least recently used first",
+        "Remove whole module caches, least recently used first, until the condition holds. A module cache that "
+        "a running process has open is kept (with --max-size, more recently used ones may go in its place). "
+        "Caches also go on their own: whenever a cache opens, the root is kept under its budget "
+        "($TORCHCACHE_MAX_SIZE, default 50GB; `torchcache info` shows it).",
+        cmd_prune,
+    )
+    prune.add_argument("root", nargs="?", metavar="ROOT", help=root_help)
+    condition = prune.add_mutually_exclusive_group(required=True)
+    condition.add_argument("--max-size", type=_size, metavar="SIZE", help="total size to get under (20GB, 500MiB)")
+    condition.add_argument("--older-than", type=_duration, metavar="DURATION", help="last used before (30d, 12h, 2w)")
+    condition.add_argument("--keep", type=_count, metavar="N", help="keep the N most recently used")
+    prune.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    for sub in (ls, info, verify, prune):
+        sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+    migrate = command(
+        "migrate",
+        "pack torchcache 1.0 entry files into the packed store",
+        "Pack the one-file-per-entry caches of torchcache 1.0 into packed stores, removing each file once its "
+        "entry is stored. Until then the library reads them in place. Safe to interrupt and run again.",
+        cmd_migrate,
+    )
+    migrate.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
+    clear = command(
+        "clear",
+        "remove a module cache, or all",
+        "Remove a module cache, or every one under the root. Only torchcache's own files are removed; asks for "
+        "confirmation unless --yes (and refuses without --yes when stdin is not a terminal).",
+        cmd_clear,
+    )
+    which = clear.add_mutually_exclusive_group(required=True)
+    which.add_argument("target", nargs="?", metavar="DIR_OR_KEY", help=key_help)
+    which.add_argument("--all", action="store_true", help="every module cache under the root")
+    clear.add_argument("--root", help=root_help)
+    clear.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``torchcache`` command.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 1 on failure or unfixed problems, 2 on a usage error,
+        130 when interrupted.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    try:
+        return int(args.handler(args))
+    except BrokenPipeError:  # e.g. `torchcache ls | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except (TorchCacheError, OSError) as exc:
+        error(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        note("interrupted")
+        return 130

@@ -1,0 +1,201 @@
+"""How the ``torchcache`` command writes: tables, JSON, dates, sizes, progress and error lines.
+
+Results go to stdout, as text or as JSON (non-finite numbers become ``null``, so the
+output always parses); progress, notes and errors go to stderr, prefixed with the
+command's name, so ``--json`` output on stdout stays parseable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..catalog.inspect import ModuleCache
+from ..policy import format_size
+
+__all__ = [
+    "PROG",
+    "Progress",
+    "cache_json",
+    "cache_table",
+    "damaged_note",
+    "error",
+    "iso",
+    "note",
+    "plural",
+    "print_json",
+    "relative",
+    "table",
+    "totals",
+    "when",
+]
+
+#: The command's name, which starts every line it writes to stderr.
+PROG = "torchcache"
+
+
+class Progress:
+    """Progress of a long check: a tqdm bar on a terminal, else a plain line now and then.
+
+    Args:
+        total: Steps expected.
+        desc: What is being done.
+        stream: Where progress goes (stderr when ``None``).
+        interval: Seconds between plain lines.
+    """
+
+    def __init__(self, total: int, desc: str, stream: TextIO | None = None, interval: float = 10.0) -> None:
+        self.total, self.done, self.desc, self.interval = total, 0, desc, interval
+        self._stream = stream if stream is not None else sys.stderr
+        self._last = time.monotonic()
+        self._bar: Any = None
+        if self._stream is not None and self._stream.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, desc=desc, unit="entry", file=self._stream, leave=False)
+
+    def update(self, n: int = 1) -> None:
+        """Record ``n`` more steps done."""
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self._stream is not None and time.monotonic() - self._last >= self.interval:
+            self._last = time.monotonic()
+            share = f" ({self.done / self.total:.0%})" if self.total else ""
+            print(f"{self.desc}: {self.done:,}/{self.total:,} entries{share}", file=self._stream, flush=True)
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def note(message: str) -> None:
+    """Write one line to stderr, after the command's name."""
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+def error(message: str) -> None:
+    """Write one ``torchcache: error: ...`` line to stderr."""
+    note(f"error: {message}")
+
+
+def _date(ts: float | None) -> datetime | None:
+    try:
+        return None if ts is None else datetime.fromtimestamp(ts).astimezone()
+    except (OverflowError, OSError, ValueError):  # a time no date can show
+        return None
+
+
+def when(ts: float | None) -> str:
+    """A timestamp as local ``YYYY-MM-DD HH:MM``, or ``-`` when there is none (or no date can show it)."""
+    date = _date(ts)
+    return "-" if date is None else date.strftime("%Y-%m-%d %H:%M")
+
+
+def iso(ts: float | None) -> str | None:
+    """A timestamp as a local ISO 8601 date and time to the second, or ``None``."""
+    date = _date(ts)
+    return None if date is None else date.isoformat(timespec="seconds")
+
+
+def plural(n: int, word: str, many: str = "") -> str:
+    """``n`` (with thousands separators) and ``word``, or ``many`` (``word + "s"`` by default) unless ``n`` is 1."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
+
+
+def relative(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` where it is under it, else whole."""
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    """A plain-text table: columns as wide as their widest cell, those in ``right`` aligned right."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    lines = []
+    for row in (headers, *rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def cache_json(cache: ModuleCache) -> dict[str, Any]:
+    """What ``--json`` output says of one module cache."""
+    return {
+        "key": cache.key,
+        "directory": str(cache.directory),
+        "name": cache.name,
+        "kind": cache.meta.get("kind"),
+        "entries": cache.entries,
+        "bytes": cache.nbytes,
+        "disk_bytes": cache.disk_bytes,
+        "live_bytes": cache.live_bytes,
+        "reclaimable_bytes": cache.reclaimable_bytes,
+        "legacy_entries": cache.legacy_entries,
+        "temporary_files": cache.temporaries,
+        "max_bytes": cache.max_bytes,
+        "created": iso(cache.created),
+        "last_used": iso(cache.last_used),
+        "torchcache_version": cache.version,
+        "metadata_problem": cache.meta_problem,
+    }
+
+
+def cache_table(caches: Sequence[ModuleCache]) -> str:
+    """Module caches as a table, one row each."""
+    rows = [
+        [
+            c.key[:12],
+            c.name if c.meta_problem is None else f"{c.name} (damaged metadata)",
+            f"{c.entries:,}",
+            format_size(c.nbytes),
+            format_size(c.disk_bytes),
+            when(c.created),
+            when(c.last_used),
+            c.version or "-",
+        ]
+        for c in caches
+    ]
+    headers = ["KEY", "NAME", "ENTRIES", "SIZE", "ON DISK", "CREATED", "LAST USED", "VERSION"]
+    return table(headers, rows, right=(2, 3, 4))
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with non-finite floats (which JSON cannot hold) as ``None``."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_finite(value) for value in data]
+    return data
+
+
+def print_json(data: Any) -> None:
+    """Print ``data`` to stdout as indented JSON, non-finite numbers as ``null``."""
+    print(json.dumps(_finite(data), indent=2, allow_nan=False))
+
+
+def totals(caches: Sequence[ModuleCache]) -> str:
+    """How many module caches and entries, and their size (and on disk), in one phrase."""
+    entries = plural(sum(c.entries for c in caches), "entry", "entries")
+    size, disk = format_size(sum(c.nbytes for c in caches)), format_size(sum(c.disk_bytes for c in caches))
+    return f"{plural(len(caches), 'module cache')}, {entries}, {size} ({disk} on disk)"
+
+
+def damaged_note(caches: Sequence[ModuleCache]) -> None:
+    """Print how many of the caches have damaged metadata, and the fix, if any do."""
+    damaged = sum(c.meta_problem is not None for c in caches)
+    if damaged:
+        print(f"{plural(damaged, 'module cache')} with damaged metadata; `torchcache verify --fix` rebuilds it")

@@ -1,0 +1,139 @@
+"""The ``torchcache`` command on a Redis server or cluster: ``ls``, ``info``, ``verify``, ``clear`` by URL.
+
+A cache on a server is a namespace (the module key, see :mod:`torchcache.stores.redis.store`).
+The handlers here take the URL where the local ones take a root, and never print a
+password: every URL shown is redacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..catalog.maintenance import check_entries, check_frame
+from ..errors import StoreError
+from ..policy import format_size
+from ..stores.redis.store import RedisStore
+from ..stores.redis.url import redact_url
+from .output import error, plural, print_json, table
+
+__all__ = ["redis_clear", "redis_info", "redis_ls", "redis_verify"]
+
+_UNLIMITED = 1 << 62
+
+
+def _open(url: str, namespace: str) -> RedisStore:
+    return RedisStore(url, namespace, _UNLIMITED, report=lambda kind, message: None)
+
+
+def _namespaces(url: str, prefix: str | None = None) -> list[str]:
+    names = RedisStore.namespaces(url)
+    if prefix is None:
+        return names
+    exact = [n for n in names if n == prefix]
+    return exact or [n for n in names if n.startswith(prefix)]
+
+
+def _describe(url: str, namespace: str) -> dict[str, Any]:
+    with _open(url, namespace) as store:
+        return {"key": namespace, "entries": len(store), "bytes": store.nbytes}
+
+
+def redis_ls(url: str, args: argparse.Namespace) -> int:
+    """``torchcache ls redis://...``: the caches (namespaces) on a server, with entries and bytes."""
+    shown = redact_url(url)
+    caches = [_describe(url, n) for n in _namespaces(url)]
+    if args.json:
+        print_json({"root": shown, "caches": caches})
+    elif not caches:
+        print(f"no caches on {shown}")
+    else:
+        rows = [[c["key"], f"{c['entries']:,}", format_size(c["bytes"])] for c in caches]
+        print(table(["KEY", "ENTRIES", "SIZE"], rows, right=(1, 2)))
+        total = sum(c["bytes"] for c in caches)
+        print(f"\n{plural(len(caches), 'cache')}, {format_size(total)} on {shown}")
+    return 0
+
+
+def _one(url: str, target: str) -> str | None:
+    names = _namespaces(url, target)
+    if len(names) == 1:
+        return names[0]
+    what = "no cache" if not names else f"{len(names)} caches ({', '.join(names[:5])})"
+    error(f"{what} on {redact_url(url)} has a key starting with {target!r} (see `torchcache ls {redact_url(url)}`)")
+    return None
+
+
+def redis_info(url: str, args: argparse.Namespace) -> int:
+    """``torchcache info KEY --root redis://...``: one namespace's entries and bytes."""
+    namespace = _one(url, args.target)
+    if namespace is None:
+        return 1
+    described = {**_describe(url, namespace), "server": redact_url(url)}
+    if args.json:
+        print_json(described)
+    else:
+        for label, value in (
+            ("server", described["server"]),
+            ("module key", namespace),
+            ("entries", f"{described['entries']:,}"),
+            ("size", format_size(described["bytes"])),
+        ):
+            print(f"{label:<10}  {value}")
+    return 0
+
+
+def redis_verify(url: str, args: argparse.Namespace) -> int:
+    """``torchcache verify redis://...``: every namespace's bookkeeping, record checksums and frames."""
+    problems: list[tuple[str, str]] = []
+    checked = 0
+    for namespace in _namespaces(url):
+        with _open(url, namespace) as store:
+            report = store.verify(args.fix)
+            checked += report.entries
+            problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
+            problems += [(namespace, line) for line in report.problems]
+            for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
+                problems.append((namespace, f"entry {key}: {reason}"))
+    if args.json:
+        print_json(
+            {
+                "root": redact_url(url),
+                "entries_checked": checked,
+                "problems": [{"key": ns, "reason": why} for ns, why in problems],
+                "ok": not problems or args.fix,
+            }
+        )
+    else:
+        print(f"checked {plural(checked, 'entry', 'entries')} on {redact_url(url)}")
+        if problems:
+            print(table(["KEY", "PROBLEM"], [list(p) for p in problems]))
+        print("fixed" if problems and args.fix else "no problems found" if not problems else "")
+    if problems and not args.fix:
+        error(f"{plural(len(problems), 'problem')} found; run `torchcache verify --fix` to fix them")
+        return 1
+    return 0
+
+
+def redis_clear(url: str, args: argparse.Namespace) -> int:
+    """``torchcache clear KEY|--all --root redis://... --yes``: remove namespaces from a server."""
+    if args.all:
+        targets = _namespaces(url)
+    else:
+        one = _one(url, args.target)
+        if one is None:
+            return 1
+        targets = [one]
+    if not args.yes:
+        error(f"refusing to remove {plural(len(targets), 'cache')} from {redact_url(url)} without --yes")
+        return 1
+    for namespace in targets:
+        try:
+            with _open(url, namespace) as store:
+                store.clear()
+        except StoreError as exc:
+            error(f"cannot clear {namespace}: {exc}")
+            return 1
+    print(f"removed {plural(len(targets), 'cache')} from {redact_url(url)}", file=sys.stdout)
+    return 0

@@ -1,0 +1,298 @@
+"""``CachedDataset``: a map-style dataset whose samples are computed once, then served from a cache.
+
+Samples are keyed by their index within a *dataset fingerprint*
+(:func:`~torchcache.datasets.sample_keys.fingerprint_dataset`: the dataset's class and source,
+its public attributes, its length and ``version``). What the fingerprint cannot see
+(files changed on disk, a global setting read in ``__getitem__``) is what ``version``
+is for: change it and the cache starts afresh.
+
+The transform runs after the cache, at every access, so random augmentations stay
+random. ``__getitems__`` lets a DataLoader fetch a whole batch with one lookup and one
+write per tier.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from ..config import module_dir_name, resolve_root
+from ..errors import ConfigError, TorchCacheError
+from ..meta import read_meta
+from ..stats import CacheStats
+from .sample_cache import DEFAULT_DISK_SIZE, SampleCache
+from .sample_keys import fingerprint_dataset
+
+__all__ = ["CachedDataset", "MissingSampleError"]
+
+
+class MissingSampleError(TorchCacheError, LookupError):
+    """A sample is not in a cache served without its dataset."""
+
+
+def _find_cache(directory: Path) -> Path:
+    """The dataset cache at ``directory``, or the single one right under it.
+
+    Caches of a :class:`~torchcache.SampleCache` used on its own record no length and
+    are not counted.
+
+    Raises:
+        ConfigError: If there is none, or several.
+    """
+    if not directory.is_dir():
+        raise ConfigError(f"CachedDataset(None, {str(directory)!r}): there is no dataset cache at {directory}")
+    meta = read_meta(directory)
+    if meta is not None and meta.get("kind") == "dataset":
+        return directory
+    found = []
+    try:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            meta = read_meta(Path(entry.path)) if entry.is_dir(follow_symlinks=False) else None
+            # A SampleCache used on its own has no length: it is no dataset to serve.
+            if meta is not None and meta.get("kind") == "dataset" and type(meta.get("length")) is int:
+                found.append((Path(entry.path), meta.get("name")))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the cache directory {directory}: {exc}") from exc
+    if len(found) != 1:
+        listed = "; ".join(f"{path} ({name})" for path, name in found)
+        what = f"{len(found)} dataset caches: {listed}; pass one of them" if found else "no dataset cache"
+        raise ConfigError(f"CachedDataset(None, {str(directory)!r}): {directory} holds {what}")
+    return found[0][0]
+
+
+class CachedDataset(Dataset[Any]):
+    """A map-style dataset that caches the samples of another one, in RAM and on disk.
+
+    The RAM tier lives in ``/dev/shm`` and is shared by the DataLoader workers (fork or
+    spawn, persistent or not) and the ``torchrun`` ranks of one machine, then removed
+    when the job ends (with another launcher, give the ranks one ``TORCHCACHE_JOB_ID``).
+    The disk tier persists across runs, and a copy of it serves without the dataset:
+    ``CachedDataset(None, cache_dir)``. A tier that is full keeps what it holds: later
+    samples are computed each time. Samples are cached as they come from ``dataset``;
+    ``transform`` runs after the cache. The object pickles without its open files.
+
+    Args:
+        dataset: A map-style dataset; ``None`` to serve a disk cache made earlier, found at
+            ``cache_dir`` (the cache's own directory, or the one holding it).
+        cache_dir: The directory of disk caches (one subdirectory per dataset fingerprint).
+            Giving it turns the disk tier on.
+        max_memory_size: The RAM tier's budget (bytes, or a string such as ``"8GB"``); by
+            default a quarter of the RAM, at most half of ``/dev/shm`` and at most 32 GB;
+            0 turns the RAM tier off.
+        max_disk_size: The disk tier's budget; by default 50 GB when ``cache_dir`` is given
+            and no disk tier otherwise (a size with no ``cache_dir`` uses ``$TORCHCACHE_DIR``
+            or the user cache directory); 0 turns it off.
+        version: Part of the fingerprint: change it when the data changed in a way the
+            fingerprint cannot see (files edited on disk are not seen).
+        transform: Applied to every sample after the cache, at every access.
+        local_cache_dir: With a Redis URL as ``cache_dir``: a directory on this machine that
+            keeps a copy of the samples read from the server, so that their hits do not
+            cross the network (default ``$TORCHCACHE_LOCAL_DIR``, else none).
+
+    Raises:
+        ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
+            dataset cache, or several.
+        TypeError: If the dataset has no length.
+
+    Example:
+        >>> import tempfile, torch
+        >>> class Squares(torch.utils.data.Dataset):
+        ...     def __len__(self) -> int:
+        ...         return 4
+        ...     def __getitem__(self, i: int) -> torch.Tensor:
+        ...         return torch.tensor([i * i])
+        >>> data = CachedDataset(Squares(), tempfile.mkdtemp(), max_memory_size="1MB")
+        >>> data[3], data[-1], len(data)
+        (tensor([9]), tensor([9]), 4)
+        >>> data.stats().hits, data.stats().misses
+        (1, 1)
+        >>> data.close()
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        max_memory_size: int | float | str | None = None,
+        max_disk_size: int | float | str | None = None,
+        version: object = None,
+        transform: Callable[[Any], Any] | None = None,
+        local_cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.transform = transform
+        if dataset is None:
+            if version is not None:
+                raise ConfigError("version names a cache of a dataset; without a dataset, pass its directory")
+            root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+            directory = _find_cache(root)
+            meta = read_meta(directory) or {}
+            length = meta.get("length")
+            if type(length) is not int or length < 0 or module_dir_name(directory.name) != directory.name:
+                raise ConfigError(f"{directory} is not a usable dataset cache (its length or name is invalid)")
+            self.fingerprint = directory.name
+            size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size
+            self.cache = SampleCache(
+                directory.name,
+                directory.parent,
+                max_memory_size=max_memory_size,
+                max_disk_size=size,
+                info={"length": length},
+            )
+        else:
+            try:
+                length = len(dataset)
+            except TypeError:
+                raise TypeError(f"CachedDataset needs a map-style dataset with __len__, got {dataset!r}") from None
+            cls = type(dataset)
+            self.fingerprint = fingerprint_dataset(dataset, version)
+            info = {"name": f"{cls.__module__}.{cls.__qualname__}", "length": length, "version": repr(version)}
+            self.cache = SampleCache(
+                self.fingerprint,
+                cache_dir,
+                max_memory_size=max_memory_size,
+                max_disk_size=max_disk_size,
+                info=info,
+                local_cache_dir=local_cache_dir,
+            )
+        self.length = length
+
+    def __repr__(self) -> str:
+        return f"CachedDataset({self.dataset!r}, fingerprint={self.fingerprint}, cache={self.cache!r})"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _index(self, index: object) -> int:
+        if type(index) is int and 0 <= index < self.length:
+            return index
+        try:
+            i = int(index.__index__())  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            raise TypeError(f"CachedDataset indices must be integers, got {type(index).__name__}") from None
+        if not -self.length <= i < self.length:
+            raise IndexError(f"index {i} is out of range for a dataset of {self.length} samples")
+        return i + self.length if i < 0 else i
+
+    def _compute(self, indices: list[Any]) -> Sequence[Any]:
+        if self.dataset is None:
+            raise MissingSampleError(
+                f"sample {indices[0]} is not in the cache at {self.cache.directory} and there is no dataset to "
+                "compute it; warm the cache up completely (CachedDataset(dataset, cache_dir).warmup()) first"
+            )
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched:
+            return list(batched(indices))
+        return [self.dataset[i] for i in indices]
+
+    def __getitem__(self, index: int) -> Any:
+        """The sample at ``index`` (negative indices count from the end), transformed.
+
+        Raises:
+            IndexError: If the index is out of range.
+            MissingSampleError: If the sample is not cached and there is no dataset.
+            SampleTypeError: If the sample holds a value that cannot be cached.
+        """
+        sample = self.cache.get_many([self._index(index)], self._compute)[0]
+        return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples of a batch of indices (one lookup per tier), each transformed."""
+        if set(map(type, indices)) == {int} and min(indices) >= 0 and max(indices) < self.length:
+            keys = indices  # the common case: indices in range, checked at C speed
+        else:
+            keys = [self._index(i) for i in indices]
+        samples = self.cache.get_many(keys, self._compute)
+        return samples if self.transform is None else [self.transform(sample) for sample in samples]
+
+    def warmup(self, num_workers: int | None = None, *, batch_size: int = 64, progress: bool = True) -> CacheStats:
+        """Fill the cache with every sample not yet cached, in parallel; resumable.
+
+        When every sample is on disk afterwards, ``torchcache.json`` records it
+        (``"complete": true``). A tier that fills up keeps what it holds.
+
+        Args:
+            num_workers: DataLoader workers computing samples (default: the CPUs, at most
+                8); 0 computes them in this process.
+            batch_size: Samples per lookup and write.
+            progress: Show a progress bar (tqdm when installed, else a line now and then).
+
+        Returns:
+            The cache statistics afterwards.
+        """
+        tier = "disk" if self.cache.directory is not None else "memory"
+        todo = [int(i) for i in self.cache.missing(range(self.length), tier)]
+        if todo and self.dataset is not None:
+            if num_workers is None:
+                num_workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+            loader = DataLoader(
+                _Filler(self), batch_size=batch_size, sampler=todo, num_workers=num_workers, collate_fn=_count
+            )
+            bar = _Progress(len(todo), progress)
+            try:
+                for count in loader:
+                    bar.update(count)
+            finally:
+                bar.close()
+        if tier == "disk" and not self.cache.missing(range(self.length), "disk"):
+            self.cache.update_metadata({"complete": True, "length": self.length})
+        return self.stats()
+
+    def stats(self) -> CacheStats:
+        """Hits per tier and misses (this process and its DataLoader workers), and each tier's size."""
+        return self.cache.stats()
+
+    def close(self) -> None:
+        """Close the cache's files and let go of the RAM tier (see :meth:`SampleCache.close`)."""
+        self.cache.close()
+
+
+class _Filler(Dataset[int]):
+    """Fills the cache of a dataset; a batch gives back its size, not its samples."""
+
+    def __init__(self, cached: CachedDataset) -> None:
+        self.cached = cached
+
+    def __getitem__(self, index: int) -> int:
+        return len(self.__getitems__([index]))
+
+    def __getitems__(self, indices: list[int]) -> list[None]:
+        self.cached.cache.get_many(indices, self.cached._compute)
+        return [None] * len(indices)
+
+
+def _count(batch: list[None]) -> int:
+    return len(batch)
+
+
+class _Progress:
+    """A tqdm bar if tqdm is installed, else a line on stderr every 10 seconds."""
+
+    def __init__(self, total: int, show: bool) -> None:
+        self.total, self.done, self.bar, self.show = total, 0, None, show
+        self.last = time.monotonic()
+        if show:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc="warmup", unit="sample", dynamic_ncols=True)
+
+    def update(self, count: int) -> None:
+        self.done += count
+        if self.bar is not None:
+            self.bar.update(count)
+        elif self.show and (time.monotonic() - self.last > 10 or self.done == self.total):
+            self.last = time.monotonic()
+            print(f"torchcache warmup: {self.done}/{self.total} samples", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

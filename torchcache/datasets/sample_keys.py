@@ -1,0 +1,101 @@
+"""Keys of dataset samples: a fingerprint per dataset, a store key per sample.
+
+A dataset's fingerprint covers its class (module, qualified name, and the source of it
+and of its base classes outside torch), every attribute, exactly (by the canonical
+encoder of :mod:`torchcache.canonical`: tensors, arrays and pandas objects by content,
+lists and dicts item by item, functions by their code, ``pathlib`` paths and memmaps
+by file name, size and modification time), ``len(dataset)`` and a ``version``. What it
+cannot see (the content of files named by plain strings, a setting read in
+``__getitem__``) is what ``version`` is for. A sample's store key is its index in 16
+hex digits, so the keys of a store name their indices.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..canonical import KeyEncoder, class_source, own_classes
+from ..errors import KeyingError
+from ..keys import tag
+
+__all__ = ["fingerprint_dataset", "store_key"]
+
+_HEX_KEYS = 1 << 64  # int keys below this are their own 16 hex digits
+_REMEDY = (
+    "Pass version= to CachedDataset (change it whenever the data changes) to key the dataset by it "
+    "instead, or give the dataset's class a __torchcache_key__() method"
+)
+
+
+def fingerprint_dataset(dataset: Any, version: object = None) -> str:
+    """The key of a dataset: its class and sources, attributes, length and ``version``.
+
+    Every attribute is encoded exactly by :class:`~torchcache.canonical.KeyEncoder`
+    (tensors and arrays by content, pandas objects by every row, ``pathlib`` paths and
+    ``np.memmap`` arrays by file name, size and modification time). An attribute that
+    cannot be encoded is refused, unless ``version`` is given: then it is the version
+    that keys it.
+
+    Args:
+        dataset: A map-style dataset (with ``__len__``).
+        version: Anything the encoder encodes (a string, a number, a tuple); change it to
+            start a fresh cache.
+
+    Returns:
+        32 hex digits.
+
+    Raises:
+        TypeError: If the dataset has no length.
+        KeyingError: If an attribute cannot be encoded and no ``version`` is given.
+    """
+    cls = type(dataset)
+    h = xxhash.xxh3_128()
+    h.update(tag(b"q", f"torchcache-dataset-2|{cls.__module__}.{cls.__qualname__}".encode()))
+    for klass in own_classes(cls):
+        h.update(tag(b"S", f"{klass.__module__}.{klass.__qualname__}|{class_source(klass)}".encode()))
+    root = cls.__qualname__
+    encoder = KeyEncoder(_REMEDY, files=True, root=root)
+    state = getattr(dataset, "__dict__", None)
+    whole = isinstance(dataset, (torch.Tensor, np.ndarray, list, tuple, dict))
+    if whole or callable(getattr(dataset, "__torchcache_key__", None)) or not isinstance(state, dict):
+        h.update(encoder.encode(dataset, root))  # a tensor, array or list used as a dataset: its values
+    else:
+        for name, value in sorted(state.items()):
+            try:
+                encoded = encoder.encode(value, f"{root}.{name}")
+            except KeyingError:
+                if version is None:
+                    raise
+                encoded = b"version"  # covered by the version the user gave
+            h.update(tag(b"k", name.encode()) + encoded)
+    h.update(tag(b"n", str(len(dataset)).encode()))
+    h.update(tag(b"V", KeyEncoder(_REMEDY).encode(version, "version")))
+    return h.hexdigest()
+
+
+def store_key(key: int | str) -> str:
+    """The store key of a sample key: 16 hex digits for an int in ``[0, 2**64)``, else a 32-digit hash.
+
+    Raises:
+        KeyingError: If the key is neither an int nor a str.
+
+    Example:
+        >>> store_key(255), len(store_key("cat.jpg"))
+        ('00000000000000ff', 32)
+    """
+    if type(key) is int and 0 <= key < _HEX_KEYS:  # the common case first: a dataset index
+        return f"{key:016x}"
+    if isinstance(key, str):
+        return xxhash.xxh3_128_hexdigest(b"s" + key.encode("utf-8", "surrogatepass"))
+    if isinstance(key, bool):
+        raise KeyingError(f"a sample key must be an int or a str, got {key!r}")
+    try:
+        index = operator.index(key)
+    except TypeError:
+        raise KeyingError(f"a sample key must be an int or a str, got {type(key).__name__}") from None
+    return f"{index:016x}" if 0 <= index < _HEX_KEYS else xxhash.xxh3_128_hexdigest(f"i{index}".encode())

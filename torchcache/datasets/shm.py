@@ -1,0 +1,288 @@
+"""Where RAM tiers live, and how their directories are shared, kept and removed.
+
+A RAM tier is a packed store on a RAM-backed file system, one directory per job and
+dataset: ``<root>/torchcache-<uid>/<job id>/<dataset>/``. The root is
+``$TORCHCACHE_SHM_DIR``, else ``/dev/shm``, else (with a one-time note) the temporary
+directory. A *job* is the process that creates a cached dataset, its DataLoader
+workers (the path travels with the dataset when it is pickled to spawned workers) and,
+under ``torchrun``, every rank on the machine: the job id is ``$TORCHCACHE_JOB_ID``,
+else ``$TORCHELASTIC_RUN_ID`` with the pid of the ranks' parent (torchrun's agent),
+else the creating process's pid and start time.
+
+Liveness is a lock, not a timeout: every process that uses a job directory holds a
+shared ``flock`` on its ``job.lock`` for as long as it uses it, on its own open file
+(a forked child drops the one it inherited). A directory whose lock can be taken
+exclusively has no live user: it is renamed away and removed. That happens when a
+process lets go of its last hold (at exit, after multiprocessing has joined its
+DataLoader workers, or at ``close()``), and to every sibling job directory when a job
+starts, so the leftovers of a job killed with ``kill -9`` go at the next start.
+A dataset's directory in a job directory is held the same way, with a lock of its own:
+closing the last cache of a dataset in a job removes its RAM tier while the job goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import multiprocessing.util
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+from pathlib import Path
+
+import xxhash
+
+from .._fork import after_fork
+from .._log import logger
+from ..errors import StoreError
+
+__all__ = ["LOCK_NAME", "default_memory_size", "hold", "job_id", "new_job_dir", "ram_root", "release", "sweep"]
+
+LOCK_NAME = "job.lock"
+_TRASH = ".trash-"
+_SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_MAX_DEFAULT = 32 * 10**9
+_lock = threading.Lock()
+_held: dict[Path, tuple[int, int]] = {}  # job directory -> (descriptor with the shared lock, holds)
+_swept: set[Path] = set()
+_noted = False
+_job: str | None = None
+_exit_hook: list[int] = []  # the pid that registered the exit hook
+
+
+def _reset_after_fork() -> None:
+    """A forked child holds nothing: close the descriptors it inherited, forget the holds."""
+    global _lock
+    _lock = threading.Lock()
+    for fd, _ in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+    _exit_hook.clear()
+
+
+after_fork(_reset_after_fork)
+
+
+def ram_root() -> Path:
+    """This user's directory of RAM tiers (``<root>/torchcache-<uid>``), created if missing.
+
+    Raises:
+        StoreError: If it cannot be created, or exists and is not a directory of this user.
+    """
+    global _noted
+    base = os.environ.get("TORCHCACHE_SHM_DIR")
+    if not base:
+        base = "/dev/shm"
+        if not (os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK)):
+            base = tempfile.gettempdir()
+            if not _noted:
+                _noted = True
+                logger.warning("no writable /dev/shm: RAM tiers of datasets are kept in %s", base)
+    root = Path(base) / f"torchcache-{os.getuid()}"
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise StoreError(f"cannot create the RAM tier directory {root}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise StoreError(
+            f"{root} is not a directory of this user; remove it or point TORCHCACHE_SHM_DIR to another directory"
+        )
+    return root
+
+
+def _start_time() -> str:
+    """This process's start time in clock ticks since boot (Linux), else a random token."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as file:
+            fields = file.read().rpartition(b")")[2].split()
+        return fields[19].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return secrets.token_hex(6)
+
+
+def _safe(text: str) -> str:
+    return text if _SAFE.match(text) and text not in (".", "..") else xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def job_id() -> str:
+    """The id of this job (see the module documentation); fixed once computed in a process."""
+    global _job
+    explicit = os.environ.get("TORCHCACHE_JOB_ID")
+    if explicit:
+        return "job-" + _safe(explicit)
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        return f"elastic-{_safe(run)}-{os.getppid()}"
+    if _job is None:
+        _job = f"{os.getpid()}-{_start_time()}"
+    return _job
+
+
+def new_job_dir() -> Path:
+    """This job's directory, held by this process; sibling directories nobody uses are removed.
+
+    Raises:
+        StoreError: If the directory cannot be created or locked.
+    """
+    root = ram_root()
+    job = root / job_id()
+    hold(job)
+    if root not in _swept:
+        _swept.add(root)
+        removed = sweep(root, keep=job)
+        if removed:
+            logger.info("removed %d RAM tier directories of jobs that ended in %s", removed, root)
+    return job
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _open_lock(job: Path) -> int:
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.open(job / LOCK_NAME, flags, 0o600)
+
+
+def hold(job: Path) -> None:
+    """Take (or count once more) this process's shared lock on a job directory, creating it.
+
+    Raises:
+        StoreError: If the directory cannot be created or locked.
+    """
+    with _lock:
+        if job in _held:
+            fd, count = _held[job]
+            _held[job] = (fd, count + 1)
+            return
+        for _ in range(100):  # each retry means a remover took the directory away meanwhile
+            try:
+                os.makedirs(job.parent, mode=0o700, exist_ok=True)  # the user's root, if a remover took it
+                os.makedirs(job, mode=0o700, exist_ok=True)
+                fd = _open_lock(job)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise StoreError(f"cannot create the RAM tier directory {job}: {exc}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError as exc:
+                os.close(fd)
+                raise StoreError(f"cannot lock {job / LOCK_NAME}: {exc}") from exc
+            if _same_file(fd, job / LOCK_NAME):
+                _held[job] = (fd, 1)
+                _register_exit_hook()
+                return
+            os.close(fd)
+        raise StoreError(f"cannot hold the RAM tier directory {job}: it keeps being removed")
+
+
+def release(job: Path) -> bool:
+    """Let go of one hold on a job directory; after the last, remove it if nobody else uses it.
+
+    Returns:
+        Whether the directory was removed.
+    """
+    with _lock:
+        if job not in _held:
+            return False
+        fd, count = _held[job]
+        if count > 1:
+            _held[job] = (fd, count - 1)
+            return False
+        del _held[job]
+        os.close(fd)
+        return _remove_if_unused(job)
+
+
+def _remove_if_unused(job: Path) -> bool:
+    """Remove a job directory if its lock can be taken exclusively (no live process uses it)."""
+    try:
+        fd = _open_lock(job)
+    except OSError:
+        return False  # gone, or not a directory we can use
+    trash = job.with_name(f"{_TRASH}{secrets.token_hex(8)}")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not _same_file(fd, job / LOCK_NAME):
+            return False
+        os.rename(job, trash)  # a process waiting for the lock finds it gone and starts afresh
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            logger.debug("cannot remove the RAM tier directory %s: %s", job, exc)
+        return False
+    finally:
+        os.close(fd)
+    shutil.rmtree(trash, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the user's root too, once no job is left in it
+        os.rmdir(job.parent)
+    return True
+
+
+def sweep(root: Path, keep: Path | None = None) -> int:
+    """Remove the job directories under ``root`` that no live process uses (and leftover trash).
+
+    Returns:
+        How many job directories were removed.
+    """
+    removed = 0
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in list(entries):
+            path = Path(entry.path)
+            if path == keep or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.name.startswith(_TRASH):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path not in _held and _remove_if_unused(path):
+                removed += 1
+    return removed
+
+
+def _release_all() -> None:
+    """At exit: let go of every hold of this process and remove what nobody else uses."""
+    if _exit_hook != [os.getpid()]:
+        return  # a child that inherited the registration
+    with _lock:
+        jobs = list(_held)
+    for job in jobs:
+        with _lock:
+            if job in _held:
+                _held[job] = (_held[job][0], 1)
+        release(job)
+
+
+def _register_exit_hook() -> None:
+    # A finalizer with a negative priority runs at exit after multiprocessing has stopped
+    # and joined the daemonic children (DataLoader workers), which hold the lock until then.
+    if _exit_hook != [os.getpid()]:
+        _exit_hook[:] = [os.getpid()]
+        multiprocessing.util.Finalize(None, _release_all, exitpriority=-10)
+
+
+def default_memory_size(directory: Path | None = None) -> int:
+    """The default RAM tier budget: a quarter of the RAM, at most half the RAM file system, at most 32 GB.
+
+    Args:
+        directory: A directory on the file system that holds RAM tiers (the default root if ``None``).
+
+    Returns:
+        Bytes.
+    """
+    candidates = [_MAX_DEFAULT]
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    with contextlib.suppress(OSError, StoreError):
+        vfs = os.statvfs(directory if directory is not None else ram_root())
+        candidates.append(vfs.f_blocks * vfs.f_frsize // 2)
+    return max(min(candidates), 0)

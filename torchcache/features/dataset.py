@@ -1,0 +1,249 @@
+"""``FeatureDataset``: a backbone's outputs by dataset index, read straight from a features file.
+
+A read of one index or a batch of them (``__getitems__``, which ``DataLoader`` calls) is
+one gather from a read-only map of the file and one xxh3 per row. A row that is not
+written or fails its check is computed again with the backbone and the dataset when
+the object holds them (one :class:`~torchcache.errors.CacheWarning` per kind of fault),
+and is an error otherwise (a cache opened without its backbone). Samples come back as
+the dataset gave them, the backbone's output in place of its input; tensors are copies
+of the file's bytes, never views of the map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from ..config import resolve_root
+from ..errors import ConfigError, TorchCacheError
+from ..faults import FaultLog
+from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.layout import SampleLayout
+
+__all__ = ["FeatureDataset", "MissingFeatureError", "compute_rows", "device_of"]
+
+
+class MissingFeatureError(TorchCacheError, LookupError):
+    """A row of a features cache opened without its backbone is not written or is damaged."""
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
+    for parameter in module.parameters():
+        return parameter.device
+    for buffer in module.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def run_backbone(backbone: torch.nn.Module, inputs: Any, count: int) -> torch.Tensor:
+    """The backbone's outputs for a collated batch of ``count`` inputs, on the CPU.
+
+    Raises:
+        ConfigError: If the backbone does not return one tensor with a row per input.
+    """
+    with torch.no_grad():
+        output = backbone(_to_device(inputs, device_of(backbone)))
+    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != count:
+        got = f"shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ConfigError(
+            f"the backbone returned {got} for a batch of {count} inputs; extract_features needs one tensor with a "
+            "row per input (wrap a model that returns a tuple or a dict in a module that returns the tensor wanted, "
+            "e.g. its pooled output)"
+        )
+    return output.detach().to("cpu")
+
+
+def compute_rows(
+    backbone: torch.nn.Module, layout: SampleLayout, samples: Sequence[Any]
+) -> tuple[np.ndarray[Any, Any], SampleLayout]:
+    """The rows of ``samples`` and the layout completed with the output's shape (when it was not).
+
+    Raises:
+        ConfigError: If a sample or the backbone's output does not fit the layout.
+    """
+    inputs, others = zip(*(layout.split(sample) for sample in samples), strict=True)
+    output = run_backbone(backbone, default_collate(list(inputs)), len(samples))  # type: ignore[no-untyped-call]
+    if not layout.fields or layout.fields[0].kind != "features":
+        layout = layout.with_features(output[0])
+    rows = np.zeros((len(samples), layout.stride), np.uint8)
+    layout.fill(rows, output, others)
+    return rows, layout
+
+
+def find_features(location: str | os.PathLike[str] | None) -> Path:
+    """The features file at ``location``: the file, its cache directory, or a root holding one cache.
+
+    Raises:
+        ConfigError: If there is none there, or several.
+    """
+    path = resolve_root(None if location is None else Path(os.fspath(location)).expanduser())
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"there is no features cache at {path}")
+    if (path / FEATURES_NAME).is_file():
+        return path / FEATURES_NAME
+    try:
+        found = sorted(p / FEATURES_NAME for p in path.iterdir() if (p / FEATURES_NAME).is_file())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the cache directory {path}: {exc.strerror or exc}") from None
+    if len(found) != 1:
+        listed = "; ".join(str(p.parent) for p in found)
+        what = f"{len(found)} features caches ({listed}); pass one of them" if found else "no features cache"
+        raise ConfigError(f"{path} holds {what}")
+    return found[0]
+
+
+class FeatureDataset(Dataset[Any]):
+    """A map-style dataset of a backbone's outputs by index, read from a features file.
+
+    Made by :func:`torchcache.extract_features`, or by :meth:`open` for a cache made
+    earlier (without the backbone). Reads come straight from the file, shared by
+    DataLoader workers and processes; the object pickles as the file's path (and the
+    backbone and dataset it holds, to compute damaged rows again).
+
+    Args:
+        file: The rows.
+        backbone: The backbone that computed them (``None``: a damaged row is an error).
+        dataset: The dataset they were computed from.
+    """
+
+    def __init__(self, file: FeatureFile, backbone: torch.nn.Module | None = None, dataset: Any = None) -> None:
+        self.file = file
+        self.backbone = backbone
+        self.dataset = dataset
+        self.length = file.length
+        self._faults = FaultLog(str(file.header.get("module", "features")))
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] | None = None) -> FeatureDataset:
+        """Open a features cache made earlier, without its backbone or dataset.
+
+        Args:
+            path: The cache's directory, its ``features.tcfeat`` file, or a cache root
+                that holds one features cache; ``None`` for ``$TORCHCACHE_DIR`` or the user
+                cache directory.
+
+        Raises:
+            ConfigError: If there is no features cache at ``path``, or several, or it is
+                not a valid features file (the message says why).
+        """
+        found = find_features(path)
+        try:
+            return cls(FeatureFile.open(found))
+        except (TorchCacheError, ValueError) as exc:
+            raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_faults"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._faults = FaultLog(str(self.file.header.get("module", "features")))
+
+    def __repr__(self) -> str:
+        f = self.file.layout.features
+        return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features {f.dtype} {f.shape})"
+
+    @property
+    def path(self) -> Path | None:
+        """The features file (``None`` when the rows are kept in memory)."""
+        return self.file.path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of one sample's features."""
+        return self.file.layout.features.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the features."""
+        return getattr(torch, self.file.layout.features.dtype)  # type: ignore[no-any-return]
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the cache was made from: module and dataset names and keys, version, layout."""
+        return dict(self.file.header)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        """The sample at ``index`` (negative indices count from the end), with its features.
+
+        Raises:
+            IndexError: If the index is out of range.
+            MissingFeatureError: If the row is damaged and there is no backbone to compute it.
+        """
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``, read with one gather (what ``DataLoader`` calls for a batch).
+
+        Raises:
+            IndexError: If an index is out of range.
+            TypeError: If an index is not an integer.
+            MissingFeatureError: If a row is damaged and there is no backbone to compute it.
+        """
+        try:
+            wanted = np.fromiter(indices, np.int64, len(indices))
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}") from None
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.length):
+            wanted = np.where(wanted < 0, wanted + self.length, wanted)
+            outside = wanted[(wanted < 0) | (wanted >= self.length)]
+            if len(outside):
+                raise IndexError(f"index {int(outside[0])} is out of range for {self.length} samples")
+        rows, missing, bad = self.file.read(wanted)
+        if missing or bad:
+            self._repair(wanted, rows, missing, bad)
+        return self.file.layout.decode(rows)
+
+    def _repair(
+        self, wanted: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], missing: list[int], bad: list[int]
+    ) -> None:
+        """Compute the rows at ``missing`` and ``bad`` positions again, into ``rows`` and the file."""
+        if bad:
+            self._faults.warn("corrupt", f"{len(bad)} damaged rows in {self.path}: computed again")
+            with contextlib.suppress(OSError):  # read-only: they are computed again at each read
+                self.file.unmark(sorted({int(wanted[j]) for j in bad}))
+        positions = sorted(set(missing) | set(bad))
+        if self.backbone is None or self.dataset is None:
+            index = int(wanted[positions[0]])
+            raise MissingFeatureError(
+                f"the features of sample {index} in {self.path} are {'damaged' if bad else 'not computed'} and there "
+                "is no backbone here to compute them; run torchcache.extract_features(backbone, dataset) again to "
+                "complete the cache"
+            )
+        unique = sorted({int(wanted[j]) for j in positions})
+        computed, _ = compute_rows(self.backbone, self.file.layout, [self.dataset[i] for i in unique])
+        by_index = dict(zip(unique, computed, strict=True))
+        for j in positions:
+            rows[j] = by_index[int(wanted[j])]
+        try:
+            self.file.write(np.asarray(unique, np.int64), computed)
+        except OSError as exc:
+            self._faults.warn("write", f"cannot write to {self.path} ({exc}): those features are computed each time")
+
+    def close(self) -> None:
+        """Close the file (samples already read stay valid)."""
+        self.file.close()

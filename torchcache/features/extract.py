@@ -1,0 +1,369 @@
+"""``extract_features``: run a frozen backbone over a dataset once, then read its outputs by index.
+
+The linear-probe workflow: the backbone runs over the dataset in batches through a
+``DataLoader`` (its workers, the device the backbone is on, a progress bar), and each
+sample's output is stored with the sample's other fields (its label) in a row of a
+fixed-stride file (:mod:`torchcache.stores.features.file`); later epochs, runs and processes
+read rows straight from the file, a batch of random indices in one gather.
+
+The cache lives in ``<root>/features-<key>/`` (the root is ``cache_dir``, else
+``$TORCHCACHE_DIR``, else the user cache directory); the key covers the backbone as the
+decorator keys it (class, source, attributes, weights; refused while it has trainable
+parameters), its train/eval mode, the dataset's fingerprint
+(:func:`~torchcache.datasets.sample_keys.fingerprint_dataset`, with ``version``) and the input
+field: change any of them and the features are computed afresh in another directory.
+A killed extraction leaves the rows it wrote marked and the others unmarked; a rerun
+computes only the unmarked ones. Random augmentation before the backbone is detected
+(two reads of a sample that differ) and refused, since its outputs cannot be cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torch.utils.data import DataLoader
+
+from .._version import __version__
+from ..config import resolve_root
+from ..datasets.sample_keys import fingerprint_dataset
+from ..errors import ConfigError, CorruptEntryError
+from ..faults import FaultLog
+from ..keys import tag
+from ..meta import META_NAME, write_json_atomic
+from ..module.fingerprint import describe_instance, fingerprint_module
+from ..module.guards import check_frozen
+from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.layout import SampleLayout
+from .dataset import FeatureDataset, MissingFeatureError, run_backbone
+
+__all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
+
+_FORMAT = b"torchcache-features-1"
+_STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+_RANDOM = (
+    "dataset[{index}] returned a different {what} on two reads: the dataset applies random augmentation "
+    "(RandomResizedCrop, RandomHorizontalFlip, ...) before the backbone, and outputs of random inputs cannot be "
+    "cached. Give extract_features the dataset with deterministic transforms only (e.g. Resize and CenterCrop) "
+    "and augment the features, or cache the decoded samples with CachedDataset and augment after it"
+)
+
+
+def extract_features(
+    backbone: torch.nn.Module | None,
+    dataset: Any,
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    cache_dir: str | os.PathLike[str] | None = None,
+    version: object = None,
+    input: int | str = 0,
+    progress: bool = True,
+) -> FeatureDataset:
+    """Run a frozen backbone over a dataset once and return its outputs as a dataset, by index.
+
+    The first call computes every sample's features in batches and stores them with the
+    sample's other fields; later calls, in this process or another, find them by key and
+    return at once (the backbone does not run, the dataset is not read). A call after an
+    interrupted one computes only the samples that were missing.
+
+    Args:
+        backbone: A frozen module (no parameter requires grad), on the device it should
+            run on, in eval mode if it holds dropout or batch norm. ``None`` (with
+            ``dataset=None``) opens the cache at ``cache_dir`` without it.
+        dataset: A map-style dataset whose samples are the backbone's input (a tensor),
+            or a tuple, list or dict holding it (``(image, label)``). Its transforms must
+            be deterministic: random augmentation is refused.
+        batch_size: Samples per backbone call while extracting.
+        num_workers: DataLoader workers that read the dataset while extracting.
+        cache_dir: The root of caches (default ``$TORCHCACHE_DIR``, else the user cache
+            directory); each backbone and dataset get a ``features-<key>`` directory in it.
+            With ``backbone=None``, the cache's own directory or a root holding one.
+        version: Part of the dataset's key: change it when the data changed in a way
+            the dataset's attributes do not show (files edited on disk).
+        input: The field of a sample that goes through the backbone: its position in a
+            tuple or list, or its key in a dict. The other fields are stored beside the
+            features and returned as they were.
+        progress: Show a progress bar while extracting, when tqdm is installed and
+            stderr is a terminal (or in a notebook).
+
+    Returns:
+        A map-style dataset of ``len(dataset)`` samples: each the dataset's sample with
+        the backbone's output (on the CPU) in place of its input.
+
+    Raises:
+        ConfigError: If the backbone has trainable parameters or stochastic layers in
+            training mode, the dataset applies random augmentation, its samples or the
+            backbone's outputs vary in shape, or an argument is invalid.
+        KeyingError: If the backbone or the dataset cannot be keyed (the message names
+            the attribute and how to give a key).
+
+    Example:
+        >>> import tempfile, torch
+        >>> data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10))
+        >>> head = torch.nn.Linear(4, 3).requires_grad_(False)
+        >>> feats = extract_features(head, data, batch_size=4, cache_dir=tempfile.mkdtemp(), progress=False)
+        >>> x, y = feats[7]
+        >>> image, label = data[7]
+        >>> torch.equal(x, head(image)), y
+        (True, tensor(7))
+        >>> len(feats), feats.shape
+        (10, (3,))
+    """
+    if backbone is None:
+        if dataset is not None:
+            raise ConfigError("extract_features(None, dataset): pass the backbone, or dataset=None to open a cache")
+        return FeatureDataset.open(cache_dir)
+    _check_arguments(backbone, batch_size, num_workers, input)
+    try:
+        length = len(dataset)
+    except TypeError:
+        raise TypeError(f"extract_features needs a map-style dataset with __len__, got {dataset!r}") from None
+    if length == 0:
+        raise ConfigError("extract_features: the dataset is empty")
+    faults = FaultLog(type(backbone).__qualname__)
+    module_key = fingerprint_module(backbone, describe_instance(backbone), {"features": backbone.training})
+    dataset_key = fingerprint_dataset(dataset, version)
+    h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
+    h.update(tag(b"i", repr(input).encode()))
+    directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+    directory /= f"features-{h.hexdigest()}"
+    header = {
+        "format": 1,
+        "length": length,
+        "module": f"{type(backbone).__module__}.{type(backbone).__qualname__}",
+        "module_key": module_key,
+        "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "dataset_key": dataset_key,
+        "version": repr(version),
+        "input": input,
+    }
+    file = _open_existing(directory / FEATURES_NAME, header, faults)
+    todo = np.arange(length, dtype=np.int64) if file is None else file.missing()
+    if len(todo):
+        probe = _check_deterministic(dataset, todo)
+        layout = SampleLayout.of_sample(probe, input)
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=todo.tolist(),
+            num_workers=num_workers,
+            collate_fn=_Collate(layout),
+            pin_memory=False,
+        )
+        file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
+    assert file is not None
+    return FeatureDataset(file, backbone, dataset)
+
+
+def _check_arguments(backbone: object, batch_size: object, num_workers: object, input: object) -> None:
+    if not isinstance(backbone, torch.nn.Module):
+        raise TypeError(
+            f"extract_features needs the backbone as a torch.nn.Module, got {type(backbone).__name__}; wrap a "
+            "function in a module so that its weights and code can be keyed"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    if isinstance(input, bool) or not isinstance(input, (int, str)):
+        raise ConfigError(f"input must be a field's position (int) or key (str), got {input!r}")
+    check_frozen(backbone, "the backbone")
+    if backbone.training and any(isinstance(m, _STOCHASTIC) for m in backbone.modules()):
+        raise ConfigError(
+            "the backbone is in training mode and holds dropout or batch-norm layers: its outputs would be random "
+            "(dropout) or would move its batch-norm statistics while it runs. Call backbone.eval() first"
+        )
+
+
+def _open_existing(path: Path, header: dict[str, Any], faults: FaultLog) -> FeatureFile | None:
+    """The features file at ``path`` if it is whole and made for ``header``; a damaged one is removed."""
+    try:
+        file = FeatureFile.open(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (CorruptEntryError, ValueError) as exc:
+        faults.warn("corrupt", f"the features file {path} is damaged ({exc}): computed again")
+        _remove(path)
+        return None
+    except OSError as exc:
+        faults.warn("open", f"cannot open the features file {path} ({exc}): computed again")
+        return None
+    made_for = {k: file.header.get(k) for k in header}
+    if made_for != header:
+        file.close()
+        faults.warn("corrupt", f"the features file {path} was made for other keys: computed again")
+        _remove(path)
+        return None
+    return file
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        aside = path.with_name(f".{path.name}.{os.getpid()}.damaged")
+        os.rename(path, aside)
+        os.unlink(aside)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two samples are equal, byte for byte where they are tensors or arrays (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return bool(torch.equal(_bytes_of(a), _bytes_of(b)))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:
+    """The first sample to compute, once two reads of each of two samples agreed.
+
+    Raises:
+        ConfigError: If a sample differs between two reads (random augmentation).
+    """
+    probes = sorted({int(todo[0]), int(todo[len(todo) // 2])})
+    first = None
+    for index in probes:
+        sample = dataset[index]
+        if not _same(sample, dataset[index]):
+            raise ConfigError(_RANDOM.format(index=index, what="sample"))
+        if first is None:
+            first = sample
+    return first
+
+
+class _Collate:
+    """A DataLoader's collate function: the inputs collated, the other fields as they are."""
+
+    def __init__(self, layout: SampleLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, samples: list[Any]) -> tuple[Any, list[Any], int]:
+        from torch.utils.data._utils.collate import default_collate
+
+        inputs, others = zip(*(self.layout.split(s) for s in samples), strict=True)
+        try:
+            batch = default_collate(list(inputs))  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"the inputs of a batch cannot be stacked ({exc}): extract_features needs inputs of one shape "
+                "(resize or pad them in the dataset; variable shapes are not supported yet)"
+            ) from None
+        return batch, list(others), len(samples)
+
+
+def _extract(
+    backbone: torch.nn.Module,
+    loader: DataLoader[Any],
+    todo: np.ndarray[Any, Any],
+    layout: SampleLayout,
+    file: FeatureFile | None,
+    directory: Path,
+    header: dict[str, Any],
+    faults: FaultLog,
+    progress: bool,
+) -> FeatureFile:
+    """Compute the rows of ``todo`` batch by batch and write each batch as it comes."""
+    bar = _progress_bar(len(todo), file) if progress else None
+    done = 0
+    try:
+        for inputs, others, count in loader:
+            indices = todo[done : done + count]
+            output = run_backbone(backbone, inputs, count)
+            if file is None:
+                layout = layout.with_features(output[0])
+                file = _create(directory, {**header, "layout": layout.to_json()}, faults)
+            elif not layout.fields or layout.fields[0].kind != "features":
+                layout = file.layout
+            rows = np.zeros((count, layout.stride), np.uint8)
+            layout.fill(rows, output, others)
+            file = _write(file, indices, rows, faults)
+            done += count
+            if bar is not None:
+                bar.update(count)
+    finally:
+        if bar is not None:
+            bar.close()
+    assert file is not None
+    return file
+
+
+def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> FeatureFile:
+    """The features file for ``header`` in ``directory`` (in memory, with a warning, if none can be made)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        file = FeatureFile.create(directory / FEATURES_NAME, header)
+    except (OSError, CorruptEntryError) as exc:
+        faults.warn("create", f"cannot make the features file in {directory} ({exc}): the features are kept in memory")
+        return FeatureFile.in_memory(header)
+    if file.header != header:  # another process made one for the same key with another layout
+        file.close()
+        raise ConfigError(f"{directory} holds features of another layout than the backbone's outputs; remove it")
+    meta = {
+        "torchcache_version": __version__,
+        "kind": "features",
+        "created": time.time(),
+        "name": header["module"],
+        "dataset": header["dataset"],
+        "length": header["length"],
+        "version": header["version"],
+        "max_bytes": file.size,
+    }
+    with contextlib.suppress(OSError):
+        write_json_atomic(directory / META_NAME, meta)
+    return file
+
+
+def _write(
+    file: FeatureFile, indices: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], faults: FaultLog
+) -> FeatureFile:
+    """Write a batch; on a file that cannot take it, move to memory with what it holds."""
+    try:
+        file.write(indices, rows)
+        return file
+    except OSError as exc:
+        faults.warn("write", f"cannot write to {file.path} ({exc}): the features are kept in memory")
+    memory = FeatureFile.in_memory(file.header)
+    written = np.flatnonzero(np.isin(np.arange(file.length), file.missing(), invert=True))
+    for start in range(0, len(written), 4096):
+        part = written[start : start + 4096]
+        old, _, bad = file.read(part)
+        keep = np.setdiff1d(np.arange(len(part)), bad)
+        memory.write(part[keep], old[keep])
+    file.close()
+    memory.write(indices, rows)
+    return memory
+
+
+def _progress_bar(total: int, file: FeatureFile | None) -> Any:
+    """A tqdm bar when tqdm is installed and someone can see it."""
+    from ..module.precompute import _interactive
+
+    if not _interactive():
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    done = 0 if file is None else file.count()
+    return tqdm(
+        total=total, desc="extract_features", unit="sample", dynamic_ncols=True, initial=0, postfix=f"{done} cached"
+    )

@@ -1,0 +1,337 @@
+"""The arguments of one call: which tensors are per item, what else is part of the key.
+
+A call is bound to the wrapped callable's signature (defaults applied) only to *name*
+its arguments; the callable is always called back with the caller's own layout of
+positional and keyword arguments, with only the per-item tensors replaced by the rows
+to compute (decorators that add keywords, such as Hugging Face's, keep working).
+
+Every tensor found in an argument, also inside tuples, lists, dicts and other
+mappings (``forward(self, batch)`` with a dict of tensors), is *per item*: its
+dimension ``batch_dims.get(name, 0)`` indexes the batch, and it is hashed and sliced
+per item. A tensor argument named in ``shared_args`` is the same for the whole batch
+(an attention mask shaped ``(T, T)``): it is hashed whole into the key of every item
+and passed whole. Everything else is encoded canonically into the key.
+
+A per-item tensor without content to key by (on the meta device, nested, sparse, or
+quantized per channel along its batch dimension) makes the call run uncached
+(:class:`UncachedInput`, one warning): the forward works as without the cache.
+
+Labels keep positional and keyword arguments apart: ``*args[0]`` and ``**name`` can
+never be confused with a parameter called ``args[0]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, KeyingError
+from ..keys import Context, encode_value, tensor_digest
+from ..tiers.batch import index_tensor
+
+__all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput"]
+
+_TENSOR = b"\x00T"
+_SHARED = b"\x00S"
+_MAX_DEPTH = 16
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class UncachedInput(KeyingError):
+    """A per-item input whose content cannot be keyed (meta, nested, sparse): the call runs uncached."""
+
+
+@dataclass
+class CallArguments:
+    """One call, split into its per-item tensors and the rest of its key.
+
+    Attributes:
+        args: The caller's positional arguments.
+        kwargs: The caller's keyword arguments.
+        tensors: Per-item tensors, each with its batch dimension first (a view).
+        batch: The batch size.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    tensors: list[torch.Tensor]
+    batch: int
+    _names: list[str]
+    _kw_names: dict[str, str]
+    _shared: Collection[str]
+    _dims: Mapping[str, int]
+
+    def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The caller's arguments with every per-item tensor restricted to ``positions``."""
+        indices: dict[torch.device, torch.Tensor] = {}
+
+        def pick(value: torch.Tensor, dim: int) -> torch.Tensor:
+            index = indices.get(value.device)
+            if index is None:
+                index = indices[value.device] = index_tensor(positions, value.device)
+            return value.index_select(dim, index)
+
+        args = tuple(self._map(value, self._names[i], pick) for i, value in enumerate(self.args))
+        kwargs = {key: self._map(value, self._kw_names[key], pick) for key, value in self.kwargs.items()}
+        return args, kwargs
+
+    def _map(self, value: Any, name: str, pick: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+        if name in self._shared:
+            return value
+        return _map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
+    """``value`` with every tensor inside it replaced by ``fn(tensor)``, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if depth > _MAX_DEPTH or not _holds_tensor(value):
+        return value
+    if isinstance(value, tuple):
+        items = [_map_tensors(v, fn, depth + 1) for v in value]
+        return value._make(items) if hasattr(value, "_fields") else type(value)(items)  # type: ignore[attr-defined]
+    if isinstance(value, list):
+        return type(value)(_map_tensors(v, fn, depth + 1) for v in value)
+    if isinstance(value, Mapping):
+        mapped = {k: _map_tensors(v, fn, depth + 1) for k, v in value.items()}
+        return mapped if type(value) is dict else type(value)(mapped)  # type: ignore[call-arg]
+    return value
+
+
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth > _MAX_DEPTH:
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v, depth + 1) for v in value.values())
+    return False
+
+
+class _Splitter:
+    """Walks the arguments of one call, adding key fields and collecting per-item tensors."""
+
+    def __init__(self, context: Context, shared: Collection[str], dims: Mapping[str, int]) -> None:
+        self.context = context
+        self.shared = shared
+        self.dims = dims
+        self.tensors: list[torch.Tensor] = []
+        self.batch = -1
+        self.first_label = ""
+
+    def add(self, label: str, name: str, value: Any) -> None:
+        self.context.add(label.encode())
+        if name in self.shared:
+            self._add_shared(label, value)
+        else:
+            self._walk(label, self.dims.get(name, 0), value, 0)
+
+    def _add_shared(self, label: str, value: Any) -> None:
+        if _holds_tensor(value):
+            tensors: list[torch.Tensor] = []
+
+            def collect(tensor: torch.Tensor) -> Any:
+                tensors.append(tensor)
+                return None
+
+            skeleton = _map_tensors(value, collect)
+            self.context.add(_SHARED + tensor_digest((str(i), t) for i, t in enumerate(tensors)).encode())
+            self.context.add(_describe_skeleton(skeleton, label))
+        else:
+            self.context.add(encode_value(value, f"argument {label!r}"))
+
+    def _walk(self, label: str, dim: int, value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            self._add_tensor(label, dim, value)
+        elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)) and _holds_tensor(value):
+            self.context.add(b"(" + str(len(value)).encode())
+            for i, item in enumerate(value):
+                self._walk(f"{label}[{i}]", dim, item, depth + 1)
+        elif depth < _MAX_DEPTH and isinstance(value, Mapping) and _holds_tensor(value):
+            keys = list(value)
+            if not all(isinstance(k, str) for k in keys):
+                raise KeyingError(f"argument {label!r}: a mapping that holds tensors must have str keys, got {keys!r}")
+            self.context.add(b"{" + str(len(keys)).encode())
+            for key in sorted(keys):
+                self.context.add(key.encode())
+                self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
+        else:
+            self.context.add(encode_value(value, f"argument {label!r}"))
+
+    def _add_tensor(self, label: str, dim: int, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            raise UncachedInput(f"argument {label!r} is on the meta device: it has no content to key items by")
+        if getattr(tensor, "is_nested", False) or tensor.layout != torch.strided:
+            kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
+            raise UncachedInput(f"argument {label!r} is a {kind} tensor, which cannot be keyed per item")
+        if tensor.dim() <= dim:
+            expected = "(batch, ...)" if dim == 0 else f"with the batch at dimension {dim}"
+            raise KeyingError(
+                f"argument {label!r}: expected a tensor shaped {expected}, got shape {tuple(tensor.shape)}; "
+                "add a batch dimension (x.unsqueeze(0)), pass a Python number, or name the argument in "
+                "shared_args if it is the same for the whole batch"
+            )
+        if dim:
+            tensor = tensor.movedim(dim, 0)
+        if self.batch < 0:
+            self.batch, self.first_label = tensor.shape[0], label
+        elif tensor.shape[0] != self.batch:
+            raise KeyingError(
+                f"argument {label!r}: batch size {tensor.shape[0]} does not match the batch size {self.batch} "
+                f"of argument {self.first_label!r}; every per-item tensor must have the same batch size. "
+                "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
+            )
+        self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
+        if tensor.is_quantized:
+            self.context.add(_quantization(label, dim, tensor))
+        self.tensors.append(tensor)
+
+
+def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
+    """What turns a quantized tensor's integers into values: its scheme, scales and zero points."""
+    scheme = tensor.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return f"{scheme}|{tensor.q_scale().hex()}|{tensor.q_zero_point()}".encode()
+    axis = tensor.q_per_channel_axis()
+    if axis == dim:
+        raise UncachedInput(f"argument {label!r} is quantized per channel along its batch dimension")
+    scales = tensor_digest([("scales", tensor.q_per_channel_scales()), ("zero", tensor.q_per_channel_zero_points())])
+    return f"{scheme}|{axis}|{scales}".encode()
+
+
+def _describe_skeleton(value: Any, label: str) -> bytes:
+    """Encode the non-tensor parts of a shared argument (tensors replaced by ``None``)."""
+    if isinstance(value, Mapping) and type(value) is not dict:
+        value = dict(value)
+    if isinstance(value, tuple) and type(value) is not tuple:
+        value = tuple(value)
+    return encode_value(value, f"argument {label!r}")
+
+
+class CallSplitter:
+    """Splits the calls of one callable: what depends only on its signature is worked out once.
+
+    Args:
+        signature: The signature of the wrapped callable (without ``self``).
+        shared: Argument names whose tensors are the same for the whole batch.
+        dims: Argument names whose batch dimension is not the first.
+    """
+
+    def __init__(
+        self, signature: inspect.Signature, shared: Collection[str] = (), dims: Mapping[str, int] | None = None
+    ) -> None:
+        self.signature = signature
+        self.shared = shared
+        self.dims = dims or {}
+        params = list(signature.parameters.values())
+        self._kinds = {p.name: p.kind for p in params}
+        self._check_names(params)
+        positional = [p.name for p in params if p.kind in _POSITIONAL]
+        self._var_positional = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "")
+        self._positional = positional
+        # Calls that pass every parameter positionally need no binding (the common case).
+        self._simple = len(positional) == len(params)
+
+    def _check_names(self, params: list[inspect.Parameter]) -> None:
+        """Names in ``shared_args`` and ``batch_dims`` must be arguments (a typo would slice silently)."""
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return  # any keyword may come
+        known = {p.name for p in params}
+        for option, names in (("shared_args", self.shared), ("batch_dims", self.dims)):
+            unknown = sorted(n for n in names if n not in known and not n.startswith("output"))
+            if unknown:
+                raise ConfigError(
+                    f"{option} names {unknown}, which are not arguments of {self.signature}; "
+                    "use argument names (and output paths such as 'output[1][0]' in batch_dims)"
+                )
+
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: Context) -> CallArguments:
+        """Bind a call and split it into per-item tensors and key context.
+
+        Args:
+            args: Positional arguments as the caller gave them.
+            kwargs: Keyword arguments as the caller gave them.
+            context: The context to extend (it starts with the module key).
+
+        Returns:
+            The split call.
+
+        Raises:
+            TypeError: If the arguments do not fit the signature.
+            KeyingError: If an argument cannot be keyed, batch sizes disagree, or the
+                call has no per-item tensor.
+        """
+        positional = self._positional
+        if self._simple and not kwargs and len(args) == len(positional):
+            arguments: Mapping[str, Any] = dict(zip(positional, args))
+        else:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+        splitter = _Splitter(context, self.shared, self.dims)
+        for name, value in arguments.items():
+            kind = self._kinds.get(name)
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                for i, item in enumerate(value):
+                    splitter.add(f"*{name}[{i}]", name, item)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                for key in sorted(value):
+                    splitter.add(f"**{key}", key, value[key])
+            else:
+                splitter.add(name, name, value)
+        if not splitter.tensors:
+            raise KeyingError(
+                "torchcache needs at least one per-item tensor argument shaped (batch, ...) to key items by"
+                + (f" (shared_args {sorted(self.shared)} are hashed whole, not per item)" if self.shared else "")
+            )
+        names = positional[: len(args)]
+        if len(args) > len(positional):
+            names = names + [self._var_positional] * (len(args) - len(positional))
+        return CallArguments(
+            args=args,
+            kwargs=kwargs,
+            tensors=splitter.tensors,
+            batch=splitter.batch,
+            _names=names,
+            _kw_names={key: key for key in kwargs},
+            _shared=self.shared,
+            _dims=self.dims,
+        )
+
+
+class ShapeHint:
+    """Points out, once, a low hit rate while per-item input shapes keep changing.
+
+    Items are keyed by their exact shape, so a sample padded to the longest item of each
+    batch (dynamic padding) gets a new key in every batch.
+
+    Args:
+        calls: Calls to see before judging.
+        shapes: Distinct per-item shapes that count as "keep changing".
+    """
+
+    def __init__(self, calls: int = 64, shapes: int = 8) -> None:
+        self._min_calls = calls
+        self._min_shapes = shapes
+        self._calls = 0
+        self._shapes: set[bytes] = set()
+
+    def note(self, tensors: list[torch.Tensor], hits: int, misses: int) -> str | None:
+        """Record one call; a message when the hit rate should be pointed out, else ``None``."""
+        self._calls += 1
+        if len(self._shapes) < 4 * self._min_shapes:
+            self._shapes.add(b"|".join(f"{t.dtype}{tuple(t.shape[1:])}".encode() for t in tensors))
+        if self._calls < self._min_calls or len(self._shapes) < self._min_shapes or hits >= 0.2 * (hits + misses):
+            return None
+        return (
+            f"hit rate {hits / max(1, hits + misses):.0%} after {self._calls} calls whose per-item input shapes "
+            f"took {len(self._shapes)}+ different values: items are keyed by their exact shape, so a sample "
+            "padded to the longest item of each batch gets a new key in every batch. Pad to a fixed length, or "
+            "bucket lengths to a few sizes (see the docs: 'Variable-length inputs')"
+        )

@@ -1,0 +1,152 @@
+"""Cached functions and cached bound methods of modules.
+
+A function's key covers its name, source, compiled code, defaults and closure (see
+:mod:`torchcache.module.fingerprint`). A bound method of a module (``model.forward_features``,
+``model.get_image_features``) is keyed as its module is: class source, configuration
+attributes, weights, training flag, plus the method's name. It follows its module
+through ``load_state_dict()`` and ``.to()``, and a deep copy of a model that holds a
+cached method gets a cached method bound to the copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import Settings
+from ..errors import ConfigError
+from .engine import Cache
+from .fingerprint import describe_instance, fingerprint_function, fingerprint_module
+from .guards import check_frozen, outside_compile, warn_if_training
+
+__all__ = ["CachedMethod", "decorate_function", "method_caches", "weights_loaded"]
+
+_method_caches: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref[Cache]]] = weakref.WeakKeyDictionary()
+
+
+def method_caches(module: torch.nn.Module) -> list[Cache]:
+    """The caches of the cached methods bound to ``module``."""
+    return [cache for ref in _method_caches.get(module, ()) if (cache := ref()) is not None]
+
+
+def weights_loaded(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict()`` ran on the module or a parent: take the keys again at the next call."""
+    cache = module.__dict__.get("cache_instance")
+    if isinstance(cache, Cache):
+        cache.weights_changed()
+    for method_cache in method_caches(module):
+        method_cache.weights_changed()
+
+
+def _conversion_state(module: torch.nn.Module) -> tuple[Any, ...]:
+    """The dtype and device of the first parameter or buffer (what ``.to()`` changes)."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return () if first is None else (first.dtype, first.device)
+
+
+class CachedMethod:
+    """A bound method of a module, cached per item and keyed by its module.
+
+    Made by ``torchcache(...)(model.method)``; call it as the method. Its cache is
+    ``.cache_instance``.
+    """
+
+    def __init__(self, module: torch.nn.Module, func: Callable[..., Any], settings: Settings, init: bytes) -> None:
+        self._module = weakref.ref(module)
+        self._func = func
+        self._settings = settings
+        self._init = init
+        cls = type(module)
+        self._name = f"{cls.__module__}.{cls.__qualname__}.{func.__name__}"
+        key_settings = settings.key_settings()
+        module_ref = self._module
+        name = self._name
+
+        def fingerprint() -> str:
+            owner = _alive(module_ref, name)
+            check_frozen(owner, f"the instance of {name}")
+            return fingerprint_module(owner, init, key_settings, method=func.__name__)
+
+        signature = inspect.signature(func)
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        self.cache_instance = Cache(settings, self._name, "module", signature, fingerprint)
+        self.cache_instance.watch_weights(module)
+        _method_caches.setdefault(module, []).append(weakref.ref(self.cache_instance))
+        self._conversion: tuple[Any, ...] | None = None
+        self._call = outside_compile(self._call_cached)
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
+        self.__signature__ = signature
+
+    @classmethod
+    def wrap(cls, method: Any, settings: Settings) -> CachedMethod:
+        """Cache ``method``, a bound method of a frozen module.
+
+        Raises:
+            ConfigError: If the module has parameters that require grad, or
+                ``keep_eval`` is set (it applies to a module: cache the module itself).
+        """
+        module: torch.nn.Module = method.__self__
+        name = f"{type(module).__qualname__}.{method.__func__.__name__}"
+        if settings.keep_eval:
+            raise ConfigError(
+                f"keep_eval applies to modules, not to the method {name}: cache the module itself "
+                "(torchcache(keep_eval=True)(model)), or call model.eval() after model.train()"
+            )
+        check_frozen(module, f"the instance of {name}")
+        module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
+        described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
+        return cls(module, method.__func__, settings, described)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method through the cache."""
+        return self._call(*args, **kwargs)
+
+    def _call_cached(self, *args: Any, **kwargs: Any) -> Any:
+        owner = _alive(self._module, self._name)
+        state = _conversion_state(owner)
+        if state != self._conversion:  # .to(), .half(): other outputs
+            if self._conversion is not None:
+                self.cache_instance.weights_changed()
+            self._conversion = state
+        warn_if_training(self.cache_instance, owner)
+        return self.cache_instance(functools.partial(self._func, owner), args, kwargs, owner.training)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CachedMethod:
+        """A cached method bound to the copy of its module (when the module is copied too)."""
+        owner = _alive(self._module, self._name)
+        copied = memo.get(id(owner), owner)
+        return CachedMethod(copied, self._func, self._settings, self._init)
+
+    def __repr__(self) -> str:
+        return f"<cached method {self._name} {self.cache_instance!r}>"
+
+
+def _alive(ref: weakref.ref[torch.nn.Module], name: str) -> torch.nn.Module:
+    module = ref()
+    if module is None:
+        raise ReferenceError(f"the module of {name} no longer exists")
+    return module
+
+
+def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+    """Cache a function (a ``functools.partial`` or a bound method of a plain object too)."""
+    if settings.keep_eval:
+        raise ConfigError("keep_eval applies to modules; a function has no training mode")
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+    key = fingerprint_function(fn, settings.key_settings())
+    cache = Cache(settings, name, "function", inspect.signature(fn), lambda: key)
+
+    @outside_compile
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return cache(fn, args, kwargs)
+
+    functools.update_wrapper(wrapper, fn)
+    wrapper.cache_instance = cache  # type: ignore[attr-defined]
+    return wrapper

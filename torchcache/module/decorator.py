@@ -1,0 +1,395 @@
+"""``@torchcache()``: cache the per-item outputs of a module class, a module instance, a method or a function.
+
+Decorating a class wraps its ``__init__``, ``forward``, ``_apply`` and ``train`` in place
+(the class stays the same class, so ``isinstance``, pickling of the class and
+``state_dict`` are unchanged). Each instance gets its own
+:class:`~torchcache.module.engine.Cache` as ``cache_instance``, keyed by the class source, the
+init arguments and the weights at the first forward call. Settings can be overridden
+per instance with ``self.torchcache_<name>`` in ``__init__``.
+
+Wrapping an *instance* (a model built by a library: ``torchcache()(model)``) never
+touches its class or other instances: the instance moves to a subclass made once per
+class, with the same name, that carries the same wrappers. Its state dict,
+parameters, ``repr``, ``.to()`` and ``.eval()`` are those of the model. A bound method
+(``torchcache()(model.forward_features)``) gives a cached function keyed by its
+instance as a module is.
+
+The cache lookup is host-side Python: it runs outside ``torch.compile`` graphs (the
+wrapped forward is excluded from tracing once ``torch._dynamo`` is loaded), so a
+compiled model that holds a cached module compiles everything around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+import torch
+
+from ..codec import DEFAULT_QUALITY
+from ..config import LEGACY_OPTIONS, Settings
+from ..errors import ConfigError
+from .callables import CachedMethod, decorate_function, weights_loaded
+from .engine import Cache
+from .fingerprint import describe_init, describe_instance, fingerprint_module
+from .guards import check_frozen, outside_compile, warn_if_training
+
+__all__ = ["torchcache"]
+
+T = TypeVar("T")
+_PREFIX = "torchcache_"
+_OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
+_BINDING = "_torchcache_binding"
+_initializing = threading.local()
+_subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+@overload
+def torchcache(target: T, /) -> T: ...
+
+
+@overload
+def torchcache(target: None = None, /, **options: Any) -> Callable[[T], T]: ...
+
+
+def torchcache(
+    target: Any = None,
+    /,
+    *,
+    enabled: bool = True,
+    persistent: bool = False,
+    persistent_cache_dir: str | Path | None = None,
+    local_cache_dir: str | Path | None = None,
+    persistent_module_hash: str | None = None,
+    max_memory_cache_size: int | float | str = int(1e9),
+    max_persistent_cache_size: int | float | str = int(10e9),
+    memory_cache_device: str | torch.device | None = "cpu",
+    subsample_count: int | None = 10000,
+    cache_dtype: torch.dtype | None = None,
+    brotli_quality: int = DEFAULT_QUALITY,
+    shared_args: Collection[str] = (),
+    batch_dims: Mapping[str, int] | None = None,
+    keep_eval: bool = False,
+    key_ignore: Collection[str] = (),
+    verify_weights: int | None = None,
+    exact_batches: bool = False,
+    **legacy: Any,
+) -> Any:
+    """Cache the outputs of a module class or instance, a method or a function, per batch item.
+
+    Used as ``@torchcache()`` with options, or as ``@torchcache`` with the defaults, like
+    :func:`functools.lru_cache`. Every tensor argument (also inside a tuple, list or
+    dict argument) is per item, shaped ``(batch, ...)`` with the same batch, unless it
+    is named in ``shared_args``; other arguments (``None``, ``bool``, ``int``, ``float``,
+    ``str``, ``torch.dtype``, ``torch.device`` and tuples, lists and dicts of them) are
+    part of the key. The output is a tensor ``(batch, ...)`` or a tuple, list, dict,
+    namedtuple, dataclass or ``OrderedDict`` (Hugging Face ``ModelOutput``) of them,
+    ``None`` leaves included.
+
+    Args:
+        target: The class, instance, method or function to cache, when used without
+            parentheses (``@torchcache``); then every option has its default.
+        enabled: ``False`` returns the target unchanged.
+        persistent: Also keep entries on disk, across runs and processes.
+        persistent_cache_dir: The cache root; default ``$TORCHCACHE_DIR``, else the user
+            cache directory (``platformdirs.user_cache_path("torchcache")``); or a Redis URL
+            (``redis://host:6379/0``, ``rediss://``, ``redis+cluster://``) to share entries
+            between machines (``pip install 'torchcache[redis]'``).
+        local_cache_dir: With a Redis URL: a directory on this machine that keeps a copy of
+            the entries this machine reads and writes, so that their hits do not cross the
+            network (bounded by ``max_persistent_cache_size`` too); default
+            ``$TORCHCACHE_LOCAL_DIR``, else none. Not for a local ``persistent_cache_dir``.
+        persistent_module_hash: Use this name for the module's directory instead of the
+            computed module key (changes to the code or weights then no longer
+            invalidate the cache). Any string; unsafe characters are mapped.
+        max_memory_cache_size: Byte budget of the memory tier (``1e9``, ``"2GB"``, ``"500MiB"``).
+        max_persistent_cache_size: Byte budget of this module's directory on disk.
+        memory_cache_device: Where the memory tier keeps outputs; ``None``: on their own device.
+        subsample_count: On accelerators, hash at most this many elements of each item
+            (``None``: every element). CPU inputs are always hashed in full.
+        cache_dtype: Store floating outputs at this precision (returned in their own dtype).
+        brotli_quality: brotli quality 0-11 for disk entries (stored raw when it does not pay).
+        shared_args: Names of arguments that are the same for the whole batch (a
+            ``(T, T)`` attention mask): hashed whole into every item's key and passed
+            whole, never sliced per item.
+        batch_dims: Arguments and outputs whose batch is not the first dimension, by
+            argument name or output path (``{"x": 1, "output[1][0]": 1}`` for an LSTM
+            with ``batch_first=False``).
+        keep_eval: Keep the module in eval mode: ``model.train()`` on it or on a parent
+            leaves it (and its submodules) in eval mode, so dropout and batch norm never
+            run in training mode under the cache.
+        key_ignore: Attributes of the module (or its submodules) and init arguments that do
+            not change outputs and that the key cannot encode (a lock, a logger handle), by
+            name (``"fn"``: that name anywhere) or dotted path below the module
+            (``"layer1.0.fn"``). Everything else is part of the key, or refused with a
+            :class:`~torchcache.KeyingError` that names it.
+        verify_weights: Hash the weights every this many calls and take the key again if
+            they changed (``None``: never). In-place changes made by torch operations
+            (``copy_``, ``mul_``, optimizer steps, EMA, batch norm) are seen at every call
+            without it; it is for writes that bypass torch's version counters
+            (``p.data.copy_()``, writes through ``p.numpy()``).
+        exact_batches: Compute a batch with any miss whole, as an uncached call would, so
+            that no returned batch mixes items computed in batches of other sizes (CPU
+            and GPU kernels can differ in the last bits between batch sizes). Hits then
+            come only from batches found whole in the cache.
+        **legacy: ``zstd_compression``, ``zstd_compression_level``,
+            ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
+            accepted and ignored, with a ``DeprecationWarning``.
+
+    Returns:
+        A decorator for a module class, a module instance, a method or a function; or,
+        called on one (``torchcache(model)``), the cached target itself.
+
+    Raises:
+        ConfigError: If an option has an invalid value.
+        TypeError: If an unknown option is given.
+
+    Example:
+        >>> @torchcache()
+        ... def double(x: torch.Tensor) -> torch.Tensor:
+        ...     return x * 2
+        >>> double(torch.ones(3, 2)).sum().item(), double(torch.ones(3, 2)).sum().item()
+        (12.0, 12.0)
+        >>> double.cache_instance.stats().hits
+        3
+    """
+    unknown = sorted(set(legacy) - set(LEGACY_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"torchcache() got unexpected option(s) {', '.join(map(repr, unknown))}; "
+            f"valid options are {', '.join(_OPTION_NAMES)}"
+        )
+    settings = Settings.create(
+        enabled=enabled,
+        persistent=persistent,
+        persistent_cache_dir=persistent_cache_dir,
+        local_cache_dir=local_cache_dir,
+        persistent_module_hash=persistent_module_hash,
+        max_memory_cache_size=max_memory_cache_size,
+        max_persistent_cache_size=max_persistent_cache_size,
+        memory_cache_device=memory_cache_device,
+        subsample_count=subsample_count,
+        cache_dtype=cache_dtype,
+        brotli_quality=brotli_quality,
+        shared_args=shared_args,
+        batch_dims=batch_dims if batch_dims is not None else {},
+        keep_eval=keep_eval,
+        key_ignore=key_ignore,
+        verify_weights=verify_weights,
+        exact_batches=exact_batches,
+        **legacy,
+    )
+
+    def decorate(target: T) -> T:
+        if not settings.enabled:
+            return target
+        if inspect.isclass(target) and issubclass(target, torch.nn.Module):
+            return _decorate_class(target, settings)  # type: ignore[return-value]
+        if isinstance(target, torch.nn.Module):
+            return _wrap_instance(target, settings)  # type: ignore[return-value]
+        if inspect.ismethod(target) and isinstance(target.__self__, torch.nn.Module):
+            return CachedMethod.wrap(target, settings)  # type: ignore[return-value]
+        if inspect.isfunction(target) or inspect.ismethod(target) or isinstance(target, functools.partial):
+            return decorate_function(target, settings)  # type: ignore[return-value]
+        raise TypeError(
+            f"torchcache() caches nn.Module subclasses or instances, their methods, and functions; got {target!r}"
+        )
+
+    return decorate if target is None else decorate(target)
+
+
+# -- modules ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Binding:
+    """What a module instance needs to (re)make its cache: picklable, copied with the module."""
+
+    settings: Settings
+    init_digest: bytes
+    name: str
+
+
+@functools.cache
+def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
+    signature = inspect.signature(forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
+    """Make the cache of one module instance (without touching the module: it may be half-copied)."""
+    module_ref = weakref.ref(module)
+    key_settings = binding.settings.key_settings()
+
+    def fingerprint() -> str:
+        owner = module_ref()
+        if owner is None:  # pragma: no cover - the cache lives on the module
+            raise ReferenceError("the cached module no longer exists")
+        check_frozen(owner, type(owner).__qualname__)
+        return fingerprint_module(owner, binding.init_digest, key_settings)
+
+    cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
+    cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
+    cache.watch_weights(module)
+    return cache
+
+
+def _attach(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
+    """Make the cache of one module instance and store it as ``module.cache_instance``."""
+    check_frozen(module, type(module).__qualname__)
+    cache = module.__dict__["cache_instance"] = _make_cache(module, binding, forward)
+    if binding.settings.keep_eval:
+        module.train(False)
+    return cache
+
+
+def _cached_forward(
+    module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    cache = module.__dict__.get("cache_instance")
+    if cache is None:
+        binding: _Binding | None = module.__dict__.get(_BINDING)
+        if binding is None:  # caching is off for this instance
+            return forward(module, *args, **kwargs)
+        cache = _attach(module, binding, forward)  # an unpickled module
+    warn_if_training(cache, module)
+    return cache(functools.partial(forward, module), args, kwargs, module.training)
+
+
+def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
+    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
+
+    @outside_compile
+    def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _cached_forward(self, forward, args, kwargs)
+
+    functools.update_wrapper(cached, forward)
+    original_apply: Callable[..., Any] = cls._apply
+    original_train: Callable[..., Any] = cls.train
+
+    @functools.wraps(original_apply)
+    def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # .to(), .half(), .cuda() and the like: a dtype change gives other outputs.
+        result = original_apply(self, fn, *args, **kwargs)
+        cache = self.__dict__.get("cache_instance")
+        if isinstance(cache, Cache):
+            cache.weights_changed()
+        return result
+
+    @functools.wraps(original_train)
+    def train(self: torch.nn.Module, mode: bool = True) -> Any:
+        binding: _Binding | None = self.__dict__.get(_BINDING)
+        return original_train(self, False if binding is not None and binding.settings.keep_eval else mode)
+
+    cls.forward = cached  # type: ignore[method-assign]
+    cls._apply = _apply  # type: ignore[method-assign]
+    cls.train = train  # type: ignore[method-assign]
+
+
+def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> None:
+    module.__dict__[_BINDING] = binding
+    module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
+    _attach(module, binding, forward)
+
+
+def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
+    original_init = cls.__init__
+    original_forward = cls.forward
+    name = f"{cls.__module__}.{cls.__qualname__}"
+
+    @functools.wraps(original_init)
+    def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        active: set[int] = getattr(_initializing, "ids", None) or set()
+        _initializing.ids = active
+        if id(self) in active:
+            original_init(self, *args, **kwargs)
+            return
+        active.add(id(self))
+        try:
+            original_init(self, *args, **kwargs)
+        finally:
+            active.discard(id(self))
+        legacy = [n for n in LEGACY_OPTIONS if hasattr(self, _PREFIX + n)]
+        if legacy:
+            warnings.warn(
+                f"torchcache: {', '.join(_PREFIX + n for n in legacy)} of torchcache 0.6 "
+                f"{'is' if len(legacy) == 1 else 'are'} accepted and ignored: entries are brotli-compressed "
+                "when it pays (see brotli_quality)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        overrides = {n: getattr(self, _PREFIX + n) for n in _OPTION_NAMES if hasattr(self, _PREFIX + n)}
+        instance_settings = settings.override(**overrides)
+        if not instance_settings.enabled:
+            self.__dict__["cache_instance"] = None
+            return
+        init_digest = b""
+        if instance_settings.persistent_module_hash is None:  # else the user gave the key
+            ignore = instance_settings.key_ignore
+            init_digest = describe_init(args, kwargs, ignore) + describe_instance(self, ignore)
+        _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
+
+    _patch(cls, original_forward)
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
+    sub = _subclasses.get(cls)
+    if sub is None:
+
+        def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
+            # Pickled as the plain class, without the cache (torch.save of a whole model).
+            state = {k: v for k, v in self.__dict__.items() if k not in ("cache_instance", _BINDING)}
+            return (_rebuild_plain, (cls, state))
+
+        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
+            import copy
+
+            copied = object.__new__(type(self))
+            memo[id(self)] = copied
+            copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[no-untyped-call]
+            return copied
+
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__reduce_ex__": __reduce_ex__,
+            "__deepcopy__": __deepcopy__,
+        }
+        sub = _subclasses[cls] = type(cls.__name__, (cls,), namespace)
+        _patch(sub, cls.forward)
+    return sub
+
+
+def _rebuild_plain(cls: type[torch.nn.Module], state: dict[str, Any]) -> torch.nn.Module:
+    module = object.__new__(cls)
+    module.__setstate__(state)  # type: ignore[no-untyped-call]
+    return module
+
+
+def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    existing = module.__dict__.get("cache_instance")
+    if isinstance(existing, Cache):
+        if existing.settings != settings:
+            raise ConfigError(
+                f"this {type(module).__qualname__} instance is already cached with other settings; "
+                "wrap each instance once"
+            )
+        return module
+    cls = type(module)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    check_frozen(module, cls.__qualname__)
+    # Else the user gave the key. Taken now, so that a refusal comes when the model is wrapped.
+    described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
+    binding = _Binding(settings, described, name)
+    module.__class__ = _cached_subclass(cls)
+    _bind(module, binding, cls.forward)
+    return module

@@ -1,0 +1,498 @@
+"""The cache of one decorated module instance or function: lookup, compute misses, merge.
+
+One call hashes every item of the batch, looks the keys up in the memory tier, then
+the disk tier, runs the wrapped callable on the items found nowhere (only those), and
+returns outputs in input order. Hits come back as new tensors with the dtype and device
+a real call would give. Faults of the cache become one :class:`CacheWarning` per kind
+and a recompute; they never break the call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._fork import renew_lock_after_fork
+from .._log import logger
+from .._version import __version__
+from ..catalog.maintenance import CacheClaim, claim_module_cache, keep_root_budget
+from ..config import Settings, resolve_local_dir, resolve_location
+from ..errors import ConfigError, StoreError
+from ..faults import FaultLog
+from ..keys import FORMAT_VERSION, Context, hash_items
+from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
+from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
+from ..tiers.memory import MemoryTier
+from ..tiers.persistent import PersistentTier
+from ..tiers.shared import SharedTier, open_shared_tier
+from ..tree import Layout, RebuildError, flatten
+from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput
+from .outputs import OutputPlan, UnbatchedOutputError
+from .versions import VersionWatch
+
+__all__ = ["Cache"]
+
+_caches: weakref.WeakSet[Cache] = weakref.WeakSet()
+#: Calls after which a low hit rate with varying input shapes is pointed out.
+SHAPE_HINT_CALLS = 64
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class Cache:
+    """The cache behind a decorated module instance or function (``.cache_instance``).
+
+    Args:
+        settings: Validated settings.
+        name: Qualified name of the class or function (for metadata and logs).
+        kind: ``"module"`` or ``"function"``.
+        signature: The signature calls are bound to (without ``self``).
+        fingerprint: Computes the module key; called once, at the first call (or the first
+            access of :attr:`module_hash`), unless ``persistent_module_hash`` is set.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        kind: str,
+        signature: inspect.Signature,
+        fingerprint: Callable[[], str],
+    ) -> None:
+        self.settings = settings
+        self.name = name
+        self.kind = kind
+        self._signature = signature
+        self._splitter = CallSplitter(signature, settings.shared_args, settings.batch_dims)
+        self._fingerprint = fingerprint
+        self._rebind: Callable[[Any], Cache] | None = None
+        self._watch: VersionWatch | None = None
+        self._owner: weakref.ref[Any] | None = None
+        self._module_hash: str | None = settings.persistent_module_hash
+        self._stale = False
+        if self._module_hash is not None:
+            logger.warning(
+                "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
+                "or weights will not invalidate its cache",
+                name,
+                self._module_hash,
+            )
+        self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
+        self._disk: PersistentTier | None = None
+        self._root_claim: CacheClaim | None = None  # this process's hold on its directory (root budget)
+        self._shared: SharedTier | None = None
+        self._disk_ready = not settings.persistent
+        self.faults = FaultLog(name)
+        self._lock = threading.RLock()
+        self._shape_hint = ShapeHint(SHAPE_HINT_CALLS)
+        self._outputs = OutputPlan(name, settings.batch_dims)
+        #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
+        self.stochastic: bool | None = None
+        self._hits = 0
+        self._misses = 0
+        self._memory_hits = 0
+        # The disk tier's hit count when the counters were last reset (a tier may be shared).
+        self._disk_hits_seen: tuple[PersistentTier | None, int] = (None, 0)
+        self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
+        self._summaries = PeriodicSummary()
+        _caches.add(self)
+        renew_lock_after_fork(self, "_lock")
+
+    def bind_owner(self, owner: Any, rebind: Callable[[Any], Cache]) -> None:
+        """Remember the object this cache belongs to and how to make one for a copy of it."""
+        self._owner = weakref.ref(owner)
+        self._rebind = rebind
+
+    def watch_weights(self, module: torch.nn.Module) -> None:
+        """Take the key again at the first call after ``module``'s weights change in place."""
+        if self.settings.persistent_module_hash is None:
+            self._watch = VersionWatch(module, self.settings.verify_weights)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Cache:
+        """A new cache for the copy of the owner (same settings, its own memory tier).
+
+        A copy whose weights are equal has the same module key, so it shares the disk
+        directory (and, in this process, the disk tier) with the original; its memory
+        tier and counters are its own.
+        """
+        owner = self._owner() if self._owner is not None else None
+        if self._rebind is None or owner is None:
+            raise TypeError(
+                f"cannot copy the cache of {self.name} on its own; copy the module or function that owns it"
+            )
+        return self._rebind(memo.get(id(owner), owner))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled modules carry no cache: a new one is made at their first call."""
+        return (_no_cache, ())
+
+    def __repr__(self) -> str:
+        return f"<torchcache.Cache of {self.name} memory={self.memory!r} disk={self._disk!r}>"
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def module_hash(self) -> str:
+        """The module key (32 hex digits, or ``persistent_module_hash``).
+
+        Fixed at the first call, and taken again at the next call after
+        ``load_state_dict()`` or ``.to()``. Reading it in between gives the key the
+        current weights would give, without fixing it.
+        """
+        if self._module_hash is not None and not self._stale:
+            return self._module_hash
+        return self._fingerprint()
+
+    def _freeze_key(self) -> str:
+        if self._stale:
+            self._rekey()
+        if self._module_hash is None:
+            with self._lock:  # threads making the first calls at once fingerprint once
+                if self._module_hash is None:
+                    if self._watch is not None:
+                        self._watch.reset()  # before hashing: a write during it is seen at the next call
+                    self._module_hash = self._fingerprint()
+                    logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+        return self._module_hash
+
+    def weights_changed(self) -> None:
+        """Take the module key again at the next call (the weights may have changed).
+
+        The decorator calls this after ``load_state_dict()`` and after conversions such as
+        ``.to()``, ``.half()`` and ``.cuda()``. A key that comes out the same (a move to
+        another device) keeps every entry; a new key starts from an empty memory tier and
+        the disk directory of the new key.
+        """
+        if self.settings.persistent_module_hash is None and self._module_hash is not None:
+            self._stale = True
+
+    def _rekey(self) -> None:
+        with self._lock:
+            self._stale = False
+            if self._watch is not None:
+                self._watch.reset()  # before hashing: a write during it is seen at the next call
+            key = self._fingerprint()
+            if key == self._module_hash:
+                return
+            logger.info("torchcache: %s changed its weights; new module key %s", self.name, key)
+            if self._disk is not None:
+                self._disk.flush()
+            self._module_hash = key
+            self._disk = None
+            self._shared = None
+            self._disk_ready = not self.settings.persistent
+            self._devices.clear()
+            with self.memory.lock:
+                self.memory.clear()
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """Directory of this module's entries, or ``None`` when not persistent (or on a Redis server)."""
+        if not self.settings.persistent:
+            return None
+        location = resolve_location(self.settings.persistent_cache_dir)
+        return None if isinstance(location, str) else location / self.module_hash
+
+    def _disk_tier(self) -> PersistentTier | None:
+        if not self._disk_ready:
+            with self._lock:
+                if not self._disk_ready:
+                    self._open_disk_tier()
+        return self._disk
+
+    def _open_disk_tier(self) -> None:
+        """Create the disk tier (call with ``_lock`` held); on failure, warn and stay in memory."""
+        key = self._freeze_key()
+        try:
+            location = resolve_location(self.settings.persistent_cache_dir)
+            local = resolve_local_dir(self.settings.local_cache_dir) if isinstance(location, str) else None
+        except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
+            self.faults.warn("write", f"{exc}; caching in memory only")
+            self._disk_ready = True
+            return
+        self._root_claim = claim_module_cache(location, key, self.faults.warn, local)  # the root's budget
+        meta = {
+            "torchcache_version": __version__,
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "kind": self.kind,
+            "module_key": self._module_hash,
+            "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
+        }
+        settings = self.settings
+        # Kept while this cache uses the tier: other caches of this key share it.
+        self._shared, self._disk = open_shared_tier(
+            location, key, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults, local=local
+        )
+        self._disk_ready = True
+
+    # -- public API -------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Hits and misses (batch items, every tier together) and each tier's size."""
+        disk = self._disk
+        total = self._hits + self._misses
+        return CacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            hit_rate=self._hits / total if total else 0.0,
+            memory=TierStats(len(self.memory), self.memory.nbytes, self.memory.max_bytes, self._memory_hits),
+            disk=None
+            if not self.settings.persistent
+            else TierStats(
+                len(disk.store) if disk else 0,
+                disk.store.nbytes if disk else 0,
+                self.settings.max_persistent_cache_size,
+                (disk.hits - (self._disk_hits_seen[1] if self._disk_hits_seen[0] is disk else 0)) if disk else 0,
+            ),
+        )
+
+    def summary(self) -> str:
+        """A one-line summary: hits, misses, hit rate, and each tier against its budget."""
+        return format_summary(self.name, self._module_hash, self.stats())
+
+    def flush(self) -> None:
+        """Wait until every pending write is on disk."""
+        if self._disk is not None:
+            self._disk.flush()
+            self._disk.touch()
+            if self._root_claim is not None:  # the cache grew: keep the root under its budget
+                keep_root_budget(self._root_claim.directory.parent, self.faults.warn)
+        self.faults.emit()
+
+    def clear(self) -> None:
+        """Remove this module's entries from memory and from disk, and set the counters of :meth:`stats` to zero."""
+        with self._lock:
+            with self.memory.lock:
+                self._hits = self._misses = self._memory_hits = 0
+            self.memory.clear()
+            disk = self._disk_tier() if self.settings.persistent else None
+            self._disk_hits_seen = (disk, disk.hits if disk is not None else 0)
+            if disk is not None:
+                try:
+                    disk.clear()
+                except StoreError as exc:
+                    self.faults.warn("write", f"could not clear the disk cache: {exc}")
+        self.faults.emit()
+
+    # -- the call ---------------------------------------------------------------------
+    def __call__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None = None
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)`` through the cache.
+
+        ``fn`` is called back with the caller's own layout of positional and keyword
+        arguments, with only the per-item tensors replaced by the rows to compute.
+        """
+        watch = self._watch
+        if watch is not None and self._module_hash is not None and not self._stale and watch.changed():
+            self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
+        try:
+            call, context = self._split(args, kwargs, training)
+        except UncachedInput as exc:
+            self.faults.warn("uncached", f"{exc}; such calls run without the cache")
+            return fn(*args, **kwargs)
+        tensors = call.tensors
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")
+            return fn(*args, **kwargs)
+        self.faults.emit()
+        self._summaries.tick(self.summary)
+        keys = hash_items(context, tensors, self.settings.subsample_count)
+        batch = len(keys)
+        if batch == 0:
+            return fn(*args, **kwargs)
+        if "shapes" not in self.faults.warned:
+            hint = self._shape_hint.note(tensors, self._hits, self._misses)
+            if hint is not None:
+                self.faults.warn("shapes", hint)
+        device = self._devices.get(tensors[0].device, tensors[0].device)
+        with self.memory.lock:
+            found = self.memory.find(keys)
+            first = found[0]
+            slab = first[0] if first is not None else None
+            hit_rows = [f[1] for f in found if f is not None and f[0] is slab]
+            if len(hit_rows) == batch and slab is not None:  # every item, from one slab
+                rows = index_tensor(hit_rows, slab.device)
+                leaves = [t.index_select(0, rows) for t in slab.leaves]
+                try:
+                    output = self._outputs.rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
+                except RebuildError as exc:
+                    error: RebuildError | None = exc.with_traceback(None)  # no frame (and batch) kept alive
+                else:
+                    self._count(hits=batch, memory_hits=batch)
+                    return output
+            else:
+                error = None
+            layout, parts = gather_hits(found)
+        if error is not None:  # outside the lock: the forward runs
+            return self._recompute(fn, args, kwargs, batch, error)
+        return self._call_mixed(fn, call, keys, layout, parts, device)
+
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None
+    ) -> tuple[CallArguments, bytes]:
+        """Split a call into its per-item tensors and the digest of everything else."""
+        context = Context(self._freeze_key())
+        call = self._splitter.split(args, kwargs, context)
+        if training is not None:
+            context.add(b"training" if training else b"eval")
+        # Autocast changes the dtype and the values of outputs: it is part of the key,
+        # and nothing is added when it is off, so keys made without it stay the same.
+        for device_type in {*_AUTOCAST_DEVICES, call.tensors[0].device.type}:
+            if torch.is_autocast_enabled(device_type):
+                context.add(f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode())
+        return call, context.digest()
+
+    def _call_mixed(
+        self,
+        fn: Callable[..., Any],
+        call: CallArguments,
+        keys: list[bytes],
+        layout: Layout | None,
+        parts: list[tuple[list[int], list[torch.Tensor]]],
+        device: torch.device,
+    ) -> Any:
+        """Fill the memory misses from disk, compute the rest, merge in input order."""
+        batch = len(keys)
+        memory_hits = sum(len(p) for p, _ in parts)
+        covered = {pos for positions, _ in parts for pos in positions}
+        missing = [pos for pos in range(batch) if pos not in covered]
+
+        disk = self._disk_tier() if self.settings.persistent else None
+        if disk is not None and missing:
+            hex_keys = [keys[pos].hex() for pos in missing]
+            try:
+                found_at, disk_layout, disk_leaves = disk.read(hex_keys)
+            except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
+                self.faults.warn("read", f"cannot read cache entries, recomputing them: {type(exc).__name__}: {exc}")
+                found_at, disk_layout, disk_leaves = [], None, []
+            if found_at and (layout is None or disk_layout == layout):
+                layout = disk_layout
+                positions = [missing[i] for i in found_at]
+                parts.append((positions, disk_leaves))
+                with self.memory.lock:
+                    self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
+                taken = set(positions)
+                missing = [pos for pos in missing if pos not in taken]
+            self.faults.emit()
+
+        if missing:
+            # exact_batches: a batch with any miss is computed whole, as an uncached call computes it.
+            whole = len(missing) == batch or self.settings.exact_batches
+            if whole:
+                computed = fn(*call.args, **call.kwargs)
+            else:
+                sub_args, sub_kwargs = call.select(missing)
+                computed = fn(*sub_args, **sub_kwargs)
+            spec, leaves = flatten(computed)
+            leaves = self._outputs.to_items(spec, leaves)
+            self._check_items(leaves, batch if whole else len(missing), call.batch)
+            new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
+            if layout is not None and new_layout != layout:
+                self.faults.warn(
+                    "layout", "cached outputs do not match the shapes just computed; computing the whole batch"
+                )
+                self._count(misses=batch)
+                return computed if whole else fn(*call.args, **call.kwargs)
+            layout = new_layout
+            if leaves:
+                self._devices[call.tensors[0].device] = leaves[0].device
+            if whole:
+                if leaves and len(missing) < batch:  # store the misses' rows only
+                    rows = index_tensor(missing, leaves[0].device)
+                    leaves = [leaf.index_select(0, rows) for leaf in leaves]
+                self._store(keys, missing, layout, leaves)
+                self._count(misses=batch)
+                return computed
+            self._store(keys, missing, layout, leaves)
+            parts.append((missing, leaves))
+        assert layout is not None
+        try:
+            output = self._outputs.rebuild(layout, merge_parts(parts, batch, layout, device))
+        except RebuildError as exc:
+            return self._recompute(fn, call.args, call.kwargs, batch, exc)
+        self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
+        return output
+
+    def _recompute(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, error: RebuildError
+    ) -> Any:
+        """Compute a whole batch whose cached outputs name a class this process cannot rebuild."""
+        self.faults.warn("rebuild", f"{error}; computing the batch instead (its entries are kept for when it can)")
+        self._count(misses=batch)
+        return fn(*args, **kwargs)
+
+    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
+        """Refuse leaves that are not per item.
+
+        A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n``
+        shaped ``(num_layers, batch, hidden)`` with ``num_layers == batch``) was stored
+        per item in earlier calls: those entries may be wrong, so they are removed.
+        """
+        try:
+            self._outputs.check(leaves, computed, batch)
+        except UnbatchedOutputError as exc:
+            if len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0):
+                self.clear()
+                raise UnbatchedOutputError(
+                    f"{exc} Entries cached so far may hold such outputs and were removed."
+                ) from None
+            raise
+
+    def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
+        with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
+            self._hits += hits
+            self._misses += misses
+            self._memory_hits += memory_hits
+
+    def _store(self, keys: list[bytes], positions: list[int], layout: Layout, leaves: list[torch.Tensor]) -> None:
+        item_keys = [keys[p] for p in positions]
+        disk = self._disk
+        stored = None
+        if disk is not None:
+            stored = [
+                leaf.detach().to(device="cpu", dtype=spec.dtype, copy=True).contiguous()
+                for leaf, spec in zip(leaves, layout.leaves)
+            ]
+            disk.write([k.hex() for k in item_keys], layout, stored)
+        cpu_memory = self.memory.device is not None and self.memory.device.type == "cpu"
+        with self.memory.lock:
+            self.memory.put(
+                item_keys, layout, stored if stored is not None and cpu_memory else [t.detach() for t in leaves]
+            )
+
+
+def _no_cache() -> None:
+    """What an unpickled cache becomes: nothing (the owner makes a new one when called)."""
+    return None
+
+
+def _summarize_at_exit() -> None:
+    """Flush every cache and log its summary at INFO level (interpreter exit).
+
+    Entries that a server did not take in this process (it was away or full) are counted
+    in one warning per tier, whatever was warned before: none is lost silently.
+    """
+    told: set[int] = set()
+    for cache in list(_caches):
+        if cache._hits or cache._misses:
+            cache.flush()
+            disk = cache._disk
+            if disk is not None and disk.unstored and id(disk) not in told:
+                told.add(id(disk))
+                cache.faults.warn(
+                    "unstored",
+                    f"{disk.unstored} entries computed in this process could not be stored in {disk.where} "
+                    "(the server was away or full); they are computed again when next needed",
+                )
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(cache.summary())
+
+
+atexit.register(_summarize_at_exit)

@@ -1,0 +1,86 @@
+"""Checks and wrappers shared by every kind of cached callable.
+
+A cached module must be frozen (cached outputs carry no gradient), should not run in
+training mode when it holds dropout or batch norm (the cache would replay one dropout
+mask), and its lookup must stay out of ``torch.compile`` graphs (it is host-side
+Python: hashing, locks, files).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import ConfigError
+from .engine import Cache
+
+__all__ = ["check_frozen", "outside_compile", "warn_if_training"]
+
+T = TypeVar("T")
+_STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+_COMPILE_REASON = (
+    "torchcache looks cached outputs up in host-side Python, outside compiled graphs; with "
+    "fullgraph=True, compile the modules around the cached one (or leave fullgraph off)"
+)
+
+
+def check_frozen(module: torch.nn.Module, name: str) -> None:
+    """Refuse a module with parameters that require grad: cached outputs carry no gradient.
+
+    Raises:
+        ConfigError: If a parameter of ``module`` (called ``name`` in the message) requires grad.
+    """
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    if trainable:
+        shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
+        raise ConfigError(
+            f"{name} has parameters that require grad ({shown}): cached outputs carry no gradient, "
+            "so training them through the cache would silently stop. Freeze the module, e.g. "
+            "call requires_grad_(False) on it (at the end of __init__ for a decorated class), or "
+            "set self.torchcache_enabled = False for a trainable instance"
+        )
+
+
+def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
+    """Warn once when a module with dropout or batch norm is called through the cache in training mode."""
+    if not module.training or "train" in cache.faults.warned:
+        return
+    if cache.stochastic is None:
+        cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())
+    if cache.stochastic:
+        cache.faults.warn(
+            "train",
+            "called in training mode, and it holds dropout or batch-norm layers: cached outputs replay one "
+            "dropout mask and batch-norm statistics stop following the data. Call .eval() on it after "
+            "model.train() (which a parent module passes down), or cache it with keep_eval=True",
+        )
+
+
+def outside_compile(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, excluded from ``torch.compile`` tracing once ``torch._dynamo`` is loaded.
+
+    Importing ``torch._dynamo`` takes seconds, so a process that never compiles never
+    pays for it; a process that compiles has loaded it before any graph is traced.
+    """
+    disabled: Callable[..., T] | None = None
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> T:
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(fn, recursive=True, reason=_COMPILE_REASON)  # type: ignore[no-untyped-call]
+        return disabled(*args, **kwargs)
+
+    # What torch._dynamo.disable marks, set without importing dynamo: a trace that reaches
+    # this function does not go into it, from the first compile of a process on.
+    inner._torchdynamo_disable = True  # type: ignore[attr-defined]
+    inner._torchdynamo_disable_msg = _COMPILE_REASON  # type: ignore[attr-defined]
+    return inner

@@ -1,0 +1,135 @@
+"""The packed store's budget: whole-segment eviction and when to compact.
+
+The budget counts record bytes plus the index's share (an estimate per entry, or the
+index file's real size past its empty size, whichever is larger). Eviction drops whole
+segments, most recently written first (MRU) or least (LRU): its file goes at once, so
+eviction never leaves dead bytes behind. A segment that another live process still
+writes to is left alone; this process's own is evicted only when nothing else is left.
+Deletions and replaced entries do leave dead bytes: compaction gives them back once
+the files pass the budget by 5 %.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import lmdb
+
+from ..files import open_regular
+from . import upkeep
+from .format import scan_keys
+from .index import Change, Index
+from .segments import SegmentFiles
+
+__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "evict", "keep_within_bounds", "release"]
+
+#: Index bytes charged to the budget per entry (measured: 55 to 70 with 32-digit keys).
+INDEX_ENTRY_BYTES = 96
+#: Index file bytes not charged to the budget: an empty index and its lock file take 68 KiB.
+INDEX_BASE_BYTES = 1 << 17
+Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclusive lock (None: our own)
+
+
+def index_charge(index_bytes: int, count: int) -> int:
+    """What the index costs the budget with ``count`` entries and a file of ``index_bytes``."""
+    return max(count * INDEX_ENTRY_BYTES, index_bytes - INDEX_BASE_BYTES)
+
+
+def evict(
+    index: Index, change: Change, files: SegmentFiles, max_bytes: int, recent: bool
+) -> tuple[Victims, set[bytes]]:
+    """Evict whole segments in ``change`` until the budget holds.
+
+    Returns:
+        The evicted segments (each with the descriptor that locks it, to close once its
+        file is removed after the commit) and the keys evicted.
+
+    Raises:
+        OSError: If a segment cannot be read.
+    """
+    index_bytes = index.file_bytes()
+    victims: Victims = []
+    evicted: set[bytes] = set()
+    if change.records + index_charge(index_bytes, change.count) <= max_bytes:
+        return victims, evicted
+    mine = files.own()
+    table = change.table()
+    by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
+    order = [seg for seg in by_time if table[seg].sealed] + [seg for seg in by_time if seg in mine]
+    for seg in dict.fromkeys(order):
+        if change.records + index_charge(index_bytes, change.count) <= max_bytes:
+            break
+        lock: int | None = None
+        if seg in mine:
+            opened = open_regular(files.path(seg), follow_symlinks=False)
+            if opened is None:
+                continue
+            fd = opened[0]
+        else:
+            lock = files.lock_exclusive(seg)
+            if lock is None:
+                continue  # a live writer's, or being compacted
+            fd = lock
+        try:
+            evicted.update(change.remove_segment_entries(seg, scan_keys(fd, table[seg].end)))
+        finally:
+            if lock is None:
+                os.close(fd)
+        change.drop_segment(seg)
+        victims.append((seg, lock))
+    return victims, evicted
+
+
+def release(files: SegmentFiles, victims: Victims, remove: bool) -> None:
+    """Remove the files of evicted segments (after the commit, if ``remove``) and close their locks."""
+    for seg, lock in victims:
+        try:
+            if remove:
+                if files.writer is not None and files.writer.seg == seg:
+                    files.seal_writer()
+                with contextlib.suppress(OSError):
+                    files.remove(seg)
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+
+def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: bool) -> None:
+    change = index.change()
+    victims: Victims = []
+    try:
+        victims, _ = evict(index, change, files, max_bytes, recent)
+        change.commit()
+    except BaseException:
+        with contextlib.suppress(lmdb.Error):
+            change.abort()
+        release(files, victims, remove=False)
+        raise
+    release(files, victims, remove=True)
+
+
+def keep_within_bounds(
+    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Callable[[str, str], None]
+) -> None:
+    """Evict if the index grew past its share; compact once the files pass the budget by 5 %.
+
+    Compaction goes back to 2 % over the budget where it can (segments that live
+    writers still hold are left alone).
+
+    Raises:
+        lmdb.Error: If the index cannot be written.
+        OSError: If a file cannot be read, written or removed.
+    """
+    limit = max_bytes + INDEX_BASE_BYTES
+    for _ in range(3):
+        with index.begin() as txn:
+            totals, count = index.totals(txn), index.count(txn)
+        index_bytes = index.file_bytes()
+        if totals[b"records"] + index_charge(index_bytes, count) > max_bytes:
+            _evict_to_fit(index, files, max_bytes, recent)  # a large transaction grew the index
+        elif totals[b"files"] + index_bytes <= limit * 1.05 or not upkeep.compact(
+            index, files, int(limit * 1.02), report
+        ):
+            return

@@ -1,0 +1,136 @@
+"""The index of a packed store as one process holds it: opened lazily, reopened when replaced.
+
+Every call first checks that this is still the process that opened the index (a forked
+child starts afresh: LMDB forbids using a parent's environment) and that the index
+file is still the one opened (``stat``: device and inode). If it was replaced (rebuilt
+by another process) it is reopened; if the directory vanished, reads are misses and
+writes raise. Opening a writable index seals the segments of writers that died and
+removes orphaned files (see :func:`~torchcache.stores.packed.upkeep.seal_orphans`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Callable
+
+import lmdb
+
+from ...errors import StoreError
+from . import upkeep
+from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index
+from .segments import SegmentFiles
+
+__all__ = ["DAMAGE", "IndexHandle"]
+
+
+class IndexHandle:
+    """The open index of a store directory in this process.
+
+    Args:
+        root: The store directory.
+        files: This process's segment files of that directory.
+        report: Called with ``(kind, message, once)`` for faults.
+        on_fork: Called in a forked child to drop state that belongs to the parent.
+        map_size: The address space to map the index in (see
+            :func:`~torchcache.stores.packed.index.map_size_for`).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        files: SegmentFiles,
+        report: Callable[[str, str, str | None], None],
+        on_fork: Callable[[], None],
+        map_size: int = MIN_MAP_SIZE,
+    ) -> None:
+        self.root = root
+        self.map_size = map_size
+        self.path = os.path.join(root, INDEX_NAME)
+        self.files = files
+        self.report = report
+        self.on_fork = on_fork
+        self.pid = os.getpid()
+        self.index: Index | None = None
+
+    def forked(self) -> bool:
+        """Whether this is a forked child of the process that opened the index (then start afresh)."""
+        if self.pid == os.getpid():
+            return False
+        self.index = None  # the index module keeps the parent's environment, unused
+        self.files.abandon()
+        self.on_fork()
+        self.pid = os.getpid()
+        return True
+
+    def drop(self) -> None:
+        """Close this process's files and its use of the index."""
+        if self.index is not None:
+            self.files.close()
+            with contextlib.suppress(lmdb.Error):
+                self.index.close()
+            self.index = None
+
+    def ensure(self, write: bool) -> Index | None:
+        """The open index, reopened if it changed; ``None`` if the directory is gone.
+
+        Raises:
+            StoreError: If ``write`` and the store cannot be written.
+        """
+        self.forked()
+        try:
+            st = os.stat(self.path)
+            identity: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            identity = None
+        index = self.index
+        if index is None or identity != index.identity:
+            self.drop()
+            index = self.index = self._open() if os.path.isdir(self.root) else None
+            if index is not None and not index.readonly:
+                with contextlib.suppress(lmdb.Error, OSError):
+                    upkeep.seal_orphans(index, self.files)  # what writers that died left
+        if write:
+            if index is None:
+                raise StoreError(errno.ENOENT, f"the store directory {self.root} is gone or its index cannot be opened")
+            if index.readonly:
+                raise StoreError(errno.EROFS, f"the store directory {self.root} is read-only")
+        return index
+
+    def _open(self) -> Index | None:
+        """Open the index; rebuild it from the segments if it is new or was damaged.
+
+        An index that cannot be opened for another reason (no memory or address space, a
+        full disk) is left as it is: the store is unavailable (reported once), and opening
+        is tried again at the next use.
+        """
+        try:
+            return upkeep.open_or_recover(
+                self.root, lambda kind, message: self.report(kind, message, None), self.map_size
+            )
+        except (lmdb.Error, OSError) as exc:
+            self.report(
+                "index", f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss", "open"
+            )
+            return None
+
+    def failed(self, exc: Exception) -> None:
+        """LMDB failed in a read: if the index is damaged, replace it on next use."""
+        if not isinstance(exc, DAMAGE):
+            self.report("read", f"cannot read the index of {self.root} ({exc}); recomputing", f"fail{exc}")
+            return
+        self.report("index", f"the index of {self.root} is damaged ({exc}); rebuilding it", f"fail{exc}")
+        index = self.index
+        self.drop()
+        if index is not None and not index.readonly:
+            with contextlib.suppress(OSError):
+                upkeep.discard_index(self.root, index.identity)
+
+    def release(self) -> None:
+        """Give back descriptors and the index when the store is dropped (not in a forked child)."""
+        if self.pid == os.getpid():
+            self.files.close()
+            if self.index is not None:
+                self.index.close()
+                self.index = None

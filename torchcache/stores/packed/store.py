@@ -1,0 +1,446 @@
+"""A packed disk store: many entries per file, one LMDB index, shared by every process.
+
+Entries are records appended to segment files (``seg-<n>.tcs``), each process to its
+own, so appends take no cross-process lock; an LMDB index (``index.lmdb``) maps each
+key to its record and keeps the totals and the segment table. A batch costs one index
+transaction and one ``pwritev``, or one index pass and one ``pread`` per hit in file
+order. A record is indexed only after it is written and carries a checksum, so readers
+see whole entries or none, and a torn or flipped record is a miss, reported once. A
+put is visible to every process and safe from ``kill -9`` when it returns.
+
+The budget (record bytes plus the index's share) spans runs and processes. Eviction
+drops whole segments, the most recently written first (MRU): "used" means written, by
+any process; reads do not count, so they never write. Deleted and replaced entries
+leave dead bytes, compacted away once the files pass the budget by 5 %: the disk
+stays within 1.1 times the budget. ``docs/how-it-works.md`` (The packed disk store) has the design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import lmdb
+
+from ..._fork import renew_lock_after_fork
+from ..._log import logger
+from ...errors import ConfigError, StoreError
+from ...policy import format_size, parse_size
+from ..batched import BatchedStore, VerifyReport
+from . import upkeep
+from .evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_within_bounds, release
+from .format import decode_key, encode_key, encode_keys, encode_records, record_size
+from .index import Change, Index, map_size_for
+from .opening import IndexHandle
+from .read import EntryReader
+from .segments import SegmentFiles
+from .verify import verify
+
+__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "MAX_ENTRY_BYTES", "PackedStore"]
+
+#: The largest entry stored by default; a longer length in the index is a lie and is not read.
+MAX_ENTRY_BYTES = 1 << 28
+_CHUNK_KEYS = 4096
+#: Times a write that finds the index's map full grows it and writes again.
+_GROW_TRIES = 8
+
+
+def _default_report(kind: str, message: str) -> None:
+    logger.warning("%s: %s", kind, message)
+
+
+class PackedStore(BatchedStore):
+    """Entries packed into append-only segment files under one LMDB index.
+
+    Args:
+        directory: The store directory (created if missing).
+        max_bytes: The budget, in bytes or as a string such as ``"2GB"``.
+        report: Called with ``(kind, message)`` for each fault, once: ``"corrupt"`` (an
+            entry failed its checks and is a miss), ``"segment"`` (a segment file is
+            missing or not a regular file), ``"index"`` (the index was damaged and
+            rebuilt), ``"read"`` (a read failed). Logged as warnings by default.
+        evict: ``"mru"`` (the most recently written segment goes first) or ``"lru"`` (the least).
+        segment_bytes: Seal a segment once it holds this many bytes; by default 1/64 of
+            the budget, between 64 KiB and 256 MiB (1/16 of budgets under 1 MiB).
+        max_entry_bytes: Larger entries are not stored, and an index row that claims a
+            larger one is not read (so a lying index cannot make a read exhaust memory).
+
+    Raises:
+        ConfigError: If an argument is invalid.
+        StoreError: If the directory cannot be created.
+
+    Example:
+        >>> import tempfile
+        >>> store = PackedStore(tempfile.mkdtemp(), "1MB")
+        >>> store.put_many([("abcd01", b"spam"), ("abcd02", b"eggs")])
+        2
+        >>> [None if v is None else bytes(v) for v in store.get_many(["abcd01", "abcd03"])]
+        [b'spam', None]
+        >>> len(store), store.nbytes
+        (2, 8)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int | float | str,
+        *,
+        report: Callable[[str, str], None] | None = None,
+        evict: str = "mru",
+        segment_bytes: int | None = None,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+    ) -> None:
+        if evict not in ("mru", "lru"):
+            raise ConfigError(f"evict must be 'mru' or 'lru', got {evict!r}")
+        self.directory = Path(directory)
+        self.max_bytes = parse_size(max_bytes, "max_bytes")
+        # 1/64 of the budget, at least 64 KiB; small budgets get segments of 1/16 (at least
+        # 256 bytes), so that whole-segment eviction still keeps most of what fits.
+        default_segment = min(max(self.max_bytes // 64, min(1 << 16, max(self.max_bytes // 16, 256))), 1 << 28)
+        self.segment_bytes = int(segment_bytes) if segment_bytes else default_segment
+        if self.segment_bytes <= 0:
+            raise ConfigError(f"segment_bytes must be positive, got {segment_bytes!r}")
+        self._max_entry = min(self.max_bytes, int(max_entry_bytes))
+        self._root = os.fspath(self.directory)
+        self._report_fn = report if report is not None else _default_report
+        self._recent = evict == "mru"
+        self._lock = threading.RLock()
+        renew_lock_after_fork(self, "_lock")
+        self._files = SegmentFiles(self._root, self.segment_bytes)
+        self._reported: set[str] = set()
+        self._reader = EntryReader(self._root, self._files, int(max_entry_bytes), self._report)
+        self._handle = IndexHandle(
+            self._root, self._files, self._report, self._forget_doomed, map_size_for(self.max_bytes)
+        )
+        try:
+            os.makedirs(self._root, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store directory {self._root}: {exc}") from exc
+        with self._lock:
+            self._ensure(write=False)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._handle.release()
+
+    def __repr__(self) -> str:
+        try:
+            used = f"{format_size(self.nbytes)} in {len(self)} entries"
+        except Exception:  # noqa: BLE001 - a repr must not raise
+            used = "unavailable"
+        return f"PackedStore({self._root!r}, max_bytes={format_size(self.max_bytes)}, used={used})"
+
+    # -- opening ------------------------------------------------------------------
+    def _report(self, kind: str, message: str, once: str | None = None) -> None:
+        if once is not None:
+            if once in self._reported:
+                return
+            self._reported.add(once)
+        self._report_fn(kind, message)
+
+    def _forget_doomed(self) -> None:
+        self._reader.doomed = {}
+
+    def _ensure(self, write: bool) -> Index | None:
+        """The open index (see :meth:`IndexHandle.ensure`).
+
+        Raises:
+            StoreError: If ``write`` and the store cannot be written.
+        """
+        return self._handle.ensure(write)
+
+    # -- reads --------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """The stored bytes of each key (a view of the record read), ``None`` for a miss.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+        """
+        kbs = encode_keys(list(keys))
+        if not kbs:
+            return []
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is not None:
+                try:
+                    return self._reader.read(index, kbs)
+                except lmdb.Error as exc:
+                    self._handle.failed(exc)
+        return [None] * len(kbs)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            kb = encode_key(key)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is None:
+                return False
+            try:
+                with index.begin() as txn:
+                    raw = txn.get(kb, db=index.entries)
+            except lmdb.Error:
+                return False
+            return raw is not None and (kb, raw) not in self._reader.bad
+
+    def keys(self) -> Iterator[str]:
+        """Iterate over the stored keys, read from the index 4,096 at a time."""
+        start = b""
+        while True:
+            with self._lock:
+                index = self._ensure(write=False)
+                if index is None:
+                    return
+                chunk: list[bytes] = []
+                with index.begin() as txn:
+                    for kb, _ in index.iter_entries(txn, start):
+                        chunk.append(kb)
+                        if len(chunk) >= _CHUNK_KEYS:
+                            break
+            yield from (decode_key(kb) for kb in chunk)
+            if len(chunk) < _CHUNK_KEYS:
+                return
+            start = chunk[-1] + b"\0"
+
+    def __len__(self) -> int:
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is None:
+                return 0
+            with index.begin() as txn:
+                return index.count(txn)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the live entries (every process's)."""
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is None:
+                return 0
+            with index.begin() as txn:
+                return index.totals(txn)[b"payload"]
+
+    def usage(self) -> dict[str, int]:
+        """What the index counts, every process's writes included.
+
+        Returns:
+            ``entries``, ``payload`` (live payload bytes), ``records`` (live record bytes,
+            headers included) and ``files`` (bytes of segment files; what they hold beyond
+            ``records`` is reclaimable by compaction).
+        """
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is None:
+                return {"entries": 0, "payload": 0, "records": 0, "files": 0}
+            with index.begin() as txn:
+                totals = index.totals(txn)
+                count = index.count(txn)
+        return {"entries": count, **{name: totals[name.encode()] for name in ("payload", "records", "files")}}
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the index and segment files take on disk (allocated blocks)."""
+        return upkeep.disk_bytes(self._root)
+
+    # -- writes -------------------------------------------------------------------
+    def _change(self) -> tuple[Index, Change]:
+        """Begin a write transaction with this process's rejected entries removed.
+
+        Raises:
+            StoreError: If the store cannot be written.
+        """
+        index = self._ensure(write=True)
+        assert index is not None  # _ensure(write=True) raises instead
+        try:
+            change = index.change()
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot write the index of {self._root}: {exc}") from exc
+        try:
+            for kb, raw in self._reader.doomed.items():
+                entry = change.lookup(kb)
+                if entry is not None and change.txn.get(kb, db=index.entries) == raw:
+                    change.remove(kb, entry)
+        except BaseException:
+            change.abort()
+            raise
+        return index, change
+
+    def _commit(self, change: Change) -> None:
+        change.commit()
+        self._reader.doomed.clear()
+
+    def _grow(self, index: Index) -> bool:
+        """Double the index's map after a write found it full (no transaction open); whether it grew."""
+        try:
+            index.grow()
+        except lmdb.Error as exc:
+            self._report("index", f"cannot grow the map of the index of {self._root}: {exc}", "grow")
+            return False
+        return True
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        """Store entries under the budget (see :meth:`BatchedStore.put_many`).
+
+        Every item is appended, then whole segments are evicted until the budget holds
+        (with MRU, the most recently written first, which may be this batch's own).
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreError: If the storage cannot be written; nothing of this call is visible.
+        """
+        kbs = encode_keys([key for key, _ in items])
+        plan: dict[bytes, bytes | memoryview] = {}
+        limit = self.max_bytes - INDEX_ENTRY_BYTES
+        for kb, (_, data) in zip(kbs, items):
+            plan.pop(kb, None)
+            if record_size(kb, len(data)) <= limit and len(data) <= self._max_entry:
+                plan[kb] = data
+        if not plan:
+            return 0
+        with self._lock:
+            for attempt in range(_GROW_TRIES):
+                index, change = self._change()
+                victims: Victims = []
+                try:
+                    kbs, datas = list(plan), list(plan.values())
+                    places = self._files.append(change, encode_records(kbs, datas))
+                    change.add_many(kbs, places, list(map(len, datas)))
+                    victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent)
+                    self._commit(change)
+                except BaseException as exc:
+                    with contextlib.suppress(lmdb.Error):
+                        change.abort()
+                    self._files.aborted()
+                    release(self._files, victims, remove=False)
+                    if isinstance(exc, lmdb.MapFullError) and attempt + 1 < _GROW_TRIES and self._grow(index):
+                        continue  # the index outgrew its map: write the batch again in a larger one
+                    if isinstance(exc, (OSError, lmdb.Error)):
+                        raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
+                    raise
+                break
+            self._files.committed()
+            release(self._files, victims, remove=True)
+            try:
+                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+            except (lmdb.Error, OSError) as exc:
+                raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
+        return len(plan) - len(evicted.intersection(plan))
+
+    def trim(self) -> None:
+        """Evict and compact now until the budget holds (otherwise done by each :meth:`put_many`).
+
+        Raises:
+            StoreError: If the store cannot be written.
+        """
+        with self._lock:
+            index = self._ensure(write=True)
+            assert index is not None  # _ensure(write=True) raises instead
+            try:
+                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+            except (lmdb.Error, OSError) as exc:
+                raise StoreError(f"cannot trim the store {self._root}: {exc}") from exc
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove entries; return how many were present.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreError: If the storage cannot be written.
+        """
+        kbs = encode_keys(list(keys))
+        if not kbs:
+            return 0
+        with self._lock:
+            _, change = self._change()
+            removed = 0
+            try:
+                for kb in kbs:
+                    entry = change.lookup(kb)
+                    if entry is not None:
+                        change.remove(kb, entry)
+                        removed += 1
+                self._commit(change)
+            except lmdb.Error as exc:
+                with contextlib.suppress(lmdb.Error):
+                    change.abort()
+                if isinstance(exc, lmdb.MapFullError):
+                    self._grow(change.index)  # the next write has room
+                raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
+        return removed
+
+    def flush(self) -> None:
+        """Remove the entries this process found damaged from the index.
+
+        Entries are visible to every process, and safe from a killed one, as soon as
+        :meth:`put_many` returns: there is nothing else to flush.
+        """
+        with self._lock:
+            self._flush_quietly()
+
+    def _flush_quietly(self) -> None:
+        if not self._reader.doomed:
+            return
+        try:
+            _, change = self._change()
+            self._commit(change)
+        except (StoreError, lmdb.Error):  # a read-only or vanished store: nothing to record
+            self._reader.doomed.clear()
+
+    def clear(self) -> None:
+        """Remove every entry and every segment file no live writer holds.
+
+        Raises:
+            StoreError: If the storage cannot be written.
+        """
+        with self._lock:
+            index, change = self._change()
+            try:
+                change.clear()
+                self._commit(change)
+            except lmdb.Error as exc:
+                with contextlib.suppress(lmdb.Error):
+                    change.abort()
+                if isinstance(exc, lmdb.MapFullError):
+                    self._grow(index)
+                raise StoreError(f"cannot clear the store {self._root}: {exc}") from exc
+            self._files.seal_writer()
+            self._reader.bad.clear()
+            upkeep.remove_unindexed(index, self._files)
+
+    def close(self) -> None:
+        """Flush, seal this process's segment, close the index and every file.
+
+        The store reopens if it is used again.
+        """
+        with self._lock:
+            if self._handle.forked():
+                return
+            self._flush_quietly()
+            index, seg = self._handle.index, self._files.seal_writer()
+            if index is not None and seg is not None and not index.readonly:
+                with contextlib.suppress(lmdb.Error):
+                    change = index.change()
+                    change.seal(seg)
+                    change.commit()
+            self._handle.drop()
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Check every entry's record and checksum, the totals and the files.
+
+        Raises:
+            StoreError: If ``fix`` is set and the store cannot be written.
+        """
+        with self._lock:
+            index = self._ensure(write=fix)
+            if index is None:
+                return VerifyReport(problems=[f"{self._root} is gone"])
+            if fix:
+                self._flush_quietly()
+            try:
+                return verify(index, self._files, fix)
+            except (lmdb.Error, OSError) as exc:
+                raise StoreError(f"cannot verify the store {self._root}: {exc}") from exc

@@ -1,0 +1,114 @@
+"""Verification of a packed store: every record's checksum, the totals, the segment rows, the files.
+
+With ``fix``, entries that fail are removed, rows of segments whose file is gone are
+dropped, the totals and segment rows are recomputed from the entries, and orphaned
+segment files (no index row, no live writer) are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+import lmdb
+
+from ..batched import VerifyReport
+from .format import check_record, decode_key, record_size
+from .index import Entry, Index
+from .segments import SegmentFiles
+
+__all__ = ["verify"]
+
+
+def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -> VerifyReport:
+    """Check every entry's record, the totals, the segment rows and the files.
+
+    Entries are checked ``chunk`` at a time, each chunk's reads in file order.
+
+    Raises:
+        lmdb.Error: If the index cannot be read or (with ``fix``) written.
+        OSError: If a segment file cannot be read.
+    """
+    result = VerifyReport()
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+        totals = index.stored_totals(txn)
+    bad: list[tuple[bytes, Entry | None]] = []
+    live: dict[int, list[int]] = {seg: [0, 0] for seg in table}
+    payload = start = 0
+    after = b""
+    while True:
+        with index.begin() as txn:
+            rows = list(itertools.islice(index.iter_entries(txn, after), chunk))
+        if not rows:
+            break
+        after = rows[-1][0] + b"\0"
+        start += len(rows)
+        for kb, entry in sorted(rows, key=lambda row: (row[1].seg, row[1].offset) if row[1] else (-1, 0)):
+            if entry is None or entry.seg not in table:
+                bad.append((kb, entry))
+                continue
+            data = files.read(entry.seg, entry.offset, record_size(kb, entry.length))
+            if isinstance(data, str) or check_record(data, kb, entry.length) is None:
+                bad.append((kb, entry))
+                continue
+            live[entry.seg][0] += record_size(kb, entry.length)
+            live[entry.seg][1] += 1
+            payload += entry.length
+    result.entries = start
+    result.bad = [decode_key(kb) for kb, _ in bad]
+    if not bad and payload != totals[b"payload"]:
+        result.problems.append(f"the index counts {totals[b'payload']:,} payload bytes, the entries hold {payload:,}")
+    records = sum(size for size, _ in live.values())
+    if not bad and records != totals[b"records"]:
+        result.problems.append(f"the index counts {totals[b'records']:,} record bytes, the entries take {records:,}")
+    files_bytes = sum(-(-row.end // 4096) * 4096 for row in table.values())
+    if totals[b"files"] != files_bytes:
+        result.problems.append(f"the index counts {totals[b'files']:,} file bytes, its segments take {files_bytes:,}")
+    for seg, (size, count) in live.items():
+        if (size, count) != (table[seg].live, table[seg].records) and not bad:
+            result.problems.append(f"segment {seg}: the index counts {table[seg].records} live records, found {count}")
+        if not os.path.isfile(files.path(seg)):
+            result.problems.append(f"segment {seg}: {files.path(seg)} is missing or not a regular file")
+    result.problems.extend(f"{files.path(seg)} is not in the index" for seg in files.orphans(set(table)))
+    if fix and not result.ok:
+        _repair(index, files, bad)
+        files.sweep(set(table))
+        result.fixed = True
+    return result
+
+
+def _repair(index: Index, files: SegmentFiles, bad: list[tuple[bytes, Entry | None]]) -> None:
+    """Remove bad entries and those of missing segments; recompute the totals and rows from the entries."""
+    change = index.change()
+    txn = change.txn
+    try:
+        for kb, _ in bad:
+            txn.delete(kb, db=index.entries)
+        table = index.segment_table(txn)
+        gone = {seg for seg in table if not os.path.isfile(files.path(seg))}
+        rows = [(kb, e) for kb, e in index.iter_entries(txn)]
+        change.payload = change.records = change.count = 0
+        counts = {seg: [0, 0] for seg in table if seg not in gone}
+        for kb, entry in rows:
+            if entry is None or entry.seg not in counts:
+                txn.delete(kb, db=index.entries)
+                continue
+            size = record_size(kb, entry.length)
+            change.payload += entry.length
+            change.records += size
+            change.count += 1
+            counts[entry.seg][0] += size
+            counts[entry.seg][1] += 1
+        for seg in gone:
+            change.drop_segment(seg)
+        for seg, (size, count) in counts.items():
+            row = change.segment(seg)
+            row[2], row[3] = size, count
+        change.files = sum(-(-row.end // 4096) * 4096 for row in change.table().values())
+        change.commit()
+    except BaseException:
+        with contextlib.suppress(lmdb.Error):
+            change.abort()
+        raise
