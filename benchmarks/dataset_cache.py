@@ -93,7 +93,8 @@ from _meta import write_results
 
 import torchcache
 from torchcache import CachedDataset
-from torchcache.datasets.samples import encode_sample, frame_head
+from torchcache.datasets.decode import frame_head
+from torchcache.datasets.encode import encode_sample
 from torchcache.stores.slots import slot_layout
 
 try:

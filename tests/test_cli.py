@@ -23,9 +23,9 @@ from torch import nn
 
 from tests.helpers import stored_entries
 from torchcache import CacheWarning, torchcache
-from torchcache.catalog.maintenance import TMP_GRACE_SECONDS, parse_duration
-from torchcache.cli.main import main
+from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
+from torchcache.cli.verify import TMP_GRACE_SECONDS
 from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
 from torchcache.policy import format_size
@@ -861,7 +861,7 @@ def test_prune_keeps_a_cache_this_process_has_open(capsys: pytest.CaptureFixture
 def test_prune_still_removes_where_directories_cannot_be_locked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchcache.catalog.maintenance as maintenance
+    import torchcache.catalog.budget as root_budget_module
 
     oldest, middle, newest = make_three()
     real_flock = fcntl.flock
@@ -871,8 +871,8 @@ def test_prune_still_removes_where_directories_cannot_be_locked(
             raise OSError(errno.EBADF, "Bad file descriptor")
         real_flock(fd, operation)
 
-    monkeypatch.setattr(maintenance.fcntl, "flock", flock)
-    assert maintenance.enforce_root_budget(oldest.parent, 1) == []  # the budget removes nothing it cannot lock
+    monkeypatch.setattr(root_budget_module.fcntl, "flock", flock)
+    assert root_budget_module.enforce_root_budget(oldest.parent, 1) == []  # the budget removes nothing it cannot lock
     code, out, _ = run(capsys, "prune", "--keep", "1")
     assert code == 0 and out.startswith("removed 2 module caches (")
     assert not oldest.exists() and not middle.exists() and newest.exists()

@@ -12,7 +12,7 @@ import torch
 
 from torchcache import CachedDataset
 from torchcache.cli.main import main
-from torchcache.datasets.samples import encode_sample
+from torchcache.datasets.encode import encode_sample
 from torchcache.stores.packed.store import PackedStore
 
 

@@ -25,10 +25,12 @@ from torch.utils.data import DataLoader, Dataset
 from tests.helpers import REPO, run_python
 from torchcache import CachedDataset, CacheWarning, SampleCache
 from torchcache.datasets.dataset import MissingSampleError
-from torchcache.datasets.sample_keys import fingerprint_dataset, store_key
-from torchcache.datasets.sample_tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
-from torchcache.datasets.samples import SampleTypeError, decode_sample, encode_sample, frame_head
+from torchcache.datasets.decode import decode_sample, frame_head
+from torchcache.datasets.encode import encode_sample
+from torchcache.datasets.format import SampleTypeError
+from torchcache.datasets.keys import fingerprint_dataset, store_key
 from torchcache.datasets.shm import LOCK_NAME, job_id
+from torchcache.datasets.tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
 from torchcache.errors import ConfigError, KeyingError
 from torchcache.faults import FaultLog
 from torchcache.stores.packed.store import PackedStore
@@ -504,7 +506,7 @@ class BadAt(Numbers):
 
 
 def test_a_full_tier_encodes_no_sample_but_still_refuses_bad_ones(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchcache.datasets.sample_cache as sample_cache
+    import torchcache.datasets.cache as sample_cache
 
     frame = encode_sample((expected(0), 0))
     head = frame_head(frame)

@@ -24,7 +24,7 @@ from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.config import module_dir_name
 from torchcache.datasets.dataset import CachedDataset
-from torchcache.datasets.sample_keys import fingerprint_dataset
+from torchcache.datasets.keys import fingerprint_dataset
 from torchcache.module.fingerprint import describe_instance
 
 

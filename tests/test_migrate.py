@@ -25,8 +25,8 @@ import torch
 
 from tests.helpers import Counting, assert_same, cached, run_python, stored_entries
 from torchcache import CacheWarning, codec
-from torchcache.catalog.maintenance import TMP_GRACE_SECONDS
 from torchcache.cli.main import main
+from torchcache.cli.verify import TMP_GRACE_SECONDS
 from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
 from torchcache.stores.disk import DiskStore

@@ -31,6 +31,7 @@ print(json.dumps({"items": model.items, "sum": float(y.sum()), "hits": model.cac
 @pytest.fixture(params=["redis", "redis-cluster"])
 def target(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisClusterServers]:
     servers = shared(str(request.param))
+    servers.flush()  # whatever an earlier test of this worker left there
     yield servers
     servers.flush()
 
@@ -66,6 +67,7 @@ def test_hits_come_back_equal_and_the_key_namespace_is_the_module_key(server_url
 @pytest.fixture
 def server_url() -> Iterator[str]:
     server = shared("redis")
+    server.flush()  # whatever an earlier test of this worker left there
     yield server.url
     server.flush()
 

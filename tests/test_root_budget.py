@@ -15,19 +15,19 @@ import pytest
 import torch
 
 import torchcache
-import torchcache.catalog.maintenance as maintenance
+import torchcache.catalog.budget as root_budget_module
 from tests.helpers import Counting, ProcessGroup, cached, run_python
 from torchcache import CacheWarning, ConfigError
-from torchcache.catalog.inspect import CacheUsage
-from torchcache.catalog.maintenance import (
+from torchcache.catalog.budget import (
     cache_in_use,
     claim_directory,
     enforce_root_budget,
     root_budget,
     scan_root,
-    select_for_prune,
     set_root_budget,
 )
+from torchcache.catalog.inspect import CacheUsage
+from torchcache.catalog.removal import select_for_prune
 from torchcache.config import DEFAULT_ROOT_BUDGET, resolve_root_budget
 from torchcache.meta import META_NAME
 
@@ -188,7 +188,7 @@ def test_an_invalid_budget_is_one_warning_and_never_breaks_a_call(
 ) -> None:
     old = filled_here(1)
     monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "lots")
-    monkeypatch.setattr(maintenance, "_warned", set())
+    monkeypatch.setattr(root_budget_module, "_warned", set())
     x = torch.randn(3, 4)
     model = cached(Counting, persistent=True)(4, WIDTH, seed=2)
     with pytest.warns(CacheWarning, match="TORCHCACHE_MAX_SIZE must be a byte count.*not kept under a budget"):
@@ -205,12 +205,12 @@ def test_a_failed_removal_is_one_warning(cache_root: Path, monkeypatch: pytest.M
     old = filled_here(1)
     set_last_used(old, 100)
     set_root_budget(1)
-    monkeypatch.setattr(maintenance, "_warned", set())
+    monkeypatch.setattr(root_budget_module, "_warned", set())
 
     def refuse(directory: Path) -> tuple[int, Path | None]:
         raise OSError(errno.EBUSY, "Device or resource busy")  # not about the disk as a whole: worth a warning
 
-    monkeypatch.setattr(maintenance, "remove_cache", refuse)
+    monkeypatch.setattr(root_budget_module, "remove_cache", refuse)
     with pytest.warns(CacheWarning, match="cannot keep the cache root .* under its budget: .*resource busy"):
         open_cache(2)
     assert old.exists()
@@ -243,7 +243,7 @@ def test_a_cache_a_live_process_holds_is_never_removed(
     try:
         assert Path(holder.readline().strip()) == held  # it opened the cache and stays until told
         assert holder.readline().strip() == "0"  # every item was a hit: it only reads, so it locks no segment
-        assert not maintenance._writer_holds_segment(held) and cache_in_use(held)  # its claim alone keeps it
+        assert not root_budget_module._writer_holds_segment(held) and cache_in_use(held)  # its claim alone keeps it
         monkeypatch.setenv("TORCHCACHE_MAX_SIZE", budget_for(sizes(cache_root)[other]))
         set_last_used(held, 300)  # the least recently used of all
         set_last_used(other, 200)

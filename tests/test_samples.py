@@ -16,16 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchcache.datasets.samples import (
-    MAX_DEPTH,
-    NUMPY_DTYPES,
-    TORCH_DTYPES,
-    SampleTypeError,
-    check_sample,
-    decode_sample,
-    decode_samples,
-    encode_sample,
-)
+from torchcache.datasets.decode import decode_sample, decode_samples
+from torchcache.datasets.encode import check_sample, encode_sample
+from torchcache.datasets.format import MAX_DEPTH, NUMPY_DTYPES, TORCH_DTYPES, SampleTypeError
 from torchcache.errors import CorruptEntryError, KeyingError
 
 PREFIX = struct.Struct("<4sBxxxI")
@@ -292,7 +285,7 @@ plain_samples = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plain_samples)
 def test_plain_samples_encode_as_the_general_encoder_does(sample: Any) -> None:
-    import torchcache.datasets.samples as samples_module
+    import torchcache.datasets.encode as samples_module
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
@@ -306,7 +299,7 @@ def test_plain_samples_encode_as_the_general_encoder_does(sample: Any) -> None:
 
 
 def test_plain_samples_take_the_fast_path() -> None:
-    import torchcache.datasets.samples as samples_module
+    import torchcache.datasets.encode as samples_module
 
     for sample in ((torch.zeros(3, 8, 8, dtype=torch.uint8), 7), [torch.ones(2), 1.5, -3], torch.arange(4)):
         assert samples_module._plain_frame(sample) == encode_sample(sample)

@@ -19,10 +19,11 @@ import torch
 
 from tests.helpers import REPO
 from torchcache import CachedDataset, CacheWarning
-from torchcache.datasets import sample_cache
-from torchcache.datasets.sample_keys import store_key
-from torchcache.datasets.sample_tiers import SampleTier
-from torchcache.datasets.samples import decode_rows, decode_samples, encode_sample, frame_head
+from torchcache.datasets import cache as sample_cache
+from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
+from torchcache.datasets.encode import encode_sample
+from torchcache.datasets.keys import store_key
+from torchcache.datasets.tiers import SampleTier
 from torchcache.errors import StoreError
 from torchcache.faults import FaultLog
 from torchcache.stores import slots as slots_module

@@ -19,9 +19,9 @@ True
 
 from ._log import configure_from_env, set_logger_config
 from ._version import __version__
-from .catalog.maintenance import set_root_budget
+from .catalog.budget import set_root_budget
+from .datasets.cache import SampleCache
 from .datasets.dataset import CachedDataset, MissingSampleError
-from .datasets.sample_cache import SampleCache
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
 from .features import FeatureDataset, MissingFeatureError, extract_features
 from .module.decorator import torchcache

@@ -1,6 +1,7 @@
-"""What is under a cache root: finding and describing caches, checking them, and the root's budget.
+"""What is under a cache root: finding caches, describing them, removing them, and the root's budget.
 
-:mod:`.inspect` finds and describes caches without changing them; :mod:`.maintenance`
-verifies, repairs and removes them, and keeps the root under its budget whenever a cache
-opens. Both products use it, and so does the command line.
+:mod:`.inspect` finds caches and reads their files and usage without changing them,
+:mod:`.layouts` describes what their entries hold, :mod:`.removal` removes caches and
+files (only torchcache's own), and :mod:`.budget` keeps the root under its budget
+whenever a cache opens. Both products use it, and so does the command line.
 """

@@ -9,7 +9,7 @@ unreadable file, garbage) never hides a cache, it is a problem that ``verify`` r
 ``verify --fix`` rebuilds. Anything else under
 the root is not torchcache's and is never touched. Files are opened without blocking,
 only when they are regular files, and read only as far as their prefix says. Nothing
-here removes entries; :mod:`torchcache.catalog.maintenance` does. (Opening a packed store whose
+here removes entries; :mod:`torchcache.catalog.removal` does. (Opening a packed store whose
 index was damaged rebuilds the index, as the library does; an index that is not a
 regular file, or is cut short, is not opened at all: see :func:`index_problem`.)
 """
@@ -19,32 +19,27 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lmdb
-
-from ..codec import MAGIC, PREFIX_SIZE, parse_header, read_prefix
+from ..codec import MAGIC
 from ..errors import CorruptEntryError, TorchCacheError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.files import open_regular, read_at
-from ..stores.packed.format import encode_keys, parse_segment_name, payload_of, record_size
-from ..stores.packed.index import INDEX_NAME, cut_short, open_index, unpack_entry
-from ..stores.packed.segments import SegmentFiles
-from ..stores.packed.store import MAX_ENTRY_BYTES, PackedStore
+from ..stores.packed.format import parse_segment_name
+from ..stores.packed.index import INDEX_NAME, cut_short
+from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import LOCK_NAME
-from ..tree import Layout, describe
 
 __all__ = [
     "CacheFiles",
     "CacheLookupError",
     "CacheUsage",
     "FileInfo",
-    "LayoutSummary",
     "ModuleCache",
     "find_caches",
     "index_problem",
@@ -53,11 +48,15 @@ __all__ = [
     "open_store",
     "read_usage",
     "resolve_cache",
-    "summarize_layouts",
 ]
 
+
 _SHARD_RE = re.compile(r"[0-9a-f]{3}")
+
+
 _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
+
+
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
 
 
@@ -145,15 +144,6 @@ class ModuleCache:
     def key(self) -> str:
         """The module key (the directory name)."""
         return self.directory.name
-
-
-@dataclass(frozen=True)
-class LayoutSummary:
-    """Sampled entries that share one layout (or could not be read, ``layout=None``)."""
-
-    description: str
-    entries: int
-    layout: Layout | None
 
 
 def _info(entry: os.DirEntry[str]) -> FileInfo:
@@ -461,117 +451,3 @@ def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> Modul
         raise CacheLookupError(f"no module cache under {root} has a key starting with {target!r} (see `torchcache ls`)")
     shown = ", ".join(c.key for c in matches[:5]) + (", ..." if len(matches) > 5 else "")
     raise CacheLookupError(f"{target!r} matches {len(matches)} module caches ({shown}); give more of the key")
-
-
-def _read_header(path: Path) -> dict[str, Any]:
-    """Read only the prefix and the header of an entry.
-
-    Raises:
-        FileNotFoundError: If it is gone or not a regular file.
-        CorruptEntryError: If it is not a frame.
-    """
-    opened = open_regular(path)
-    if opened is None:
-        raise FileNotFoundError(path)
-    fd, _ = opened
-    try:
-        _, header_len, _, _, _ = read_prefix(read_at(fd, PREFIX_SIZE))
-        return parse_header(read_at(fd, header_len, PREFIX_SIZE))
-    finally:
-        os.close(fd)
-
-
-def _describe(layout: Layout) -> str:
-    texts = []
-    for leaf in layout.leaves:
-        dtype, out_dtype = (str(dt).removeprefix("torch.") for dt in (leaf.dtype, leaf.out_dtype))
-        text = f"{dtype}[{','.join(str(d) for d in leaf.shape)}]"
-        texts.append(text if out_dtype == dtype else f"{text} as {out_dtype}")
-    return describe(layout.spec, texts)
-
-
-def _frame_header(data: bytes | memoryview) -> dict[str, Any]:
-    _, header_len, _, _, _ = read_prefix(data)
-    return parse_header(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]))
-
-
-def _read_payloads(directory: Path, keys: Sequence[str]) -> list[bytes]:
-    """The payloads of the intact records of ``keys`` in a packed store, read with the index read-only.
-
-    Not through :meth:`PackedStore.get_many`: a record that fails its checks there is
-    removed from the index when the store is closed, and inspecting removes nothing.
-    An index row that claims more than the store's largest entry is not read.
-
-    Raises:
-        lmdb.Error: If the index cannot be read.
-        OSError: If a segment file exists and cannot be read.
-    """
-    root = os.fspath(directory)
-    index = open_index(root, readonly=True)
-    segments = SegmentFiles(root, 1)
-    try:
-        with index.begin() as txn:
-            rows = [(kb, unpack_entry(txn.get(kb, db=index.entries))) for kb in encode_keys(list(keys))]
-        payloads = []
-        for kb, entry in sorted(rows, key=lambda row: row[1] or (0, 0, 0)):
-            if entry is None or entry.length > MAX_ENTRY_BYTES:
-                continue
-            data = segments.read(entry.seg, entry.offset, record_size(kb, entry.length))
-            payload = None if isinstance(data, str) else payload_of(data, kb, entry.length)
-            if payload is not None:
-                payloads.append(bytes(payload))
-        return payloads
-    finally:
-        segments.close()
-        index.close()
-
-
-def _sample_headers(directory: Path, files: CacheFiles, sample: int) -> list[Callable[[], dict[str, Any]]]:
-    """Readers of the headers of at most ``sample`` entries, spread over the store, then the 1.0 files."""
-    readers: list[Callable[[], dict[str, Any]]] = []
-    store = open_store(directory) if files.has_store and sample > 0 else None
-    if store is not None:
-        with store:  # opening it repairs a damaged index, as the library does
-            keys = list(store.keys())
-        n = len(keys)
-        picks = [keys[i * n // sample] for i in range(sample)] if n > sample else keys
-        try:
-            payloads = _read_payloads(directory, picks)
-        except (lmdb.Error, OSError):
-            payloads = []
-        readers.extend(lambda data=data: _frame_header(data) for data in payloads)  # type: ignore[misc]
-    entries = files.entries
-    left = max(sample - len(readers), 0)
-    n = len(entries)
-    picks_files = [entries[i * n // left] for i in range(left)] if n > left > 0 else list(entries[:left])
-    readers.extend(lambda path=entry.path: _read_header(path) for entry in picks_files)  # type: ignore[misc]
-    return readers
-
-
-def summarize_layouts(directory: Path, files: CacheFiles, sample: int) -> list[LayoutSummary]:
-    """Group a sample of entries by layout, reading only their headers.
-
-    Args:
-        directory: The module directory.
-        files: Its files (see :func:`list_files`).
-        sample: At most this many entries, spread evenly over the packed store and then
-            over the 1.0 entry files, are read.
-
-    Returns:
-        One summary per layout, the most common first; unreadable headers are grouped
-        under ``layout=None``.
-    """
-    groups: dict[Layout | None, tuple[Layout | None, str, int]] = {}
-    for read in _sample_headers(directory, files, sample):
-        try:
-            layout = Layout.from_header(read())
-            key, description = layout, _describe(layout)  # both forms of a header: one layout
-        except FileNotFoundError:
-            continue
-        except (OSError, KeyError, TypeError, ValueError, RecursionError):
-            layout, key, description = None, None, "unreadable header"
-        _, _, count = groups.get(key, (layout, description, 0))
-        groups[key] = (layout, description, count + 1)
-    summaries = [LayoutSummary(desc, count, layout) for layout, desc, count in groups.values()]
-    summaries.sort(key=lambda s: (s.layout is None, -s.entries))
-    return summaries

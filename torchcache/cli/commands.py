@@ -1,8 +1,8 @@
 """What each ``torchcache`` command does: one handler per command, from parsed arguments to exit status.
 
-Each handler finds caches with :mod:`torchcache.catalog.inspect`, checks and removes them
-with :mod:`torchcache.catalog.maintenance` (which only ever removes torchcache's own files), and
-writes with :mod:`torchcache.cli.output`. Library errors propagate to the caller, which
+Each handler finds caches with :mod:`torchcache.catalog.inspect`, checks them with
+:mod:`.verify`, removes them with :mod:`torchcache.catalog.removal` (which only ever removes
+torchcache's own files), and writes with :mod:`.output`. Library errors propagate to the caller, which
 reports them.
 """
 
@@ -14,25 +14,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..catalog.inspect import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache, summarize_layouts
-from ..catalog.maintenance import (
-    Problem,
-    cache_in_use,
-    migrate_cache,
-    rebuild_meta,
-    remove_cache,
-    remove_file,
-    remove_unused_cache,
-    root_budget,
-    scan_root,
-    select_for_prune,
-    verify_files,
-    verify_store,
-)
+from ..catalog.budget import cache_in_use, remove_unused_cache, root_budget, scan_root
+from ..catalog.inspect import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache
+from ..catalog.layouts import summarize_layouts
+from ..catalog.removal import remove_cache, remove_file, select_for_prune
 from ..config import is_url, resolve_root
 from ..errors import ConfigError, StoreError
 from ..meta import META_NAME
 from ..policy import format_size
+from .migrate import migrate_cache
 from .output import (
     Progress,
     cache_json,
@@ -47,6 +37,7 @@ from .output import (
     totals,
     when,
 )
+from .verify import Problem, rebuild_meta, verify_files, verify_store
 
 __all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_migrate", "cmd_prune", "cmd_verify"]
 

@@ -10,18 +10,37 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .._version import __version__
-from ..catalog.maintenance import parse_duration
 from ..errors import ConfigError, TorchCacheError
 from ..policy import parse_size
 from .commands import cmd_clear, cmd_info, cmd_ls, cmd_migrate, cmd_prune, cmd_verify
 from .output import PROG, error, note
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_duration"]
+
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw])\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Parse a duration such as ``30d``, ``12h``, ``90m``, ``2w`` or ``45s`` into seconds.
+
+    Raises:
+        ValueError: If the text is not a number followed by one of the units s, m, h, d, w.
+
+    Example:
+        >>> parse_duration("30d"), parse_duration("90m"), parse_duration("1.5h")
+        (2592000.0, 5400.0, 5400.0)
+    """
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(f"invalid duration {text!r}: expected a number and a unit s, m, h, d or w, such as 30d or 12h")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
 
 
 class _Parser(argparse.ArgumentParser):

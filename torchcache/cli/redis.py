@@ -11,12 +11,12 @@ import argparse
 import sys
 from typing import Any
 
-from ..catalog.maintenance import check_entries, check_frame
 from ..errors import StoreError
 from ..policy import format_size
 from ..stores.redis.store import RedisStore
 from ..stores.redis.url import redact_url
 from .output import error, plural, print_json, table
+from .verify import check_entries, check_frame
 
 __all__ = ["redis_clear", "redis_info", "redis_ls", "redis_verify"]
 

@@ -1,6 +1,7 @@
-"""The dataset cache: :class:`~.dataset.CachedDataset` and the :class:`~.sample_cache.SampleCache` under it.
+"""The dataset cache: :class:`~.dataset.CachedDataset` and the :class:`~.cache.SampleCache` under it.
 
-Samples are keyed by :mod:`.sample_keys`, turned into bytes by :mod:`.samples`, and kept
-in a RAM tier shared by every process of a job (:mod:`.shm`, slots by index) over a disk
-or Redis tier, each behind :mod:`.sample_tiers`.
+Samples are keyed by :mod:`.keys`, turned into frames by :mod:`.encode` and back by
+:mod:`.decode` (the frame format is :mod:`.format`), and kept in a RAM tier shared by
+every process of a job (:mod:`.shm`, slots by index) over a disk or Redis tier, each
+behind a :class:`~.tiers.SampleTier`.
 """

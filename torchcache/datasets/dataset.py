@@ -1,7 +1,7 @@
 """``CachedDataset``: a map-style dataset whose samples are computed once, then served from a cache.
 
 Samples are keyed by their index within a *dataset fingerprint*
-(:func:`~torchcache.datasets.sample_keys.fingerprint_dataset`: the dataset's class and source,
+(:func:`~torchcache.datasets.keys.fingerprint_dataset`: the dataset's class and source,
 its public attributes, its length and ``version``). What the fingerprint cannot see
 (files changed on disk, a global setting read in ``__getitem__``) is what ``version``
 is for: change it and the cache starts afresh.
@@ -26,8 +26,8 @@ from ..config import module_dir_name, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..meta import read_meta
 from ..stats import CacheStats
-from .sample_cache import DEFAULT_DISK_SIZE, SampleCache
-from .sample_keys import fingerprint_dataset
+from .cache import DEFAULT_DISK_SIZE, SampleCache
+from .keys import fingerprint_dataset
 
 __all__ = ["CachedDataset", "MissingSampleError"]
 

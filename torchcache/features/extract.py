@@ -10,7 +10,7 @@ The cache lives in ``<root>/features-<key>/`` (the root is ``cache_dir``, else
 ``$TORCHCACHE_DIR``, else the user cache directory); the key covers the backbone as the
 decorator keys it (class, source, attributes, weights; refused while it has trainable
 parameters), its train/eval mode, the dataset's fingerprint
-(:func:`~torchcache.datasets.sample_keys.fingerprint_dataset`, with ``version``) and the input
+(:func:`~torchcache.datasets.keys.fingerprint_dataset`, with ``version``) and the input
 field: change any of them and the features are computed afresh in another directory.
 A killed extraction leaves the rows it wrote marked and the others unmarked; a rerun
 computes only the unmarked ones. Random augmentation before the backbone is detected
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from .._version import __version__
 from ..config import resolve_root
-from ..datasets.sample_keys import fingerprint_dataset
+from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import FaultLog
 from ..keys import tag

@@ -23,7 +23,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
-from ..catalog.maintenance import CacheClaim, claim_module_cache, keep_root_budget
+from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
 from ..faults import FaultLog

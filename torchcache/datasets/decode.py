@@ -1,30 +1,8 @@
-"""Dataset samples <-> bytes, without pickle.
-
-A sample is what a dataset's ``__getitem__`` returns: CPU tensors of any dtype and
-shape, numpy arrays and scalars of numbers, ``bool``, ``int``, ``float``, ``complex``,
-``str``, ``bytes``, ``None``, and tuples, lists and dicts (``str`` or ``int`` keys) of
-these, nested up to :data:`MAX_DEPTH` containers. Each sample carries its own shapes,
-so they may vary from sample to sample. Layout of a frame::
-
-    magic "TCSM" | version u8 | 3 reserved bytes | header length u32
-    | header (ASCII JSON: the tree, dtypes and shapes) | data (the leaves' bytes)
-
-The header holds no values that vary between samples of one shape (numbers and
-strings are in the data, each leaf at the next multiple of 8 bytes), so the samples of
-a dataset share a few headers, and the decoder keeps the *plan* it compiled from each
-header (validated once: known tags and dtypes, bounded depth, node count and
-dimensions). Decoding checks that the data is exactly as long as the plan needs, copies
-it once into a new ``bytearray`` and builds every leaf as a view of that copy: the
-tensors it returns never alias the caller's buffer, and a hostile frame raises
-:class:`~torchcache.errors.CorruptEntryError`, never allocates more than it holds.
-Integrity (checksums) is the store's job.
-"""
+"""Frames back to dataset samples, one at a time or many alike at once (the format is :mod:`.format`)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import struct
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -32,308 +10,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptEntryError, KeyingError
+from ..errors import CorruptEntryError
+from .format import (
+    ALIGN,
+    C128,
+    F64,
+    I64,
+    MAGIC,
+    MAX_DEPTH,
+    MAX_DIMS,
+    MAX_ELEMENT_BYTES,
+    MAX_HEADER,
+    MAX_NODES,
+    NUMPY_DTYPES,
+    NUMPY_OF,
+    PREFIX,
+    TORCH_DTYPES,
+    VERSION,
+)
 
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_NODES",
-    "SampleTypeError",
-    "check_sample",
-    "decode_rows",
-    "decode_sample",
-    "decode_samples",
-    "encode_sample",
-    "frame_head",
-]
+__all__ = ["Buffer", "Build", "decode_rows", "decode_sample", "decode_samples", "frame_head"]
 
-#: Containers nested deeper than this are refused (encoding) or rejected (decoding).
-MAX_DEPTH = 32
-#: At most this many values (leaves and containers) in one sample.
-MAX_NODES = 100_000
-_MAX_HEADER = 1 << 22
-_MAX_DIMS = 32
-_MAX_ELEMENT_BYTES = 1 << 62
-_MAGIC = b"TCSM"
-_VERSION = 1
-_PREFIX = struct.Struct("<4sBxxxI")
-_I64 = struct.Struct("<q")
-_F64 = struct.Struct("<d")
-_C128 = struct.Struct("<dd")
-_ALIGN = 8
+
 _PLAN_CACHE_SIZE = 1024
-_INT64 = (-(2**63), 2**63 - 1)
-
-_TORCH_NAMES = (
-    *("float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128"),
-    *("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"),
-    *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"),
-)
-#: Tensor dtypes that can be cached, by name. Decoding only looks names up here.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _TORCH_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_TORCH_NAME = {dt: name for name, dt in TORCH_DTYPES.items()}
-# Built with numpy (faster); the others (bfloat16, float8...) with torch.frombuffer.
-# Names numpy has as dtypes (``hasattr(np, "bool")`` would warn under numpy 1.x).
-_NUMPY_NAMES = frozenset(("float64", "float32", "float16", "complex64", "complex128", "bool"))
-_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
-    TORCH_DTYPES[name]: np.dtype(name)
-    for name in TORCH_DTYPES
-    if name in _NUMPY_NAMES or name.startswith(("int", "uint"))
-}
-#: Numpy dtypes that can be cached, by ``dtype.str`` (both byte orders).
-NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
-    dt.str: dt
-    for code in "?bBhHiIlLqQefdFD"
-    for dt in (np.dtype(code).newbyteorder("<"), np.dtype(code).newbyteorder(">"))
-}
-
-_HINT = (
-    "a cached sample holds CPU tensors, numpy arrays and scalars of numbers, bool, int, float, complex, str, "
-    "bytes, None, and tuples, lists and dicts (str or int keys) of these; convert it in __getitem__, or produce "
-    "it in transform= (applied after the cache)"
-)
-
-
-class SampleTypeError(KeyingError):
-    """A sample holds a value that cannot be cached (the message names it and its path)."""
-
-
-def _refuse(value: object, path: str) -> SampleTypeError:
-    cls = type(value)
-    name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
-    if cls.__module__.startswith("PIL."):
-        hint = "convert PIL images with torchvision.transforms.functional.pil_to_tensor or numpy.asarray"
-    elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
-        hint = "convert it to a plain tuple or dict (namedtuple._asdict(), dataclasses.asdict())"
-    elif isinstance(value, (int, float, str, dict, list)):
-        hint = "convert it to the plain builtin type (int(x), float(x), str(x), dict(x), list(x))"
-    else:
-        hint = _HINT
-    return SampleTypeError(f"{path}: cannot cache a value of type {name}; {hint}")
-
-
-# -- encoding ---------------------------------------------------------------------
-class _Encoder:
-    def __init__(self) -> None:
-        self.chunks: list[bytes | memoryview] = []
-        self.size = 0
-        self.nodes = 0
-
-    def put(self, data: bytes | memoryview) -> None:
-        pad = -self.size % _ALIGN
-        if pad:
-            self.chunks.append(b"\0" * pad)
-        self.chunks.append(data)
-        self.size += pad + len(data)
-
-    def node(self, value: object, path: str, depth: int) -> Any:
-        self.nodes += 1
-        if self.nodes > MAX_NODES:
-            raise SampleTypeError(f"{path}: a sample holds more than {MAX_NODES} values; cache fewer, larger arrays")
-        cls = type(value)
-        if value is None or cls is bool:
-            return value
-        if cls is int:
-            if _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
-                self.put(_I64.pack(value))
-                return "i"
-            return ["I", value]
-        if cls is float:
-            self.put(_F64.pack(value))
-            return "f"
-        if cls is complex:
-            self.put(_C128.pack(value.real, value.imag))  # type: ignore[attr-defined]
-            return "c"
-        if cls is str:
-            data = value.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
-            self.put(data)
-            return ["s", len(data)]
-        if cls is bytes:
-            self.put(value)  # type: ignore[arg-type]
-            return ["b", len(value)]  # type: ignore[arg-type]
-        if isinstance(value, torch.Tensor):
-            return self.tensor(value, path)
-        if isinstance(value, np.ndarray) and cls is np.ndarray:
-            return ["a", self.array(value, path), list(value.shape)]
-        if isinstance(value, np.generic) and value.dtype.str in NUMPY_DTYPES:
-            self.put(np.asarray(value).tobytes())
-            return ["n", value.dtype.str]
-        if cls in (tuple, list, dict) and depth >= MAX_DEPTH:
-            raise SampleTypeError(f"{path}: the sample nests containers more than {MAX_DEPTH} deep")
-        if cls is tuple or cls is list:
-            seq: list[object] | tuple[object, ...] = value  # type: ignore[assignment]
-            return ["u" if cls is tuple else "l", [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(seq)]]
-        if cls is dict:
-            mapping: dict[object, object] = value  # type: ignore[assignment]
-            for key in mapping:
-                if type(key) is not str and type(key) is not int:
-                    raise SampleTypeError(f"{path}: dict keys must be str or int to be cached, got {key!r}")
-            values = [self.node(v, f"{path}[{k!r}]", depth + 1) for k, v in mapping.items()]
-            return ["d", list(mapping), values]
-        raise _refuse(value, path)
-
-    def tensor(self, value: torch.Tensor, path: str) -> Any:
-        if value.device.type != "cpu":
-            raise SampleTypeError(
-                f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
-                "__getitem__ and move batches to the device in the training loop (DataLoader(pin_memory=True) helps)"
-            )
-        if value.layout != torch.strided:
-            raise SampleTypeError(f"{path}: a {value.layout} tensor cannot be cached; convert it with .to_dense()")
-        name = _TORCH_NAME.get(value.dtype)
-        if name is None:
-            raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
-        flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        self.put(flat.view(torch.uint8).numpy().data)
-        return ["t", name, list(value.shape)]
-
-    def array(self, value: np.ndarray[Any, Any], path: str) -> str:
-        if value.dtype.str not in NUMPY_DTYPES:
-            raise SampleTypeError(
-                f"{path}: numpy arrays of dtype {value.dtype} cannot be cached (numbers and bool only); "
-                "convert object or string arrays to a list or tensor"
-            )
-        self.put(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
-        return str(value.dtype.str)
-
-
-_PLAIN_ITEMS = 16
-_plain_headers: dict[tuple[Any, ...], bytes] = {}
-
-
-def _plain_items(sample: object) -> Sequence[object] | None:
-    """The values of a plain sample (see :func:`_plain_frame`); ``None`` for any other sample.
-
-    Only types and flags are looked at: about 0.6 us for an ``(image, label)`` pair.
-    """
-    cls = type(sample)
-    items: Sequence[object]
-    if cls is torch.Tensor:
-        items = (sample,)
-    elif (cls is tuple or cls is list) and len(sample) <= _PLAIN_ITEMS:  # type: ignore[arg-type]
-        items = sample  # type: ignore[assignment]
-    else:
-        return None
-    for value in items:
-        kind = type(value)
-        if kind is torch.Tensor:
-            tensor: torch.Tensor = value  # type: ignore[assignment]
-            if not (
-                tensor.is_cpu  # tensor.device.type costs 0.6 us, this 0.1
-                and tensor.layout == torch.strided
-                and tensor.dtype in _TORCH_NAME
-                and tensor.is_contiguous()
-                and not tensor.is_conj()
-                and not tensor.is_neg()
-            ):
-                return None
-        elif kind is int:
-            if not _INT64[0] <= value <= _INT64[1]:  # type: ignore[operator]
-                return None
-        elif kind is not float:
-            return None
-    return items
-
-
-def _plain_frame(sample: object) -> bytes | None:
-    """The frame of the most common samples, built without walking a tree; ``None`` for the others.
-
-    A plain sample is one contiguous CPU tensor, or a tuple or list of at most
-    :data:`_PLAIN_ITEMS` such tensors, ``int`` (within int64) and ``float`` values, as a
-    dataset of ``(image, label)`` returns. Its prefix and header depend only on its
-    structure, dtypes and shapes, so they are taken from the first frame of each
-    structure that :func:`_encode_tree` makes; the frame is the one it would make (its
-    leaves at multiples of 8 bytes).
-    """
-    items = _plain_items(sample)
-    if items is None:
-        return None
-    signature: list[object] = [type(sample)]
-    chunks: list[bytes | memoryview | ctypes.Array[ctypes.c_ubyte]] = []
-    size = 0
-    for value in items:
-        data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte]
-        if type(value) is torch.Tensor:
-            tensor: torch.Tensor = value  # type: ignore[assignment]
-            data = _bytes_in_place(tensor)
-            signature.append((tensor.dtype, tensor.shape))
-        elif type(value) is int:
-            data = _I64.pack(value)
-            signature.append(int)
-        else:
-            data = _F64.pack(value)  # type: ignore[arg-type]
-            signature.append(float)
-        pad = -size % _ALIGN
-        if pad:
-            chunks.append(b"\0" * pad)
-        chunks.append(data)
-        size += pad + len(data)
-    key = tuple(signature)
-    head = _plain_headers.get(key)
-    if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
-        frame = _encode_tree(sample, "sample")
-        if len(_plain_headers) >= _PLAN_CACHE_SIZE:
-            _plain_headers.clear()
-        _plain_headers[key] = frame[: _PREFIX.size + _PREFIX.unpack_from(frame)[2]]
-        return frame
-    return b"".join([head, *chunks])
-
-
-def _bytes_in_place(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte]:
-    """The bytes of a contiguous CPU tensor, read where they lie (no copy).
-
-    About 1 us, where ``tensor.detach().reshape(-1).view(torch.uint8).numpy()`` takes
-    about 6. The view does not keep the tensor alive: it is used only while the tensor
-    is (the sample holds it until its frame is joined).
-    """
-    return (ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())
-
-
-def encode_sample(sample: object, name: str = "sample") -> bytes:
-    """Encode a sample into a frame.
-
-    Args:
-        sample: What a dataset's ``__getitem__`` returned.
-        name: The name of the sample in error messages (``sample[1]['label']``).
-
-    Returns:
-        The frame.
-
-    Raises:
-        SampleTypeError: If the sample holds a value that cannot be cached (the message
-            names its type and its path, and says how to convert it).
-
-    Example:
-        >>> frame = encode_sample((torch.arange(3), {"label": 7}))
-        >>> decode_sample(frame)
-        (tensor([0, 1, 2]), {'label': 7})
-    """
-    frame = _plain_frame(sample)
-    return frame if frame is not None else _encode_tree(sample, name)
-
-
-def check_sample(sample: object, name: str = "sample") -> None:
-    """Check that a sample can be cached, as :func:`encode_sample` would, without keeping a frame.
-
-    For a plain sample (a tensor, or a short tuple or list of tensors and numbers) this
-    only looks at types, about a microsecond; any other sample is encoded.
-
-    Raises:
-        SampleTypeError: As :func:`encode_sample`.
-    """
-    if _plain_items(sample) is None:
-        _encode_tree(sample, name)
-
-
-def _encode_tree(sample: object, name: str) -> bytes:
-    """:func:`encode_sample` for any sample, by walking its structure."""
-    encoder = _Encoder()
-    tree = encoder.node(sample, name, 0)
-    header = json.dumps(tree, separators=(",", ":")).encode("ascii")
-    if len(header) > _MAX_HEADER:
-        raise SampleTypeError(f"{name}: the sample's structure is too large to cache ({len(header)} bytes)")
-    return b"".join([_PREFIX.pack(_MAGIC, _VERSION, len(header)), header, *encoder.chunks])
 
 
 # -- decoding ---------------------------------------------------------------------
@@ -342,8 +41,14 @@ def _encode_tree(sample: object, name: str) -> bytes:
 #: The buffer samples are views of: a ``bytearray``, or a ``memoryview`` of uninitialised
 #: memory (``SlotStore.read`` fills one without zeroing it first).
 Buffer = bytearray | memoryview
+
+
 Build = Callable[[Buffer, int, list[Any]], Any]
+
+
 _Leaf = tuple[str, Any, int, int, tuple[int, ...]]  # kind, dtype, element count, offset, shape
+
+
 _STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
 
@@ -360,7 +65,7 @@ class _Plan:
         self.flat = _flat(self.build, len(self.leaves))
 
     def take(self, nbytes: int) -> int:
-        offset = self.size + (-self.size % _ALIGN)
+        offset = self.size + (-self.size % ALIGN)
         self.size = offset + nbytes
         return offset
 
@@ -402,7 +107,7 @@ class _Plan:
         at = self.take(count * dtype.itemsize)
         if count == 0:
             return partial(_empty_tensor, dtype, shape)
-        npdt = _NUMPY_OF.get(dtype)
+        npdt = NUMPY_OF.get(dtype)
         return self.leaf(("n", npdt, count, at, shape) if npdt is not None else ("t", dtype, count, at, shape))
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Build:
@@ -503,7 +208,9 @@ def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Seq
 
 # The builders of a plan: each takes its parameters, then the buffer, this sample's
 # start in it and its leaves.
-_NUMBERS = {"i": _I64, "f": _F64, "c": _C128}
+_NUMBERS = {"i": I64, "f": F64, "c": C128}
+
+
 _NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
 
 
@@ -552,16 +259,16 @@ def _leaf(k: int, buf: Buffer, base: int, leaves: list[Any]) -> Any:
 
 
 def _count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _MAX_ELEMENT_BYTES
+    return type(value) is int and 0 <= value <= MAX_ELEMENT_BYTES
 
 
 def _shape(value: object, itemsize: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > _MAX_DIMS or not all(_count(d) for d in value):
+    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(_count(d) for d in value):
         raise ValueError(f"invalid shape {str(value)[:40]}")
     bound = itemsize
     for dim in value:
         bound *= max(dim, 1)
-        if bound > _MAX_ELEMENT_BYTES:
+        if bound > MAX_ELEMENT_BYTES:
             raise ValueError(f"shape {str(value)[:40]} is too large")
     return tuple(value)
 
@@ -598,15 +305,15 @@ def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, memoryview]:
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
-    if len(view) < _PREFIX.size:
+    if len(view) < PREFIX.size:
         raise CorruptEntryError(f"a sample frame of {len(view)} bytes is too short")
-    magic, version, header_len = _PREFIX.unpack_from(view)
-    if magic != _MAGIC or version != _VERSION:
-        raise CorruptEntryError(f"not a sample frame of version {_VERSION} (magic {bytes(magic)!r}, version {version})")
-    start = _PREFIX.size + header_len
-    if header_len > _MAX_HEADER or start > len(view):
+    magic, version, header_len = PREFIX.unpack_from(view)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptEntryError(f"not a sample frame of version {VERSION} (magic {bytes(magic)!r}, version {version})")
+    start = PREFIX.size + header_len
+    if header_len > MAX_HEADER or start > len(view):
         raise CorruptEntryError(f"a sample header of {header_len} bytes does not fit the frame")
-    plan = _plan(bytes(view[_PREFIX.size : start]))
+    plan = _plan(bytes(view[PREFIX.size : start]))
     if len(view) - start != plan.size:
         raise CorruptEntryError(f"a sample frame holds {len(view) - start} data bytes, its header needs {plan.size}")
     return plan, view[start:]
@@ -733,6 +440,7 @@ def frame_head(frame: bytes | bytearray | memoryview) -> int | None:
     """The bytes of a sample frame before its data section; ``None`` if it is not a valid frame.
 
     Example:
+        >>> from torchcache.datasets.encode import encode_sample
         >>> frame = encode_sample((torch.zeros(2, dtype=torch.uint8), 3))
         >>> 0 < frame_head(frame) < len(frame), frame_head(b"junk")
         (True, None)

@@ -4,49 +4,39 @@ Both tiers are packed stores (:class:`~torchcache.stores.packed.store.PackedStor
 tier under :mod:`torchcache.datasets.shm`, one per job, the disk tier under
 ``<cache_dir>/<name>/`` beside a ``torchcache.json`` (``"kind": "dataset"``). A lookup
 tries RAM, then disk (a disk hit is copied up to RAM), then computes the sample, which
-is encoded by :mod:`torchcache.datasets.samples` and written through to both tiers at once, so
+is encoded by :mod:`torchcache.datasets.encode` and written through to both tiers at once, so
 that every DataLoader worker sees it.
 
-A full tier keeps what it holds and takes no more (:mod:`torchcache.datasets.sample_tiers`). A
+A full tier keeps what it holds and takes no more (:mod:`torchcache.datasets.tiers`). A
 fault of a tier (a full or read-only disk, a damaged entry) is one
 :class:`~torchcache.errors.CacheWarning` and a computed sample, never an error.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from .._fork import renew_lock_after_fork
-from .._version import __version__
-from ..catalog.maintenance import CacheClaim, claim_module_cache
-from ..config import check_local_dir, check_redis_url, is_url, module_dir_name, resolve_local_dir, resolve_root
+from ..catalog.budget import CacheClaim, claim_module_cache
+from ..config import module_dir_name
 from ..errors import ConfigError, CorruptEntryError, KeyingError, StoreError
 from ..faults import FaultLog
-from ..meta import META_NAME, load_meta, write_json_atomic
-from ..policy import parse_size
+from ..meta import load_meta
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
-from ..stores.batched import BatchedStore
-from ..stores.packed.store import PackedStore
 from ..stores.redis.url import redact_url
-from ..stores.slots import SlotStore
 from . import shm
-from .sample_keys import store_key
-from .sample_tiers import HitCounters, SampleTier, segment_bytes, store_bytes
-from .samples import check_sample, decode_rows, decode_samples, encode_sample
+from .decode import decode_samples
+from .encode import check_sample, encode_sample
+from .keys import store_key
+from .opening import DEFAULT_DISK_SIZE, hold_memory, open_tiers, resolve_places, write_dataset_meta
+from .tiers import HitCounters, SampleTier, samples_from_slots
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
-
-#: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
-DEFAULT_DISK_SIZE = "50GB"
-_TIERS = ("memory", "disk")
 
 
 class SampleCache:
@@ -97,43 +87,17 @@ class SampleCache:
         if dirname is None:
             raise ConfigError("a SampleCache needs a name")
         self.name = name
-        self._summaries = PeriodicSummary()
         self.dirname = dirname
+        self._summaries = PeriodicSummary()
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
-        if max_disk_size is None:
-            max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
-        self.max_disk_size = parse_size(max_disk_size, "max_disk_size")
-        #: The Redis server of the persistent tier, when ``cache_dir`` is a Redis URL.
-        self.redis_url: str | None = None
-        self.directory: Path | None = None
-        #: The local copy of the Redis tier (``None``: none).
-        self.local_directory: Path | None = None
-        if is_url(cache_dir):
-            self.redis_url = check_redis_url(str(cache_dir)) if self.max_disk_size else None
-            local = resolve_local_dir(check_local_dir(local_cache_dir))
-            if local is not None and self.redis_url is not None:
-                self.local_directory = local / dirname
-        elif local_cache_dir is not None:
-            raise ConfigError(
-                "local_cache_dir keeps a local copy of a disk tier on a Redis server, but cache_dir is "
-                f"{'not given' if cache_dir is None else 'a directory'}; leave local_cache_dir out"
-            )
-        elif self.max_disk_size:
-            self.directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
-            self.directory /= dirname
-        self.job_dir: Path | None = None
-        self._held_pid: int | None = None
-        self.max_memory_size = 0
-        if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
-            try:
-                job_dir = shm.new_job_dir()
-                self._hold_memory(job_dir, held_job=True)
-            except StoreError as exc:
-                self._faults.warn("memory-open", f"no RAM tier ({exc})")
-            else:
-                self.job_dir = job_dir
-                size = shm.default_memory_size() if max_memory_size is None else max_memory_size
-                self.max_memory_size = parse_size(size, "max_memory_size")
+        self._places = places = resolve_places(
+            dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults
+        )
+        self._held_pid: int | None = None if places.job_dir is None else os.getpid()
+        #: The disk tier's directory, its Redis server, the server's local copy, the RAM tier's job.
+        self.directory, self.redis_url = places.directory, places.redis_url
+        self.local_directory, self.job_dir = places.local_directory, places.job_dir
+        self.max_memory_size, self.max_disk_size = places.max_memory_size, places.max_disk_size
         self._info = dict(info or {})
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
@@ -157,7 +121,7 @@ class SampleCache:
     @property
     def memory_dir(self) -> Path | None:
         """The RAM tier's directory (``None`` without a RAM tier)."""
-        return None if self.job_dir is None else self.job_dir / self.dirname
+        return self._places.memory_dir
 
     # -- state across processes -----------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -180,89 +144,19 @@ class SampleCache:
                 self._open_tiers()
         return self._tiers
 
-    def _hold_memory(self, job_dir: Path, held_job: bool = False) -> None:
-        """Hold the job directory (unless ``held_job``) and this cache's RAM tier directory in it.
-
-        Each is removed when its last user lets go: the cache's own at :meth:`close` (unless
-        another cache of this name in the job uses it), the job's when the job ends.
-
-        Raises:
-            StoreError: If either cannot be created or locked (then neither is held).
-        """
-        if not held_job:
-            shm.hold(job_dir)
-        try:
-            shm.hold(job_dir / self.dirname)
-        except StoreError:
-            shm.release(job_dir)
-            raise
-        self._held_pid = os.getpid()
-
     def _open_tiers(self) -> None:
-        self._tiers = []
         if self.directory is not None and self.max_disk_size:  # held while used: the root's budget keeps it
             self._root_claim = claim_module_cache(self.directory.parent, self.directory.name, self._faults.warn)
-        places = [(self.memory_dir, self.max_memory_size), (self.directory or self.redis_url, self.max_disk_size)]
-        for name, (location, size) in zip(_TIERS, places):
-            if location is None or not size:
-                continue
-            with_slots = name == "memory" and self.length is not None and isinstance(location, Path)
+        if self.job_dir is not None and self._held_pid != os.getpid():
             try:
-                if name == "memory" and self.job_dir is not None and self._held_pid != os.getpid():
-                    self._hold_memory(self.job_dir)
-                store: BatchedStore | Callable[[], BatchedStore]
-                if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
-                    store = self._redis_store(location, store_bytes(size))
-                else:
-                    store = functools.partial(
-                        PackedStore,
-                        location,
-                        store_bytes(size),
-                        segment_bytes=segment_bytes(size),
-                        report=self._reporter(name),
-                    )
-                    if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
-                        store = store()
-            except (StoreError, ConfigError) as exc:
-                self._faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
-                continue
-            slots = None
-            if with_slots:
-                assert isinstance(location, Path) and self.length is not None
-                slots = SlotStore(location, self.length, size, self._reporter(name))
-                if slots.shortfall():  # made by a cache of this dataset with a smaller budget, in this job
-                    self._faults.report(
-                        "memory-size",
-                        f"the RAM tier's slot file {slots.path} was made for {slots.capacity:,} samples by an "
-                        "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
-                        "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
-                        "cache its own RAM tier with another version=",
-                    )
-            self._tiers.append(SampleTier(name, store, size, self._faults, slots))
+                hold_memory(self.job_dir, self.dirname)
+                self._held_pid = os.getpid()
+            except StoreError as exc:
+                self._faults.warn("memory-open", f"cannot open the memory tier ({exc}); it is left out")
+        memory_held = self.job_dir is not None and self._held_pid == os.getpid()
+        places = self._places if memory_held else dataclasses.replace(self._places, job_dir=None)
+        self._tiers = open_tiers(places, self.length, self._faults)
         self._pid = os.getpid()
-
-    def _redis_store(self, url: str, max_bytes: int) -> BatchedStore:
-        """The disk tier on a Redis server, behind its local copy when there is one."""
-        from ..stores.layered import LayeredStore
-        from ..stores.redis.store import RedisStore
-
-        namespace = xxhash.xxh3_128_hexdigest(self.dirname.encode())
-        report = self._reporter("disk")
-        store = RedisStore(url, namespace, max_bytes, report=report)
-        if self.local_directory is None:
-            return store
-        try:
-            near = PackedStore(self.local_directory, max_bytes, report=report)
-        except StoreError as exc:
-            self._faults.warn("disk-local", f"no local copy of the disk tier ({exc}); hits are read from the server")
-            return store
-        return LayeredStore(near, store, report)
-
-    def _reporter(self, tier: str) -> Callable[[str, str], None]:
-        def report(kind: str, message: str) -> None:
-            self._faults.report(f"{tier}-{kind}", f"{tier} tier: {message}")
-
-        return report
 
     # -- lookups ----------------------------------------------------------------------
     def get(self, key: int | str, compute: Callable[[Any], Any]) -> Any:
@@ -290,7 +184,7 @@ class SampleCache:
         tiers = self._open()
         slots = tiers[0].slots_ready() if tiers else None  # only the RAM tier, the first, has slots
         if slots is not None:
-            hit = self._from_slots(tiers[0], slots, keys, results)
+            hit = samples_from_slots(tiers[0], slots, keys, results, self._faults)
             if hit:
                 served[tiers[0].name] += len(hit)
                 pending = [i for i in pending if i not in hit] if len(hit) < len(keys) else []
@@ -333,39 +227,6 @@ class SampleCache:
         self._faults.emit()
         self._summaries.tick(self.summary)
         return results
-
-    def _from_slots(
-        self, tier: SampleTier, slots: SlotStore, keys: Sequence[int | str], results: list[Any]
-    ) -> set[int]:
-        """Fill ``results`` from the slots of a tier for the keys that are indices; return their positions."""
-        length = slots.length
-        ints = [i for i, key in enumerate(keys) if type(key) is int and 0 <= key < length]
-        if not ints:
-            return set()
-        wanted: Sequence[Any] = [keys[i] for i in ints] if len(ints) < len(keys) else keys
-        found, buf = tier.read_slots(wanted)
-        if not found:
-            return set()
-        stride, at, size = slots.stride, slots.frame_at, slots.frame_size
-        samples: list[Any] | None = decode_rows(buf, len(found), stride, at, size)
-        if samples is not None:  # the common case: every frame alike, none damaged
-            places = [ints[position] for position in found]
-            for i, sample in zip(places, samples):
-                results[i] = sample
-            return set(places)
-        view = memoryview(buf)  # frames of several structures (or a damaged one): one by one
-        hit = set()
-        for position, sample in zip(
-            found, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
-        ):
-            i = ints[position]
-            if isinstance(sample, CorruptEntryError):
-                self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
-                tier.drop(store_key(keys[i]))
-            else:
-                results[i] = sample
-                hit.add(i)
-        return hit
 
     def __contains__(self, key: object) -> bool:
         try:
@@ -418,24 +279,7 @@ class SampleCache:
     def _update_meta(self, fields: Mapping[str, Any], create: bool, directory: Path | None = None) -> bool:
         directory = directory or self.directory
         assert directory is not None  # callers check
-        old, problem = load_meta(directory)
-        if problem is not None:
-            old = None
-        if old is None or old.get("kind") != "dataset":
-            if not create:
-                return False
-            old = {"created": time.time()}
-        meta = {**old, **self._info, **fields}
-        meta.update(torchcache_version=__version__, kind="dataset", max_bytes=self.max_disk_size)
-        if meta == old:
-            return True
-        try:
-            os.makedirs(directory, exist_ok=True)
-            write_json_atomic(directory / META_NAME, meta)
-        except OSError as exc:
-            self._faults.warn("disk-meta", f"cannot write {directory / META_NAME} ({exc})")
-            return False
-        return True
+        return write_dataset_meta(directory, {**self._info, **fields}, self.max_disk_size, create, self._faults)
 
     def flush(self) -> None:
         """Make this process's writes durable against a killed process (they are when ``get`` returns)."""

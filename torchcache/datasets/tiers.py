@@ -28,14 +28,15 @@ import lmdb
 import torch.utils.data
 
 from .._log import logger
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptEntryError
 from ..faults import FaultLog
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import INDEX_ENTRY_BYTES
 from ..stores.slots import SlotStore
-from .samples import frame_head
+from .decode import decode_rows, decode_samples, frame_head
+from .keys import store_key
 
-__all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "segment_bytes", "store_bytes"]
+__all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "samples_from_slots", "segment_bytes", "store_bytes"]
 
 #: Bytes an entry costs a tier beyond its payload: record header, packed key, index share.
 ENTRY_OVERHEAD = 15 + 16 + INDEX_ENTRY_BYTES
@@ -307,6 +308,40 @@ class SampleTier:
             self._store.close()
         if self.slots is not None:
             self.slots.close()
+
+
+def samples_from_slots(
+    tier: SampleTier, slots: SlotStore, keys: Sequence[int | str], results: list[Any], faults: FaultLog
+) -> set[int]:
+    """Fill ``results`` from the slots of a tier for the keys that are indices; return their positions."""
+    length = slots.length
+    ints = [i for i, key in enumerate(keys) if type(key) is int and 0 <= key < length]
+    if not ints:
+        return set()
+    wanted: Sequence[Any] = [keys[i] for i in ints] if len(ints) < len(keys) else keys
+    found, buf = tier.read_slots(wanted)
+    if not found:
+        return set()
+    stride, at, size = slots.stride, slots.frame_at, slots.frame_size
+    samples: list[Any] | None = decode_rows(buf, len(found), stride, at, size)
+    if samples is not None:  # the common case: every frame alike, none damaged
+        places = [ints[position] for position in found]
+        for i, sample in zip(places, samples):
+            results[i] = sample
+        return set(places)
+    view = memoryview(buf)  # frames of several structures (or a damaged one): one by one
+    hit = set()
+    for position, sample in zip(
+        found, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
+    ):
+        i = ints[position]
+        if isinstance(sample, CorruptEntryError):
+            faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
+            tier.drop(store_key(keys[i]))
+        else:
+            results[i] = sample
+            hit.add(i)
+    return hit
 
 
 def store_bytes(budget: int) -> int:

@@ -1,0 +1,302 @@
+"""``torchcache verify``: check module caches on disk, entry by entry, and rebuild their metadata.
+
+Everything here acts on what :mod:`torchcache.catalog.inspect` finds. Temporary files
+younger than :data:`TMP_GRACE_SECONDS` may be a write in progress in another process
+(removing one would make that process stop writing), so checking keeps them; removing a
+whole module cache removes them regardless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+from ..catalog.inspect import (
+    CacheFiles,
+    FileInfo,
+    ModuleCache,
+    index_problem,
+    list_files,
+    open_store,
+)
+from ..catalog.removal import remove_file
+from ..codec import PREFIX_SIZE, frame_length, parse_header, split_frame
+from ..errors import CorruptEntryError, StoreError
+from ..meta import META_NAME, meta_time, write_json_atomic
+from ..stores.batched import BatchedStore
+from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.files import open_regular, read_at
+from ..stores.packed.index import INDEX_NAME
+from ..stores.packed.store import PackedStore
+from ..stores.packed.upkeep import discard_index
+from ..tree import Layout
+
+__all__ = [
+    "Problem",
+    "TMP_GRACE_SECONDS",
+    "check_entries",
+    "check_entry",
+    "check_frame",
+    "check_sample",
+    "rebuild_meta",
+    "verify_features",
+    "verify_files",
+    "verify_store",
+]
+
+
+#: Temporary files modified within this many seconds may belong to a write in progress.
+TMP_GRACE_SECONDS = 60.0
+
+
+UNLIMITED = 1 << 62
+
+
+_FEATURE_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A file that ``verify`` reports: damaged metadata, a corrupt entry or a stray temporary file."""
+
+    path: Path
+    kind: str
+    reason: str
+    size: int
+
+
+def verify_features(
+    directory: Path, fix: bool, tick: Callable[[int], None] | None = None
+) -> tuple[int, list[Problem], bool]:
+    """Check a features cache (:func:`~torchcache.extract_features`): its header and every written row.
+
+    With ``fix``, damaged rows are marked as not written (computed again at the next
+    extraction), and a file whose header fails its checks is removed.
+
+    Returns:
+        The rows checked, the problems, and whether they were fixed.
+
+    Raises:
+        StoreError: If the file cannot be written with ``fix``.
+    """
+    path = directory / FEATURES_NAME
+    try:
+        file = FeatureFile.open(path)
+    except FileNotFoundError:
+        return 0, [], fix
+    except (CorruptEntryError, OSError) as exc:
+        if fix:
+            remove_file(path)
+        return 0, [Problem(path, "corrupt", f"the features file is not usable: {exc}", 0)], fix
+    problems: list[Problem] = []
+    checked = 0
+    try:
+        written = np.setdiff1d(np.arange(file.length), file.missing())
+        damaged: list[int] = []
+        for start in range(0, len(written), _FEATURE_CHUNK):
+            chunk = written[start : start + _FEATURE_CHUNK]
+            _, _, bad = file.read(chunk)
+            damaged.extend(int(chunk[j]) for j in bad)
+            checked += len(chunk)
+            if tick is not None:
+                tick(len(chunk))
+        problems.extend(Problem(directory / f"row {i}", "corrupt", "row failed its check", 0) for i in damaged)
+        if fix and damaged:
+            try:
+                file.unmark(damaged)
+            except OSError as exc:
+                raise StoreError(f"cannot mark the damaged rows of {path}: {exc}") from exc
+    finally:
+        file.close()
+    return checked, problems, fix
+
+
+def _row_bytes(header_bytes: bytes) -> int:
+    return Layout.from_header(parse_header(header_bytes)).row_bytes
+
+
+def check_frame(data: bytes | memoryview) -> str | None:
+    """Why a stored frame is corrupt (frame, checksum, header, payload size), or ``None``."""
+    try:
+        split_frame(data, raw_size=_row_bytes)
+    except CorruptEntryError as exc:
+        return str(exc)
+    except KeyError as exc:
+        return f"invalid header: missing field {exc}"
+    except (TypeError, ValueError, AttributeError) as exc:
+        return str(exc) if str(exc).startswith("invalid header") else f"invalid header: {exc}"
+    except RecursionError:
+        return "invalid header: nested too deeply"
+    return None
+
+
+def check_sample(data: bytes | memoryview) -> str | None:
+    """Why a stored dataset sample is corrupt, or ``None`` (see :mod:`torchcache.datasets.format`)."""
+    from ..datasets.decode import decode_sample
+
+    try:
+        decode_sample(data)
+    except (CorruptEntryError, ValueError, TypeError, RecursionError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def verify_store(
+    directory: Path, fix: bool, tick: Callable[[int], None] | None = None, kind: object = None
+) -> tuple[int, list[Problem], bool]:
+    """Check a cache directory's packed store: its index, every record's checksum, every entry.
+
+    With ``fix``, damaged entries are removed and the index is repaired. Entries are
+    checked as what the cache stores: frames of module outputs, or dataset samples when
+    ``kind`` (the metadata's) is ``"dataset"``.
+
+    Returns:
+        The entries checked, the problems (a damaged entry's path is ``<directory>/<key>``),
+        and whether they were fixed.
+
+    Raises:
+        StoreError: If the store cannot be opened, or with ``fix`` written.
+    """
+    if kind == "features":
+        return verify_features(directory, fix, tick)
+    problems: list[Problem] = []
+    broken = index_problem(directory)
+    if broken is not None:
+        index = directory / INDEX_NAME
+        problems.append(Problem(index, "store", f"{broken}; the index must be rebuilt from the segment files", 0))
+        if fix:
+            try:
+                discard_index(os.fspath(directory), None)
+                PackedStore(directory, UNLIMITED, report=lambda kind, message: None).close()  # rebuilds it
+            except OSError as exc:
+                raise StoreError(f"cannot rebuild the index of {directory}: {exc}") from exc
+    store = open_store(directory)
+    if store is None:
+        return 0, problems, fix
+    check = check_sample if kind == "dataset" else check_frame
+    with store:
+        report = store.verify(fix)
+        problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)
+        problems.extend(Problem(directory, "store", line, 0) for line in report.problems)
+        checked = report.entries
+        # Records that failed the store's checks are not read again: a read would mark them
+        # for removal at the store's next write (its close), and without ``fix`` nothing is removed.
+        for key, reason, size in check_entries(store, check, set(report.bad), fix, tick):
+            problems.append(Problem(directory / key, "corrupt", reason, size))
+    return checked, problems, fix
+
+
+def check_entries(
+    store: BatchedStore,
+    check: Callable[[bytes | memoryview], str | None],
+    skip: set[str],
+    fix: bool,
+    tick: Callable[[int], None] | None = None,
+) -> list[tuple[str, str, int]]:
+    """Check every entry of a store with ``check``, 512 at a time; with ``fix``, delete the bad ones.
+
+    Args:
+        store: The store.
+        check: Why an entry's bytes are not what the cache stores, or ``None``.
+        skip: Keys not to read (they failed the store's own checks).
+        fix: Delete the entries that fail.
+        tick: Called with the count of entries checked, after each batch.
+
+    Returns:
+        ``(key, reason, size)`` of each entry that failed.
+    """
+    keys = [key for key in list(store.keys()) if key not in skip]
+    bad: list[tuple[str, str, int]] = []
+    for start in range(0, len(keys), 512):
+        chunk = keys[start : start + 512]
+        for key, data in zip(chunk, store.get_many(chunk)):
+            reason = None if data is None else check(data)
+            if reason is not None:
+                bad.append((key, reason, len(data or b"")))
+        if tick is not None:
+            tick(len(chunk))
+    if fix and bad:
+        store.delete_many([key for key, _, _ in bad])
+    return bad
+
+
+def check_entry(path: Path) -> str | None:
+    """Check one torchcache 1.0 entry file: frame, checksum, header and payload size.
+
+    Only the prefix is read before the file's size is checked against it.
+
+    Returns:
+        Why the entry is corrupt, or ``None`` if it is sound (or was removed meanwhile).
+    """
+    try:
+        opened = open_regular(path)
+        if opened is None:
+            return "not a regular file" if os.path.lexists(path) else None
+        fd, st = opened
+        try:
+            expected = frame_length(read_at(fd, PREFIX_SIZE))
+            if expected != st.st_size:
+                return f"frame length {st.st_size} does not match its prefix ({expected})"
+            data = read_at(fd, st.st_size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    except CorruptEntryError as exc:
+        return str(exc)
+    return check_frame(data)
+
+
+def verify_files(
+    files: CacheFiles, now: float, tick: Callable[[int], None] | None = None
+) -> tuple[list[Problem], list[FileInfo]]:
+    """Check every entry of a module cache (calling ``tick(1)`` after each) and find stray temporaries.
+
+    Returns:
+        The problems, and the temporary files young enough (at ``now``) to be writes in progress.
+    """
+    problems = []
+    for entry in files.entries:
+        reason = check_entry(entry.path)
+        if reason is not None:
+            problems.append(Problem(entry.path, "corrupt", reason, entry.size))
+        if tick is not None:
+            tick(1)
+    in_progress = []
+    for tmp in files.temporaries:
+        if now - tmp.mtime < TMP_GRACE_SECONDS:
+            in_progress.append(tmp)
+        else:
+            problems.append(Problem(tmp.path, "temporary", "stray temporary file", tmp.size))
+    return problems, in_progress
+
+
+def rebuild_meta(cache: ModuleCache) -> None:
+    """Write fresh metadata for a cache whose metadata is damaged, from what its entries tell.
+
+    The name and kind are kept where the damaged metadata still has them; ``created`` is
+    the modification time of the oldest entry; the last-used time is kept.
+
+    Raises:
+        OSError: If it cannot be written (a directory at its path, a read-only directory).
+    """
+    files = list_files(cache.directory)
+    meta: dict[str, Any] = {
+        "torchcache_version": __version__,
+        "module_key": cache.key,
+        "created": meta_time(min((f.mtime for f in files.entries), default=None)),
+        "rebuilt": True,
+    }
+    for field in ("name", "kind"):
+        if isinstance(cache.meta.get(field), str):
+            meta[field] = cache.meta[field]
+    write_json_atomic(cache.directory / META_NAME, meta)
+    with contextlib.suppress(OSError):
+        os.utime(cache.directory / META_NAME, (cache.last_used, cache.last_used))

@@ -1,0 +1,279 @@
+"""Dataset samples to frames (the format is :mod:`.format`)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .format import (
+    ALIGN,
+    C128,
+    F64,
+    I64,
+    INT64_RANGE,
+    MAGIC,
+    MAX_DEPTH,
+    MAX_HEADER,
+    MAX_NODES,
+    NUMPY_DTYPES,
+    PREFIX,
+    TORCH_NAME,
+    VERSION,
+    SampleTypeError,
+)
+
+__all__ = ["check_sample", "encode_sample"]
+
+_HEADER_CACHE_SIZE = 1024
+
+
+_HINT = (
+    "a cached sample holds CPU tensors, numpy arrays and scalars of numbers, bool, int, float, complex, str, "
+    "bytes, None, and tuples, lists and dicts (str or int keys) of these; convert it in __getitem__, or produce "
+    "it in transform= (applied after the cache)"
+)
+
+
+def _refuse(value: object, path: str) -> SampleTypeError:
+    cls = type(value)
+    name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
+    if cls.__module__.startswith("PIL."):
+        hint = "convert PIL images with torchvision.transforms.functional.pil_to_tensor or numpy.asarray"
+    elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
+        hint = "convert it to a plain tuple or dict (namedtuple._asdict(), dataclasses.asdict())"
+    elif isinstance(value, (int, float, str, dict, list)):
+        hint = "convert it to the plain builtin type (int(x), float(x), str(x), dict(x), list(x))"
+    else:
+        hint = _HINT
+    return SampleTypeError(f"{path}: cannot cache a value of type {name}; {hint}")
+
+
+# -- encoding ---------------------------------------------------------------------
+class _Encoder:
+    def __init__(self) -> None:
+        self.chunks: list[bytes | memoryview] = []
+        self.size = 0
+        self.nodes = 0
+
+    def put(self, data: bytes | memoryview) -> None:
+        pad = -self.size % ALIGN
+        if pad:
+            self.chunks.append(b"\0" * pad)
+        self.chunks.append(data)
+        self.size += pad + len(data)
+
+    def node(self, value: object, path: str, depth: int) -> Any:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise SampleTypeError(f"{path}: a sample holds more than {MAX_NODES} values; cache fewer, larger arrays")
+        cls = type(value)
+        if value is None or cls is bool:
+            return value
+        if cls is int:
+            if INT64_RANGE[0] <= value <= INT64_RANGE[1]:  # type: ignore[operator]
+                self.put(I64.pack(value))
+                return "i"
+            return ["I", value]
+        if cls is float:
+            self.put(F64.pack(value))
+            return "f"
+        if cls is complex:
+            self.put(C128.pack(value.real, value.imag))  # type: ignore[attr-defined]
+            return "c"
+        if cls is str:
+            data = value.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
+            self.put(data)
+            return ["s", len(data)]
+        if cls is bytes:
+            self.put(value)  # type: ignore[arg-type]
+            return ["b", len(value)]  # type: ignore[arg-type]
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, np.ndarray) and cls is np.ndarray:
+            return ["a", self.array(value, path), list(value.shape)]
+        if isinstance(value, np.generic) and value.dtype.str in NUMPY_DTYPES:
+            self.put(np.asarray(value).tobytes())
+            return ["n", value.dtype.str]
+        if cls in (tuple, list, dict) and depth >= MAX_DEPTH:
+            raise SampleTypeError(f"{path}: the sample nests containers more than {MAX_DEPTH} deep")
+        if cls is tuple or cls is list:
+            seq: list[object] | tuple[object, ...] = value  # type: ignore[assignment]
+            return ["u" if cls is tuple else "l", [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(seq)]]
+        if cls is dict:
+            mapping: dict[object, object] = value  # type: ignore[assignment]
+            for key in mapping:
+                if type(key) is not str and type(key) is not int:
+                    raise SampleTypeError(f"{path}: dict keys must be str or int to be cached, got {key!r}")
+            values = [self.node(v, f"{path}[{k!r}]", depth + 1) for k, v in mapping.items()]
+            return ["d", list(mapping), values]
+        raise _refuse(value, path)
+
+    def tensor(self, value: torch.Tensor, path: str) -> Any:
+        if value.device.type != "cpu":
+            raise SampleTypeError(
+                f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
+                "__getitem__ and move batches to the device in the training loop (DataLoader(pin_memory=True) helps)"
+            )
+        if value.layout != torch.strided:
+            raise SampleTypeError(f"{path}: a {value.layout} tensor cannot be cached; convert it with .to_dense()")
+        name = TORCH_NAME.get(value.dtype)
+        if name is None:
+            raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
+        flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        self.put(flat.view(torch.uint8).numpy().data)
+        return ["t", name, list(value.shape)]
+
+    def array(self, value: np.ndarray[Any, Any], path: str) -> str:
+        if value.dtype.str not in NUMPY_DTYPES:
+            raise SampleTypeError(
+                f"{path}: numpy arrays of dtype {value.dtype} cannot be cached (numbers and bool only); "
+                "convert object or string arrays to a list or tensor"
+            )
+        self.put(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        return str(value.dtype.str)
+
+
+_PLAIN_ITEMS = 16
+
+
+_plain_headers: dict[tuple[Any, ...], bytes] = {}
+
+
+def _plain_items(sample: object) -> Sequence[object] | None:
+    """The values of a plain sample (see :func:`_plain_frame`); ``None`` for any other sample.
+
+    Only types and flags are looked at: about 0.6 us for an ``(image, label)`` pair.
+    """
+    cls = type(sample)
+    items: Sequence[object]
+    if cls is torch.Tensor:
+        items = (sample,)
+    elif (cls is tuple or cls is list) and len(sample) <= _PLAIN_ITEMS:  # type: ignore[arg-type]
+        items = sample  # type: ignore[assignment]
+    else:
+        return None
+    for value in items:
+        kind = type(value)
+        if kind is torch.Tensor:
+            tensor: torch.Tensor = value  # type: ignore[assignment]
+            if not (
+                tensor.is_cpu  # tensor.device.type costs 0.6 us, this 0.1
+                and tensor.layout == torch.strided
+                and tensor.dtype in TORCH_NAME
+                and tensor.is_contiguous()
+                and not tensor.is_conj()
+                and not tensor.is_neg()
+            ):
+                return None
+        elif kind is int:
+            if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:  # type: ignore[operator]
+                return None
+        elif kind is not float:
+            return None
+    return items
+
+
+def _plain_frame(sample: object) -> bytes | None:
+    """The frame of the most common samples, built without walking a tree; ``None`` for the others.
+
+    A plain sample is one contiguous CPU tensor, or a tuple or list of at most
+    :data:`_PLAIN_ITEMS` such tensors, ``int`` (within int64) and ``float`` values, as a
+    dataset of ``(image, label)`` returns. Its prefix and header depend only on its
+    structure, dtypes and shapes, so they are taken from the first frame of each
+    structure that :func:`_encode_tree` makes; the frame is the one it would make (its
+    leaves at multiples of 8 bytes).
+    """
+    items = _plain_items(sample)
+    if items is None:
+        return None
+    signature: list[object] = [type(sample)]
+    chunks: list[bytes | memoryview | ctypes.Array[ctypes.c_ubyte]] = []
+    size = 0
+    for value in items:
+        data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte]
+        if type(value) is torch.Tensor:
+            tensor: torch.Tensor = value  # type: ignore[assignment]
+            data = _bytes_in_place(tensor)
+            signature.append((tensor.dtype, tensor.shape))
+        elif type(value) is int:
+            data = I64.pack(value)
+            signature.append(int)
+        else:
+            data = F64.pack(value)  # type: ignore[arg-type]
+            signature.append(float)
+        pad = -size % ALIGN
+        if pad:
+            chunks.append(b"\0" * pad)
+        chunks.append(data)
+        size += pad + len(data)
+    key = tuple(signature)
+    head = _plain_headers.get(key)
+    if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
+        frame = _encode_tree(sample, "sample")
+        if len(_plain_headers) >= _HEADER_CACHE_SIZE:
+            _plain_headers.clear()
+        _plain_headers[key] = frame[: PREFIX.size + PREFIX.unpack_from(frame)[2]]
+        return frame
+    return b"".join([head, *chunks])
+
+
+def _bytes_in_place(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte]:
+    """The bytes of a contiguous CPU tensor, read where they lie (no copy).
+
+    About 1 us, where ``tensor.detach().reshape(-1).view(torch.uint8).numpy()`` takes
+    about 6. The view does not keep the tensor alive: it is used only while the tensor
+    is (the sample holds it until its frame is joined).
+    """
+    return (ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())
+
+
+def encode_sample(sample: object, name: str = "sample") -> bytes:
+    """Encode a sample into a frame.
+
+    Args:
+        sample: What a dataset's ``__getitem__`` returned.
+        name: The name of the sample in error messages (``sample[1]['label']``).
+
+    Returns:
+        The frame.
+
+    Raises:
+        SampleTypeError: If the sample holds a value that cannot be cached (the message
+            names its type and its path, and says how to convert it).
+
+    Example:
+        >>> from torchcache.datasets.decode import decode_sample
+        >>> frame = encode_sample((torch.arange(3), {"label": 7}))
+        >>> decode_sample(frame)
+        (tensor([0, 1, 2]), {'label': 7})
+    """
+    frame = _plain_frame(sample)
+    return frame if frame is not None else _encode_tree(sample, name)
+
+
+def check_sample(sample: object, name: str = "sample") -> None:
+    """Check that a sample can be cached, as :func:`encode_sample` would, without keeping a frame.
+
+    For a plain sample (a tensor, or a short tuple or list of tensors and numbers) this
+    only looks at types, about a microsecond; any other sample is encoded.
+
+    Raises:
+        SampleTypeError: As :func:`encode_sample`.
+    """
+    if _plain_items(sample) is None:
+        _encode_tree(sample, name)
+
+
+def _encode_tree(sample: object, name: str) -> bytes:
+    """:func:`encode_sample` for any sample, by walking its structure."""
+    encoder = _Encoder()
+    tree = encoder.node(sample, name, 0)
+    header = json.dumps(tree, separators=(",", ":")).encode("ascii")
+    if len(header) > MAX_HEADER:
+        raise SampleTypeError(f"{name}: the sample's structure is too large to cache ({len(header)} bytes)")
+    return b"".join([PREFIX.pack(MAGIC, VERSION, len(header)), header, *encoder.chunks])

@@ -1,0 +1,219 @@
+"""Where a sample cache keeps its tiers, and opening them in each process.
+
+:func:`resolve_places` turns a :class:`~.cache.SampleCache`'s arguments into its places: a
+RAM tier under the job's shared-memory directory (:mod:`.shm`), and a disk tier that is a
+directory under the cache root, a Redis server, or a Redis server behind a local copy.
+:func:`open_tiers` opens them in a process: every fault is one warning and a tier left
+out, never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .._version import __version__
+from ..config import check_local_dir, check_redis_url, is_url, resolve_local_dir, resolve_root
+from ..errors import ConfigError, StoreError
+from ..faults import FaultLog
+from ..meta import META_NAME, load_meta, write_json_atomic
+from ..policy import parse_size
+from ..stores.batched import BatchedStore
+from ..stores.packed.store import PackedStore
+from ..stores.slots import SlotStore
+from . import shm
+from .tiers import SampleTier, segment_bytes, store_bytes
+
+__all__ = ["DEFAULT_DISK_SIZE", "Places", "hold_memory", "open_tiers", "resolve_places", "write_dataset_meta"]
+
+#: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
+DEFAULT_DISK_SIZE = "50GB"
+
+
+@dataclass
+class Places:
+    """Where the tiers of one sample cache live, and their budgets (0: no such tier)."""
+
+    dirname: str
+    max_disk_size: int
+    #: The disk tier's directory (``None``: none, or the tier is on Redis).
+    directory: Path | None = None
+    #: The Redis server of the disk tier, when ``cache_dir`` is a Redis URL.
+    redis_url: str | None = None
+    #: The local copy of the Redis tier (``None``: none).
+    local_directory: Path | None = None
+    #: The job's shared-memory directory (``None``: no RAM tier).
+    job_dir: Path | None = None
+    max_memory_size: int = 0
+
+    @property
+    def memory_dir(self) -> Path | None:
+        """The RAM tier's directory (``None`` without a RAM tier)."""
+        return None if self.job_dir is None else self.job_dir / self.dirname
+
+
+def resolve_places(
+    dirname: str,
+    cache_dir: str | os.PathLike[str] | None,
+    max_memory_size: int | float | str | None,
+    max_disk_size: int | float | str | None,
+    local_cache_dir: str | os.PathLike[str] | None,
+    faults: FaultLog,
+) -> Places:
+    """The places of a sample cache's tiers; the RAM tier's directories are held on return.
+
+    Raises:
+        ConfigError: If a size, the Redis URL or ``local_cache_dir`` is invalid.
+    """
+    if max_disk_size is None:
+        max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
+    places = Places(dirname, parse_size(max_disk_size, "max_disk_size"))
+    if is_url(cache_dir):
+        places.redis_url = check_redis_url(str(cache_dir)) if places.max_disk_size else None
+        local = resolve_local_dir(check_local_dir(local_cache_dir))
+        if local is not None and places.redis_url is not None:
+            places.local_directory = local / dirname
+    elif local_cache_dir is not None:
+        raise ConfigError(
+            "local_cache_dir keeps a local copy of a disk tier on a Redis server, but cache_dir is "
+            f"{'not given' if cache_dir is None else 'a directory'}; leave local_cache_dir out"
+        )
+    elif places.max_disk_size:
+        root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+        places.directory = root / dirname
+    if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
+        try:
+            job_dir = shm.new_job_dir()
+            hold_memory(job_dir, dirname, held_job=True)
+        except StoreError as exc:
+            faults.warn("memory-open", f"no RAM tier ({exc})")
+        else:
+            places.job_dir = job_dir
+            size = shm.default_memory_size() if max_memory_size is None else max_memory_size
+            places.max_memory_size = parse_size(size, "max_memory_size")
+    return places
+
+
+def hold_memory(job_dir: Path, dirname: str, held_job: bool = False) -> None:
+    """Hold the job directory (unless ``held_job``) and a cache's RAM tier directory in it.
+
+    Each is removed when its last user lets go: the cache's own when it closes (unless
+    another cache of this name in the job uses it), the job's when the job ends.
+
+    Raises:
+        StoreError: If either cannot be created or locked (then neither is held).
+    """
+    if not held_job:
+        shm.hold(job_dir)
+    try:
+        shm.hold(job_dir / dirname)
+    except StoreError:
+        shm.release(job_dir)
+        raise
+
+
+def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[SampleTier]:
+    """Open the RAM tier (with slots when the dataset's ``length`` is known), then the disk tier.
+
+    A tier that cannot be opened is one warning in ``faults`` and is left out.
+    """
+    tiers: list[SampleTier] = []
+    wanted = [
+        ("memory", places.memory_dir, places.max_memory_size),
+        ("disk", places.directory or places.redis_url, places.max_disk_size),
+    ]
+    for name, location, size in wanted:
+        if location is None or not size:
+            continue
+        with_slots = name == "memory" and length is not None and isinstance(location, Path)
+        try:
+            store: BatchedStore | Callable[[], BatchedStore]
+            if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
+                store = _redis_store(places, location, store_bytes(size), faults)
+            else:
+                store = functools.partial(
+                    PackedStore,
+                    location,
+                    store_bytes(size),
+                    segment_bytes=segment_bytes(size),
+                    report=_reporter(faults, name),
+                )
+                if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
+                    store = store()
+        except (StoreError, ConfigError) as exc:
+            faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
+            continue
+        slots = None
+        if with_slots:
+            assert isinstance(location, Path) and length is not None
+            slots = SlotStore(location, length, size, _reporter(faults, name))
+            if slots.shortfall():  # made by a cache of this dataset with a smaller budget, in this job
+                faults.report(
+                    "memory-size",
+                    f"the RAM tier's slot file {slots.path} was made for {slots.capacity:,} samples by an "
+                    "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
+                    "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
+                    "cache its own RAM tier with another version=",
+                )
+        tiers.append(SampleTier(name, store, size, faults, slots))
+    return tiers
+
+
+def write_dataset_meta(
+    directory: Path, fields: Mapping[str, Any], max_bytes: int, create: bool, faults: FaultLog
+) -> bool:
+    """Record ``fields`` in the ``torchcache.json`` of a dataset's disk tier; return whether it holds them.
+
+    Without ``create``, a directory whose metadata is missing or not a dataset's is left
+    alone. A write that fails is one warning.
+    """
+    old, problem = load_meta(directory)
+    if problem is not None:
+        old = None
+    if old is None or old.get("kind") != "dataset":
+        if not create:
+            return False
+        old = {"created": time.time()}
+    meta = {**old, **fields}
+    meta.update(torchcache_version=__version__, kind="dataset", max_bytes=max_bytes)
+    if meta == old:
+        return True
+    try:
+        os.makedirs(directory, exist_ok=True)
+        write_json_atomic(directory / META_NAME, meta)
+    except OSError as exc:
+        faults.warn("disk-meta", f"cannot write {directory / META_NAME} ({exc})")
+        return False
+    return True
+
+
+def _redis_store(places: Places, url: str, max_bytes: int, faults: FaultLog) -> BatchedStore:
+    """The disk tier on a Redis server, behind its local copy when there is one."""
+    from ..stores.layered import LayeredStore
+    from ..stores.redis.store import RedisStore
+
+    namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
+    report = _reporter(faults, "disk")
+    store = RedisStore(url, namespace, max_bytes, report=report)
+    if places.local_directory is None:
+        return store
+    try:
+        near = PackedStore(places.local_directory, max_bytes, report=report)
+    except StoreError as exc:
+        faults.warn("disk-local", f"no local copy of the disk tier ({exc}); hits are read from the server")
+        return store
+    return LayeredStore(near, store, report)
+
+
+def _reporter(faults: FaultLog, tier: str) -> Callable[[str, str], None]:
+    def report(kind: str, message: str) -> None:
+        faults.report(f"{tier}-{kind}", f"{tier} tier: {message}")
+
+    return report
