@@ -18,8 +18,8 @@ Objects the encoder has no rule for are encoded by their class and the state tha
 object by its ``__dict__`` and ``__slots__``, a ``pathlib.Path`` by its parts, a
 ``logging.Logger`` by its name. Nothing is unpickled: the state is only hashed.
 
-The module runs past 450 lines because every type it encodes has its branch here, side
-by side, where a reader checks that none is missing.
+Length: every type the encoder covers has its branch here, side by side, where a reader
+checks that none is missing.
 """
 
 from __future__ import annotations
@@ -215,6 +215,9 @@ def tensor_content_digest(tensor: torch.Tensor, path: str) -> bytes:
 
 class KeyEncoder:
     """Encodes values for one key, exactly or not at all.
+
+    Length: one method per kind of value, sharing the traversal's state (depth,
+    cycle guard, object budget, path for messages), so they stay one class.
 
     Args:
         remedy: What the refusal message suggests (which ways of giving the key apply);

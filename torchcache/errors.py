@@ -9,6 +9,7 @@ of a cached forward pass: they become a :class:`CacheWarning` and a recompute.
 from __future__ import annotations
 
 __all__ = [
+    "CacheLookupError",
     "CacheWarning",
     "ConfigError",
     "CorruptEntryError",
@@ -45,6 +46,10 @@ class StoreError(TorchCacheError, OSError):
 
 class StoreUnavailableError(StoreError):
     """A store's server cannot be reached for now; it may come back, so writes are retried later."""
+
+
+class CacheLookupError(TorchCacheError, LookupError):
+    """No cache, or more than one, under a root matches what was asked for."""
 
 
 class CacheWarning(UserWarning):

@@ -4,14 +4,13 @@ A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcach
 or one that holds cache files whatever its metadata: a packed store's (``index.lmdb`` or
 ``seg-*.tcs``, whatever kind of file is at those names: a FIFO there is a damaged store,
 not a foreign file) or torchcache 1.0 entry files (``<3 hex digits>/<key>.tce`` that start
-like a frame). A damaged, missing or foreign ``torchcache.json`` (a FIFO, a directory, an
-unreadable file, garbage) never hides a cache, it is a problem that ``verify`` reports and
-``verify --fix`` rebuilds. Anything else under
+like a frame). A damaged, missing or foreign ``torchcache.json`` never hides a cache: it
+is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything else under
 the root is not torchcache's and is never touched. Files are opened without blocking,
-only when they are regular files, and read only as far as their prefix says. Nothing
-here removes entries; :mod:`torchcache.catalog.removal` does. (Opening a packed store whose
-index was damaged rebuilds the index, as the library does; an index that is not a
-regular file, or is cut short, is not opened at all: see :func:`index_problem`.)
+only when regular, and read only as far as their prefix says. Nothing here removes
+entries (:mod:`.removal` does). Opening a packed store whose index was damaged rebuilds
+the index, as the library does; an index that is not a regular file, or is cut short, is
+not opened at all (:func:`index_problem`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..codec import MAGIC
-from ..errors import CorruptEntryError, TorchCacheError
+from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from ..stores.features.file import FEATURES_NAME, FeatureFile
@@ -58,10 +57,6 @@ _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
 
 
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
-
-
-class CacheLookupError(TorchCacheError, LookupError):
-    """No module cache, or more than one, matches what was asked for."""
 
 
 @dataclass(frozen=True)

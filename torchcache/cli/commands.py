@@ -22,7 +22,6 @@ from ..config import is_url, resolve_root
 from ..errors import ConfigError, StoreError
 from ..meta import META_NAME
 from ..policy import format_size
-from .migrate import migrate_cache
 from .output import (
     Progress,
     cache_json,
@@ -39,10 +38,10 @@ from .output import (
 )
 from .verify import Problem, rebuild_meta, verify_files, verify_store
 
-__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_migrate", "cmd_prune", "cmd_verify"]
+__all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_prune", "cmd_verify", "command_root"]
 
 
-def _root(arg: str | None) -> Path:
+def command_root(arg: str | None) -> Path:
     """The root a command works on: the argument, else the decorator's default root."""
     if arg is None:
         return resolve_root(None)
@@ -67,7 +66,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         from . import redis as cli_redis
 
         return cli_redis.redis_ls(args.root, args)
-    root = _root(args.root)
+    root = command_root(args.root)
     caches = find_caches(root)
     if args.json:
         print_json({"root": str(root), "caches": [cache_json(c) for c in caches]})
@@ -96,7 +95,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         from . import redis as cli_redis
 
         return cli_redis.redis_info(args.root, args)
-    root = _root(args.root)
+    root = command_root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
     dataset = cache.meta.get("kind") == "dataset"  # its entries are samples, not output frames
@@ -196,7 +195,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from . import redis as cli_redis
 
         return cli_redis.redis_verify(args.path, args)
-    root = _root(args.path)
+    root = command_root(args.path)
     caches = find_caches(root)
     listed = [(cache, list_files(cache.directory)) for cache in caches]
     total = sum(len(files.entries) for _, files in listed)
@@ -304,7 +303,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 1 if a module cache could not be removed, else 0.
     """
-    root = _root(args.root)
+    root = command_root(args.root)
     caches = find_caches(root)
     busy: list[ModuleCache] = []
 
@@ -391,7 +390,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         from . import redis as cli_redis
 
         return cli_redis.redis_clear(args.root, args)
-    root = _root(args.root)
+    root = command_root(args.root)
     targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
     if not targets:
         print(f"nothing to clear: no module caches under {root}")
@@ -415,45 +414,3 @@ def cmd_clear(args: argparse.Namespace) -> int:
     removed, freed, failed = _remove(targets)
     print(f"removed {plural(len(removed), 'module cache')} ({format_size(freed)})")
     return 1 if failed else 0
-
-
-def cmd_migrate(args: argparse.Namespace) -> int:
-    """``torchcache migrate``: pack the torchcache 1.0 entry files of module caches into their packed stores.
-
-    Args:
-        args: The parsed arguments of the command.
-
-    Returns:
-        The exit status: 1 if damaged files were left or a module cache could not be migrated, else 0.
-    """
-    root = _root(args.path)
-    caches = [cache for cache in find_caches(root) if cache.legacy_entries]
-    if not caches:
-        print(f"nothing to migrate: no torchcache 1.0 entries under {root}")
-        return 0
-    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
-    moved = dropped = 0
-    damaged: list[Problem] = []
-    failures: list[str] = []
-    try:
-        for cache in caches:
-            try:
-                done = migrate_cache(cache, progress.update)
-            except StoreError as exc:  # the others are still migrated
-                failures.append(f"cannot migrate {cache.directory}: {exc}")
-                continue
-            moved, dropped = moved + done.moved, dropped + done.dropped
-            damaged.extend(done.damaged)
-    finally:
-        progress.close()
-    migrated = len(caches) - len(failures)
-    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
-    if dropped:
-        print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
-    if damaged:
-        rows = [[p.reason, relative(p.path, root)] for p in damaged]
-        print(table(["REASON", "FILE"], rows))
-        error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
-    for failure in failures:
-        error(failure)
-    return 1 if damaged or failures else 0

@@ -18,7 +18,8 @@ from typing import Any, NoReturn
 from .._version import __version__
 from ..errors import ConfigError, TorchCacheError
 from ..policy import parse_size
-from .commands import cmd_clear, cmd_info, cmd_ls, cmd_migrate, cmd_prune, cmd_verify
+from .commands import cmd_clear, cmd_info, cmd_ls, cmd_prune, cmd_verify
+from .migrate import cmd_migrate
 from .output import PROG, error, note
 
 __all__ = ["build_parser", "main", "parse_duration"]

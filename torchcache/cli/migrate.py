@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from ..catalog.inspect import (
     ModuleCache,
+    find_caches,
     index_problem,
     list_files,
     open_store,
@@ -19,9 +21,11 @@ from ..errors import StoreError
 from ..stores.disk import ENTRY_SUFFIX
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
+from .commands import command_root
+from .output import Progress, error, plural, relative, table
 from .verify import UNLIMITED, Problem, check_entry
 
-__all__ = ["Migration", "migrate_cache"]
+__all__ = ["Migration", "cmd_migrate", "migrate_cache"]
 
 
 _MIGRATE_BATCH = 256
@@ -99,3 +103,45 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
         with contextlib.suppress(OSError):  # damaged files left, or unknown ones
             os.rmdir(shard)
     return Migration(len(migrated & after), len((migrated | before) - after), damaged)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """``torchcache migrate``: pack the torchcache 1.0 entry files of module caches into their packed stores.
+
+    Args:
+        args: The parsed arguments of the command.
+
+    Returns:
+        The exit status: 1 if damaged files were left or a module cache could not be migrated, else 0.
+    """
+    root = command_root(args.path)
+    caches = [cache for cache in find_caches(root) if cache.legacy_entries]
+    if not caches:
+        print(f"nothing to migrate: no torchcache 1.0 entries under {root}")
+        return 0
+    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
+    moved = dropped = 0
+    damaged: list[Problem] = []
+    failures: list[str] = []
+    try:
+        for cache in caches:
+            try:
+                done = migrate_cache(cache, progress.update)
+            except StoreError as exc:  # the others are still migrated
+                failures.append(f"cannot migrate {cache.directory}: {exc}")
+                continue
+            moved, dropped = moved + done.moved, dropped + done.dropped
+            damaged.extend(done.damaged)
+    finally:
+        progress.close()
+    migrated = len(caches) - len(failures)
+    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
+    if dropped:
+        print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
+    if damaged:
+        rows = [[p.reason, relative(p.path, root)] for p in damaged]
+        print(table(["REASON", "FILE"], rows))
+        error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
+    for failure in failures:
+        error(failure)
+    return 1 if damaged or failures else 0

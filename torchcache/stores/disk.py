@@ -76,6 +76,9 @@ def _is_key(name: str) -> bool:
 class DiskStore(Store):
     """A directory of entry files with a byte budget and an eviction policy.
 
+    Length: it reads, budgets and migrates the one-file-per-entry layout of
+    torchcache 1.0 behind the whole batched contract.
+
     Args:
         directory: The module directory (created on first write).
         max_bytes: The budget for the sum of entry file sizes.

@@ -88,6 +88,9 @@ class _WriteJob:
 class PersistentTier:
     """Entries of one module in a byte store.
 
+    Length: framing, the writer thread's hand-off and batched reads share the tier's
+    state.
+
     Args:
         store: Where frames are kept (shared by every cache of this module key).
         quality: brotli quality for new entries.

@@ -86,6 +86,9 @@ class Writer:
 class SegmentFiles:
     """Reader descriptors and the writable segments of one store directory, in one process.
 
+    Length: appending, reading, sealing and handing segments to compaction share the
+    open file descriptors and their locks.
+
     Args:
         root: The store directory.
         segment_bytes: A segment is sealed once it holds this many bytes.

@@ -55,6 +55,9 @@ def _default_report(kind: str, message: str) -> None:
 class PackedStore(BatchedStore):
     """Entries packed into append-only segment files under one LMDB index.
 
+    Length: it is the store's whole contract; each method is short and hands the
+    work to the index, segment, eviction and upkeep modules.
+
     Args:
         directory: The store directory (created if missing).
         max_bytes: The budget, in bytes or as a string such as ``"2GB"``.

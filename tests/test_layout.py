@@ -1,0 +1,147 @@
+"""The package's layout: imports flow one way, and long units say why they are long.
+
+The layers, from the top: the package's entry points, the command line, features by
+index, the two products (the module cache and the dataset cache, which do not import each
+other), the catalog of a cache root, the tiers, the settings, the stores, and the shared
+core. A module may import from its own layer and the layers below it, never above.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchcache"
+
+#: Layer of each package and of each module at the top level, lowest first.
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "core",
+        {
+            "torchcache._fork",
+            "torchcache._log",
+            "torchcache._version",
+            "torchcache.canonical",
+            "torchcache.codec",
+            "torchcache.errors",
+            "torchcache.faults",
+            "torchcache.keys",
+            "torchcache.output_types",
+            "torchcache.policy",
+            "torchcache.stats",
+            "torchcache.tree",
+        },
+    ),
+    ("stores", {"torchcache.stores"}),
+    ("settings", {"torchcache.config", "torchcache.meta"}),
+    ("tiers", {"torchcache.tiers"}),
+    ("catalog", {"torchcache.catalog"}),
+    ("products", {"torchcache.module", "torchcache.datasets"}),
+    ("features", {"torchcache.features"}),
+    ("cli", {"torchcache.cli"}),
+    ("entry", {"torchcache", "torchcache.__main__"}),
+]
+#: Groups of one layer that must not import each other.
+PEERS = {"torchcache.module", "torchcache.datasets"}
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 250
+
+
+def module_name(path: Path) -> str:
+    parts = ["torchcache", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def group_of(name: str) -> tuple[int, str]:
+    """The layer's rank and the group (package or top-level module) that ``name`` belongs to."""
+    best: tuple[int, str] | None = None
+    for rank, (_, groups) in enumerate(LAYERS):
+        for group in groups:
+            if (name == group or name.startswith(group + ".")) and (best is None or len(group) > len(best[1])):
+                best = (rank, group)
+    if best is None:
+        raise LookupError(name)
+    return best
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The torchcache modules that ``name`` imports, lazily or not."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                child = f"{target}.{alias.name}"
+                found.add(child if child in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {target for target in found if target == "torchcache" or target.startswith("torchcache.")}
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = []
+    for name in modules():
+        try:
+            group_of(name)
+        except LookupError:
+            missing.append(name)
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_imports_flow_one_way() -> None:
+    known = set(modules())
+    wrong = []
+    for name, path in modules().items():
+        rank, group = group_of(name)
+        for target in sorted(imports_of(name, path, known)):
+            target_rank, target_group = group_of(target)
+            upward = target_rank > rank
+            across = target_group != group and {group, target_group} <= PEERS
+            if upward or across:
+                wrong.append(f"{name} ({LAYERS[rank][0]}) imports {target} ({LAYERS[target_rank][0]})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_an_import_upward(tmp_path: Path) -> None:
+    path = tmp_path / "codec.py"
+    path.write_text("from .cli.main import main\n\ndef f():\n    from .module import engine\n")
+    found = imports_of("torchcache.codec", path, {"torchcache.module.engine", "torchcache.cli.main"})
+    assert found == {"torchcache.cli.main", "torchcache.module.engine"}
+    assert all(group_of(target)[0] > group_of("torchcache.codec")[0] for target in found)
+
+
+def _units() -> list[tuple[str, str, int, str]]:
+    units = []
+    for name, path in modules().items():
+        source = path.read_text()
+        tree = ast.parse(source)
+        units.append((name, "module", source.count("\n"), ast.get_docstring(tree) or ""))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                units.append((f"{name}.{node.name}", "class", lines, ast.get_docstring(node) or ""))
+    return units
+
+
+@pytest.mark.parametrize(("kind", "limit"), [("module", MAX_MODULE_LINES), ("class", MAX_CLASS_LINES)])
+def test_long_units_say_why(kind: str, limit: int) -> None:
+    unexplained = [
+        f"{name}: {lines} lines"
+        for name, unit_kind, lines, doc in _units()
+        if unit_kind == kind and lines > limit and "\nLength: " not in f"\n{doc}"
+    ]
+    assert not unexplained, (
+        f"each {kind} over {limit} lines is split, or says why it is long in a 'Length:' paragraph of its "
+        f"docstring: {unexplained}"
+    )
