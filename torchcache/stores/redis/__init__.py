@@ -5,3 +5,7 @@ faults, :mod:`.keys` and :mod:`.namespace` lay entries out on the server, :mod:`
 checks them, and :mod:`.store` is the :class:`~.store.RedisStore`. The ``redis`` package
 is imported only when a store opens (the ``redis`` extra).
 """
+
+from .store import RedisStore
+
+__all__ = ["RedisStore"]
