@@ -39,7 +39,7 @@ def _entry_files(directory: Path) -> list[Path]:
 
     0.6 wrote one ``<hash>.pt.br`` pickle per item directly in the module directory; the
     entries are now frames packed as records of one store (``index.lmdb`` and
-    ``seg-*.tcs`` segment files, documented in docs/packed-store.md) next to a
+    ``seg-*.tcs`` segment files, documented in docs/file-format.md) next to a
     ``torchcache.json``, so they are counted through the store's index.
     """
     return entry_files(directory)
