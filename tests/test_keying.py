@@ -574,3 +574,28 @@ def test_model_library_configurations_that_change_outputs_have_other_keys(packag
             differ = base(x).shape != other(x).shape or not torch.equal(base(x), other(x))
         if differ:
             assert torchcache()(base).cache_instance.module_hash != torchcache()(other).cache_instance.module_hash
+
+
+def test_finding_a_class_source_leaves_the_garbage_collector_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import importlib.util
+
+    from torchcache.canonical import class_source
+
+    path = tmp_path / "defines_probe.py"
+    path.write_text("class Probe:\n    def f(self):\n        return 1\n\n\nclass Other:\n    pass\n")
+    spec = importlib.util.spec_from_file_location("defines_probe", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "defines_probe", module)
+    spec.loader.exec_module(module)
+    assert class_source(module.Probe) == "class Probe:\n    def f(self):\n        return 1\n"
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert class_source(module.Other) == "class Other:\n    pass\n"
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
