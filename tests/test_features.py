@@ -564,6 +564,37 @@ def test_exports() -> None:
     assert textwrap.dedent(extract_features.__doc__ or "").strip()
 
 
+# -- the root's budget -----------------------------------------------------------------
+def _bytes_under(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def test_the_root_budget_removes_unused_features_caches_and_keeps_those_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    in_use = extract(Net(), Images(n=64, seed=1), cache_dir=root)
+    closed = extract(Net(), Images(n=64, seed=2), cache_dir=root)
+    closed.close()
+    assert len(feature_dirs(root)) == 2
+    one = max(_bytes_under(d) for d in feature_dirs(root))
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", str(int(one * 2.5)))  # room for two caches, not three
+    newest = extract(Net(), Images(n=64, seed=3), cache_dir=root)
+    left = feature_dirs(root)
+    assert in_use.path is not None and newest.path is not None and closed.path is not None
+    assert left == sorted([in_use.path.parent, newest.path.parent]) and not closed.path.parent.exists()
+    assert sum(_bytes_under(d) for d in left) <= int(one * 2.5)
+    x, label = in_use[5]  # the cache in use still reads
+    assert label == Images(n=64, seed=1)[5][1] and x.shape == (5,)
+    in_use.close()
+    reopened = FeatureDataset.open(newest.path.parent)
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "1")  # the next cache to open finds the root over budget
+    extract(Net(), Images(n=8, seed=4), cache_dir=root).close()
+    assert newest.path.parent.exists() and not in_use.path.parent.exists()  # held open by two objects
+    reopened.close()
+    newest.close()
+
+
 # -- the command line ------------------------------------------------------------------
 def test_the_command_line_lists_checks_and_clears_a_features_cache(
     cache_root: Path, capsys: pytest.CaptureFixture[str]

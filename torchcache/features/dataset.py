@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import FaultLog
@@ -127,12 +128,19 @@ class FeatureDataset(Dataset[Any]):
         dataset: The dataset they were computed from.
     """
 
-    def __init__(self, file: FeatureFile, backbone: torch.nn.Module | None = None, dataset: Any = None) -> None:
+    def __init__(
+        self,
+        file: FeatureFile,
+        backbone: torch.nn.Module | None = None,
+        dataset: Any = None,
+        claim: CacheClaim | None = None,
+    ) -> None:
         self.file = file
         self.backbone = backbone
         self.dataset = dataset
         self.length = file.length
         self._faults = FaultLog(str(file.header.get("module", "features")))
+        self._claim = claim  # while held, the root's budget and prune leave this cache alone
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None) -> FeatureDataset:
@@ -149,15 +157,16 @@ class FeatureDataset(Dataset[Any]):
         """
         found = find_features(path)
         try:
-            return cls(FeatureFile.open(found))
+            return cls(FeatureFile.open(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_faults"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_faults", "_claim")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._claim = None  # the process that made it holds the claim
         self._faults = FaultLog(str(self.file.header.get("module", "features")))
 
     def __repr__(self) -> str:
@@ -245,5 +254,7 @@ class FeatureDataset(Dataset[Any]):
             self._faults.warn("write", f"cannot write to {self.path} ({exc}): those features are computed each time")
 
     def close(self) -> None:
-        """Close the file (samples already read stay valid)."""
+        """Close the file and let go of the cache, which the root's budget may then remove (samples read stay valid)."""
         self.file.close()
+        if self._claim is not None:
+            self._claim.release()

@@ -31,6 +31,7 @@ import xxhash
 from torch.utils.data import DataLoader
 
 from .._version import __version__
+from ..catalog.budget import claim_module_cache, keep_root_budget
 from ..config import resolve_root
 from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
@@ -144,6 +145,7 @@ def extract_features(
         "version": repr(version),
         "input": input,
     }
+    claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     file = _open_existing(directory / FEATURES_NAME, header, faults)
     todo = np.arange(length, dtype=np.int64) if file is None else file.missing()
     if len(todo):
@@ -158,8 +160,9 @@ def extract_features(
             pin_memory=False,
         )
         file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
+        keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
     assert file is not None
-    return FeatureDataset(file, backbone, dataset)
+    return FeatureDataset(file, backbone, dataset, claim)
 
 
 def _check_arguments(backbone: object, batch_size: object, num_workers: object, input: object) -> None:
