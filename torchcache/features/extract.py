@@ -146,22 +146,29 @@ def extract_features(
         "input": input,
     }
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
-    file = _open_existing(directory / FEATURES_NAME, header, faults)
-    todo = np.arange(length, dtype=np.int64) if file is None else file.missing()
-    if len(todo):
-        probe = _check_deterministic(dataset, todo)
-        layout = SampleLayout.of_sample(probe, input)
-        loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=todo.tolist(),
-            num_workers=num_workers,
-            collate_fn=_Collate(layout),
-            pin_memory=False,
-        )
-        file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
-        keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
-    assert file is not None
+    try:
+        file = _open_existing(directory / FEATURES_NAME, header, faults)
+        todo = np.arange(length, dtype=np.int64) if file is None else file.missing()
+        if len(todo):
+            probe = _check_deterministic(dataset, todo)
+            layout = SampleLayout.of_sample(probe, input)
+            loader = DataLoader(
+                dataset,
+                batch_size=batch_size,
+                sampler=todo.tolist(),
+                num_workers=num_workers,
+                collate_fn=_Collate(layout),
+                pin_memory=False,
+            )
+            file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
+            keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
+        assert file is not None
+    except BaseException:  # refused or interrupted: no claim held, no empty directory left
+        if claim is not None:
+            claim.release()
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only when empty: rows already written are kept for the next run
+        raise
     return FeatureDataset(file, backbone, dataset, claim)
 
 
