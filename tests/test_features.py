@@ -459,6 +459,45 @@ def test_a_damaged_row_without_backbone_is_an_error(cache_root: Path) -> None:
         opened[2]
 
 
+def _flip_row(features: FeatureDataset, index: int) -> None:
+    assert features.path is not None
+    with open(features.path, "r+b") as raw:
+        raw.seek(features.file.rows_at + index * features.file.stride + 3)
+        byte = raw.read(1)
+        raw.seek(-1, os.SEEK_CUR)
+        raw.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_rows_damaged_at_rest_are_computed_when_the_cache_opens(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    features = extract(net, data)
+    expected = [features[i][0] for i in range(len(data))]
+    features.close()
+    _flip_row(features, 4)
+    _flip_row(features, 30)
+    seen = net.seen[0]
+    with pytest.warns(CacheWarning, match="2 damaged rows"):
+        again = extract(net, data)
+    assert net.seen[0] == seen + 2  # only those, in the main process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left for a DataLoader worker to find
+        got = [x for batch, _ in DataLoader(again, batch_size=8, num_workers=2) for x in batch]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_row_damaged_later_in_a_forked_worker_of_a_cuda_process_is_a_clear_error(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.features.dataset as feature_dataset
+
+    features = extract(Net(), Images())
+    _flip_row(features, 3)
+    monkeypatch.setattr(feature_dataset, "device_of", lambda module: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    with pytest.warns(CacheWarning), pytest.raises(MissingFeatureError, match="multiprocessing_context='spawn'"):
+        features[3]
+
+
 @pytest.mark.parametrize("damage", ["magic", "json", "truncate", "empty", "table"])
 def test_a_damaged_file_is_a_warning_and_computed_again(cache_root: Path, damage: str) -> None:
     net, data = Net(), Images()

@@ -243,6 +243,13 @@ class FeatureDataset(Dataset[Any]):
                 "is no backbone here to compute them; run torchcache.extract_features(backbone, dataset) again to "
                 "complete the cache"
             )
+        if device_of(self.backbone).type == "cuda" and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+            raise MissingFeatureError(
+                f"{len(positions)} rows of {self.path} were damaged since extract_features checked them, and this "
+                "DataLoader worker was forked from a process that uses CUDA, where the CUDA backbone cannot run. "
+                "Call extract_features(backbone, dataset) again in the main process (it computes them), or give "
+                "the DataLoader multiprocessing_context='spawn'"
+            )
         unique = sorted({int(wanted[j]) for j in positions})
         computed, _ = compute_rows(self.backbone, self.file.layout, [self.dataset[i] for i in unique])
         by_index = dict(zip(unique, computed, strict=True))

@@ -148,7 +148,7 @@ def extract_features(
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
         file = _open_existing(directory / FEATURES_NAME, header, faults)
-        todo = np.arange(length, dtype=np.int64) if file is None else file.missing()
+        todo = np.arange(length, dtype=np.int64) if file is None else _missing_or_damaged(file, faults)
         if len(todo):
             probe = _check_deterministic(dataset, todo)
             layout = SampleLayout.of_sample(probe, input)
@@ -212,6 +212,21 @@ def _open_existing(path: Path, header: dict[str, Any], faults: FaultLog) -> Feat
         _remove(path)
         return None
     return file
+
+
+def _missing_or_damaged(file: FeatureFile, faults: FaultLog) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The rows to compute: those not written, and those damaged (checked here, where the backbone can run).
+
+    Checking every row at open costs a read of the file (about what one epoch reads), and
+    means that a DataLoader worker, which may not be able to run the backbone (a CUDA
+    backbone in a forked worker), meets a damaged row only if it was damaged since.
+    """
+    damaged = file.damaged()
+    if len(damaged):
+        faults.warn("corrupt", f"{len(damaged)} damaged rows in {file.path}: computed again")
+        with contextlib.suppress(OSError):
+            file.unmark(damaged.tolist())
+    return np.union1d(file.missing(), damaged)
 
 
 def _remove(path: Path) -> None:

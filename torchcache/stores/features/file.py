@@ -32,6 +32,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,22 @@ class FeatureFile:
         if checks is None:
             return np.arange(self.length, dtype=np.int64)
         return np.flatnonzero(checks == 0).astype(np.int64)
+
+    def damaged(self, chunk: int = 4096) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The indices of the written rows that fail their check, ascending (reads the whole file).
+
+        Raises:
+            StoreError: If the file is closed or was cut short since it was opened.
+        """
+        found = [np.asarray(bad, np.int64) + start for start, bad in self._checked_chunks(chunk)]
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+    def _checked_chunks(self, chunk: int) -> Iterator[tuple[int, list[int]]]:
+        for start in range(0, self.length, chunk):
+            indices = np.arange(start, min(start + chunk, self.length), dtype=np.int64)
+            _, _, bad = self.read(indices)
+            if bad:
+                yield start, bad
 
     def read(self, indices: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[int], list[int]]:
         """Gather and check the rows of ``indices`` (in range).
