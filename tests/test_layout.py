@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "core",
         {
             "torchcache._fork",
+            "torchcache._gc",
             "torchcache._log",
             "torchcache._version",
             "torchcache.canonical",

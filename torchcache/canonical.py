@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import enum
 import functools
-import gc
 import inspect
 import linecache
 import os
@@ -47,6 +46,7 @@ import torch
 import xxhash
 
 from ._fork import after_fork
+from ._gc import collector_paused
 from .errors import KeyingError
 
 __all__ = ["KeyEncoder", "MODULE_MANAGED", "class_source", "encode_key_value", "tensor_content_digest"]
@@ -140,17 +140,12 @@ def _find_class_source(cls: type) -> str:
 def _classes_in(lines: list[str]) -> dict[str, str]:
     """The source of every class defined in a file, by qualified name (first definition wins, as in inspect).
 
-    The collector is off while the tree exists: its nodes are freed by reference counting,
-    and a full collection that their allocation would set off costs a process with torch
-    loaded about 0.1 s, twenty times the parse itself.
+    The tree's nodes are freed by reference counting; the collector is paused meanwhile,
+    since a full collection that their allocation would set off costs a process with
+    torch loaded about 0.1 s, twenty times the parse itself.
     """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _classes_of(lines)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _classes_of(lines: list[str]) -> dict[str, str]:
