@@ -440,10 +440,12 @@ def test_a_damaged_row_is_a_warning_and_computed_again(cache_root: Path) -> None
         raw.write(bytes([byte[0] ^ 0xFF]))
     with pytest.warns(CacheWarning, match="damaged rows"):
         x, _ = features[4]
-    assert torch.equal(x, expected)
+    # Computed alone, not in its batch of 8: equal up to rounding (a conv net's kernels may
+    # differ with the batch size).
+    assert torch.allclose(x, expected, atol=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(features[4][0], expected)  # written again: no second warning
+        assert torch.equal(features[4][0], x)  # written again: no second warning
     assert FeatureFile.open(features.path).count() == len(data)
 
 
