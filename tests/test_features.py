@@ -307,26 +307,44 @@ def test_trainable_backbones_and_bad_arguments_are_refused(cache_root: Path) -> 
         extract_features(None, data)
 
 
-def test_fields_and_outputs_that_vary_or_cannot_be_stored_are_refused(cache_root: Path) -> None:
+def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: Path) -> None:
+    from torchcache.features.variable import VariableFeatureDataset
+
     class Named(Images):
         def __getitem__(self, i: int) -> Any:
-            return self.images[i], "cat"
+            return self.images[i], ["cat", "dog", None][i % 3]
 
-    with pytest.raises(ConfigError, match="str"):
-        extract(Net(), Named())
+    net, named = Net(), Named()
+    features = extract(net, named)
+    assert isinstance(features, VariableFeatureDataset) and len(features) == len(named)
+    with torch.no_grad():
+        for i in (0, 1, 2, 36):
+            x, label = features[i]
+            assert torch.allclose(x, net(named.images[i : i + 1])[0], atol=1e-6) and label == named[i][1]
+    seen = net.seen[0]
+    again = extract(net, named)
+    x2, label2 = again[2]
+    assert net.seen[0] == seen and label2 is None and torch.equal(x2, features[2][0])  # found, not computed
+    opened = FeatureDataset.open(features.path)
+    assert isinstance(opened, VariableFeatureDataset) and opened[1][1] == "dog" and opened.shape == (5,)
+    loader = DataLoader(opened, batch_size=8, num_workers=2, collate_fn=list)
+    assert [label for batch in loader for _, label in batch] == [named[i][1] for i in range(len(named))]
 
     class Ragged(Dataset[Any]):
         def __len__(self) -> int:
-            return 4
+            return 6
 
         def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.ones(2 + (i > 1))
+            return torch.full((2 + (i > 1),), float(i))
 
-    with pytest.raises(ConfigError, match="outputs of one shape"):
-        extract(torch.nn.Identity(), Ragged(), batch_size=2)  # batches of one shape, outputs of two
-    with pytest.raises(ConfigError, match="inputs of one shape"):
-        extract(torch.nn.Identity(), Ragged(), batch_size=4, version="whole batches")
+    for batch_size in (2, 4):  # batches of one shape and outputs of two; inputs of two shapes in a batch
+        ragged = extract(torch.nn.Identity(), Ragged(), batch_size=batch_size, version=batch_size)
+        assert [tuple(ragged[i].shape) for i in range(6)] == [(2,), (2,), (3,), (3,), (3,), (3,)]
+        assert all(torch.equal(ragged[i], Ragged()[i]) for i in range(6))
+    assert feature_dirs(cache_root) and not any((d / "features.tcfeat").exists() for d in feature_dirs(cache_root))
 
+
+def test_a_backbone_that_does_not_return_one_tensor_is_refused(cache_root: Path) -> None:
     class Pair(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x, x

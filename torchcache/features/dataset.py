@@ -155,6 +155,11 @@ class FeatureDataset(Dataset[Any]):
             ConfigError: If there is no features cache at ``path``, or several, or it is
                 not a valid features file (the message says why).
         """
+        directory = resolve_root(None if path is None else Path(os.fspath(path)).expanduser())
+        from .variable import VariableFeatureDataset, is_variable_cache  # it builds on this class
+
+        if directory.is_dir() and is_variable_cache(directory):
+            return VariableFeatureDataset.open(directory)
         found = find_features(path)
         try:
             return cls(FeatureFile.open(found), claim=claim_directory(found.parent))

@@ -31,6 +31,7 @@ import xxhash
 from torch.utils.data import DataLoader
 
 from .._gc import collector_paused
+from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
 from ..config import resolve_root
@@ -42,8 +43,9 @@ from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import describe_instance, fingerprint_module
 from ..module.guards import check_frozen
 from ..stores.features.file import FEATURES_NAME, FeatureFile
-from ..stores.features.layout import SampleLayout
+from ..stores.features.layout import SampleLayout, VariableLayoutError
 from .dataset import FeatureDataset, MissingFeatureError, run_backbone
+from .variable import extract_variable, is_variable_cache
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
 
@@ -146,31 +148,70 @@ def extract_features(
         "version": repr(version),
         "input": input,
     }
+    if is_variable_cache(directory):
+        return _variable(backbone, dataset, directory, header, batch_size, num_workers, progress)
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
         file = _open_existing(directory / FEATURES_NAME, header, faults)
         todo = np.arange(length, dtype=np.int64) if file is None else _missing_or_damaged(file, faults)
         if len(todo):
             probe = _check_deterministic(dataset, todo)
-            layout = SampleLayout.of_sample(probe, input)
-            loader = DataLoader(
-                dataset,
-                batch_size=batch_size,
-                sampler=todo.tolist(),
-                num_workers=num_workers,
-                collate_fn=_Collate(layout),
-                pin_memory=False,
-            )
-            file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
-            keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
-        assert file is not None
+            try:
+                layout = SampleLayout.of_sample(probe, input)
+                loader = DataLoader(
+                    dataset,
+                    batch_size=batch_size,
+                    sampler=todo.tolist(),
+                    num_workers=num_workers,
+                    collate_fn=_Collate(layout),
+                    pin_memory=False,
+                )
+                file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
+            except VariableLayoutError as exc:  # samples of several shapes: kept whole instead
+                logger.info("torchcache: %s; the features are kept whole, sample by sample, in %s", exc, directory)
+                if file is not None:
+                    file.close()
+                _remove(directory / FEATURES_NAME)
+                file = None
+            else:
+                keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
     except BaseException:  # refused or interrupted: no claim held, no empty directory left
         if claim is not None:
             claim.release()
         with contextlib.suppress(OSError):
             directory.rmdir()  # only when empty: rows already written are kept for the next run
         raise
+    if file is None:
+        if claim is not None:
+            claim.release()  # the dataset cache takes its own
+        return _variable(backbone, dataset, directory, header, batch_size, num_workers, progress)
     return FeatureDataset(file, backbone, dataset, claim)
+
+
+def _variable(
+    backbone: torch.nn.Module,
+    dataset: Any,
+    directory: Path,
+    header: dict[str, Any],
+    batch_size: int,
+    num_workers: int,
+    progress: bool,
+) -> FeatureDataset:
+    bar = _progress_bar(header["length"], None) if progress else None
+    try:
+        return extract_variable(
+            backbone,
+            dataset,
+            directory,
+            header,
+            batch_size,
+            num_workers,
+            lambda todo: _check_deterministic(dataset, todo),
+            None if bar is None else bar.update,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _check_arguments(backbone: object, batch_size: object, num_workers: object, input: object) -> None:
@@ -293,10 +334,7 @@ class _Collate:
         try:
             batch = default_collate(list(inputs))  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
-            raise ConfigError(
-                f"the inputs of a batch cannot be stacked ({exc}): extract_features needs inputs of one shape "
-                "(resize or pad them in the dataset; variable shapes are not supported yet)"
-            ) from None
+            raise VariableLayoutError(f"the inputs of a batch cannot be stacked ({exc})") from None
         return batch, list(others), len(samples)
 
 

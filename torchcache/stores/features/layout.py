@@ -27,7 +27,7 @@ import torch
 from ...errors import ConfigError, CorruptEntryError
 from ...tree import DTYPES
 
-__all__ = ["Field", "SampleLayout"]
+__all__ = ["Field", "SampleLayout", "VariableLayoutError"]
 
 _ALIGN = 16
 _MAX_FIELDS = 64
@@ -55,6 +55,10 @@ _PLAIN = {"int": np.dtype("<i8"), "float": np.dtype("<f8"), "bool": np.dtype("bo
 _PLAIN_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
 _KINDS = ("features", "tensor", "array", "scalar", "int", "float", "bool")
 _CONTAINERS = ("tensor", "tuple", "list", "dict")
+
+
+class VariableLayoutError(ConfigError):
+    """The samples do not fit one fixed-size row: a field of another kind or shape, or one of no fixed size."""
 
 
 def _up(value: int, to: int) -> int:
@@ -111,7 +115,7 @@ def describe_field(name: str, value: object) -> Field:
         return Field(name, "tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
     if isinstance(value, np.ndarray) and value.dtype.name in _NUMPY:
         return Field(name, "array", value.dtype.name, tuple(value.shape))
-    raise ConfigError(
+    raise VariableLayoutError(
         f"field {name} of the samples is a {type(value).__name__}, which a features cache cannot store in a fixed "
         "number of bytes: the fields beside the backbone's input must be ints, floats, bools, numpy scalars, "
         "arrays or tensors of one shape (map a string label to a class index, for example)"
@@ -206,10 +210,10 @@ class SampleLayout:
         first = self.features
         count = len(rows)
         if tuple(features.shape[1:]) != first.shape or str(features.dtype).removeprefix("torch.") != first.dtype:
-            raise ConfigError(
+            raise VariableLayoutError(
                 f"the backbone returned {features.dtype} outputs of shape {tuple(features.shape[1:])} for a sample, "
                 f"but {first.dtype} outputs of shape {first.shape} for the first one: a features cache needs outputs "
-                "of one shape (pad or pool them to one size; variable shapes are not supported yet)"
+                "of one shape"
             )
         flat = features.detach().to("cpu").contiguous().reshape(count, -1)
         raw = flat.view(torch.uint8).numpy() if first.nbytes else np.zeros((count, 0), np.uint8)
@@ -230,7 +234,7 @@ class SampleLayout:
     def _field_bytes(self, f: Field, value: object) -> np.ndarray[Any, Any]:
         found = describe_field(f.name, value)
         if (found.kind, found.dtype, found.shape) != (f.kind, f.dtype, f.shape):
-            raise ConfigError(
+            raise VariableLayoutError(
                 f"field {f.name} of a sample is {found.kind} {found.dtype} {found.shape}, but {f.kind} {f.dtype} "
                 f"{f.shape} in the first sample: a features cache needs every field in one kind and shape"
             )

@@ -1,0 +1,250 @@
+"""Features that do not fit one fixed-size row: each sample kept whole, by index, in a dataset cache.
+
+When the backbone's outputs vary in shape from sample to sample (sequences of several
+lengths, images of several sizes), or a field beside the input has no fixed size (a
+string, ``None``, a nested container), :func:`~torchcache.features.extract.extract_features`
+keeps each sample, the backbone's output in place of its input, as a frame of the
+dataset cache's format (:mod:`torchcache.datasets.format`), in the disk tier of a
+:class:`~torchcache.datasets.cache.SampleCache` keyed by index, in the same
+``features-<key>`` directory. Reads are one batched lookup in the packed store (not one
+gather as in a fixed-stride file), with each entry's checksum; a damaged or missing
+sample is computed again with the backbone. Inputs of several shapes are run through
+the backbone in groups of one shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from ..datasets.cache import SampleCache
+from ..errors import ConfigError
+from ..faults import FaultLog
+from ..meta import load_meta
+from .dataset import FeatureDataset, MissingFeatureError, run_backbone
+
+__all__ = ["VariableFeatureDataset", "extract_variable", "is_variable_cache", "run_samples"]
+
+#: The field of ``torchcache.json`` that marks a dataset cache as variable features.
+MARK = "features_of"
+
+
+def _field(sample: Any, input: int | str) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample
+    try:
+        return sample[input]
+    except (KeyError, IndexError, TypeError):
+        raise ConfigError(f"input={input!r} names no field of the dataset's samples") from None
+
+
+def _replaced(sample: Any, input: int | str, output: torch.Tensor) -> Any:
+    """The sample with the backbone's output in place of its input field."""
+    if isinstance(sample, torch.Tensor):
+        return output
+    if isinstance(sample, dict):
+        return {k: output if k == input else v for k, v in sample.items()}
+    assert isinstance(input, int)
+    fields = [output if i == input else v for i, v in enumerate(sample)]
+    return tuple(fields) if isinstance(sample, tuple) else fields
+
+
+def _shape_key(value: Any) -> Any:
+    """What must agree for inputs to be stacked into one batch."""
+    if isinstance(value, torch.Tensor):
+        return ("t", tuple(value.shape), value.dtype)
+    if isinstance(value, np.ndarray):
+        return ("a", value.shape, value.dtype.str)
+    if isinstance(value, dict):
+        return ("d", tuple((k, _shape_key(v)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return ("s", tuple(_shape_key(v) for v in value))
+    return ("o", type(value).__name__)
+
+
+def run_samples(backbone: torch.nn.Module, samples: Sequence[Any], input: int | str) -> list[Any]:
+    """The samples with the backbone's outputs in place of their inputs; inputs of one shape run as one batch."""
+    groups: dict[Any, list[int]] = {}
+    inputs = [_field(sample, input) for sample in samples]
+    for j, value in enumerate(inputs):
+        groups.setdefault(_shape_key(value), []).append(j)
+    results: list[Any] = [None] * len(samples)
+    for positions in groups.values():
+        batch = default_collate([inputs[j] for j in positions])  # type: ignore[no-untyped-call]
+        output = run_backbone(backbone, batch, len(positions))
+        for row, j in enumerate(positions):
+            results[j] = _replaced(samples[j], input, output[row].clone())
+    return results
+
+
+def _pick(by_index: dict[Any, Any], indices: list[Any]) -> list[Any]:
+    return [by_index[i] for i in indices]
+
+
+def is_variable_cache(directory: Path) -> bool:
+    """Whether ``directory`` holds features kept whole in a dataset cache."""
+    meta, problem = load_meta(directory)
+    return problem is None and meta is not None and meta.get("kind") == "dataset" and MARK in meta
+
+
+def _open_cache(directory: Path, header: dict[str, Any] | None) -> SampleCache:
+    info: dict[str, Any] = {"name": f"features of {header['module']}"} if header else {}
+    if header:
+        info.update({MARK: header, "length": header["length"], "dataset": header["dataset"]})
+    return SampleCache(directory.name, directory.parent, max_memory_size=0, info=info)
+
+
+class VariableFeatureDataset(FeatureDataset):
+    """A :class:`FeatureDataset` whose samples are kept whole, by index, because they vary in shape.
+
+    ``shape`` and ``dtype`` are those of the first sample's features.
+
+    Args:
+        cache: The dataset cache that holds the samples, keyed by index.
+        length: The number of samples.
+        header: What the cache was made from (backbone, dataset, keys, input).
+        backbone: The backbone (``None``: a missing or damaged sample is an error).
+        dataset: The dataset the samples come from.
+    """
+
+    def __init__(  # the base's __init__ takes a fixed-stride file; this one is not called
+        self,
+        cache: SampleCache,
+        length: int,
+        header: dict[str, Any],
+        backbone: torch.nn.Module | None = None,
+        dataset: Any = None,
+    ) -> None:
+        self.cache = cache
+        self.length = length
+        self.header = header
+        self.backbone = backbone
+        self.dataset = dataset
+        self._faults = FaultLog(str(header.get("module", "features")))
+        self._claim = None
+        self._first: Any = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] | None = None) -> VariableFeatureDataset:
+        """Open a cache of variable features made earlier, without its backbone or dataset.
+
+        Raises:
+            ConfigError: If ``path`` is not such a cache.
+        """
+        directory = Path(os.fspath(path or "")).expanduser()
+        if not is_variable_cache(directory):
+            raise ConfigError(f"there is no features cache at {directory}")
+        cache = _open_cache(directory, None)
+        meta = cache.metadata() or {}
+        header = meta.get(MARK)
+        if not isinstance(header, dict) or type(header.get("length")) is not int or header["length"] < 0:
+            raise ConfigError(f"{directory} is not a usable features cache: its torchcache.json has no valid header")
+        return cls(cache, header["length"], header)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_faults", "_claim", "_first")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _claim=None, _first=None)
+        self._faults = FaultLog(str(self.header.get("module", "features")))
+
+    def __repr__(self) -> str:
+        return f"VariableFeatureDataset({str(self.path)!r}, {self.length} samples)"
+
+    @property
+    def path(self) -> Path | None:
+        """The cache's directory."""
+        return self.cache.directory
+
+    def _first_features(self) -> torch.Tensor:
+        if self._first is None:
+            sample = self[0]
+            self._first = sample if isinstance(sample, torch.Tensor) else _field(sample, self.header["input"])
+        assert isinstance(self._first, torch.Tensor)
+        return self._first
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the first sample's features (others may differ)."""
+        return tuple(self._first_features().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first sample's features."""
+        return self._first_features().dtype
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the cache was made from: module and dataset names and keys, version, input."""
+        return {**self.header, "layout": "variable"}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``, in one batched lookup.
+
+        Raises:
+            IndexError: If an index is out of range.
+            TypeError: If an index is not an integer.
+            MissingFeatureError: If a sample is missing or damaged and there is no backbone to compute it.
+        """
+        keys = []
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+                raise TypeError(f"FeatureDataset indices must be integers, got {index!r}")
+            i = int(index) + self.length if index < 0 else int(index)
+            if not 0 <= i < self.length:
+                raise IndexError(f"index {int(index)} is out of range for {self.length} samples")
+            keys.append(i)
+        return self.cache.get_many(keys, self._compute)
+
+    def _compute(self, indices: list[Any]) -> list[Any]:
+        if self.backbone is None or self.dataset is None:
+            raise MissingFeatureError(
+                f"the features of sample {indices[0]} in {self.path} are damaged or not computed and there is no "
+                "backbone here to compute them; run torchcache.extract_features(backbone, dataset) again to "
+                "complete the cache"
+            )
+        return run_samples(self.backbone, [self.dataset[i] for i in indices], self.header["input"])
+
+    def close(self) -> None:
+        """Close the cache's store (samples already read stay valid)."""
+        self.cache.close()
+
+
+def extract_variable(
+    backbone: torch.nn.Module,
+    dataset: Any,
+    directory: Path,
+    header: dict[str, Any],
+    batch_size: int,
+    num_workers: int,
+    check: Callable[[np.ndarray[Any, Any]], Any],
+    progress: Callable[[int], Any] | None,
+) -> VariableFeatureDataset:
+    """Compute the samples missing from the variable cache in ``directory``, batch by batch.
+
+    ``check`` is called with the indices to compute first (it refuses random augmentation).
+    """
+    length = header["length"]
+    cache = _open_cache(directory, header)
+    todo = cache.missing(list(range(length)), tier="disk")
+    if todo:
+        check(np.asarray(todo, np.int64))
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=todo, num_workers=num_workers, collate_fn=list)
+        done = 0
+        for samples in loader:
+            indices = todo[done : done + len(samples)]
+            by_index = dict(zip(indices, run_samples(backbone, samples, header["input"]), strict=True))
+            cache.get_many(indices, functools.partial(_pick, by_index))
+            done += len(samples)
+            if progress is not None:
+                progress(len(samples))
+        cache.flush()
+    return VariableFeatureDataset(cache, length, header, backbone, dataset)
