@@ -45,7 +45,7 @@ QUIET_WAIT = 10.0  # seconds to wait at most for a quiet machine before a task
 # by up to 4x. Fixed thresholds make every worker behave like a warmed-up process.
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 RETRY_BUDGET = 240.0  # seconds into the run after which disturbed tasks are not rerun
-ROUNDS = 3  # processes per side for W1, W2, W3 reads and W4 (1 with --quick)
+ROUNDS = 5  # processes per side for W1, W2, W3 reads and W4 (1 with --quick)
 
 
 def log(msg: str) -> None:

@@ -189,11 +189,28 @@ def render_compare(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
         values = recs["new"].get(key) or recs["old"].get(key) if side == "raw" else recs[side].get(key)
         return statistics.median(values) if values else None
 
+    def per_round(side: str, key: str) -> list[float]:
+        """The median of ``key`` in each process of ``side``, in the order they ran."""
+        out = []
+        for worker in res["workers"]:
+            values = [v for r in worker["records"] if r["key"] == key for v in r["values"]]
+            if worker["side"] == side and values:
+                out.append(statistics.median(values))
+        return out
+
     checks: list[tuple[str, float | None, str]] = []
     for name, (side, key), below, label in COMPARE_RATIOS:
         a, b = med(side, key), med(*below) if below else 1.0
+        rounds = (
+            [x / y for x, y in zip(per_round(side, key), per_round(*below))]
+            if below and side != "raw" and below[0] != "raw"
+            else []
+        )
         if a is None or not b:
             checks.append((name, None, ""))
+        elif name.startswith("W3 (197,768)") and "0.6.0" in name and len(rounds) > 1:  # judged in every round
+            shown = ", ".join(f"{r:.2f}" for r in rounds)
+            checks.append((name, max(rounds), f"{label} per round: {shown}x (median {a / b:.2f}x)"))
         elif below is None:  # a ratio of its own: show its spread
             checks.append((name, a, f"{label}: {spread(recs[side][key])}x"))
         else:
