@@ -112,3 +112,29 @@ def test_a_row_damaged_later_in_a_forked_child_of_a_cuda_process_is_a_clear_erro
     with torch.no_grad():
         want = backbone(images()[3:4].cuda()).cpu()[0]
     assert torch.allclose(x, want, atol=1e-5) and int(label) == 3
+
+
+class Sequences(torch.utils.data.Dataset[Any]):
+    """Sequences of three lengths, with a string label."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4 + i % 3, 6, generator=g), f"item {i}"
+
+
+def test_features_of_varying_shape_from_a_cuda_backbone_are_kept_whole(tmp_path: Path) -> None:
+    from torchcache.features.variable import VariableFeatureDataset
+
+    backbone = torch.nn.Linear(6, 3).requires_grad_(False).cuda()
+    data = Sequences()
+    features = extract_features(backbone, data, batch_size=4, cache_dir=tmp_path, progress=False)
+    assert isinstance(features, VariableFeatureDataset)
+    for i in range(len(data)):
+        x, label = features[i]
+        with torch.no_grad():
+            want = backbone(data[i][0][None].cuda())[0].cpu()
+        assert x.device.type == "cpu" and x.shape == (4 + i % 3, 3) and label == f"item {i}"
+        assert torch.allclose(x, want, atol=1e-6)
