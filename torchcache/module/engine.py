@@ -321,7 +321,9 @@ class Cache:
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
-            first = found[0]
+            if found.count(None) == batch:  # no memory hit (or no memory tier): straight to the disk
+                found = []
+            first = found[0] if found else None
             slab = first[0] if first is not None else None
             hit_rows = [f[1] for f in found if f is not None and f[0] is slab]
             if len(hit_rows) == batch and slab is not None:  # every item, from one slab
@@ -368,8 +370,11 @@ class Cache:
         """Fill the memory misses from disk, compute the rest, merge in input order."""
         batch = len(keys)
         memory_hits = sum(len(p) for p, _ in parts)
-        covered = {pos for positions, _ in parts for pos in positions}
-        missing = [pos for pos in range(batch) if pos not in covered]
+        if parts:
+            covered = {pos for positions, _ in parts for pos in positions}
+            missing = [pos for pos in range(batch) if pos not in covered]
+        else:
+            missing = list(range(batch))
 
         disk = self._disk_tier() if self.settings.persistent else None
         if disk is not None and missing:
@@ -381,12 +386,17 @@ class Cache:
                 found_at, disk_layout, disk_leaves = [], None, []
             if found_at and (layout is None or disk_layout == layout):
                 layout = disk_layout
-                positions = [missing[i] for i in found_at]
+                every = len(found_at) == len(missing)  # then found_at is range(len(missing))
+                positions = missing if every else [missing[i] for i in found_at]
                 parts.append((positions, disk_leaves))
-                with self.memory.lock:
-                    self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
-                taken = set(positions)
-                missing = [pos for pos in missing if pos not in taken]
+                if self.memory.max_bytes > 0:
+                    with self.memory.lock:
+                        self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
+                if every:
+                    missing = []
+                else:
+                    taken = set(positions)
+                    missing = [pos for pos in missing if pos not in taken]
             self.faults.emit()
 
         if missing:

@@ -10,9 +10,10 @@ here on top of them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 __all__ = ["BatchedStore", "VerifyReport"]
 
@@ -129,6 +130,20 @@ class BatchedStore(ABC):
         Raises:
             StoreError: If ``fix`` is set and the storage cannot be written.
         """
+
+    def get_rows(self, keys: Sequence[str], head_of: Callable[[memoryview], int | None]) -> tuple[Any, Any, Any] | None:
+        """A fast path for a batch whose found payloads all have one length, or ``None``.
+
+        Returns:
+            ``(positions, heads, rows)``: the positions (into ``keys``, ascending, an
+            int64 array) of the entries found, checked as :meth:`get_many` checks them;
+            a ``(found, head)`` uint8 array of the first ``head`` bytes of each payload,
+            ``head`` being ``head_of(first payload found)``; and a contiguous
+            ``(found, length - head)`` uint8 array of the rest. ``None`` where the store
+            has no such path or the batch is not that simple (then call :meth:`get_many`,
+            which reports what it finds); it reports nothing itself.
+        """
+        return None
 
     # -- helpers written once -----------------------------------------------------
     def get(self, key: str) -> bytes | memoryview | None:

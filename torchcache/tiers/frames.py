@@ -61,6 +61,9 @@ def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.n
 class FrameCodec:
     """Encodes rows of one tier's layouts into frames and decodes frames back.
 
+    Length: encoding, decoding and the batch forms of both (rows of raw and zero-
+    elided frames checked together) share the codec's settings and header cache.
+
     Args:
         quality: brotli quality for new frames.
     """
@@ -204,6 +207,37 @@ class FrameCodec:
             return None
         rows = np.frombuffer(bytearray().join([view[head:] for view in views]), dtype=np.uint8)
         return self.layout_of(header), rows.reshape(len(datas), -1)
+
+    def raw_head(self, data: memoryview) -> int | None:
+        """The bytes before the payload of a raw frame, checked in full; ``None`` if it is not one.
+
+        For :meth:`~torchcache.stores.batched.BatchedStore.get_rows`: one frame of a batch,
+        decoded here, sizes the heads that :meth:`raw_layout` then compares.
+        """
+        if len(data) < PREFIX_SIZE or data[5] != CODEC_RAW:
+            return None
+        try:
+            _, payload = self.decode(data)
+        except CorruptEntryError:
+            return None
+        return len(data) - len(payload)
+
+    def raw_layout(self, heads: np.ndarray) -> Layout | None:
+        """The layout of raw frames whose heads (prefix and header) are the rows of ``heads``, if all are equal.
+
+        The heads must equal each other, checksum aside (as in :meth:`raw_rows`); one of
+        them was checked in full by :meth:`raw_head`, so all of them are valid.
+        """
+        if not len(heads) or heads.shape[1] < PREFIX_SIZE:
+            return None
+        fixed = PREFIX_SIZE - 8
+        first = heads[0]
+        if not ((heads[:, :fixed] == first[:fixed]).all() and (heads[:, PREFIX_SIZE:] == first[PREFIX_SIZE:]).all()):
+            return None
+        try:
+            return self.layout_of(first[PREFIX_SIZE:].tobytes())
+        except CorruptEntryError:
+            return None
 
     def unelide_many(
         self, datas: Sequence[bytes | memoryview], header: bytes, rows: np.ndarray[Any, np.dtype[np.uint8]]

@@ -194,6 +194,8 @@ class MemoryTier:
 
     def find(self, keys: Sequence[bytes]) -> list[tuple[Slab, int] | None]:
         """Look keys up; every key found is marked as just used."""
+        if not self._index:
+            return [None] * len(keys)
         get = self._index.get
         found = [get(k) for k in keys]
         order = self._policy._order

@@ -21,10 +21,14 @@ becomes a miss; a read error becomes a miss; a store that refuses writes as a wh
 space, read-only, gone) turns writes off for this tier; a server that is away for now
 (:class:`~torchcache.errors.StoreUnavailableError`) loses that job's entries, reported,
 and is tried again by the next one. The engine turns each kind of report into one warning.
+
+Length: the tier's reads (the array fast path, the general path, decoding in shares over
+the cores) and its queued writes share the tier's state.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -50,6 +54,8 @@ __all__ = ["PersistentTier"]
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _PARALLEL_MIN_ITEMS = 32
+#: Batches read by the general path after :meth:`BatchedStore.get_rows` declined one.
+_ROWS_BACKOFF = 64
 _READ_CHUNKS = 8
 _WRITERS = 2
 # Items per write job, one index transaction each. LMDB's file keeps room for about two
@@ -125,6 +131,7 @@ class PersistentTier:
         self._pending = {}
         self._pending_lock = threading.Lock()
         self._skipped: set[str] = set()  # damaged entries that could not be removed
+        self._rows_backoff = 0  # batches to read by the general path before get_rows is tried again
         #: Entries a remote store did not take (away or full), since the tier was made.
         self.unstored = 0
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
@@ -242,10 +249,21 @@ class PersistentTier:
 
         land(0, first)
         rest = list(range(1, len(todo)))
-        if rows is not None and raw_len < MIN_ELIDE_BYTES and rest:
-            # Small zero-elided rows: rebuilt together here, which costs less than one pool task.
-            done = self.codec.unelide_many(todo[1:], first[0], rows[1:])
+        if rows is not None and rest:
             header = first[0]
+            if raw_len < MIN_ELIDE_BYTES or len(rest) < 2:
+                # Small zero-elided rows: rebuilt together here, which costs less than one pool task.
+                done = self.codec.unelide_many(todo[1:], header, rows[1:])
+            else:
+                # Large ones: vectorized too (unelide_rows), in one contiguous share per core. Many
+                # small numpy calls per row (unelide's chunks) on several threads fight for the GIL
+                # and run slower than one thread.
+                cores = min(_READ_CHUNKS, os.cpu_count() or 1)
+                cut = [1 + (len(rest) * k) // cores for k in range(cores + 1)]
+                pool = _decode_pool()
+                shares = [(a, b) for a, b in itertools.pairwise(cut) if b > a]
+                parts = [pool.submit(self.codec.unelide_many, todo[a:b], header, rows[a:b]) for a, b in shares]
+                done = np.concatenate([part.result() for part in parts])
             for j in np.flatnonzero(done).tolist():
                 decoded[j + 1], landed[j + 1] = (header, memoryview(rows[j + 1])), True
             rest = [j for j in rest if not done[j - 1]]
@@ -275,6 +293,11 @@ class PersistentTier:
         queued = self._queued(keys) if self._pending else {}
         for i, queued_frame in queued.items():
             frames[i] = queued_frame
+        if not queued and not self._skipped and self.legacy is None and self._rows_backoff <= 0:
+            as_rows = self._read_rows(keys)
+            if as_rows is not None:
+                return as_rows
+        self._rows_backoff -= 1
         todo = [i for i in range(n) if i not in queued] if queued else list(range(n))
         if todo:
             datas = self._fetch([keys[i] for i in todo])
@@ -296,6 +319,24 @@ class PersistentTier:
         # One copy, in C: every payload joined into one writable buffer.
         buffer = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(len(payloads), layout.row_bytes)
         return self._found(positions, layout, buffer)
+
+    def _read_rows(self, keys: Sequence[str]) -> tuple[list[int], Layout | None, list[torch.Tensor]] | None:
+        """Raw frames of one layout, read and checked as arrays (:meth:`BatchedStore.get_rows`), or ``None``."""
+        try:
+            got = self.store.get_rows(keys, self.codec.raw_head)
+        except StoreError:
+            return None  # read again by the general path, which reports it
+        if got is None:  # compressed frames, several layouts, damage: the general path, for a while
+            self._rows_backoff = _ROWS_BACKOFF
+            return None
+        positions, heads, rows = got
+        if not len(positions):
+            return [], None, []
+        layout = self.codec.raw_layout(heads)
+        if layout is None or layout.row_bytes != rows.shape[1]:
+            self._rows_backoff = _ROWS_BACKOFF
+            return None
+        return self._found(positions.tolist(), layout, rows)
 
     def _found(
         self, positions: list[int], layout: Layout, rows: np.ndarray

@@ -10,9 +10,13 @@ between lookup and read (compacted away) is looked up once more.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
-from .format import decode_key, payload_of, record_size
+import numpy as np
+import xxhash
+
+from .format import HEADER, MAGIC, decode_key, payload_of, record_size
 from .index import ENTRY, Index
 from .segments import MISSING, SegmentFiles
 
@@ -23,6 +27,12 @@ _unpack = ENTRY.unpack
 _ENTRY_SIZE = ENTRY.size
 Found = tuple[int, int, int, int, bytes]  # segment, offset, payload length, position in the batch, index row
 Report = Callable[[str, str, "str | None"], None]
+#: Rows of the ``entries`` table (:data:`ENTRY`) as one structured array.
+_ENTRY_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u4"), ("len", "<u4")])
+_MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
+_digest = xxhash.xxh3_64_intdigest
+#: Rows of a batch = (positions, record heads cut after ``head`` payload bytes, the rest of each payload).
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class EntryReader:
@@ -59,18 +69,124 @@ class EntryReader:
             self._fetch(self._locate(index, kbs, again), kbs, out, retry=False)
         return out
 
+    def _sync(self, index: Index, txn: object) -> None:
+        """Close the descriptors of segments removed since the last batch."""
+        gen = index.generation(txn) if self.files.cached() else self._gen  # type: ignore[arg-type]
+        if gen != self._gen:
+            known = index.segment_table(txn)  # type: ignore[arg-type]
+            for seg in self.files.cached():
+                if seg not in known:
+                    self.files.forget(seg)
+            self._gen = gen
+
+    def read_rows(self, index: Index, kbs: list[bytes], head_of: Callable[[memoryview], int | None]) -> Rows | None:
+        """The found entries of a batch whose payloads all have one length, checked with numpy; else ``None``.
+
+        The index rows (one ``txn.get`` per key) become one structured array; each
+        segment's record heads (header, key and the first ``head`` payload bytes, ``head``
+        being ``head_of(first payload)``) and the rest of every payload are gathered in
+        one numpy call each, from a view of the mapping with an element starting at every
+        byte; the heads are checked together, and each record's xxh3-64 over its payload
+        is the only per-entry Python step. ``None`` (nothing reported) whenever the batch
+        is not the common case: keys of mixed sizes, a key this process found damaged, a
+        malformed index row, payloads of several lengths, a segment shorter than its rows,
+        or a record that fails a check; :meth:`read` then reads it and reports what it finds.
+
+        Raises:
+            lmdb.Error: If the index cannot be read.
+        """
+        n = len(kbs)
+        if not n:
+            return None
+        width = len(kbs[0])
+        joined = b"".join(kbs)
+        if len(joined) != n * width or (self.bad and not {kb for kb, _ in self.bad}.isdisjoint(kbs)):
+            return None
+        with index.begin() as txn:
+            self._sync(index, txn)
+            get = txn.get  # (a Cursor.getmulti is no faster on a batch not read just before)
+            got = [get(kb) for kb in kbs]
+        if None in got:  # some misses: keep the positions of the keys found
+            positions = np.flatnonzero(np.fromiter((raw is not None for raw in got), bool, n))
+        else:
+            positions = np.arange(n)
+        raws: list[bytes] = [raw for raw in got if raw is not None] if len(positions) < n else got  # type: ignore[assignment]
+        m = len(raws)
+        if not m:
+            return positions, np.empty((0, 0), np.uint8), np.empty((0, 0), np.uint8)
+        raw = b"".join(raws)
+        if len(raw) != m * _ENTRY_SIZE or set(map(len, raws)) != {_ENTRY_SIZE}:
+            return None
+        entries = np.frombuffer(raw, dtype=_ENTRY_DTYPE)
+        length = int(entries["len"][0])
+        if length > self.max_entry or (entries["len"] != length).any():
+            return None
+        segs = entries["seg"]
+        one = bool((segs == segs[0]).all())
+        if one:
+            groups = [(int(segs[0]), positions, entries["off"].astype(np.int64))]
+        else:  # grouped by segment, in batch order within each
+            by = np.argsort(segs, kind="stable")
+            sorted_segs = segs[by]
+            bounds = [0, *(np.flatnonzero(sorted_segs[1:] != sorted_segs[:-1]) + 1).tolist(), m]
+            offs = entries["off"][by].astype(np.int64)
+            groups = [(int(sorted_segs[g0]), by[g0:g1], offs[g0:g1]) for g0, g1 in itertools.pairwise(bounds)]
+        skip = HEADER.size + width  # record header and key, then the payload
+        views = []
+        for seg, _, at in groups:
+            end = int(at.max()) + skip + length
+            try:
+                view = self.files.view(seg, end)
+            except OSError:  # the general path reads it again and reports what it finds
+                return None
+            if len(view) < end:
+                return None
+            views.append(view)
+        start = int(groups[0][2][0]) + skip
+        head = head_of(views[0][start : start + length])
+        if head is None or not 0 <= head <= length:
+            return None
+        span, rest = skip + head, length - head
+        heads = np.empty(m, f"V{span}")
+        body = np.empty(m, f"V{rest}")
+        checks = np.empty(m, np.uint64)
+        where: slice | np.ndarray
+        for (_, rows, at), view in zip(groups, views):
+            # One element starting at every byte of the mapping: a gather by offsets copies records.
+            size = len(view)
+            if one:
+                heads = np.ndarray((size - span + 1,), f"V{span}", view, 0, (1,))[at]
+                body = np.ndarray((size - rest + 1,), f"V{rest}", view, 0, (1,))[at + span]
+                where = slice(None)
+                mine = kbs if len(positions) == n else [kbs[i] for i in positions.tolist()]
+            else:
+                where = rows
+                heads[rows] = np.ndarray((size - span + 1,), f"V{span}", view, 0, (1,))[at]
+                body[rows] = np.ndarray((size - rest + 1,), f"V{rest}", view, 0, (1,))[at + span]
+                mine = [kbs[i] for i in positions[rows].tolist()]
+            # The record's checksum over its whole payload, read where it lies.
+            checks[where] = [
+                _digest(view[s : s + length], _digest(kb, length)) for s, kb in zip((at + skip).tolist(), mine)
+            ]
+        head_rows = heads.view(np.uint8).reshape(m, span)
+        stored = head_rows[:, : HEADER.size]
+        keyed = np.frombuffer(joined, np.uint8).reshape(n, width)
+        if not (
+            (stored[:, :2] == _MAGIC).all()
+            and (stored[:, 2] == width).all()
+            and (stored[:, 3:7].copy().view("<u4").ravel() == length).all()
+            and (head_rows[:, HEADER.size : skip] == (keyed if m == n else keyed[positions])).all()
+            and (stored[:, 7:15].copy().view("<u8").ravel() == checks).all()
+        ):
+            return None
+        return positions, head_rows[:, skip:], body.view(np.uint8).reshape(m, rest)
+
     def _locate(self, index: Index, kbs: list[bytes], positions: Sequence[int]) -> list[Found]:
         """Index rows of the keys at ``positions``, in file order."""
         found: list[Found] = []
         bad, limit = self.bad, self.max_entry
         with index.begin() as txn:
-            gen = index.generation(txn) if self.files.cached() else self._gen
-            if gen != self._gen:  # segments were removed: close their descriptors
-                known = index.segment_table(txn)
-                for seg in self.files.cached():
-                    if seg not in known:
-                        self.files.forget(seg)
-                self._gen = gen
+            self._sync(index, txn)
             get = txn.get  # the transaction's default table is the entries
             raws = [get(kbs[i]) for i in positions]
         for i, raw in zip(positions, raws):

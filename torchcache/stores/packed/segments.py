@@ -161,13 +161,13 @@ class SegmentFiles:
         for item in found:
             if item[0] != seg:
                 seg = item[0]
-                view = self._view(seg, 0)
+                view = self.view(seg, 0)
             _, offset, length, i, _ = item
             kb = kbs[i]
             start = offset + hsize + len(kb)
             end = start + length
             if end > len(view):
-                view = self._view(seg, end)  # the segment may have grown since it was mapped
+                view = self.view(seg, end)  # the segment may have grown since it was mapped
                 if end > len(view):
                     failed.append(item)
                     continue
@@ -185,7 +185,7 @@ class SegmentFiles:
                 failed.append(item)
         return failed
 
-    def _view(self, seg: int, need: int) -> memoryview:
+    def view(self, seg: int, need: int) -> memoryview:
         """A view of a read-only mapping of segment ``seg``, no longer than the file is now.
 
         The mapping is made again if the file is shorter than it (then the records past

@@ -13,6 +13,9 @@ drops whole segments, the most recently written first (MRU): "used" means writte
 any process; reads do not count, so they never write. Deleted and replaced entries
 leave dead bytes, compacted away once the files pass the budget by 5 %: the disk
 stays within 1.1 times the budget. ``docs/how-it-works.md`` (The packed disk store) has the design.
+
+Length: the store's whole contract is one class, each method short; the work is in the
+modules beside it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_wit
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
 from .index import Change, Index, map_size_for
 from .opening import IndexHandle
-from .read import EntryReader
+from .read import EntryReader, Rows
 from .segments import SegmentFiles
 from .verify import verify
 
@@ -173,6 +176,22 @@ class PackedStore(BatchedStore):
                 except lmdb.Error as exc:
                     self._handle.failed(exc)
         return [None] * len(kbs)
+
+    def get_rows(self, keys: Sequence[str], head_of: Callable[[memoryview], int | None]) -> Rows | None:
+        """The found entries of a batch as arrays, if their payloads have one length (:meth:`BatchedStore.get_rows`).
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+        """
+        kbs = encode_keys(list(keys))
+        with self._lock:
+            index = self._ensure(write=False)
+            if index is not None:
+                try:
+                    return self._reader.read_rows(index, kbs, head_of)
+                except lmdb.Error as exc:
+                    self._handle.failed(exc)
+        return None
 
     def __contains__(self, key: object) -> bool:
         try:
