@@ -567,7 +567,7 @@ def test_model_library_configurations_that_change_outputs_have_other_keys(packag
             return _frozen(library.models.resnet18(weights=None, **kwargs))
         return _frozen(library.create_model("resnet18", pretrained=False, **kwargs))
 
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 64, 64)  # a last feature map of 2x2, where max and average pooling differ
     # Arguments each library's resnet18 takes, and that change its outputs.
     changed = {"torchvision": {"zero_init_residual": True}, "timm": {"global_pool": "max"}}[package]
     for changes in ({"num_classes": 10}, changed):
