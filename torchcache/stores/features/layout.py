@@ -16,6 +16,7 @@ closed list, so reading a layout can never reach anything but numpy and torch dt
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -170,13 +171,18 @@ class SampleLayout:
         others = tuple(describe_field(n, v) for n, v in zip(names, values, strict=True) if n != name)
         return cls(container, names, name, others)
 
+    @functools.cached_property
+    def _keys(self) -> tuple[Any, tuple[Any, ...]]:
+        """The input's key in a sample, and the other stored fields' keys (positions, or dict keys)."""
+        convert = (lambda name: name) if self.container == "dict" else int
+        return convert(self.input), tuple(convert(f.name) for f in self.fields if f.kind != "features")
+
     def split(self, sample: Any) -> tuple[Any, list[Any]]:
-        """The backbone's input of a sample and its other fields, in the layout's order."""
+        """The backbone's input of a sample and its other fields, in the layout's order (once per sample: lean)."""
         if self.container == "tensor":
             return sample, []
-        if self.container == "dict":
-            return sample[self.input], [sample[f.name] for f in self.fields if f.kind != "features"]
-        return sample[int(self.input)], [sample[int(f.name)] for f in self.fields if f.kind != "features"]
+        key, others = self._keys
+        return sample[key], [sample[k] for k in others]
 
     def with_features(self, output: torch.Tensor) -> SampleLayout:
         """The layout completed with the features of one sample's output, offsets placed.
