@@ -20,6 +20,7 @@ computes only the unmarked ones. Random augmentation before the backbone is dete
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -148,8 +149,20 @@ def extract_features(
         "version": repr(version),
         "input": input,
     }
+
+    def variable() -> FeatureDataset:
+        """Samples kept whole in a dataset cache (they vary in shape): the missing ones computed."""
+        bar = _progress_bar(length, None) if progress else None
+        try:
+            check = functools.partial(_check_deterministic, dataset)
+            update = None if bar is None else bar.update
+            return extract_variable(backbone, dataset, directory, header, batch_size, num_workers, check, update)
+        finally:
+            if bar is not None:
+                bar.close()
+
     if is_variable_cache(directory):
-        return _variable(backbone, dataset, directory, header, batch_size, num_workers, progress)
+        return variable()
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
         file = _open_existing(directory / FEATURES_NAME, header, faults)
@@ -184,34 +197,8 @@ def extract_features(
     if file is None:
         if claim is not None:
             claim.release()  # the dataset cache takes its own
-        return _variable(backbone, dataset, directory, header, batch_size, num_workers, progress)
+        return variable()
     return FeatureDataset(file, backbone, dataset, claim)
-
-
-def _variable(
-    backbone: torch.nn.Module,
-    dataset: Any,
-    directory: Path,
-    header: dict[str, Any],
-    batch_size: int,
-    num_workers: int,
-    progress: bool,
-) -> FeatureDataset:
-    bar = _progress_bar(header["length"], None) if progress else None
-    try:
-        return extract_variable(
-            backbone,
-            dataset,
-            directory,
-            header,
-            batch_size,
-            num_workers,
-            lambda todo: _check_deterministic(dataset, todo),
-            None if bar is None else bar.update,
-        )
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def _check_arguments(backbone: object, batch_size: object, num_workers: object, input: object) -> None:
