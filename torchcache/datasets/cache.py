@@ -97,10 +97,6 @@ class SampleCache:
             dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults
         )
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
-        #: The disk tier's directory, its Redis server, the server's local copy, the RAM tier's job.
-        self.directory, self.redis_url = places.directory, places.redis_url
-        self.local_directory, self.job_dir = places.local_directory, places.job_dir
-        self.max_memory_size, self.max_disk_size = places.max_memory_size, places.max_disk_size
         self._info = dict(info or {})
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
@@ -125,6 +121,37 @@ class SampleCache:
     def memory_dir(self) -> Path | None:
         """The RAM tier's directory (``None`` without a RAM tier)."""
         return self._places.memory_dir
+
+    # -- where the tiers live (see :class:`~.opening.Places`) -------------------------
+    @property
+    def directory(self) -> Path | None:
+        """The disk tier's directory (``None``: no disk tier, or it is on a Redis server)."""
+        return self._places.directory
+
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis server of the disk tier, when ``cache_dir`` is a Redis URL."""
+        return self._places.redis_url
+
+    @property
+    def local_directory(self) -> Path | None:
+        """The local copy of the Redis tier (``None``: none)."""
+        return self._places.local_directory
+
+    @property
+    def job_dir(self) -> Path | None:
+        """The job's shared-memory directory (``None``: no RAM tier)."""
+        return self._places.job_dir
+
+    @property
+    def max_memory_size(self) -> int:
+        """The RAM tier's budget in bytes (0: none)."""
+        return self._places.max_memory_size
+
+    @property
+    def max_disk_size(self) -> int:
+        """The disk tier's budget in bytes (0: none)."""
+        return self._places.max_disk_size
 
     # -- state across processes -----------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

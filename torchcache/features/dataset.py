@@ -160,7 +160,7 @@ class FeatureDataset(Dataset[Any]):
 
         if directory.is_dir() and is_variable_cache(directory):
             return VariableFeatureDataset.open(directory)
-        found = find_features(path)
+        found = find_features(directory)
         try:
             return cls(FeatureFile.open(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
