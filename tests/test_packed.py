@@ -26,7 +26,8 @@ from tests.store_helpers import Reports, key, value
 from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
-from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, segment_name
+from torchcache.stores.packed import upkeep as packed_upkeep
+from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, parse_segment_name, segment_name
 from torchcache.stores.packed.index import ENTRY, INDEX_NAME
 from torchcache.stores.packed.store import INDEX_BASE_BYTES, PackedStore
 
@@ -163,6 +164,65 @@ def _budget_writer(path: str, budget: int, n: int, conn: Connection) -> None:
         conn.send("ok")
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         conn.send(repr(exc))
+
+
+def test_a_dead_writers_segment_evicted_while_it_is_sealed_stays_gone(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sealing what a dead writer left must not bring back a row another process dropped meanwhile."""
+    store = PackedStore(root, 10**8)
+    fill(store, range(50))
+    index = store._ensure(write=True)
+    assert index is not None and store._files.writer is not None
+    dead = store._files.seal_writer()  # its lock goes, its row stays unsealed: a writer that died
+    assert dead is not None
+    opener = packed_segments.SegmentFiles(str(root), store.segment_bytes)
+    take = opener.lock_exclusive
+
+    def evicted_meanwhile(seg: int) -> int | None:
+        fd = take(seg)
+        if seg == dead:  # another process evicts it once this look lets go of its lock, before the seal
+            other = packed_segments.SegmentFiles(str(root), store.segment_bytes)
+            change = index.change()
+            with index.begin() as txn:
+                kbs = [kb for kb, e in index.iter_entries(txn) if e is not None and e.seg == seg]
+            change.remove_segment_entries(seg, kbs)
+            change.drop_segment(seg)
+            change.commit()
+            other.remove(seg)
+        return fd
+
+    monkeypatch.setattr(opener, "lock_exclusive", evicted_meanwhile)
+    packed_upkeep.seal_orphans(index, opener)
+    with index.begin() as txn:
+        assert dead not in index.segment_table(txn)
+    assert not os.path.exists(opener.path(dead))
+    assert PackedStore(root, 10**8).verify().ok
+
+
+def test_a_sweep_that_takes_a_new_segments_temporary_file(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's sweep may remove a new segment's file before it is locked: a new one is made."""
+    store = PackedStore(root, 10**8)
+    fill(store, range(10))
+    store._files.seal_writer()  # the next write makes a new segment
+    sweeper = packed_segments.SegmentFiles(str(root), store.segment_bytes)
+    real_open = os.open
+    swept: list[int] = []
+
+    def open_then_sweep(path: str, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
+        fd = real_open(path, flags, mode, **kwargs)
+        if os.path.basename(path).startswith(packed_segments.TMP_PREFIX) and not swept:
+            swept.append(-1)
+            swept.append(sweeper.sweep({parse_segment_name(p.name) or 0 for p in segments(root)}))
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_sweep)
+    fill(store, range(10, 20))
+    monkeypatch.undo()
+    assert swept == [-1, 1]  # the sweep took the first temporary file
+    assert all(bytes(store.get(key(i)) or b"") == value(i) for i in range(20))
+    assert not list(root.glob(f"{packed_segments.TMP_PREFIX}*"))
+    assert store.verify().ok
 
 
 def test_a_forked_child_uses_the_store_on_its_own(root: Path) -> None:

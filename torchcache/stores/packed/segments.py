@@ -47,6 +47,8 @@ _MAX_MAP_BYTES = 1 << 33  # records start below 4 GiB
 _digest = xxhash.xxh3_64_intdigest
 _MAX_OFFSET = (1 << 32) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+#: Times a new segment's temporary file is made again after a sweep took it.
+_CREATE_TRIES = 16
 #: Temporary files of segments being created start with this.
 TMP_PREFIX = ".seg-"
 
@@ -231,25 +233,43 @@ class SegmentFiles:
 
         The file is made and locked under a temporary name, then linked to its segment
         name (a link never replaces a file): so a segment file that no one holds a lock
-        on is an orphan, whatever its age.
+        on is an orphan, whatever its age. Another process's sweep may take the
+        temporary file in the moment between its creation and its lock; then a new one
+        is made.
 
         Raises:
             OSError: If it cannot be created.
         """
+        for _ in range(_CREATE_TRIES):
+            writer = self._try_new_writer(change)
+            if writer is not None:
+                return writer
+        raise OSError(errno.EAGAIN, f"cannot create a segment in {self.root}: its temporary files kept being swept")
+
+    def _try_new_writer(self, change: Change) -> Writer | None:
+        """A new segment, or ``None`` if a sweep took the temporary file before it was linked."""
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
         fd = os.open(tmp, _O_CREATE, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # a sweep holds it and is removing it
+                os.close(fd)
+                return None
             for _ in range(64):
                 seg = change.allocate_segment()
                 try:
                     os.link(tmp, self.path(seg))
                 except FileExistsError:
                     continue  # another process took that number and has not indexed it yet
+                except FileNotFoundError:  # a sweep removed it before it was locked
+                    os.close(fd)
+                    return None
                 return Writer(seg, fd)
             raise OSError(errno.EEXIST, f"no free segment number in {self.root}")
         except BaseException:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             raise
         finally:
             with contextlib.suppress(OSError):

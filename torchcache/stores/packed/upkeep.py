@@ -205,7 +205,9 @@ def seal_orphans(index: Index, files: SegmentFiles) -> None:
     """Seal the segments whose writer died, counting any torn tail as dead bytes, and sweep orphans.
 
     Only segments not yet sealed and files the index does not know are looked at: the
-    time is proportional to the number of writers that died, not to the store.
+    time is proportional to the number of writers that died, not to the store. Each row
+    is looked at again in the write transaction: one that another process sealed,
+    evicted or compacted since is left as it is, never written back.
 
     Raises:
         lmdb.Error: If the index cannot be written.
@@ -228,7 +230,10 @@ def seal_orphans(index: Index, files: SegmentFiles) -> None:
         found[seg] = min(st.st_size, st.st_blocks * 512)
     if found:
         change = index.change()
+        now = change.table()
         for seg, size in found.items():
+            if seg not in now or now[seg].sealed:
+                continue  # sealed, evicted or compacted by another process since the look above
             if size is None:
                 change.drop_segment(seg)
             else:
