@@ -213,7 +213,7 @@ def test_a_sweep_that_takes_a_new_segments_temporary_file(root: Path, monkeypatc
         fd = real_open(path, flags, mode, **kwargs)
         if os.path.basename(path).startswith(packed_segments.TMP_PREFIX) and not swept:
             swept.append(-1)
-            swept.append(sweeper.sweep({parse_segment_name(p.name) or 0 for p in segments(root)}))
+            swept.append(sweeper.sweep(lambda: {parse_segment_name(p.name) or 0 for p in segments(root)}))
         return fd
 
     monkeypatch.setattr(os, "open", open_then_sweep)
@@ -222,6 +222,24 @@ def test_a_sweep_that_takes_a_new_segments_temporary_file(root: Path, monkeypatc
     assert swept == [-1, 1]  # the sweep took the first temporary file
     assert all(bytes(store.get(key(i)) or b"") == value(i) for i in range(20))
     assert not list(root.glob(f"{packed_segments.TMP_PREFIX}*"))
+    assert store.verify().ok
+
+
+def test_a_sweep_keeps_a_segment_indexed_after_its_first_look(root: Path) -> None:
+    """A segment indexed (and let go of) by another writer after the sweep's first look is not an orphan."""
+    store = PackedStore(root, 10**8)
+    fill(store, range(10))
+    index = store._ensure(write=True)
+    assert index is not None
+    before = packed_upkeep.known_segments(index)
+    store._files.seal_writer()
+    fill(store, range(10, 20))  # a new segment, indexed after the look above
+    store._files.seal_writer()  # and its writer's lock let go
+    looks = iter([before])
+    sweeper = packed_segments.SegmentFiles(str(root), store.segment_bytes)
+    assert sweeper.sweep(lambda: next(looks, None) or packed_upkeep.known_segments(index)) == 0
+    assert len(segments(root)) == 2
+    assert all(bytes(store.get(key(i)) or b"") == value(i) for i in range(20))
     assert store.verify().ok
 
 

@@ -16,6 +16,9 @@ records past the end are misses. Like LMDB's own map of its index, a mapping can
 against a file cut short by another program in the microseconds between that check and
 the copy, or against a disk that fails under it: the kernel ends the process then
 (``SIGBUS``), where ``pread`` would have raised.
+
+Length: one class holds this process's descriptors, mappings and locks, and every path
+that uses them (reads, appends, and the sweep of orphans that must respect the locks).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import fcntl
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -401,23 +404,32 @@ class SegmentFiles:
                 found.append(seg)
         return found
 
-    def sweep(self, known: set[int]) -> int:
+    def sweep(self, known: Callable[[], set[int]]) -> int:
         """Remove orphaned segment files and temporary files; return how many.
+
+        ``known`` reads the segments the index knows now. It is read again once the
+        orphans' locks are held: a segment that a writer indexed after the first look
+        (and sealed, letting go of its lock) is not an orphan.
 
         Raises:
             OSError: If the directory cannot be listed.
         """
         removed = 0
-        for seg in self.orphans(known):
-            fd = self.lock_exclusive(seg)
-            if fd is None:
-                continue
-            try:
-                self.remove(seg)
-                removed += 1
-            except OSError:
-                pass
-            finally:
+        locks: dict[int, int] = {}
+        try:
+            for seg in self.orphans(known()):
+                fd = self.lock_exclusive(seg)
+                if fd is not None:
+                    locks[seg] = fd
+            indexed = known() if locks else set()
+            for seg in locks.keys() - indexed:
+                try:
+                    self.remove(seg)
+                    removed += 1
+                except OSError:
+                    pass
+        finally:
+            for fd in locks.values():
                 os.close(fd)
         with os.scandir(self.root) as entries:
             temporary = [entry.path for entry in entries if entry.name.startswith(TMP_PREFIX)]

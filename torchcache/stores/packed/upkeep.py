@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import stat
 import time
@@ -40,6 +41,7 @@ __all__ = [
     "compact",
     "discard_index",
     "disk_bytes",
+    "known_segments",
     "open_or_recover",
     "remove_unindexed",
     "seal_orphans",
@@ -240,7 +242,17 @@ def seal_orphans(index: Index, files: SegmentFiles) -> None:
                 change.seal(seg)
                 change.set_end(seg, max(change.segment(seg)[1], size))
         change.commit()
-    files.sweep(set(table))
+    files.sweep(functools.partial(known_segments, index))
+
+
+def known_segments(index: Index) -> set[int]:
+    """The segments the index knows now (a fresh read).
+
+    Raises:
+        lmdb.Error: If the index cannot be read.
+    """
+    with index.begin() as txn:
+        return set(index.segment_table(txn))
 
 
 def compact(index: Index, files: SegmentFiles, target: int, report: Report) -> int:
@@ -345,9 +357,7 @@ def remove_unindexed(index: Index, files: SegmentFiles) -> int:
         lmdb.Error: If the index cannot be read.
         OSError: If the directory cannot be listed.
     """
-    with index.begin() as txn:
-        known = set(index.segment_table(txn))
-    return files.sweep(known)
+    return files.sweep(functools.partial(known_segments, index))
 
 
 def disk_bytes(root: str) -> int:

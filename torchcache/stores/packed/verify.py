@@ -8,6 +8,7 @@ segment files (no index row, no live writer) are removed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 
@@ -17,6 +18,7 @@ from ..batched import VerifyReport
 from .format import check_record, decode_key, record_size
 from .index import Entry, Index
 from .segments import SegmentFiles
+from .upkeep import known_segments
 
 __all__ = ["verify"]
 
@@ -71,10 +73,13 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
             result.problems.append(f"segment {seg}: the index counts {table[seg].records} live records, found {count}")
         if not os.path.isfile(files.path(seg)):
             result.problems.append(f"segment {seg}: {files.path(seg)} is missing or not a regular file")
-    result.problems.extend(f"{files.path(seg)} is not in the index" for seg in files.orphans(set(table)))
+    orphans = set(files.orphans(set(table)))
+    if orphans:  # a segment indexed since the look above is not one
+        orphans -= known_segments(index)
+    result.problems.extend(f"{files.path(seg)} is not in the index" for seg in sorted(orphans))
     if fix and not result.ok:
         _repair(index, files, bad)
-        files.sweep(set(table))
+        files.sweep(functools.partial(known_segments, index))
         result.fixed = True
     return result
 
