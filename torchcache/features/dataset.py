@@ -81,12 +81,12 @@ def compute_rows(
     Raises:
         ConfigError: If a sample or the backbone's output does not fit the layout.
     """
-    inputs, others = zip(*(layout.split(sample) for sample in samples), strict=True)
-    output = run_backbone(backbone, default_collate(list(inputs)), len(samples))  # type: ignore[no-untyped-call]
+    inputs, columns = layout.split(samples)
+    output = run_backbone(backbone, default_collate(inputs), len(samples))  # type: ignore[no-untyped-call]
     if not layout.fields or layout.fields[0].kind != "features":
         layout = layout.with_features(output[0])
     rows = np.zeros((len(samples), layout.stride), np.uint8)
-    layout.fill(rows, output, others)
+    layout.fill(rows, output, columns)
     return rows, layout
 
 

@@ -314,15 +314,15 @@ class _Collate:
     def __init__(self, layout: SampleLayout) -> None:
         self.layout = layout
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, list[Any], int]:
+    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int]:
         from torch.utils.data._utils.collate import default_collate
 
-        inputs, others = zip(*(self.layout.split(s) for s in samples), strict=True)
+        inputs, columns = self.layout.split(samples)
         try:
-            batch = default_collate(list(inputs))  # type: ignore[no-untyped-call]
+            batch = default_collate(inputs)  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             raise VariableLayoutError(f"the inputs of a batch cannot be stacked ({exc})") from None
-        return batch, list(others), len(samples)
+        return batch, columns, len(samples)
 
 
 def _extract(
@@ -339,8 +339,9 @@ def _extract(
     """Compute the rows of ``todo`` batch by batch and write each batch as it comes."""
     bar = _progress_bar(len(todo), file) if progress else None
     done = 0
+    scratch = np.zeros((0, 0), np.uint8)  # rows of a batch, filled again for each (the gaps stay zero)
     try:
-        for inputs, others, count in loader:
+        for inputs, columns, count in loader:
             indices = todo[done : done + count]
             output = run_backbone(backbone, inputs, count)
             if file is None:
@@ -348,8 +349,10 @@ def _extract(
                 file = _create(directory, {**header, "layout": layout.to_json()}, faults)
             elif not layout.fields or layout.fields[0].kind != "features":
                 layout = file.layout
-            rows = np.zeros((count, layout.stride), np.uint8)
-            layout.fill(rows, output, others)
+            if len(scratch) < count or scratch.shape[1] != layout.stride:
+                scratch = np.zeros((count, layout.stride), np.uint8)
+            rows = scratch[:count]
+            layout.fill(rows, output, columns)
             file = _write(file, indices, rows, faults)
             done += count
             if bar is not None:

@@ -284,8 +284,9 @@ class FeatureFile:
             todo = np.flatnonzero(checks_view[indices] == 0)
             if not len(todo):
                 return 0
-            targets = indices[todo]
-            block = np.ascontiguousarray(rows[todo])
+            whole = len(todo) == len(indices)  # the common case: no copy
+            targets = indices if whole else indices[todo]
+            block = np.ascontiguousarray(rows if whole else rows[todo])
             checks = np.fromiter(
                 (digest(row, index) | 1 for row, index in zip(block, targets.tolist())), np.uint64, len(todo)
             )

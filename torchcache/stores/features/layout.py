@@ -177,12 +177,12 @@ class SampleLayout:
         convert = (lambda name: name) if self.container == "dict" else int
         return convert(self.input), tuple(convert(f.name) for f in self.fields if f.kind != "features")
 
-    def split(self, sample: Any) -> tuple[Any, list[Any]]:
-        """The backbone's input of a sample and its other fields, in the layout's order (once per sample: lean)."""
+    def split(self, samples: Sequence[Any]) -> tuple[list[Any], list[list[Any]]]:
+        """The backbone's inputs of a batch of samples, and each other field's values (a column per field)."""
         if self.container == "tensor":
-            return sample, []
+            return list(samples), []
         key, others = self._keys
-        return sample[key], [sample[k] for k in others]
+        return [sample[key] for sample in samples], [[sample[k] for sample in samples] for k in others]
 
     def with_features(self, output: torch.Tensor) -> SampleLayout:
         """The layout completed with the features of one sample's output, offsets placed.
@@ -207,8 +207,11 @@ class SampleLayout:
         return self.fields[0]
 
     # -- rows -----------------------------------------------------------------------
-    def fill(self, rows: np.ndarray[Any, Any], features: torch.Tensor, others: Sequence[Sequence[Any]]) -> None:
-        """Write a batch of samples into ``rows`` (``(batch, stride)`` uint8, zeroed).
+    def fill(self, rows: np.ndarray[Any, Any], features: torch.Tensor, columns: Sequence[Sequence[Any]]) -> None:
+        """Write a batch of samples into ``rows`` (``(batch, stride)`` uint8, zero between fields).
+
+        ``columns`` holds each other field's values, as :meth:`split` gives them. Every
+        byte of every field is written, so a buffer may be filled again for each batch.
 
         Raises:
             ConfigError: If a sample does not fit the layout (a shape or kind that varies).
@@ -226,7 +229,7 @@ class SampleLayout:
         rows[:, first.offset : first.offset + first.nbytes] = raw.reshape(count, first.nbytes)
         for j, f in enumerate(self.fields[1:]):
             column = rows[:, f.offset : f.offset + f.nbytes]
-            values = [sample[j] for sample in others]
+            values = columns[j]
             plain = _PLAIN_TYPES.get(f.kind)
             if plain is not None and all(type(v) is plain for v in values):  # the common case: one array
                 try:
