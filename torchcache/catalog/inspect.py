@@ -27,6 +27,7 @@ from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
+from ..stores.features.digests import DIGESTS_NAME
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
@@ -208,7 +209,8 @@ def list_files(directory: Path) -> CacheFiles:
 
 
 def _is_store_file(name: str) -> bool:
-    return name in (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME) or parse_segment_name(name) is not None
+    known = (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME, DIGESTS_NAME)
+    return name in known or parse_segment_name(name) is not None
 
 
 def _feature_rows(directory: Path) -> int:

@@ -43,9 +43,11 @@ from ..keys import tag
 from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import describe_instance, fingerprint_module
 from ..module.guards import check_frozen
+from ..stores.features.digests import batch_digests, pack_digests
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.features.layout import SampleLayout, VariableLayoutError
-from .dataset import FeatureDataset, MissingFeatureError, run_backbone
+from .dataset import FeatureDataset, MissingFeatureError
+from .reuse import Donors, open_digests, outputs
 from .variable import extract_variable, is_variable_cache
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
@@ -179,7 +181,12 @@ def extract_features(
                     collate_fn=_Collate(layout),
                     pin_memory=False,
                 )
-                file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress)
+                donors = Donors.find(directory.parent, directory.name, module_key, input)
+                try:
+                    file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress, donors)
+                finally:
+                    if donors is not None:
+                        donors.close()
             except VariableLayoutError as exc:  # samples of several shapes: kept whole instead
                 logger.info("torchcache: %s; the features are kept whole, sample by sample, in %s", exc, directory)
                 if file is not None:
@@ -314,7 +321,7 @@ class _Collate:
     def __init__(self, layout: SampleLayout) -> None:
         self.layout = layout
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int]:
+    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None]]:
         from torch.utils.data._utils.collate import default_collate
 
         inputs, columns = self.layout.split(samples)
@@ -322,7 +329,7 @@ class _Collate:
             batch = default_collate(inputs)  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             raise VariableLayoutError(f"the inputs of a batch cannot be stacked ({exc})") from None
-        return batch, columns, len(samples)
+        return batch, columns, len(samples), batch_digests(batch, len(samples))  # in the workers, if any
 
 
 def _extract(
@@ -335,31 +342,44 @@ def _extract(
     header: dict[str, Any],
     faults: FaultLog,
     progress: bool,
+    donors: Donors | None,
 ) -> FeatureFile:
-    """Compute the rows of ``todo`` batch by batch and write each batch as it comes."""
+    """Compute the rows of ``todo`` batch by batch (or take them from ``donors``) and write each batch as it comes."""
     bar = _progress_bar(len(todo), file) if progress else None
     done = 0
     scratch = np.zeros((0, 0), np.uint8)  # rows of a batch, filled again for each (the gaps stay zero)
+    digest_file = None if file is None else open_digests(file)
     try:
-        for inputs, columns, count in loader:
+        for inputs, columns, count, digests in loader:
             indices = todo[done : done + count]
-            output = run_backbone(backbone, inputs, count)
+            known = layout.features if layout.fields and layout.fields[0].kind == "features" else None
+            output = outputs(backbone, inputs, count, digests, donors, known)
             if file is None:
                 layout = layout.with_features(output[0])
                 file = _create(directory, {**header, "layout": layout.to_json()}, faults)
-            elif not layout.fields or layout.fields[0].kind != "features":
+                digest_file = open_digests(file)
+            elif known is None:
                 layout = file.layout
             if len(scratch) < count or scratch.shape[1] != layout.stride:
                 scratch = np.zeros((count, layout.stride), np.uint8)
             rows = scratch[:count]
             layout.fill(rows, output, columns)
             file = _write(file, indices, rows, faults)
+            if digest_file is not None:  # once the rows are marked: each entry names its row's check
+                try:
+                    digest_file.write(indices, pack_digests(digests), file.checks(indices))
+                except OSError as exc:
+                    faults.warn("digests", f"cannot write to {digest_file.path} ({exc}): rows are kept without them")
+                    digest_file.close()
+                    digest_file = None
             done += count
             if bar is not None:
                 bar.update(count)
     finally:
         if bar is not None:
             bar.close()
+        if digest_file is not None:
+            digest_file.close()
     assert file is not None
     return file
 

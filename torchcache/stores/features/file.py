@@ -202,6 +202,11 @@ class FeatureFile:
             return np.arange(self.length, dtype=np.int64)
         return np.flatnonzero(checks == 0).astype(np.int64)
 
+    def checks(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """The checks of the rows of ``indices`` as the file holds them now (0: not written)."""
+        checks = self._checks
+        return np.zeros(len(indices), np.uint64) if checks is None else checks[indices]
+
     def damaged(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The indices of the written rows that fail their check, ascending (reads the whole file, copying nothing).
 

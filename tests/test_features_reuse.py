@@ -1,0 +1,147 @@
+"""extract_features over a changed dataset: rows of inputs seen before are taken from the older cache."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_features import Images, Net, Scale, extract, feature_dirs
+from torchcache.stores.features.digests import DIGESTS_NAME, DigestFile, input_digest
+
+
+def edited(base: Images, changed: list[int], added: int) -> Images:
+    """``base`` with the images at ``changed`` altered and ``added`` new samples at the end."""
+    data = Images(len(base))
+    data.images = base.images.clone()
+    data.images[changed] += 1
+    extra = torch.randn(added, *base.images.shape[1:], generator=torch.Generator().manual_seed(9))
+    data.images = torch.cat([data.images, extra])
+    data.labels = base.labels + [i % 5 for i in range(added)]
+    return data
+
+
+def test_a_changed_dataset_runs_the_backbone_only_on_the_inputs_it_has_not_seen(cache_root: Path) -> None:
+    net, base = Net(), Images(40)
+    before = extract(net, base)
+    assert net.seen[0] == 40
+    data = edited(base, changed=[3, 17, 30], added=5)
+    after = extract(net, data)
+    assert after.path != before.path and len(feature_dirs(cache_root)) == 2
+    assert net.seen[0] == 40 + 3 + 5  # the changed and the new samples, nothing else
+    with torch.no_grad():
+        direct = net(data.images)
+    for i in range(len(data)):
+        x, y = after[i]
+        assert y == data.labels[i]  # the other fields always come from the new samples
+        assert torch.allclose(x, direct[i], atol=1e-6)  # rounding may differ with the batch's size
+    unchanged = [i for i in range(40) if i not in (3, 17, 30)]
+    assert all(torch.equal(after[i][0], before[i][0]) for i in unchanged)  # the very rows taken
+
+
+def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path) -> None:
+    net = Scale(width=6)
+    base = torch.utils.data.TensorDataset(torch.randn(30, 6), torch.arange(30))
+    before = extract(net, base)
+    order = torch.randperm(30)
+    shuffled = torch.utils.data.TensorDataset(base.tensors[0][order], base.tensors[1][order])
+    calls = [0]
+    net.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + len(args[0])))
+    after = extract(net, shuffled)
+    assert calls[0] == 0
+    for i in range(30):
+        x, y = after[i]
+        assert int(y) == int(order[i]) and torch.equal(x, before[int(order[i])][0])
+
+
+def test_a_changed_transform_or_backbone_takes_nothing(cache_root: Path) -> None:
+    net, base = Net(), Images(24)
+    extract(net, base)
+    scaled = Images(24)
+    scaled.images = base.images * 2  # what a changed normalisation does to every input
+    extract(net, scaled)
+    assert net.seen[0] == 48
+    other = Net()  # other weights: another module key, no older cache of its own
+    with torch.no_grad():
+        other.fc.bias.add_(1)
+    extract(other, base)
+    assert other.seen[0] == 24
+
+
+def test_rows_of_an_older_cache_that_fail_their_check_are_computed(cache_root: Path) -> None:
+    net, base = Net(), Images(20)
+    before = extract(net, base)
+    file = before.file
+    assert before.path is not None
+    with open(before.path, "r+b") as raw:  # damage rows 2 and 9 of the older cache
+        for row in (2, 9):
+            raw.seek(file.rows_at + row * file.stride + 5)
+            byte = raw.read(1)
+            raw.seek(-1, os.SEEK_CUR)
+            raw.write(bytes([byte[0] ^ 0x10]))
+    data = edited(base, changed=[], added=1)
+    after = extract(net, data)
+    assert net.seen[0] == 20 + 2 + 1
+    with torch.no_grad():
+        direct = net(data.images)
+    assert all(torch.allclose(after[i][0], direct[i], atol=1e-6) for i in range(len(data)))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "swapped", "missing"])
+def test_a_damaged_digest_file_never_gives_a_wrong_row(cache_root: Path, damage: str) -> None:
+    net, base = Net(), Images(16)
+    before = extract(net, base)
+    assert before.path is not None
+    digests = before.path.with_name(DIGESTS_NAME)
+    raw = bytearray(digests.read_bytes())
+    if damage == "garbage":
+        raw[4096:] = np.random.default_rng(0).integers(0, 256, len(raw) - 4096, np.uint8).tobytes()
+        digests.write_bytes(bytes(raw))
+    elif damage == "cut short":
+        digests.write_bytes(bytes(raw[:100]))
+    elif damage == "swapped":  # two entries exchanged: each names the other row's check, so neither is taken
+        a, b = 4096 + 24 * 1, 4096 + 24 * 6
+        raw[a : a + 24], raw[b : b + 24] = raw[b : b + 24], raw[a : a + 24]
+        digests.write_bytes(bytes(raw))
+    else:
+        digests.unlink()
+    data = edited(base, changed=[], added=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a damaged digest file only means less is taken
+        after = extract(net, data)
+    with torch.no_grad():
+        direct = net(data.images)
+    assert all(torch.allclose(after[i][0], direct[i], atol=1e-6) for i in range(len(data)))
+
+
+def test_digests_name_the_input_exactly() -> None:
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert input_digest(x) == input_digest(x.clone()) == input_digest(x.t().contiguous().t())
+    assert input_digest(x) != input_digest(x.reshape(4, 3))  # same bytes, another shape
+    assert input_digest(x) != input_digest(x.double())
+    assert input_digest(x) == input_digest(x.numpy())  # both collate to the same input
+    bumped = x.clone()
+    bumped[2, 3] = torch.nextafter(bumped[2, 3], torch.tensor(100.0))
+    assert input_digest(x) != input_digest(bumped)
+    assert input_digest("an image path") is None and input_digest(np.array(["a"], dtype=object)) is None
+
+
+def test_a_digest_file_of_another_length_or_header_is_not_used(tmp_path: Path) -> None:
+    path = tmp_path / DIGESTS_NAME
+    made = DigestFile.open(path, 10, create=True)
+    assert made is not None
+    made.write(np.arange(3, 6), np.full((3, 16), 7, np.uint8), np.array([11, 12, 2**64 - 1], np.uint64))
+    made.close()
+    assert DigestFile.open(path, 11, create=False) is None
+    opened = DigestFile.open(path, 10, create=False)
+    assert opened is not None
+    digests, checks = opened.read()
+    opened.close()
+    assert (digests[3:6] == 7).all() and not digests[:3].any() and not digests[6:].any()
+    assert checks.tolist() == [0, 0, 0, 11, 12, 2**64 - 1, 0, 0, 0, 0]
+    path.write_bytes(b"\0" * 8192)
+    assert DigestFile.open(path, 10, create=False) is None

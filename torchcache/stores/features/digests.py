@@ -1,0 +1,203 @@
+"""The input digests of a features cache: what each row was computed from.
+
+The file (``inputs.tcdig``), beside ``features.tcfeat``::
+
+    header   magic, version, dataset length, and the xxh3_64 of these (32 bytes)
+    entries  24 bytes per index at ``4096 + 24 * index``: the xxh3_128 of the backbone's
+             input for that sample (its bytes, seeded by its dtype and shape), then the check
+             of the row it gave (as the features file holds it); zeros where unknown
+
+An extraction writes a batch's entries once its rows are written and marked. A later
+extraction with the same backbone over a changed dataset (another fingerprint, another
+cache) takes the row of an input it has seen instead of running the backbone again
+(:mod:`torchcache.features.reuse`), but only where the entry's check equals the row's
+check in the features file and the row's bytes pass it: an entry binds an input to one
+row's content, so an entry that is damaged, cut short, left from a killed run or moved
+to another index matches nothing (or, with odds of 2**-64, passes). A file that is
+missing or not valid only means nothing is taken from that cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..files import allocate, pwrite_all, read_at
+
+__all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "input_digest", "pack_digests"]
+
+DIGESTS_NAME = "inputs.tcdig"
+DIGEST_BYTES = 16
+_ENTRY = DIGEST_BYTES + 8
+_MAGIC = b"TCDIGS1\0"
+_VERSION = 1
+_HEAD = struct.Struct("<8sIIQQ")  # magic, version, reserved, length, xxh3_64 of the 24 bytes before
+_AT = 4096
+_O_OPEN = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def batch_digests(batch: object, count: int) -> list[bytes | None]:
+    """The digest of each sample's input in a collated batch (``None`` each where it is not a CPU tensor).
+
+    A digest is the xxh3_128 of the sample's bytes, seeded by its dtype and shape: equal
+    digests mean equal inputs to the backbone (a sample given as a numpy array and one
+    given as a tensor collate to the same input, and get the same digest).
+    """
+    if (
+        not isinstance(batch, torch.Tensor)
+        or batch.dim() == 0
+        or len(batch) != count
+        or batch.device.type != "cpu"
+        or batch.layout != torch.strided
+        or batch.is_quantized
+    ):
+        return [None] * count
+    try:
+        raw = batch.detach().contiguous().reshape(count, -1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return [None] * count
+    size = raw.shape[1]
+    seed = _seed(str(batch.dtype), tuple(batch.shape[1:]))
+    view = memoryview(raw.reshape(-1))  # type: ignore[arg-type]
+    digest = xxhash.xxh3_128_digest
+    return [digest(view[start : start + size], seed) for start in range(0, count * size, size)]
+
+
+def input_digest(value: object) -> bytes | None:
+    """The digest of one sample's input (a tensor or a numpy array), as :func:`batch_digests` gives it."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc":
+            return None
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if not isinstance(value, torch.Tensor):
+        return None
+    return batch_digests(value.unsqueeze(0), 1)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _seed(dtype: str, shape: tuple[int, ...]) -> int:
+    return xxhash.xxh3_64_intdigest(f"torchcache-input|{dtype}|{shape}".encode())
+
+
+def pack_digests(digests: list[bytes | None]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """``(n, 16)`` uint8 of a batch's digests (zeros for unknown ones)."""
+    out = np.zeros((len(digests), DIGEST_BYTES), np.uint8)
+    for j, digest in enumerate(digests):
+        if digest is not None:
+            out[j] = np.frombuffer(digest, np.uint8)
+    return out
+
+
+def _head(length: int) -> bytes:
+    first = struct.pack("<8sIIQ", _MAGIC, _VERSION, 0, length)
+    return first + struct.pack("<Q", xxhash.xxh3_64_intdigest(first))
+
+
+class DigestFile:
+    """The digests of one features cache, opened for writing and reading.
+
+    Use :meth:`open`, which makes the file when there is none.
+    """
+
+    def __init__(self, path: Path, fd: int, length: int) -> None:
+        self.path = path
+        self.length = length
+        self._fd = fd
+
+    @classmethod
+    def open(cls, path: Path, length: int, create: bool) -> DigestFile | None:
+        """The digest file at ``path`` for ``length`` rows; made there with ``create``.
+
+        Returns:
+            ``None`` if there is none (and ``create`` is false), or it is not a valid
+            digest file of ``length`` rows, or it cannot be made or opened.
+        """
+        try:
+            fd = os.open(path, _O_OPEN)
+        except FileNotFoundError:
+            fd = -1
+        except OSError:  # a read-only file or directory: it still gives its digests
+            try:
+                fd = os.open(path, (_O_OPEN & ~os.O_RDWR) | os.O_RDONLY)
+            except OSError:
+                return None
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                whole = stat.S_ISREG(st.st_mode) and st.st_size >= _AT + _ENTRY * length
+                if whole and read_at(fd, _HEAD.size) == _head(length):
+                    return cls(path, fd, length)
+            except OSError:
+                pass
+            os.close(fd)
+            return None
+        if not create:
+            return None
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            size = _AT + _ENTRY * length
+            os.ftruncate(fd, size)
+            allocate(fd, size)
+            pwrite_all(fd, memoryview(_head(length)), 0)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process made it first
+                os.close(fd)
+                fd = -1
+                return cls.open(path, length, create=False)
+            made, fd = cls(path, fd, length), -1
+            return made
+        except OSError:
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def write(self, indices: np.ndarray[Any, Any], digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> None:
+        """Write the entries of ascending ``indices``: digests (``(n, 16)`` uint8) and their rows' checks.
+
+        Raises:
+            OSError: If the file cannot be written.
+        """
+        entries = np.zeros((len(indices), _ENTRY), np.uint8)
+        entries[:, :DIGEST_BYTES] = digests
+        entries[:, DIGEST_BYTES:] = np.ascontiguousarray(checks, "<u8").view(np.uint8).reshape(-1, 8)
+        breaks = [0, *(np.flatnonzero(np.diff(indices) != 1) + 1).tolist(), len(indices)]
+        for start, stop in itertools.pairwise(breaks):
+            if start < stop:
+                offset = _AT + _ENTRY * int(indices[start])
+                pwrite_all(self._fd, memoryview(entries[start:stop]).cast("B"), offset)  # type: ignore[arg-type]
+
+    def read(self) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], np.ndarray[Any, np.dtype[np.uint64]]]:
+        """Every entry: the digests, ``(length, 16)`` uint8, and the checks, ``(length,)`` (zeros where unknown).
+
+        Raises:
+            OSError: If the file cannot be read.
+        """
+        want = _ENTRY * self.length
+        data = read_at(self._fd, want, _AT)
+        raw = np.zeros(want, np.uint8)
+        raw[: len(data)] = np.frombuffer(data, np.uint8)
+        entries = raw.reshape(self.length, _ENTRY)
+        checks = np.ascontiguousarray(entries[:, DIGEST_BYTES:]).view("<u8").reshape(self.length)
+        return np.ascontiguousarray(entries[:, :DIGEST_BYTES]), checks.astype(np.uint64)
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
