@@ -444,7 +444,17 @@ def render_redis(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
 def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
     r = rec["results"]
     sizes = [x for x in r.values() if isinstance(x, dict) and "items" in x]
-    rows = [["samples", "uncached s", "first epoch s", "memmap epoch s", "features epoch s", "second process s"]]
+    rows = [
+        [
+            "samples",
+            "uncached s",
+            "first epoch s",
+            "memmap epoch s",
+            "features epoch s",
+            "second process s",
+            "changed dataset s",
+        ]
+    ]
     checks: list[tuple[str, float | None, str]] = []
     for x in sizes:
         later = x["later_epochs_s"]
@@ -456,6 +466,12 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                 spread(later["memmap"]),
                 spread(later["features"]),
                 f"{fmt(x['second_process_first_epoch_s'])} (open {fmt(x['second_process_open_s'])})",
+                (
+                    f"{fmt(x['changed_extract_s'])} ({x['changed_over_extract']:.2f}x extraction; backbone on "
+                    f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})"
+                    if "changed_extract_s" in x
+                    else "-"
+                ),
             ]
         )
         n = f"{x['items']:,}"

@@ -11,7 +11,9 @@ The cache lives in ``<root>/features-<key>/`` (the root is ``cache_dir``, else
 decorator keys it (class, source, attributes, weights; refused while it has trainable
 parameters), its train/eval mode, the dataset's fingerprint
 (:func:`~torchcache.datasets.keys.fingerprint_dataset`, with ``version``) and the input
-field: change any of them and the features are computed afresh in another directory.
+field: change any of them and the features go to another directory, where the rows of
+inputs that an older cache of the same backbone holds are taken from it
+(:mod:`torchcache.features.reuse`) and the backbone runs on the others.
 A killed extraction leaves the rows it wrote marked and the others unmarked; a rerun
 computes only the unmarked ones. Random augmentation before the backbone is detected
 (two reads of a sample that differ) and refused, since its outputs cannot be cached.
@@ -78,7 +80,8 @@ def extract_features(
     The first call computes every sample's features in batches and stores them with the
     sample's other fields; later calls, in this process or another, find them by key and
     return at once (the backbone does not run, the dataset is not read). A call after an
-    interrupted one computes only the samples that were missing.
+    interrupted one computes only the samples that were missing. For a changed dataset
+    (another key), the backbone runs only on inputs that no older cache of it holds.
 
     Args:
         backbone: A frozen module (no parameter requires grad), on the device it should
