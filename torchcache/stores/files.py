@@ -7,11 +7,13 @@ are regular files. Reads are positional and bounded by the caller.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from pathlib import Path
 
-__all__ = ["allocate", "open_regular", "pwrite_all", "read_at", "read_bounded"]
+__all__ = ["allocate", "create_whole", "open_regular", "pwrite_all", "read_at", "read_bounded"]
 
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOTHING_THERE = (errno.ENOENT, errno.ENOTDIR, errno.ENXIO)
@@ -116,3 +118,38 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if written <= 0:  # no progress: the file system has no room
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
         data, offset = data[written:], offset + written
+
+
+def create_whole(path: Path, size: int, head: bytes) -> int | None:
+    """Make a file of ``size`` bytes that starts with ``head``, whole before anyone sees it.
+
+    The file is made under a temporary name beside ``path``, its blocks allocated (a
+    full disk fails here, not in a later write) and ``head`` written, then linked to
+    ``path``; a link never replaces a file.
+
+    Returns:
+        A read-write descriptor of the new file (the caller closes it), or ``None`` if
+        a file is already at ``path`` (another process made it first).
+
+    Raises:
+        OSError: If it cannot be made.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.ftruncate(fd, size)
+        allocate(fd, size)
+        pwrite_all(fd, memoryview(head), 0)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            os.close(fd)
+            fd = -1
+            return None
+        made, fd = fd, -1
+        return made
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

@@ -19,7 +19,6 @@ missing or not valid only means nothing is taken from that cache.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..files import allocate, pwrite_all, read_at
+from ..files import create_whole, pwrite_all, read_at
 
 __all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "input_digest", "pack_digests"]
 
@@ -143,29 +142,13 @@ class DigestFile:
             return None
         if not create:
             return None
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = -1
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-            size = _AT + _ENTRY * length
-            os.ftruncate(fd, size)
-            allocate(fd, size)
-            pwrite_all(fd, memoryview(_head(length)), 0)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:  # another process made it first
-                os.close(fd)
-                fd = -1
-                return cls.open(path, length, create=False)
-            made, fd = cls(path, fd, length), -1
-            return made
+            made = create_whole(path, _AT + _ENTRY * length, _head(length))
         except OSError:
             return None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        if made is None:  # another process made it first
+            return cls.open(path, length, create=False)
+        return cls(path, made, length)
 
     def write(self, indices: np.ndarray[Any, Any], digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> None:
         """Write the entries of ascending ``indices``: digests (``(n, 16)`` uint8) and their rows' checks.

@@ -39,7 +39,7 @@ import numpy as np
 import xxhash
 
 from ...errors import CorruptEntryError, StoreError
-from ..files import allocate, pwrite_all, read_at
+from ..files import create_whole, pwrite_all, read_at
 from .layout import SampleLayout
 
 __all__ = ["FEATURES_NAME", "FeatureFile"]
@@ -116,24 +116,14 @@ class FeatureFile:
         length, stride = header["length"], header["layout"]["stride"]
         checks_at, rows_at, size = _layout_of(length, stride, len(text))
         head = _HEAD.pack(_MAGIC, _VERSION, len(text), length, stride, checks_at, rows_at, size) + text
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = create_whole(path, size, head + _U64.pack(xxhash.xxh3_64_intdigest(head)))
+        if fd is None:  # another process made it first: use that one
+            return cls.open(path)
         try:
-            os.ftruncate(fd, size)
-            allocate(fd, size)
-            pwrite_all(fd, memoryview(head + _U64.pack(xxhash.xxh3_64_intdigest(head))), 0)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:  # another process made it first: use that one
-                return cls.open(path)
-            made = cls(path, fd, header, writable=True)
-            fd = -1
-            return made
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            return cls(path, fd, header, writable=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def in_memory(cls, header: dict[str, Any]) -> FeatureFile:
