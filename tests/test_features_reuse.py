@@ -145,3 +145,23 @@ def test_a_digest_file_of_another_length_or_header_is_not_used(tmp_path: Path) -
     assert checks.tolist() == [0, 0, 0, 11, 12, 2**64 - 1, 0, 0, 0, 0]
     path.write_bytes(b"\0" * 8192)
     assert DigestFile.open(path, 10, create=False) is None
+
+
+def test_several_older_caches_serve_one_batch_and_stand_in_for_each_others_damage(cache_root: Path) -> None:
+    net = Scale(width=6)
+    pool = torch.randn(30, 6)
+    first = extract(net, torch.utils.data.TensorDataset(pool[:20]))  # inputs 0-19
+    second = extract(net, torch.utils.data.TensorDataset(pool[10:]))  # inputs 10-29, the newer cache
+    assert second.path is not None
+    file = second.file
+    with open(second.path, "r+b") as raw:  # damage input 12's row in the newer cache (its row 2)
+        raw.seek(file.rows_at + 2 * file.stride)
+        byte = raw.read(1)
+        raw.seek(-1, os.SEEK_CUR)
+        raw.write(bytes([byte[0] ^ 0x01]))
+    calls = [0]
+    net.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + len(args[0])))
+    both = extract(net, torch.utils.data.TensorDataset(pool))
+    assert calls[0] == 0  # every input is in one cache or the other; input 12 from the older one
+    assert torch.equal(both[12][0], first[12][0])
+    assert all(torch.equal(both[i][0], (pool[i] * net.w).detach()) for i in range(30))

@@ -14,7 +14,7 @@ from the new sample. A donor row is served only when its own check passes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, CorruptEntryError, StoreError
-from ..stores.features.digests import DIGESTS_NAME, DigestFile
+from ..stores.features.digests import DIGESTS_NAME, DigestFile, pack_digests
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.features.layout import Field, VariableLayoutError
 from ..tree import DTYPES
@@ -34,15 +34,34 @@ __all__ = ["Donors", "open_digests", "outputs"]
 _MAX_DONORS = 4
 
 
-class Donors:
-    """The rows of older caches of one backbone and input field, found by input digest."""
+@dataclass
+class _Donor:
+    """One older cache: its file, and its usable entries sorted by the first 8 bytes of their digest."""
 
-    def __init__(self, files: list[FeatureFile], table: dict[bytes, tuple[int, int, int]]) -> None:
-        self._files = files
-        self._table = table  # input digest: (donor, row, the row's check that its entry names)
+    file: FeatureFile
+    prefixes: np.ndarray[Any, np.dtype[np.uint64]]
+    digests: np.ndarray[Any, np.dtype[np.uint8]]  # (n, 16), in the order of ``prefixes``
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    checks: np.ndarray[Any, np.dtype[np.uint64]]  # the row checks the entries name
+
+
+def _prefixes(digests: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    return np.ascontiguousarray(digests[:, :8]).view("<u8").reshape(len(digests)).astype(np.uint64)
+
+
+class Donors:
+    """The rows of older caches of one backbone and input field, found by input digest.
+
+    Each older cache's usable entries are kept as sorted arrays (40 bytes per row, not a
+    dictionary of Python objects), and a batch is looked up with one binary search per
+    cache.
+    """
+
+    def __init__(self, donors: list[_Donor]) -> None:
+        self._donors = donors
 
     def __len__(self) -> int:
-        return len(self._table)
+        return sum(len(d.rows) for d in self._donors)
 
     @classmethod
     def find(cls, root: Path, own: str, module_key: str, input: int | str) -> Donors | None:
@@ -57,44 +76,16 @@ class Donors:
                 if directory.name.startswith("features-") and directory.name != own:
                     with contextlib.suppress(OSError):
                         found.append(((directory / DIGESTS_NAME).stat().st_mtime, directory))
-        files: list[FeatureFile] = []
-        table: dict[bytes, tuple[int, int, int]] = {}
+        donors: list[_Donor] = []
         for _, directory in sorted(found, reverse=True):
-            if len(files) == _MAX_DONORS:
+            if len(donors) == _MAX_DONORS:
                 break
-            try:
-                file = FeatureFile.open(directory / FEATURES_NAME)
-            except (OSError, CorruptEntryError, ConfigError):  # a cache that cannot be read gives nothing
-                continue
-            header = file.header
-            if header.get("module_key") != module_key or header.get("input") != input or file.path is None:
-                file.close()
-                continue
-            digests = DigestFile.open(directory / DIGESTS_NAME, file.length, create=False)
-            if digests is None:
-                file.close()
-                continue
-            try:
-                known, bound = digests.read()
-            except OSError:
-                file.close()
-                continue
-            finally:
-                digests.close()
-            # An entry counts only for the row content it was written for: its check is the row's.
-            rows = np.flatnonzero((bound != 0) & (bound == file.checks(np.arange(file.length))))
-            if not len(rows):
-                file.close()
-                continue
-            position = len(files)
-            files.append(file)
-            for digest, row, check in zip(map(bytes, known[rows]), rows.tolist(), bound[rows].tolist(), strict=True):
-                table.setdefault(digest, (position, row, check))
-        if not table:
-            return None
-        return cls(files, table)
+            donor = _open_donor(directory, module_key, input)
+            if donor is not None:
+                donors.append(donor)
+        return cls(donors) if donors else None
 
-    def take(self, digests: Sequence[bytes | None], field: Field | None) -> tuple[list[int], torch.Tensor | None]:
+    def take(self, digests: list[bytes | None], field: Field | None) -> tuple[list[int], torch.Tensor | None]:
         """The positions in a batch whose rows an older cache holds, and their features.
 
         Args:
@@ -105,46 +96,76 @@ class Donors:
         Returns:
             The positions served, ascending, and their features (``None`` if none).
         """
-        wanted: dict[int, list[tuple[int, int, int]]] = {}
-        for position, digest in enumerate(digests):
-            hit = None if digest is None else self._table.get(digest)
-            if hit is not None:
-                wanted.setdefault(hit[0], []).append((position, hit[1], hit[2]))
-        served: list[int] = []
+        query = pack_digests(digests)
+        wanted = np.asarray([d is not None for d in digests], np.bool_)
+        prefixes = _prefixes(query)
+        served: list[np.ndarray[Any, Any]] = []
         parts: list[torch.Tensor] = []
-        for donor, pairs in wanted.items():
-            file = self._files[donor]
-            own = file.layout.features
-            if field is None:
-                field = own
-            if (own.dtype, own.shape) != (field.dtype, field.shape):
+        for donor in self._donors:
+            own = donor.file.layout.features
+            field = own if field is None else field
+            if not wanted.any() or (own.dtype, own.shape) != (field.dtype, field.shape):
                 continue
-            positions = [p for p, _, _ in pairs]
-            indices = np.asarray([r for _, r, _ in pairs], np.int64)
+            at = np.minimum(np.searchsorted(donor.prefixes, prefixes), len(donor.prefixes) - 1)
+            hit = wanted & (donor.prefixes[at] == prefixes) & (donor.digests[at] == query).all(axis=1)
+            where = np.flatnonzero(hit)
+            if not len(where):
+                continue
+            indices = donor.rows[at[where]]
             try:
-                rows, missing, bad = file.read(indices)
+                rows, missing, bad = donor.file.read(indices)
             except (OSError, StoreError):  # a donor cut short or gone gives nothing: the backbone runs
                 continue
-            bound = np.asarray([c for _, _, c in pairs], np.uint64)
-            changed = np.flatnonzero(file.checks(indices) != bound).tolist()  # rewritten since: not that row
-            keep = np.setdiff1d(np.arange(len(pairs)), np.asarray(missing + bad + changed, np.int64))
+            changed = np.flatnonzero(donor.file.checks(indices) != donor.checks[at[where]])  # rewritten since
+            keep = np.setdiff1d(np.arange(len(where)), np.concatenate([missing, bad, changed]).astype(np.int64))
             if not len(keep):
                 continue
             raw = np.ascontiguousarray(rows[keep, own.offset : own.offset + own.nbytes])
             parts.append(torch.from_numpy(raw).view(DTYPES[own.dtype]).reshape(len(keep), *own.shape))
-            served += [positions[j] for j in keep.tolist()]
+            served.append(where[keep])
+            wanted[where[keep]] = False
         if not served:
             return [], None
+        positions = np.concatenate(served)
+        order = np.argsort(positions, kind="stable")
         features = torch.cat(parts) if len(parts) > 1 else parts[0]
-        order = np.argsort(np.asarray(served), kind="stable")
-        return sorted(served), features[torch.from_numpy(order)]
+        return positions[order].tolist(), features[torch.from_numpy(order)]
 
     def close(self) -> None:
         """Close the donors' files."""
-        for file in self._files:
-            file.close()
-        self._files = []
-        self._table = {}
+        for donor in self._donors:
+            donor.file.close()
+        self._donors = []
+
+
+def _open_donor(directory: Path, module_key: str, input: int | str) -> _Donor | None:
+    """The cache in ``directory`` as a donor, if it is one of this backbone and input with usable entries."""
+    try:
+        file = FeatureFile.open(directory / FEATURES_NAME)
+    except (OSError, CorruptEntryError, ConfigError):  # a cache that cannot be read gives nothing
+        return None
+    header = file.header
+    digests = None
+    if header.get("module_key") == module_key and header.get("input") == input and file.path is not None:
+        digests = DigestFile.open(directory / DIGESTS_NAME, file.length, create=False)
+    if digests is None:
+        file.close()
+        return None
+    try:
+        known, bound = digests.read()
+    except OSError:
+        file.close()
+        return None
+    finally:
+        digests.close()
+    # An entry counts only for the row content it was written for: its check is the row's.
+    rows = np.flatnonzero((bound != 0) & (bound == file.checks(np.arange(file.length))))
+    if not len(rows):
+        file.close()
+        return None
+    prefixes = _prefixes(known[rows])
+    order = np.argsort(prefixes, kind="stable")
+    return _Donor(file, prefixes[order], known[rows][order], rows[order].astype(np.int64), bound[rows][order])
 
 
 def outputs(
