@@ -20,7 +20,6 @@ missing or not valid only means nothing is taken from that cache.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import stat
 import struct
@@ -32,6 +31,7 @@ import torch
 import xxhash
 
 from ..files import create_whole, pwrite_all, read_at
+from .file import runs
 
 __all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "input_digest", "pack_digests"]
 
@@ -40,7 +40,8 @@ DIGEST_BYTES = 16
 _ENTRY = DIGEST_BYTES + 8
 _MAGIC = b"TCDIGS1\0"
 _VERSION = 1
-_HEAD = struct.Struct("<8sIIQQ")  # magic, version, reserved, length, xxh3_64 of the 24 bytes before
+_FIRST = struct.Struct("<8sIIQ")  # magic, version, reserved, length; then the xxh3_64 of these (8 bytes)
+_HEAD_BYTES = _FIRST.size + 8
 _AT = 4096
 _O_OPEN = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
@@ -98,8 +99,8 @@ def pack_digests(digests: list[bytes | None]) -> np.ndarray[Any, np.dtype[np.uin
 
 
 def _head(length: int) -> bytes:
-    first = struct.pack("<8sIIQ", _MAGIC, _VERSION, 0, length)
-    return first + struct.pack("<Q", xxhash.xxh3_64_intdigest(first))
+    first = _FIRST.pack(_MAGIC, _VERSION, 0, length)
+    return first + xxhash.xxh3_64_intdigest(first).to_bytes(8, "little")
 
 
 class DigestFile:
@@ -134,7 +135,7 @@ class DigestFile:
             try:
                 st = os.fstat(fd)
                 whole = stat.S_ISREG(st.st_mode) and st.st_size >= _AT + _ENTRY * length
-                if whole and read_at(fd, _HEAD.size) == _head(length):
+                if whole and read_at(fd, _HEAD_BYTES) == _head(length):
                     return cls(path, fd, length)
             except OSError:
                 pass
@@ -159,11 +160,9 @@ class DigestFile:
         entries = np.zeros((len(indices), _ENTRY), np.uint8)
         entries[:, :DIGEST_BYTES] = digests
         entries[:, DIGEST_BYTES:] = np.ascontiguousarray(checks, "<u8").view(np.uint8).reshape(-1, 8)
-        breaks = [0, *(np.flatnonzero(np.diff(indices) != 1) + 1).tolist(), len(indices)]
-        for start, stop in itertools.pairwise(breaks):
-            if start < stop:
-                offset = _AT + _ENTRY * int(indices[start])
-                pwrite_all(self._fd, memoryview(entries[start:stop]).cast("B"), offset)  # type: ignore[arg-type]
+        for start, stop in runs(indices):
+            offset = _AT + _ENTRY * int(indices[start])
+            pwrite_all(self._fd, memoryview(entries[start:stop]).cast("B"), offset)  # type: ignore[arg-type]
 
     def read(self) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], np.ndarray[Any, np.dtype[np.uint64]]]:
         """Every entry: the digests, ``(length, 16)`` uint8, and the checks, ``(length,)`` (zeros where unknown).

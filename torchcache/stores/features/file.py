@@ -42,7 +42,7 @@ from ...errors import CorruptEntryError, StoreError
 from ..files import create_whole, pwrite_all, read_at
 from .layout import SampleLayout
 
-__all__ = ["FEATURES_NAME", "FeatureFile"]
+__all__ = ["FEATURES_NAME", "FeatureFile", "runs"]
 
 FEATURES_NAME = "features.tcfeat"
 _MAGIC = b"TCFEATS1"
@@ -285,10 +285,11 @@ class FeatureFile:
             checks = np.fromiter(
                 (digest(row, index) | 1 for row, index in zip(block, targets.tolist())), np.uint64, len(todo)
             )
-            for start, stop in _runs(targets):  # the rows first, then their checks
+            spans = runs(targets)
+            for start, stop in spans:  # the rows first, then their checks
                 first = int(targets[start])
                 self._write_at(self.rows_at + first * self.stride, block[start:stop])
-            for start, stop in _runs(targets):
+            for start, stop in spans:
                 self._write_at(self.checks_at + 8 * int(targets[start]), checks[start:stop])
         return len(todo)
 
@@ -374,7 +375,7 @@ def _read_header(fd: int) -> dict[str, Any]:
     return header
 
 
-def _runs(indices: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
+def runs(indices: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
     """``(start, stop)`` positions of the runs of consecutive values in ascending ``indices``."""
     if not len(indices):
         return []

@@ -394,15 +394,21 @@ class SegmentFiles:
 
     def orphans(self, known: set[int]) -> list[int]:
         """Segment files the index does not know and no live writer holds a lock on."""
-        found = []
+        locks = self._lock_orphans(known)
+        for fd in locks.values():
+            os.close(fd)
+        return list(locks)
+
+    def _lock_orphans(self, known: set[int]) -> dict[int, int]:
+        """Exclusive locks (descriptors to close) on the segment files not in ``known`` that no writer holds."""
+        locks: dict[int, int] = {}
+        own = self.own()
         for seg in self.listed():
-            if seg in known or seg in self.own():
-                continue
-            fd = self.lock_exclusive(seg)
-            if fd is not None:
-                os.close(fd)
-                found.append(seg)
-        return found
+            if seg not in known and seg not in own:
+                fd = self.lock_exclusive(seg)
+                if fd is not None:
+                    locks[seg] = fd
+        return locks
 
     def sweep(self, known: Callable[[], set[int]]) -> int:
         """Remove orphaned segment files and temporary files; return how many.
@@ -415,12 +421,8 @@ class SegmentFiles:
             OSError: If the directory cannot be listed.
         """
         removed = 0
-        locks: dict[int, int] = {}
+        locks = self._lock_orphans(known())
         try:
-            for seg in self.orphans(known()):
-                fd = self.lock_exclusive(seg)
-                if fd is not None:
-                    locks[seg] = fd
             indexed = known() if locks else set()
             for seg in locks.keys() - indexed:
                 try:
