@@ -255,7 +255,8 @@ def run_size(n: int, workers: int, epochs: int, rounds: int, scratch: Path) -> t
         ratios.append(pair["features"] / pair["memmap"])
     memmap_median = statistics.median(times["memmap"])
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
         [sys.executable, __file__, "--child", str(root), str(n), str(workers)],
         capture_output=True,

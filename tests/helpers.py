@@ -159,6 +159,16 @@ def assert_same(got: Any, want: Any) -> None:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def python_env(*paths: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports this checkout (and ``paths``) first.
+
+    What ``PYTHONPATH`` held already stays after them: packages installed there are still found.
+    """
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, paths), str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def run_python(
     script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120, path: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -167,8 +177,7 @@ def run_python(
     With ``path``, the script is written there and run as a file instead (``spawn``
     children of multiprocessing need a main module they can import again).
     """
-    full_env = dict(os.environ if env is None else env)
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    full_env = python_env() if env is None else env
     if path is not None:
         path.write_text(script)
     return subprocess.run(
@@ -194,7 +203,7 @@ class ProcessGroup:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code],
                 cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
+                env=python_env(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,

@@ -139,3 +139,27 @@ def test_features_of_varying_shape_from_a_cuda_backbone_are_kept_whole(tmp_path:
             want = backbone(data[i][0][None].cuda())[0].cpu()
         assert x.device.type == "cpu" and x.shape == (4 + i % 3, 3) and label == f"item {i}"
         assert torch.allclose(x, want, atol=1e-6)
+
+
+def test_a_changed_dataset_with_a_cuda_backbone_takes_the_older_rows_and_computes_the_rest(tmp_path: Path) -> None:
+    backbone = Encoder().cuda()
+    calls = [0]
+    backbone.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + len(args[0])))
+    base = images()
+    first = TensorDataset(base, torch.arange(40))
+    before = extract_features(backbone, first, batch_size=8, cache_dir=tmp_path, progress=False)
+    changed = base.clone()
+    changed[[5, 21]] += 1
+    extra = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    data = TensorDataset(torch.cat([changed, extra]), torch.arange(44) + 100)
+    calls[0] = 0
+    after = extract_features(backbone, data, batch_size=8, cache_dir=tmp_path, progress=False)
+    assert calls[0] == 2 + 4  # the changed and the added samples alone reach the device
+    with torch.no_grad():
+        want = backbone(data.tensors[0].cuda()).cpu()
+    for i in range(44):
+        x, label = after[i]
+        assert x.device.type == "cpu" and int(label) == i + 100
+        assert torch.allclose(x, want[i], atol=1e-5)
+        if i < 40 and i not in (5, 21):
+            assert torch.equal(x, before[i][0])  # the very row the older cache holds

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, python_env, run_python
 from torchcache import CachedDataset, CacheWarning, SampleCache
 from torchcache.datasets.dataset import MissingSampleError
 from torchcache.datasets.decode import decode_sample, frame_head
@@ -382,7 +382,7 @@ def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_
 
     killed = run_python(JOB, "kill")
     leftover = job_dir_of(killed.stdout)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = python_env()
     live = subprocess.Popen(
         [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -402,7 +402,7 @@ def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_
 def test_processes_of_one_job_share_the_ram_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHCACHE_JOB_ID", "shared job/1")
     assert job_id().startswith("job-")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = python_env()
     first = subprocess.Popen(
         [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )

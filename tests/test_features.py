@@ -19,12 +19,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import torchcache
+from tests.helpers import python_env
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
 from torchcache.stores.features.file import FEATURES_NAME, FeatureFile
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 READS: dict[int, int] = {}
 
@@ -395,7 +393,7 @@ print(json.dumps({"computed": SEEN[0], "digest": digest.hexdigest(), "path": str
 
 
 def run_kit(script: Path, root: Path, n: int, batch: int, **env: str) -> subprocess.Popen[str]:
-    environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    environ = python_env(**env)
     return subprocess.Popen(
         [sys.executable, str(script), str(root), str(n), str(batch)],
         env=environ,

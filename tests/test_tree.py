@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import run_python
+from tests.helpers import python_env, run_python
 from torchcache import torchcache
 from torchcache.errors import KeyingError
 from torchcache.tree import DTYPES, MAX_DEPTH, Layout, RebuildError, describe, flatten, leaf_paths, unflatten
@@ -1067,7 +1067,7 @@ _LAZY_SCRIPT = textwrap.dedent(
 
 def test_entry_whose_class_is_not_imported_yet_is_recomputed(tmp_path: Path) -> None:
     (tmp_path / "typed_outputs_mod.py").write_text('import collections\nPair = collections.namedtuple("Pair", "x y")\n')
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = python_env(tmp_path)
     reports = []
     for _ in range(2):
         proc = run_python(_LAZY_SCRIPT, str(tmp_path / "cache"), env=env, path=tmp_path / "lazy.py")
