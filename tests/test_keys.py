@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,6 +151,30 @@ def _strict(value: Any) -> Any:
 def test_encoding_is_equal_exactly_for_strictly_equal_values(a: Any, b: Any) -> None:
     assert encode_value(a) == encode_value(copy.deepcopy(a))
     assert (encode_value(a) == encode_value(b)) == (_strict(a) == _strict(b))
+
+
+def _long_list_encoding(items: list[Any]) -> bytes:
+    """The documented encoding of a long list: its length and the xxh3_128 of its items' encodings, in order."""
+    payload = f"{len(items)}|".encode() + xxhash.xxh3_128(b"".join(encode_value(v) for v in items)).digest()
+    return b"L#" + struct.pack("<Q", len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [i % 10 for i in range(10_000)],  # labels: few distinct ints
+        list(range(-5_000, 5_000)),  # ids: all distinct
+        [2**70, -(2**70), 0, *range(5_000)],  # beyond 64 bits
+        [1] * 4_096 + [True] + [1] * 4_096,  # a bool among ints is not an int
+        [3] * 4_096 + ["3", 3.0, None] + [3] * 300,  # a chunk of ints beside a chunk of mixed items
+    ],
+    ids=["labels", "ids", "big", "bool", "mixed"],
+)
+def test_a_long_list_is_keyed_by_the_digest_of_its_items_whatever_they_are(items: list[Any]) -> None:
+    assert encode_value(items) == _long_list_encoding(items)
+    changed = list(items)
+    changed[len(items) // 2 + 1] = -7  # any one item changed changes the key
+    assert encode_value(changed) != encode_value(items)
 
 
 @settings(max_examples=50, deadline=None)

@@ -331,9 +331,15 @@ class KeyEncoder:
                 parts.append(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
             return _tag(kind, b"".join(parts))
         h = xxhash.xxh3_128()
-        for i, item in enumerate(value):
-            scalar = scalars(type(item))
-            h.update(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
+        for start in range(0, len(value), _CHUNK):
+            chunk = value[start : start + _CHUNK]
+            if set(map(type, chunk)) == {int}:  # labels and ids: the same bytes, without a Python loop
+                few = len(set(chunk)) <= len(chunk) // 8  # labels: each encoded once
+                h.update(b"".join(map(functools.lru_cache(maxsize=None)(_int) if few else _int, chunk)))
+                continue
+            for i, item in enumerate(chunk, start):
+                scalar = scalars(type(item))
+                h.update(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
         return _tag(kind.upper() + b"#", f"{len(value)}|".encode() + h.digest())
 
     def _encode_object(self, value: Any, cls: type, path: str, depth: int) -> bytes:
@@ -575,6 +581,10 @@ def _float(value: float) -> bytes:
 
 def _int(value: int) -> bytes:
     return _tag(b"i", str(value).encode())
+
+
+#: Items of a long sequence encoded per chunk; a chunk of ints alone is encoded in one join.
+_CHUNK = 4096
 
 
 def _complex(value: complex) -> bytes:

@@ -282,9 +282,9 @@ class FeatureFile:
             whole = len(todo) == len(indices)  # the common case: no copy
             targets = indices if whole else indices[todo]
             block = np.ascontiguousarray(rows if whole else rows[todo])
-            checks = np.fromiter(
-                (digest(row, index) | 1 for row, index in zip(block, targets.tolist())), np.uint64, len(todo)
-            )
+            flat, stride = memoryview(block.reshape(-1)), block.shape[1]  # type: ignore[arg-type]
+            samples = (flat[at : at + stride] for at in range(0, len(todo) * stride, stride))
+            checks = np.fromiter(map(digest, samples, targets.tolist()), np.uint64, len(todo)) | np.uint64(1)
             spans = runs(targets)
             for start, stop in spans:  # the rows first, then their checks
                 first = int(targets[start])
