@@ -13,13 +13,14 @@ outputs are (512,) float32 (two strided convolutions, a 2x2 average pool). Every
 is a ``DataLoader(batch_size=256, num_workers=--workers)`` pass, timed from
 ``iter(loader)`` to the last batch, that touches each batch. Compared, per size:
 
-- uncached: the images through the backbone, ``shuffle=False`` (what every epoch costs
-  without a cache);
+- uncached: the images through the backbone, ``shuffle=False``, the outputs dropped as
+  a training loop would drop them (what every epoch costs without a cache); the
+  reference outputs come from an untimed first pass;
 - first epoch: ``extract_features`` into a fresh cache directory (the backbone over the
   dataset, rows written), timed alone (the extraction, which the target is about) and
   with one shuffled pass over the features it returns (what a training loop's first
   epoch costs); run in ``--rounds`` pairs with an uncached epoch, back to back in
-  alternating order, after one untimed uncached epoch that warms the process up, and
+  alternating order, after the untimed pass that warms the process up, and
   judged on the median of the pairs' ratios;
 - memmap: the hand-written alternative, the same features written to an ``np.memmap``
   with the labels in an array, read by a ``Dataset`` whose ``__getitem__`` copies one
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,14 +155,21 @@ def epoch(dataset: Dataset[Any], workers: int, shuffle: bool = True) -> tuple[fl
     return time.perf_counter() - start, seen
 
 
-def uncached_epoch(backbone: Backbone, data: Images, workers: int) -> tuple[float, list[torch.Tensor]]:
+def uncached_epoch(backbone: Backbone, data: Images, workers: int, keep: bool = False) -> tuple[float, torch.Tensor]:
+    """Seconds for one pass of the backbone over ``data``, and its outputs when ``keep`` (else an empty tensor).
+
+    A timed epoch does not keep its outputs, as a training loop would not: gathering 205 MB
+    of them would time the allocator as much as the backbone.
+    """
     loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=workers)
     outputs = []
     start = time.perf_counter()
     with torch.no_grad():
         for x, _ in loader:
-            outputs.append(backbone(x))
-    return time.perf_counter() - start, outputs
+            output = backbone(x)
+            if keep:
+                outputs.append(output)
+    return time.perf_counter() - start, torch.cat(outputs) if keep else torch.empty(0)
 
 
 def child(root: str, n: int, workers: int) -> None:
@@ -193,22 +202,21 @@ def run_size(n: int, workers: int, epochs: int, rounds: int, scratch: Path) -> t
     labels = np.asarray(data.labels, np.int64)
     label_sum = int(labels.sum())
     uncached_times, firsts, extracts, first_ratios, extract_ratios = [], [], [], [], []
-    reference = torch.empty(0)
     features = None
-    # Untimed: the process's first pass over the data pays for warming the allocator (page
-    # faults on every new buffer until the heap has grown) and torch's kernels; whichever side
-    # ran first would pay it.
-    uncached_epoch(backbone, data, workers)
+    # Untimed, and the reference outputs: the process's first pass over the data pays for
+    # warming the allocator (page faults on every new buffer until the heap has grown) and
+    # torch's kernels; whichever side ran first would pay it.
+    _, reference = uncached_epoch(backbone, data, workers, keep=True)
     for r in range(rounds):  # back to back, in alternating order: a slow spell weighs on both
         pair = {}
         for name in ("uncached", "first") if r % 2 == 0 else ("first", "uncached"):
             if name == "uncached":
-                seconds, outputs = uncached_epoch(backbone, data, workers)
-                reference = torch.cat(outputs)
+                seconds, _ = uncached_epoch(backbone, data, workers)
                 uncached_times.append(seconds)
             else:
-                if features is not None:
+                if features is not None:  # the previous round's cache: closed and removed, untimed
                     features.close()
+                    shutil.rmtree(scratch / f"root-{n}-{r - 1}")
                 start = time.perf_counter()
                 features = extract_features(
                     backbone,
@@ -337,7 +345,7 @@ def main() -> int:
     parser.add_argument("--items", type=int, action="append", help="samples (repeatable; default 10,000 and 100,000)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers in every epoch (default 0)")
     parser.add_argument("--epochs", type=int, help="pairs of later epochs (default 7; 3 with --quick)")
-    parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 5; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 9; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2,000 samples, 3 pairs")
     parser.add_argument("--json", help="default: benchmarks/results/linear_probe.json")
     parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
@@ -354,7 +362,7 @@ def main() -> int:
     missed = []
     with tempfile.TemporaryDirectory(prefix="linear-probe-") as scratch:
         for n in sizes:
-            rounds = args.rounds or (1 if args.quick else 5)
+            rounds = args.rounds or (1 if args.quick else 9)
             result, failed = run_size(n, args.workers, epochs, rounds, Path(scratch))
             failures += failed
             results[str(n)] = result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -419,13 +421,72 @@ def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Pat
     (directory,) = feature_dirs(root)
     file = FeatureFile.open(directory / FEATURES_NAME)
     written = file.count()
-    assert kill_at // batch * batch <= written < n  # the batches before the kill, not the one it hit
+    # The batches before the kill, but the one it hit and perhaps the one being written as it was read
+    assert (kill_at // batch - 1) * batch <= written <= kill_at // batch * batch
     assert file.missing().tolist() == list(range(written, n))
     file.close()
     resumed = finish(run_kit(script, root, n, batch))
     assert resumed["computed"] == n - written
     again = finish(run_kit(script, root, n, batch))
     assert again["computed"] == 0 and again["digest"] == resumed["digest"]
+
+
+FAIL_ON: dict[int, int] = {}
+
+
+class FailsOnCall(Net):
+    """A Net whose call after ``FAIL_ON[id]`` samples raises, as a backbone running out of memory would.
+
+    The setting lives outside the module: an attribute that changes would change its key.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seen[0] + len(x) > FAIL_ON.get(id(self), 1 << 62):
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return super().forward(x)
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("torchcache-features")]
+
+
+def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_kept(cache_root: Path) -> None:
+    data, net = Images(n=40), FailsOnCall()
+    FAIL_ON[id(net)] = 24  # the fourth batch of 8
+    with pytest.raises(RuntimeError, match="out of memory"):
+        extract(net, data, batch_size=8)
+    assert not _writer_threads()
+    (directory,) = feature_dirs(cache_root)
+    file = FeatureFile.open(directory / FEATURES_NAME)
+    assert file.missing().tolist() == list(range(24, 40))  # the three batches before the error, written
+    file.close()
+    del FAIL_ON[id(net)]
+    features = extract(net, data, batch_size=8)
+    assert net.seen[0] == 24 + 16  # the rest only
+    with torch.no_grad():
+        assert all(torch.allclose(features[i][0], net(data.images[i : i + 1])[0], atol=1e-6) for i in range(40))
+
+
+def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write, calls = FeatureFile.write, [0]
+
+    def fails_from_the_third(self: FeatureFile, indices: Any, rows: Any) -> int:
+        calls[0] += 1
+        if self.path is not None and calls[0] >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, indices, rows)
+
+    monkeypatch.setattr(FeatureFile, "write", fails_from_the_third)
+    data, net = Images(n=40), Net()
+    with pytest.warns(CacheWarning, match="kept in memory"):
+        features = extract(net, data, batch_size=8)
+    assert features.path is None and net.seen[0] == 40 and not _writer_threads()
+    with torch.no_grad():
+        for i in range(40):  # the rows written to disk before the fault came along
+            x, y = features[i]
+            assert torch.allclose(x, net(data.images[i : i + 1])[0], atol=1e-6) and y == data.labels[i]
 
 
 def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:

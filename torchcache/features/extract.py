@@ -45,12 +45,13 @@ from ..keys import tag
 from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import describe_instance, fingerprint_module
 from ..module.guards import check_frozen
-from ..stores.features.digests import batch_digests, pack_digests
+from ..stores.features.digests import batch_digests
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.features.layout import SampleLayout, VariableLayoutError
 from .dataset import FeatureDataset, MissingFeatureError
-from .reuse import Donors, open_digests, outputs
+from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
+from .writer import BatchWriter
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
 
@@ -347,42 +348,31 @@ def _extract(
     progress: bool,
     donors: Donors | None,
 ) -> FeatureFile:
-    """Compute the rows of ``todo`` batch by batch (or take them from ``donors``) and write each batch as it comes."""
+    """Compute the rows of ``todo`` batch by batch (or take them from ``donors``), each written as the next runs."""
     bar = _progress_bar(len(todo), file) if progress else None
     done = 0
-    scratch = np.zeros((0, 0), np.uint8)  # rows of a batch, filled again for each (the gaps stay zero)
-    digest_file = None if file is None else open_digests(file)
+    writer = BatchWriter(file, faults)
     try:
         for inputs, columns, count, digests in loader:
             indices = todo[done : done + count]
             known = layout.features if layout.fields and layout.fields[0].kind == "features" else None
             output = outputs(backbone, inputs, count, digests, donors, known)
-            if file is None:
+            if writer.file is None:
                 layout = layout.with_features(output[0])
-                file = _create(directory, {**header, "layout": layout.to_json()}, faults)
-                digest_file = open_digests(file)
+                writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
-                layout = file.layout
-            if len(scratch) < count or scratch.shape[1] != layout.stride:
-                scratch = np.zeros((count, layout.stride), np.uint8)
-            rows = scratch[:count]
-            layout.fill(rows, output, columns)
-            file = _write(file, indices, rows, faults)
-            if digest_file is not None:  # once the rows are marked: each entry names its row's check
-                try:
-                    digest_file.write(indices, pack_digests(digests), file.checks(indices))
-                except OSError as exc:
-                    faults.warn("digests", f"cannot write to {digest_file.path} ({exc}): rows are kept without them")
-                    digest_file.close()
-                    digest_file = None
+                layout = writer.file.layout
+            writer.submit(layout, indices, output, columns, digests)
             done += count
             if bar is not None:
                 bar.update(count)
+        file = writer.close()
+    except BaseException:
+        writer.close(failed=True)
+        raise
     finally:
         if bar is not None:
             bar.close()
-        if digest_file is not None:
-            digest_file.close()
     assert file is not None
     return file
 
@@ -411,27 +401,6 @@ def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> Featur
     with contextlib.suppress(OSError):
         write_json_atomic(directory / META_NAME, meta)
     return file
-
-
-def _write(
-    file: FeatureFile, indices: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], faults: FaultLog
-) -> FeatureFile:
-    """Write a batch; on a file that cannot take it, move to memory with what it holds."""
-    try:
-        file.write(indices, rows)
-        return file
-    except OSError as exc:
-        faults.warn("write", f"cannot write to {file.path} ({exc}): the features are kept in memory")
-    memory = FeatureFile.in_memory(file.header)
-    written = np.flatnonzero(np.isin(np.arange(file.length), file.missing(), invert=True))
-    for start in range(0, len(written), 4096):
-        part = written[start : start + 4096]
-        old, _, bad = file.read(part)
-        keep = np.setdiff1d(np.arange(len(part)), bad)
-        memory.write(part[keep], old[keep])
-    file.close()
-    memory.write(indices, rows)
-    return memory
 
 
 def _progress_bar(total: int, file: FeatureFile | None) -> Any:

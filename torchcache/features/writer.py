@@ -1,0 +1,143 @@
+"""The rows of an extraction, written in a thread of their own while the next batch is computed.
+
+Filling a batch's rows, hashing their checks, writing them and their input digests is
+CPU work of the main process that the backbone would otherwise wait for (a GPU idles
+through it). :class:`BatchWriter` does it in one background thread, one batch at a
+time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
+raised), so writes keep their order, the rows buffer is reused, and at most one batch
+of outputs is held beside the one being computed. The order within a batch is that of
+:class:`~torchcache.stores.features.file.FeatureFile`: rows, then their checks, then the
+digests that name those checks, so a process killed at any point leaves no entry
+without its row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..faults import FaultLog
+from ..stores.features.digests import DigestFile, pack_digests
+from ..stores.features.file import FeatureFile
+from ..stores.features.layout import SampleLayout
+from .reuse import open_digests
+
+__all__ = ["BatchWriter"]
+
+
+class BatchWriter:
+    """Writes batches of rows to a features file (and their digests beside it) in a background thread.
+
+    Args:
+        file: The file to write to, or ``None`` until :meth:`start` gives one (the first
+            batch's outputs decide its layout).
+        faults: Where a file that cannot be written is reported; the rows then go on in
+            memory, as :func:`keep_in_memory` moves them.
+    """
+
+    def __init__(self, file: FeatureFile | None, faults: FaultLog) -> None:
+        self.file = file
+        self._given = file
+        self._faults = faults
+        self._digests: DigestFile | None = None if file is None else open_digests(file)
+        self._rows = np.zeros((0, 0), np.uint8)  # a batch's rows, filled again for each (the gaps stay zero)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchcache-features")
+        self._pending: Future[None] | None = None
+
+    def start(self, file: FeatureFile) -> None:
+        """Write to ``file``, made once the first batch's outputs were known."""
+        self.file = file
+        self._digests = open_digests(file)
+
+    def submit(
+        self,
+        layout: SampleLayout,
+        indices: np.ndarray[Any, Any],
+        features: torch.Tensor,
+        columns: list[list[Any]],
+        digests: list[bytes | None],
+    ) -> None:
+        """Write a batch: once the one before is written, in the background.
+
+        Raises:
+            ConfigError: (or what else the batch before raised) If its samples did not fit
+                the layout.
+        """
+        self._wait()
+        self._pending = self._pool.submit(self._write, layout, indices, features, columns, digests)
+
+    def close(self, *, failed: bool = False) -> FeatureFile | None:
+        """Wait for the batch being written and let go of the thread; the file the rows went to.
+
+        Args:
+            failed: The extraction is being left on an error: the batch's own error (if
+                any) is not raised over it, and a file made here is closed.
+        """
+        try:
+            if failed:
+                with contextlib.suppress(Exception):
+                    self._wait()
+            else:
+                self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._digests is not None:
+                self._digests.close()
+                self._digests = None
+            if failed and self.file is not None and self.file is not self._given:
+                self.file.close()
+        return self.file
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(
+        self,
+        layout: SampleLayout,
+        indices: np.ndarray[Any, Any],
+        features: torch.Tensor,
+        columns: list[list[Any]],
+        digests: list[bytes | None],
+    ) -> None:
+        assert self.file is not None
+        count = len(indices)
+        if len(self._rows) < count or self._rows.shape[1] != layout.stride:
+            self._rows = np.zeros((count, layout.stride), np.uint8)
+        rows = self._rows[:count]
+        layout.fill(rows, features, columns)
+        try:
+            self.file.write(indices, rows)
+        except OSError as exc:
+            self._faults.warn("write", f"cannot write to {self.file.path} ({exc}): the features are kept in memory")
+            self.file = keep_in_memory(self.file)
+            self.file.write(indices, rows)
+            if self._digests is not None:  # they would name rows that are not on disk
+                self._digests.close()
+                self._digests = None
+        if self._digests is not None:  # once the rows are marked: each entry names its row's check
+            try:
+                self._digests.write(indices, pack_digests(digests), self.file.checks(indices))
+            except OSError as exc:
+                path = self._digests.path
+                self._faults.warn("digests", f"cannot write to {path} ({exc}): rows are kept without them")
+                self._digests.close()
+                self._digests = None
+
+
+def keep_in_memory(file: FeatureFile) -> FeatureFile:
+    """A features file in memory holding the rows of ``file`` that read back whole; ``file`` is closed."""
+    memory = FeatureFile.in_memory(file.header)
+    written = np.flatnonzero(np.isin(np.arange(file.length), file.missing(), invert=True))
+    for start in range(0, len(written), 4096):
+        part = written[start : start + 4096]
+        old, _, bad = file.read(part)
+        keep = np.setdiff1d(np.arange(len(part)), bad)
+        memory.write(part[keep], old[keep])
+    file.close()
+    return memory
