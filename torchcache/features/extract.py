@@ -51,7 +51,7 @@ from ..stores.features.layout import SampleLayout, VariableLayoutError
 from .dataset import FeatureDataset, MissingFeatureError
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
-from .writer import BatchWriter
+from .writer import Batch, BatchWriter
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
 
@@ -362,7 +362,7 @@ def _extract(
                 writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
                 layout = writer.file.layout
-            writer.submit(layout, indices, output, columns, digests)
+            writer.submit(Batch(layout, indices, output, columns, digests))
             done += count
             if bar is not None:
                 bar.update(count)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +26,17 @@ from ..stores.features.file import FeatureFile
 from ..stores.features.layout import SampleLayout
 from .reuse import open_digests
 
-__all__ = ["BatchWriter"]
+__all__ = ["Batch", "BatchWriter"]
+
+
+class Batch(NamedTuple):
+    """A batch to write: its samples' indices, the backbone's outputs, their other fields and input digests."""
+
+    layout: SampleLayout
+    indices: np.ndarray[Any, Any]
+    features: torch.Tensor
+    columns: list[list[Any]]
+    digests: list[bytes | None]
 
 
 class BatchWriter:
@@ -53,14 +63,7 @@ class BatchWriter:
         self.file = file
         self._digests = open_digests(file)
 
-    def submit(
-        self,
-        layout: SampleLayout,
-        indices: np.ndarray[Any, Any],
-        features: torch.Tensor,
-        columns: list[list[Any]],
-        digests: list[bytes | None],
-    ) -> None:
+    def submit(self, batch: Batch) -> None:
         """Write a batch: once the one before is written, in the background.
 
         Raises:
@@ -68,7 +71,7 @@ class BatchWriter:
                 the layout.
         """
         self._wait()
-        self._pending = self._pool.submit(self._write, layout, indices, features, columns, digests)
+        self._pending = self._pool.submit(self._write, batch)
 
     def close(self, *, failed: bool = False) -> FeatureFile | None:
         """Wait for the batch being written and let go of the thread; the file the rows went to.
@@ -97,14 +100,8 @@ class BatchWriter:
         if pending is not None:
             pending.result()
 
-    def _write(
-        self,
-        layout: SampleLayout,
-        indices: np.ndarray[Any, Any],
-        features: torch.Tensor,
-        columns: list[list[Any]],
-        digests: list[bytes | None],
-    ) -> None:
+    def _write(self, batch: Batch) -> None:
+        layout, indices, features, columns, digests = batch
         assert self.file is not None
         count = len(indices)
         if len(self._rows) < count or self._rows.shape[1] != layout.stride:
