@@ -463,17 +463,13 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
             [
                 f"{x['items']:,}",
                 spread(x["uncached_epochs_s"]),
-                spread(x["extracts_s"]) if "extracts_s" in x else fmt(x["extract_s"]),
+                spread(x["extracts_s"]),
                 spread(x["first_epochs_s"]),
                 spread(later["memmap"]),
                 spread(later["features"]),
                 f"{fmt(x['second_process_first_epoch_s'])} (open {fmt(x['second_process_open_s'])})",
-                (
-                    f"{fmt(x['changed_extract_s'])} ({x['changed_over_extract']:.2f}x extraction; backbone on "
-                    f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})"
-                    if "changed_extract_s" in x
-                    else "-"
-                ),
+                f"{fmt(x['changed_extract_s'])} ({x['changed_over_extract']:.2f}x extraction; backbone on "
+                f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})",
             ]
         )
         n = f"{x['items']:,}"
@@ -485,9 +481,8 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
             ),
             (
                 "linear_probe first epoch (extraction) within 1.1x of uncached",
-                x.get("extract_over_uncached", x["first_over_uncached"]),
-                f"{n}: {x.get('extract_over_uncached', x['first_over_uncached']):.2f}x; with one read epoch "
-                f"{x['first_over_uncached']:.2f}x",
+                x["extract_over_uncached"],
+                f"{n}: {x['extract_over_uncached']:.2f}x; with one read epoch {x['first_over_uncached']:.2f}x",
             ),
             (
                 "linear_probe second process's first epoch within 1.5x of the np.memmap",
