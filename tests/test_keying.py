@@ -600,3 +600,92 @@ def test_finding_a_class_source_leaves_the_garbage_collector_as_it_was(
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+_BLOCKS_SOURCE = """\
+import contextlib
+
+if True:
+    class InIf:
+        x = 1
+else:
+    class InElse:
+        x = 2
+
+try:
+    class InTry:
+        x = 3
+except ImportError:
+    class InExcept:
+        x = 4
+else:
+    class InTryElse:
+        x = 5
+finally:
+    class InFinally:
+        x = 6
+
+try:
+    raise ImportError
+except ImportError:
+    class InHandler:
+        x = 13
+
+for _ in range(1):
+    class InFor:
+        x = 7
+
+with contextlib.nullcontext():
+    class InWith:
+        x = 8
+
+match 1:
+    case 1:
+        class InCase:
+            x = 9
+
+
+class Outer:
+    class Inner:
+        x = 10
+
+    def method(self):
+        class InMethod:
+            x = 11
+        return InMethod
+
+
+def factory():
+    if True:
+        class Made:
+            x = 12
+    return Made
+"""
+
+
+def test_a_class_source_is_found_in_every_kind_of_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import inspect
+
+    from torchcache.canonical import class_source
+
+    path = tmp_path / "defines_blocks.py"
+    path.write_text(_BLOCKS_SOURCE)
+    spec = importlib.util.spec_from_file_location("defines_blocks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "defines_blocks", module)
+    spec.loader.exec_module(module)
+    names = ("InIf", "InTry", "InTryElse", "InFinally", "InHandler", "InFor", "InWith")
+    classes = [getattr(module, name) for name in names]
+    classes += [module.InCase, module.Outer, module.Outer.Inner, module.Outer().method(), module.factory()]
+    expected = {cls: inspect.getsource(cls) for cls in classes}
+
+    def no_fallback(obj: object) -> str:
+        raise AssertionError(f"{obj!r} was not found in the one parse of its file")
+
+    monkeypatch.setattr(inspect, "getsource", no_fallback)
+    for cls in classes:
+        source = class_source(cls)
+        assert source == expected[cls], cls.__qualname__
+        assert f"class {cls.__name__}:" in source

@@ -157,7 +157,7 @@ def _classes_of(lines: list[str]) -> dict[str, str]:
     stack: list[tuple[ast.AST, str]] = [(tree, "")]
     while stack:
         node, prefix = stack.pop()
-        for child in ast.iter_child_nodes(node):
+        for child in _statements_in(node):
             if isinstance(child, ast.ClassDef):
                 name = prefix + child.name
                 start = min([child.lineno] + [d.lineno for d in child.decorator_list]) - 1
@@ -167,6 +167,23 @@ def _classes_of(lines: list[str]) -> dict[str, str]:
                 stack.append((child, f"{prefix}{child.name}.<locals>."))
             else:
                 stack.append((child, prefix))
+    return found
+
+
+_BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def _statements_in(node: ast.AST) -> list[ast.AST]:
+    """The statements (and ``except``/``case`` clauses) directly in a node's blocks.
+
+    A class is defined by a statement, and statements sit only in these blocks, never in
+    an expression: the walk skips expressions, which are most of a file's nodes.
+    """
+    found: list[ast.AST] = []
+    for field in _BLOCKS:
+        block = getattr(node, field, None)
+        if isinstance(block, list):
+            found.extend(block)
     return found
 
 
