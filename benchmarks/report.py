@@ -467,7 +467,7 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                 spread(x["first_epochs_s"]),
                 spread(later["memmap"]),
                 spread(later["features"]),
-                f"{fmt(x['second_process_first_epoch_s'])} (open {fmt(x['second_process_open_s'])})",
+                f"{spread(x['second_process_first_epochs_s'])} (open {fmt(x['second_process_open_s'])})",
                 f"{fmt(x['changed_extract_s'])} ({x['changed_over_extract']:.2f}x extraction; backbone on "
                 f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})",
             ]
