@@ -43,10 +43,11 @@ def test_a_changed_dataset_runs_the_backbone_only_on_the_inputs_it_has_not_seen(
     assert all(torch.equal(after[i][0], before[i][0]) for i in unchanged)  # the very rows taken
 
 
-def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])  # the first cache's digests hashed in the writer's thread, in workers
+def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path, workers: int) -> None:
     net = Scale(width=6)
     base = torch.utils.data.TensorDataset(torch.randn(30, 6), torch.arange(30))
-    before = extract(net, base)
+    before = extract(net, base, num_workers=workers)
     order = torch.randperm(30)
     shuffled = torch.utils.data.TensorDataset(base.tensors[0][order], base.tensors[1][order])
     calls = [0]
@@ -56,6 +57,27 @@ def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_
     for i in range(30):
         x, y = after[i]
         assert int(y) == int(order[i]) and torch.equal(x, before[int(order[i])][0])
+
+
+class DoublesItsInput(torch.nn.Module):
+    """Changes its input in place, as a first ``ReLU(inplace=True)`` or ``x.div_(255)`` would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(3)), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2) * self.w
+
+
+def test_a_backbone_that_changes_its_inputs_in_place_gives_no_rows_to_other_inputs(cache_root: Path) -> None:
+    net, x = DoublesItsInput(), torch.randn(20, 6)
+    extract(net, torch.utils.data.TensorDataset(x.clone(), torch.arange(20)))
+    doubled = torch.utils.data.TensorDataset(x * 2, torch.arange(20))  # what the backbone turned the inputs into
+    after = extract(net, doubled)
+    with torch.no_grad():
+        expected = net(x * 2)  # 4x times w, not the 2x times w that the first inputs gave
+    assert all(torch.equal(after[i][0], expected[i]) for i in range(20))
 
 
 def test_a_changed_transform_or_backbone_takes_nothing(cache_root: Path) -> None:

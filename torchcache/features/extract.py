@@ -177,15 +177,17 @@ def extract_features(
             probe = _check_deterministic(dataset, todo)
             try:
                 layout = SampleLayout.of_sample(probe, input)
+                donors = Donors.find(directory.parent, directory.name, module_key, input)
                 loader = DataLoader(
                     dataset,
                     batch_size=batch_size,
                     sampler=todo.tolist(),
                     num_workers=num_workers,
-                    collate_fn=_Collate(layout),
+                    # Inputs are hashed in the workers, if any, or before the backbone runs
+                    # when older caches may hold their rows; else in the writer's thread.
+                    collate_fn=_Collate(layout, hash_inputs=num_workers > 0 or donors is not None),
                     pin_memory=False,
                 )
-                donors = Donors.find(directory.parent, directory.name, module_key, input)
                 try:
                     file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress, donors)
                 finally:
@@ -320,12 +322,18 @@ def _check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:
 
 
 class _Collate:
-    """A DataLoader's collate function: the inputs collated, the other fields as they are."""
+    """A DataLoader's collate function: the inputs collated, the other fields as they are.
 
-    def __init__(self, layout: SampleLayout) -> None:
+    Args:
+        layout: The samples' layout.
+        hash_inputs: Give the input digest of each sample (else ``None`` for the batch).
+    """
+
+    def __init__(self, layout: SampleLayout, *, hash_inputs: bool = True) -> None:
         self.layout = layout
+        self.hash_inputs = hash_inputs
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None]]:
+    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None] | None]:
         from torch.utils.data._utils.collate import default_collate
 
         inputs, columns = self.layout.split(samples)
@@ -333,7 +341,8 @@ class _Collate:
             batch = default_collate(inputs)  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             raise VariableLayoutError(f"the inputs of a batch cannot be stacked ({exc})") from None
-        return batch, columns, len(samples), batch_digests(batch, len(samples))  # in the workers, if any
+        digests = batch_digests(batch, len(samples)) if self.hash_inputs else None  # in the workers, if any
+        return batch, columns, len(samples), digests
 
 
 def _extract(
@@ -356,13 +365,20 @@ def _extract(
         for inputs, columns, count, digests in loader:
             indices = todo[done : done + count]
             known = layout.features if layout.fields and layout.fields[0].kind == "features" else None
-            output = outputs(backbone, inputs, count, digests, donors, known)
+            version = getattr(inputs, "_version", None)  # torch counts in-place changes of a tensor
+            output = outputs(backbone, inputs, count, digests or [None] * count, donors, known)
             if writer.file is None:
                 layout = layout.with_features(output[0])
                 writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
                 layout = writer.file.layout
-            writer.submit(Batch(layout, indices, output, columns, digests))
+            if digests is not None:
+                batch = Batch(layout, indices, output, columns, digests)
+            elif version is not None and inputs._version == version:  # hashed in the writer's thread
+                batch = Batch(layout, indices, output, columns, None, inputs)
+            else:  # the backbone changed its inputs in place: their digests are not known
+                batch = Batch(layout, indices, output, columns, [None] * count)
+            writer.submit(batch)
             done += count
             if bar is not None:
                 bar.update(count)
