@@ -178,17 +178,17 @@ def extract_features(
             try:
                 layout = SampleLayout.of_sample(probe, input)
                 donors = Donors.find(directory.parent, directory.name, module_key, input)
-                loader = DataLoader(
-                    dataset,
-                    batch_size=batch_size,
-                    sampler=todo.tolist(),
-                    num_workers=num_workers,
-                    # Inputs are hashed in the workers, if any, or before the backbone runs
-                    # when older caches may hold their rows; else in the writer's thread.
-                    collate_fn=_Collate(layout, hash_inputs=num_workers > 0 or donors is not None),
-                    pin_memory=False,
-                )
                 try:
+                    loader = DataLoader(
+                        dataset,
+                        batch_size=batch_size,
+                        sampler=todo.tolist(),
+                        num_workers=num_workers,
+                        # Inputs are hashed in the workers, if any, or before the backbone runs
+                        # when older caches may hold their rows; else in the writer's thread.
+                        collate_fn=_Collate(layout, hash_inputs=num_workers > 0 or donors is not None),
+                        pin_memory=False,
+                    )
                     file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress, donors)
                 finally:
                     if donors is not None:
