@@ -329,7 +329,7 @@ class _Collate:
         hash_inputs: Give the input digest of each sample (else ``None`` for the batch).
     """
 
-    def __init__(self, layout: SampleLayout, *, hash_inputs: bool = True) -> None:
+    def __init__(self, layout: SampleLayout, *, hash_inputs: bool) -> None:
         self.layout = layout
         self.hash_inputs = hash_inputs
 
@@ -366,19 +366,16 @@ def _extract(
             indices = todo[done : done + count]
             known = layout.features if layout.fields and layout.fields[0].kind == "features" else None
             version = getattr(inputs, "_version", None)  # torch counts in-place changes of a tensor
-            output = outputs(backbone, inputs, count, digests or [None] * count, donors, known)
+            output = outputs(backbone, inputs, count, digests, donors, known)
             if writer.file is None:
                 layout = layout.with_features(output[0])
                 writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
                 layout = writer.file.layout
-            if digests is not None:
-                batch = Batch(layout, indices, output, columns, digests)
-            elif version is not None and inputs._version == version:  # hashed in the writer's thread
-                batch = Batch(layout, indices, output, columns, None, inputs)
-            else:  # the backbone changed its inputs in place: their digests are not known
-                batch = Batch(layout, indices, output, columns, [None] * count)
-            writer.submit(batch)
+            if digests is None and getattr(inputs, "_version", None) != version:
+                digests = [None] * count  # the backbone changed its inputs in place: their digests are unknown
+            later = inputs if digests is None else None  # hashed in the writer's thread
+            writer.submit(Batch(layout, indices, output, columns, digests, later))
             done += count
             if bar is not None:
                 bar.update(count)

@@ -172,16 +172,18 @@ def outputs(
     backbone: torch.nn.Module,
     inputs: Any,
     count: int,
-    digests: list[bytes | None],
+    digests: list[bytes | None] | None,
     donors: Donors | None,
     field: Field | None,
 ) -> torch.Tensor:
     """The backbone's outputs for a batch: taken from older caches where they hold the same input, else computed.
 
+    ``digests`` are the inputs' (``None`` when they were not hashed: nothing is taken).
+
     Raises:
         VariableLayoutError: If the outputs computed and those taken differ in shape or dtype.
     """
-    if donors is None or not isinstance(inputs, torch.Tensor):
+    if donors is None or digests is None or not isinstance(inputs, torch.Tensor):
         return run_backbone(backbone, inputs, count)
     served, taken = donors.take(digests, field)
     if taken is None:

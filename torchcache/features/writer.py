@@ -3,8 +3,8 @@
 Filling a batch's rows, hashing their checks, writing them and their input digests
 (hashing the inputs too, when neither DataLoader workers nor the wait for older caches'
 rows did) is CPU work of the main process that the backbone would otherwise wait for (a
-GPU idles through it). :class:`BatchWriter` does it in one background thread, one batch at a
-time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
+GPU idles through it). :class:`BatchWriter` does it in one background thread, one batch
+at a time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
 raised), so writes keep their order, the rows buffer is reused, and at most one batch
 of outputs is held beside the one being computed. The order within a batch is that of
 :class:`~torchcache.stores.features.file.FeatureFile`: rows, then their checks, then the
@@ -42,7 +42,7 @@ class Batch(NamedTuple):
     features: torch.Tensor
     columns: list[list[Any]]
     digests: list[bytes | None] | None
-    inputs: Any = None
+    inputs: Any
 
 
 class BatchWriter:
