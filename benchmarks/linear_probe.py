@@ -282,10 +282,10 @@ def run_size(
         ratios.append(pair["features"] / pair["memmap"])
     memmap_median = statistics.median(times["memmap"])
 
-    seconds_list, opens, calls = [], [], []
+    second_times, opens, calls = [], [], []
+    checksum = float(reference.double().sum())
     for _ in range(children):  # each a fresh process: one first epoch each, judged on their median
         second = second_process(root, n, workers)
-        checksum = float(reference.double().sum())
         if "error" in second:
             failures.append(f"{n}: the second process failed: {second['error']}")
         elif (
@@ -294,7 +294,7 @@ def run_size(
             or abs(second["checksum"] - checksum) > 1e-6 * abs(checksum)
         ):
             failures.append(f"{n}: the second process ran the backbone or saw other features: {second}")
-        seconds_list.append(second.get("seconds", float("nan")))
+        second_times.append(second.get("seconds", float("nan")))
         opens.append(second.get("open_seconds", float("nan")))
         calls.append(second.get("backbone_calls", -1))
     # A changed dataset (1 % of the images changed, 1 % added): a new cache in the same root
@@ -337,10 +337,10 @@ def run_size(
         "features_epoch_s": statistics.median(times["features"]),
         "later_over_memmap": statistics.median(ratios),
         "later_epochs_s": times,
-        "second_process_first_epoch_s": statistics.median(seconds_list),
-        "second_process_first_epochs_s": seconds_list,
+        "second_process_first_epoch_s": statistics.median(second_times),
+        "second_process_first_epochs_s": second_times,
         "second_process_open_s": statistics.median(opens),
-        "second_over_memmap": statistics.median(seconds_list) / memmap_median,
+        "second_over_memmap": statistics.median(second_times) / memmap_median,
         "second_process_backbone_calls": max(calls, key=abs),
         "bytes_on_disk": features.file.size,
         "changed_samples": len(fresh),
