@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
+from torchcache.module.independence import forget_checks
 
 _LOG_VARIABLES = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
 _log = logging.getLogger("torchcache")
@@ -53,6 +54,12 @@ def cache_root(_isolated_cache_root: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _items_checked_afresh() -> None:
+    """Every test checks its modules' items at their first call, whatever ran before in its process."""
+    forget_checks()
 
 
 @pytest.fixture

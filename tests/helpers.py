@@ -38,6 +38,29 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class Seen(list):  # type: ignore[type-arg]
+    """The batch sizes a module's forward received: bookkeeping, never part of a key.
+
+    A module's attributes are part of its key when it is taken (the first call, and again
+    after ``.to()`` or ``load_state_dict()``): a list that grows would give a new key each
+    time. Its ``__torchcache_key__()`` says that it computes nothing.
+    """
+
+    def __torchcache_key__(self) -> str:
+        return "bookkeeping"
+
+
+class Tally(dict):  # type: ignore[type-arg]
+    """A dict of counts that tests keep beside their modules and datasets, never part of a key.
+
+    Methods that read a global are keyed by its value: a counter they update would change
+    their key at every call. Its ``__torchcache_key__()`` says that it computes nothing.
+    """
+
+    def __torchcache_key__(self) -> str:
+        return "a tally of calls"
+
+
 class Counting(nn.Module):
     """A frozen linear map that records the batch size of every forward call."""
 
@@ -45,7 +68,7 @@ class Counting(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(_weights(dim_out, dim_in, seed=seed))
         self.bias = nn.Parameter(_weights(dim_out, seed=seed + 1))
-        self.seen: list[int] = []
+        self.seen = Seen()
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +87,7 @@ class MultiOut(nn.Module):
     def __init__(self, dim_in: int = 4, seed: int = 0) -> None:
         super().__init__()
         self.proj = nn.Parameter(_weights(6, dim_in, seed=seed))
-        self.seen: list[int] = []
+        self.seen = Seen()
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> dict[str, Any]:
@@ -89,7 +112,7 @@ class ConvBackbone(nn.Module):
         with torch.no_grad():
             for i, p in enumerate(self.net.parameters()):
                 p.copy_(_weights(*p.shape, seed=seed + i))
-        self.seen: list[int] = []
+        self.seen = Seen()
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +126,14 @@ class ConvBackbone(nn.Module):
 
 
 def cached(base: type[nn.Module], **options: Any) -> type[Any]:
-    """A decorated subclass of ``base`` (``base`` itself stays the plain twin)."""
+    """A decorated subclass of ``base`` (``base`` itself stays the plain twin).
+
+    The check that items are independent is off unless asked for: its extra forward
+    would count in ``seen``, and these modules are per item by construction
+    (``tests/test_independence.py`` tests the check).
+    """
     sub = type(f"{base.__name__}Cached", (base,), {"__module__": base.__module__})
+    options.setdefault("check_items", False)
     return torchcache(**options)(sub)
 
 

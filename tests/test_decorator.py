@@ -116,7 +116,7 @@ def test_output_dtype_is_preserved_on_hits(dtype: torch.dtype) -> None:
 def test_one_dimensional_inputs_and_outputs() -> None:
     calls: list[int] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def square(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         return x * x
@@ -131,7 +131,7 @@ def test_one_dimensional_inputs_and_outputs() -> None:
 def test_several_tensor_arguments_positional_and_keyword() -> None:
     calls: list[int] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def combine(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(a.shape[0])
         out = a.sum(dim=1, keepdim=True) * b
@@ -157,7 +157,7 @@ def test_several_tensor_arguments_positional_and_keyword() -> None:
 def test_var_positional_and_var_keyword_tensors() -> None:
     calls: list[int] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def total(*xs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
         calls.append(xs[0].shape[0])
         out = sum(xs, torch.zeros_like(xs[0]))
@@ -409,7 +409,7 @@ def test_unknown_option_is_a_type_error() -> None:
 )
 def test_legacy_options_are_accepted_with_a_deprecation_warning(name: str, value: Any) -> None:
     with pytest.warns(DeprecationWarning, match=name):
-        decorate = torchcache(**{name: value})
+        decorate = torchcache(check_items=False, **{name: value})
     model = decorate(type("Legacy", (Counting,), {}))()
     x = torch.randn(3, 4)
     assert_same(model(x), Counting()(x))
@@ -499,7 +499,7 @@ def test_trainable_module_is_refused_with_a_config_error() -> None:
 def test_function_with_defaults_and_keyword_arguments() -> None:
     calls: list[int] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def affine(x: torch.Tensor, scale: float = 2.0, *, shift: float = 0.0, **extra: Any) -> torch.Tensor:
         calls.append(x.shape[0])
         return x * scale + shift + len(extra)
@@ -524,7 +524,7 @@ def test_function_with_defaults_and_keyword_arguments() -> None:
 def test_non_tensor_arguments_are_keyed_by_type() -> None:
     calls: list[object] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def tagged(x: torch.Tensor, flag: object) -> torch.Tensor:
         calls.append(flag)
         return x + len(calls)
@@ -558,7 +558,7 @@ def test_non_tensor_arguments_are_keyed_by_type() -> None:
 def test_distinct_non_tensor_values_are_distinct_keys(a: object, b: object) -> None:
     calls: list[object] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def f(x: torch.Tensor, option: object) -> torch.Tensor:
         calls.append(option)
         return x * len(calls)
@@ -573,7 +573,7 @@ def test_distinct_non_tensor_values_are_distinct_keys(a: object, b: object) -> N
 def test_non_tensor_arguments_are_keyed_by_name() -> None:
     calls: list[int] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def f(x: torch.Tensor, a: int = 0, b: int = 0) -> torch.Tensor:
         calls.append(x.shape[0])
         return x * (a + 1) + b
@@ -880,15 +880,15 @@ def test_torchcache_works_without_parentheses_on_classes_instances_methods_and_f
     module = Decorated()
     module(x)
     module(x)
-    assert module.seen == [3]
+    assert module.seen == [3, 2]  # every option at its default: the first call checks items 2 and 0 again
 
     instance = torchcache(Counting())
     instance(x)
     instance(x)
-    assert instance.seen == [3] and instance.cache_instance.stats().hits == 3
+    assert instance.seen == [3, 2] and instance.cache_instance.stats().hits == 3
 
     owner = Counting()
     method = torchcache(owner.forward)
     method(x)
     method(x)
-    assert owner.seen == [3]
+    assert owner.seen == [3, 2]

@@ -21,12 +21,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import torchcache
-from tests.helpers import python_env
+from tests.helpers import Tally, python_env
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
 from torchcache.stores.features.file import FEATURES_NAME, FeatureFile
 
-READS: dict[int, int] = {}
+READS = Tally()
 
 
 class Images(Dataset[Any]):
@@ -72,7 +72,7 @@ class Fields(Dataset[Any]):
         }
 
 
-COUNTS: dict[int, list[int]] = {}
+COUNTS = Tally()
 
 
 def count_samples(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -431,7 +431,7 @@ def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Pat
     assert again["computed"] == 0 and again["digest"] == resumed["digest"]
 
 
-FAIL_ON: dict[int, int] = {}
+FAIL_ON = Tally()
 
 
 class FailsOnCall(Net):

@@ -155,7 +155,7 @@ def test_a_cached_method_sees_its_module_change(tmp_path: Path) -> None:
 def test_exact_batches_compute_a_batch_with_any_miss_whole() -> None:
     sizes: list[int] = []
 
-    @torchcache(exact_batches=True)
+    @torchcache(check_items=False, exact_batches=True)
     def f(x: torch.Tensor) -> torch.Tensor:
         sizes.append(x.shape[0])
         return x * 2

@@ -153,10 +153,23 @@ def test_encoding_is_equal_exactly_for_strictly_equal_values(a: Any, b: Any) -> 
     assert (encode_value(a) == encode_value(b)) == (_strict(a) == _strict(b))
 
 
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(payload)) + payload
+
+
 def _long_list_encoding(items: list[Any]) -> bytes:
-    """The documented encoding of a long list: its length and the xxh3_128 of its items' encodings, in order."""
-    payload = f"{len(items)}|".encode() + xxhash.xxh3_128(b"".join(encode_value(v) for v in items)).digest()
-    return b"L#" + struct.pack("<Q", len(payload)) + payload
+    """The documented encoding of a long list: its length and the xxh3_128 of its chunks of 4,096 items.
+
+    A chunk of ints alone is their decimals, space-separated; any other chunk is its items' encodings.
+    """
+    h = xxhash.xxh3_128()
+    for start in range(0, len(items), 4096):
+        chunk = items[start : start + 4096]
+        if {type(v) for v in chunk} == {int}:
+            h.update(_field(b"1", " ".join(map(str, chunk)).encode()))
+        else:
+            h.update(_field(b"#", b"".join(encode_value(v) for v in chunk)))
+    return _field(b"V", f"{len(items)}|".encode() + h.digest())
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def test_batches_of_tuples_dicts_and_a_dataloader(cache_root: Path) -> None:
 def test_decorated_function_runs_without_grad() -> None:
     seen: list[bool] = []
 
-    @torchcache()
+    @torchcache(check_items=False)
     def double(x: torch.Tensor) -> torch.Tensor:
         seen.append(torch.is_grad_enabled())
         return x * 2
@@ -146,7 +146,7 @@ def test_interrupt_keeps_every_finished_entry(cache_root: Path) -> None:
 def test_interrupt_inside_a_batch_stores_nothing_of_it(cache_root: Path) -> None:
     calls = 0
 
-    @torchcache(persistent=True)
+    @torchcache(check_items=False, persistent=True)
     def flaky(x: torch.Tensor) -> torch.Tensor:
         nonlocal calls
         calls += 1

@@ -72,6 +72,7 @@ class Settings:
     key_ignore: frozenset[str] = frozenset()
     verify_weights: int | None = None
     exact_batches: bool = False
+    check_items: bool = True
 
     def __post_init__(self) -> None:
         if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
@@ -135,7 +136,7 @@ def _bool(name: str, value: object) -> bool:
 
 
 def _validate(name: str, value: Any) -> Any:
-    if name in ("enabled", "persistent", "keep_eval", "exact_batches"):
+    if name in ("enabled", "persistent", "keep_eval", "exact_batches", "check_items"):
         return _bool(name, value)
     if name == "persistent_cache_dir":
         return _cache_dir(value)

@@ -32,7 +32,7 @@ from .canonical import encode_key_value, tensor_content_digest
 __all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "tag", "tensor_digest"]
 
 #: Version of the key derivation and of the entry format; part of every module key.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 _SUBSAMPLE_RUNS = 64
 _index_cache: dict[tuple[int, int, str], torch.Tensor] = {}

@@ -1,7 +1,7 @@
 """Keys of dataset samples: a fingerprint per dataset, a store key per sample.
 
-A dataset's fingerprint covers its class (module, qualified name, and the source of it
-and of its base classes outside torch), every attribute, exactly (by the canonical
+A dataset's fingerprint covers its class (by its code and that of its base classes, or an
+installed package's version), every attribute, exactly (by the canonical
 encoder of :mod:`torchcache.canonical`: tensors, arrays and pandas objects by content,
 lists and dicts item by item, functions by their code, ``pathlib`` paths and memmaps
 by file name, size and modification time), ``len(dataset)`` and a ``version``. What it
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..canonical import KeyEncoder, class_source, own_classes
+from ..canonical import KeyEncoder
 from ..errors import KeyingError
 from ..keys import tag
 
@@ -33,13 +33,13 @@ _REMEDY = (
 
 
 def fingerprint_dataset(dataset: Any, version: object = None) -> str:
-    """The key of a dataset: its class and sources, attributes, length and ``version``.
+    """The key of a dataset: its class's code, attributes, length and ``version``.
 
     Every attribute is encoded exactly by :class:`~torchcache.canonical.KeyEncoder`
     (tensors and arrays by content, pandas objects by every row, ``pathlib`` paths and
-    ``np.memmap`` arrays by file name, size and modification time). An attribute that
-    cannot be encoded is refused, unless ``version`` is given: then it is the version
-    that keys it.
+    ``np.memmap`` arrays by file name, size and modification time, transforms and other
+    objects by their class's code and their state). An attribute that cannot be encoded
+    is refused, unless ``version`` is given: then it is the version that keys it.
 
     Args:
         dataset: A map-style dataset (with ``__len__``).
@@ -55,11 +55,15 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     """
     cls = type(dataset)
     h = xxhash.xxh3_128()
-    h.update(tag(b"q", f"torchcache-dataset-2|{cls.__module__}.{cls.__qualname__}".encode()))
-    for klass in own_classes(cls):
-        h.update(tag(b"S", f"{klass.__module__}.{klass.__qualname__}|{class_source(klass)}".encode()))
+    h.update(tag(b"q", f"torchcache-dataset-3|{cls.__module__}.{cls.__qualname__}".encode()))
     root = cls.__qualname__
     encoder = KeyEncoder(_REMEDY, files=True, root=root)
+    try:
+        h.update(encoder.encode(cls, f"{root}.<class>"))  # its code, and that of its base classes
+    except KeyingError:
+        if version is None:
+            raise
+        h.update(b"version")  # covered by the version the user gave
     state = getattr(dataset, "__dict__", None)
     whole = isinstance(dataset, (torch.Tensor, np.ndarray, list, tuple, dict))
     if whole or callable(getattr(dataset, "__torchcache_key__", None)) or not isinstance(state, dict):

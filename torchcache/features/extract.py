@@ -43,7 +43,7 @@ from ..errors import ConfigError, CorruptEntryError
 from ..faults import FaultLog
 from ..keys import tag
 from ..meta import META_NAME, write_json_atomic
-from ..module.fingerprint import describe_instance, fingerprint_module
+from ..module.fingerprint import fingerprint_module
 from ..module.guards import check_frozen
 from ..stores.features.digests import batch_digests
 from ..stores.features.file import FEATURES_NAME, FeatureFile
@@ -122,7 +122,7 @@ def extract_features(
         >>> feats = extract_features(head, data, batch_size=4, cache_dir=tempfile.mkdtemp(), progress=False)
         >>> x, y = feats[7]
         >>> image, label = data[7]
-        >>> torch.equal(x, head(image)), y
+        >>> torch.allclose(x, head(image)), y
         (True, tensor(7))
         >>> len(feats), feats.shape
         (10, (3,))
@@ -139,7 +139,7 @@ def extract_features(
     if length == 0:
         raise ConfigError("extract_features: the dataset is empty")
     faults = FaultLog(type(backbone).__qualname__)
-    module_key = fingerprint_module(backbone, describe_instance(backbone), {"features": backbone.training})
+    module_key = fingerprint_module(backbone, b"", {"features": backbone.training})
     dataset_key = fingerprint_dataset(dataset, version)
     h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))

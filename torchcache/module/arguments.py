@@ -8,9 +8,13 @@ to compute (decorators that add keywords, such as Hugging Face's, keep working).
 Every tensor found in an argument, also inside tuples, lists, dicts and other
 mappings (``forward(self, batch)`` with a dict of tensors), is *per item*: its
 dimension ``batch_dims.get(name, 0)`` indexes the batch, and it is hashed and sliced
-per item. A tensor argument named in ``shared_args`` is the same for the whole batch
-(an attention mask shaped ``(T, T)``): it is hashed whole into the key of every item
-and passed whole. Everything else is encoded canonically into the key.
+per item. The key covers the type of every container that holds per-item tensors
+(``(x,)`` and ``[x]`` differ, and so do two namedtuples of the same tensors) and each
+tensor's Python type (a subclass of ``torch.Tensor`` by its class's code and the
+attributes the instance holds). A tensor argument named in ``shared_args`` is the same
+for the whole batch (an attention mask shaped ``(T, T)``): it is hashed whole, where it
+sits, into the key of every item and passed whole. Everything else is encoded
+canonically into the key.
 
 A per-item tensor without content to key by (on the meta device, nested, sparse, or
 quantized per channel along its batch dimension) makes the call run uncached
@@ -22,13 +26,16 @@ never be confused with a parameter called ``args[0]``.
 
 from __future__ import annotations
 
+import collections
 import inspect
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from ..tiers.batch import index_tensor
@@ -37,6 +44,14 @@ __all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
+_TENSOR_TYPE = b"\x00C"
+_SHARED_REMEDY = (
+    "Pass a value torchcache can key (tensors, numbers, strings, containers, dataclasses, enums, objects with "
+    "plain state), or give the object's class a __torchcache_key__() method"
+)
+#: How the key names the type of a container of per-item tensors (built-in ones by a letter).
+_CONTAINERS: dict[type, bytes] = {tuple: b"t", list: b"l", dict: b"d", collections.OrderedDict: b"o"}
+_types: weakref.WeakKeyDictionary[type, bytes] = weakref.WeakKeyDictionary()
 _MAX_DEPTH = 16
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -54,6 +69,7 @@ class CallArguments:
         kwargs: The caller's keyword arguments.
         tensors: Per-item tensors, each with its batch dimension first (a view).
         batch: The batch size.
+        training: The training flag of the cached module (``None`` for a function).
     """
 
     args: tuple[Any, ...]
@@ -64,6 +80,7 @@ class CallArguments:
     _kw_names: dict[str, str]
     _shared: Collection[str]
     _dims: Mapping[str, int]
+    training: bool | None = None
 
     def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The caller's arguments with every per-item tensor restricted to ``positions``."""
@@ -134,15 +151,8 @@ class _Splitter:
 
     def _add_shared(self, label: str, value: Any) -> None:
         if _holds_tensor(value):
-            tensors: list[torch.Tensor] = []
-
-            def collect(tensor: torch.Tensor) -> Any:
-                tensors.append(tensor)
-                return None
-
-            skeleton = _map_tensors(value, collect)
-            self.context.add(_SHARED + tensor_digest((str(i), t) for i, t in enumerate(tensors)).encode())
-            self.context.add(_describe_skeleton(skeleton, label))
+            # Every tensor by its content, where it sits: (m, None) and (None, m) differ.
+            self.context.add(_SHARED + KeyEncoder(_SHARED_REMEDY).encode(value, f"argument {label!r}"))
         else:
             self.context.add(encode_value(value, f"argument {label!r}"))
 
@@ -150,14 +160,14 @@ class _Splitter:
         if isinstance(value, torch.Tensor):
             self._add_tensor(label, dim, value)
         elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)) and _holds_tensor(value):
-            self.context.add(b"(" + str(len(value)).encode())
+            self.context.add(b"(" + _type_key(type(value), label) + str(len(value)).encode())
             for i, item in enumerate(value):
                 self._walk(f"{label}[{i}]", dim, item, depth + 1)
         elif depth < _MAX_DEPTH and isinstance(value, Mapping) and _holds_tensor(value):
             keys = list(value)
             if not all(isinstance(k, str) for k in keys):
                 raise KeyingError(f"argument {label!r}: a mapping that holds tensors must have str keys, got {keys!r}")
-            self.context.add(b"{" + str(len(keys)).encode())
+            self.context.add(b"{" + _type_key(type(value), label) + str(len(keys)).encode())
             for key in sorted(keys):
                 self.context.add(key.encode())
                 self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
@@ -188,6 +198,10 @@ class _Splitter:
                 "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
             )
         self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
+        if type(tensor) is not torch.Tensor:  # a subclass computes its own way: its class and state count
+            state = getattr(tensor, "__dict__", None) or {}
+            encoded = encode_value(dict(state), f"argument {label!r} attributes") if state else b""
+            self.context.add(_TENSOR_TYPE + _type_key(type(tensor), label) + encoded)
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
@@ -205,13 +219,19 @@ def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
     return f"{scheme}|{axis}|{scales}".encode()
 
 
-def _describe_skeleton(value: Any, label: str) -> bytes:
-    """Encode the non-tensor parts of a shared argument (tensors replaced by ``None``)."""
-    if isinstance(value, Mapping) and type(value) is not dict:
-        value = dict(value)
-    if isinstance(value, tuple) and type(value) is not tuple:
-        value = tuple(value)
-    return encode_value(value, f"argument {label!r}")
+def _type_key(cls: type, label: str) -> bytes:
+    """The key of a type that holds or is a per-item tensor: a letter for built-in containers, else its code.
+
+    Taken once per type and process (a class is not expected to change while it is in use).
+    """
+    known = _CONTAINERS.get(cls)
+    if known is not None:
+        return known
+    found = _types.get(cls)
+    if found is None:
+        encoded = KeyEncoder(_SHARED_REMEDY, tensors=False).encode(cls, f"argument {label!r} type")
+        found = _types[cls] = b"c" + encoded
+    return found
 
 
 class CallSplitter:

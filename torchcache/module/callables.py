@@ -71,7 +71,7 @@ class CachedMethod:
         def fingerprint() -> str:
             owner = _alive(module_ref, name)
             check_frozen(owner, f"the instance of {name}")
-            return fingerprint_module(owner, init, key_settings, method=func.__name__)
+            return fingerprint_module(owner, init, key_settings, method=func.__name__, ignore=settings.key_ignore)
 
         signature = inspect.signature(func)
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -100,8 +100,9 @@ class CachedMethod:
             )
         check_frozen(module, f"the instance of {name}")
         module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
-        described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
-        return cls(module, method.__func__, settings, described)
+        if settings.persistent_module_hash is None:  # else the user gave the key
+            describe_instance(module, settings.key_ignore)  # a refusal comes when the method is wrapped
+        return cls(module, method.__func__, settings, b"")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method through the cache."""
@@ -140,7 +141,7 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
         raise ConfigError("keep_eval applies to modules; a function has no training mode")
     target = fn.func if isinstance(fn, functools.partial) else fn
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
-    key = fingerprint_function(fn, settings.key_settings())
+    key = fingerprint_function(fn, settings.key_settings(), settings.key_ignore)
     cache = Cache(settings, name, "function", inspect.signature(fn), lambda: key)
 
     @outside_compile

@@ -80,6 +80,7 @@ def torchcache(
     key_ignore: Collection[str] = (),
     verify_weights: int | None = None,
     exact_batches: bool = False,
+    check_items: bool = True,
     **legacy: Any,
 ) -> Any:
     """Cache the outputs of a module class or instance, a method or a function, per batch item.
@@ -139,6 +140,11 @@ def torchcache(
             that no returned batch mixes items computed in batches of other sizes (CPU
             and GPU kernels can differ in the last bits between batch sizes). Hits then
             come only from batches found whole in the cache.
+        check_items: At the first call of a module key in a process with two items or
+            more, compute one or two of them again in another batch and raise
+            :class:`~torchcache.KeyingError` if their outputs changed: a module whose
+            items depend on each other (CLIP's logits, batch norm with batch
+            statistics) cannot be cached per item. Costs one forward of one or two items.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
             accepted and ignored, with a ``DeprecationWarning``.
@@ -184,6 +190,7 @@ def torchcache(
         key_ignore=key_ignore,
         verify_weights=verify_weights,
         exact_batches=exact_batches,
+        check_items=check_items,
         **legacy,
     )
 
@@ -231,7 +238,7 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
         if owner is None:  # pragma: no cover - the cache lives on the module
             raise ReferenceError("the cached module no longer exists")
         check_frozen(owner, type(owner).__qualname__)
-        return fingerprint_module(owner, binding.init_digest, key_settings)
+        return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
 
     cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
     cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
@@ -331,7 +338,8 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
         init_digest = b""
         if instance_settings.persistent_module_hash is None:  # else the user gave the key
             ignore = instance_settings.key_ignore
-            init_digest = describe_init(args, kwargs, ignore) + describe_instance(self, ignore)
+            init_digest = describe_init(args, kwargs, ignore)
+            describe_instance(self, ignore)  # a refusal comes now, not at the first call
         _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
 
     _patch(cls, original_forward)
@@ -387,9 +395,9 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     cls = type(module)
     name = f"{cls.__module__}.{cls.__qualname__}"
     check_frozen(module, cls.__qualname__)
-    # Else the user gave the key. Taken now, so that a refusal comes when the model is wrapped.
-    described = describe_instance(module, settings.key_ignore) if settings.persistent_module_hash is None else b""
-    binding = _Binding(settings, described, name)
+    if settings.persistent_module_hash is None:  # else the user gave the key
+        describe_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
+    binding = _Binding(settings, b"", name)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)
     return module

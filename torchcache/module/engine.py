@@ -14,6 +14,7 @@ modules.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import threading
@@ -39,6 +40,7 @@ from ..tiers.persistent import PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
 from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput
+from .independence import DependentItemsError, check_items, is_checked, mark_checked
 from .outputs import OutputPlan, UnbatchedOutputError
 from .versions import VersionWatch
 
@@ -48,6 +50,10 @@ _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: Calls after which a low hit rate with varying input shapes is pointed out.
 SHAPE_HINT_CALLS = 64
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class _KeyRetakeError(Exception):
+    """Taking the module key again failed; the call runs without the cache."""
 
 
 class Cache:
@@ -84,6 +90,8 @@ class Cache:
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
         self._stale = False
+        self._checked_modes: set[bool | None] = set()  # training modes whose items are known to be independent
+        self._uncached_modes: set[bool | None] = set()  # training modes whose calls run without the cache
         if self._module_hash is not None:
             logger.warning(
                 "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
@@ -181,16 +189,21 @@ class Cache:
 
     def _rekey(self) -> None:
         with self._lock:
-            self._stale = False
             if self._watch is not None:
                 self._watch.reset()  # before hashing: a write during it is seen at the next call
-            key = self._fingerprint()
+            try:
+                key = self._fingerprint()
+            except Exception as exc:
+                raise _KeyRetakeError(f"{type(exc).__name__}: {exc}") from exc
+            self._stale = False
             if key == self._module_hash:
                 return
             logger.info("torchcache: %s changed its weights; new module key %s", self.name, key)
             if self._disk is not None:
                 self._disk.flush()
             self._module_hash = key
+            self._checked_modes.clear()
+            self._uncached_modes.clear()
             self._disk = None
             self._shared = None
             self._disk_ready = not self.settings.persistent
@@ -304,6 +317,15 @@ class Cache:
         except UncachedInput as exc:
             self.faults.warn("uncached", f"{exc}; such calls run without the cache")
             return fn(*args, **kwargs)
+        except _KeyRetakeError as exc:  # weights swapped in for this call (functional_call) that need grad
+            self.faults.warn(
+                "rekey",
+                f"the module changed since its key was taken, and its key cannot be taken again ({exc}); calls "
+                "run without the cache until it can",
+            )
+            return fn(*args, **kwargs)
+        if training in self._uncached_modes:  # items that depend on each other in this mode
+            return fn(*args, **kwargs)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")
@@ -326,21 +348,23 @@ class Cache:
             first = found[0] if found else None
             slab = first[0] if first is not None else None
             hit_rows = [f[1] for f in found if f is not None and f[0] is slab]
+            whole: list[torch.Tensor] | None = None
             if len(hit_rows) == batch and slab is not None:  # every item, from one slab
                 rows = index_tensor(hit_rows, slab.device)
-                leaves = [t.index_select(0, rows) for t in slab.leaves]
-                try:
-                    output = self._outputs.rebuild(slab.layout, cast_returned(leaves, slab.layout, device))
-                except RebuildError as exc:
-                    error: RebuildError | None = exc.with_traceback(None)  # no frame (and batch) kept alive
-                else:
-                    self._count(hits=batch, memory_hits=batch)
-                    return output
+                whole = cast_returned([t.index_select(0, rows) for t in slab.leaves], slab.layout, device)
+                layout: Layout | None = slab.layout
             else:
-                error = None
-            layout, parts = gather_hits(found)
-        if error is not None:  # outside the lock: the forward runs
-            return self._recompute(fn, args, kwargs, batch, error)
+                layout, parts = gather_hits(found)
+        if whole is not None:  # copies of the rows: built outside the lock
+            assert layout is not None
+            try:
+                output = self._outputs.rebuild(layout, whole)
+            except RebuildError as exc:
+                return self._recompute(fn, args, kwargs, batch, exc.with_traceback(None))
+            self._count(hits=batch, memory_hits=batch)
+            if self._check_due(call) and not self._verify_items(fn, call, layout, whole):
+                return fn(*args, **kwargs)
+            return output
         return self._call_mixed(fn, call, keys, layout, parts, device)
 
     def _split(
@@ -349,8 +373,13 @@ class Cache:
         """Split a call into its per-item tensors and the digest of everything else."""
         context = Context(self._freeze_key())
         call = self._splitter.split(args, kwargs, context)
+        call.training = training
         if training is not None:
             context.add(b"training" if training else b"eval")
+            # Submodules switched to another mode on their own: their flags, when they differ.
+            pattern = self._watch.training_pattern(training) if self._watch is not None else b""
+            if pattern:
+                context.add(b"submodules:" + pattern)
         # Autocast changes the dtype and the values of outputs: it is part of the key,
         # and nothing is added when it is off, so keys made without it stay the same.
         for device_type in {*_AUTOCAST_DEVICES, call.tensors[0].device.type}:
@@ -421,6 +450,8 @@ class Cache:
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
             if whole:
+                if self._check_due(call) and not self._verify_items(fn, call, layout, leaves):
+                    return computed
                 if leaves and len(missing) < batch:  # store the misses' rows only
                     rows = index_tensor(missing, leaves[0].device)
                     leaves = [leaf.index_select(0, rows) for leaf in leaves]
@@ -430,8 +461,11 @@ class Cache:
             self._store(keys, missing, layout, leaves)
             parts.append((missing, leaves))
         assert layout is not None
+        merged = merge_parts(parts, batch, layout, device)
+        if self._check_due(call) and not self._verify_items(fn, call, layout, merged):
+            return fn(*call.args, **call.kwargs)
         try:
-            output = self._outputs.rebuild(layout, merge_parts(parts, batch, layout, device))
+            output = self._outputs.rebuild(layout, merged)
         except RebuildError as exc:
             return self._recompute(fn, call.args, call.kwargs, batch, exc)
         self._count(hits=batch - len(missing), misses=len(missing), memory_hits=memory_hits)
@@ -461,6 +495,46 @@ class Cache:
                     f"{exc} Entries cached so far may hold such outputs and were removed."
                 ) from None
             raise
+
+    def _check_due(self, call: CallArguments) -> bool:
+        """Whether the call's items are still to be checked (two items or more, a mode not yet checked)."""
+        return self.settings.check_items and call.batch > 1 and call.training not in self._checked_modes
+
+    def _verify_items(
+        self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor]
+    ) -> bool:
+        """Check, once per module key, training mode and process, that the call's items do not depend on each other.
+
+        Returns:
+            ``False`` if they do in training mode: calls in training mode then run without
+            the cache (dropout, batch statistics), and the caller computes this one afresh.
+
+        Raises:
+            DependentItemsError: If they do outside training mode; the entries cached so
+                far under this key are removed.
+        """
+        key = self._module_hash
+        assert key is not None
+        if not is_checked(key, call.training):
+            kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
+            try:
+                with kept:  # the check's forward leaves no trace in batch norm's statistics
+                    check_items(self.name, fn, call, self._outputs, layout, rows)
+            except DependentItemsError as exc:
+                if call.training:
+                    self._uncached_modes.add(True)
+                    self.faults.warn(
+                        "train",
+                        f"in training mode: {str(exc).partition(': ')[2]} Calls in training mode run without the "
+                        "cache; call .eval() on the module (a parent's .train() passes training mode down; "
+                        "keep_eval=True keeps it in eval mode)",
+                    )
+                    return False
+                self.clear()
+                raise
+            mark_checked(key, call.training)
+        self._checked_modes.add(call.training)
+        return True
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up

@@ -46,8 +46,12 @@ def check_frozen(module: torch.nn.Module, name: str) -> None:
 
 
 def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
-    """Warn once when a module with dropout or batch norm is called through the cache in training mode."""
-    if not module.training or "train" in cache.faults.warned:
+    """Warn once when a module with dropout or batch norm is called through the cache in training mode.
+
+    Only with ``check_items=False``: otherwise the check that items are independent sees
+    what dropout and batch statistics do, and such calls run without the cache.
+    """
+    if not module.training or "train" in cache.faults.warned or cache.settings.check_items:
         return
     if cache.stochastic is None:
         cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())

@@ -1,27 +1,42 @@
-"""Seeing weights change in place: version counters, registrations and an opt-in content check.
+"""Seeing what a module's key covers change between calls, at a cost of a few C-level passes per call.
 
-Every tensor has a version counter that in-place operations bump (``copy_``, ``mul_``,
-``lerp_``, ``_foreach_*``, optimizer steps, batch norm's running statistics); a
-``detach()`` view shares it. Counters only grow, so the sum of the counters of a
-module's parameters, buffers and plain tensor attributes changes exactly when one of
-them was written in place: one C call per tensor per cached call (about 0.1 us each).
+Checked before every cached call, each against its state when the key was taken:
 
-A parameter, buffer or submodule *replaced* (``model.fc.weight = nn.Parameter(...)``,
-``model.head = nn.Linear(...)``) goes through torch's registration hooks, which bump a
-process-wide generation; the tensors are then listed again and compared by identity.
+- **In-place writes**: every tensor has a version counter that in-place operations bump
+  (``copy_``, ``mul_``, ``lerp_``, ``_foreach_*``, optimizer steps, batch norm's running
+  statistics); a ``detach()`` view shares it. Counters only grow, so their sum over the
+  module's parameters, buffers and plain tensor attributes changes exactly when one of
+  them was written in place.
+- **Storage replaced**: ``p.data = new`` and ``nn.utils.vector_to_parameters`` give a
+  tensor new storage without bumping its counter; its data pointer changes.
+- **Tensors swapped in the registries**: ``torch.func.functional_call`` and
+  ``torch.nn.utils.stateless`` put other tensors in the modules' parameter and buffer
+  dicts for the length of a call; the call then takes the key of the weights it runs with.
+- **Registrations**: a parameter, buffer or submodule *replaced* through ``setattr`` goes
+  through torch's registration hooks, which bump a process-wide generation; the key is
+  then taken again, classes and attributes included.
+- **Forward hooks** registered or removed on a submodule, or for all modules: torch
+  numbers every hook handle, and the hook dicts' sizes are summed.
 
-Writes that bypass the counters: ``p.data.copy_(...)`` (``.data`` has a counter of its
-own), ``p.data = ...``, and writes through a ``numpy()`` view. ``verify_weights=N``
-hashes the weights every N calls to see those too.
+Submodules switched to training or eval mode on their own do not change the key: the
+pattern of their flags is part of each call's key (:meth:`VersionWatch.training_pattern`).
+
+What none of this sees: writes through a ``numpy()`` view and in-place writes to
+inference tensors (made under ``torch.inference_mode()``, which have no version counter).
+``verify_weights=N`` hashes the weights every N calls to see those too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import operator
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes
@@ -29,6 +44,9 @@ from .fingerprint import tensor_attributes
 __all__ = ["VersionWatch"]
 
 _version = operator.attrgetter("_version")
+_training = operator.attrgetter("training")
+_data_ptr = torch.Tensor.data_ptr
+_GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
 
 
 class _Generation:
@@ -58,8 +76,16 @@ def _weights_digest(module: torch.nn.Module) -> str:
     return tensor_digest(named + tensor_attributes(module))
 
 
+def _module_ids(module: torch.nn.Module) -> list[int]:
+    return [id(sub) for _, sub in module.named_modules(remove_duplicate=False)]
+
+
+def _hook_ids(dicts: list[dict[int, Any]]) -> list[int]:
+    return [id(hook) for hooks in dicts for hook in hooks.values()]
+
+
 class VersionWatch:
-    """Tells whether a module's weights changed since :meth:`reset`, at a cost per call of one counter read a tensor.
+    """Tells whether what a module's key covers changed since :meth:`reset`.
 
     Args:
         module: The cached module (held weakly).
@@ -67,16 +93,43 @@ class VersionWatch:
             writes that bypass the version counters.
     """
 
-    __slots__ = ("_calls", "_digest", "_generation", "_ids", "_module", "_tensors", "_total", "_verify_every")
+    __slots__ = (
+        "_calls",
+        "_count",
+        "_digest",
+        "_generation",
+        "_handle",
+        "_hook_count",
+        "_hook_dicts",
+        "_hooks",
+        "_ids",
+        "_module",
+        "_modules",
+        "_ptrs",
+        "_registries",
+        "_submodules",
+        "_tensors",
+        "_total",
+        "_values",
+        "_verify_every",
+        "_versioned",
+    )
 
     def __init__(self, module: torch.nn.Module, verify_every: int | None = None) -> None:
         self._module: Callable[[], torch.nn.Module | None] = weakref.ref(module)
         self._verify_every = verify_every
         self._tensors: list[torch.Tensor] = []
+        self._versioned: list[torch.Tensor] = []
+        self._registries: list[dict[str, torch.Tensor | None]] = []
+        self._hook_dicts: list[dict[int, Any]] = []
+        self._submodules: list[torch.nn.Module] = []
+        self._values: list[torch.Tensor | None] = []
         self._ids: list[int] = []
-        self._total = 0
+        self._modules: list[int] = []
+        self._ptrs: list[int] = []
+        self._hooks: list[int] = []
+        self._total = self._count = self._hook_count = self._handle = self._calls = 0
         self._generation = -1
-        self._calls = 0
         self._digest = ""
 
     def reset(self) -> None:
@@ -85,24 +138,44 @@ class VersionWatch:
         if module is None:
             return
         self._generation = _Generation.value
-        self._tensors = _tensors(module)
-        self._ids = [id(t) for t in self._tensors]
-        self._total = sum(map(_version, self._tensors))
+        submodules = [sub for _, sub in module.named_modules(remove_duplicate=False)]
+        self._submodules = submodules[1:]
+        self._registries = [r for sub in submodules for r in (sub._parameters, sub._buffers)]
+        self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries)))
+        self._count = len(self._values)
+        self._tensors = [t for t in _tensors(module) if t.layout == torch.strided]
+        self._ids = [id(t) for t in _tensors(module)]
+        self._modules = _module_ids(module)
+        self._versioned = [t for t in self._tensors if not t.is_inference()]
+        self._total = sum(map(_version, self._versioned))
+        self._ptrs = list(map(_data_ptr, self._tensors))
+        self._hook_dicts = [h for sub in self._submodules for h in (sub._forward_pre_hooks, sub._forward_hooks)]
+        self._hook_dicts += _GLOBAL_HOOKS
+        self._hooks = _hook_ids(self._hook_dicts)
+        self._hook_count = len(self._hooks)
+        self._handle = RemovableHandle.next_id
         self._calls = 0
         if self._verify_every is not None:
             self._digest = _weights_digest(module)
 
     def changed(self) -> bool:
-        """Whether a weight was written in place or replaced since :meth:`reset`."""
-        if sum(map(_version, self._tensors)) != self._total:
-            return True
+        """Whether a weight was written, replaced or swapped, or a forward hook came or went, since :meth:`reset`."""
         if _Generation.value != self._generation:
             module = self._module()
             if module is None:
                 return False
-            if [id(t) for t in _tensors(module)] != self._ids:
+            if [id(t) for t in _tensors(module)] != self._ids or _module_ids(module) != self._modules:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
+        if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        registries = itertools.chain.from_iterable(map(dict.values, self._registries))
+        if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
+            return True
+        if RemovableHandle.next_id != self._handle or sum(map(len, self._hook_dicts)) != self._hook_count:
+            if _hook_ids(self._hook_dicts) != self._hooks:
+                return True
+            self._handle = RemovableHandle.next_id  # hooks registered elsewhere: nothing changed here
         if self._verify_every is not None:
             self._calls += 1
             if self._calls >= self._verify_every:
@@ -110,3 +183,22 @@ class VersionWatch:
                 module = self._module()
                 return module is not None and _weights_digest(module) != self._digest
         return False
+
+    @contextlib.contextmanager
+    def buffers_kept(self) -> Iterator[None]:
+        """Restore the module's buffers when the block ends (an extra forward in training mode updates them)."""
+        module = self._module()
+        buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
+        saved = [b.detach().clone() for b in buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(buffers, saved):
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
+
+    def training_pattern(self, training: bool) -> bytes:
+        """The training flags of the submodules, or ``b""`` when they all follow the module's own."""
+        flags = bytes(map(_training, self._submodules))
+        return b"" if flags.count(training) == len(flags) else flags

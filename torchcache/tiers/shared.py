@@ -86,12 +86,24 @@ def open_shared_tier(
         if shared.tier is None:
             try:
                 if isinstance(location, str):
-                    shared.tier = open_redis_tier(location, name, max_bytes, quality, shared.report, local, meta)
+                    shared.tier = open_redis_tier(location, name, max_bytes, quality, _reporter(shared), local, meta)
                 else:
-                    shared.tier = open_local_tier(location / name, max_bytes, quality, meta, shared.report)
+                    shared.tier = open_local_tier(location / name, max_bytes, quality, meta, _reporter(shared))
             except (StoreError, ConfigError) as exc:
                 faults.warn("write", f"{exc}; caching in memory only")
         return shared, shared.tier
+
+
+def _reporter(shared: SharedTier) -> Callable[[str, str], None]:
+    """``shared.report`` without a reference to ``shared``: its tier must not keep it alive past its users."""
+    ref = weakref.ref(shared)
+
+    def report(kind: str, message: str) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.report(kind, message)
+
+    return report
 
 
 def open_redis_tier(

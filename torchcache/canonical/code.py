@@ -1,0 +1,389 @@
+"""What a function, class or Python module is, for a key: its code, followed where it leads.
+
+Code written by the user (anything outside the standard library and installed packages)
+is keyed by what the interpreter runs, never by source text: each function by its code
+object (bytecode, constants and nested code, names, argument counts, flags, exception
+table), its defaults, the values its closure captured and the globals its code reads,
+followed in turn (values by content, functions and classes by their own keys, attribute
+chains through user modules such as ``helpers.scale``); each class by every function,
+descriptor and plain value in its ``__dict__`` and in those of its base classes. Line
+numbers, file names and docstrings are not part of a key: adding code above a class, or
+a comment, keeps its key.
+
+Code of the standard library and of installed packages is keyed by its module, its
+qualified name and the package's version (``torch==2.13.0``): its files change only
+with the version. Closures and defaults of installed functions are still followed, since
+they hold the user's values (``torch.no_grad()`` around a user function).
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import struct
+import sys
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from ..errors import KeyingError
+from .origins import OWN_PACKAGE, is_installed_file, origin_of_module, version_of
+from .tags import Tag, raw, tagged, text
+
+__all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
+
+_pack_double = struct.Struct("<d").pack
+_MAX_CODE_DEPTH = 100
+#: Class attributes that describe the class rather than what its instances compute.
+_CLASS_METADATA = frozenset(
+    {
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__dict__",
+        "__weakref__",
+        "__annotations__",
+        "__slots__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__orig_bases__",
+        "__parameters__",
+        "__dataclass_fields__",
+        "__dataclass_params__",
+        "__match_args__",
+        "_abc_impl",
+        "__slotnames__",  # cached by copyreg the first time an instance is copied or pickled
+        "__torchcache_subclass__",
+    }
+)
+_LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
+_LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+_HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
+
+
+class Encoder(Protocol):
+    """What this module needs of the canonical encoder (:class:`~torchcache.canonical.KeyEncoder`)."""
+
+    def child(self, value: object, path: str, depth: int) -> bytes:
+        """Encode a value found at ``path``, ``depth`` levels down."""
+
+    def refuse(self, path: str, why: str) -> KeyingError:
+        """The error for a value at ``path`` that cannot be encoded."""
+
+    def ignored(self, path: str, name: str) -> bool:
+        """Whether ``name`` at ``path`` is declared as not changing outputs."""
+
+
+# -- code objects ----------------------------------------------------------------------------------------
+class _Scan(NamedTuple):
+    """What one code object says about itself, nested code included."""
+
+    described: bytes
+    chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
+    imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
+
+
+_scans: weakref.WeakKeyDictionary[types.CodeType, _Scan] = weakref.WeakKeyDictionary()
+
+
+def scan_code(code: types.CodeType) -> _Scan:
+    """The description of a code object and of the globals it reads (cached: code never changes)."""
+    found = _scans.get(code)
+    if found is None:
+        chains: set[tuple[str, ...]] = set()
+        imports: set[tuple[str, int, tuple[str, ...]]] = set()
+        described = _describe(code, chains, imports, 0)
+        found = _scans[code] = _Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
+    return found
+
+
+def _describe(
+    code: types.CodeType,
+    chains: set[tuple[str, ...]],
+    imports: set[tuple[str, int, tuple[str, ...]]],
+    depth: int,
+) -> bytes:
+    if depth > _MAX_CODE_DEPTH:
+        raise KeyingError(f"{code.co_qualname}: functions nest more than {_MAX_CODE_DEPTH} levels deep")
+    _read_globals(code, chains, imports)
+    consts = code.co_consts
+    if consts and _has_docstring(code):
+        consts = consts[1:]  # a docstring documents; it computes nothing
+    parts = [
+        raw(code.co_code),
+        raw(getattr(code, "co_exceptiontable", b"")),
+        _const((code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)),
+        _const((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
+    ]
+    for const in consts:
+        if isinstance(const, types.CodeType):
+            parts.append(_describe(const, chains, imports, depth + 1))
+        else:
+            parts.append(_const(const))
+    return tagged(Tag.CODE, b"".join(parts))
+
+
+def _has_docstring(code: types.CodeType) -> bool:
+    if sys.version_info >= (3, 14):
+        return bool(code.co_flags & _HAS_DOCSTRING)
+    # Up to 3.13 the compiler puts a function's docstring, or None, first; other code
+    # objects (comprehensions, lambdas, class bodies) have no docstring slot.
+    return not code.co_name.startswith("<") and isinstance(code.co_consts[0], str)
+
+
+def _const(value: Any) -> bytes:
+    """A constant of compiled code: ``None``, numbers, strings, bytes, tuples and frozensets of them."""
+    kind = type(value)
+    if value is None:
+        return Tag.NONE
+    if kind is bool:
+        return Tag.BOOL + (b"\x01" if value else b"\x00")
+    if kind is float:
+        return Tag.FLOAT + _pack_double(value)  # type: ignore[arg-type]
+    if kind is complex:
+        return Tag.COMPLEX + _pack_double(value.real) + _pack_double(value.imag)  # type: ignore[attr-defined]
+    if kind is int:
+        return tagged(Tag.INT, str(value).encode())
+    if kind is str:
+        return text(value)  # type: ignore[arg-type]
+    if kind is bytes:
+        return tagged(Tag.BYTES, value)  # type: ignore[arg-type]
+    if kind is tuple:
+        return tagged(Tag.TUPLE, b"".join(map(_const, value)))  # type: ignore[arg-type]
+    if kind is frozenset:
+        return tagged(Tag.FROZENSET, b"".join(sorted(map(_const, value))))  # type: ignore[arg-type]
+    if value is Ellipsis:
+        return Tag.ELLIPSIS
+    return tagged(Tag.RAW, f"{kind.__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
+
+
+def _read_globals(
+    code: types.CodeType, chains: set[tuple[str, ...]], imports: set[tuple[str, int, tuple[str, ...]]]
+) -> None:
+    """Collect the global names ``code`` reads, with the attributes read from each, and its imports."""
+    chain: list[str] | None = None
+    constants: list[Any] = []
+    pending_import: tuple[str, int] | None = None
+    taken: list[str] = []
+    for instruction in dis.get_instructions(code):
+        name = instruction.opname
+        if name in _LOADS_ATTRIBUTE and chain is not None:
+            chain.append(instruction.argval)
+            continue
+        if chain is not None:
+            chains.add(tuple(chain))
+            chain = None
+        if name in _LOADS_GLOBAL:
+            chain = [instruction.argval]
+        elif name == "LOAD_CONST":
+            constants = [*constants[-1:], instruction.argval]
+        elif name == "IMPORT_NAME":
+            if pending_import is not None:
+                imports.add((*pending_import, tuple(taken)))
+            level = constants[0] if len(constants) == 2 and type(constants[0]) is int else 0
+            pending_import, taken = (instruction.argval, level), []
+        elif name == "IMPORT_FROM":
+            taken.append(instruction.argval)
+    if chain is not None:
+        chains.add(tuple(chain))
+    if pending_import is not None:
+        imports.add((*pending_import, tuple(taken)))
+
+
+# -- functions -----------------------------------------------------------------------------------------
+def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
+    """A Python function: its code and what it reads, or its package's version for installed code.
+
+    torchcache's own wrappers stand for the function they wrap (``__wrapped__``), so a
+    decorated class is keyed by its own methods, not by the cache around them.
+
+    Raises:
+        KeyingError: If a default, a captured value or a global it reads cannot be encoded.
+    """
+    code = fn.__code__
+    module = fn.__module__ or ""
+    if os.path.abspath(code.co_filename).startswith(OWN_PACKAGE):  # functools.wraps gave it its wrapped's name
+        wrapped = fn.__dict__.get("__wrapped__")
+        inner = encoder.child(wrapped, f"{path}.__wrapped__", depth) if wrapped is not None else b""
+        return tagged(Tag.WRAPPER, text(code.co_name) + inner)
+    parts = [text(f"{module}.{fn.__qualname__}")]
+    installed = is_installed_file(code.co_filename)
+    if installed:
+        parts.append(text(version_of(module.partition(".")[0]) if module else code.co_filename))
+    else:
+        parts.append(scan_code(code).described)
+    parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
+    parts.append(encoder.child(fn.__kwdefaults__ or {}, f"{path}.__kwdefaults__", depth))
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            captured = cell.cell_contents
+        except ValueError:  # an empty cell
+            parts.append(Tag.EMPTY_CELL)
+            continue
+        parts.append(encoder.child(captured, f"{path}.<{name}>", depth))
+    attributes = {k: v for k, v in sorted(vars(fn).items()) if k not in ("__doc__", "__annotations__")}
+    if attributes:
+        parts.append(_attributes(encoder, attributes, path, depth))
+    if not installed:
+        parts.append(_encode_globals(encoder, fn, path, depth))
+    return tagged(Tag.INSTALLED_FUNCTION if installed else Tag.FUNCTION, b"".join(parts))
+
+
+def _attributes(encoder: Encoder, items: dict[str, Any], path: str, depth: int) -> bytes:
+    parts = []
+    for name, value in items.items():
+        if not encoder.ignored(path, name):
+            parts.append(text(name) + encoder.child(value, f"{path}.{name}", depth))
+    return tagged(Tag.ATTRIBUTES, b"".join(parts))
+
+
+def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
+    """The globals a function's code reads, each once, followed through user modules."""
+    scan = scan_code(fn.__code__)
+    namespace = fn.__globals__
+    builtins = namespace.get("__builtins__", {})
+    if isinstance(builtins, types.ModuleType):
+        builtins = vars(builtins)
+    parts = []
+    where = f"{path}.__globals__"
+    for chain in scan.chains:
+        name = chain[0]
+        if encoder.ignored(where, name):
+            continue
+        if name in namespace:
+            value = namespace[name]
+        elif name in builtins:
+            parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
+            continue
+        else:
+            parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
+            continue
+        parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
+    for module_name, level, names in scan.imports:
+        imported = _imported(module_name, level, namespace)
+        label = f"{where}.<import {module_name}>"
+        if imported is None:
+            parts.append(tagged(Tag.GLOBAL_MISSING, f"{level}|{module_name}".encode()))
+        elif names:
+            for name in names:
+                parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))
+        else:
+            parts.append(encoder.child(imported, label, depth))
+    return tagged(Tag.GLOBALS, b"".join(parts))
+
+
+def _imported(name: str, level: int, namespace: dict[str, Any]) -> types.ModuleType | None:
+    """The module an import statement inside a function names, if this process has imported it."""
+    if level:
+        package = namespace.get("__package__") or ""
+        base = package.rsplit(".", level - 1)[0] if level > 1 else package
+        name = f"{base}.{name}" if name else base
+    return sys.modules.get(name)
+
+
+def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:
+    """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
+    for i, attribute in enumerate(attributes):
+        if not isinstance(value, types.ModuleType) or origin_of_module(value.__name__) is not None:
+            break
+        namespace = vars(value)
+        if attribute not in namespace:
+            if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
+                value = sys.modules[f"{value.__name__}.{attribute}"]
+                path = f"{path}.{attribute}"
+                continue
+            return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
+        value = namespace[attribute]
+        path = f"{path}.{attribute}"
+    return encoder.child(value, path, depth)
+
+
+# -- classes and modules ---------------------------------------------------------------------------------
+def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
+    """A class: each class of its method resolution order by its members, or installed ones by version.
+
+    Raises:
+        KeyingError: If a member of a user class cannot be encoded.
+    """
+    parts = []
+    for klass in cls.__mro__:
+        if klass is object or vars(klass).get("__torchcache_subclass__"):
+            continue
+        name = f"{klass.__module__}.{klass.__qualname__}"
+        origin = origin_of_module(klass.__module__)
+        if origin is not None:
+            parts.append(tagged(Tag.INSTALLED_CLASS, text(name) + text(origin)))
+            continue
+        members = []
+        where = f"{path}.<class {klass.__qualname__}>" if klass is not cls else f"{path}.<class>"
+        for member, value in sorted(vars(klass).items()):
+            if member in _CLASS_METADATA or encoder.ignored(where, member):
+                continue
+            members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
+        parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
+    return b"".join(parts)
+
+
+def _class_member(encoder: Encoder, value: object, path: str, depth: int) -> bytes:
+    """A member of a class's ``__dict__``: functions, descriptors by what they call, plain values."""
+    if isinstance(value, (staticmethod, classmethod)):
+        inner = encoder.child(value.__func__, path, depth)
+        return tagged(Tag.DESCRIPTOR, text(type(value).__name__) + inner)
+    if isinstance(value, property):
+        inner = b"".join(encoder.child(f, path, depth) for f in (value.fget, value.fset, value.fdel))
+        return tagged(Tag.DESCRIPTOR, text("property") + inner)
+    if _is_cached_property(value):
+        return tagged(Tag.DESCRIPTOR, text("cached_property") + encoder.child(value.func, path, depth))  # type: ignore[attr-defined]
+    if isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+        return tagged(Tag.DESCRIPTOR, text(f"{type(value).__name__}:{value.__name__}"))
+    return encoder.child(value, path, depth)
+
+
+def _is_cached_property(value: object) -> bool:
+    import functools
+
+    return isinstance(value, functools.cached_property)
+
+
+def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, depth: int) -> bytes:
+    """A Python module used as a whole: its package's version, or the members a user module defines.
+
+    A user module's functions and classes defined in it, its submodules, and its plain
+    values are keyed; names it imported from elsewhere are left to whatever reads them.
+    """
+    name = module.__name__
+    origin = origin_of_module(name)
+    if origin is not None:
+        return tagged(Tag.INSTALLED_MODULE, text(name) + text(origin))
+    parts = [text(name)]
+    for member, value in sorted(vars(module).items()):
+        if member.startswith("__") and member.endswith("__"):
+            continue
+        if isinstance(value, types.ModuleType):
+            if not value.__name__.startswith(name + "."):
+                continue  # an imported module: keyed where it is read
+        elif isinstance(value, (type, types.FunctionType)) and getattr(value, "__module__", name) != name:
+            continue  # imported from another module
+        if encoder.ignored(path, member):
+            continue
+        parts.append(text(member) + encoder.child(value, f"{path}.{member}", depth))
+    return tagged(Tag.PYTHON_MODULE, b"".join(parts))
+
+
+def encode_builtin(encoder: Encoder, value: Any, path: str, depth: int) -> bytes:
+    """A function or method written in C (``torch.relu``, ``np.add``), with the object it is bound to."""
+    owner = getattr(value, "__self__", None)
+    bound = (
+        b""
+        if owner is None or isinstance(owner, (types.ModuleType, type))
+        else encoder.child(owner, f"{path}.__self__", depth)
+    )
+    module = getattr(value, "__module__", None) or getattr(owner, "__name__", None) or ""
+    qualname = getattr(value, "__qualname__", None) or getattr(value, "__name__", "")
+    origin = origin_of_module(module) if isinstance(module, str) and module else None
+    return tagged(Tag.BUILTIN_FUNCTION, text(f"{module}.{qualname}") + text(origin or "") + bound)
+
+
+#: A callable that encodes one kind of value (used by the encoder's dispatch).
+Rule = Callable[[Encoder, Any, str, int], bytes]

@@ -1,0 +1,278 @@
+"""Objects for a key: tensors, arrays, paths, and any object by its class and the state pickle would save.
+
+Nothing is unpickled: :func:`encode_state` asks an object for the state that
+:meth:`object.__reduce_ex__` gives, and hashes it. An object with a
+``__torchcache_key__()`` method is keyed by what it returns; a configuration object by
+its ``to_dict()``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from collections.abc import Collection, Iterable
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import KeyingError
+from .tags import Tag, raw, tagged, text
+
+if TYPE_CHECKING:
+    from .values import KeyEncoder as Encoder
+
+__all__ = [
+    "CONFIG_UNKEYED",
+    "encode_array",
+    "encode_fields",
+    "encode_set",
+    "encode_path",
+    "encode_plain",
+    "encode_state",
+    "encode_tensor",
+    "extra_state",
+    "pandas_digest",
+    "slot_values",
+    "tensor_content_digest",
+]
+
+#: Keys of a configuration's ``to_dict()`` that say where it was loaded from, not what it computes.
+CONFIG_UNKEYED = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
+_pack_double = struct.Struct("<d").pack
+_LONG_SET = 256  # sets larger than this are keyed by the sorted digests of their items
+
+
+def tensor_content_digest(tensor: torch.Tensor, path: str) -> bytes:
+    """The 16-byte digest of a tensor's dtype, shape, layout and exact content.
+
+    Quantized tensors add their scheme, scales, zero points and axis; sparse tensors are
+    coalesced; nested tensors are digested component by component.
+
+    Raises:
+        KeyingError: For a tensor without content (on the meta device).
+    """
+    data = tensor.detach()
+    h = xxhash.xxh3_128(f"{data.dtype}|{data.layout}|{data.device.type == 'meta'}".encode())
+    if data.device.type == "meta":
+        raise KeyingError(f"{path}: a tensor on the meta device has no content to key by")
+    if getattr(data, "is_nested", False):
+        parts = data.unbind()
+        h.update(str(len(parts)).encode())
+        for i, part in enumerate(parts):
+            h.update(tensor_content_digest(part, f"{path}[{i}]"))
+        return h.digest()
+    h.update(repr(tuple(data.shape)).encode())
+    if data.is_quantized:
+        scheme = data.qscheme()
+        h.update(str(scheme).encode())
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            h.update(_pack_double(data.q_scale()) + str(data.q_zero_point()).encode())
+        else:
+            h.update(str(data.q_per_channel_axis()).encode())
+            h.update(tensor_content_digest(data.q_per_channel_scales(), path))
+            h.update(tensor_content_digest(data.q_per_channel_zero_points(), path))
+        data = data.int_repr()
+    elif data.layout == torch.sparse_coo:
+        data = data.coalesce()
+        h.update(tensor_content_digest(data.indices(), path) + tensor_content_digest(data.values(), path))
+        return h.digest()
+    elif data.layout != torch.strided:
+        data = data.to_dense()
+    flat = data.resolve_conj().resolve_neg().reshape(-1).cpu().contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.numel():
+        h.update(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+    return h.digest()
+
+
+def encode_plain(encoder: Encoder, value: Any, cls_encoding: bytes, path: str, depth: int) -> bytes:
+    """An object that is its class and its ``__dict__``."""
+    state = sorted(vars(value).items(), key=_by_name)
+    return tagged(Tag.OBJECT, cls_encoding + tagged(Tag.TUPLE, b"") + encoder.attributes(state, path, depth))
+
+
+def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int) -> bytes:
+    """Objects without a rule: a ``__torchcache_key__()``, a configuration's entries, or pickle's state."""
+    own_key = getattr(value, "__torchcache_key__", None)
+    if callable(own_key):
+        named = text(f"{cls.__module__}.{cls.__qualname__}")
+        return tagged(Tag.OWN_KEY, named + encoder.child(own_key(), f"{path}.__torchcache_key__()", depth))
+    cls_encoding = encoder.child(cls, f"{path}.<class>", depth)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and hasattr(value, "__dict__"):
+        try:
+            entries = to_dict()
+        except Exception:  # noqa: BLE001 - any object may have a to_dict; then pickle's state describes it
+            entries = None
+        if type(entries) is dict:
+            entries = {k: v for k, v in entries.items() if k not in CONFIG_UNKEYED}
+            return tagged(Tag.CONFIG, cls_encoding + encoder.attributes(entries.items(), path, depth))
+    if _is_plain(cls) and isinstance(getattr(value, "__dict__", None), dict):
+        encoder.remember_plain(cls, cls_encoding)  # later instances skip the checks above
+        return encode_plain(encoder, value, cls_encoding, path, depth)
+    try:
+        reduced = value.__reduce_ex__(4)
+    except Exception as exc:  # noqa: BLE001 - whatever pickle's protocol raises, the value is refused
+        raise encoder.refuse(path, f"a {_qualname(cls)} has no state that can be described ({exc})") from None
+    if isinstance(reduced, str):  # a global singleton, by its name
+        return tagged(Tag.SINGLETON, text(f"{getattr(value, '__module__', '')}.{reduced}"))
+    if not isinstance(reduced, tuple) or len(reduced) < 2:
+        raise encoder.refuse(path, f"a {_qualname(cls)} describes its state in an unknown way")
+    parts = [cls_encoding]
+    function, arguments = reduced[0], reduced[1]
+    if getattr(function, "__name__", "") == "__newobj__":
+        parts.append(encoder.child(tuple(arguments[1:]), f"{path}.__new__()", depth))
+    else:
+        parts.append(encoder.child(function, f"{path}.__reduce__", depth))
+        parts.append(encoder.child(arguments, f"{path}.__reduce__()", depth))
+    state = reduced[2] if len(reduced) > 2 else None
+    slots: Any = None
+    if type(state) is tuple and len(state) == 2 and (state[0] is None or type(state[0]) is dict):
+        state, slots = state
+    if type(state) is dict:
+        parts.append(encoder.attributes(sorted(state.items(), key=_by_name), path, depth))
+    elif state is not None:
+        parts.append(encoder.child(state, f"{path}.__getstate__()", depth))
+    if type(slots) is dict:
+        parts.append(tagged(Tag.SLOTS, encoder.items(sorted(slots.items(), key=_by_name), path, depth, True)))
+    for extra, name in ((3, "items"), (4, "entries")):
+        if len(reduced) > extra and reduced[extra] is not None:
+            parts.append(encoder.child(list(reduced[extra]), f"{path}.{name}", depth))
+    return tagged(Tag.OBJECT, b"".join(parts))
+
+
+def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:
+    """A tensor held as a value: its type and a digest of its content."""
+    if not encoder.tensors:
+        raise KeyingError(
+            f"{path}: tensors are only supported as top-level arguments shaped (batch, ...) or inside "
+            "tuples, lists and dicts, not inside other objects; pass the tensor as an argument"
+        )
+    if value.device.type == "meta":
+        raise encoder.refuse(path, "a tensor on the meta device has no content to key by")
+    return tagged(Tag.TENSOR, text(_qualname(type(value))) + raw(tensor_content_digest(value, path)))
+
+
+def encode_array(encoder: Encoder, array: np.ndarray[Any, Any], path: str, depth: int) -> bytes:
+    """An array by its type, dtype, shape and content (a memory-mapped file, for datasets, by its file)."""
+    head = text(f"{type(array).__name__}|{array.dtype.descr!r}|{array.shape}")
+    if array.dtype.hasobject:
+        return tagged(Tag.ARRAY, head + encoder.child(array.tolist(), path, depth))
+    if encoder.files and isinstance(array, np.memmap) and isinstance(array.filename, str):
+        # A memory-mapped file by name, place, size and modification time: its content stays unread.
+        stat = os.stat(array.filename)
+        where = f"{array.filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}"
+        return tagged(Tag.MEMMAP, head + text(where))
+    h = xxhash.xxh3_128()
+    h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return tagged(Tag.ARRAY, head + raw(h.digest()))
+
+
+def encode_path(encoder: Encoder, value: PurePath) -> bytes:
+    """A path by its text (for datasets, with its file's size and modification time)."""
+    where = f"{type(value).__name__}|{value}"
+    if encoder.files:
+        try:
+            stat = os.stat(value)
+        except OSError:
+            where += "|missing"
+        else:
+            where += f"|{stat.st_size}|{stat.st_mtime_ns}"
+    return tagged(Tag.PATH, text(where))
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _by_name(item: tuple[Any, Any]) -> str:
+    return str(item[0])
+
+
+def encode_set(encoder: Encoder, value: Collection[Any], is_set: bool, path: str, depth: int) -> bytes:
+    """A set by its items' encodings in sorted order (a long one by their sorted digests)."""
+    encoded = (encoder.child(v, f"{path}{{...}}", depth) for v in value)
+    if len(value) <= _LONG_SET:
+        payload = b"".join(sorted(encoded))
+    else:
+        digests = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, encoded)), dtype="V16")
+        payload = f"{len(value)}|".encode() + xxhash.xxh3_128_digest(np.sort(digests).tobytes())
+    return tagged(Tag.SET if is_set else Tag.FROZENSET, payload)
+
+
+def encode_fields(
+    encoder: Encoder, fields: list[tuple[str, Any]], extra: list[tuple[str, Any]], path: str, depth: int
+) -> bytes:
+    """A record's fields, then the attributes it holds outside them (``cfg.scale = 3.0``).
+
+    Where a configuration was loaded from (``_name_or_path``) is left out, as it is of a
+    configuration's ``to_dict()``.
+    """
+    fields = [(k, v) for k, v in fields if k not in CONFIG_UNKEYED]
+    extra = [(k, v) for k, v in extra if k not in CONFIG_UNKEYED]
+    encoded = encoder.attributes(fields, path, depth)
+    return encoded + (encoder.attributes(extra, path, depth) if extra else b"")
+
+
+def slot_values(obj: object) -> list[tuple[str, Any]]:
+    """The ``__slots__`` attributes an object has set, by name, in the order of its classes."""
+    found = []
+    for klass in type(obj).__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            private = name.startswith("__") and not name.endswith("__")
+            attribute = f"_{klass.__name__.lstrip('_')}{name}" if private else name
+            try:
+                found.append((attribute, object.__getattribute__(obj, attribute)))
+            except AttributeError:
+                continue
+    return found
+
+
+def extra_state(value: object, fields: Iterable[str]) -> list[tuple[str, Any]]:
+    """What an instance of a record class holds outside its fields: ``__dict__`` entries and slots."""
+    names = set(fields)
+    state = getattr(value, "__dict__", None)
+    extra = [(k, v) for k, v in sorted(state.items()) if k not in names] if isinstance(state, dict) else []
+    extra += [(k, v) for k, v in slot_values(value) if k not in names]
+    return extra
+
+
+_OBJECT_PROTOCOL = [getattr(object, name, None) for name in ("__reduce_ex__", "__reduce__", "__getstate__", "__new__")]
+
+
+def _is_plain(cls: type) -> bool:
+    """Whether an instance is described by its class and its ``__dict__`` alone (what pickle would save).
+
+    So it is for a class that neither changes how pickle saves it nor derives from a
+    built-in type whose instances hold more than their ``__dict__`` (a dict's items).
+    """
+    protocol = [getattr(cls, name, None) for name in ("__reduce_ex__", "__reduce__", "__getstate__", "__new__")]
+    if protocol != _OBJECT_PROTOCOL:
+        return False
+    return not (
+        hasattr(cls, "__getnewargs__")
+        or hasattr(cls, "__getnewargs_ex__")
+        or any("__slots__" in vars(klass) for klass in cls.__mro__)
+    )
+
+
+def pandas_digest(value: object) -> bytes | None:
+    """A pandas object by every row (``hash_pandas_object``), its index, columns and dtypes; ``None`` otherwise."""
+    pandas = sys.modules.get("pandas")
+    if pandas is None or not isinstance(value, (pandas.DataFrame, pandas.Series, pandas.Index)):
+        return None
+    rows = pandas.util.hash_pandas_object(value, index=not isinstance(value, pandas.Index))
+    h = xxhash.xxh3_128(np.ascontiguousarray(rows.to_numpy()).view(np.uint8).data)
+    if isinstance(value, pandas.DataFrame):
+        h.update(repr((list(value.columns), [str(t) for t in value.dtypes])).encode())
+    else:
+        h.update(repr((value.name, str(value.dtype))).encode())
+    return h.digest()

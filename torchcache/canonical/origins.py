@@ -1,0 +1,125 @@
+"""Where code comes from: the user's own files, or the standard library and installed packages.
+
+Code of the standard library and of installed packages changes only with their version,
+so it is keyed by the package's version (``torch==2.13.0``, its local part such as
+``+cpu`` dropped, so that CPU and CUDA builds of one release share keys). Everything else
+(scripts, notebooks, editable installs, code made by ``exec``) is the user's, keyed by
+its code. torchcache's own files count as installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import site
+import sys
+import sysconfig
+
+import xxhash
+
+__all__ = ["OWN_PACKAGE", "is_installed_file", "origin_of_module", "version_of"]
+
+OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib") if name in paths}
+    roots.update(getattr(site, "getsitepackages", list)())
+    user_site = getattr(site, "getusersitepackages", lambda: None)()
+    if isinstance(user_site, str):
+        roots.add(user_site)
+    roots.update({sys.base_prefix, sys.base_exec_prefix})
+    return tuple(sorted({os.path.abspath(root) + os.sep for root in roots if root}))
+
+
+_roots: tuple[str, ...] | None = None
+_file_origins: dict[str, bool] = {}
+_versions: dict[str, str] = {}
+
+
+def is_installed_file(filename: str) -> bool:
+    """Whether code from ``filename`` belongs to the standard library, an installed package or torchcache."""
+    global _roots
+    found = _file_origins.get(filename)
+    if found is None:
+        if filename.startswith("<frozen "):
+            found = True
+        elif not filename or filename.startswith("<"):
+            found = False  # made by exec or eval (a dataclass's __init__, a notebook cell): keyed by code
+        else:
+            if _roots is None:
+                _roots = _installed_roots()
+            path = os.path.abspath(filename)
+            parts = path.split(os.sep)
+            found = (
+                path.startswith(OWN_PACKAGE)
+                or "site-packages" in parts
+                or "dist-packages" in parts
+                or any(path.startswith(root) for root in _roots)
+            )
+        _file_origins[filename] = found
+    return found
+
+
+def origin_of_module(name: str) -> str | None:
+    """``package==version`` for a module of the standard library or an installed package, else ``None``."""
+    module = sys.modules.get(name)
+    if module is None:
+        return None
+    filename = getattr(module, "__file__", None)
+    top = name.partition(".")[0]
+    if filename is None:
+        if top in sys.builtin_module_names or top in sys.stdlib_module_names:
+            return version_of(top)
+        return None
+    return version_of(top) if is_installed_file(filename) else None
+
+
+def version_of(top: str) -> str:
+    """The version that identifies the code of an installed package (its local part dropped)."""
+    found = _versions.get(top)
+    if found is not None:
+        return found
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
+        found = f"python=={sys.version_info[0]}.{sys.version_info[1]}"
+    else:
+        version = getattr(sys.modules.get(top), "__version__", None)
+        if not isinstance(version, str):
+            version = _distribution_version(top)
+        found = f"{top}=={version.split('+')[0]}"
+    _versions[top] = found
+    return found
+
+
+def _distribution_version(top: str) -> str:
+    try:
+        return importlib.metadata.version(top)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
+    for distribution in importlib.metadata.packages_distributions().get(top, ()):
+        try:
+            return f"{distribution}-{importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    # No metadata (a package added to sys.path by hand): the content of its files decides.
+    module = sys.modules.get(top)
+    filename = getattr(module, "__file__", None)
+    if filename is None:
+        return "unknown"
+    h = xxhash.xxh3_128()
+    directory = os.path.dirname(filename) if filename.endswith("__init__.py") else ""
+    files = (
+        [filename]
+        if not directory
+        else sorted(
+            os.path.join(folder, name)
+            for folder, _, names in os.walk(directory)
+            for name in names
+            if name.endswith(".py")
+        )
+    )
+    for path in files:
+        with open(path, "rb") as handle:
+            h.update(handle.read())
+    return "files-" + h.hexdigest()

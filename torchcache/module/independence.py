@@ -1,0 +1,146 @@
+"""Whether the outputs of a batch's items depend on each other: one check per module key and process.
+
+Caching per item assumes that an item's output is the same whatever else is in its
+batch. Modules that compare or pool across the batch break that: CLIP's
+``logits_per_image`` (each image scored against every text of the batch), batch norm
+that normalises with the batch's statistics, attention across the batch. Their rows,
+cached from one batch and served in another, would be wrong.
+
+So the first call of a module key in a process with at least two items computes one or
+two of them again in another batch (the last item alone when there are two, else the
+last and the first, in that order: another set, another size and another order) and
+compares their rows with the rows the call returns, cached or computed. Rows that
+differ beyond what floating point allows between batch sizes (a relative difference of
+1 %, or 8 units in the last place of a low-precision dtype; integers exactly), or
+outputs whose per-item shape depends on the batch, make the call raise
+:class:`DependentItemsError`; when the rows differ, the same items are computed once more
+in the same batch, to tell randomness (dropout in training mode) from dependence on the
+batch. In training mode, where dropout and batch statistics are expected, a module that
+fails the check is not refused: its calls in training mode run without the cache, with
+one warning. The check costs one forward of one or two items per module key, training
+mode and process; ``check_items=False`` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import KeyingError
+from ..tree import Layout, flatten
+from .arguments import CallArguments
+from .outputs import OutputPlan
+
+__all__ = ["DependentItemsError", "check_items", "forget_checks", "is_checked", "mark_checked"]
+
+#: Module keys, with the training flag of the calls, whose items were seen to be independent in this process.
+_checked: set[tuple[str, bool | None]] = set()
+_REMEDY = (
+    "Caching per item would return rows computed in other batches. Cache a method whose outputs are per item "
+    "(for CLIP: get_image_features and get_text_features instead of the whole model), give batch norm running "
+    "statistics (track_running_stats=True, eval mode), call the module in eval mode if it holds dropout, or, if "
+    "the rows differ only by floating-point noise, turn this check off with check_items=False"
+)
+
+
+class DependentItemsError(KeyingError):
+    """The outputs of a batch's items depend on the other items of the batch: they cannot be cached per item.
+
+    Attributes:
+        random: Whether the outputs change from one computation to the next even in the
+            same batch (dropout in training mode, sampling), rather than with the batch.
+    """
+
+    def __init__(self, message: str, random: bool = False) -> None:
+        super().__init__(message)
+        self.random = random
+
+
+def is_checked(module_key: str, training: bool | None) -> bool:
+    """Whether the items of ``module_key`` in training mode ``training`` were checked in this process."""
+    return (module_key, training) in _checked
+
+
+def mark_checked(module_key: str, training: bool | None) -> None:
+    """Record that the items of ``module_key`` in training mode ``training`` are independent."""
+    _checked.add((module_key, training))
+
+
+def forget_checks() -> None:
+    """Check every module key again at its next call with two items or more."""
+    _checked.clear()
+
+
+def check_items(
+    name: str, fn: Callable[..., Any], call: CallArguments, plan: OutputPlan, layout: Layout, rows: list[torch.Tensor]
+) -> None:
+    """Compute some items of ``call`` in another batch and compare them with ``rows``.
+
+    Args:
+        name: The cached callable's name, for the message.
+        fn: The callable, called with the caller's layout of arguments.
+        call: The call, with at least two items.
+        plan: Where the batch sits in each output leaf.
+        layout: The layout of ``rows``.
+        rows: The output leaves of the whole call, batch first, in input order.
+
+    Raises:
+        DependentItemsError: If the rows computed in the other batch differ.
+    """
+    batch = call.batch
+    positions = [batch - 1] if batch == 2 else [batch - 1, 0]
+    args, kwargs = call.select(positions)
+    with torch.no_grad():
+        spec, leaves = flatten(fn(*args, **kwargs))
+    leaves = plan.to_items(spec, leaves)
+    other = Layout.of(spec, leaves, None)
+    same_shapes = [leaf.shape for leaf in other.leaves] == [leaf.shape for leaf in layout.leaves]
+    if other.spec_json != layout.spec_json or not same_shapes or any(len(t) != len(positions) for t in leaves):
+        raise DependentItemsError(
+            f"{name}: the shape of an item's output depends on the batch (an item gave {_shapes(layout)} in a batch "
+            f"of {batch} and {_shapes(other)} in a batch of {len(positions)}). {_REMEDY}"
+        )
+    index = torch.tensor(positions)
+    for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):
+        expected = rows[i].index_select(0, index.to(rows[i].device)).to(leaf.device)
+        if not _close(expected, leaf, stored.dtype):
+            with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
+                again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
+            if not _close(leaf, again, stored.dtype):
+                raise DependentItemsError(
+                    f"{name}: its outputs are not deterministic (output leaf {i} of items {positions} changed when "
+                    f"the same batch was computed again: dropout in training mode, or random sampling), so a cached "
+                    f"output would replay one draw. Call the module in eval mode (model.eval(); keep_eval=True keeps "
+                    f"it there), or cache a deterministic function",
+                    random=True,
+                )
+            raise DependentItemsError(
+                f"{name}: the outputs of a batch's items depend on the other items of the batch (output leaf {i} of "
+                f"items {positions} changed when they were computed in a batch of {len(positions)} instead of "
+                f"{batch}). {_REMEDY}"
+            )
+
+
+def _shapes(layout: Layout) -> str:
+    return ", ".join(str(list(leaf.shape)) for leaf in layout.leaves) or "no tensor"
+
+
+def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> bool:
+    """Whether two sets of rows are equal up to the noise of floating point between batch sizes."""
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return torch.equal(expected, found.to(expected.dtype))
+    a = expected.detach().to(torch.complex128 if expected.is_complex() else torch.float64).reshape(len(expected), -1)
+    b = found.detach().to(a.dtype).reshape(len(found), -1)
+    special = a.isnan() | a.isinf() | b.isnan() | b.isinf()
+    if special.any():
+        if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a[a.isinf()], b[a.isinf()])):
+            return False
+        a, b = a.masked_fill(special, 0.0), b.masked_fill(special, 0.0)
+    eps = torch.finfo(stored).eps if stored.is_floating_point else torch.finfo(torch.float32).eps
+    tolerance = max(1e-2, 8 * eps)
+    difference = (a - b).abs().norm(dim=1)
+    scale = torch.maximum(a.abs().norm(dim=1), b.abs().norm(dim=1))
+    floor = 1e-3 * float(scale.mean()) + torch.finfo(torch.float64).tiny
+    return bool((difference <= tolerance * scale.clamp_min(floor)).all())
