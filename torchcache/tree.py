@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Union
 
@@ -131,13 +131,30 @@ def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor
         raise KeyingError(
             f"{path}: cannot cache an output of type {describe_type(cls)}; expected a tensor shaped "
             "(batch, ...), None, or a tuple, list, dict (str keys), namedtuple, dataclass or dict subclass "
-            "of such values (a dict subclass must keep the __init__ of dict or OrderedDict)"
+            f"of such values (a dict subclass must keep the __init__ of dict or OrderedDict). {_remedy_for(cls)}"
         )
     fields = []
     for key, value in members(node, typed, path):
         child = f"{path}[{key!r}]" if typed == "mapping" else f"{path}.{key}"
         fields.append([key, _flatten_node(value, child, depth + 1, leaves)])
     return [typed, type_name(cls), fields]
+
+
+def _remedy_for(cls: type) -> str:
+    """The way out for an output class that cannot be cached, by what kind of class it is."""
+    if cls.__name__.endswith("Cache") or hasattr(cls, "key_cache") or hasattr(cls, "self_attention_cache"):
+        return (
+            "It looks like a cache of past keys and values for generation (Hugging Face past_key_values), "
+            "which is not per item: call the model with use_cache=False, or cache its encoder "
+            "(model.get_encoder(), model.encoder), whose outputs are"
+        )
+    if isinstance(cls, type) and issubclass(cls, Mapping):
+        return (
+            "It is a mapping that is not a dict (such as a tokenizer's BatchEncoding): return dict(output) from "
+            "the cached function, or cache the model that computes the tensors (for sentence-transformers, "
+            "model[0].auto_model)"
+        )
+    return "Return the tensors the caller needs, in one of those containers"
 
 
 def unflatten(spec: Spec, leaves: list[torch.Tensor]) -> Any:
@@ -226,11 +243,25 @@ def _describe_node(node: Spec, leaves: Iterator[str]) -> str:
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """One tensor leaf of an item: per-item shape, stored dtype, returned dtype."""
+    """One tensor leaf of an item: per-item shape, stored dtype, returned dtype, returned memory format.
+
+    ``channels_last``: the forward returned the batch in ``torch.channels_last`` (4-D) or
+    ``torch.channels_last_3d`` (5-D) memory format, and hits are returned in it too. It is
+    not part of a layout's equality: items stored either way share slabs, and a batch with
+    misses is returned as the forward returned them.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     out_dtype: torch.dtype
+    channels_last: bool = field(default=False, compare=False)  # how it is returned, not what is stored
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """The memory format a batch of this leaf is returned in."""
+        if not self.channels_last:
+            return torch.contiguous_format
+        return torch.channels_last if len(self.shape) == 3 else torch.channels_last_3d
 
     @property
     def numel(self) -> int:
@@ -286,14 +317,15 @@ class Layout:
             if out_dtype not in _NAMES:
                 raise KeyingError(f"cannot cache outputs of dtype {out_dtype}")
             dtype = cache_dtype if cache_dtype is not None and out_dtype.is_floating_point else out_dtype
-            specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype))
+            specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype, _is_channels_last(leaf)))
         return cls(json.dumps(spec, separators=(",", ":")), tuple(specs))
 
     def to_header(self) -> dict[str, Any]:
         """A JSON-able description, the header of a stored entry.
 
-        The short form: ``{"l": [[dtype, shape] or [dtype, shape, out_dtype], ...],
-        "t": tree}``, each dtype by its code (``"f4"`` for float32), the leaves' offsets
+        The short form: ``{"l": [[dtype, shape] or [dtype, shape, out_dtype] or [dtype,
+        shape, out_dtype, "cl"], ...], "t": tree}`` (``"cl"``: returned channels-last),
+        each dtype by its code (``"f4"`` for float32), the leaves' offsets
         implied by their shapes, and ``"t"`` left out when the output is a lone tensor
         (tree ``"T"``). :meth:`from_header` also reads dtype names (``"float32"``) in
         the short form, and the long form of torchcache 1.0, ``{"leaves": [{"dtype", "shape",
@@ -302,8 +334,10 @@ class Layout:
         leaves: list[list[Any]] = []
         for leaf in self.leaves:
             item: list[Any] = [_CODES[leaf.dtype], list(leaf.shape)]
-            if leaf.out_dtype != leaf.dtype:  # only with cache_dtype; absent means "same as dtype"
+            if leaf.out_dtype != leaf.dtype or leaf.channels_last:  # absent means "same as dtype"
                 item.append(_CODES[leaf.out_dtype])
+            if leaf.channels_last:
+                item.append("cl")
             leaves.append(item)
         if self.spec_json == '"T"':  # a lone tensor, the most common output: its tree goes without saying
             return {"l": leaves}
@@ -326,15 +360,20 @@ class Layout:
             count = _count_leaves(tree)
             leaves = []
             for item in header["l"] if short else header["leaves"]:
+                channels_last = False
                 if short:
-                    if type(item) is not list or len(item) not in (2, 3):
+                    if type(item) is not list or len(item) not in (2, 3, 4):
                         raise ValueError(f"invalid leaf {_short(item)}")
-                    name, shape, out_name = item[0], item[1], item[2] if len(item) == 3 else item[0]
+                    name, shape, out_name = item[0], item[1], item[2] if len(item) >= 3 else item[0]
+                    if len(item) == 4:
+                        if item[3] != "cl" or not isinstance(shape, list) or len(shape) not in (3, 4):
+                            raise ValueError(f"invalid memory format of leaf {_short(item)}")
+                        channels_last = True
                 else:
                     name, shape, out_name = item["dtype"], item["shape"], item.get("out_dtype", item["dtype"])
                 if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                     raise ValueError(f"invalid shape {_short(shape)}")
-                leaves.append(LeafSpec(tuple(shape), _HEADER_DTYPES[name], _HEADER_DTYPES[out_name]))
+                leaves.append(LeafSpec(tuple(shape), _HEADER_DTYPES[name], _HEADER_DTYPES[out_name], channels_last))
             layout = cls(json.dumps(tree, separators=(",", ":")), tuple(leaves))
             if not short and [item["offset"] for item in header["leaves"]] != layout.offsets:
                 raise ValueError("leaf offsets do not match the layout")
@@ -343,6 +382,15 @@ class Layout:
         if count != len(leaves):
             raise ValueError("the structure does not match the number of leaves")
         return layout
+
+
+def _is_channels_last(leaf: torch.Tensor) -> bool:
+    """Whether a batch of images (4-D) or volumes (5-D) is laid out channels-last and not also contiguous."""
+    if leaf.dim() == 4:
+        return not leaf.is_contiguous() and leaf.is_contiguous(memory_format=torch.channels_last)
+    if leaf.dim() == 5:
+        return not leaf.is_contiguous() and leaf.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
 
 
 def _count_leaves(node: Any, depth: int = 0) -> int:

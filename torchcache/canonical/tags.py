@@ -58,6 +58,9 @@ class Tag:
     INT_RUN = b"1"
     FLOAT_RUN = b"2"
     STR_RUN = b"3"
+    INT64_RUN = b"4"
+    BOOL_RUN = b"5"
+    OBJECT_RUN = b"6"
     # values with a type
     ENUM = b"E"
     TENSOR = b"X"

@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 from ..errors import KeyingError
-from . import code, modules, objects
+from . import code, modules, objects, runs
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["KeyEncoder", "encode_key_value"]
@@ -43,7 +43,6 @@ __all__ = ["KeyEncoder", "encode_key_value"]
 _MAX_DEPTH = 100
 _MAX_NODES = 20_000_000
 _LONG = 256  # containers longer than this are streamed into a digest, chunk by chunk
-_CHUNK = 4096
 _pack_double = struct.Struct("<d").pack
 
 
@@ -115,6 +114,15 @@ class KeyEncoder:
     def remember_plain(self, cls: type, encoding: bytes) -> None:
         """Encode later instances of ``cls`` as their class's ``encoding`` and their ``__dict__``."""
         self._plain[cls] = encoding
+
+    def plain_encoding(self, cls: type) -> bytes | None:
+        """The encoding of ``cls`` if its instances were seen to be their ``__dict__``, else ``None``."""
+        return self._plain.get(cls)
+
+    @staticmethod
+    def scalars(kind: type) -> Callable[[Any], bytes] | None:
+        """The encoding function of a scalar type (``None``, numbers, strings, torch dtypes), else ``None``."""
+        return _SCALARS.get(kind)
 
     # -- dispatch ----------------------------------------------------------------------------------
     def child(self, value: object, path: str, depth: int) -> bytes:
@@ -228,30 +236,15 @@ class KeyEncoder:
         """A tuple or list, item by item; a long one streamed into a digest chunk by chunk."""
         self._nodes += len(value)
         if len(value) <= _LONG:
-            return tagged(Tag.TUPLE if is_tuple else Tag.LIST, _run(self, value, path, 0, depth))
+            return tagged(Tag.TUPLE if is_tuple else Tag.LIST, runs.encode_items(self, value, path, 0, depth))
         h = xxhash.xxh3_128()
         self._streaming += 1
         try:
-            for start in range(0, len(value), _CHUNK):
-                h.update(self._chunk(value[start : start + _CHUNK], path, start, depth))
+            for start in range(0, len(value), runs.CHUNK):
+                h.update(runs.encode_chunk(self, value[start : start + runs.CHUNK], path, start, depth))
         finally:
             self._streaming -= 1
         return tagged(Tag.LONG_TUPLE if is_tuple else Tag.LONG_LIST, f"{len(value)}|".encode() + h.digest())
-
-    def _chunk(self, chunk: list[Any] | tuple[Any, ...], path: str, start: int, depth: int) -> bytes:
-        """One chunk of a long container: runs of ints, floats or strings in one step, else item by item."""
-        kinds = set(map(type, chunk))
-        if len(kinds) == 1:
-            kind = kinds.pop()
-            if kind is int:
-                return tagged(Tag.INT_RUN, " ".join(map(str, chunk)).encode())
-            if kind is float:
-                return tagged(Tag.FLOAT_RUN, np.array(chunk, dtype=np.float64).tobytes())
-            if kind is str:
-                encoded = [s.encode("utf-8", "surrogatepass") for s in chunk]
-                lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)).tobytes()
-                return tagged(Tag.STR_RUN, raw(lengths) + raw(b"".join(encoded)))
-        return tagged(Tag.RUN, _run(self, chunk, path, start, depth))
 
     def _mapping(self, value: dict[Any, Any], is_dict: bool, path: str, depth: int) -> bytes:
         """A dict or ``OrderedDict`` in order; a long one streamed, its keys and values chunk by chunk."""
@@ -259,16 +252,15 @@ class KeyEncoder:
         if len(value) <= _LONG:
             return tagged(Tag.DICT if is_dict else Tag.ORDERED_DICT, self.items(value.items(), path, depth))
         h = xxhash.xxh3_128()
-        items = iter(value.items())
+        keys, values = iter(value), iter(value.values())  # in step: no tuple per item
         self._streaming += 1
         try:
-            for start in itertools.count(0, _CHUNK):
-                chunk = list(itertools.islice(items, _CHUNK))
+            for start in itertools.count(0, runs.CHUNK):
+                chunk = list(itertools.islice(keys, runs.CHUNK))
                 if not chunk:
                     break
-                keys, values = zip(*chunk)
-                h.update(self._chunk(keys, f"{path} key", start, depth))
-                h.update(self._chunk(values, path, start, depth))
+                h.update(runs.encode_chunk(self, chunk, f"{path} key", start, depth))
+                h.update(runs.encode_chunk(self, list(itertools.islice(values, runs.CHUNK)), path, start, depth))
         finally:
             self._streaming -= 1
         long = Tag.LONG_DICT if is_dict else Tag.LONG_ORDERED_DICT
@@ -290,16 +282,6 @@ class KeyEncoder:
     def attributes(self, items: Iterable[tuple[Any, Any]], path: str, depth: int) -> bytes:
         """Named attributes, those in ``ignore`` left out."""
         return tagged(Tag.ATTRIBUTES, self.items(items, path, depth, attributes=True))
-
-
-def _run(encoder: KeyEncoder, items: Iterable[Any], path: str, start: int, depth: int) -> bytes:
-    scalars = _SCALARS.get
-    encode = encoder.child
-    parts = []
-    for i, item in enumerate(items, start):
-        scalar = scalars(type(item))
-        parts.append(scalar(item) if scalar is not None else encode(item, f"{path}[{i}]", depth))
-    return b"".join(parts)
 
 
 _FUNCTION_TYPES = (

@@ -107,6 +107,7 @@ class VersionWatch:
         "_modules",
         "_ptrs",
         "_registries",
+        "_registries_held",
         "_submodules",
         "_tensors",
         "_total",
@@ -121,6 +122,7 @@ class VersionWatch:
         self._tensors: list[torch.Tensor] = []
         self._versioned: list[torch.Tensor] = []
         self._registries: list[dict[str, torch.Tensor | None]] = []
+        self._registries_held: list[dict[str, torch.Tensor | None]] = []
         self._hook_dicts: list[dict[int, Any]] = []
         self._submodules: list[torch.nn.Module] = []
         self._values: list[torch.Tensor | None] = []
@@ -141,8 +143,9 @@ class VersionWatch:
         submodules = [sub for _, sub in module.named_modules(remove_duplicate=False)]
         self._submodules = submodules[1:]
         self._registries = [r for sub in submodules for r in (sub._parameters, sub._buffers)]
-        self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries)))
-        self._count = len(self._values)
+        self._count = sum(map(len, self._registries))
+        self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
+        self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._tensors = [t for t in _tensors(module) if t.layout == torch.strided]
         self._ids = [id(t) for t in _tensors(module)]
         self._modules = _module_ids(module)
@@ -169,7 +172,7 @@ class VersionWatch:
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        registries = itertools.chain.from_iterable(map(dict.values, self._registries))
+        registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
             return True
         if RemovableHandle.next_id != self._handle or sum(map(len, self._hook_dicts)) != self._hook_count:

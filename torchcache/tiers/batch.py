@@ -61,8 +61,11 @@ def gather_hits(
 
 
 def cast_returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
-    """Cast gathered leaves to the dtype and device a real call returns."""
-    return [t.to(device=device, dtype=spec.out_dtype) for t, spec in zip(leaves, layout.leaves)]
+    """Cast gathered leaves to the dtype, device and memory format a real call returns."""
+    return [
+        t.to(device=device, dtype=spec.out_dtype, memory_format=spec.memory_format)
+        for t, spec in zip(leaves, layout.leaves)
+    ]
 
 
 def merge_parts(
@@ -77,14 +80,16 @@ def merge_parts(
     if len(parts) == 1 and len(parts[0][0]) == batch and parts[0][0] == list(range(batch)):
         whole = parts[0][1]
         if all(
-            leaf.dtype == spec.out_dtype and leaf.device == device and leaf.is_contiguous()
+            leaf.dtype == spec.out_dtype
+            and leaf.device == device
+            and leaf.is_contiguous(memory_format=spec.memory_format)
             for leaf, spec in zip(whole, layout.leaves)
         ):
             return list(whole)
     indices = [index_tensor(positions, device) for positions, _ in parts]
     outs = []
     for i, spec in enumerate(layout.leaves):
-        out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device)
+        out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device, memory_format=spec.memory_format)
         for index, (_, leaves) in zip(indices, parts):
             out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
         outs.append(out)

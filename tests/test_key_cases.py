@@ -1,0 +1,393 @@
+"""Ways state reached ``forward`` that keys once missed: each returns its own outputs, or is refused."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchcache import CacheWarning, KeyingError, torchcache
+from torchcache.canonical import KeyEncoder
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    return module.eval().requires_grad_(False)
+
+
+def _both(a: Any, b: Any, *inputs: Any, root: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache ``a`` then ``b`` into one persistent root; return ``b``'s cached output and its plain output."""
+    ca = torchcache(persistent=True, persistent_cache_dir=root)(a)
+    ca(*inputs)
+    ca.cache_instance.flush()
+    expected = b(*inputs)
+    cb = torchcache(persistent=True, persistent_cache_dir=root)(b)
+    return cb(*inputs), expected
+
+
+def _load(path: Path, name: str, source: str) -> ModuleType:
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def modules() -> Iterator[list[str]]:
+    """Names of modules a test loads from files: removed from ``sys.modules`` afterwards."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+X = torch.arange(12.0).reshape(3, 4) - 5
+
+
+# 1 -------------------------------------------------------------------------------------------------
+class _Scale(nn.Module):
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def test_a_module_with_slots_is_keyed_by_them(tmp_path: Path) -> None:
+    got, expected = _both(_frozen(_Scale(2.0)), _frozen(_Scale(3.0)), X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
+# 2 -------------------------------------------------------------------------------------------------
+def test_a_forward_hook_on_a_submodule_is_keyed(tmp_path: Path) -> None:
+    plain = _frozen(nn.Sequential(nn.Identity(), nn.Tanh()))
+    hooked = _frozen(nn.Sequential(nn.Identity(), nn.Tanh()))
+    hooked[0].register_forward_hook(lambda module, args, out: out * 2)
+    got, expected = _both(plain, hooked, X, root=tmp_path)
+    assert torch.equal(got, expected) and not torch.equal(expected, plain(X))
+
+
+def test_a_hook_registered_after_the_first_call_takes_the_key_again() -> None:
+    net = torchcache()(_frozen(nn.Sequential(nn.Identity(), nn.Tanh())))
+    before = net(X)
+    handle = net[0].register_forward_hook(lambda module, args, out: out * 2)
+    assert torch.equal(net(X), torch.tanh(X * 2))
+    handle.remove()
+    assert torch.equal(net(X), before)
+
+
+# 3 -------------------------------------------------------------------------------------------------
+def _make(scale: float) -> type[nn.Module]:
+    class Net(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * scale
+
+    return Net
+
+
+def test_classes_made_by_a_factory_are_keyed_by_their_closures(tmp_path: Path) -> None:
+    got, expected = _both(_frozen(_make(2.0)()), _frozen(_make(3.0)()), X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
+# 4 -------------------------------------------------------------------------------------------------
+_VARIANTS = """
+import torch
+from torch import nn
+if VARIANT:
+    class Net(nn.Module):
+        def forward(self, x):
+            return x * 2
+else:
+    class Net(nn.Module):
+        def forward(self, x):
+            return x * 3
+"""
+
+
+def test_two_classes_of_one_name_in_one_file_have_their_own_keys(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("defines_variants")
+    first = _load(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = True\n" + _VARIANTS).Net
+    second = _load(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = False\n" + _VARIANTS).Net
+    got, expected = _both(_frozen(first()), _frozen(second()), X, root=tmp_path / "cache")
+    assert torch.equal(got, expected)
+
+
+# 5 -------------------------------------------------------------------------------------------------
+def test_a_file_edited_and_reloaded_gives_a_new_key(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))  # reload finds the module on the path
+    modules.append("defines_edited")
+    path = tmp_path / "defines_edited.py"
+    source = "from torch import nn\nclass Net(nn.Module):\n    def forward(self, x):\n        return x * {}\n"
+    module = _load(path, "defines_edited", source.format(2))
+    first = torchcache()(_frozen(module.Net()))
+    before = first.cache_instance.module_hash
+    path.write_text(source.format(3))
+    importlib.invalidate_caches()
+    module = importlib.reload(module)
+    net = torchcache()(_frozen(module.Net()))
+    assert net.cache_instance.module_hash != before
+    assert torch.equal(net(X), X * 3)
+
+
+# 6 -------------------------------------------------------------------------------------------------
+_HELPER = "class Pre:\n    def apply(self, x):\n        return x * {}\n"
+
+
+class _UsesHelper(nn.Module):
+    def __init__(self, pre: Any) -> None:
+        super().__init__()
+        self.pre = pre
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre.apply(x)
+
+
+def test_a_helper_object_is_keyed_by_its_class_code(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("defines_helper")
+    first = _load(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(2)).Pre()
+    second = _load(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(3)).Pre()
+    got, expected = _both(_frozen(_UsesHelper(first)), _frozen(_UsesHelper(second)), X, root=tmp_path / "cache")
+    assert torch.equal(got, expected)
+
+
+def test_a_dataset_transform_is_keyed_by_its_class_code(tmp_path: Path, modules: list[str]) -> None:
+    from torchcache.datasets.keys import fingerprint_dataset
+
+    modules.append("defines_transform")
+    keys = []
+    for factor in (2, 3):
+        pre = _load(tmp_path / "defines_transform.py", "defines_transform", _HELPER.format(factor)).Pre()
+        keys.append(fingerprint_dataset(_TransformedData(pre)))
+    assert keys[0] != keys[1]
+
+
+class _TransformedData(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.transform.apply(X[i])
+
+
+# 7 -------------------------------------------------------------------------------------------------
+def test_weights_substituted_at_call_time_give_their_own_outputs() -> None:
+    net = torchcache()(_frozen(nn.Linear(4, 2)))
+    own = net(X)
+    soup = {name: value * 2 for name, value in net.named_parameters()}
+    got = torch.func.functional_call(net, soup, (X,))
+    assert torch.allclose(got, nn.functional.linear(X, soup["weight"], soup["bias"]))
+    assert not torch.allclose(got, own)
+    assert torch.equal(net(X), own)
+
+
+def test_weights_given_new_storage_through_data_are_seen() -> None:
+    net = torchcache()(_frozen(nn.Linear(4, 2)))
+    net(X)
+    torch.nn.utils.vector_to_parameters(torch.arange(10.0), net.parameters())  # writes through .data
+    assert torch.equal(net(X), nn.functional.linear(X, net.weight, net.bias))
+
+
+# 8 -------------------------------------------------------------------------------------------------
+_A = collections.namedtuple("_A", "image mask")
+_B = collections.namedtuple("_B", "mask image")
+
+
+def test_the_container_type_of_per_item_tensors_is_keyed() -> None:
+    @torchcache()
+    def first_field(pair: Any) -> torch.Tensor:
+        return pair[0] * 2 + pair[1]
+
+    image, mask = X, X.flip(1)
+    assert torch.equal(first_field(_A(image, mask)), image * 2 + mask)
+    assert torch.equal(first_field(_B(image, mask)), image * 2 + mask)  # B's first field holds `image`: keyed apart
+    assert first_field.cache_instance.stats().hits == 0
+
+    @torchcache()
+    def kind(items: Any) -> torch.Tensor:
+        return items[0] * (2 if isinstance(items, tuple) else 3)
+
+    assert torch.equal(kind((X,)), X * 2) and torch.equal(kind([X]), X * 3)
+
+
+# 9 -------------------------------------------------------------------------------------------------
+class _Doubled(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_is_keyed_apart_from_a_plain_tensor() -> None:
+    @torchcache()
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x.as_subclass(torch.Tensor) * (3 if type(x) is _Doubled else 2)
+
+    assert torch.equal(scale(X), X * 2)
+    assert torch.equal(scale(X.as_subclass(_Doubled)), X * 3)
+
+
+# 10 ------------------------------------------------------------------------------------------------
+def test_shared_arguments_keep_where_their_tensors_sit() -> None:
+    @torchcache(shared_args=("masks",))
+    def masked(x: torch.Tensor, masks: tuple[Any, Any]) -> torch.Tensor:
+        first, second = masks
+        return x * (first if first is not None else 1) + (second if second is not None else 0)
+
+    m = torch.full((4,), 2.0)
+    assert torch.equal(masked(X, (m, None)), X * m)
+    assert torch.equal(masked(X, (None, m)), X + m)
+
+
+# 11 ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Config:
+    scale: float
+
+
+class _Configured(nn.Module):
+    def __init__(self, cfg: _Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * getattr(self.cfg, "extra", self.cfg.scale)
+
+
+def test_a_dataclass_is_keyed_by_attributes_set_outside_its_fields(tmp_path: Path) -> None:
+    a, b = _Config(1.0), _Config(1.0)
+    a.extra, b.extra = 2.0, 3.0  # type: ignore[attr-defined]
+    got, expected = _both(_frozen(_Configured(a)), _frozen(_Configured(b)), X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
+# 12 ------------------------------------------------------------------------------------------------
+def test_a_module_built_in_inference_mode_is_cached() -> None:
+    with torch.inference_mode():
+        net = _frozen(nn.Linear(4, 2))
+    cached = torchcache()(net)
+    first = cached(X)
+    assert torch.equal(cached(X), first) and cached.cache_instance.stats().hits == 3
+
+
+# 13 ------------------------------------------------------------------------------------------------
+def _f(x: int) -> int:
+    return x
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (bytearray(b"abc"), b"builtins.bytearray|abc"),
+        (False, _f),
+        ([False], [0]),
+        ([None, "I"], [NotImplemented]),
+        ((b"a", b""), (b"", b"a")),
+    ],
+    ids=["bytearray-bytes", "false-function", "bool-int", "none-notimplemented", "bytes-split"],
+)
+def test_values_of_different_kinds_never_encode_alike(a: Any, b: Any) -> None:
+    encode = KeyEncoder("remedy").encode
+    assert encode(a, "a") != encode(b, "b")
+
+
+# 14 ------------------------------------------------------------------------------------------------
+class _Clip(nn.Module):
+    """Each image scored against every text of its batch, as CLIP's ``logits_per_image``."""
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        return images @ texts.T
+
+
+def test_items_that_are_scored_against_each_other_are_refused_even_when_all_are_hits() -> None:
+    model = torchcache(check_items=False)(_frozen(_Clip()))
+    a, b, c, d = (torch.randn(2, 4) for _ in range(4))
+    model(a, b)
+    model(c, d)
+    checked = torchcache()(_frozen(_Clip()))
+    with pytest.raises(KeyingError, match=r"depends on the batch|depend on the other items"):
+        checked(torch.cat([a[:1], c[1:]]), torch.cat([b[:1], d[1:]]))
+
+
+# 15 ------------------------------------------------------------------------------------------------
+def test_batch_norm_without_running_statistics_is_refused() -> None:
+    model = torchcache()(_frozen(nn.BatchNorm1d(4, track_running_stats=False)))
+    with pytest.raises(KeyingError, match="depend on the other items"):
+        model(torch.randn(8, 4))
+
+
+# found while keying submodules by their class ------------------------------------------------------
+def test_submodules_without_attributes_are_keyed_by_their_class(tmp_path: Path) -> None:
+    got, expected = _both(_frozen(nn.Sequential(nn.Tanh())), _frozen(nn.Sequential(nn.Sigmoid())), X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
+def test_a_submodule_switched_to_training_mode_alone_is_keyed() -> None:
+    net = torchcache()(_frozen(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))))
+    evaluated = net(X)
+    net[1].train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        trained = net(X)
+    assert not torch.equal(trained, evaluated)  # dropout ran: not the eval-mode entries
+
+
+# also seen ----------------------------------------------------------------------------------------
+def test_hits_come_back_in_the_memory_format_a_real_call_returns() -> None:
+    conv = _frozen(nn.Conv2d(3, 4, 3)).to(memory_format=torch.channels_last)
+    net = torchcache()(conv)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    miss, hit = net(x), net(x)
+    assert miss.is_contiguous(memory_format=torch.channels_last) and not miss.is_contiguous()
+    assert hit.is_contiguous(memory_format=torch.channels_last) and torch.equal(hit, miss)
+
+
+class _Mapping(collections.abc.Mapping):  # type: ignore[type-arg]
+    def __init__(self, data: dict[str, torch.Tensor]) -> None:
+        self.data = data
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class DynamicCache:
+    """What a generation cache of past keys and values looks like to the cache: not per item."""
+
+
+def test_outputs_that_cannot_be_cached_say_the_way_out() -> None:
+    @torchcache()
+    def encodes(x: torch.Tensor) -> Any:
+        return _Mapping({"input_ids": x})
+
+    with pytest.raises(KeyingError, match=r"return dict\(output\)"):
+        encodes(X)
+
+    @torchcache()
+    def generates(x: torch.Tensor) -> Any:
+        return {"logits": x, "past_key_values": DynamicCache()}
+
+    with pytest.raises(KeyingError, match="use_cache=False"):
+        generates(X)
