@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchcache import CacheWarning, ConfigError, torchcache
+from torchcache import CacheWarning, ConfigError, KeyingError, torchcache
 
 from .helpers import run_python
 
@@ -369,6 +369,48 @@ def test_clip_get_image_features_as_a_bound_method(cache_root: Path) -> None:
     other_features.cache_instance.flush()
     assert image_features.cache_instance.cache_dir != other_features.cache_instance.cache_dir
     assert image_features.cache_instance.cache_dir.parent == cache_root
+
+
+def test_a_whole_clip_model_is_refused_and_names_its_feature_methods() -> None:
+    clip = torchcache()(_clip(seed=0))
+    tokens = _tokens(batch=3, length=8)
+    del tokens["token_type_ids"]
+    with pytest.raises(KeyingError, match="get_image_features"):  # logits_per_image: every image by every text
+        clip(pixel_values=_images(), **tokens)
+
+
+WHISPER = {
+    "vocab_size": 100,
+    "num_mel_bins": 8,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_layers": 1,
+    "decoder_attention_heads": 2,
+    "d_model": 16,
+    "encoder_ffn_dim": 32,
+    "decoder_ffn_dim": 32,
+    "max_source_positions": 16,
+    "max_target_positions": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+}
+
+
+def test_whisper_encoder_is_cached_bit_for_bit_and_the_whole_model_names_the_way_out() -> None:
+    transformers = _transformers()
+    torch.manual_seed(0)
+    whisper = transformers.WhisperModel(transformers.WhisperConfig(**WHISPER)).eval().requires_grad_(False)
+    features = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(4))
+    want = whisper.encoder(features)
+    encoder = torchcache()(whisper.get_encoder())
+    _assert_outputs_equal(encoder(features), want)
+    _assert_outputs_equal(encoder(features), want)
+    assert encoder.cache_instance.stats().hits == 3
+    model = torchcache()(whisper)
+    with pytest.raises(KeyingError, match=r"use_cache=False.*encoder"):
+        model(input_features=features, decoder_input_ids=torch.ones(3, 2, dtype=torch.long))
 
 
 # -- 5. torchvision-style and timm-style models ------------------------------------------------------------
