@@ -9,7 +9,11 @@ tensors) it measures:
 - **check**: the version-counter check that runs before every cached call, against the
   W1 memory-hit path (a batch of 256 images of 3x64x64 whose (768,) features are all in
   memory), the cost it adds to;
-- **verify**: one ``verify_weights`` content check (all weights hashed).
+- **verify**: one ``verify_weights`` content check (all weights hashed);
+- **huge attributes**: wrap plus first key of a small module that holds a 5 M-entry dict
+  (a vocabulary) or a list of 2 M small objects;
+- **item check**: the first call of a 16-image batch at 3x224x224 through the ViT-B-sized
+  module with the check that items are independent (``check_items``) and without it.
 
 Each figure is the median over ``--repeats`` runs with its minimum and maximum. The
 benchmark checks its own results: the cached outputs equal the uncached ones, and the
@@ -38,6 +42,7 @@ from _meta import write_results
 from workloads import CheapFeatures
 
 from torchcache import torchcache
+from torchcache.module.independence import forget_checks
 from torchcache.module.versions import VersionWatch
 
 
@@ -58,6 +63,55 @@ class VitB(nn.Module):
         tokens = self.patch(images).flatten(2).transpose(1, 2)
         tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], dim=1) + self.pos
         return self.norm(self.encoder(tokens))[:, 0]
+
+
+class Vocabulary(nn.Module):
+    """A linear map that holds a large table, as a tokenizer-backed model does."""
+
+    def __init__(self, table: object) -> None:
+        super().__init__()
+        self.table = table
+        self.linear = nn.Linear(4, 4)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear map; the table is only held."""
+        return self.linear(x)
+
+
+class Token:
+    """A small object with plain state."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = f"t{index}"
+
+
+def huge_attribute_wrap(table: object, repeats: int) -> list[float]:
+    """Seconds to wrap a module that holds ``table`` and take its first key."""
+    times = []
+    for _ in range(repeats):
+        module = Vocabulary(table)
+        start = time.perf_counter()
+        torchcache()(module)
+        _ = module.cache_instance.module_hash
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def first_calls(check: bool, images: torch.Tensor, repeats: int) -> tuple[list[float], torch.Tensor]:
+    """Seconds of the first call of a fresh ViT-B-sized module, with or without the item check."""
+    times, out = [], torch.empty(0)
+    for _ in range(repeats):
+        torch.manual_seed(0)
+        model = torchcache(check_items=check)(VitB().eval().requires_grad_(False))
+        _ = model.cache_instance.module_hash
+        forget_checks()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model(images)
+        times.append(time.perf_counter() - start)
+    return times, out
 
 
 def timed(fn: Callable[[], object], repeats: int, inner: int = 1) -> list[float]:
@@ -120,8 +174,23 @@ def main() -> int:
         correct = torch.equal(first, plain(images)) and torch.equal(cached(images), first)
         hit = timed(lambda: cached(images), args.repeats, inner=5)
 
+    vocabulary = huge_attribute_wrap({f"token{i}": i for i in range(5_000_000)}, 3)
+    objects = huge_attribute_wrap([Token(i) for i in range(2_000_000)], 3)
+    vit_images = torch.randn(16, 3, 224, 224)
+    checked, with_check = first_calls(True, vit_images, 3)
+    unchecked, without_check = first_calls(False, vit_images, 3)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        reference = VitB().eval()(vit_images)
+    correct = correct and torch.allclose(with_check, reference) and torch.allclose(without_check, reference)
+
     results = {
         "model": f"ViT-B-sized encoder, {params / 1e6:.0f} M parameters, {tensors} tensors",
+        "dict_5m_wrap_s": spread(vocabulary, 1.0),
+        "objects_2m_wrap_s": spread(objects, 1.0),
+        "first_call_checked_s": spread(checked, 1.0),
+        "first_call_unchecked_s": spread(unchecked, 1.0),
+        "check_share_of_first_call": statistics.median(checked) / statistics.median(unchecked) - 1,
         "wrap_s": spread(wrap, 1.0),
         "check_us": spread(check, 1e6),
         "w1_hit_ms": spread(hit, 1e3),
@@ -135,6 +204,12 @@ def main() -> int:
     print(f"W1 memory-hit batch   {results['w1_hit_ms']['median']:.2f} ms [{wrap_range(results['w1_hit_ms'])}]")
     print(f"check / W1 hit        {results['check_share_of_w1_hit']:.2%}")
     print(f"verify_weights check  {results['verify_ms']['median']:.1f} ms [{wrap_range(results['verify_ms'])}]")
+    for label, name in (("5 M-entry dict wrap", "dict_5m_wrap_s"), ("2 M objects wrap", "objects_2m_wrap_s")):
+        print(f"{label:<22}{results[name]['median']:.2f} s [{wrap_range(results[name])}]")
+    print(
+        f"first call, checked   {results['first_call_checked_s']['median']:.3f} s against "
+        f"{results['first_call_unchecked_s']['median']:.3f} s unchecked (+{results['check_share_of_first_call']:.1%})"
+    )
     print(f"correct               {results['correct']}")
     write_results("keys_and_versions", results, args.json)
     return 0 if results["correct"] else 1
