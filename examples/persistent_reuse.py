@@ -59,7 +59,7 @@ class Encoder(nn.Module):
 
 def run(title: str) -> None:
     """Embed the dataset for two epochs and print where the items came from."""
-    # The module key covers the class source, the init arguments and the weights, so
+    # The module key covers the class's code, the init arguments and the weights, so
     # both processes must build the same weights (in practice: load the same checkpoint).
     torch.manual_seed(0)
     encoder = Encoder().eval()

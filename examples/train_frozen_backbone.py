@@ -139,7 +139,7 @@ def accuracy(backbone: nn.Module, head: nn.Module, dataset: TensorDataset) -> fl
 
 def main() -> None:
     dataset = make_dataset()
-    # Seeded weights: the module key covers the class source, the init arguments and the
+    # Seeded weights: the module key covers the class's code, the init arguments and the
     # weights, so a second run finds this run's entries only if it builds the same
     # weights (in practice: loads the same checkpoint).
     torch.manual_seed(0)

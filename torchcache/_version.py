@@ -1,3 +1,3 @@
 """The package version."""
 
-__version__ = "1.2.0"
+__version__ = "1.3.0"
