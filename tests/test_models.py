@@ -413,6 +413,37 @@ def test_whisper_encoder_is_cached_bit_for_bit_and_the_whole_model_names_the_way
         model(input_features=features, decoder_input_ids=torch.ones(3, 2, dtype=torch.long))
 
 
+def test_sentence_transformers_cache_the_inner_model_and_the_whole_model_names_it(tmp_path: Path) -> None:
+    transformers = _transformers()
+    st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers")
+    try:
+        import sentence_transformers.sentence_transformer.modules as st_models  # 6 and later
+    except ImportError:  # pragma: no cover - older releases
+        import sentence_transformers.models as st_models
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(chr(c) for c in range(97, 123)), "hello", "cat", "dog"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**{**BERT, "vocab_size": len(vocab)})
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+
+    def encoder() -> Any:
+        word = st_models.Transformer(str(tmp_path))
+        pooling = st_models.Pooling(BERT["hidden_size"])
+        return st.SentenceTransformer(modules=[word, pooling], device="cpu").eval().requires_grad_(False)
+
+    sentences = ["hello dog", "cat", "dog dog cat", "hello"]
+    model = encoder()
+    want = model.encode(sentences, convert_to_tensor=True)
+    torchcache()(model[0].auto_model)  # the transformer inside: per-item outputs
+    assert torch.equal(model.encode(sentences, convert_to_tensor=True), want)
+    assert torch.equal(model.encode(sentences, convert_to_tensor=True), want)
+    assert model[0].auto_model.cache_instance.stats().hits == len(sentences)
+    whole = torchcache()(encoder())  # its forward returns the tokenizer's BatchEncoding
+    with pytest.raises(KeyingError, match=r"model\[0\]\.auto_model"):
+        whole.encode(sentences, convert_to_tensor=True)
+
+
 # -- 5. torchvision-style and timm-style models ------------------------------------------------------------
 class BasicBlock(nn.Module):
     """A torchvision-style residual block: conv-bn-relu-conv-bn, plus a projected shortcut."""
