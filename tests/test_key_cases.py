@@ -391,3 +391,41 @@ def test_outputs_that_cannot_be_cached_say_the_way_out() -> None:
 
     with pytest.raises(KeyingError, match="use_cache=False"):
         generates(X)
+
+
+# a package installed with `pip install .` keeps its version while its code changes ----------------
+def _install_fake(site: Path, factor: int, direct: str) -> None:
+    package = site / "builtlocally"
+    package.mkdir(parents=True, exist_ok=True)
+    source = f"def scale(x):\n    return x * {factor}\n"
+    (package / "__init__.py").write_text(source)
+    info = site / "builtlocally-0.1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: builtlocally\nVersion: 0.1.0\n")
+    digest = __import__("hashlib").sha256(source.encode()).hexdigest()
+    (info / "RECORD").write_text(f"builtlocally/__init__.py,sha256={digest},{len(source)}\n")
+    (info / "direct_url.json").write_text(direct)
+
+
+@pytest.mark.parametrize(
+    ("direct", "follows_files"),
+    [('{"url": "file:///src/builtlocally", "dir_info": {}}', True), ("{}", False)],
+    ids=["built-from-a-directory", "from-an-index"],
+)
+def test_a_package_built_from_a_directory_is_keyed_by_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str, follows_files: bool
+) -> None:
+    from torchcache.canonical import origins
+
+    site = tmp_path / "site-packages"
+    monkeypatch.syspath_prepend(str(site))
+    keys = []
+    for factor in (2, 3):
+        _install_fake(site, factor, direct)
+        monkeypatch.setattr(origins, "_versions", {})  # a new process
+        monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
+        importlib.invalidate_caches()
+        module = importlib.import_module("builtlocally")
+        keys.append(KeyEncoder("remedy").encode(module.scale, "scale"))
+    monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
+    assert (keys[0] != keys[1]) == follows_files

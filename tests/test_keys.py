@@ -160,13 +160,17 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 def _long_list_encoding(items: list[Any]) -> bytes:
     """The documented encoding of a long list: its length and the xxh3_128 of its chunks of 4,096 items.
 
-    A chunk of ints alone is their decimals, space-separated; any other chunk is its items' encodings.
+    A chunk of ints alone is their 8-byte integers, or beyond 64 bits their decimals, space-separated;
+    any other chunk here is its items' encodings.
     """
     h = xxhash.xxh3_128()
     for start in range(0, len(items), 4096):
         chunk = items[start : start + 4096]
         if {type(v) for v in chunk} == {int}:
-            h.update(_field(b"1", " ".join(map(str, chunk)).encode()))
+            if all(-(2**63) <= v < 2**63 for v in chunk):
+                h.update(_field(b"4", struct.pack(f"<{len(chunk)}q", *chunk)))
+            else:
+                h.update(_field(b"1", " ".join(map(str, chunk)).encode()))
         else:
             h.update(_field(b"#", b"".join(encode_value(v) for v in chunk)))
     return _field(b"V", f"{len(items)}|".encode() + h.digest())

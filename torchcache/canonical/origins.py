@@ -2,7 +2,9 @@
 
 Code of the standard library and of installed packages changes only with their version,
 so it is keyed by the package's version (``torch==2.13.0``, its local part such as
-``+cpu`` dropped, so that CPU and CUDA builds of one release share keys). Everything else
+``+cpu`` dropped, so that CPU and CUDA builds of one release share keys); a package
+installed from a local directory or a repository, whose version rarely changes between
+edits, also by the hashes of its installed files. Everything else
 (scripts, notebooks, editable installs, code made by ``exec``) is the user's, keyed by
 its code. torchcache's own files count as installed.
 """
@@ -10,6 +12,7 @@ its code. torchcache's own files count as installed.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import site
 import sys
@@ -77,32 +80,68 @@ def origin_of_module(name: str) -> str | None:
 
 
 def version_of(top: str) -> str:
-    """The version that identifies the code of an installed package (its local part dropped)."""
+    """What identifies the code of an installed package: its version, or its files' hashes when built locally.
+
+    A package installed from an index is keyed by its version, its local part dropped
+    (``torch==2.13.0`` for ``2.13.0+cpu``). One installed from a local directory or a
+    repository (``pip install .``, whose version rarely changes between edits) is keyed
+    by the hashes its ``RECORD`` lists for its files as well.
+    """
     found = _versions.get(top)
     if found is not None:
         return found
     if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
         found = f"python=={sys.version_info[0]}.{sys.version_info[1]}"
     else:
+        distribution = _distribution(top, scan=False)
         version = getattr(sys.modules.get(top), "__version__", None)
-        if not isinstance(version, str):
-            version = _distribution_version(top)
-        found = f"{top}=={version.split('+')[0]}"
+        if distribution is None and not isinstance(version, str):
+            distribution = _distribution(top, scan=True)  # sklearn from scikit-learn, without a __version__
+        if distribution is not None:
+            found = f"{top}=={distribution.version.split('+')[0]}" + _built_locally(distribution)
+        else:
+            found = f"{top}=={version.split('+')[0]}" if isinstance(version, str) else f"{top}@{_files_digest(top)}"
     _versions[top] = found
     return found
 
 
-def _distribution_version(top: str) -> str:
+def _distribution(top: str, scan: bool) -> importlib.metadata.Distribution | None:
+    """The installed distribution that provides the top-level package ``top``, if there is one.
+
+    Found by its name first; with ``scan``, among every distribution's files (a tenth of
+    a second or so).
+    """
     try:
-        return importlib.metadata.version(top)
+        return importlib.metadata.distribution(top)
     except (importlib.metadata.PackageNotFoundError, ValueError):
         pass
-    for distribution in importlib.metadata.packages_distributions().get(top, ()):
+    if not scan:
+        return None
+    for name in importlib.metadata.packages_distributions().get(top, ()):
         try:
-            return f"{distribution}-{importlib.metadata.version(distribution)}"
+            return importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
-    # No metadata (a package added to sys.path by hand): the content of its files decides.
+    return None
+
+
+def _built_locally(distribution: importlib.metadata.Distribution) -> str:
+    """``|files-<digest>`` of the file hashes in ``RECORD`` for a package built from a directory or repository."""
+    try:
+        direct = json.loads(distribution.read_text("direct_url.json") or "{}")
+    except (ValueError, OSError):
+        direct = {}
+    if not isinstance(direct, dict) or not ("dir_info" in direct or "vcs_info" in direct):
+        return ""
+    record = distribution.read_text("RECORD") or ""
+    lines = sorted(
+        line for line in record.splitlines() if ",sha256=" in line and ".dist-info/" not in line.split(",", 1)[0]
+    )
+    return "|files-" + xxhash.xxh3_128_hexdigest("\n".join(lines).encode())
+
+
+def _files_digest(top: str) -> str:
+    """The content of a package's Python files (one added to ``sys.path`` by hand, without metadata)."""
     module = sys.modules.get(top)
     filename = getattr(module, "__file__", None)
     if filename is None:
