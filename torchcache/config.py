@@ -205,11 +205,11 @@ def check_redis_url(value: str) -> str:
     Raises:
         ConfigError: Naming ``persistent_cache_dir``, if it is malformed or redis is missing.
     """
-    parse_url(value, "persistent_cache_dir")  # a ConfigError naming the option; never shows the password
     if importlib.util.find_spec("redis") is None:
         raise ConfigError(
             "persistent_cache_dir is a Redis URL, which needs the redis package: pip install 'torchcache[redis]'"
         )
+    parse_url(value, "persistent_cache_dir")  # a ConfigError naming the option; never shows the password
     return value
 
 

@@ -1,10 +1,11 @@
-"""Where a Redis store lives: its URL, parsed and checked, and its namespace.
+"""Where a Redis store lives: its URL, parsed by redis-py and checked, and its namespace.
 
-A URL is parsed here rather than by the client library so that a mistake is a
+redis-py's ``parse_url`` reads the host, port and credentials; what it lets through (a
+cluster scheme, a database name that is not a number, a password without its colon, an
+unknown query parameter) is checked here, so that a mistake is a
 :class:`~torchcache.errors.ConfigError` that names the argument and says what was
-expected, before anything connects; and so that the password never reaches a message:
-every string this module makes shows it as ``***`` (:func:`redact_url`,
-:attr:`RedisAddress.safe_url`).
+expected, before anything connects. The password never reaches a message: every string
+this module makes shows it as ``***`` (:func:`redact_url`, :attr:`RedisAddress.safe_url`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from ...errors import ConfigError
 
@@ -117,7 +118,7 @@ def check_namespace(namespace: object) -> str:
 
 
 def parse_url(url: object, name: str = "url") -> RedisAddress:
-    """Parse and check a Redis URL.
+    """Parse and check a Redis URL, with redis-py's own parser.
 
     Args:
         url: ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]``, ``rediss://...`` for TLS,
@@ -131,7 +132,7 @@ def parse_url(url: object, name: str = "url") -> RedisAddress:
         The address, port 6379 and database 0 unless given.
 
     Raises:
-        ConfigError: If the URL is not of that form.
+        ConfigError: If the URL is not of that form, or redis-py is not installed.
 
     Example:
         >>> parse_url("redis://:pw@127.0.0.1:6380/2")
@@ -144,50 +145,43 @@ def parse_url(url: object, name: str = "url") -> RedisAddress:
     def fail(problem: str) -> ConfigError:
         return ConfigError(f"{name} {problem}; expected {_FORM}, got {shown!r}")
 
-    if any(ch.isspace() for ch in url):
-        raise fail("must not contain spaces")
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in SCHEMES:
+        raise fail(f"must start with one of {', '.join(s + '://' for s in SCHEMES)}")
+    tls, cluster = SCHEMES[scheme.lower()]
+    if any(ch.isspace() for ch in url) or "#" in url:
+        raise fail("must not contain spaces or a fragment (#...)")
+    netloc, _, tail = rest.partition("/")
+    if "@" in netloc and ":" not in netloc.rpartition("@")[0]:
+        raise fail("must put the password after a colon (redis://:PASSWORD@HOST or redis://USER:PASSWORD@HOST)")
     try:
-        parts = urlsplit(url)
-        port = parts.port
+        from redis.connection import parse_url as parse_with_redis
+    except ImportError:
+        raise ConfigError(
+            f"{name} is a Redis URL, which needs the redis package: pip install 'torchcache[redis]'"
+        ) from None
+    try:
+        port = urlsplit(url).port  # what redis-py would fail on later, as a message naming the argument
+        parsed = parse_with_redis(("rediss://" if tls else "redis://") + rest.partition("?")[0])  # type: ignore[no-untyped-call]
     except ValueError:
         raise fail("has an invalid port or host") from None
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES:
-        raise fail(f"must start with one of {', '.join(s + '://' for s in SCHEMES)}")
-    tls, cluster = SCHEMES[scheme]
-    if not parts.hostname:
+    if not parsed.get("host"):
         raise fail("names no host")
     if port == 0:
         raise fail("has port 0")
-    if parts.fragment:
-        raise fail("must not have a fragment (#...)")
-    username, password = _credentials(parts, fail)
-    db = _database(parts.path, cluster, fail)
-    options = _tls_options(parts.query, tls, fail)
     return RedisAddress(
-        host=parts.hostname,
-        port=port or 6379,
-        db=db,
+        host=parsed["host"],
+        port=parsed.get("port", 6379),
+        db=_database(tail.partition("?")[0], cluster, fail),
         tls=tls,
         cluster=cluster,
-        username=username,
-        password=password,
-        tls_options=options,
+        username=parsed.get("username"),
+        password=parsed.get("password"),
+        tls_options=_tls_options(urlsplit(url).query, tls, fail),
     )
 
 
-def _credentials(parts: SplitResult, fail: _Fail) -> tuple[str | None, str | None]:
-    if "@" not in parts.netloc:
-        return None, None
-    userinfo = parts.netloc.rpartition("@")[0]
-    if ":" not in userinfo:
-        raise fail("must put the password after a colon (redis://:PASSWORD@HOST or redis://USER:PASSWORD@HOST)")
-    user, _, password = userinfo.partition(":")
-    return (unquote(user) or None), unquote(password)
-
-
-def _database(path: str, cluster: bool, fail: _Fail) -> int:
-    digits = path[1:] if path.startswith("/") else path
+def _database(digits: str, cluster: bool, fail: _Fail) -> int:
     if not digits:
         return 0
     if not digits.isascii() or not digits.isdigit() or len(digits) > 6:
