@@ -25,6 +25,7 @@ from tests.helpers import stored_entries
 from torchcache import CacheWarning, torchcache
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
+from torchcache.cli.output import short_keys
 from torchcache.cli.verify import TMP_GRACE_SECONDS
 from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
@@ -142,7 +143,7 @@ def test_ls_empty_and_missing_root(
     capsys: pytest.CaptureFixture[str], cache_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     code, out, err = run(capsys, "ls")
-    assert (code, err) == (0, "") and out == f"no module caches under {cache_root}\n"
+    assert (code, err) == (0, "") and out == f"no caches under {cache_root}\n"
     code, out, _ = run(capsys, "ls", "--json")
     assert code == 0 and json.loads(out) == {"root": str(cache_root), "caches": []}
     monkeypatch.setenv("TORCHCACHE_DIR", str(tmp_path / "never-used"))
@@ -174,8 +175,9 @@ def test_ls_ignores_unrelated_directories(capsys: pytest.CaptureFixture[str], ca
     code, out, _ = run(capsys, "ls")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["KEY", "NAME", "ENTRIES", "SIZE", "ON", "DISK", "CREATED", "LAST", "USED", "VERSION"]
-    assert lines[1].split()[:3] == [directory.name[:12], f"{Tiny.__module__}.Tiny", "5"]
+    headers = ["KEY", "NAME", "KIND", "ENTRIES", "SIZE", "ON", "DISK", "CREATED", "LAST", "USED", "VERSION"]
+    assert lines[0].split() == headers
+    assert lines[1].split()[:4] == [directory.name[:12], f"{Tiny.__module__}.Tiny", "module", "5"]
     assert lines[-1].startswith("1 module cache, 5 entries, ")
     caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
     assert [c["key"] for c in caches] == [directory.name]
@@ -509,7 +511,7 @@ def test_clear_all_leaves_unrelated_directories(capsys: pytest.CaptureFixture[st
     code, out, _ = run(capsys, "clear", "--all", "-y")
     assert code == 0 and out.startswith("removed 3 module caches (")
     assert sorted(p for p in cache_root.rglob("*")) == unrelated
-    assert run(capsys, "clear", "--all", "-y")[1] == f"nothing to clear: no module caches under {cache_root}\n"
+    assert run(capsys, "clear", "--all", "-y")[1] == f"nothing to clear: no caches under {cache_root}\n"
 
 
 def test_clearing_a_cache_in_use_keeps_its_user_correct(capsys: pytest.CaptureFixture[str]) -> None:
@@ -655,6 +657,64 @@ def test_prune_with_a_size_too_large_is_a_usage_error(capsys: pytest.CaptureFixt
     assert code == 2 and out == ""
     assert err.splitlines()[-1].startswith("torchcache: error: argument --max-size: --max-size must be at most")
     assert directory.exists()
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["20", "GB"], ["20GB"], ["20G"], ["20", "G"], ["20", "gib"], ["20 GB"], ["--max-size=20", "GB"], ["1.5", "TB"]],
+)
+def test_prune_max_size_takes_a_unit_in_the_same_word_or_the_next(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, words: list[str]
+) -> None:
+    directory = make_dir(items=2)
+    argv = ["prune", *words] if words[0].startswith("--") else ["prune", "--max-size", *words]
+    code, out, err = run(capsys, *argv, "--dry-run", "--json")
+    assert (code, err) == (0, "")
+    data = json.loads(out)
+    assert data["root"] == str(cache_root) and [c["key"] for c in data["kept"]] == [directory.name]
+    code, out, err = run(capsys, *argv, str(cache_root), "--dry-run")  # a root after the unit is still the root
+    assert (code, err) == (0, "") and out.startswith("nothing to prune: 1 module cache")
+
+
+def test_prune_max_size_with_a_unit_it_cannot_read_says_how_to_write_it(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    make_dir(items=2)
+    code, out, err = run(capsys, "prune", "--max-size", "20", "gigs")
+    assert code == 1 and out == ""
+    assert err == (
+        "torchcache: error: gigs does not exist; a size takes its unit in the same word: --max-size 20GB "
+        "(or 20G, 500MiB)\n"
+    )
+    code, _, err = run(capsys, "prune", "--max-size", "20gigs")
+    assert code == 2 and "write a number and its unit as one word: 20GB, 500MiB" in err.splitlines()[-1]
+
+
+def test_caches_of_one_name_are_told_apart_by_their_short_keys(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    first, second = make_dir(out=2, items=2), make_dir(out=5, items=3)  # two Tiny instances, other init arguments
+    other = "1" if first.name[12] == "0" else "0"  # keys alike in 12 hex digits, then in all but the last
+    lookalikes = [cache_root / f"{first.name[:12]}{other * 19}{n}" for n in (1, 2)]
+    for path in lookalikes:
+        shutil.copytree(first, path)
+    code, out, _ = run(capsys, "ls")
+    rows = [line.split() for line in out.splitlines()[1:5]]
+    assert code == 0 and {row[1] for row in rows} == {f"{Tiny.__module__}.Tiny"}  # one name on every row
+    want = {second.name[:12], first.name[:13], *(path.name for path in lookalikes)}
+    assert {row[0] for row in rows} == want  # each key as long as it takes to tell it from the others
+    for key in want:  # and each names its cache
+        code, out, _ = run(capsys, "info", key, "--json")
+        assert code == 0 and json.loads(out)["key"].startswith(key)
+    listed = json.loads(run(capsys, "ls", "--json")[1])["caches"]
+    assert len({c["key"] for c in listed}) == 4 and all(c["created"] and c["last_used"] for c in listed)
+
+
+def test_short_keys() -> None:
+    keys = ["features-0a1b2c3d", "features-0a1b2c9e", "abc", "5f3c9a1d2e4b6f7a9c"]
+    assert short_keys(keys) == ["features-0a1b2c3", "features-0a1b2c9", "abc", "5f3c9a1d2e4b"]
+    assert short_keys(["5f3c9a1d2e4b6f7a"], among=["5f3c9a1d2e4b6f00"]) == ["5f3c9a1d2e4b6f7"]
+    assert short_keys([]) == []
 
 
 def test_ls_and_info_report_bytes_on_disk(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:
@@ -815,7 +875,7 @@ def test_info_shows_the_root_budget(
     line = next(line for line in out.splitlines() if line.startswith("root budget"))
     assert code == 0 and line == (
         f"root budget      50.0 GB (the default; TORCHCACHE_MAX_SIZE sets it); {format_size(used)} used by "
-        f"2 module caches in {cache_root} (0.0%)"
+        f"2 caches in {cache_root} (0.0%)"
     )
     monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "1MB")
     code, out, _ = run(capsys, "info", directory.name, "--json")
@@ -827,10 +887,7 @@ def test_info_shows_the_root_budget(
         "used_bytes": used,
         "module_caches": 2,
     }
-    assert (
-        f"1.0 MB (TORCHCACHE_MAX_SIZE); {format_size(used)} used by 2 module caches"
-        in run(capsys, "info", other.name)[1]
-    )
+    assert f"1.0 MB (TORCHCACHE_MAX_SIZE); {format_size(used)} used by 2 caches" in run(capsys, "info", other.name)[1]
     monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "0")
     assert "root budget      none (TORCHCACHE_MAX_SIZE is 0); " in run(capsys, "info", other.name)[1]
     monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "much")

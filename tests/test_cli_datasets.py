@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchcache import CachedDataset
+from torchcache import CachedDataset, SampleCache, extract_features, torchcache
 from torchcache.cli.main import main
 from torchcache.datasets.encode import encode_sample
 from torchcache.stores.packed.store import PackedStore
@@ -72,4 +72,46 @@ def test_verify_checks_samples_and_fix_removes_only_the_damaged_one(
 def test_clear_removes_a_dataset_cache(dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["clear", "--all", "--yes", "--root", str(dataset_dir.parent)]) == 0
     assert not dataset_dir.exists()
-    assert "removed 1 module cache" in capsys.readouterr().out
+    assert "removed 1 dataset cache" in capsys.readouterr().out
+
+
+def test_a_sample_cache_of_its_own_shows_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(tmp_path))
+    cache = SampleCache("squares", tmp_path / "root", max_memory_size=0, max_disk_size="1MB")
+    assert cache.get(3, lambda key: torch.full((2,), key)).tolist() == [3, 3]
+    cache.close()
+    assert main(["ls", str(tmp_path / "root")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:4] == ["squares", "squares", "dataset", "1"]  # its name, not "?"
+    assert "damaged metadata" not in out and out.splitlines()[-1].startswith("1 dataset cache, 1 entry, ")
+    assert main(["info", "squares", "--root", str(tmp_path / "root")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^name +squares$", out, re.M) and re.search(r"^metadata +ok$", out, re.M)
+
+
+class Worded(Squares):
+    """Samples with a string beside the image: their features are kept whole, in a dataset cache."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:  # type: ignore[override]
+        return torch.full((3, 4), float(i)), "word" * (i % 3)
+
+
+def test_ls_names_each_kind_of_cache(dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = dataset_dir.parent
+    module = torchcache(persistent=True, persistent_cache_dir=root)(torch.nn.Linear(4, 2).requires_grad_(False))
+    module(torch.randn(5, 4))
+    module.cache_instance.flush()
+    flat = torch.nn.Flatten().eval()
+    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    extract_features(flat, Worded(), cache_dir=root, progress=False)  # features kept whole
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("1 module cache, 1 dataset cache and 2 feature caches, 35 entries, ")
+    kinds = sorted(re.split(r"\s{2,}", line)[2] for line in out.splitlines()[1:5])
+    assert kinds == ["dataset", "features", "features", "module"]  # features kept whole (in a dataset cache) too
+    assert main(["clear", dataset_dir.name, "--root", str(root)]) == 1  # stdin is not a terminal
+    assert f"refusing to remove dataset cache {dataset_dir.name} (" in capsys.readouterr().err
+    assert main(["clear", "--all", "--yes", "--root", str(root)]) == 0
+    assert capsys.readouterr().out.startswith("removed 1 module cache, 1 dataset cache and 2 feature caches (")

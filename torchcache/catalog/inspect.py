@@ -52,11 +52,7 @@ __all__ = [
 
 
 _SHARD_RE = re.compile(r"[0-9a-f]{3}")
-
-
 _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
-
-
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
 
 
@@ -308,10 +304,12 @@ def load_cache(directory: Path) -> ModuleCache | None:
     own = [*files.entries, *files.temporaries, *files.store]
     meta = meta or {}
     version, name = meta.get("torchcache_version"), meta.get("name")
+    if not isinstance(name, str):  # a SampleCache of its own is named by its directory; "?": damaged metadata
+        name = "?" if problem is not None else directory.name if meta.get("kind") == "dataset" else "-"
     return ModuleCache(
         directory,
         meta,
-        name=name if isinstance(name, str) else "?",
+        name=name,
         created=meta_time(meta.get("created")),
         max_bytes=meta_size(meta.get("max_bytes")),
         version=version if isinstance(version, str) else None,

@@ -26,11 +26,13 @@ from .output import (
     Progress,
     cache_json,
     cache_table,
+    count_caches,
     damaged_note,
     error,
     note,
     plural,
     print_json,
+    product,
     relative,
     table,
     totals,
@@ -54,7 +56,7 @@ def command_root(arg: str | None) -> Path:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``torchcache ls``: list the module caches under a root, most recently used first.
+    """``torchcache ls``: list the caches under a root (modules, datasets, features), most recently used first.
 
     Args:
         args: The parsed arguments of the command.
@@ -71,9 +73,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"root": str(root), "caches": [cache_json(c) for c in caches]})
     elif not caches:
-        print(f"no module caches under {root}")
+        print(f"no caches under {root}")
     else:
-        print(cache_table(caches))
+        print(cache_table(caches, caches))
         print(f"\n{totals(caches)} under {root}")
         damaged_note(caches)
     return 0
@@ -173,7 +175,7 @@ def _budget_text(budget: dict[str, object]) -> str:
     """The ``root budget`` line of ``info``: the budget, its source, and the share of it in use."""
     caches, used, limit = budget["module_caches"], budget["used_bytes"], budget["max_bytes"]
     assert isinstance(caches, int) and isinstance(used, int)
-    taken = f"{format_size(used)} used by {plural(caches, 'module cache')} in {budget['root']}"
+    taken = f"{format_size(used)} used by {plural(caches, 'cache')} in {budget['root']}"
     if "problem" in budget:
         return f"none ({budget['problem']}); {taken}"
     if not isinstance(limit, int):
@@ -242,7 +244,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 removed.append(problem)
             except OSError as exc:
                 failures.append(f"cannot fix {problem.path}: {exc.strerror or exc}")
-    rebuilt = sum(p.path in damaged for p in removed)
+    rebuilt = [damaged[p.path] for p in removed if p.path in damaged]
     left = len(problems) - len(removed)
     fixed_ids = {id(p) for p in removed}
     if args.json:
@@ -267,7 +269,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             }
         )
     else:
-        print(f"checked {plural(total, 'entry', 'entries')} in {plural(len(caches), 'module cache')} under {root}")
+        print(f"checked {plural(total, 'entry', 'entries')} in {count_caches(caches)} under {root}")
         if problems:
             rows = [[p.kind, p.reason, relative(p.path, root)] for p in problems]
             print(table(["PROBLEM", "REASON", "FILE"], rows))
@@ -279,7 +281,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             size = format_size(sum(p.size for p in files_removed))
             print(f"removed {plural(len(files_removed), 'file')} ({size})")
         if rebuilt:
-            print(f"rebuilt the metadata of {plural(rebuilt, 'module cache')}")
+            print(f"rebuilt the metadata of {count_caches(rebuilt)}")
         if not problems:
             print("no problems found")
     for failure in failures:
@@ -303,7 +305,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 1 if a module cache could not be removed, else 0.
     """
-    root = command_root(args.root)
+    try:
+        root = command_root(args.root)
+    except CacheLookupError as exc:
+        if args.max_size is None or not args.root.isalpha():
+            raise
+        # `--max-size 20 gigs`: a word after the size reads as the root
+        hint = "a size takes its unit in the same word: --max-size 20GB (or 20G, 500MiB)"
+        raise CacheLookupError(f"{exc}; {hint}") from None
     caches = find_caches(root)
     busy: list[ModuleCache] = []
 
@@ -336,12 +345,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"nothing to prune: {totals(caches)} under {root}")
     else:
         verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb} {plural(len(removed), 'module cache')} ({format_size(freed)})" + (":" if removed else ""))
+        print(f"{verb} {count_caches(removed)} ({format_size(freed)})" + (":" if removed else ""))
         if removed:
-            print(cache_table(removed))
+            print(cache_table(removed, caches))
         if busy:
-            print(f"\nkept {plural(len(busy), 'module cache')} in use by a running process:")
-            print(cache_table(busy))
+            print(f"\nkept {count_caches(busy)} in use by a running process:")
+            print(cache_table(busy, caches))
         print(f"\nleft {totals(kept)} under {root}")
     return 1 if failed else 0
 
@@ -393,14 +402,14 @@ def cmd_clear(args: argparse.Namespace) -> int:
     root = command_root(args.root)
     targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
     if not targets:
-        print(f"nothing to clear: no module caches under {root}")
+        print(f"nothing to clear: no caches under {root}")
         return 0
     size = format_size(sum(c.nbytes for c in targets))
     single = len(targets) == 1 and not args.all
     what = (
-        f"module cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
+        f"{product(targets[0])} cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
         if single
-        else f"{plural(len(targets), 'module cache')} ({size}) under {root}"
+        else f"{count_caches(targets)} ({size}) under {root}"
     )
     if not args.yes:
         stdin = sys.stdin
@@ -412,5 +421,5 @@ def cmd_clear(args: argparse.Namespace) -> int:
             print("aborted; nothing removed", file=sys.stderr)
             return 1
     removed, freed, failed = _remove(targets)
-    print(f"removed {plural(len(removed), 'module cache')} ({format_size(freed)})")
+    print(f"removed {count_caches(removed)} ({format_size(freed)})")
     return 1 if failed else 0

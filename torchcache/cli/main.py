@@ -22,9 +22,11 @@ from .commands import cmd_clear, cmd_info, cmd_ls, cmd_prune, cmd_verify
 from .migrate import cmd_migrate
 from .output import PROG, error, note
 
-__all__ = ["build_parser", "main", "parse_duration"]
+__all__ = ["build_parser", "join_sizes", "main", "parse_duration"]
 
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw])\s*$", re.IGNORECASE)
+_NUMBER_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?$")
+_UNIT_RE = re.compile(r"^[A-Za-z]{1,3}$")
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -52,11 +54,44 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
+def join_sizes(argv: Sequence[str]) -> list[str]:
+    """The arguments with a ``--max-size`` number and the unit after it joined: ``20 GB`` reads as ``20GB``.
+
+    A shell splits ``--max-size 20 GB`` into two words, and the unit would be taken for
+    the root. A number followed by a word that makes a size with it (``GB``, ``GiB``,
+    ``G``, ``MB``...) is one size.
+
+    Example:
+        >>> join_sizes(["prune", "--max-size", "20", "GB"]), join_sizes(["prune", "--max-size=1.5", "TiB", "/data"])
+        (['prune', '--max-size', '20GB'], ['prune', '--max-size=1.5TiB', '/data'])
+    """
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        option, equals, number = args[i].partition("=")
+        at = i if equals else i + 1  # the word that holds the number
+        if len(option) > 3 and "--max-size".startswith(option) and at + 1 < len(args):
+            number = number if equals else args[at]
+            unit = args[at + 1]
+            if _NUMBER_RE.match(number) and _UNIT_RE.match(unit) and _is_size(number + unit):
+                args[at : at + 2] = [args[at] + unit]
+        i += 1
+    return args
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text)
+    except ConfigError:
+        return False
+    return True
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text, "--max-size")
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{exc} (write a number and its unit as one word: 20GB, 500MiB)") from None
 
 
 def _duration(text: str) -> float:
@@ -171,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(join_sizes(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..catalog.inspect import ModuleCache
+from ..features.variable import MARK
 from ..policy import format_size
 
 __all__ = [
@@ -24,13 +25,16 @@ __all__ = [
     "Progress",
     "cache_json",
     "cache_table",
+    "count_caches",
     "damaged_note",
     "error",
     "iso",
     "note",
     "plural",
     "print_json",
+    "product",
     "relative",
+    "short_keys",
     "table",
     "totals",
     "when",
@@ -38,6 +42,10 @@ __all__ = [
 
 #: The command's name, which starts every line it writes to stderr.
 PROG = "torchcache"
+#: The products whose caches share a root, in the order their counts are written.
+PRODUCTS = ("module", "dataset", "feature")
+#: The fewest hex digits of a module key that the ``KEY`` column shows.
+SHORT_KEY = 12
 
 
 class Progress:
@@ -152,12 +160,63 @@ def cache_json(cache: ModuleCache) -> dict[str, Any]:
     }
 
 
-def cache_table(caches: Sequence[ModuleCache]) -> str:
-    """Module caches as a table, one row each."""
+def product(cache: ModuleCache) -> str:
+    """Which product wrote a cache: ``"module"`` (a module or function), ``"dataset"`` or ``"feature"``.
+
+    Features kept whole in a dataset cache (they vary in shape) are features; a cache whose
+    metadata no longer says is counted as a module cache.
+    """
+    kind = cache.meta.get("kind")
+    if kind == "features" or (kind == "dataset" and MARK in cache.meta):
+        return "feature"
+    return "dataset" if kind == "dataset" else "module"
+
+
+def count_caches(caches: Sequence[ModuleCache]) -> str:
+    """How many caches of each product, such as ``2 module caches and 1 dataset cache`` (``0 caches`` for none).
+
+    Example:
+        >>> count_caches([])
+        '0 caches'
+    """
+    counts = [sum(product(c) == name for c in caches) for name in PRODUCTS]
+    parts = [plural(n, f"{name} cache") for n, name in zip(counts, PRODUCTS) if n]
+    if not parts:
+        return "0 caches"
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def short_keys(keys: Sequence[str], among: Sequence[str] = ()) -> list[str]:
+    """Each key cut to its first :data:`SHORT_KEY` characters, or more where another key starts alike.
+
+    A short key is as long as it takes to tell the key from every other one in ``keys``
+    and ``among`` (the other caches under the root), so that it names one cache, as a
+    ``KEY`` argument does.
+
+    Example:
+        >>> short_keys(["features-0a1b2c3d", "features-0a1f9e8d", "5f3c9a1d2e4b6f7a"])
+        ['features-0a1b', 'features-0a1f', '5f3c9a1d2e4b']
+    """
+    ordered = sorted({*keys, *among})
+
+    def shared(a: str, b: str) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    cut = {}
+    for i, key in enumerate(ordered):
+        neighbours = ordered[max(i - 1, 0) : i] + ordered[i + 1 : i + 2]
+        cut[key] = key[: max([SHORT_KEY, *(shared(key, other) + 1 for other in neighbours)])]
+    return [cut[key] for key in keys]
+
+
+def cache_table(caches: Sequence[ModuleCache], among: Sequence[ModuleCache] = ()) -> str:
+    """Caches as a table, one row each, with keys as short as they can be among ``caches`` and ``among``."""
+    keys = short_keys([c.key for c in caches], [c.key for c in among])
     rows = [
         [
-            c.key[:12],
+            short,
             c.name if c.meta_problem is None else f"{c.name} (damaged metadata)",
+            "features" if product(c) == "feature" else c.meta["kind"] if isinstance(c.meta.get("kind"), str) else "-",
             f"{c.entries:,}",
             format_size(c.nbytes),
             format_size(c.disk_bytes),
@@ -165,10 +224,10 @@ def cache_table(caches: Sequence[ModuleCache]) -> str:
             when(c.last_used),
             c.version or "-",
         ]
-        for c in caches
+        for short, c in zip(keys, caches)
     ]
-    headers = ["KEY", "NAME", "ENTRIES", "SIZE", "ON DISK", "CREATED", "LAST USED", "VERSION"]
-    return table(headers, rows, right=(2, 3, 4))
+    headers = ["KEY", "NAME", "KIND", "ENTRIES", "SIZE", "ON DISK", "CREATED", "LAST USED", "VERSION"]
+    return table(headers, rows, right=(3, 4, 5))
 
 
 def _finite(data: Any) -> Any:
@@ -188,14 +247,14 @@ def print_json(data: Any) -> None:
 
 
 def totals(caches: Sequence[ModuleCache]) -> str:
-    """How many module caches and entries, and their size (and on disk), in one phrase."""
+    """How many caches of each product and entries, and their size (and on disk), in one phrase."""
     entries = plural(sum(c.entries for c in caches), "entry", "entries")
     size, disk = format_size(sum(c.nbytes for c in caches)), format_size(sum(c.disk_bytes for c in caches))
-    return f"{plural(len(caches), 'module cache')}, {entries}, {size} ({disk} on disk)"
+    return f"{count_caches(caches)}, {entries}, {size} ({disk} on disk)"
 
 
 def damaged_note(caches: Sequence[ModuleCache]) -> None:
     """Print how many of the caches have damaged metadata, and the fix, if any do."""
-    damaged = sum(c.meta_problem is not None for c in caches)
+    damaged = [c for c in caches if c.meta_problem is not None]
     if damaged:
-        print(f"{plural(damaged, 'module cache')} with damaged metadata; `torchcache verify --fix` rebuilds it")
+        print(f"{count_caches(damaged)} with damaged metadata; `torchcache verify --fix` rebuilds it")
