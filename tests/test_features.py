@@ -205,6 +205,30 @@ def test_a_second_call_reads_neither_backbone_nor_dataset(cache_root: Path) -> N
     assert all(torch.equal(second[i][0], first[i][0]) for i in range(len(data)))
 
 
+class Tagged(Images):
+    """Samples with a string beside the image: their features are kept whole, sample by sample."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:  # type: ignore[override]
+        return self.images[i], "tag" * (i % 3)
+
+
+@pytest.mark.parametrize("kind", [Images, Tagged])
+def test_extraction_leaves_the_global_random_generator_as_it_was(cache_root: Path, kind: type[Images]) -> None:
+    net, data = Net(), kind()  # built first: their own draws are the caller's
+    torch.manual_seed(11)
+    state = torch.random.get_rng_state()
+    iter(DataLoader(data, batch_size=8))  # what extracting does, outside it: a draw from the global generator
+    assert not torch.equal(torch.random.get_rng_state(), state)
+    torch.random.set_rng_state(state)
+    first = extract(net, data)  # computes
+    assert net.seen[0] == len(data)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    second = extract(net, data)  # reads the cache
+    assert net.seen[0] == len(data) and second.path == first.path
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(11)))
+
+
 def test_changed_weights_dataset_or_version_compute_afresh(cache_root: Path) -> None:
     net, data = Net(), Images()
     base = extract(net, data)

@@ -83,6 +83,8 @@ def extract_features(
     return at once (the backbone does not run, the dataset is not read). A call after an
     interrupted one computes only the samples that were missing. For a changed dataset
     (another key), the backbone runs only on inputs that no older cache of it holds.
+    torch's global random generators (CUDA's too, once initialised) are left as they were,
+    although the DataLoader that reads the dataset draws its seed from them.
 
     Args:
         backbone: A frozen module (no parameter requires grad), on the device it should
@@ -131,6 +133,22 @@ def extract_features(
         if dataset is not None:
             raise ConfigError("extract_features(None, dataset): pass the backbone, or dataset=None to open a cache")
         return FeatureDataset.open(cache_dir)
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+        return _extract_features(backbone, dataset, batch_size, num_workers, cache_dir, version, input, progress)
+
+
+def _extract_features(
+    backbone: torch.nn.Module,
+    dataset: Any,
+    batch_size: int,
+    num_workers: int,
+    cache_dir: str | os.PathLike[str] | None,
+    version: object,
+    input: int | str,
+    progress: bool,
+) -> FeatureDataset:
+    """:func:`extract_features` with a backbone, once the global generators are forked."""
     _check_arguments(backbone, batch_size, num_workers, input)
     try:
         length = len(dataset)
