@@ -1,0 +1,209 @@
+"""Every ``python`` block of the README and of ``docs/*.md`` runs as it is shown.
+
+Each block runs in a fresh interpreter, from the repository root, with ``TORCHCACHE_DIR``
+in a directory of its own. A block that cannot run as it is (it needs a checkpoint from a
+hub, torchvision, a Redis server, or it is a fragment) says so in an HTML comment on the
+line before its fence, with a reason: ``<!-- not run: needs a hub checkpoint -->``.
+Blocks that promise hits in a later run are run twice in one cache root, and the second
+run must read from the disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, python_env, run_python
+
+pytestmark = pytest.mark.slow
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
+_MARK = re.compile(r"^\s*<!--\s*not run\b\s*:?\s*(?P<reason>.*?)\s*-->\s*$")
+_DISK_HITS = re.compile(r"disk hits[ :=]+(\d+)")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a Markdown page: where it starts, its language, its code, why it is not run."""
+
+    page: Path
+    line: int
+    lang: str
+    code: str
+    not_run: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+    @property
+    def first_line(self) -> str:
+        return next((line.strip() for line in self.code.splitlines() if line.strip()), "")
+
+    @property
+    def reason(self) -> str | None:
+        """Why the block is not run: its comment's reason, or its entry in :data:`LISTED`; ``None`` to run it."""
+        return self.not_run or LISTED.get((str(self.page.relative_to(REPO)), self.first_line))
+
+
+def blocks_of(page: Path) -> list[Block]:
+    """The fenced blocks of a page, each with the reason given in a ``not run`` comment just before it.
+
+    Raises:
+        ValueError: If a ``not run`` comment gives no reason, or is not right before a ``python`` block.
+    """
+    lines = page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        mark = _MARK.match(line)
+        if mark is None:
+            continue
+        if not mark["reason"]:
+            raise ValueError(f"{page.name}:{i + 1}: say why the block is not run: <!-- not run: REASON -->")
+        after = next((text for text in lines[i + 1 :] if text.strip()), "")
+        fence = _FENCE.match(after)
+        if fence is None or fence["lang"] != "python":
+            raise ValueError(f"{page.name}:{i + 1}: a `not run` comment goes right before a ```python block")
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        start = _FENCE.match(lines[i])
+        if start is None:
+            i += 1
+            continue
+        indent, fence_text = start["indent"], start["fence"]
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence_text), len(lines))
+        body = [line.removeprefix(indent) for line in lines[i + 1 : end]]
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        mark = _MARK.match(before)
+        found.append(Block(page, i + 1, start["lang"], "\n".join(body) + "\n", mark and mark["reason"]))
+        i = end + 1
+    return found
+
+
+def python_blocks() -> list[Block]:
+    return [block for page in PAGES for block in blocks_of(page) if block.lang == "python"]
+
+
+_CONTINUES = "continues the page's first example (its imports and names)"
+_HUB = "needs a checkpoint from the Hugging Face hub"
+#: Blocks that cannot run as they are, on pages that give no ``not run`` comment before
+#: their fences, by page and first line of code. A comment says the same and is the way
+#: to mark a block; an entry here that matches no block without a comment is an error.
+LISTED: dict[tuple[str, str], str] = {
+    ("docs/datasets.md", "cache_dir = Path(tempfile.mkdtemp())"): _CONTINUES,
+    ("docs/datasets.md", "def augment(sample: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:"): _CONTINUES,
+    (
+        "docs/datasets.md",
+        'data = CachedDataset(Images(files, labels), cache_dir, version="images-2024-05")',
+    ): _CONTINUES,
+    ("docs/datasets.md", "served = CachedDataset(None, cache_dir)"): _CONTINUES,
+    (
+        "docs/datasets.md",
+        'data = CachedDataset(dataset, "redis://:PASSWORD@cache-host:6379/0", max_disk_size="50GB",',
+    ): ("needs a Redis server"),
+    ("docs/datasets.md", "from torchcache import SampleCache"): _CONTINUES,
+    ("docs/features.md", "loader = DataLoader(dataset, batch_size=256, shuffle=True)"): "a fragment of a training loop",
+    ("docs/features.md", "import torchcache"): "a fragment of a training loop",
+    ("docs/features.md", 'features = torchcache.extract_features(backbone, ImageFolder("data/train", transform))'): (
+        "needs torchvision and an image folder"
+    ),
+    ("docs/features.md", 'features = torchcache.FeatureDataset.open("/data/caches/features-0123abcd...")'): (
+        "needs a features cache under /data/caches"
+    ),
+    ("docs/file-format.md", "import json"): "needs a module directory to read",
+    ("docs/models.md", 'model = AutoModel.from_pretrained("path/or/hub-id").requires_grad_(False)'): _HUB,
+    ("docs/models.md", "@torchcache()"): _HUB,
+    ("docs/models.md", 'clip = CLIPModel.from_pretrained("path/or/hub-id").requires_grad_(False)'): _HUB,
+    ("docs/models.md", 'whisper = WhisperModel.from_pretrained("path/or/hub-id").eval().requires_grad_(False)'): _HUB,
+    ("docs/models.md", 'model = SentenceTransformer("path/or/hub-id").eval().requires_grad_(False)'): _HUB,
+    ("docs/models.md", "model = resnet18(weights=ResNet18_Weights.DEFAULT).eval().requires_grad_(False)"): (
+        "needs torchvision, timm and their pretrained weights"
+    ),
+    ("docs/models.md", "backbone = torchcache(keep_eval=True, persistent=True)(backbone.requires_grad_(False))"): (
+        "a fragment of a training loop"
+    ),
+    (
+        "docs/models.md",
+        "model = torch.compile(nn.Sequential(backbone, head))  # the second call with the same x hits",
+    ): ("a fragment: `backbone`, `head` and `x` are a model's"),
+    ("docs/models.md", "teacher = copy.deepcopy(student)                   # teacher.backbone has its own cache"): (
+        "a fragment: `student` and `teacher_weights` are a model's"
+    ),
+    (
+        "docs/redis.md",
+        '@torchcache(persistent=True, persistent_cache_dir=URL, local_cache_dir="/scratch/torchcache")',
+    ): ("needs a Redis server"),
+    ("docs/redis.md", "from torchcache.stores.redis import RedisStore"): "needs a Redis server",
+    ("docs/usage.md", "@torchcache(persistent=True)"): _CONTINUES,
+    ("docs/usage.md", '@torchcache(shared_args=["mask"])'): _CONTINUES,
+    ("docs/usage.md", "lstm = nn.LSTM(4, 8, num_layers=2).requires_grad_(False).eval()"): _CONTINUES,
+    ("docs/usage.md", "backbone = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1)).requires_grad_(False)"): _CONTINUES,
+    ("docs/usage.md", "import copy"): _CONTINUES,
+}
+BLOCKS = python_blocks()
+#: The pages whose first block prints the disk hits, and promises some in a second run.
+TWICE = ["README.md", "docs/quickstart.md", "docs/index.md"]
+
+
+def run_block(block: Block, root: Path) -> str:
+    """Run a block's code in a fresh interpreter with ``TORCHCACHE_DIR=root``; return its stdout."""
+    done = run_python(block.code, env=python_env(TORCHCACHE_DIR=str(root)), timeout=300)
+    assert done.returncode == 0, f"{block.name} failed:\n{block.code}\n--- stderr ---\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def runs_twice(block: Block) -> bool:
+    """Whether the block is the first of a page in :data:`TWICE` (run twice by its own test)."""
+    return any(block is next(b for b in BLOCKS if b.page == REPO / page) for page in TWICE)
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.reason is None and not runs_twice(b)], ids=lambda b: b.name)
+def test_a_python_block_runs(block: Block, tmp_path: Path) -> None:
+    run_block(block, tmp_path)
+
+
+@pytest.mark.parametrize("page", TWICE)
+def test_a_second_run_reads_the_disk(page: str, tmp_path: Path) -> None:
+    block = next(b for b in BLOCKS if b.page == REPO / page)
+    assert block.reason is None
+    first = _DISK_HITS.findall(run_block(block, tmp_path))
+    second = _DISK_HITS.findall(run_block(block, tmp_path))
+    assert first == ["0"], f"{block.name}: its first run hit the disk"
+    assert len(second) == 1 and int(second[0]) > 0, f"{block.name}: its second run found nothing on disk"
+
+
+def test_a_second_run_reads_the_redis_server(tmp_path: Path) -> None:
+    from tests.redis_servers import own_server
+
+    block = next(b for b in BLOCKS if b.page == REPO / "docs/redis.md")
+    assert 'URL = "redis://localhost:6379/0"' in block.code and "run it twice" in block.code
+    with own_server() as server:
+        code = block.code.replace("redis://localhost:6379/0", server.url)
+        runs = [run_block(Block(block.page, block.line, "python", code, None), tmp_path) for _ in range(2)]
+    hits = [int(re.findall(r"hits=(\d+)", out)[-1]) for out in runs]
+    assert hits == [0, 8]
+
+
+def test_blocks_not_run_say_why_and_every_listed_block_exists() -> None:
+    skipped = [b for b in BLOCKS if b.reason is not None]
+    assert all(b.reason for b in skipped)
+    assert len(BLOCKS) - len(skipped) >= 15  # most blocks run
+    listed = [(str(b.page.relative_to(REPO)), b.first_line) for b in BLOCKS if b.not_run is None]
+    missing = [key for key in LISTED if listed.count(key) != 1]
+    assert not missing, f"entries of LISTED that match no block without a comment, or several: {missing}"
+
+
+def test_a_mark_without_a_reason_or_a_block_is_refused(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- not run: needs a Redis server -->\n```python\nimport redis\n```\n")
+    assert [b.not_run for b in blocks_of(page)] == ["needs a Redis server"]
+    page.write_text("<!-- not run -->\n```python\nprint(1)\n```\n")
+    with pytest.raises(ValueError, match="say why"):
+        blocks_of(page)
+    page.write_text("<!-- not run: a fragment -->\n```bash\nls\n```\n")
+    with pytest.raises(ValueError, match="right before a ```python block"):
+        blocks_of(page)
