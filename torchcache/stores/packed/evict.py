@@ -20,7 +20,7 @@ import lmdb
 from ..files import open_regular
 from . import upkeep
 from .format import scan_keys
-from .index import Change, Index
+from .index import Change, Index, IndexReplacedError
 from .segments import SegmentFiles
 
 __all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "evict", "keep_within_bounds", "release"]
@@ -35,6 +35,18 @@ Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclus
 def index_charge(index_bytes: int, count: int) -> int:
     """What the index costs the budget with ``count`` entries and a file of ``index_bytes``."""
     return max(count * INDEX_ENTRY_BYTES, index_bytes - INDEX_BASE_BYTES)
+
+
+def index_bloated(index_bytes: int, count: int, max_bytes: int) -> bool:
+    """Whether the index file holds so many free pages that it is worth compacting.
+
+    So it is when its file, beyond its base, takes half the budget and more than four
+    times what its entries are charged plus 256 KiB: LMDB keeps free pages of its own
+    (more when many processes read and write at once, since a page freed while a reader
+    could still see it waits), and a rebuild reads every segment file.
+    """
+    excess = index_bytes - INDEX_BASE_BYTES
+    return excess > max(4 * count * INDEX_ENTRY_BYTES + (1 << 18), max_bytes // 2)
 
 
 def evict(
@@ -113,20 +125,34 @@ def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: boo
 def keep_within_bounds(
     index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Callable[[str, str], None]
 ) -> None:
-    """Evict if the index grew past its share; compact once the files pass the budget by 5 %.
+    """Compact a bloated index; evict if the index grew past its share; compact once the files pass the budget by 5 %.
 
     Compaction goes back to 2 % over the budget where it can (segments that live
-    writers still hold are left alone).
+    writers still hold are left alone). An index holding more free pages than
+    :func:`index_bloated` allows is rewritten first (:func:`upkeep.compact_index`), so
+    that a store never ends up full of index and empty of data.
 
     Raises:
         lmdb.Error: If the index cannot be written.
         OSError: If a file cannot be read, written or removed.
     """
+    try:
+        _keep_within_bounds(index, files, max_bytes, recent, report)
+    except IndexReplacedError:
+        return  # another process compacted the index: the next call opens the new one
+
+
+def _keep_within_bounds(
+    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Callable[[str, str], None]
+) -> None:
     limit = max_bytes + INDEX_BASE_BYTES
     for _ in range(3):
         with index.begin() as txn:
             totals, count = index.totals(txn), index.count(txn)
         index_bytes = index.file_bytes()
+        if index_bloated(index_bytes, count, max_bytes):
+            upkeep.compact_index(index, files.root, report)
+            return  # the next call opens the new index
         if totals[b"records"] + index_charge(index_bytes, count) > max_bytes:
             _evict_to_fit(index, files, max_bytes, recent)  # a large transaction grew the index
         elif totals[b"files"] + index_bytes <= limit * 1.05 or not upkeep.compact(

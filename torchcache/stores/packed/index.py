@@ -50,6 +50,7 @@ __all__ = [
     "Entry",
     "Index",
     "IndexDamageError",
+    "IndexReplacedError",
     "Segment",
     "cut_short",
     "map_size_for",
@@ -134,6 +135,10 @@ def _unpack_segment(value: bytes | memoryview | None) -> Segment | None:
 
 def _u64(value: bytes | memoryview | None) -> int:
     return _U64.unpack(value)[0] if value is not None and len(value) == _U64.size else 0
+
+
+class IndexReplacedError(lmdb.Error):
+    """The index file was replaced (compacted or rebuilt by another process) after this process opened it."""
 
 
 class IndexDamageError(StoreError):
@@ -352,7 +357,12 @@ class Index:
     def change(self) -> Change:
         """Begin a write transaction (the store's one cross-process lock).
 
+        The lock is LMDB's, in the lock file that outlives a replaced index file: holding
+        it, a writer checks that the file it opened is still the index, so that nothing is
+        committed to one that another process compacted away meanwhile.
+
         Raises:
+            IndexReplacedError: If the index file was replaced: open it again.
             lmdb.Error: If it cannot begin.
         """
         try:
@@ -360,7 +370,18 @@ class Index:
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)
             txn = self.env.begin(write=True)
+        if self.replaced():
+            txn.abort()
+            raise IndexReplacedError(f"{self.path} was replaced since it was opened")
         return Change(self, txn)
+
+    def replaced(self) -> bool:
+        """Whether the index file at :attr:`path` is no longer the one this environment opened."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self.identity
 
     @property
     def map_size(self) -> int:

@@ -19,7 +19,7 @@ import lmdb
 
 from ...errors import StoreError
 from . import upkeep
-from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index
+from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index, IndexReplacedError
 from .segments import SegmentFiles
 
 __all__ = ["DAMAGE", "IndexHandle"]
@@ -106,9 +106,15 @@ class IndexHandle:
         is tried again at the next use.
         """
         try:
-            return upkeep.open_or_recover(
-                self.root, lambda kind, message: self.report(kind, message, None), self.map_size
-            )
+            for attempt in range(3):
+                try:
+                    return upkeep.open_or_recover(
+                        self.root, lambda kind, message: self.report(kind, message, None), self.map_size
+                    )
+                except (FileNotFoundError, IndexReplacedError):  # replaced by another process meanwhile
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")  # pragma: no cover
         except (lmdb.Error, OSError) as exc:
             self.report(
                 "index", f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss", "open"

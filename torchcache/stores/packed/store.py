@@ -36,7 +36,7 @@ from ..batched import BatchedStore, VerifyReport
 from . import upkeep
 from .evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
-from .index import Change, Index, map_size_for
+from .index import Change, Index, IndexReplacedError, map_size_for
 from .opening import IndexHandle
 from .read import EntryReader, Rows
 from .segments import SegmentFiles
@@ -275,12 +275,18 @@ class PackedStore(BatchedStore):
         Raises:
             StoreError: If the store cannot be written.
         """
-        index = self._ensure(write=True)
-        assert index is not None  # _ensure(write=True) raises instead
-        try:
-            change = index.change()
-        except lmdb.Error as exc:
-            raise StoreError(f"cannot write the index of {self._root}: {exc}") from exc
+        for attempt in range(3):
+            opened = self._ensure(write=True)
+            assert opened is not None  # _ensure(write=True) raises instead
+            index = opened
+            try:
+                change = index.change()
+                break
+            except IndexReplacedError:  # compacted by another process: open the new file
+                if attempt == 2:
+                    raise StoreError(f"cannot write the index of {self._root}: it keeps being replaced") from None
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot write the index of {self._root}: {exc}") from exc
         try:
             for kb, raw in self._reader.doomed.items():
                 entry = change.lookup(kb)

@@ -39,6 +39,7 @@ from .segments import SegmentFiles
 
 __all__ = [
     "compact",
+    "compact_index",
     "discard_index",
     "disk_bytes",
     "known_segments",
@@ -96,6 +97,31 @@ def exclusive(root: str, wait: bool) -> Iterator[bool]:
         os.close(fd)
 
 
+def compact_index(index: Index, root: str, report: Report) -> None:
+    """Replace an index that holds far more free pages than entries: it is rebuilt from the segment files.
+
+    LMDB reuses a freed page only once no reader can still see it, so with many writers
+    and readers at once its file can grow past what its entries need, and it never
+    shrinks: charged to the budget, it would leave no room for entries. The index is
+    discarded as a damaged one is, and the next process to open it (this one, at its
+    next call) indexes every intact record of the segment files again; a writer that
+    was waiting for the write lock finds the file replaced and opens the new one
+    (:meth:`~torchcache.stores.packed.index.Index.change`).
+
+    Raises:
+        OSError: If the index cannot be removed.
+    """
+    with exclusive(root, wait=False) as got:
+        if not got:
+            return  # another process compacts the store: the next write tries again
+        change = index.change()  # holding LMDB's write lock: no writer is inside a transaction of this index
+        try:
+            report("index", f"the index of {root} outgrew its entries ({index.file_bytes():,} bytes); rebuilding it")
+            _remove_index_files(root)
+        finally:
+            change.abort()
+
+
 def _no_access(exc: BaseException) -> bool:
     if isinstance(exc, lmdb.ReadonlyError):
         return True
@@ -116,12 +142,18 @@ def discard_index(root: str, identity: tuple[int, int] | None) -> None:
                 st = os.lstat(path)
                 if (st.st_dev, st.st_ino) != identity:
                     return  # already replaced
-        for name in (path, path + "-lock"):
-            with contextlib.suppress(FileNotFoundError):
-                if not os.path.isdir(name) or os.path.islink(name):
-                    os.unlink(name)
-                else:  # a directory someone put there: out of the way, not into it
-                    os.rename(name, f"{name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
+        _remove_index_files(root)
+
+
+def _remove_index_files(root: str) -> None:
+    """Remove the index and its lock file (call holding ``compact.lock``)."""
+    path = os.path.join(root, INDEX_NAME)
+    for name in (path, path + "-lock"):
+        with contextlib.suppress(FileNotFoundError):
+            if not os.path.isdir(name) or os.path.islink(name):
+                os.unlink(name)
+            else:  # a directory someone put there: out of the way, not into it
+                os.rename(name, f"{name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
 
 
 def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> Index:
@@ -182,25 +214,48 @@ def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> 
 
 
 def _rebuild(change: Change, files: SegmentFiles) -> int:
-    """Index every intact record of every segment file (a later copy of a key wins)."""
+    """Index every intact record of every segment file not being evicted (a later copy of a key wins).
+
+    A segment that another process is evicting or compacting (it holds an exclusive lock
+    on the file until the file is gone) is left out: its entries are misses, never
+    records of a file about to vanish. A shared lock is held while a file is read.
+    """
     count = 0
     for seg in sorted(files.listed()):
         change.next_seg = max(change.next_seg, seg + 1)
-        opened = open_regular(files.path(seg), follow_symlinks=False)
-        if opened is None:
+        fd = _lock_shared(files.path(seg))
+        if fd is None:
             continue
-        fd, st = opened
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            continue
         try:
             for offset, kb, payload in scan_records(fd, 0, st.st_size):
                 change.add_many([kb], [(seg, offset)], [len(payload)])
                 count += 1
         except OSError:
-            pass
+            pass  # what was read before the error is indexed
         finally:
             os.close(fd)
         change.seal(seg)
         change.set_end(seg, min(st.st_size, st.st_blocks * 512))
     return count
+
+
+def _lock_shared(path: str) -> int | None:
+    """A descriptor of a segment holding a shared lock, or ``None`` if it is gone or locked exclusively."""
+    opened = open_regular(path, follow_symlinks=False)
+    if opened is None:
+        return None
+    fd = opened[0]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def seal_orphans(index: Index, files: SegmentFiles) -> None:
