@@ -388,8 +388,10 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     if isinstance(existing, Cache):
         if existing.settings != settings:
             raise ConfigError(
-                f"this {type(module).__qualname__} instance is already cached with other settings; "
-                "wrap each instance once"
+                f"this {type(module).__qualname__} instance is already cached with other settings, and an "
+                "instance keeps the settings it was first wrapped with: wrap each instance once. To change them, "
+                "build the model again and wrap the new instance; in a notebook, re-run the cell that creates the "
+                "model, then wrap it with the new options"
             )
         return module
     cls = type(module)
