@@ -1,7 +1,8 @@
 """Every ``python`` block of the README and of ``docs/*.md`` runs as it is shown.
 
-Each block runs in a fresh interpreter, from the repository root, with ``TORCHCACHE_DIR``
-in a directory of its own. A block that cannot run as it is (it needs a checkpoint from a
+The blocks of a page run one after another in a fresh interpreter, from the repository
+root, each as a ``__main__`` of its own (a fresh namespace) with ``TORCHCACHE_DIR`` in a
+directory of its own. A block that cannot run as it is (it needs a checkpoint from a
 hub, torchvision, a Redis server, or it is a fragment) says so in an HTML comment on the
 line before its fence, with a reason: ``<!-- not run: needs a hub checkpoint -->``.
 Blocks that promise hits in a later run are run twice in one cache root, and the second
@@ -10,6 +11,7 @@ run must read from the disk.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +103,36 @@ def runs_twice(block: Block) -> bool:
     return any(block is next(b for b in BLOCKS if b.page == REPO / page) for page in TWICE)
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.reason is None and not runs_twice(b)], ids=lambda b: b.name)
-def test_a_python_block_runs(block: Block, tmp_path: Path) -> None:
-    run_block(block, tmp_path)
+_PAGE_RUNNER = """
+import json, os, sys, traceback
+blocks, report = json.load(open(sys.argv[1])), open(sys.argv[3], "w")
+for i, (name, code) in enumerate(blocks):
+    os.environ["TORCHCACHE_DIR"] = os.path.join(sys.argv[2], str(i))
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        json.dump({"failed": name, "code": code, "error": traceback.format_exc()[-4000:]}, report)
+        raise SystemExit(1)
+json.dump({"failed": None}, report)
+"""
+
+
+def _runnable(page: Path) -> list[Block]:
+    return [b for b in BLOCKS if b.page == page and b.reason is None and not runs_twice(b)]
+
+
+@pytest.mark.parametrize(
+    "page", [page for page in PAGES if _runnable(page)], ids=lambda page: str(page.relative_to(REPO))
+)
+def test_the_python_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
+    blocks = _runnable(page)
+    listing = tmp_path / "blocks.json"
+    listing.write_text(json.dumps([[b.name, b.code] for b in blocks]))
+    result = tmp_path / "result.json"
+    done = run_python(_PAGE_RUNNER, str(listing), str(tmp_path / "roots"), str(result), timeout=600)
+    report = json.loads(result.read_text()) if result.exists() else {"failed": "?", "error": done.stderr[-4000:]}
+    failure = f"{report.get('failed')} failed:\n{report.get('code', '')}\n--- error ---\n{report.get('error')}"
+    assert done.returncode == 0 and report["failed"] is None, failure
 
 
 @pytest.mark.parametrize("page", TWICE)

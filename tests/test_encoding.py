@@ -109,14 +109,14 @@ def _strict(value: Any) -> Any:
     return (kind.__name__, value)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_values(), _values())
 def test_two_values_encode_alike_exactly_when_they_are_equal_and_of_the_same_types(a: Any, b: Any) -> None:
     assert _encode(a) == _encode(a)
     assert (_encode(a) == _encode(b)) == (_strict(a) == _strict(b))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(_values(), min_size=1, max_size=4))
 def test_a_run_of_encodings_splits_back_into_its_values(values: list[Any]) -> None:
     encoded = [_encode(v) for v in values]

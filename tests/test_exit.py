@@ -61,7 +61,7 @@ RECREATE = textwrap.dedent(
     print(json.dumps({"made": made, "most_threads": most_threads}))
     """
 )
-_RUNS = 12
+_RUNS = 8
 _AT_ONCE = 4
 
 
