@@ -171,7 +171,8 @@ class Case:
     """A planted file and what torchcache must make of it.
 
     ``where`` is ``"entry"`` (at the path of a torchcache 1.0 entry, whose key the packed
-    store no longer holds, so the read falls back to that path), ``"record"`` (a valid
+    store no longer holds: the library never reads it, and says once that the directory
+    holds 1.0 entry files; the command line reads it), ``"record"`` (a valid
     record of the packed store, under the key of one item), ``"meta"`` (at the module's
     ``torchcache.json``), ``"shard"`` (a whole 1.0 shard directory), ``"module"`` (the
     module directory), or the name of a file of the packed store (``index.lmdb``, a
@@ -194,8 +195,9 @@ class Case:
     in_process: bool = True
 
 
+#: A 1.0 entry file: the library never reads one, and says once that the directory holds such files.
 ENTRY_CORRUPT = {"warns": True, "recomputed": 1, "verify_ok": False}
-ENTRY_IGNORED = {"recomputed": 1, "verify_ok": True}
+ENTRY_IGNORED = {"warns": True, "recomputed": 1, "verify_ok": True}
 META_DAMAGED = {"warns": True, "recomputed": 0, "verify_ok": False}
 #: A hostile index: the store moves it away and rebuilds the index from the segments.
 INDEX_REBUILT = {"warns": True, "recomputed": 0}
@@ -207,14 +209,14 @@ SEGMENT = "seg-00000001.tcs"
 UNKNOWN_SEGMENT = "seg-000000ff.tcs"
 
 CASES: dict[str, Case] = {
-    # torchcache 1.0 entries, read in place
-    "entry: FIFO": Case("entry", _fifo, warns=False, **ENTRY_IGNORED),
-    "entry: directory": Case("entry", _directory, warns=False, **ENTRY_IGNORED),
-    "entry: link to /dev/zero": Case("entry", _link_to("/dev/zero"), warns=False, **ENTRY_IGNORED),
-    "entry: link to a FIFO outside": Case("entry", _link_outside(lambda p: os.mkfifo(p)), warns=False, **ENTRY_IGNORED),
-    "entry: dangling link": Case("entry", _link_to("/nonexistent/torchcache-entry"), warns=False, **ENTRY_IGNORED),
+    # torchcache 1.0 entries, read by the command line only
+    "entry: FIFO": Case("entry", _fifo, **ENTRY_IGNORED),
+    "entry: directory": Case("entry", _directory, **ENTRY_IGNORED),
+    "entry: link to /dev/zero": Case("entry", _link_to("/dev/zero"), **ENTRY_IGNORED),
+    "entry: link to a FIFO outside": Case("entry", _link_outside(lambda p: os.mkfifo(p)), **ENTRY_IGNORED),
+    "entry: dangling link": Case("entry", _link_to("/nonexistent/torchcache-entry"), **ENTRY_IGNORED),
     "entry: link to random bytes outside": Case(
-        "entry", _link_outside(lambda p: p.write_bytes(os.urandom(3000))), warns=True, **ENTRY_IGNORED
+        "entry", _link_outside(lambda p: p.write_bytes(os.urandom(3000))), **ENTRY_IGNORED
     ),
     "entry: 5,000 nested arrays as header": Case("entry", _bytes(_sealed(_nested(5000), b"", 0, 0)), **ENTRY_CORRUPT),
     "entry: 5,000 nested objects in the tree": Case(

@@ -1,9 +1,9 @@
-"""A cache written by torchcache 1.0 (one file per entry) keeps working, and `torchcache migrate` packs it.
+"""A cache written by torchcache 1.0 (one file per entry): `torchcache migrate` packs it, and only then is it read.
 
 The 1.0 cache is built from real entries: a module runs once into a scratch root, and
 its keys and frames, read back from the packed store, are written as 1.0 entry files
-(``<3 hex digits>/<key>.tce``, by the 1.0 store itself) into a fresh root's module
-directory, beside the same ``torchcache.json`` and with no packed store.
+(``<3 hex digits>/<key>.tce``, a frame each) into a fresh root's module directory,
+beside the same ``torchcache.json`` and with no packed store.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from tests.helpers import Counting, assert_same, cached, run_python, stored_entries
-from torchcache import CacheWarning, codec
+from torchcache import CacheWarning
 from torchcache.cli.main import main
 from torchcache.cli.verify import TMP_GRACE_SECONDS
 from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
-from torchcache.stores.disk import DiskStore
 from torchcache.stores.packed.index import INDEX_NAME
 from torchcache.stores.packed.store import PackedStore
 from torchcache.tree import Layout, flatten
@@ -60,6 +59,14 @@ def model(root: Path, **options: Any) -> Any:
     return cached(Counting, persistent=True, persistent_cache_dir=root, max_memory_cache_size=0, **options)()
 
 
+def write_legacy_entry(directory: Path, key: str, frame: bytes) -> Path:
+    """Write one entry as torchcache 1.0 did: its frame alone, at ``<3 hex digits>/<key>.tce``."""
+    path = directory / key[:3] / f"{key}.tce"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(frame)
+    return path
+
+
 def build_legacy(tmp_path: Path, items: int = ITEMS, max_bytes: int | None = None) -> Legacy:
     """Write a real cache of ``items`` entries as torchcache 1.0 would have: one file per entry."""
     scratch, root = tmp_path / "scratch", tmp_path / "legacy"
@@ -76,9 +83,8 @@ def build_legacy(tmp_path: Path, items: int = ITEMS, max_bytes: int | None = Non
     (source,) = {path.parent for path in stored}
     directory = root / source.name
     directory.mkdir(parents=True)
-    store = DiskStore(directory, 1 << 40, frame_length=codec.frame_length, prefix_size=codec.PREFIX_SIZE)
     for path, frame in stored.items():
-        assert store.put(path.name, frame)
+        write_legacy_entry(directory, path.name, frame)
     meta = json.loads((source / META_NAME).read_text())
     if max_bytes is not None:
         meta["max_bytes"] = max_bytes
@@ -114,9 +120,9 @@ def flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-# -- read in place ------------------------------------------------------------------------------
+# -- read once migrated --------------------------------------------------------------------------
 _READ_IN_A_NEW_PROCESS = """
-import sys
+import sys, warnings
 from pathlib import Path
 import torch
 from tests.helpers import Counting, assert_same, cached
@@ -124,31 +130,22 @@ from tests.helpers import Counting, assert_same, cached
 root, n = Path(sys.argv[1]), int(sys.argv[2])
 x = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
 cache = cached(Counting, persistent=True, persistent_cache_dir=root, max_memory_cache_size=0)()
-assert_same(cache(x), Counting()(x))
-print(cache.items, cache.cache_instance.stats().hits)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert_same(cache(x), Counting()(x))
+print(cache.items, cache.cache_instance.stats().hits, sum("torchcache migrate" in str(w.message) for w in caught))
 """
 
 
-def test_a_new_process_hits_every_1_0_entry_in_place(legacy: Legacy) -> None:
-    done = run_python(_READ_IN_A_NEW_PROCESS, str(legacy.root), str(ITEMS))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", str(ITEMS)]  # no item computed, every one a hit
-    assert len(legacy.files()) == ITEMS  # read in place, nothing moved
-    assert packed(legacy.directory) == {}
-
-
-def test_a_fresh_instance_reads_1_0_files_and_stores_new_misses_in_the_packed_store(legacy: Legacy) -> None:
-    reader = model(legacy.root)
-    assert_same(reader(legacy.x), legacy.want)
-    assert reader.items == 0 and reader.cache_instance.stats().hits == ITEMS
-    more = torch.cat([legacy.x[:10], inputs(6, seed=6)])
-    assert_same(reader(more), Counting()(more))
-    assert reader.seen == [6]  # only the new items
-    reader.cache_instance.flush()
-    new = packed(legacy.directory)
-    assert len(new) == 6 and not set(new) & set(legacy.frames)  # misses go to the packed store...
-    assert len(legacy.files()) == ITEMS  # ...and never to 1.0 files, which stay as they were
-    assert {p.stem: p.read_bytes() for p in legacy.files()} == legacy.frames
+def test_a_1_0_cache_is_read_once_migrated_and_says_so_until_then(legacy: Legacy) -> None:
+    before = run_python(_READ_IN_A_NEW_PROCESS, str(legacy.root), str(ITEMS))
+    assert before.returncode == 0, before.stderr[-2000:]
+    assert before.stdout.split() == [str(ITEMS), "0", "1"]  # every item computed, with one warning
+    assert {p.stem: p.read_bytes() for p in legacy.files()} == legacy.frames  # the 1.0 files as they were
+    assert cli("migrate", str(legacy.root))[0] == 0
+    after = run_python(_READ_IN_A_NEW_PROCESS, str(legacy.root), str(ITEMS))
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert after.stdout.split() == ["0", str(ITEMS), "0"]  # no item computed, every one a hit
 
 
 def test_info_and_ls_show_a_1_0_cache(legacy: Legacy) -> None:
@@ -162,7 +159,7 @@ def test_info_and_ls_show_a_1_0_cache(legacy: Legacy) -> None:
     assert code == 0 and f"1 module cache, {ITEMS} entries, " in out
     code, out, _ = cli("info", legacy.directory.name, "--root", str(legacy.root))
     assert code == 0 and f"\nentries          {ITEMS}\n" in out
-    assert f"\n1.0 entries      {ITEMS} (read in place; `torchcache migrate` packs them)\n" in out
+    assert f"\n1.0 entries      {ITEMS} (read once `torchcache migrate` packs them)\n" in out
     assert out.splitlines()[-1].split() == [str(ITEMS), "64", "B", "float32[16]"]  # layouts read from the files
     info = json.loads(cli("info", str(legacy.directory), "--json", "--sample", "5")[1])
     assert (info["entries"], info["legacy_entries"], info["sampled_entries"]) == (ITEMS, ITEMS, 5)
@@ -171,25 +168,12 @@ def test_info_and_ls_show_a_1_0_cache(legacy: Legacy) -> None:
     assert len(legacy.files()) == ITEMS and not (legacy.directory / INDEX_NAME).exists()  # looking changes nothing
 
 
-def test_a_corrupt_1_0_file_is_a_miss_with_one_warning_and_is_removed(legacy: Legacy) -> None:
-    bad = legacy.files()[3]
-    flip_last_byte(bad)
-    reader = model(legacy.root)
-    with pytest.warns(CacheWarning, match="corrupt") as record:
-        assert_same(reader(legacy.x), legacy.want)
-    assert len([w for w in record if issubclass(w.category, CacheWarning)]) == 1
-    assert reader.items == 1 and not bad.exists()
-    reader.cache_instance.flush()
-    assert bad.stem in packed(legacy.directory)  # recomputed into the packed store
-    assert_same(reader(legacy.x), legacy.want)
-    assert reader.items == 1
-
-
 # -- migrate ------------------------------------------------------------------------------------
 def test_migrate_packs_every_entry_and_removes_the_1_0_files(legacy: Legacy) -> None:
     (legacy.directory / "notes").mkdir()  # not torchcache's: kept
-    reader = model(legacy.root)  # a process that reads in place while the migration runs
-    assert_same(reader(legacy.x[:5]), legacy.want[:5])
+    reader = model(legacy.root)  # a process that uses the cache while the migration runs
+    with pytest.warns(CacheWarning, match="torchcache migrate"):
+        assert_same(reader(legacy.x[:5]), legacy.want[:5])
     code, out, err = cli("migrate", str(legacy.root))
     assert (code, err) == (0, "")
     assert out == f"packed {ITEMS} entries of 1 module cache under {legacy.root}\n"
@@ -197,7 +181,7 @@ def test_migrate_packs_every_entry_and_removes_the_1_0_files(legacy: Legacy) -> 
     assert list(legacy.directory.rglob("*.tce")) == []
     assert sorted(p.name for p in legacy.directory.iterdir() if p.is_dir()) == ["notes"]  # shard directories gone
     assert_same(reader(legacy.x), legacy.want)
-    assert reader.items == 0  # the running reader still hits, now from the store
+    assert reader.items == 5  # the running reader hits the packed entries (it computed its first five before)
 
     del reader
     gc.collect()
@@ -299,9 +283,10 @@ def test_verify_reports_and_fixes_damaged_1_0_files(legacy: Legacy) -> None:
         fresh_tmp
     ]
     assert len(legacy.files()) == ITEMS - 5
+    assert cli("migrate", str(legacy.root))[0] == 0
     reader = model(legacy.root)
     assert_same(reader(legacy.x), legacy.want)
-    assert reader.items == 5  # the rest are still read in place
+    assert reader.items == 5  # the rest were packed, and are read
 
 
 def test_migrate_refuses_a_store_whose_index_is_cut_short_until_verify_fix(legacy: Legacy) -> None:

@@ -34,9 +34,6 @@ the prefix alone gives the file's length (so a reader reads :data:`PREFIX_SIZE` 
 first and refuses files of another size), a payload never declares more than
 :data:`MAX_ITEM_BYTES`, decompression stops at the declared size, and a zero-elided
 payload is checked (lengths, then the mask's bit count) before its output is allocated.
-
-Length: the frame's encoder and decoder stay in one module, beside the description of
-the format above, so that a change to one is read against the other.
 """
 
 from __future__ import annotations

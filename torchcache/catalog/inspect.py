@@ -26,7 +26,6 @@ from typing import Any
 from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
-from ..stores.disk import ENTRY_SUFFIX, TMP_SUFFIX
 from ..stores.features.digests import DIGESTS_NAME
 from ..stores.features.file import FEATURES_NAME, FeatureFile
 from ..stores.files import open_regular, read_at
@@ -36,6 +35,8 @@ from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import LOCK_NAME
 
 __all__ = [
+    "ENTRY_SUFFIX",
+    "TMP_SUFFIX",
     "CacheFiles",
     "CacheLookupError",
     "CacheUsage",
@@ -52,6 +53,8 @@ __all__ = [
 
 
 _SHARD_RE = re.compile(r"[0-9a-f]{3}")
+#: The entry files of torchcache 1.0 (``<3 hex digits>/<key>.tce``) and their writes in progress.
+ENTRY_SUFFIX, TMP_SUFFIX = ".tce", ".tmp"
 _ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
 
@@ -110,7 +113,7 @@ class ModuleCache:
     touches whenever the cache is used (of its newest file when the metadata is
     missing); ``nbytes`` counts every file of torchcache's, ``disk_bytes`` the blocks
     they take on disk. ``entries`` counts the packed store's entries and the 1.0 entry
-    files (``legacy_entries``, read in place until ``torchcache migrate``);
+    files (``legacy_entries``, read only once ``torchcache migrate`` packs them);
     ``live_bytes`` are the packed records still in use and ``reclaimable_bytes`` the
     dead ones its segment files still hold. ``meta_problem`` says what is wrong with the
     metadata, if anything.

@@ -135,7 +135,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         (
             "1.0 entries",
             f"{cache.legacy_entries:,}"
-            + (" (read in place; `torchcache migrate` packs them)" if cache.legacy_entries else ""),
+            + (" (read once `torchcache migrate` packs them)" if cache.legacy_entries else ""),
         ),
         ("metadata", cache.meta_problem or "ok"),
     ]

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "migrate",
         "pack torchcache 1.0 entry files into the packed store",
         "Pack the one-file-per-entry caches of torchcache 1.0 into packed stores, removing each file once its "
-        "entry is stored. Until then the library reads them in place. Safe to interrupt and run again.",
+        "entry is stored. Until then the library does not read them. Safe to interrupt and run again.",
         cmd_migrate,
     )
     migrate.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog.inspect import (
+    ENTRY_SUFFIX,
     ModuleCache,
     find_caches,
     index_problem,
@@ -18,7 +19,6 @@ from ..catalog.inspect import (
 )
 from ..catalog.removal import remove_file
 from ..errors import StoreError
-from ..stores.disk import ENTRY_SUFFIX
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
 from .commands import command_root

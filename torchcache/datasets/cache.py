@@ -42,9 +42,6 @@ __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 class SampleCache:
     """Samples by key (an index or a name), cached in RAM and on disk, shared across processes.
 
-    Length: lookups, statistics and closing across processes; where the tiers live
-    and how they open is :mod:`.opening`.
-
     Args:
         name: The cache's name: a dataset fingerprint, or any string (mapped to a safe
             directory name). Caches of one name share their entries.

@@ -1,9 +1,4 @@
-"""Frames back to dataset samples, one at a time or many alike at once (the format is :mod:`.format`).
-
-Length: a header is compiled once into a plan, and one sample or a batch of samples
-alike is built from it; the small builders of each kind of value share the plan's checks
-and stay beside them.
-"""
+"""Frames back to dataset samples, one at a time or many alike at once (the format is :mod:`.format`)."""
 
 from __future__ import annotations
 

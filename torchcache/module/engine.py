@@ -5,10 +5,6 @@ the disk tier, runs the wrapped callable on the items found nowhere (only those)
 returns outputs in input order. Hits come back as new tensors with the dtype and device
 a real call would give. Faults of the cache become one :class:`CacheWarning` per kind
 and a recompute; they never break the call.
-
-Length: the call path (split, look up, compute the misses, merge, store) is one class
-whose methods share the state of a call; keys, tiers and outputs live in their own
-modules.
 """
 
 from __future__ import annotations
@@ -58,9 +54,6 @@ class _KeyRetakeError(Exception):
 
 class Cache:
     """The cache behind a decorated module instance or function (``.cache_instance``).
-
-    Length: the methods of the call path share a call's state and the instance's
-    tiers; each step is a short method.
 
     Args:
         settings: Validated settings.

@@ -95,9 +95,6 @@ class SlotStore:
     when another process of the job made it. Every method is safe from several threads
     and processes at once.
 
-    Length: the slot file's layout, its claims and its reads share one mapping and
-    one locking protocol.
-
     Args:
         directory: The RAM tier's directory.
         length: The dataset's length.

@@ -61,9 +61,6 @@ def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.n
 class FrameCodec:
     """Encodes rows of one tier's layouts into frames and decodes frames back.
 
-    Length: encoding, decoding and the batch forms of both (rows of raw and zero-
-    elided frames checked together) share the codec's settings and header cache.
-
     Args:
         quality: brotli quality for new frames.
     """

@@ -1,9 +1,10 @@
-"""The persistent tier on a local directory: a packed store, its metadata, and 1.0 files.
+"""The persistent tier on a local directory: a packed store and its metadata.
 
 A module directory holds ``torchcache.json`` (what the cache is, for ``torchcache ls``;
 its mtime is the last use) and a :class:`~torchcache.stores.packed.store.PackedStore`
-(``index.lmdb`` and ``seg-*.tcs``). A directory that torchcache 1.0 filled (entries at
-``<3 hex digits>/<key>.tce``) is read in place until ``torchcache migrate`` packs it.
+(``index.lmdb`` and ``seg-*.tcs``). Entry files that torchcache 1.0 left (at ``<3 hex
+digits>/<key>.tce``) are read only by ``torchcache migrate``, which packs them into the
+store: a tier that finds some says so, once.
 """
 
 from __future__ import annotations
@@ -15,37 +16,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..codec import PREFIX_SIZE, frame_length
 from ..errors import StoreError
 from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
-from ..stores.disk import DiskStore
 from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
 
-__all__ = ["has_legacy_entries", "legacy_store", "meta_toucher", "open_local_store", "open_local_tier"]
+__all__ = ["has_legacy_entries", "meta_toucher", "open_local_store", "open_local_tier"]
 
 _UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
 _HEX = frozenset("0123456789abcdef")
 
 
 def has_legacy_entries(directory: Path) -> bool:
-    """Whether ``directory`` has subdirectories of torchcache 1.0 entry files (``<3 hex>/``).
+    """Whether ``directory`` holds torchcache 1.0 entry files (``<3 hex>/<key>.tce``).
 
-    Lists ``directory`` only (at most 4,096 such names), never the entries.
+    Lists ``directory`` and its ``<3 hex>/`` subdirectories until one holds an entry file.
     """
     try:
         with os.scandir(directory) as entries:
-            return any(
-                len(entry.name) == 3 and set(entry.name) <= _HEX and entry.is_dir(follow_symlinks=False)
+            shards = [
+                entry.path
                 for entry in entries
-            )
+                if len(entry.name) == 3 and set(entry.name) <= _HEX and entry.is_dir(follow_symlinks=False)
+            ]
+        return any(name.endswith(".tce") for shard in shards for name in os.listdir(shard))
     except OSError:
         return False
-
-
-def legacy_store(directory: Path) -> DiskStore:
-    """The torchcache 1.0 entry files of ``directory``, as a store (read and migrate only)."""
-    return DiskStore(directory, 1 << 62, frame_length=frame_length, prefix_size=PREFIX_SIZE)
 
 
 def _ensure_meta(directory: Path, meta: dict[str, Any], report: Callable[[str, str], None]) -> None:
@@ -100,7 +96,12 @@ def open_local_tier(
         StoreError: If the directory cannot be created or its store opened.
     """
     store = open_local_store(directory, max_bytes, meta, report)
-    legacy = legacy_store(directory) if has_legacy_entries(directory) else None
-    tier = PersistentTier(store, quality, report, where=str(directory), legacy=legacy, touch=meta_toucher(directory))
+    if has_legacy_entries(directory):
+        report(
+            "legacy",
+            f"{directory} holds entry files of torchcache 1.0, which are read only once packed: run "
+            "`torchcache migrate` to use them",
+        )
+    tier = PersistentTier(store, quality, report, where=str(directory), touch=meta_toucher(directory))
     tier.touch()
     return tier

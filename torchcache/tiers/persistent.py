@@ -12,18 +12,11 @@ Each item is stored raw, zero-elided or brotli-compressed, whichever pays
 Entries queued for writing are readable at once: until the writer has stored them,
 :meth:`PersistentTier.read` takes them from the queue, so no reader of the tier misses them.
 
-A directory written by torchcache 1.0 (one file per entry) is read in place: keys the
-store misses are looked up in the old files, which ``torchcache migrate`` packs into the
-store. New entries always go to the store.
-
 Faults are reported through ``report(kind, message)``: a damaged entry is removed and
 becomes a miss; a read error becomes a miss; a store that refuses writes as a whole (no
 space, read-only, gone) turns writes off for this tier; a server that is away for now
 (:class:`~torchcache.errors.StoreUnavailableError`) loses that job's entries, reported,
 and is tried again by the next one. The engine turns each kind of report into one warning.
-
-Length: the tier's reads (the array fast path, the general path, decoding in shares over
-the cores) and its queued writes share the tier's state.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ import torch
 from .._fork import after_fork
 from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
-from ..stores.base import Store
 from ..stores.batched import BatchedStore
 from ..tree import Layout
 from .frames import Frame, FrameCodec, pack_rows
@@ -94,15 +86,11 @@ class _WriteJob:
 class PersistentTier:
     """Entries of one module in a byte store.
 
-    Length: framing, the writer thread's hand-off and batched reads share the tier's
-    state.
-
     Args:
         store: Where frames are kept (shared by every cache of this module key).
         quality: brotli quality for new entries.
         report: Called with ``(kind, message)`` for faults.
         where: The store's location for messages (never a password).
-        legacy: A torchcache 1.0 directory to read misses from, if there is one.
         touch: Marks the cache as used now (for ``torchcache ls``); called now and then.
     """
 
@@ -116,11 +104,9 @@ class PersistentTier:
         report: Callable[[str, str], None],
         *,
         where: str,
-        legacy: Store | None = None,
         touch: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
-        self.legacy = legacy
         self.where = where
         self.codec = FrameCodec(quality)
         self.hits = 0
@@ -151,7 +137,7 @@ class PersistentTier:
 
     # -- reads -----------------------------------------------------------------------
     def _fetch(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
-        """Stored frames of ``keys`` (``None``: a miss), from the store, then the 1.0 files."""
+        """Stored frames of ``keys`` (``None``: a miss)."""
         skipped = self._skipped
         wanted = [key for key in keys if key not in skipped] if skipped else keys
         try:
@@ -160,35 +146,13 @@ class PersistentTier:
             self._report("read", f"cannot read cache entries, recomputing them: {exc}")
             found = [None] * len(wanted)
         if len(wanted) == len(keys):
-            datas = found
-        else:
-            by_key = dict(zip(wanted, found))
-            datas = [by_key.get(key) for key in keys]
-        if self.legacy is not None:
-            for i, data in enumerate(datas):
-                if data is None:
-                    datas[i] = self._legacy_get(keys[i])
-        return datas
-
-    def _legacy_get(self, key: str) -> bytes | None:
-        assert self.legacy is not None
-        try:
-            data = self.legacy.get(key)
-            if data is not None:
-                self.codec.decode(data, verify=True)  # files carry no store checksum: check the frame's
-            return data
-        except StoreError as exc:
-            self._report("read", f"cannot read a cache entry, recomputing it: {exc}")
-        except CorruptEntryError as exc:
-            self._drop([key], exc)
-        return None
+            return found
+        by_key = dict(zip(wanted, found))
+        return [by_key.get(key) for key in keys]
 
     def _drop(self, keys: Sequence[str], exc: Exception) -> None:
-        """Remove damaged entries (from the store, or the 1.0 files they came from)."""
+        """Remove damaged entries from the store."""
         removed = True
-        for key in keys:
-            if self.legacy is not None and key not in self.store:
-                removed = self.legacy.reject(key) and removed
         try:
             self.store.delete_many(keys)
         except StoreError:
@@ -293,7 +257,7 @@ class PersistentTier:
         queued = self._queued(keys) if self._pending else {}
         for i, queued_frame in queued.items():
             frames[i] = queued_frame
-        if not queued and not self._skipped and self.legacy is None and self._rows_backoff <= 0:
+        if not queued and not self._skipped and self._rows_backoff <= 0:
             as_rows = self._read_rows(keys)
             if as_rows is not None:
                 return as_rows
@@ -446,12 +410,10 @@ class PersistentTier:
         return self._writer.pending
 
     def clear(self) -> None:
-        """Remove every entry (after pending writes finish), 1.0 files included.
+        """Remove every entry (after pending writes finish).
 
         Raises:
             StoreError: If the store cannot be written.
         """
         self._writer.flush()
         self.store.clear()
-        if self.legacy is not None:
-            self.legacy.clear()

@@ -73,9 +73,6 @@ class FeatureFile:
     processes at once. The object pickles as its path and reopens the file where it is
     unpickled (a DataLoader worker).
 
-    Length: the header, the mapping, checked reads, checked writes and the marks
-    that make extraction resumable share one mapping and one lock.
-
     Attributes:
         path: The file (``None`` for rows kept in memory).
         header: The JSON header: ``layout``, ``length`` and the keys it was made for.

@@ -18,9 +18,6 @@ writes through a shared mapping, has its pages allocated before LMDB maps it: on
 full file system opening fails with ``ENOSPC`` instead of a ``SIGBUS``. Only a checked
 inconsistency (:data:`DAMAGE`, :class:`IndexDamageError`) means the file is damaged;
 any other error opening it (``ENOMEM``, ``EAGAIN``, ``ENOSPC``) leaves it as it is.
-
-Length: opening, sizing, growing and checking the LMDB index keep one set of invariants,
-which stay readable together in one module.
 """
 
 from __future__ import annotations

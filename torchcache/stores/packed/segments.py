@@ -16,9 +16,6 @@ records past the end are misses. Like LMDB's own map of its index, a mapping can
 against a file cut short by another program in the microseconds between that check and
 the copy, or against a disk that fails under it: the kernel ends the process then
 (``SIGBUS``), where ``pread`` would have raised.
-
-Length: one class holds this process's descriptors, mappings and locks, and every path
-that uses them (reads, appends, and the sweep of orphans that must respect the locks).
 """
 
 from __future__ import annotations
@@ -90,9 +87,6 @@ class Writer:
 
 class SegmentFiles:
     """Reader descriptors and the writable segments of one store directory, in one process.
-
-    Length: appending, reading, sealing and handing segments to compaction share the
-    open file descriptors and their locks.
 
     Args:
         root: The store directory.

@@ -13,9 +13,6 @@ drops whole segments, the most recently written first (MRU): "used" means writte
 any process; reads do not count, so they never write. Deleted and replaced entries
 leave dead bytes, compacted away once the files pass the budget by 5 %: the disk
 stays within 1.1 times the budget. ``docs/how-it-works.md`` (The packed disk store) has the design.
-
-Length: the store's whole contract is one class, each method short; the work is in the
-modules beside it.
 """
 
 from __future__ import annotations
@@ -57,9 +54,6 @@ def _default_report(kind: str, message: str) -> None:
 
 class PackedStore(BatchedStore):
     """Entries packed into append-only segment files under one LMDB index.
-
-    Length: it is the store's whole contract; each method is short and hands the
-    work to the index, segment, eviction and upkeep modules.
 
     Args:
         directory: The store directory (created if missing).

@@ -60,9 +60,6 @@ def _default_report(kind: str, message: str) -> None:
 class RedisStore(BatchedStore):
     """Entries in a namespace of a Redis server or cluster, under a byte budget.
 
-    Length: the whole batched contract on a server or a cluster, each operation with
-    its own fault handling.
-
     Args:
         url: ``redis://[:PASSWORD@]HOST[:PORT][/DB]``, ``rediss://`` for TLS,
             ``redis+cluster://`` or ``rediss+cluster://`` for a Redis Cluster (see
