@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "torchcache._version",
             "torchcache.canonical",
             "torchcache.codec",
+            "torchcache.device_digest",
             "torchcache.errors",
             "torchcache.faults",
             "torchcache.keys",

@@ -62,7 +62,7 @@ class Settings:
     max_memory_cache_size: int = int(1e9)
     max_persistent_cache_size: int = int(10e9)
     memory_cache_device: torch.device | None = _CPU
-    subsample_count: int | None = 10000
+    subsample_count: int | None = None
     cache_dtype: torch.dtype | None = None
     brotli_quality: int = DEFAULT_QUALITY
     shared_args: frozenset[str] = frozenset()

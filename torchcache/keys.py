@@ -6,12 +6,15 @@ arguments and the training flag) followed by the 128-bit xxh3 digest of the exac
 of every tensor argument's row for that item. Nothing is reduced arithmetically before hashing, so two items that
 differ in any hashed byte, shape or dtype get different keys up to a 2**-128 chance.
 
-Hashing is batched: each tensor argument is made contiguous and copied to the host once
-per batch, and rows are hashed from one flat buffer, with no per-item torch call. On CPU
-every element is hashed (a subsample touches every cache line anyway, so it saves
-little). On an accelerator, items with more than ``subsample_count`` elements are
-subsampled on the device in 64 evenly spread contiguous runs before the single copy to
-the host; the count is part of the key.
+Hashing is batched, with no per-item torch call. On the CPU each tensor argument is
+made contiguous and its rows are hashed by xxh3 from one flat buffer. On an accelerator
+every byte of every row is hashed on the device by a universal hash in torch operations
+(:mod:`torchcache.device_digest`), and only 32 bytes per item are copied to the host, in
+one copy per batch; the two digests differ, so an item keyed on the device and the same
+item keyed on the CPU have different keys. With ``subsample_count`` set, items on an
+accelerator with more elements are instead keyed by 64 evenly spread contiguous runs of
+them (an opt-in that accepts the risk of two items differing only elsewhere sharing a
+key); the count is part of the key.
 
 Non-tensor arguments are encoded canonically with a type tag by
 :mod:`torchcache.canonical`, so ``True``, ``1``, ``1.0``, ``"1"`` and ``None`` are five
@@ -28,6 +31,7 @@ import torch
 import xxhash
 
 from .canonical import encode_key_value, tensor_content_digest
+from .device_digest import device_row_digests
 
 __all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "tag", "tensor_digest"]
 
@@ -96,6 +100,19 @@ def _subsample_index(numel: int, count: int, device: torch.device) -> torch.Tens
     return index
 
 
+_WHOLE, _SUBSAMPLED, _ON_DEVICE = 0, 1, 2
+
+
+def _item_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``(batch, nbytes)`` uint8 view of each item's bytes, where the tensor lives."""
+    data = tensor.detach()
+    flat = (data.int_repr() if data.is_quantized else data).reshape(tensor.shape[0], -1)
+    flat = flat.resolve_conj().resolve_neg().contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8) if flat.shape[1] else flat.to(torch.uint8)
+
+
 def item_rows(tensor: torch.Tensor, subsample_count: int | None) -> tuple[np.ndarray, bool]:
     """Return a ``(batch, nbytes)`` host uint8 array of each item's hashed bytes.
 
@@ -140,16 +157,23 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
     if batch == 0:
         return []
     # One C call per row and one per item: a hasher object per row costs more in
-    # Python than hashing a 3 KB row. Row digests have a fixed size, so their
+    # Python than hashing a 3 KB row. Row digests have a fixed size per flag, so their
     # concatenation is unambiguous.
     digest = xxhash.xxh3_128_digest
     flags = bytearray()
     row_digests: list[list[bytes]] = []
     for tensor in tensors:
-        rows, subsampled = item_rows(tensor, subsample_count)
+        if tensor.device.type != "cpu" and subsample_count is None:
+            rows, flag = device_row_digests(_item_bytes(tensor)), _ON_DEVICE
+        else:
+            rows, subsampled = item_rows(tensor, subsample_count)
+            flag = _SUBSAMPLED if subsampled else _WHOLE
         flat, width = memoryview(rows.reshape(-1)), rows.shape[1]  # type: ignore[arg-type]
-        row_digests.append([digest(flat[i * width : (i + 1) * width]) for i in range(batch)])
-        flags.append(subsampled)
+        if flag == _ON_DEVICE:  # 32 bytes per item, already a digest
+            row_digests.append([bytes(flat[i * width : (i + 1) * width]) for i in range(batch)])
+        else:
+            row_digests.append([digest(flat[i * width : (i + 1) * width]) for i in range(batch)])
+        flags.append(flag)
     prefix = context + bytes(flags)
     if len(row_digests) == 1:
         return [digest(prefix + d) for d in row_digests[0]]

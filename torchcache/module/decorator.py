@@ -71,7 +71,7 @@ def torchcache(
     max_memory_cache_size: int | float | str = int(1e9),
     max_persistent_cache_size: int | float | str = int(10e9),
     memory_cache_device: str | torch.device | None = "cpu",
-    subsample_count: int | None = 10000,
+    subsample_count: int | None = None,
     cache_dtype: torch.dtype | None = None,
     brotli_quality: int = DEFAULT_QUALITY,
     shared_args: Collection[str] = (),
@@ -113,8 +113,10 @@ def torchcache(
         max_memory_cache_size: Byte budget of the memory tier (``1e9``, ``"2GB"``, ``"500MiB"``).
         max_persistent_cache_size: Byte budget of this module's directory on disk.
         memory_cache_device: Where the memory tier keeps outputs; ``None``: on their own device.
-        subsample_count: On accelerators, hash at most this many elements of each item
-            (``None``: every element). CPU inputs are always hashed in full.
+        subsample_count: On accelerators, key each item by 64 runs of about this many of
+            its elements instead of every byte: an opt-in for those who accept that two
+            items differing only elsewhere share an entry. ``None`` (the default) hashes
+            every byte, on the device (CPU inputs are always hashed in full).
         cache_dtype: Store floating outputs at this precision (returned in their own dtype).
         brotli_quality: brotli quality 0-11 for disk entries (stored raw when it does not pay).
         shared_args: Names of arguments that are the same for the whole batch (a
