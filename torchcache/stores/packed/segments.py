@@ -355,12 +355,20 @@ class SegmentFiles:
         Raises:
             OSError: If it exists and cannot be opened.
         """
+        return self.lock(seg, fcntl.LOCK_EX)
+
+    def lock(self, seg: int, mode: int) -> int | None:
+        """A descriptor holding a lock (``fcntl.LOCK_SH`` or ``LOCK_EX``) on a segment, or ``None`` if it is held.
+
+        Raises:
+            OSError: If it exists and cannot be opened.
+        """
         opened = open_regular(self.path(seg), follow_symlinks=False)
         if opened is None:
             return None
         fd = opened[0]
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             return None

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 
 import lmdb
 
-from ..files import open_regular
 from .format import encode_record, scan_records
 from .index import (
     DAMAGE,
@@ -223,7 +222,7 @@ def _rebuild(change: Change, files: SegmentFiles) -> int:
     count = 0
     for seg in sorted(files.listed()):
         change.next_seg = max(change.next_seg, seg + 1)
-        fd = _lock_shared(files.path(seg))
+        fd = files.lock(seg, fcntl.LOCK_SH)
         if fd is None:
             continue
         try:
@@ -242,20 +241,6 @@ def _rebuild(change: Change, files: SegmentFiles) -> int:
         change.seal(seg)
         change.set_end(seg, min(st.st_size, st.st_blocks * 512))
     return count
-
-
-def _lock_shared(path: str) -> int | None:
-    """A descriptor of a segment holding a shared lock, or ``None`` if it is gone or locked exclusively."""
-    opened = open_regular(path, follow_symlinks=False)
-    if opened is None:
-        return None
-    fd = opened[0]
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def seal_orphans(index: Index, files: SegmentFiles) -> None:
