@@ -429,3 +429,17 @@ def test_a_package_built_from_a_directory_is_keyed_by_its_files(
         keys.append(KeyEncoder("remedy").encode(module.scale, "scale"))
     monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
     assert (keys[0] != keys[1]) == follows_files
+
+
+def test_a_list_of_strings_as_long_as_the_batch_is_pointed_out_once() -> None:
+    @torchcache()
+    def encode(batch: dict[str, Any]) -> torch.Tensor:
+        return batch["input_ids"] * 2
+
+    ids = torch.arange(6).reshape(3, 2)
+    with pytest.warns(CacheWarning, match=r"batch\['text'\]\" is a list of as many strings as the batch"):
+        encode({"input_ids": ids, "text": ["a", "b", "c"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        encode({"input_ids": ids, "text": ["c", "b", "a"]})  # once per cache
+        assert encode.cache_instance.stats().hits == 0  # the list is keyed whole: another order, other keys

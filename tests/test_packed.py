@@ -177,7 +177,7 @@ def test_a_dead_writers_segment_evicted_while_it_is_sealed_stays_gone(
     dead = store._files.seal_writer()  # its lock goes, its row stays unsealed: a writer that died
     assert dead is not None
     opener = packed_segments.SegmentFiles(str(root), store.segment_bytes)
-    take = opener.lock_exclusive
+    take = opener.lock
 
     def evicted_meanwhile(seg: int) -> int | None:
         fd = take(seg)
@@ -192,7 +192,7 @@ def test_a_dead_writers_segment_evicted_while_it_is_sealed_stays_gone(
             other.remove(seg)
         return fd
 
-    monkeypatch.setattr(opener, "lock_exclusive", evicted_meanwhile)
+    monkeypatch.setattr(opener, "lock", evicted_meanwhile)
     packed_upkeep.seal_orphans(index, opener)
     with index.begin() as txn:
         assert dead not in index.segment_table(txn)

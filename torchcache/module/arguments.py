@@ -30,7 +30,7 @@ import collections
 import inspect
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from ..tiers.batch import index_tensor
 
-__all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput"]
+__all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
@@ -70,6 +70,8 @@ class CallArguments:
         tensors: Per-item tensors, each with its batch dimension first (a view).
         batch: The batch size.
         training: The training flag of the cached module (``None`` for a function).
+        lists_like_the_batch: Arguments that are lists of as many strings as there are
+            items: keyed whole, not per item.
     """
 
     args: tuple[Any, ...]
@@ -81,6 +83,8 @@ class CallArguments:
     _shared: Collection[str]
     _dims: Mapping[str, int]
     training: bool | None = None
+    #: Arguments that are lists of as many strings as there are items (texts, file names).
+    lists_like_the_batch: list[str] = field(default_factory=list)
 
     def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The caller's arguments with every per-item tensor restricted to ``positions``."""
@@ -141,6 +145,7 @@ class _Splitter:
         self.tensors: list[torch.Tensor] = []
         self.batch = -1
         self.first_label = ""
+        self.sequences: list[tuple[str, int]] = []  # non-tensor lists keyed whole, with their lengths
 
     def add(self, label: str, name: str, value: Any) -> None:
         self.context.add(label.encode())
@@ -172,6 +177,8 @@ class _Splitter:
                 self.context.add(key.encode())
                 self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
         else:
+            if isinstance(value, (list, tuple)) and len(value) > 1 and all(isinstance(v, (str, bytes)) for v in value):
+                self.sequences.append((label, len(value)))  # texts or names, one per item?
             self.context.add(encode_value(value, f"argument {label!r}"))
 
     def _add_tensor(self, label: str, dim: int, tensor: torch.Tensor) -> None:
@@ -322,7 +329,18 @@ class CallSplitter:
             _kw_names={key: key for key in kwargs},
             _shared=self.shared,
             _dims=self.dims,
+            lists_like_the_batch=[label for label, length in splitter.sequences if length == splitter.batch],
         )
+
+
+def list_hint(label: str) -> str:
+    """What to say of an argument that is a list of as many strings as the batch has items."""
+    return (
+        f"argument {label!r} is a list of as many strings as the batch has items; only tensors are split into "
+        "items, so the whole list is part of every item's key and the same items in another batch or order miss. "
+        "Pass per-item values as tensors, or leave them out of the cached call (ignore this if the list is the "
+        "same for every batch)"
+    )
 
 
 class ShapeHint:

@@ -35,7 +35,7 @@ from ..tiers.memory import MemoryTier
 from ..tiers.persistent import PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
-from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput
+from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput, list_hint
 from .independence import DependentItemsError, check_items, is_checked, mark_checked
 from .outputs import OutputPlan, UnbatchedOutputError
 from .versions import VersionWatch
@@ -333,6 +333,8 @@ class Cache:
             hint = self._shape_hint.note(tensors, self._hits, self._misses)
             if hint is not None:
                 self.faults.warn("shapes", hint)
+        if call.lists_like_the_batch and "lists" not in self.faults.warned:
+            self.faults.warn("lists", list_hint(call.lists_like_the_batch[0]))
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)

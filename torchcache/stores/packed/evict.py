@@ -80,7 +80,7 @@ def evict(
                 continue
             fd = opened[0]
         else:
-            lock = files.lock_exclusive(seg)
+            lock = files.lock(seg)
             if lock is None:
                 continue  # a live writer's, or being compacted
             fd = lock

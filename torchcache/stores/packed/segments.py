@@ -349,16 +349,8 @@ class SegmentFiles:
         return own
 
     # -- exclusive access -----------------------------------------------------------
-    def lock_exclusive(self, seg: int) -> int | None:
-        """A descriptor holding an exclusive lock on a segment no live writer holds, or ``None``.
-
-        Raises:
-            OSError: If it exists and cannot be opened.
-        """
-        return self.lock(seg, fcntl.LOCK_EX)
-
-    def lock(self, seg: int, mode: int) -> int | None:
-        """A descriptor holding a lock (``fcntl.LOCK_SH`` or ``LOCK_EX``) on a segment, or ``None`` if it is held.
+    def lock(self, seg: int, mode: int = fcntl.LOCK_EX) -> int | None:
+        """A descriptor holding a lock on a segment (exclusive: no live writer holds it), or ``None``.
 
         Raises:
             OSError: If it exists and cannot be opened.
@@ -407,7 +399,7 @@ class SegmentFiles:
         own = self.own()
         for seg in self.listed():
             if seg not in known and seg not in own:
-                fd = self.lock_exclusive(seg)
+                fd = self.lock(seg)
                 if fd is not None:
                     locks[seg] = fd
         return locks

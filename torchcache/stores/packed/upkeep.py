@@ -262,7 +262,7 @@ def seal_orphans(index: Index, files: SegmentFiles) -> None:
     for seg, row in table.items():
         if row.sealed or seg in mine:
             continue
-        fd = files.lock_exclusive(seg)
+        fd = files.lock(seg)
         if fd is None:
             if not os.path.lexists(files.path(seg)):
                 found[seg] = None
@@ -322,7 +322,7 @@ def compact(index: Index, files: SegmentFiles, target: int, report: Report) -> i
                 key=lambda s: table[s].live / max(1, table[s].end),
             )
             for seg in order:
-                fd = files.lock_exclusive(seg)
+                fd = files.lock(seg)
                 if fd is None:
                     if not os.path.lexists(files.path(seg)):
                         _move(index, files, seg, [], last=True)
