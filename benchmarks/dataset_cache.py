@@ -15,8 +15,8 @@ fresh shuffled order, timed from ``iter(loader)`` to the last batch. Compared:
 
 - uncached: the dataset itself;
 - torchcache: ``CachedDataset(dataset, max_memory_size=budget)`` (RAM tier only), where
-  the budget holds the fraction's number of samples in the tier's slot file: its header
-  and table (``slot_layout``) plus one slot per sample; a fraction of 0 is
+  the budget holds the fraction's number of samples in the tier's rows file: its header
+  and tables (``Geometry``) plus one row per sample; a fraction of 0 is
   ``max_memory_size=0`` (no tier);
 - stocaching 0.2.1: a ``SharedCache`` sized for the same number of samples, with
   ``get_slot``/``set_slot`` in ``__getitem__`` (the label comes from a list);
@@ -95,7 +95,7 @@ import torchcache
 from torchcache import CachedDataset
 from torchcache.datasets.decode import frame_head
 from torchcache.datasets.encode import encode_sample
-from torchcache.stores.slots import slot_layout
+from torchcache.stores.rows import Geometry
 
 try:
     from PIL import Image
@@ -421,7 +421,8 @@ def measure(items: int, rounds: int, pairs: int, work: Path, log: list[str]) -> 
     assert all(len(encode_sample(base[i])) == len(frame) for i in (1, items // 2, items - 1))
     head = frame_head(frame)
     assert head is not None
-    _, charge, fixed = slot_layout(len(frame), head, items)  # bytes per slot, header and table
+    geometry = Geometry.of(items, len(frame), head, {"kind": "samples"})
+    charge, fixed = geometry.stride, geometry.rows_at  # bytes per row, header and tables
     slots = {f: round(f * items) for f in FRACTIONS}
     libraries = ["torchcache"] + (["stocaching"] if SharedCache is not None else [])
     rng = np.random.default_rng(1)

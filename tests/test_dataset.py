@@ -29,12 +29,13 @@ from torchcache.datasets.decode import decode_sample, frame_head
 from torchcache.datasets.encode import encode_sample
 from torchcache.datasets.format import SampleTypeError
 from torchcache.datasets.keys import fingerprint_dataset, store_key
+from torchcache.datasets.rows import ROWS_NAME
 from torchcache.datasets.shm import LOCK_NAME, job_id
 from torchcache.datasets.tiers import ENTRY_OVERHEAD, SampleTier, segment_bytes, store_bytes
 from torchcache.errors import ConfigError, KeyingError
 from torchcache.faults import FaultLog
 from torchcache.stores.packed.store import PackedStore
-from torchcache.stores.slots import SlotStore, slot_layout
+from torchcache.stores.rows import Geometry, RowsFile
 
 
 @pytest.fixture(autouse=True)
@@ -119,12 +120,15 @@ def stored_samples(directory: Path, length: int) -> Iterator[tuple[int, Any]]:
         frame = store.get(key)
         assert frame is not None
         yield int(key, 16), decode_sample(frame)
-    slots = SlotStore(directory, length, 10**9, report=lambda kind, message: pytest.fail(message))
-    found, buf = slots.read(range(length))
-    at, stride, size = slots.frame_at, slots.stride, slots.frame_size
-    for j, index in enumerate(found):
-        yield index, decode_sample(buf[j * stride + at : j * stride + at + size])
-    slots.close()
+    if not (directory / ROWS_NAME).exists():
+        return
+    rows = RowsFile.open(directory / ROWS_NAME)
+    found, gathered, _, damaged = rows.read(np.arange(length))
+    assert damaged == []
+    at, size = rows.row_at, rows.row_size
+    for j, index in enumerate(found.tolist()):
+        yield index, decode_sample(bytes(gathered[j, at : at + size]))
+    rows.close()
 
 
 def fail(key: object) -> Any:
@@ -511,7 +515,8 @@ def test_a_full_tier_encodes_no_sample_but_still_refuses_bad_ones(log: Path, mon
     frame = encode_sample((expected(0), 0))
     head = frame_head(frame)
     assert head is not None
-    _, stride, fixed = slot_layout(len(frame), head, 40)
+    geometry = Geometry.of(40, len(frame), head, {"kind": "samples"})
+    stride, fixed = geometry.stride, geometry.rows_at
     data = CachedDataset(BadAt(40, log, bad=30), max_memory_size=fixed + 10 * stride)
     assert [label for _, label in data.__getitems__(list(range(20)))] == list(range(20))
     assert data.stats().memory.entries == 10  # the tier is full
@@ -626,20 +631,26 @@ def test_a_damaged_slot_is_a_warning_and_a_recompute(log: Path, where: str) -> N
     data = CachedDataset(Numbers(4, log), max_memory_size="1MB")
     data[2]
     assert data.cache.memory_dir is not None
-    slots = SlotStore(data.cache.memory_dir, 4, 10**6, report=lambda kind, message: None)
-    assert slots.ready and 2 in slots
-    number = int(slots._table[2]) - 1  # type: ignore[index]
+    path = data.cache.memory_dir / ROWS_NAME
+    rows = RowsFile.open(path)
+    assert 2 in rows
+    g, at = rows.geometry, rows.row_offset(2)
+    assert at is not None
+    data[3]
+    raw = path.read_bytes()
     if where == "table":  # the table points at another sample's slot
-        data[3]
-        slots._table[2] = slots._table[3]  # type: ignore[index]
+        offset, new = g.slots_at + 8, raw[g.slots_at + 12 : g.slots_at + 16]
     else:
-        slot = slots._slots[number]  # type: ignore[index]
-        slot[slots.frame_at + slots.frame_size - 1 if where == "frame" else 3] ^= 0x10
-    slots.close()
+        offset = at + rows.row_size - 1 if where == "frame" else g.checks_at + 16 + 3
+        new = bytes([raw[offset] ^ 0x10])
+    rows.close()
+    with open(path, "r+b") as file:  # in place: the cache maps the file
+        file.seek(offset)
+        file.write(new)
     with pytest.warns(CacheWarning, match="damaged"):
         image, label = data[2]
     assert label == 2 and torch.equal(image, expected(2))
-    data[2]  # rewritten in a new slot: a hit, no warning
+    data[2]  # rewritten: a hit, no warning
     assert calls(log).count(2) == 2 and data.stats().memory.hits == 1
     data.close()
 
@@ -663,7 +674,7 @@ def test_an_unexpected_error_of_a_tier_read_is_a_warning_and_a_recompute(
     if part == "store":
         monkeypatch.setattr(PackedStore, "get_many", broken)
     else:
-        monkeypatch.setattr(SlotStore, "read", broken)
+        monkeypatch.setattr(RowsFile, "read", broken)
     with pytest.warns(CacheWarning, match="ValueError: an unforeseen fault") as record:
         samples = [get(1), get(1)]
     assert len([w for w in record if issubclass(w.category, CacheWarning)]) == 1
@@ -699,7 +710,11 @@ def test_a_ram_root_of_another_user_is_refused(shm_root: Path, log: Path) -> Non
 
 
 def test_a_second_cache_with_a_larger_ram_budget_is_told_it_shares_the_smaller_tier(log: Path) -> None:
-    first = CachedDataset(Numbers(64, log), max_memory_size=8192 + 20 * 128)  # 20 slots of 128 bytes
+    frame = encode_sample(Numbers(64, log)[0])
+    head = frame_head(frame)
+    assert head is not None
+    geometry = Geometry.of(64, len(frame), head, {"kind": "samples"})
+    first = CachedDataset(Numbers(64, log), max_memory_size=geometry.rows_at + 20 * geometry.stride)  # 20 rows
     [first[i] for i in range(64)]
     with pytest.warns(CacheWarning, match="was made for .* samples by an earlier cache of this dataset"):
         second = CachedDataset(Numbers(64, log), max_memory_size="10MB")

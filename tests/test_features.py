@@ -24,7 +24,8 @@ import torchcache
 from tests.helpers import Tally, python_env
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
-from torchcache.stores.features.file import FEATURES_NAME, FeatureFile
+from torchcache.stores.features.file import FEATURES_NAME, open_features
+from torchcache.stores.rows import RowsFile
 
 READS = Tally()
 
@@ -366,7 +367,7 @@ def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: P
         ragged = extract(torch.nn.Identity(), Ragged(), batch_size=batch_size, version=batch_size)
         assert [tuple(ragged[i].shape) for i in range(6)] == [(2,), (2,), (3,), (3,), (3,), (3,)]
         assert all(torch.equal(ragged[i], Ragged()[i]) for i in range(6))
-    assert feature_dirs(cache_root) and not any((d / "features.tcfeat").exists() for d in feature_dirs(cache_root))
+    assert feature_dirs(cache_root) and not any((d / FEATURES_NAME).exists() for d in feature_dirs(cache_root))
 
 
 def test_a_backbone_that_does_not_return_one_tensor_is_refused(cache_root: Path) -> None:
@@ -443,7 +444,7 @@ def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Pat
     killed.communicate(timeout=300)
     assert killed.returncode == -9
     (directory,) = feature_dirs(root)
-    file = FeatureFile.open(directory / FEATURES_NAME)
+    file = open_features(directory / FEATURES_NAME)
     written = file.count()
     # The batches before the kill, but the one it hit and perhaps the one being written as it was read
     assert (kill_at // batch - 1) * batch <= written <= kill_at // batch * batch
@@ -481,7 +482,7 @@ def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_ke
         extract(net, data, batch_size=8)
     assert not _writer_threads()
     (directory,) = feature_dirs(cache_root)
-    file = FeatureFile.open(directory / FEATURES_NAME)
+    file = open_features(directory / FEATURES_NAME)
     assert file.missing().tolist() == list(range(24, 40))  # the three batches before the error, written
     file.close()
     del FAIL_ON[id(net)]
@@ -494,15 +495,15 @@ def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_ke
 def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write, calls = FeatureFile.write, [0]
+    real_write, calls = RowsFile.write, [0]
 
-    def fails_from_the_third(self: FeatureFile, indices: Any, rows: Any) -> int:
+    def fails_from_the_third(self: RowsFile, indices: Any, rows: Any, max_bytes: int | None = None) -> int:
         calls[0] += 1
         if self.path is not None and calls[0] >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, indices, rows)
 
-    monkeypatch.setattr(FeatureFile, "write", fails_from_the_third)
+    monkeypatch.setattr(RowsFile, "write", fails_from_the_third)
     data, net = Images(n=40), Net()
     with pytest.warns(CacheWarning, match="kept in memory"):
         features = extract(net, data, batch_size=8)
@@ -523,7 +524,7 @@ def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:
     assert n <= a["computed"] + b["computed"] <= 2 * n
     third = finish(run_kit(script, root, n, batch))
     assert third["computed"] == 0 and third["digest"] == a["digest"]
-    file = FeatureFile.open(Path(a["path"]))
+    file = open_features(Path(a["path"]))
     assert file.count() == n
     file.close()
 
@@ -536,7 +537,7 @@ def test_a_damaged_row_is_a_warning_and_computed_again(cache_root: Path) -> None
     file = features.file
     assert features.path is not None
     with open(features.path, "r+b") as raw:
-        raw.seek(file.rows_at + 4 * file.stride + 3)
+        raw.seek(file.row_offset(4) + 3)
         byte = raw.read(1)
         raw.seek(-1, os.SEEK_CUR)
         raw.write(bytes([byte[0] ^ 0xFF]))
@@ -548,14 +549,14 @@ def test_a_damaged_row_is_a_warning_and_computed_again(cache_root: Path) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(features[4][0], x)  # written again: no second warning
-    assert FeatureFile.open(features.path).count() == len(data)
+    assert open_features(features.path).count() == len(data)
 
 
 def test_a_damaged_row_without_backbone_is_an_error(cache_root: Path) -> None:
     features = extract(Net(), Images())
     assert features.path is not None
     with open(features.path, "r+b") as raw:
-        raw.seek(features.file.rows_at + 2 * features.file.stride)
+        raw.seek(features.file.row_offset(2))
         raw.write(b"\xff" * 8)
     opened = FeatureDataset.open(features.path)
     assert opened[1][1] == features[1][1]
@@ -565,8 +566,12 @@ def test_a_damaged_row_without_backbone_is_an_error(cache_root: Path) -> None:
 
 def _flip_row(features: FeatureDataset, index: int) -> None:
     assert features.path is not None
+    file = open_features(features.path)
+    at = file.row_offset(index)
+    file.close()
+    assert at is not None
     with open(features.path, "r+b") as raw:
-        raw.seek(features.file.rows_at + index * features.file.stride + 3)
+        raw.seek(at + 3)
         byte = raw.read(1)
         raw.seek(-1, os.SEEK_CUR)
         raw.write(bytes([byte[0] ^ 0xFF]))
@@ -608,7 +613,7 @@ def test_a_damaged_file_is_a_warning_and_computed_again(cache_root: Path, damage
     with torch.no_grad():
         expected = torch.cat([net(data.images[i : i + 8]) for i in range(0, len(data), 8)])
     features = extract(net, data)
-    path, checks_at = features.path, features.file.checks_at
+    path, checks_at = features.path, features.file.geometry.checks_at
     assert path is not None
     features.close()
     raw = bytearray(path.read_bytes())
@@ -648,8 +653,10 @@ def test_no_file_in_the_cache_makes_torchcache_run_code(cache_root: Path) -> Non
     features.close()
     payload = pickle.dumps(Payload())
     raw = bytearray(path.read_bytes())
-    file = FeatureFile.open(path)
-    raw[file.rows_at : file.rows_at + len(payload)] = payload
+    file = open_features(path)
+    at = file.row_offset(0)
+    assert at is not None
+    raw[at : at + len(payload)] = payload
     file.close()
     path.write_bytes(bytes(raw))
     with pytest.warns(CacheWarning, match="damaged rows"):
@@ -684,10 +691,10 @@ def test_hostile_headers_are_refused(tmp_path: Path) -> None:
         {**header["layout"], "container": "os.system"},
     ):
         text = json.dumps({**header, "layout": layout}, sort_keys=True, separators=(",", ":")).encode()
-        head = struct.pack("<8sIIQQQQQ", b"TCFEATS1", 1, len(text), 4, 32, 4096, 8192, 8192 + 4 * 32) + text
-        path.write_bytes(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(9000))
+        head = struct.pack("<8sIIQQQQ", b"TCROWS01", 1, len(text), 4, 32, 0, 4) + text
+        path.write_bytes(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(13000))
         with pytest.raises(CorruptEntryError):
-            FeatureFile.open(path)
+            open_features(path)
 
 
 def test_an_unusable_cache_dir_keeps_features_in_memory(tmp_path: Path) -> None:
@@ -752,9 +759,9 @@ def test_the_command_line_lists_checks_and_clears_a_features_cache(
     row = next(c for c in (listed if isinstance(listed, list) else listed["caches"]) if directory.name in json.dumps(c))
     assert row["entries"] == 37 and row["bytes"] > (directory / FEATURES_NAME).stat().st_size - 1
     assert main(["verify"]) == 0
-    file = FeatureFile.open(directory / FEATURES_NAME)
+    file = open_features(directory / FEATURES_NAME)
     with open(directory / FEATURES_NAME, "r+b") as raw:  # damage one written row
-        raw.seek(file.rows_at + 5 * file.stride)
+        raw.seek(file.row_offset(5))
         raw.write(bytes(4))
     file.close()
     capsys.readouterr()

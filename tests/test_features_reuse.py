@@ -101,7 +101,7 @@ def test_rows_of_an_older_cache_that_fail_their_check_are_computed(cache_root: P
     assert before.path is not None
     with open(before.path, "r+b") as raw:  # damage rows 2 and 9 of the older cache
         for row in (2, 9):
-            raw.seek(file.rows_at + row * file.stride + 5)
+            raw.seek(file.row_offset(row) + 5)
             byte = raw.read(1)
             raw.seek(-1, os.SEEK_CUR)
             raw.write(bytes([byte[0] ^ 0x10]))
@@ -177,7 +177,7 @@ def test_several_older_caches_serve_one_batch_and_stand_in_for_each_others_damag
     assert second.path is not None
     file = second.file
     with open(second.path, "r+b") as raw:  # damage input 12's row in the newer cache (its row 2)
-        raw.seek(file.rows_at + 2 * file.stride)
+        raw.seek(file.row_offset(2))
         byte = raw.read(1)
         raw.seek(-1, os.SEEK_CUR)
         raw.write(bytes([byte[0] ^ 0x01]))

@@ -27,7 +27,7 @@ from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.features.digests import DIGESTS_NAME
-from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
 from ..stores.packed.index import INDEX_NAME, cut_short
@@ -208,14 +208,14 @@ def list_files(directory: Path) -> CacheFiles:
 
 
 def _is_store_file(name: str) -> bool:
-    known = (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME, DIGESTS_NAME)
+    known = (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
     return name in known or parse_segment_name(name) is not None
 
 
 def _feature_rows(directory: Path) -> int:
     """Rows written in a features cache's file (0 if it has none, or it cannot be read)."""
     try:
-        file = FeatureFile.open(directory / FEATURES_NAME)
+        file = open_features(directory / FEATURES_NAME)
     except (CorruptEntryError, OSError):
         return 0
     try:

@@ -31,7 +31,7 @@ from ..codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from ..errors import CorruptEntryError, StoreError
 from ..meta import META_NAME, meta_time, write_json_atomic
 from ..stores.batched import BatchedStore
-from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.store import PackedStore
@@ -88,7 +88,7 @@ def verify_features(
     """
     path = directory / FEATURES_NAME
     try:
-        file = FeatureFile.open(path)
+        file = open_features(path)
     except FileNotFoundError:
         return 0, [], fix
     except (CorruptEntryError, OSError) as exc:
@@ -102,7 +102,7 @@ def verify_features(
         damaged: list[int] = []
         for start in range(0, len(written), _FEATURE_CHUNK):
             chunk = written[start : start + _FEATURE_CHUNK]
-            _, _, bad = file.read(chunk)
+            bad = file.read(chunk).damaged
             damaged.extend(int(chunk[j]) for j in bad)
             checked += len(chunk)
             if tick is not None:

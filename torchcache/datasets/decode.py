@@ -39,7 +39,7 @@ _PLAN_CACHE_SIZE = 1024
 # A builder takes its parameters, then the data buffer, where this sample's data starts
 # in it, and the tensors and arrays already made for this sample (its leaves, in order).
 #: The buffer samples are views of: a ``bytearray``, or a ``memoryview`` of uninitialised
-#: memory (``SlotStore.read`` fills one without zeroing it first).
+#: memory (``RowsFile.read`` gathers rows into one without zeroing it first).
 Buffer = bytearray | memoryview
 
 

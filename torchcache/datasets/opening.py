@@ -27,8 +27,8 @@ from ..meta import META_NAME, load_meta, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
-from ..stores.slots import SlotStore
 from . import shm
+from .rows import SampleRows
 from .tiers import SampleTier, segment_bytes, store_bytes
 
 __all__ = ["DEFAULT_DISK_SIZE", "Places", "hold_memory", "open_tiers", "resolve_places", "write_dataset_meta"]
@@ -153,11 +153,12 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
         slots = None
         if with_slots:
             assert isinstance(location, Path) and length is not None
-            slots = SlotStore(location, length, size, _reporter(faults, name))
+            slots = SampleRows(location, length, size, _reporter(faults, name))
             if slots.shortfall():  # made by a cache of this dataset with a smaller budget, in this job
+                assert slots.file is not None
                 faults.report(
                     "memory-size",
-                    f"the RAM tier's slot file {slots.path} was made for {slots.capacity:,} samples by an "
+                    f"the RAM tier's rows file {slots.path} was made for {slots.file.capacity:,} samples by an "
                     "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
                     "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
                     "cache its own RAM tier with another version=",

@@ -10,9 +10,9 @@ it evict: the one that finds the budget passed after its write removes its own e
 A tier that fails to write warns once and is only read from then on, in that process.
 
 The RAM tier of a dataset of known length keeps the samples whose frames share the
-first frame's size in a :class:`~torchcache.stores.slots.SlotStore` (one slot per
-index, no index transaction) and the others in its packed store; both count against
-its one budget.
+first frame's size in a :class:`~torchcache.stores.rows.RowsFile` (one row per index,
+no index transaction) and the others in its packed store; both count against its one
+budget.
 """
 
 from __future__ import annotations
@@ -25,18 +25,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmdb
+import numpy as np
 import torch.utils.data
 
 from .._log import logger
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import FaultLog
 from ..stores.batched import BatchedStore
+from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.store import INDEX_ENTRY_BYTES
-from ..stores.slots import SlotStore
+from ..stores.rows import RowsFile
 from .decode import decode_rows, decode_samples, frame_head
 from .keys import store_key
+from .rows import SampleRows
 
 __all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "samples_from_slots", "segment_bytes", "store_bytes"]
+
 
 #: Bytes an entry costs a tier beyond its payload: record header, packed key, index share.
 ENTRY_OVERHEAD = 15 + 16 + INDEX_ENTRY_BYTES
@@ -94,7 +98,7 @@ class SampleTier:
         budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry
             in the store, and the slot file's bytes.
         faults: Where faults are warned about.
-        slots: Slots for the samples of a dataset (keys that are indices), if any.
+        slots: The rows file for the samples of a dataset (keys that are indices), if any.
     """
 
     def __init__(
@@ -103,7 +107,7 @@ class SampleTier:
         store: BatchedStore | Callable[[], BatchedStore],
         budget: int,
         faults: FaultLog,
-        slots: SlotStore | None = None,
+        slots: SampleRows | None = None,
     ) -> None:
         self.name = name
         self._store: BatchedStore | None = None
@@ -141,8 +145,9 @@ class SampleTier:
         return self.writable and not self.full
 
     def _slots_only(self) -> bool:
-        """Whether every sample of the tier is in its slots: the store beside them was never written."""
-        return self.slots is not None and not self.slots.spilled  # spilled while the file is not open
+        """Whether every sample of the tier is in its rows file: the store beside it was never opened."""
+        slots = self.slots
+        return slots is not None and slots.file is not None and not (slots.path.parent / INDEX_NAME).exists()
 
     def _store_used(self) -> int:
         if self._slots_only():
@@ -150,48 +155,37 @@ class SampleTier:
         store = self.store
         return 0 if store is None else store.nbytes + len(store) * ENTRY_OVERHEAD
 
+    def _rows(self) -> RowsFile | None:
+        return None if self.slots is None else self.slots.file
+
     def used(self) -> int:
         """The bytes the tier's entries count against its budget."""
-        return self._store_used() + (self.slots.nbytes if self.slots is not None else 0)
+        rows = self._rows()
+        return self._store_used() + (0 if rows is None else rows.nbytes)
 
     def __len__(self) -> int:
-        """Entries in the store and the slots."""
-        store = self.store
-        return (0 if store is None else len(store)) + (len(self.slots) if self.slots is not None else 0)
+        """Entries in the store and the rows file."""
+        store, rows = self.store, self._rows()
+        return (0 if store is None else len(store)) + (0 if rows is None else len(rows))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the store's entries and of the slot file."""
-        store = self.store
-        return (0 if store is None else store.nbytes) + (self.slots.nbytes if self.slots is not None else 0)
+        """Bytes of the store's entries and of the rows file."""
+        store, rows = self.store, self._rows()
+        return (0 if store is None else store.nbytes) + (0 if rows is None else rows.nbytes)
 
     def __contains__(self, key: object) -> bool:
-        slots = self.slots
-        if slots is not None and type(key) is str and len(key) == 16 and int(key, 16) in slots:
+        rows = self._rows()
+        if rows is not None and type(key) is str and len(key) == 16 and int(key, 16) in rows:
             return True
         if self._slots_only():
             return False
         store = self.store
         return store is not None and key in store
 
-    def slots_ready(self) -> SlotStore | None:
-        """The slot store, if it exists now (another process of the job may have made it)."""
-        slots = self.slots
-        if slots is None or not (slots.ready or slots.attach()):
-            return None
-        return slots
-
-    def read_slots(self, indices: Sequence[int]) -> tuple[list[int], memoryview]:
-        """The found positions of ``indices`` and their slots (see :meth:`SlotStore.read`); none if it fails."""
-        slots = self.slots
-        assert slots is not None
-        try:
-            return slots.read(indices)
-        except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample
-            what = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-            message = f"cannot read the {self.name} tier's slots ({what}); samples are computed"
-            self.faults.warn(f"{self.name}-read", message)
-            return [], memoryview(b"")
+    def slots_ready(self) -> RowsFile | None:
+        """The rows file, if it exists now (another process of the job may have made it)."""
+        return None if self.slots is None else self.slots.attach()
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
@@ -211,7 +205,7 @@ class SampleTier:
             return
         try:
             if self.slots is not None and self.slots.usable:
-                items = self._put_slots(items)
+                items = self._put_rows(self.slots, items)
                 if not items or self.full:
                     return
             store = self.store
@@ -227,8 +221,6 @@ class SampleTier:
                     break
                 admitted.append((key, frame))
             if admitted:
-                if self.slots is not None:
-                    self.slots.mark_spilled()  # before the write: a reader that misses it only recomputes
                 store.put_many(admitted)
                 self._give_back(store, admitted)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
@@ -238,40 +230,45 @@ class SampleTier:
                 f"cannot write to the {self.name} tier ({exc}); samples are computed, not cached there, from now on",
             )
 
-    def _put_slots(self, items: Sequence[tuple[str, bytes | memoryview]]) -> Sequence[tuple[str, bytes | memoryview]]:
-        """Store in the slots what they take; return the items for the packed store.
+    def _put_rows(
+        self, slots: SampleRows, items: Sequence[tuple[str, bytes | memoryview]]
+    ) -> Sequence[tuple[str, bytes | memoryview]]:
+        """Store in the rows file what it takes; return the items for the packed store.
 
-        The first frame stored fixes the slots' frame size; frames of other sizes, and keys
-        that are not indices of the dataset, go to the packed store.
+        The first frame stored fixes the rows' size; frames of other sizes, and keys that
+        are not indices of the dataset, go to the packed store.
 
         Raises:
-            OSError: If the slots cannot be written.
+            OSError: If the rows cannot be written.
         """
-        slots = self.slots
-        assert slots is not None
 
         def index_of(key: str) -> int:  # store keys of indices have 16 digits
             index = int(key, 16) if len(key) == 16 else -1
             return index if index < slots.length else -1
 
-        if not slots.ready:
+        rows = slots.attach()
+        if rows is None:
             first = next((frame for key, frame in items if index_of(key) >= 0), None)
             head = None if first is None else frame_head(first)
-            if first is None or head is None or not slots.create(len(first), head):
+            rows = None if first is None or head is None else slots.create(len(first), head)
+            if rows is None:
                 return items
-        chosen: list[tuple[int, bytes | memoryview]] = []
+        indices: list[int] = []
+        frames: list[bytes | memoryview] = []
         rest: list[tuple[str, bytes | memoryview]] = []
         for key, frame in items:
             index = index_of(key)
-            if index >= 0 and len(frame) == slots.frame_size:
-                chosen.append((index, frame))
+            if index >= 0 and len(frame) == rows.row_size:
+                indices.append(index)
+                frames.append(frame)
             else:
                 rest.append((key, frame))
-        if not chosen:
+        if not indices:
             return rest
-        if slots.put_many(chosen, self.budget - self._store_used()):
+        block = np.frombuffer(b"".join(frames), np.uint8).reshape(len(frames), rows.row_size)
+        if rows.write(np.asarray(indices, np.int64), block, self.budget - self._store_used()):
             self.full = True
-            logger.info("the %s tier %s is full: later samples are not cached there", self.name, slots.path)
+            logger.info("the %s tier %s is full: later samples are not cached there", self.name, rows.path)
         return rest
 
     def _give_back(self, store: BatchedStore, written: list[tuple[str, bytes | memoryview]]) -> None:
@@ -290,8 +287,10 @@ class SampleTier:
 
     def drop(self, key: str) -> None:
         """Remove a damaged entry, if the tier can be written."""
-        if self.slots is not None and len(key) == 16:
-            self.slots.drop(int(key, 16))
+        rows = self._rows()
+        if rows is not None and len(key) == 16 and int(key, 16) < rows.length:
+            with contextlib.suppress(OSError):
+                rows.unmark([int(key, 16)])
         store = self.store
         if store is not None:
             with contextlib.suppress(OSError, lmdb.Error):
@@ -311,30 +310,39 @@ class SampleTier:
 
 
 def samples_from_slots(
-    tier: SampleTier, slots: SlotStore, keys: Sequence[int | str], results: list[Any], faults: FaultLog
+    tier: SampleTier, rows: RowsFile, keys: Sequence[int | str], results: list[Any], faults: FaultLog
 ) -> set[int]:
-    """Fill ``results`` from the slots of a tier for the keys that are indices; return their positions."""
-    length = slots.length
+    """Fill ``results`` from the rows file of a tier for the keys that are indices; return their positions."""
+    length = rows.length
     ints = [i for i, key in enumerate(keys) if type(key) is int and 0 <= key < length]
     if not ints:
         return set()
-    wanted: Sequence[Any] = [keys[i] for i in ints] if len(ints) < len(keys) else keys
-    found, buf = tier.read_slots(wanted)
-    if not found:
+    wanted = np.fromiter((keys[i] for i in ints), np.int64, len(ints))
+    try:
+        found, gathered, _, damaged = rows.read(wanted)
+    except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample
+        what = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        faults.warn(f"{tier.name}-read", f"cannot read the {tier.name} tier's rows ({what}); samples are computed")
         return set()
-    stride, at, size = slots.stride, slots.frame_at, slots.frame_size
+    if damaged:
+        faults.warn(f"{tier.name}-corrupt", f"{len(damaged)} damaged rows in {rows.path}: recomputed")
+        for position in damaged:
+            tier.drop(store_key(keys[ints[position]]))
+    if not len(found):
+        return set()
+    buf = gathered.reshape(-1).data
+    stride, at, size = rows.stride, rows.row_at, rows.row_size
     samples: list[Any] | None = decode_rows(buf, len(found), stride, at, size)
-    if samples is not None:  # the common case: every frame alike, none damaged
-        places = [ints[position] for position in found]
+    places = [ints[position] for position in found.tolist()]
+    if samples is not None:  # the common case: every frame alike
         for i, sample in zip(places, samples):
             results[i] = sample
         return set(places)
-    view = memoryview(buf)  # frames of several structures (or a damaged one): one by one
+    view = memoryview(buf)  # frames of several structures (or one that is not a sample): one by one
     hit = set()
-    for position, sample in zip(
-        found, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
+    for i, sample in zip(
+        places, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
     ):
-        i = ints[position]
         if isinstance(sample, CorruptEntryError):
             faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
             tier.drop(store_key(keys[i]))

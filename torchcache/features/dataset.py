@@ -26,8 +26,9 @@ from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import FaultLog
-from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import SampleLayout
+from ..stores.rows import RowsFile
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "compute_rows", "device_of"]
 
@@ -103,6 +104,10 @@ def find_features(location: str | os.PathLike[str] | None) -> Path:
         raise ConfigError(f"there is no features cache at {path}")
     if (path / FEATURES_NAME).is_file():
         return path / FEATURES_NAME
+    if (path / LEGACY_FEATURES_NAME).is_file():
+        raise ConfigError(
+            f"{path} holds a features cache of torchcache 1.2; run `torchcache migrate {path.parent}` to read it here"
+        )
     try:
         found = sorted(p / FEATURES_NAME for p in path.iterdir() if (p / FEATURES_NAME).is_file())
     except OSError as exc:
@@ -123,19 +128,21 @@ class FeatureDataset(Dataset[Any]):
     backbone and dataset it holds, to compute damaged rows again).
 
     Args:
-        file: The rows.
+        file: The rows (a features file, see :mod:`torchcache.stores.features.file`).
         backbone: The backbone that computed them (``None``: a damaged row is an error).
         dataset: The dataset they were computed from.
+        claim: The hold on the cache's directory, let go by :meth:`close`.
     """
 
     def __init__(
         self,
-        file: FeatureFile,
+        file: RowsFile,
         backbone: torch.nn.Module | None = None,
         dataset: Any = None,
         claim: CacheClaim | None = None,
     ) -> None:
         self.file = file
+        self.layout = layout_of(file)
         self.backbone = backbone
         self.dataset = dataset
         self.length = file.length
@@ -162,7 +169,7 @@ class FeatureDataset(Dataset[Any]):
             return VariableFeatureDataset.open(directory)
         found = find_features(directory)
         try:
-            return cls(FeatureFile.open(found), claim=claim_directory(found.parent))
+            return cls(open_features(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
 
@@ -175,7 +182,7 @@ class FeatureDataset(Dataset[Any]):
         self._faults = FaultLog(str(self.file.header.get("module", "features")))
 
     def __repr__(self) -> str:
-        f = self.file.layout.features
+        f = self.layout.features
         return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features {f.dtype} {f.shape})"
 
     @property
@@ -186,12 +193,12 @@ class FeatureDataset(Dataset[Any]):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of one sample's features."""
-        return self.file.layout.features.shape
+        return self.layout.features.shape
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the features."""
-        return getattr(torch, self.file.layout.features.dtype)  # type: ignore[no-any-return]
+        return getattr(torch, self.layout.features.dtype)  # type: ignore[no-any-return]
 
     @property
     def info(self) -> dict[str, Any]:
@@ -227,10 +234,13 @@ class FeatureDataset(Dataset[Any]):
             outside = wanted[(wanted < 0) | (wanted >= self.length)]
             if len(outside):
                 raise IndexError(f"index {int(outside[0])} is out of range for {self.length} samples")
-        rows, missing, bad = self.file.read(wanted)
+        found, rows, missing, bad = self.file.read(wanted)
         if missing or bad:
-            self._repair(wanted, rows, missing, bad)
-        return self.file.layout.decode(rows)
+            whole = np.empty((len(wanted), rows.shape[1]), np.uint8)
+            whole[found] = rows
+            self._repair(wanted, whole, missing, bad)
+            rows = whole
+        return self.layout.decode(rows)
 
     def _repair(
         self, wanted: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], missing: list[int], bad: list[int]
@@ -256,7 +266,7 @@ class FeatureDataset(Dataset[Any]):
                 "the DataLoader multiprocessing_context='spawn'"
             )
         unique = sorted({int(wanted[j]) for j in positions})
-        computed, _ = compute_rows(self.backbone, self.file.layout, [self.dataset[i] for i in unique])
+        computed, _ = compute_rows(self.backbone, self.layout, [self.dataset[i] for i in unique])
         by_index = dict(zip(unique, computed, strict=True))
         for j in positions:
             rows[j] = by_index[int(wanted[j])]

@@ -33,7 +33,6 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader
 
-from .._gc import collector_paused
 from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
@@ -46,8 +45,17 @@ from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import fingerprint_module
 from ..module.guards import check_frozen
 from ..stores.features.digests import batch_digests
-from ..stores.features.file import FEATURES_NAME, FeatureFile
+from ..stores.features.file import (
+    FEATURES_NAME,
+    create_features,
+    features_in_memory,
+    layout_of,
+    missing_or_damaged,
+    open_existing,
+    remove_features,
+)
 from ..stores.features.layout import SampleLayout, VariableLayoutError
+from ..stores.rows import RowsFile
 from .dataset import FeatureDataset, MissingFeatureError
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
@@ -189,8 +197,8 @@ def _extract_features(
         return variable()
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
-        file = _open_existing(directory / FEATURES_NAME, header, faults)
-        todo = np.arange(length, dtype=np.int64) if file is None else _missing_or_damaged(file, faults)
+        file = open_existing(directory / FEATURES_NAME, header, faults.warn)
+        todo = np.arange(length, dtype=np.int64) if file is None else missing_or_damaged(file, faults.warn)
         if len(todo):
             probe = _check_deterministic(dataset, todo)
             try:
@@ -215,7 +223,7 @@ def _extract_features(
                 logger.info("torchcache: %s; the features are kept whole, sample by sample, in %s", exc, directory)
                 if file is not None:
                     file.close()
-                _remove(directory / FEATURES_NAME)
+                remove_features(directory / FEATURES_NAME)
                 file = None
             else:
                 keep_root_budget(directory.parent, faults.warn)  # the root has grown by the new rows
@@ -250,54 +258,6 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
             "the backbone is in training mode and holds dropout or batch-norm layers: its outputs would be random "
             "(dropout) or would move its batch-norm statistics while it runs. Call backbone.eval() first"
         )
-
-
-def _open_existing(path: Path, header: dict[str, Any], faults: FaultLog) -> FeatureFile | None:
-    """The features file at ``path`` if it is whole and made for ``header``; a damaged one is removed."""
-    try:
-        file = FeatureFile.open(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (CorruptEntryError, ValueError) as exc:
-        faults.warn("corrupt", f"the features file {path} is damaged ({exc}): computed again")
-        _remove(path)
-        return None
-    except OSError as exc:
-        faults.warn("open", f"cannot open the features file {path} ({exc}): computed again")
-        return None
-    made_for = {k: file.header.get(k) for k in header}
-    if made_for != header:
-        file.close()
-        faults.warn("corrupt", f"the features file {path} was made for other keys: computed again")
-        _remove(path)
-        return None
-    return file
-
-
-def _missing_or_damaged(file: FeatureFile, faults: FaultLog) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """The rows to compute: those not written, and those damaged (checked here, where the backbone can run).
-
-    Checking every row at open costs a read of the file (about what one epoch reads), and
-    means that a DataLoader worker, which may not be able to run the backbone (a CUDA
-    backbone in a forked worker), meets a damaged row only if it was damaged since.
-    """
-    with collector_paused():  # a burst of short-lived objects: see torchcache._gc
-        damaged = file.damaged()
-    if len(damaged):
-        faults.warn("corrupt", f"{len(damaged)} damaged rows in {file.path}: computed again")
-        with contextlib.suppress(OSError):
-            file.unmark(damaged.tolist())
-    todo = np.zeros(file.length, np.bool_)  # (np.union1d would import numpy's set routines: 0.1 s)
-    todo[file.missing()] = True
-    todo[damaged] = True
-    return np.flatnonzero(todo).astype(np.int64)
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        aside = path.with_name(f".{path.name}.{os.getpid()}.damaged")
-        os.rename(path, aside)
-        os.unlink(aside)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -368,13 +328,13 @@ def _extract(
     loader: DataLoader[Any],
     todo: np.ndarray[Any, Any],
     layout: SampleLayout,
-    file: FeatureFile | None,
+    file: RowsFile | None,
     directory: Path,
     header: dict[str, Any],
     faults: FaultLog,
     progress: bool,
     donors: Donors | None,
-) -> FeatureFile:
+) -> RowsFile:
     """Compute the rows of ``todo`` batch by batch (or take them from ``donors``), each written as the next runs."""
     bar = _progress_bar(len(todo), file) if progress else None
     done = 0
@@ -389,7 +349,7 @@ def _extract(
                 layout = layout.with_features(output[0])
                 writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
-                layout = writer.file.layout
+                layout = layout_of(writer.file)
             if digests is None and getattr(inputs, "_version", None) != version:
                 digests = [None] * count  # the backbone changed its inputs in place: their digests are unknown
             later = inputs if digests is None else None  # hashed in the writer's thread
@@ -408,14 +368,14 @@ def _extract(
     return file
 
 
-def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> FeatureFile:
+def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> RowsFile:
     """The features file for ``header`` in ``directory`` (in memory, with a warning, if none can be made)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        file = FeatureFile.create(directory / FEATURES_NAME, header)
+        file = create_features(directory / FEATURES_NAME, header)
     except (OSError, CorruptEntryError) as exc:
         faults.warn("create", f"cannot make the features file in {directory} ({exc}): the features are kept in memory")
-        return FeatureFile.in_memory(header)
+        return features_in_memory(header)
     if file.header != header:  # another process made one for the same key with another layout
         file.close()
         raise ConfigError(f"{directory} holds features of another layout than the backbone's outputs; remove it")
@@ -434,7 +394,7 @@ def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> Featur
     return file
 
 
-def _progress_bar(total: int, file: FeatureFile | None) -> Any:
+def _progress_bar(total: int, file: RowsFile | None) -> Any:
     """A tqdm bar when tqdm is installed and someone can see it."""
     from ..module.precompute import _interactive
 

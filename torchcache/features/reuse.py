@@ -23,8 +23,9 @@ import torch
 
 from ..errors import ConfigError, CorruptEntryError, StoreError
 from ..stores.features.digests import DIGESTS_NAME, DigestFile, pack_digests
-from ..stores.features.file import FEATURES_NAME, FeatureFile
-from ..stores.features.layout import Field, VariableLayoutError
+from ..stores.features.file import FEATURES_NAME, layout_of, open_features
+from ..stores.features.layout import Field, SampleLayout, VariableLayoutError
+from ..stores.rows import RowsFile
 from ..tree import DTYPES
 from .dataset import run_backbone
 
@@ -38,7 +39,8 @@ _MAX_DONORS = 4
 class _Donor:
     """One older cache: its file, and its usable entries sorted by the first 8 bytes of their digest."""
 
-    file: FeatureFile
+    file: RowsFile
+    layout: SampleLayout
     prefixes: np.ndarray[Any, np.dtype[np.uint64]]
     digests: np.ndarray[Any, np.dtype[np.uint8]]  # (n, 16), in the order of ``prefixes``
     rows: np.ndarray[Any, np.dtype[np.int64]]
@@ -102,7 +104,7 @@ class Donors:
         served: list[np.ndarray[Any, Any]] = []
         parts: list[torch.Tensor] = []
         for donor in self._donors:
-            own = donor.file.layout.features
+            own = donor.layout.features
             field = own if field is None else field
             if not wanted.any() or (own.dtype, own.shape) != (field.dtype, field.shape):
                 continue
@@ -113,14 +115,15 @@ class Donors:
                 continue
             indices = donor.rows[at[where]]
             try:
-                rows, missing, bad = donor.file.read(indices)
+                found, rows, _, _ = donor.file.read(indices)
             except (OSError, StoreError):  # a donor cut short or gone gives nothing: the backbone runs
                 continue
             changed = np.flatnonzero(donor.file.checks(indices) != donor.checks[at[where]])  # rewritten since
-            keep = np.setdiff1d(np.arange(len(where)), np.concatenate([missing, bad, changed]).astype(np.int64))
+            unchanged = np.isin(found, changed, invert=True)
+            keep = found[unchanged]
             if not len(keep):
                 continue
-            raw = np.ascontiguousarray(rows[keep, own.offset : own.offset + own.nbytes])
+            raw = np.ascontiguousarray(rows[unchanged, own.offset : own.offset + own.nbytes])
             parts.append(torch.from_numpy(raw).view(DTYPES[own.dtype]).reshape(len(keep), *own.shape))
             served.append(where[keep])
             wanted[where[keep]] = False
@@ -141,7 +144,7 @@ class Donors:
 def _open_donor(directory: Path, module_key: str, input: int | str) -> _Donor | None:
     """The cache in ``directory`` as a donor, if it is one of this backbone and input with usable entries."""
     try:
-        file = FeatureFile.open(directory / FEATURES_NAME)
+        file = open_features(directory / FEATURES_NAME)
     except (OSError, CorruptEntryError, ConfigError):  # a cache that cannot be read gives nothing
         return None
     header = file.header
@@ -165,7 +168,8 @@ def _open_donor(directory: Path, module_key: str, input: int | str) -> _Donor | 
         return None
     prefixes = _prefixes(known[rows])
     order = np.argsort(prefixes, kind="stable")
-    return _Donor(file, prefixes[order], known[rows][order], rows[order].astype(np.int64), bound[rows][order])
+    rows = rows[order]
+    return _Donor(file, layout_of(file), prefixes[order], known[rows], rows.astype(np.int64), bound[rows])
 
 
 def outputs(
@@ -203,7 +207,7 @@ def outputs(
     return output
 
 
-def open_digests(file: FeatureFile) -> DigestFile | None:
+def open_digests(file: RowsFile) -> DigestFile | None:
     """The input digests beside a features file (made when missing; none for rows in memory)."""
     if file.path is None:
         return None

@@ -7,7 +7,7 @@ GPU idles through it). :class:`BatchWriter` does it in one background thread, on
 at a time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
 raised), so writes keep their order, the rows buffer is reused, and at most one batch
 of outputs is held beside the one being computed. The order within a batch is that of
-:class:`~torchcache.stores.features.file.FeatureFile`: rows, then their checks, then the
+:class:`~torchcache.stores.rows.RowsFile`: rows, then their checks, then the
 digests that name those checks, so a process killed at any point leaves no entry
 without its row.
 """
@@ -23,8 +23,9 @@ import torch
 
 from ..faults import FaultLog
 from ..stores.features.digests import DigestFile, batch_digests, pack_digests
-from ..stores.features.file import FeatureFile
+from ..stores.features.file import features_in_memory
 from ..stores.features.layout import SampleLayout
+from ..stores.rows import RowsFile
 from .reuse import open_digests
 
 __all__ = ["Batch", "BatchWriter"]
@@ -55,7 +56,7 @@ class BatchWriter:
             memory, as :func:`keep_in_memory` moves them.
     """
 
-    def __init__(self, file: FeatureFile | None, faults: FaultLog) -> None:
+    def __init__(self, file: RowsFile | None, faults: FaultLog) -> None:
         self.file = file
         self._given = file
         self._faults = faults
@@ -64,7 +65,7 @@ class BatchWriter:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchcache-features")
         self._pending: Future[None] | None = None
 
-    def start(self, file: FeatureFile) -> None:
+    def start(self, file: RowsFile) -> None:
         """Write to ``file``, made once the first batch's outputs were known."""
         self.file = file
         self._digests = open_digests(file)
@@ -79,7 +80,7 @@ class BatchWriter:
         self._wait()
         self._pending = self._pool.submit(self._write, batch)
 
-    def close(self, *, failed: bool = False) -> FeatureFile | None:
+    def close(self, *, failed: bool = False) -> RowsFile | None:
         """Wait for the batch being written and let go of the thread; the file the rows went to.
 
         Args:
@@ -135,14 +136,13 @@ class BatchWriter:
                 self._digests = None
 
 
-def keep_in_memory(file: FeatureFile) -> FeatureFile:
+def keep_in_memory(file: RowsFile) -> RowsFile:
     """A features file in memory holding the rows of ``file`` that read back whole; ``file`` is closed."""
-    memory = FeatureFile.in_memory(file.header)
+    memory = features_in_memory(file.header)
     written = np.flatnonzero(np.isin(np.arange(file.length), file.missing(), invert=True))
     for start in range(0, len(written), 4096):
         part = written[start : start + 4096]
-        old, _, bad = file.read(part)
-        keep = np.setdiff1d(np.arange(len(part)), bad)
-        memory.write(part[keep], old[keep])
+        found, rows, _, _ = file.read(part)
+        memory.write(part[found], rows)
     file.close()
     return memory

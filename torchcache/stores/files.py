@@ -120,12 +120,12 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def create_whole(path: Path, size: int, head: bytes) -> int | None:
+def create_whole(path: Path, size: int, head: bytes, allocated: int | None = None, mode: int = 0o644) -> int | None:
     """Make a file of ``size`` bytes that starts with ``head``, whole before anyone sees it.
 
-    The file is made under a temporary name beside ``path``, its blocks allocated (a
-    full disk fails here, not in a later write) and ``head`` written, then linked to
-    ``path``; a link never replaces a file.
+    The file is made under a temporary name beside ``path``, the blocks of its first
+    ``allocated`` bytes (default: all) allocated (a full disk fails here, not in a later
+    write) and ``head`` written, then linked to ``path``; a link never replaces a file.
 
     Returns:
         A read-write descriptor of the new file (the caller closes it), or ``None`` if
@@ -135,10 +135,10 @@ def create_whole(path: Path, size: int, head: bytes) -> int | None:
         OSError: If it cannot be made.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         os.ftruncate(fd, size)
-        allocate(fd, size)
+        allocate(fd, size if allocated is None else allocated)
         pwrite_all(fd, memoryview(head), 0)
         try:
             os.link(tmp, path)

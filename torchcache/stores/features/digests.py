@@ -1,6 +1,6 @@
 """The input digests of a features cache: what each row was computed from.
 
-The file (``inputs.tcdig``), beside ``features.tcfeat``::
+The file (``inputs.tcdig``), beside ``features.tcrows``::
 
     header   magic, version, dataset length, and the xxh3_64 of these (32 bytes)
     entries  24 bytes per index at ``4096 + 24 * index``: the xxh3_128 of the backbone's
@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from ..files import create_whole, pwrite_all, read_at
-from .file import runs
+from ..rows import runs
 
 __all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "input_digest", "pack_digests"]
 

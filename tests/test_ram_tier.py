@@ -1,0 +1,329 @@
+"""The RAM tier of a dataset: its rows file, the packed store beside it, damage and faults, hostile files."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from torchcache import CachedDataset, CacheWarning
+from torchcache.datasets import cache as sample_cache
+from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
+from torchcache.datasets.encode import encode_sample
+from torchcache.datasets.keys import store_key
+from torchcache.datasets.rows import ROWS_NAME, SampleRows
+from torchcache.datasets.tiers import SampleTier
+from torchcache.errors import StoreError
+from torchcache.faults import FaultLog
+from torchcache.stores.packed.store import PackedStore
+from torchcache.stores.rows import RowsFile
+from torchcache.stores.rows import file as rows_module
+
+
+class Reports(list[tuple[str, str]]):
+    def __call__(self, kind: str, message: str) -> None:
+        self.append((kind, message))
+
+
+def rows(directory: Path, length: int = 10, max_bytes: int = 10**6) -> SampleRows:
+    return SampleRows(directory, length, max_bytes, lambda kind, message: None)
+
+
+def read_all(file: RowsFile, indices: list[int]) -> dict[int, bytes]:
+    found, gathered, _, _ = file.read(np.asarray(indices, np.int64))
+    at, size = file.row_at, file.row_size
+    return {indices[p]: bytes(gathered[j, at : at + size]) for j, p in enumerate(found.tolist())}
+
+
+def test_a_full_file_system_turns_the_tier_writes_off_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PackedStore(tmp_path, 10**6)
+    tier = SampleTier("memory", store, 10**6, FaultLog("full"), rows(tmp_path))
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rows_module, "pwrite_all", full)
+    sample = encode_sample((torch.zeros(4), 1))
+    with pytest.warns(CacheWarning, match="No space left"):
+        tier.put_many([(store_key(1), sample)])
+        tier.faults.emit()
+    assert not tier.writable and len(tier) == 0
+    tier.close()
+
+
+def _pwrite_fault(kind: str) -> Any:
+    real = os.pwrite
+    calls: list[int] = []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(1)
+        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
+            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
+        if kind == "no progress":
+            return 0
+        if kind == "short, then ENOSPC" and len(calls) == 1:
+            return real(fd, bytes(data)[: len(data) // 2], offset)
+        code = errno.EIO if kind == "EIO" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    pwrite.calls = calls  # type: ignore[attr-defined]
+    return pwrite
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "no progress"])
+def test_a_failing_slot_write_warns_and_the_tier_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    store = PackedStore(tmp_path, 10**6)
+    tier = SampleTier("memory", store, 10**6, FaultLog("full"), rows(tmp_path))
+    samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(4)}
+    tier.put_many([(store_key(i), samples[i]) for i in range(2)])
+    monkeypatch.setattr(rows_module.os, "pwrite", _pwrite_fault(kind))
+    with pytest.warns(CacheWarning):
+        tier.put_many([(store_key(i), samples[i]) for i in range(2, 4)])
+        tier.faults.emit()
+    monkeypatch.undo()
+    assert tier.slots is not None and tier.slots.file is not None and not tier.writable
+    assert read_all(tier.slots.file, list(range(4))) == {i: bytes(samples[i]) for i in range(2)}  # nothing half-written
+    tier.close()
+
+
+class Opener:
+    """Opens a tier's packed store when called, and counts the calls; ``fail`` raises instead."""
+
+    def __init__(self, directory: Path, fail: bool = False) -> None:
+        self.directory, self.fail, self.calls = directory, fail, 0
+
+    def __call__(self) -> PackedStore:
+        self.calls += 1
+        if self.fail:
+            raise StoreError(f"cannot create the store directory {self.directory}: Permission denied")
+        return PackedStore(self.directory, 10**6)
+
+
+def test_a_tier_opens_its_store_only_for_what_is_not_in_its_slots(tmp_path: Path) -> None:
+    def tier(opener: Opener) -> SampleTier:
+        return SampleTier("memory", opener, 10**6, FaultLog("lazy"), rows(tmp_path))
+
+    samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(10)}
+    writer = tier(Opener(tmp_path))
+    writer.put_many([(store_key(i), samples[i]) for i in range(6)] + [("ab" * 8 + "cd", b"other")])
+    assert writer._opener is not None and writer._opener.calls == 1  # the budget counts the store
+    reader_opener = Opener(tmp_path)
+    reader = tier(reader_opener)  # as in another process
+    slots = reader.slots_ready()
+    assert slots is not None
+    found, gathered, _, _ = slots.read(np.arange(10))
+    assert found.tolist() == list(range(6)) and reader_opener.calls == 0
+    built = decode_rows(gathered.reshape(-1).data, 6, slots.stride, slots.row_at, slots.row_size)
+    assert built is not None and built[3][1] == 3
+    reader.flush()
+    assert reader_opener.calls == 0
+    assert reader.get_many(["ab" * 8 + "cd"]) == [b"other"] and reader_opener.calls == 1
+    assert len(reader) == 7 and reader_opener.calls == 1
+    for each in (writer, reader):
+        each.close()
+
+
+def test_a_miss_leaves_the_store_closed_until_a_sample_goes_there(tmp_path: Path) -> None:
+    def tier(opener: Opener) -> SampleTier:
+        return SampleTier("memory", opener, 10**6, FaultLog("spill"), rows(tmp_path))
+
+    writer_opener, reader_opener = Opener(tmp_path), Opener(tmp_path)
+    writer, reader = tier(writer_opener), tier(reader_opener)  # as in two processes
+    writer.put_many([(store_key(i), encode_sample((torch.full((4,), float(i)), i))) for i in range(4)])
+    assert writer_opener.calls == 0  # every sample went to the slots
+    ready = reader.slots_ready()
+    assert ready is not None and ready.read(np.asarray([0, 9])).found.tolist() == [0]
+    assert reader.get_many([store_key(9), "ab" * 9]) == [None, None] and "ab" * 9 not in reader
+    assert reader_opener.calls == 0
+    writer.put_many([("ab" * 9, b"not an index"), (store_key(5), encode_sample(torch.zeros(3)))])  # other sizes
+    assert reader.get_many([store_key(5), "ab" * 9]) == [encode_sample(torch.zeros(3)), b"not an index"]
+    assert "ab" * 9 in reader and reader_opener.calls == 1
+    for each in (writer, reader):
+        each.close()
+
+
+def test_a_store_that_cannot_be_opened_leaves_the_slots_working(tmp_path: Path) -> None:
+    opener = Opener(tmp_path, fail=True)
+    tier = SampleTier("memory", opener, 10**6, FaultLog("lazy"), rows(tmp_path))
+    with pytest.warns(CacheWarning, match="cannot open the memory tier's store .*Permission denied.*only its slots"):
+        tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(4)] + [("ab" * 8, b"x")])
+        tier.faults.emit()
+    assert tier.writable and opener.calls == 1
+    assert tier.slots is not None and tier.slots.file is not None
+    assert tier.slots.file.read(np.asarray([0, 3, 5])).found.tolist() == [0, 1]
+    assert tier.get_many(["ab" * 8]) == [None] and "ab" * 8 not in tier
+    assert len(tier) == 4 and tier.nbytes > 0 and tier.used() == tier.nbytes
+    tier.drop("ab" * 8)
+    assert opener.calls == 1  # not tried again
+    tier.close()
+
+
+def test_samples_of_other_sizes_go_to_the_packed_store(tmp_path: Path) -> None:
+    class Varied(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.full((1 + i % 3, 4), float(i)), i
+
+    data = CachedDataset(Varied(), max_memory_size="1MB")
+    first = [data[i] for i in range(12)]
+    again = [data[i] for i in range(12)]
+    for i, (x, label) in enumerate(again):
+        assert label == i and torch.equal(x, first[i][0]) and x.shape == (1 + i % 3, 4)
+    stats = data.stats()
+    assert stats.hits == 12 and stats.memory.entries == 12
+    assert data.cache.memory_dir is not None
+    assert len(PackedStore(data.cache.memory_dir, "1MB")) == 8  # two of the three shapes
+    data.close()
+
+
+def test_decode_rows_builds_alike_frames_and_declines_others() -> None:
+    samples = [(torch.arange(6, dtype=torch.int16).reshape(2, 3) + i, i, f"s{i}") for i in range(5)]
+    frames = [encode_sample(s) for s in samples]
+    size, head = len(frames[0]), frame_head(frames[0])
+    assert head is not None
+    at = 16 + (-head % 16)
+    stride = -(-(at + size) // 16) * 16
+    buf = bytearray(stride * len(frames))
+    for j, f in enumerate(frames):
+        buf[j * stride + at : j * stride + at + size] = f
+    built = decode_rows(buf, len(frames), stride, at, size)
+    assert built is not None
+    for (x, i, s), (y, j, t) in zip(samples, built):
+        assert torch.equal(x, y) and i == j and s == t
+    assert decode_rows(buf, len(frames), stride, at + 1, size) is None  # not a frame there
+    other = encode_sample((torch.zeros(3, 2, dtype=torch.int16), 0, "s0"))  # same size, another header
+    buf[stride + at : stride + at + size] = other
+    assert decode_rows(buf, len(frames), stride, at, size) is None
+    assert decode_samples([bytes(buf[j * stride + at : j * stride + at + size]) for j in range(2)])[1][0].shape == (
+        3,
+        2,
+    )
+
+
+def test_samples_of_one_size_and_several_structures_share_the_slots() -> None:
+    class Shapes(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.full((2, 6) if i % 2 else (3, 4), float(i)), i  # one frame size, two headers
+
+    data = CachedDataset(Shapes(), max_memory_size="1MB")
+    first = data.__getitems__(list(range(10)))
+    again = data.__getitems__(list(range(10)))  # from the slots, built one by one
+    assert data.stats().memory.hits == 10
+    assert data.cache.memory_dir is not None and len(PackedStore(data.cache.memory_dir, "1MB")) == 0
+    for i, ((x, a), (y, b)) in enumerate(zip(first, again)):
+        assert a == b == i and torch.equal(x, y) and y.shape == ((2, 6) if i % 2 else (3, 4))
+    data.close()
+
+
+def every_kind(i: int) -> dict[str, Any]:
+    """A sample with a leaf of every kind, its frame of one size whatever ``i``."""
+    return {
+        "bf16": torch.full((2, 3), i + 0.5, dtype=torch.bfloat16),  # a dtype numpy lacks
+        "f32": np.full((3,), -i, np.float32),
+        "half": np.float16(i / 4),
+        "text": f"\u00e9\udcff{chr(65 + i % 26)}",  # a lone surrogate too
+        "raw": bytes([i % 256]) * 3,
+        "number": float("nan") if i % 2 else i + 0.25,
+        "c": complex(i, -i),
+        "rest": (None, True, [i, 2.5]),
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
+
+
+def test_every_kind_of_value_comes_back_from_the_slots_as_a_copy_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Kinds(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 9
+
+        def __getitem__(self, i: int) -> Any:
+            return every_kind(i)
+
+    data = CachedDataset(Kinds(), max_memory_size="1MB")
+    data.__getitems__(list(range(9)))
+    with monkeypatch.context() as patch:  # one read of the slots, built as views of it, not one by one
+        patch.setattr(sample_cache, "decode_samples", None)
+        served = data.__getitems__([8, 0, 3, 5])
+    assert data.stats().memory.hits == 4
+    assert all(same(sample, every_kind(i)) for i, sample in zip([8, 0, 3, 5], served))
+    served[1]["bf16"].add_(7)  # a transform that writes in place
+    served[1]["f32"][:] = 99
+    assert same(data.__getitems__([0, 3])[0], every_kind(0))  # the cache is as it was
+    assert data.stats().memory.hits == 6
+    data.close()
+
+
+def test_a_slot_that_passes_its_checksum_but_is_not_a_sample_is_a_warning_and_a_recompute() -> None:
+    data = CachedDataset([(torch.full((4,), float(i)), i) for i in range(6)], max_memory_size="1MB")
+    data.__getitems__(list(range(6)))
+    assert data.cache.memory_dir is not None
+    planted = RowsFile.open(data.cache.memory_dir / ROWS_NAME)
+    planted.unmark([3])
+    planted.write(np.asarray([3]), np.full((1, planted.row_size), 0xFF, np.uint8))  # a valid row, not a frame
+    planted.close()
+    with pytest.warns(CacheWarning, match="damaged"):
+        samples = data.__getitems__(list(range(6)))
+    assert [label for _, label in samples] == list(range(6)) and torch.equal(samples[3][0], torch.full((4,), 3.0))
+    assert data.stats().memory.hits == 5
+    assert data[3][1] == 3 and data.stats().memory.hits == 6  # written again, a hit
+    data.close()
+
+
+def test_int_keys_outside_the_dataset_skip_the_slots_without_a_warning(recwarn: pytest.WarningsRecorder) -> None:
+    from torchcache import SampleCache
+
+    cache = SampleCache("outside", max_memory_size="1MB", info={"length": 4})
+    keys = [2, 2**63 + 5, -3, 4]
+    first = cache.get_many(keys, lambda missing: [torch.full((2,), float(k % 97)) for k in missing])
+    again = cache.get_many(keys, lambda missing: pytest.fail(f"computed {missing}"))
+    assert [float(x[0]) for x in first] == [float(x[0]) for x in again] == [float(k % 97) for k in keys]
+    assert not [w for w in recwarn if issubclass(w.category, CacheWarning)]
+    assert cache.memory_dir is not None and len(PackedStore(cache.memory_dir, "1MB")) == 3  # only 2 is in a slot
+    cache.close()
+
+
+@pytest.mark.parametrize("hostile", ["garbage", "another length", "directory"])
+def test_a_rows_file_not_of_this_dataset_is_left_alone_with_one_report(tmp_path: Path, hostile: str) -> None:
+    path = tmp_path / ROWS_NAME
+    if hostile == "garbage":
+        path.write_bytes(b"TCROWS01" + bytes(5000))
+    elif hostile == "another length":
+        RowsFile.create(path, {"kind": "samples"}, 11, 64).close()
+    else:
+        path.mkdir()
+    reports = Reports()
+    slots = SampleRows(tmp_path, 10, 10**6, reports)
+    assert slots.file is None and not slots.usable
+    assert len(reports) == 1 and "is not used" in reports[0][1]
+    tier = SampleTier("memory", PackedStore(tmp_path, 10**6), 10**6, FaultLog("hostile"), slots)
+    tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(3)])
+    assert slots.file is None and len(tier) == 3 and len(reports) == 1  # in the packed store, reported once
+    assert tier.get_many([store_key(1)]) == [encode_sample((torch.zeros(4), 1))]
+    tier.close()
