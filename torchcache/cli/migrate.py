@@ -1,13 +1,19 @@
-"""``torchcache migrate``: move the entry files of torchcache 1.0 into a packed store."""
+"""``torchcache migrate``: entry files of torchcache 1.0 into packed stores, features files of 1.2 into rows files."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
 
 from ..catalog.inspect import (
     ENTRY_SUFFIX,
@@ -18,17 +24,20 @@ from ..catalog.inspect import (
     open_store,
 )
 from ..catalog.removal import remove_file
-from ..errors import StoreError
+from ..errors import CorruptEntryError, StoreError
+from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
 from .commands import command_root
 from .output import Progress, error, plural, relative, table
 from .verify import UNLIMITED, Problem, check_entry
 
-__all__ = ["Migration", "cmd_migrate", "migrate_cache"]
+__all__ = ["Migration", "cmd_migrate", "migrate_cache", "migrate_features"]
 
 
 _MIGRATE_BATCH = 256
+_LEGACY_HEAD = struct.Struct("<8sIIQQQQQ")  # magic, version, JSON length, length, stride, checks at, rows at, size
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -105,24 +114,132 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
     return Migration(len(migrated & after), len((migrated | before) - after), damaged)
 
 
+def _up(value: int) -> int:
+    return -(-value // _PAGE) * _PAGE
+
+
+def _legacy_features(fd: int, file_size: int) -> tuple[dict[str, Any], int, int, int, int]:
+    """The header, length, stride and checks and rows offsets of a torchcache 1.2 features file, checked.
+
+    Raises:
+        CorruptEntryError: If it is not a whole features file of torchcache 1.2.
+    """
+    head = read_at(fd, _LEGACY_HEAD.size)
+    if len(head) < _LEGACY_HEAD.size:
+        raise CorruptEntryError("its header is cut short")
+    magic, version, json_len, length, stride, checks_at, rows_at, size = _LEGACY_HEAD.unpack(head)
+    if magic != b"TCFEATS1" or version != 1 or json_len > 1 << 20:
+        raise CorruptEntryError("it is not a features file of torchcache 1.2")
+    rest = read_at(fd, json_len + 8, _LEGACY_HEAD.size)
+    if len(rest) < json_len + 8 or int.from_bytes(rest[json_len:], "little") != xxhash.xxh3_64_intdigest(
+        head + rest[:json_len]
+    ):
+        raise CorruptEntryError("its header fails its checksum")
+    try:
+        header = json.loads(rest[:json_len])
+    except (ValueError, RecursionError):
+        raise CorruptEntryError("its header is not valid JSON") from None
+    expected_checks = _up(_LEGACY_HEAD.size + json_len + 8)
+    if (
+        not isinstance(header, dict)
+        or header.get("length") != length
+        or not isinstance(header.get("layout"), dict)
+        or header["layout"].get("stride") != stride
+        or (checks_at, rows_at) != (expected_checks, expected_checks + _up(8 * length))
+        or size != rows_at + length * stride
+        or file_size < size
+    ):
+        raise CorruptEntryError("its header does not describe the file")
+    return header, length, stride, checks_at, rows_at
+
+
+def migrate_features(directory: Path) -> Migration:
+    """Turn the torchcache 1.2 features file of a features cache into a rows file, then remove it.
+
+    Rows that fail their check are left out (computed again by the next extraction);
+    the input digests beside the file stay valid (a row's check is the same in both
+    formats). If the cache already has a rows file, the old file is only removed, and so
+    is an old file that is not whole (reported in ``damaged``).
+
+    Raises:
+        StoreError: If the rows file cannot be made or written.
+    """
+    old = directory / LEGACY_FEATURES_NAME
+    opened = open_regular(old, follow_symlinks=False)
+    if opened is None:
+        return Migration(0, 0, [])
+    fd, st = opened
+    moved = dropped = 0
+    try:
+        try:
+            header, length, stride, checks_at, rows_at = _legacy_features(fd, st.st_size)
+        except CorruptEntryError as exc:  # nothing can read it: removed, its rows computed again
+            remove_file(old)
+            return Migration(0, 0, [Problem(old, "corrupt", f"the features file is not usable: {exc}", st.st_size)])
+        if not (directory / FEATURES_NAME).exists():
+            try:
+                new = create_features(directory / FEATURES_NAME, header)
+            except (OSError, CorruptEntryError) as exc:
+                raise StoreError(f"cannot make {directory / FEATURES_NAME}: {exc}") from exc
+            try:
+                for start in range(0, length, _MIGRATE_BATCH * 16):
+                    count = min(_MIGRATE_BATCH * 16, length - start)
+                    checks = np.frombuffer(read_at(fd, 8 * count, checks_at + 8 * start), "<u8")
+                    rows = np.frombuffer(read_at(fd, count * stride, rows_at + start * stride), np.uint8)
+                    rows = rows.reshape(count, stride)
+                    indices = np.arange(start, start + count)
+                    good = [
+                        j
+                        for j in np.flatnonzero(checks).tolist()
+                        if xxhash.xxh3_64_intdigest(rows[j], start + j) | 1 == int(checks[j])
+                    ]
+                    dropped += int(np.count_nonzero(checks)) - len(good)
+                    moved += len(good)
+                    if good:
+                        new.write(indices[good], rows[good])
+            except OSError as exc:
+                raise StoreError(f"cannot write {directory / FEATURES_NAME}: {exc}") from exc
+            finally:
+                new.close()
+    finally:
+        os.close(fd)
+    remove_file(old)
+    return Migration(moved, dropped, [])
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
-    """``torchcache migrate``: pack the torchcache 1.0 entry files of module caches into their packed stores.
+    """``torchcache migrate``: pack 1.0 entry files into packed stores, turn 1.2 features files into rows files.
 
     Args:
         args: The parsed arguments of the command.
 
     Returns:
-        The exit status: 1 if damaged files were left or a module cache could not be migrated, else 0.
+        The exit status: 1 if damaged files were left or a cache could not be migrated, else 0.
     """
     root = command_root(args.path)
-    caches = [cache for cache in find_caches(root) if cache.legacy_entries]
-    if not caches:
-        print(f"nothing to migrate: no torchcache 1.0 entries under {root}")
+    everything = find_caches(root)
+    caches = [cache for cache in everything if cache.legacy_entries]
+    features = [c.directory for c in everything if (c.directory / LEGACY_FEATURES_NAME).is_file()]
+    if not caches and not features:
+        print(f"nothing to migrate: no torchcache 1.0 entries or 1.2 features files under {root}")
         return 0
-    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
     moved = dropped = 0
     damaged: list[Problem] = []
     failures: list[str] = []
+    for directory in features:
+        try:
+            done = migrate_features(directory)
+        except (StoreError, OSError) as exc:
+            failures.append(f"cannot migrate {directory}: {exc}")
+            continue
+        for problem in done.damaged:
+            failures.append(f"removed {relative(problem.path, root)}: {problem.reason}; extraction computes its rows")
+        if not done.damaged:
+            print(f"moved {plural(done.moved, 'row')} of {relative(directory, root)} into its rows file")
+        if done.dropped:
+            print(f"{plural(done.dropped, 'damaged row')} of {relative(directory, root)} left out")
+    before = len(failures)
+    progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
     try:
         for cache in caches:
             try:
@@ -134,8 +251,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             damaged.extend(done.damaged)
     finally:
         progress.close()
-    migrated = len(caches) - len(failures)
-    print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
+    migrated = len(caches) - (len(failures) - before)
+    if caches:
+        print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
     if dropped:
         print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
     if damaged:

@@ -1,0 +1,160 @@
+"""A features cache written by torchcache 1.2 (``features.tcfeat``): refused with the way out, then migrated.
+
+The 1.2 file is built from a real extraction: its rows file is read back and written in
+the 1.2 layout (a checked header, a page-aligned table of row checks, then the rows at a
+fixed stride), and the rows file removed, as a 1.2 cache directory would hold it.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import struct
+import warnings
+from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from torch.utils.data import Dataset
+
+from torchcache import ConfigError, FeatureDataset, extract_features
+from torchcache.cli.main import main
+from torchcache.stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
+
+_LEGACY_HEAD = struct.Struct("<8sIIQQQQQ")
+_PAGE = 4096
+LENGTH = 23
+
+
+class Vectors(Dataset[Any]):
+    def __init__(self, n: int = LENGTH) -> None:
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+class Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(4)), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@dataclass(frozen=True)
+class Legacy:
+    directory: Path
+    want: torch.Tensor
+    rows: np.ndarray[Any, np.dtype[np.uint8]]
+
+
+def _up(value: int) -> int:
+    return -(-value // _PAGE) * _PAGE
+
+
+def write_legacy(path: Path, header: dict[str, Any], rows: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+    """Write ``rows`` (one per index, every index written) as a torchcache 1.2 features file."""
+    length, stride = rows.shape
+    text = json.dumps(header).encode()
+    checks_at = _up(_LEGACY_HEAD.size + len(text) + 8)
+    rows_at = checks_at + _up(8 * length)
+    head = _LEGACY_HEAD.pack(b"TCFEATS1", 1, len(text), length, stride, checks_at, rows_at, rows_at + length * stride)
+    checks = np.array([xxhash.xxh3_64_intdigest(rows[i].tobytes(), i) | 1 for i in range(length)], "<u8")
+    data = bytearray(rows_at + length * stride)
+    data[: len(head) + len(text) + 8] = head + text + xxhash.xxh3_64_intdigest(head + text).to_bytes(8, "little")
+    data[checks_at : checks_at + 8 * length] = checks.tobytes()
+    data[rows_at:] = rows.tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def legacy(cache_root: Path) -> Iterator[Legacy]:
+    features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
+    want = torch.stack([features[i] for i in range(LENGTH)])
+    assert features.path is not None
+    directory = features.path.parent
+    del features
+    gc.collect()
+    file = open_features(directory / FEATURES_NAME)
+    try:
+        got = file.read(np.arange(LENGTH))
+        assert got.found.tolist() == list(range(LENGTH))
+        row_at = file.geometry.row_at
+        rows = np.ascontiguousarray(got.rows[:, row_at : row_at + file.row_size])
+        write_legacy(directory / LEGACY_FEATURES_NAME, dict(file.header), rows)
+    finally:
+        file.close()
+    (directory / FEATURES_NAME).unlink()
+    yield Legacy(directory, want, rows)
+    gc.collect()
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_opening_a_1_2_features_cache_names_migrate(legacy: Legacy) -> None:
+    with pytest.raises(ConfigError, match="torchcache migrate"):
+        FeatureDataset.open(legacy.directory)
+
+
+def test_extracting_over_a_1_2_features_cache_warns_once_and_computes(legacy: Legacy) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
+    said = [str(w.message) for w in caught if "torchcache migrate" in str(w.message)]
+    assert len(said) == 1 and "1.2" in said[0]
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
+
+
+def test_migrate_turns_a_1_2_features_file_into_a_rows_file(legacy: Legacy, cache_root: Path) -> None:
+    code, out, err = cli("migrate", str(cache_root))
+    assert code == 0, err
+    assert f"moved {LENGTH} rows" in out
+    assert not (legacy.directory / LEGACY_FEATURES_NAME).exists()
+    features = FeatureDataset.open(legacy.directory)
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
+    assert cli("migrate", str(cache_root))[1].startswith("nothing to migrate")
+
+
+def test_migrate_leaves_out_a_damaged_1_2_row_and_extraction_computes_it(legacy: Legacy, cache_root: Path) -> None:
+    old = legacy.directory / LEGACY_FEATURES_NAME
+    data = bytearray(old.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last row
+    old.write_bytes(bytes(data))
+    code, out, err = cli("migrate", str(cache_root))
+    assert code == 0, err
+    assert f"moved {LENGTH - 1} rows" in out and "1 damaged row" in out
+    file = open_features(legacy.directory / FEATURES_NAME)
+    try:
+        assert file.missing().tolist() == [LENGTH - 1]
+    finally:
+        file.close()
+    features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
+
+
+def test_migrate_removes_a_1_2_file_that_is_not_whole_and_says_so(legacy: Legacy, cache_root: Path) -> None:
+    old = legacy.directory / LEGACY_FEATURES_NAME
+    old.write_bytes(old.read_bytes()[:100])
+    code, _, err = cli("migrate", str(cache_root))
+    assert code == 1
+    assert f"removed {legacy.directory.name}/{LEGACY_FEATURES_NAME}" in err and "not usable" in err
+    assert not old.exists() and not (legacy.directory / FEATURES_NAME).exists()
+    features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
