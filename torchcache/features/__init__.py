@@ -5,7 +5,8 @@ returns a :class:`~.dataset.FeatureDataset` that reads rows of one fixed-stride 
 (:mod:`torchcache.stores.features`).
 """
 
-from .dataset import FeatureDataset, MissingFeatureError
+from .backbone import MissingFeatureError
+from .dataset import FeatureDataset
 from .extract import extract_features
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]

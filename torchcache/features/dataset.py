@@ -1,7 +1,8 @@
 """``FeatureDataset``: a backbone's outputs by dataset index, read straight from a features file.
 
 A read of one index or a batch of them (``__getitems__``, which ``DataLoader`` calls) is
-one gather from a read-only map of the file and one xxh3 per row. A row that is not
+one gather from a read-only map of the file and one xxh3 per row (or, for features that
+vary in shape, one batched lookup of whole samples, :mod:`.variable`). A row that is not
 written or fails its check is computed again with the backbone and the dataset when
 the object holds them (one :class:`~torchcache.errors.CacheWarning` per kind of fault),
 and is an error otherwise (a cache opened without its backbone). Samples come back as
@@ -20,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torch.utils.data._utils.collate import default_collate
 
 from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
@@ -29,66 +29,10 @@ from ..faults import FaultLog
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
+from .backbone import MissingFeatureError, compute_rows, device_of
+from .variable import WholeSamples, is_variable_cache, run_samples
 
-__all__ = ["FeatureDataset", "MissingFeatureError", "compute_rows", "device_of"]
-
-
-class MissingFeatureError(TorchCacheError, LookupError):
-    """A row of a features cache opened without its backbone is not written or is damaged."""
-
-
-def device_of(module: torch.nn.Module) -> torch.device:
-    """The device of a module's first parameter or buffer (the CPU for a module with neither)."""
-    for parameter in module.parameters():
-        return parameter.device
-    for buffer in module.buffers():
-        return buffer.device
-    return torch.device("cpu")
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def run_backbone(backbone: torch.nn.Module, inputs: Any, count: int) -> torch.Tensor:
-    """The backbone's outputs for a collated batch of ``count`` inputs, on the CPU.
-
-    Raises:
-        ConfigError: If the backbone does not return one tensor with a row per input.
-    """
-    with torch.no_grad():
-        output = backbone(_to_device(inputs, device_of(backbone)))
-    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != count:
-        got = f"shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ConfigError(
-            f"the backbone returned {got} for a batch of {count} inputs; extract_features needs one tensor with a "
-            "row per input (wrap a model that returns a tuple or a dict in a module that returns the tensor wanted, "
-            "e.g. its pooled output)"
-        )
-    return output.detach().to("cpu")
-
-
-def compute_rows(
-    backbone: torch.nn.Module, layout: SampleLayout, samples: Sequence[Any]
-) -> tuple[np.ndarray[Any, Any], SampleLayout]:
-    """The rows of ``samples`` and the layout completed with the output's shape (when it was not).
-
-    Raises:
-        ConfigError: If a sample or the backbone's output does not fit the layout.
-    """
-    inputs, columns = layout.split(samples)
-    output = run_backbone(backbone, default_collate(inputs), len(samples))  # type: ignore[no-untyped-call]
-    if not layout.fields or layout.fields[0].kind != "features":
-        layout = layout.with_features(output[0])
-    rows = np.zeros((len(samples), layout.stride), np.uint8)
-    layout.fill(rows, output, columns)
-    return rows, layout
+__all__ = ["FeatureDataset", "MissingFeatureError"]
 
 
 def find_features(location: str | os.PathLike[str] | None) -> Path:
@@ -128,7 +72,8 @@ class FeatureDataset(Dataset[Any]):
     backbone and dataset it holds, to compute damaged rows again).
 
     Args:
-        file: The rows (a features file, see :mod:`torchcache.stores.features.file`).
+        file: The rows (a features file, see :mod:`torchcache.stores.features.file`), or
+            the samples kept whole when they vary in shape.
         backbone: The backbone that computed them (``None``: a damaged row is an error).
         dataset: The dataset they were computed from.
         claim: The hold on the cache's directory, let go by :meth:`close`.
@@ -136,25 +81,26 @@ class FeatureDataset(Dataset[Any]):
 
     def __init__(
         self,
-        file: RowsFile,
+        file: RowsFile | WholeSamples,
         backbone: torch.nn.Module | None = None,
         dataset: Any = None,
         claim: CacheClaim | None = None,
     ) -> None:
         self.file = file
-        self.layout = layout_of(file)
+        self.layout: SampleLayout | None = layout_of(file) if isinstance(file, RowsFile) else None
         self.backbone = backbone
         self.dataset = dataset
         self.length = file.length
-        self._faults = FaultLog(str(file.header.get("module", "features")))
+        self._faults = FaultLog(self._module)
         self._claim = claim  # while held, the root's budget and prune leave this cache alone
+        self._first: torch.Tensor | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None) -> FeatureDataset:
         """Open a features cache made earlier, without its backbone or dataset.
 
         Args:
-            path: The cache's directory, its ``features.tcfeat`` file, or a cache root
+            path: The cache's directory, its ``features.tcrows`` file, or a cache root
                 that holds one features cache; ``None`` for ``$TORCHCACHE_DIR`` or the user
                 cache directory.
 
@@ -163,46 +109,59 @@ class FeatureDataset(Dataset[Any]):
                 not a valid features file (the message says why).
         """
         directory = resolve_root(None if path is None else Path(os.fspath(path)).expanduser())
-        from .variable import VariableFeatureDataset, is_variable_cache  # it builds on this class
-
         if directory.is_dir() and is_variable_cache(directory):
-            return VariableFeatureDataset.open(directory)
+            return cls(WholeSamples.open(directory))
         found = find_features(directory)
         try:
             return cls(open_features(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
 
+    @property
+    def _module(self) -> str:
+        return str(self.info.get("module", "features"))
+
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_faults", "_claim")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_faults", "_claim", "_first")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._claim = None  # the process that made it holds the claim
-        self._faults = FaultLog(str(self.file.header.get("module", "features")))
+        self.__dict__.update(state, _claim=None, _first=None)  # the process that made it holds the claim
+        self._faults = FaultLog(self._module)
 
     def __repr__(self) -> str:
+        if self.layout is None:
+            return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features vary in shape)"
         f = self.layout.features
         return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features {f.dtype} {f.shape})"
 
     @property
     def path(self) -> Path | None:
-        """The features file (``None`` when the rows are kept in memory)."""
+        """The features file, or the cache's directory for features that vary in shape (``None``: in memory)."""
         return self.file.path
+
+    def _first_features(self) -> torch.Tensor:
+        if self._first is None:
+            assert isinstance(self.file, WholeSamples)
+            self._first = self.file.features(self[0])
+        return self._first
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of one sample's features."""
-        return self.layout.features.shape
+        """The shape of one sample's features (of the first, when they vary in shape)."""
+        return tuple(self._first_features().shape) if self.layout is None else self.layout.features.shape
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the features."""
+        if self.layout is None:
+            return self._first_features().dtype
         return getattr(torch, self.layout.features.dtype)  # type: ignore[no-any-return]
 
     @property
     def info(self) -> dict[str, Any]:
         """What the cache was made from: module and dataset names and keys, version, layout."""
+        if isinstance(self.file, WholeSamples):
+            return {**self.file.header, "layout": "variable"}
         return dict(self.file.header)
 
     def __len__(self) -> int:
@@ -225,6 +184,8 @@ class FeatureDataset(Dataset[Any]):
             TypeError: If an index is not an integer.
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
+        if any(isinstance(i, bool) for i in indices):
+            raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
         try:
             wanted = np.fromiter(indices, np.int64, len(indices))
         except (TypeError, ValueError, OverflowError):
@@ -234,6 +195,9 @@ class FeatureDataset(Dataset[Any]):
             outside = wanted[(wanted < 0) | (wanted >= self.length)]
             if len(outside):
                 raise IndexError(f"index {int(outside[0])} is out of range for {self.length} samples")
+        if isinstance(self.file, WholeSamples):
+            return self.file.read(wanted.tolist(), self._compute_whole)
+        assert self.layout is not None
         found, rows, missing, bad = self.file.read(wanted)
         if missing or bad:
             whole = np.empty((len(wanted), rows.shape[1]), np.uint8)
@@ -242,22 +206,31 @@ class FeatureDataset(Dataset[Any]):
             rows = whole
         return self.layout.decode(rows)
 
+    def _no_backbone(self, index: int, what: str) -> MissingFeatureError:
+        return MissingFeatureError(
+            f"the features of sample {index} in {self.path} are {what} and there is no backbone here to compute "
+            "them; run torchcache.extract_features(backbone, dataset) again to complete the cache"
+        )
+
+    def _compute_whole(self, indices: list[Any]) -> list[Any]:
+        """The samples at ``indices`` computed again (features that vary in shape)."""
+        assert isinstance(self.file, WholeSamples)
+        if self.backbone is None or self.dataset is None:
+            raise self._no_backbone(indices[0], "damaged or not computed")
+        return run_samples(self.backbone, [self.dataset[i] for i in indices], self.file.header["input"])
+
     def _repair(
         self, wanted: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], missing: list[int], bad: list[int]
     ) -> None:
         """Compute the rows at ``missing`` and ``bad`` positions again, into ``rows`` and the file."""
+        assert isinstance(self.file, RowsFile) and self.layout is not None
         if bad:
             self._faults.warn("corrupt", f"{len(bad)} damaged rows in {self.path}: computed again")
             with contextlib.suppress(OSError):  # read-only: they are computed again at each read
                 self.file.unmark(sorted({int(wanted[j]) for j in bad}))
         positions = sorted(set(missing) | set(bad))
         if self.backbone is None or self.dataset is None:
-            index = int(wanted[positions[0]])
-            raise MissingFeatureError(
-                f"the features of sample {index} in {self.path} are {'damaged' if bad else 'not computed'} and there "
-                "is no backbone here to compute them; run torchcache.extract_features(backbone, dataset) again to "
-                "complete the cache"
-            )
+            raise self._no_backbone(int(wanted[positions[0]]), "damaged" if bad else "not computed")
         if device_of(self.backbone).type == "cuda" and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
             raise MissingFeatureError(
                 f"{len(positions)} rows of {self.path} were damaged since extract_features checked them, and this "

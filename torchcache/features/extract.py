@@ -56,7 +56,8 @@ from ..stores.features.file import (
 )
 from ..stores.features.layout import SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
-from .dataset import FeatureDataset, MissingFeatureError
+from .backbone import MissingFeatureError
+from .dataset import FeatureDataset
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
 from .writer import Batch, BatchWriter
@@ -188,7 +189,8 @@ def _extract_features(
         try:
             check = functools.partial(_check_deterministic, dataset)
             update = None if bar is None else bar.update
-            return extract_variable(backbone, dataset, directory, header, batch_size, num_workers, check, update)
+            whole = extract_variable(backbone, dataset, directory, header, batch_size, num_workers, check, update)
+            return FeatureDataset(whole, backbone, dataset)
         finally:
             if bar is not None:
                 bar.close()

@@ -27,7 +27,7 @@ from ..stores.features.file import FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import Field, SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
 from ..tree import DTYPES
-from .dataset import run_backbone
+from .backbone import run_backbone
 
 __all__ = ["Donors", "open_digests", "outputs"]
 

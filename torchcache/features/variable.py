@@ -15,7 +15,6 @@ the backbone in groups of one shape.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,10 @@ from torch.utils.data._utils.collate import default_collate
 
 from ..datasets.cache import SampleCache
 from ..errors import ConfigError
-from ..faults import FaultLog
 from ..meta import load_meta
-from .dataset import FeatureDataset, MissingFeatureError, run_backbone
+from .backbone import run_backbone
 
-__all__ = ["VariableFeatureDataset", "extract_variable", "is_variable_cache", "run_samples"]
+__all__ = ["WholeSamples", "extract_variable", "is_variable_cache", "run_samples"]
 
 #: The field of ``torchcache.json`` that marks a dataset cache as variable features.
 MARK = "features_of"
@@ -102,119 +100,54 @@ def _open_cache(directory: Path, header: dict[str, Any] | None) -> SampleCache:
     return SampleCache(directory.name, directory.parent, max_memory_size=0, info=info)
 
 
-class VariableFeatureDataset(FeatureDataset):
-    """A :class:`FeatureDataset` whose samples are kept whole, by index, because they vary in shape.
+class WholeSamples:
+    """The samples of a features cache kept whole, by index, in a dataset cache (features that vary in shape).
 
-    ``shape`` and ``dtype`` are those of the first sample's features.
+    :class:`~.dataset.FeatureDataset` reads through it; it pickles with its cache.
 
     Args:
         cache: The dataset cache that holds the samples, keyed by index.
-        length: The number of samples.
-        header: What the cache was made from (backbone, dataset, keys, input).
-        backbone: The backbone (``None``: a missing or damaged sample is an error).
-        dataset: The dataset the samples come from.
+        header: What the cache was made from (backbone, dataset, keys, input, length).
     """
 
-    def __init__(  # the base's __init__ takes a fixed-stride file; this one is not called
-        self,
-        cache: SampleCache,
-        length: int,
-        header: dict[str, Any],
-        backbone: torch.nn.Module | None = None,
-        dataset: Any = None,
-    ) -> None:
+    def __init__(self, cache: SampleCache, header: dict[str, Any]) -> None:
         self.cache = cache
-        self.length = length
         self.header = header
-        self.backbone = backbone
-        self.dataset = dataset
-        self._faults = FaultLog(str(header.get("module", "features")))
-        self._claim = None
-        self._first: Any = None
+        self.length: int = header["length"]
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str] | None = None) -> VariableFeatureDataset:
-        """Open a cache of variable features made earlier, without its backbone or dataset.
+    def open(cls, directory: Path) -> WholeSamples:
+        """Open the cache of variable features in ``directory``, made earlier.
 
         Raises:
-            ConfigError: If ``path`` is not such a cache.
+            ConfigError: If ``directory`` is not such a cache, or its header is not valid.
         """
-        directory = Path(os.fspath(path or "")).expanduser()
         if not is_variable_cache(directory):
             raise ConfigError(f"there is no features cache at {directory}")
         cache = _open_cache(directory, None)
-        meta = cache.metadata() or {}
-        header = meta.get(MARK)
+        header = (cache.metadata() or {}).get(MARK)
         if not isinstance(header, dict) or type(header.get("length")) is not int or header["length"] < 0:
+            cache.close()
             raise ConfigError(f"{directory} is not a usable features cache: its torchcache.json has no valid header")
-        return cls(cache, header["length"], header)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_faults", "_claim", "_first")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _claim=None, _first=None)
-        self._faults = FaultLog(str(self.header.get("module", "features")))
-
-    def __repr__(self) -> str:
-        return f"VariableFeatureDataset({str(self.path)!r}, {self.length} samples)"
+        return cls(cache, header)
 
     @property
     def path(self) -> Path | None:
         """The cache's directory."""
         return self.cache.directory
 
-    def _first_features(self) -> torch.Tensor:
-        if self._first is None:
-            sample = self[0]
-            self._first = sample if isinstance(sample, torch.Tensor) else _field(sample, self.header["input"])
-        assert isinstance(self._first, torch.Tensor)
-        return self._first
+    def read(self, indices: list[int], compute: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """The samples at ``indices`` (in range), in one batched lookup; ``compute`` makes those missing or damaged."""
+        return self.cache.get_many(indices, compute)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the first sample's features (others may differ)."""
-        return tuple(self._first_features().shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the first sample's features."""
-        return self._first_features().dtype
-
-    @property
-    def info(self) -> dict[str, Any]:
-        """What the cache was made from: module and dataset names and keys, version, input."""
-        return {**self.header, "layout": "variable"}
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``, in one batched lookup.
-
-        Raises:
-            IndexError: If an index is out of range.
-            TypeError: If an index is not an integer.
-            MissingFeatureError: If a sample is missing or damaged and there is no backbone to compute it.
-        """
-        keys = []
-        for index in indices:
-            if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-                raise TypeError(f"FeatureDataset indices must be integers, got {index!r}")
-            i = int(index) + self.length if index < 0 else int(index)
-            if not 0 <= i < self.length:
-                raise IndexError(f"index {int(index)} is out of range for {self.length} samples")
-            keys.append(i)
-        return self.cache.get_many(keys, self._compute)
-
-    def _compute(self, indices: list[Any]) -> list[Any]:
-        if self.backbone is None or self.dataset is None:
-            raise MissingFeatureError(
-                f"the features of sample {indices[0]} in {self.path} are damaged or not computed and there is no "
-                "backbone here to compute them; run torchcache.extract_features(backbone, dataset) again to "
-                "complete the cache"
-            )
-        return run_samples(self.backbone, [self.dataset[i] for i in indices], self.header["input"])
+    def features(self, sample: Any) -> torch.Tensor:
+        """The backbone's output in ``sample``."""
+        value = sample if isinstance(sample, torch.Tensor) else _field(sample, self.header["input"])
+        assert isinstance(value, torch.Tensor)
+        return value
 
     def close(self) -> None:
-        """Close the cache's store (samples already read stay valid)."""
+        """Close the cache's store."""
         self.cache.close()
 
 
@@ -227,7 +160,7 @@ def extract_variable(
     num_workers: int,
     check: Callable[[np.ndarray[Any, Any]], Any],
     progress: Callable[[int], Any] | None,
-) -> VariableFeatureDataset:
+) -> WholeSamples:
     """Compute the samples missing from the variable cache in ``directory``, batch by batch.
 
     ``check`` is called with the indices to compute first (it refuses random augmentation).
@@ -247,4 +180,4 @@ def extract_variable(
             if progress is not None:
                 progress(len(samples))
         cache.flush()
-    return VariableFeatureDataset(cache, length, header, backbone, dataset)
+    return WholeSamples(cache, header)
