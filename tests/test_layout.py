@@ -91,11 +91,25 @@ def group_of(name: str) -> tuple[int, str]:
     return best
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The torchcache modules that ``name`` imports, lazily or not."""
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The nodes under ``if TYPE_CHECKING:``: imports for annotations, never run."""
+    skipped: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.body:
+                skipped.update(ast.walk(child))
+    return skipped
+
+
+def imports_of(name: str, path: Path, known: set[str], *, run_only: bool = False) -> set[str]:
+    """The torchcache modules that ``name`` imports, lazily or not (with ``run_only``, not those for annotations)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_only(tree) if run_only else set()
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -132,6 +146,52 @@ def test_imports_flow_one_way() -> None:
             if upward or across:
                 wrong.append(f"{name} ({LAYERS[rank][0]}) imports {target} ({LAYERS[target_rank][0]})")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in order:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], order[target])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    known = set(modules())
+    graph = {
+        name: {t for t in imports_of(name, path, known, run_only=True) if t in known and t != name}
+        for name, path in modules().items()
+    }
+    assert import_circles(graph) == []
+
+
+def test_the_circle_check_sees_a_circle_through_a_third_module() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
 
 
 def test_the_check_sees_an_import_upward(tmp_path: Path) -> None:
