@@ -155,7 +155,7 @@ def test_a_miss_leaves_the_store_closed_until_a_sample_goes_there(tmp_path: Path
 def test_a_store_that_cannot_be_opened_leaves_the_slots_working(tmp_path: Path) -> None:
     opener = Opener(tmp_path, fail=True)
     tier = SampleTier("memory", opener, 10**6, FaultLog("lazy"), rows(tmp_path))
-    with pytest.warns(CacheWarning, match="cannot open the memory tier's store .*Permission denied.*only its slots"):
+    with pytest.warns(CacheWarning, match="cannot open the memory tier's store .*Permission denied.*only its rows"):
         tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(4)] + [("ab" * 8, b"x")])
         tier.faults.emit()
     assert tier.writable and opener.calls == 1

@@ -9,9 +9,11 @@ thread that reports (``clear()``, a re-key after ``load_state_dict()``).
 
 from __future__ import annotations
 
+import enum
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,9 +22,44 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from .errors import CacheWarning
 
-__all__ = ["FaultLog"]
+__all__ = ["Fault", "FaultLog", "Report"]
 
 _LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+
+
+class Fault(enum.StrEnum):
+    """A kind of fault: a cache warns once per kind (and tier), later ones at DEBUG level."""
+
+    OPEN = "open"  #: a store, tier or file cannot be opened
+    READ = "read"  #: a read failed (an I/O error, a server that went away)
+    WRITE = "write"  #: a write failed (a full or read-only disk)
+    CREATE = "create"  #: a file cannot be made
+    CORRUPT = "corrupt"  #: an entry or row failed its check
+    DECODE = "decode"  #: a checked entry cannot be decoded
+    SEGMENT = "segment"  #: a segment file is damaged
+    INDEX = "index"  #: a store's index is damaged, outgrown or rebuilt
+    META = "meta"  #: a metadata file cannot be written or was replaced
+    LOCAL = "local"  #: the local copy of a shared store failed
+    UNAVAILABLE = "unavailable"  #: a server does not answer
+    ROWS = "rows"  #: a rows file is not used
+    SIZE = "size"  #: a size asked for does not fit
+    DIGESTS = "digests"  #: input digests cannot be written
+    LEGACY = "legacy"  #: a cache of an older version, read once migrated
+    BUDGET = "budget"  #: a size limit cannot be kept
+    REKEY = "rekey"  #: a module's key changed while it was in use
+    LAYOUT = "layout"  #: cached outputs do not match those just computed
+    SHAPES = "shapes"  #: outputs whose shapes vary are kept whole
+    LISTS = "lists"  #: a list as long as the batch is keyed whole
+    GRAD = "grad"  #: outputs that need gradients are not cached
+    TRAIN = "train"  #: a module in training mode with stochastic layers
+    UNCACHED = "uncached"  #: a call that cannot be cached
+    REBUILD = "rebuild"  #: cached outputs name a class this process cannot rebuild
+    UNSTORED = "unstored"  #: entries computed could not be stored
+    REFUSED = "refused"  #: a server refused a write (it is full)
+
+
+#: Called with a kind and a message, from any thread (:meth:`FaultLog.report`, or a store's own).
+Report = Callable[[Fault, str], None]
 
 
 class FaultLog:
@@ -34,23 +71,27 @@ class FaultLog:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.warned: set[str] = set()
-        self._pending: list[tuple[str, str]] = []
+        self._warned: set[tuple[Fault, str]] = set()
+        self._pending: list[tuple[Fault, str, str]] = []
         self._lock = threading.Lock()
         renew_lock_after_fork(self, "_lock")
 
-    def report(self, kind: str, message: str) -> None:
+    def report(self, kind: Fault, message: str, where: str = "") -> None:
         """Record a fault from any thread; :meth:`emit` warns about it."""
         with self._lock:
-            self._pending.append((kind, message))
+            self._pending.append((kind, message, where))
 
-    def warn(self, kind: str, message: str) -> None:
-        """Warn now, once per kind (later faults of that kind are logged at DEBUG level)."""
+    def warned(self, kind: Fault, where: str = "") -> bool:
+        """Whether a fault of ``kind`` (in the tier ``where``) was warned about."""
+        return (kind, where) in self._warned
+
+    def warn(self, kind: Fault, message: str, where: str = "") -> None:
+        """Warn now, once per kind and tier ``where`` (later ones are logged at DEBUG level)."""
         text = f"torchcache ({self.name}): {message}"
-        if kind in self.warned:
+        if (kind, where) in self._warned:
             logger.debug(text)
             return
-        self.warned.add(kind)
+        self._warned.add((kind, where))
         logger.warning(text)
         warnings.warn(text, CacheWarning, stacklevel=_user_stacklevel())
 
@@ -59,8 +100,8 @@ class FaultLog:
         if self._pending:
             with self._lock:
                 faults, self._pending = self._pending, []
-            for kind, message in faults:
-                self.warn(kind, message)
+            for kind, message, where in faults:
+                self.warn(kind, message, where)
 
 
 def _user_stacklevel() -> int:

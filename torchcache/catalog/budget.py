@@ -21,11 +21,11 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 from .._log import logger
 from ..config import resolve_root_budget
+from ..faults import Fault, Report
 from ..meta import is_disk_wide
 from ..policy import format_size, parse_size
 from ..stores.files import open_regular
@@ -344,17 +344,15 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
         os.close(fd)
 
 
-def _warn_once(root: Path, kind: str, message: str, warn: Callable[[str, str], None]) -> None:
+def _warn_once(root: Path, kind: str, message: str, warn: Report) -> None:
     with _warned_lock:
         if (str(root), kind) in _warned:
             return
         _warned.add((str(root), kind))
-    warn("budget", message)
+    warn(Fault.BUDGET, message)
 
 
-def claim_module_cache(
-    location: Path | str, key: str, warn: Callable[[str, str], None], local: Path | None = None
-) -> CacheClaim | None:
+def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path | None = None) -> CacheClaim | None:
     """Claim a module cache's directory as this process opens it, then keep its root under budget.
 
     Called once whenever a persistent cache opens its disk tier; cheap (a listing of the
@@ -380,7 +378,7 @@ def claim_module_cache(
     return claim
 
 
-def keep_root_budget(root: Path, warn: Callable[[str, str], None]) -> None:
+def keep_root_budget(root: Path, warn: Report) -> None:
     """Remove least recently used caches nobody holds until ``root`` fits its budget; never raises.
 
     Called when a cache opens (:func:`claim_module_cache`) and when it has grown (a flush).

@@ -25,7 +25,7 @@ from .._fork import renew_lock_after_fork
 from ..catalog.budget import CacheClaim, claim_module_cache
 from ..config import module_dir_name
 from ..errors import ConfigError, CorruptEntryError, KeyingError, StoreError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..meta import load_meta
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..stores.redis.url import redact_url
@@ -179,7 +179,7 @@ class SampleCache:
                 hold_memory(self.job_dir, self.dirname)
                 self._held_pid = os.getpid()
             except StoreError as exc:
-                self._faults.warn("memory-open", f"cannot open the memory tier ({exc}); it is left out")
+                self._faults.warn(Fault.OPEN, f"cannot open the memory tier ({exc}); it is left out", "memory")
         memory_held = self.job_dir is not None and self._held_pid == os.getpid()
         places = self._places if memory_held else dataclasses.replace(self._places, job_dir=None)
         self._tiers = open_tiers(places, self.length, self._faults)
@@ -224,7 +224,7 @@ class SampleCache:
             promote, hit, uppers = [], set(), tiers[:level]
             for (i, frame), sample in zip(found, decode_samples([frame for _, frame in found])):
                 if isinstance(sample, CorruptEntryError):
-                    self._faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
+                    self._faults.warn(Fault.DECODE, f"a cached sample is damaged ({sample}); recomputed", tier.name)
                     tier.drop(skeys[i])
                 else:
                     results[i] = sample

@@ -22,7 +22,7 @@ import xxhash
 from .._version import __version__
 from ..config import check_local_dir, check_redis_url, is_url, resolve_local_dir, resolve_root
 from ..errors import ConfigError, StoreError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog, Report
 from ..meta import META_NAME, load_meta, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
@@ -93,7 +93,7 @@ def resolve_places(
             job_dir = shm.new_job_dir()
             hold_memory(job_dir, dirname, held_job=True)
         except StoreError as exc:
-            faults.warn("memory-open", f"no RAM tier ({exc})")
+            faults.warn(Fault.OPEN, f"no RAM tier ({exc})", "memory")
         else:
             places.job_dir = job_dir
             size = shm.default_memory_size() if max_memory_size is None else max_memory_size
@@ -148,7 +148,7 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
                 if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
                     store = store()
         except (StoreError, ConfigError) as exc:
-            faults.warn(f"{name}-open", f"cannot open the {name} tier ({exc}); it is left out")
+            faults.warn(Fault.OPEN, f"cannot open the {name} tier ({exc}); it is left out", name)
             continue
         slots = None
         if with_slots:
@@ -157,11 +157,12 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
             if slots.shortfall():  # made by a cache of this dataset with a smaller budget, in this job
                 assert slots.file is not None
                 faults.report(
-                    "memory-size",
+                    Fault.SIZE,
                     f"the RAM tier's rows file {slots.path} was made for {slots.file.capacity:,} samples by an "
                     "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
                     "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
                     "cache its own RAM tier with another version=",
+                    "memory",
                 )
         tiers.append(SampleTier(name, store, size, faults, slots))
     return tiers
@@ -190,7 +191,7 @@ def write_dataset_meta(
         os.makedirs(directory, exist_ok=True)
         write_json_atomic(directory / META_NAME, meta)
     except OSError as exc:
-        faults.warn("disk-meta", f"cannot write {directory / META_NAME} ({exc})")
+        faults.warn(Fault.META, f"cannot write {directory / META_NAME} ({exc})", "disk")
         return False
     return True
 
@@ -208,13 +209,13 @@ def _redis_store(places: Places, url: str, max_bytes: int, faults: FaultLog) -> 
     try:
         near = PackedStore(places.local_directory, max_bytes, report=report)
     except StoreError as exc:
-        faults.warn("disk-local", f"no local copy of the disk tier ({exc}); hits are read from the server")
+        faults.warn(Fault.LOCAL, f"no local copy of the disk tier ({exc}); hits are read from the server", "disk")
         return store
     return LayeredStore(near, store, report)
 
 
-def _reporter(faults: FaultLog, tier: str) -> Callable[[str, str], None]:
-    def report(kind: str, message: str) -> None:
-        faults.report(f"{tier}-{kind}", f"{tier} tier: {message}")
+def _reporter(faults: FaultLog, tier: str) -> Report:
+    def report(kind: Fault, message: str) -> None:
+        faults.report(kind, f"{tier} tier: {message}", tier)
 
     return report

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptEntryError
+from ..faults import Fault, Report
 from ..stores.rows import Geometry, RowsFile
 
 __all__ = ["ROWS_NAME", "SampleRows"]
@@ -29,7 +29,7 @@ class SampleRows:
         report: Called with ``(kind, message)`` for a damaged row or an unusable file.
     """
 
-    def __init__(self, directory: Path, length: int, max_bytes: int, report: Callable[[str, str], None]) -> None:
+    def __init__(self, directory: Path, length: int, max_bytes: int, report: Report) -> None:
         self.path = directory / ROWS_NAME
         self.length = length
         self.max_bytes = max_bytes
@@ -94,7 +94,7 @@ class SampleRows:
 
     def _unusable(self, why: str) -> None:
         self.usable = False
-        self._report("slots", f"the rows file {self.path} is not used: {why}")
+        self._report(Fault.ROWS, f"the rows file {self.path} is not used: {why}")
 
     def close(self) -> None:
         """Close the file."""

@@ -30,7 +30,7 @@ import torch.utils.data
 
 from .._log import logger
 from ..errors import ConfigError, CorruptEntryError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..stores.batched import BatchedStore
 from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.store import INDEX_ENTRY_BYTES
@@ -134,8 +134,9 @@ class SampleTier:
                     except (OSError, lmdb.Error, ConfigError) as exc:  # StoreError is an OSError
                         self._opener = None
                         self.faults.warn(
-                            f"{self.name}-open",
-                            f"cannot open the {self.name} tier's store ({exc}); only its slots are used",
+                            Fault.OPEN,
+                            f"cannot open the {self.name} tier's store ({exc}); only its rows file is used",
+                            self.name,
                         )
         return self._store
 
@@ -196,7 +197,7 @@ class SampleTier:
             return [None] * len(keys) if store is None else store.get_many(keys)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample (OSError, lmdb.Error...)
             what = str(exc) if isinstance(exc, (OSError, lmdb.Error)) else f"{type(exc).__name__}: {exc}"
-            self.faults.warn(f"{self.name}-read", f"cannot read the {self.name} tier ({what}); samples are computed")
+            self.faults.warn(Fault.READ, f"cannot read the {self.name} tier ({what}); samples are computed", self.name)
             return [None] * len(keys)
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
@@ -226,8 +227,9 @@ class SampleTier:
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
             self.writable = False
             self.faults.warn(
-                f"{self.name}-write",
+                Fault.WRITE,
                 f"cannot write to the {self.name} tier ({exc}); samples are computed, not cached there, from now on",
+                self.name,
             )
 
     def _put_rows(
@@ -322,10 +324,10 @@ def samples_from_slots(
         found, gathered, _, damaged = rows.read(wanted)
     except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails a sample
         what = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        faults.warn(f"{tier.name}-read", f"cannot read the {tier.name} tier's rows ({what}); samples are computed")
+        faults.warn(Fault.READ, f"cannot read the {tier.name} tier's rows ({what}); samples are computed", tier.name)
         return set()
     if damaged:
-        faults.warn(f"{tier.name}-corrupt", f"{len(damaged)} damaged rows in {rows.path}: recomputed")
+        faults.warn(Fault.CORRUPT, f"{len(damaged)} damaged rows in {rows.path}: recomputed", tier.name)
         for position in damaged:
             tier.drop(store_key(keys[ints[position]]))
     if not len(found):
@@ -344,7 +346,7 @@ def samples_from_slots(
         places, decode_samples([view[j * stride + at : j * stride + at + size] for j in range(len(found))])
     ):
         if isinstance(sample, CorruptEntryError):
-            faults.warn(f"{tier.name}-decode", f"a cached sample is damaged ({sample}); recomputed")
+            faults.warn(Fault.DECODE, f"a cached sample is damaged ({sample}); recomputed", tier.name)
             tier.drop(store_key(keys[i]))
         else:
             results[i] = sample

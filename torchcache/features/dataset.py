@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
 from ..errors import ConfigError, TorchCacheError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
@@ -225,7 +225,7 @@ class FeatureDataset(Dataset[Any]):
         """Compute the rows at ``missing`` and ``bad`` positions again, into ``rows`` and the file."""
         assert isinstance(self.file, RowsFile) and self.layout is not None
         if bad:
-            self._faults.warn("corrupt", f"{len(bad)} damaged rows in {self.path}: computed again")
+            self._faults.warn(Fault.CORRUPT, f"{len(bad)} damaged rows in {self.path}: computed again")
             with contextlib.suppress(OSError):  # read-only: they are computed again at each read
                 self.file.unmark(sorted({int(wanted[j]) for j in bad}))
         positions = sorted(set(missing) | set(bad))
@@ -246,7 +246,9 @@ class FeatureDataset(Dataset[Any]):
         try:
             self.file.write(np.asarray(unique, np.int64), computed)
         except OSError as exc:
-            self._faults.warn("write", f"cannot write to {self.path} ({exc}): those features are computed each time")
+            self._faults.warn(
+                Fault.WRITE, f"cannot write to {self.path} ({exc}): those features are computed each time"
+            )
 
     def close(self) -> None:
         """Close the file and let go of the cache, which the root's budget may then remove (samples read stay valid)."""

@@ -39,7 +39,7 @@ from ..catalog.budget import claim_module_cache, keep_root_budget
 from ..config import resolve_root
 from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..keys import tag
 from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import fingerprint_module
@@ -376,7 +376,9 @@ def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> RowsFi
         directory.mkdir(parents=True, exist_ok=True)
         file = create_features(directory / FEATURES_NAME, header)
     except (OSError, CorruptEntryError) as exc:
-        faults.warn("create", f"cannot make the features file in {directory} ({exc}): the features are kept in memory")
+        faults.warn(
+            Fault.CREATE, f"cannot make the features file in {directory} ({exc}): the features are kept in memory"
+        )
         return features_in_memory(header)
     if file.header != header:  # another process made one for the same key with another layout
         file.close()

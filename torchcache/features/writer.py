@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..stores.features.digests import DigestFile, batch_digests, pack_digests
 from ..stores.features.file import features_in_memory
 from ..stores.features.layout import SampleLayout
@@ -118,7 +118,7 @@ class BatchWriter:
         try:
             self.file.write(indices, rows)
         except OSError as exc:
-            self._faults.warn("write", f"cannot write to {self.file.path} ({exc}): the features are kept in memory")
+            self._faults.warn(Fault.WRITE, f"cannot write to {self.file.path} ({exc}): the features are kept in memory")
             self.file = keep_in_memory(self.file)
             self.file.write(indices, rows)
             if self._digests is not None:  # they would name rows that are not on disk
@@ -131,7 +131,7 @@ class BatchWriter:
                 self._digests.write(indices, pack_digests(digests), self.file.checks(indices))
             except OSError as exc:
                 path = self._digests.path
-                self._faults.warn("digests", f"cannot write to {path} ({exc}): rows are kept without them")
+                self._faults.warn(Fault.DIGESTS, f"cannot write to {path} ({exc}): rows are kept without them")
                 self._digests.close()
                 self._digests = None
 

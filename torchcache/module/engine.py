@@ -27,7 +27,7 @@ from .._version import __version__
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
@@ -226,7 +226,7 @@ class Cache:
             location = resolve_location(self.settings.persistent_cache_dir)
             local = resolve_local_dir(self.settings.local_cache_dir) if isinstance(location, str) else None
         except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
-            self.faults.warn("write", f"{exc}; caching in memory only")
+            self.faults.warn(Fault.WRITE, f"{exc}; caching in memory only")
             self._disk_ready = True
             return
         self._root_claim = claim_module_cache(location, key, self.faults.warn, local)  # the root's budget
@@ -290,7 +290,7 @@ class Cache:
                 try:
                     disk.clear()
                 except StoreError as exc:
-                    self.faults.warn("write", f"could not clear the disk cache: {exc}")
+                    self.faults.warn(Fault.WRITE, f"could not clear the disk cache: {exc}")
         self.faults.emit()
 
     # -- the call ---------------------------------------------------------------------
@@ -308,11 +308,11 @@ class Cache:
         try:
             call, context = self._split(args, kwargs, training)
         except UncachedInput as exc:
-            self.faults.warn("uncached", f"{exc}; such calls run without the cache")
+            self.faults.warn(Fault.UNCACHED, f"{exc}; such calls run without the cache")
             return fn(*args, **kwargs)
         except _KeyRetakeError as exc:  # weights swapped in for this call (functional_call) that need grad
             self.faults.warn(
-                "rekey",
+                Fault.REKEY,
                 f"the module changed since its key was taken, and its key cannot be taken again ({exc}); calls "
                 "run without the cache until it can",
             )
@@ -321,7 +321,7 @@ class Cache:
             return fn(*args, **kwargs)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            self.faults.warn("grad", "an input requires grad: calls with such inputs are not cached")
+            self.faults.warn(Fault.GRAD, "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
         self.faults.emit()
         self._summaries.tick(self.summary)
@@ -329,12 +329,12 @@ class Cache:
         batch = len(keys)
         if batch == 0:
             return fn(*args, **kwargs)
-        if "shapes" not in self.faults.warned:
+        if not self.faults.warned(Fault.SHAPES):
             hint = self._shape_hint.note(tensors, self._hits, self._misses)
             if hint is not None:
-                self.faults.warn("shapes", hint)
-        if call.lists_like_the_batch and "lists" not in self.faults.warned:
-            self.faults.warn("lists", list_hint(call.lists_like_the_batch[0]))
+                self.faults.warn(Fault.SHAPES, hint)
+        if call.lists_like_the_batch and not self.faults.warned(Fault.LISTS):
+            self.faults.warn(Fault.LISTS, list_hint(call.lists_like_the_batch[0]))
         device = self._devices.get(tensors[0].device, tensors[0].device)
         with self.memory.lock:
             found = self.memory.find(keys)
@@ -406,7 +406,7 @@ class Cache:
             try:
                 found_at, disk_layout, disk_leaves = disk.read(hex_keys)
             except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
-                self.faults.warn("read", f"cannot read cache entries, recomputing them: {type(exc).__name__}: {exc}")
+                self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
                 found_at, disk_layout, disk_leaves = [], None, []
             if found_at and (layout is None or disk_layout == layout):
                 layout = disk_layout
@@ -437,7 +437,7 @@ class Cache:
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and new_layout != layout:
                 self.faults.warn(
-                    "layout", "cached outputs do not match the shapes just computed; computing the whole batch"
+                    Fault.LAYOUT, "cached outputs do not match the shapes just computed; computing the whole batch"
                 )
                 self._count(misses=batch)
                 return computed if whole else fn(*call.args, **call.kwargs)
@@ -470,7 +470,7 @@ class Cache:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, error: RebuildError
     ) -> Any:
         """Compute a whole batch whose cached outputs name a class this process cannot rebuild."""
-        self.faults.warn("rebuild", f"{error}; computing the batch instead (its entries are kept for when it can)")
+        self.faults.warn(Fault.REBUILD, f"{error}; computing the batch instead (its entries are kept for when it can)")
         self._count(misses=batch)
         return fn(*args, **kwargs)
 
@@ -519,7 +519,7 @@ class Cache:
                 if call.training:
                     self._uncached_modes.add(True)
                     self.faults.warn(
-                        "train",
+                        Fault.TRAIN,
                         f"in training mode: {str(exc).partition(': ')[2]} Calls in training mode run without the "
                         "cache; call .eval() on the module (a parent's .train() passes training mode down; "
                         "keep_eval=True keeps it in eval mode)",
@@ -573,7 +573,7 @@ def _summarize_at_exit() -> None:
             if disk is not None and disk.unstored and id(disk) not in told:
                 told.add(id(disk))
                 cache.faults.warn(
-                    "unstored",
+                    Fault.UNSTORED,
                     f"{disk.unstored} entries computed in this process could not be stored in {disk.where} "
                     "(the server was away or full); they are computed again when next needed",
                 )

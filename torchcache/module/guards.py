@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import ConfigError
+from ..faults import Fault
 from .engine import Cache
 
 __all__ = ["check_frozen", "outside_compile", "warn_if_training"]
@@ -51,13 +52,13 @@ def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
     Only with ``check_items=False``: otherwise the check that items are independent sees
     what dropout and batch statistics do, and such calls run without the cache.
     """
-    if not module.training or "train" in cache.faults.warned or cache.settings.check_items:
+    if not module.training or cache.faults.warned(Fault.TRAIN) or cache.settings.check_items:
         return
     if cache.stochastic is None:
         cache.stochastic = any(isinstance(m, _STOCHASTIC) for m in module.modules())
     if cache.stochastic:
         cache.faults.warn(
-            "train",
+            Fault.TRAIN,
             "called in training mode, and it holds dropout or batch-norm layers: cached outputs replay one "
             "dropout mask and batch-norm statistics stop following the data. Call .eval() on it after "
             "model.train() (which a parent module passes down), or cache it with keep_eval=True",

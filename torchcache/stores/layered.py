@@ -20,9 +20,10 @@ copy, while local hits keep being served.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from ..errors import StoreError
+from ..faults import Fault, Report
 from .batched import BatchedStore, VerifyReport
 
 __all__ = ["LayeredStore"]
@@ -39,7 +40,7 @@ class LayeredStore(BatchedStore):
 
     remote = True
 
-    def __init__(self, near: BatchedStore, far: BatchedStore, report: Callable[[str, str], None]) -> None:
+    def __init__(self, near: BatchedStore, far: BatchedStore, report: Report) -> None:
         self.near = near
         self.far = far
         self.max_bytes = far.max_bytes
@@ -60,7 +61,7 @@ class LayeredStore(BatchedStore):
             if not self._near_on:
                 return
             self._near_on = False
-        self._report("local", f"cannot {doing} the local copy {self.near} ({exc}); using the shared store alone")
+        self._report(Fault.LOCAL, f"cannot {doing} the local copy {self.near} ({exc}); using the shared store alone")
 
     # -- reads --------------------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from ..faults import Fault, Report
 from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
 from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
@@ -44,7 +45,7 @@ def has_legacy_entries(directory: Path) -> bool:
         return False
 
 
-def _ensure_meta(directory: Path, meta: dict[str, Any], report: Callable[[str, str], None]) -> None:
+def _ensure_meta(directory: Path, meta: dict[str, Any], report: Report) -> None:
     """Write the metadata file if it is missing or damaged (a damaged one is reported)."""
     current, problem = load_meta(directory)
     if current is not None and problem is None:
@@ -54,10 +55,10 @@ def _ensure_meta(directory: Path, meta: dict[str, Any], report: Callable[[str, s
         write_json_atomic(path, meta)
     except OSError as exc:
         if not is_disk_wide(exc):
-            report("meta", f"cannot write the metadata file {path} ({exc}); entries are still read and written")
+            report(Fault.META, f"cannot write the metadata file {path} ({exc}); entries are still read and written")
         return  # a read-only or full disk: the store's first write reports it
     if problem is not None:
-        report("meta", f"replaced the damaged metadata file {path} ({problem})")
+        report(Fault.META, f"replaced the damaged metadata file {path} ({problem})")
 
 
 def meta_toucher(directory: Path) -> Callable[[], None]:
@@ -71,9 +72,7 @@ def meta_toucher(directory: Path) -> Callable[[], None]:
     return touch
 
 
-def open_local_store(
-    directory: Path, max_bytes: int, meta: dict[str, Any], report: Callable[[str, str], None]
-) -> PackedStore:
+def open_local_store(directory: Path, max_bytes: int, meta: dict[str, Any], report: Report) -> PackedStore:
     """The packed store of a module directory (created if missing, with its metadata file).
 
     Raises:
@@ -88,7 +87,7 @@ def open_local_store(
 
 
 def open_local_tier(
-    directory: Path, max_bytes: int, quality: int, meta: dict[str, Any], report: Callable[[str, str], None]
+    directory: Path, max_bytes: int, quality: int, meta: dict[str, Any], report: Report
 ) -> PersistentTier:
     """The persistent tier of a module directory (created if missing).
 
@@ -98,7 +97,7 @@ def open_local_tier(
     store = open_local_store(directory, max_bytes, meta, report)
     if has_legacy_entries(directory):
         report(
-            "legacy",
+            Fault.LEGACY,
             f"{directory} holds entry files of torchcache 1.0, which are read only once packed: run "
             "`torchcache migrate` to use them",
         )

@@ -36,6 +36,7 @@ import torch
 from .._fork import after_fork
 from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
+from ..faults import Fault, Report
 from ..stores.batched import BatchedStore
 from ..tree import Layout
 from .frames import Frame, FrameCodec, pack_rows
@@ -101,7 +102,7 @@ class PersistentTier:
         self,
         store: BatchedStore,
         quality: int,
-        report: Callable[[str, str], None],
+        report: Report,
         *,
         where: str,
         touch: Callable[[], None] | None = None,
@@ -143,7 +144,7 @@ class PersistentTier:
         try:
             found = self.store.get_many(wanted)
         except StoreError as exc:
-            self._report("read", f"cannot read cache entries, recomputing them: {exc}")
+            self._report(Fault.READ, f"cannot read cache entries, recomputing them: {exc}")
             found = [None] * len(wanted)
         if len(wanted) == len(keys):
             return found
@@ -162,7 +163,7 @@ class PersistentTier:
                 self._skipped.clear()
             self._skipped.update(keys)
         what = "removed" if removed else "cannot remove; this process skips"
-        self._report("corrupt", f"{len(keys)} corrupt cache entries in {self.where} ({exc}): {what} them, recomputing")
+        self._report(Fault.CORRUPT, f"{len(keys)} corrupt entries in {self.where} ({exc}): {what} them, recomputing")
 
     def _queued(self, keys: Sequence[str]) -> dict[int, Frame]:
         """Frames of the ``keys`` whose writes are still queued, by position."""
@@ -372,11 +373,11 @@ class PersistentTier:
                     if self._skipped:
                         self._skipped.difference_update(job.keys)
                 except StoreUnavailableError as exc:
-                    self._not_stored(job, "unavailable", exc)
+                    self._not_stored(job, Fault.UNAVAILABLE, exc)
                 except StoreError as exc:
                     if not self.store.remote:
                         raise  # a disk that refuses writes: writes off (_write_failed)
-                    self._not_stored(job, "refused", exc)
+                    self._not_stored(job, Fault.REFUSED, exc)
                 self._touch_now_and_then()
         finally:
             with self._pending_lock:
@@ -385,7 +386,7 @@ class PersistentTier:
                     if entry is not None and entry[0] is job:
                         del self._pending[key]
 
-    def _not_stored(self, job: _WriteJob, kind: str, exc: StoreError) -> None:
+    def _not_stored(self, job: _WriteJob, kind: Fault, exc: StoreError) -> None:
         with self._pending_lock:
             self.unstored += len(job.keys)
         self._report(kind, f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
@@ -393,7 +394,7 @@ class PersistentTier:
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False
         self._report(
-            "write", f"cannot write to the cache {self.where} ({exc}); entries are kept in memory only from now on"
+            Fault.WRITE, f"cannot write to the cache {self.where} ({exc}); entries are kept in memory only from now on"
         )
 
     def flush(self) -> None:
@@ -402,7 +403,7 @@ class PersistentTier:
         try:
             self.store.flush()
         except StoreError as exc:
-            self._report("write", f"cannot flush the cache {self.where}: {exc}")
+            self._report(Fault.WRITE, f"cannot flush the cache {self.where}: {exc}")
 
     @property
     def pending(self) -> int:

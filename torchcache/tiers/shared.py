@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._fork import after_fork
 from ..errors import ConfigError, StoreError
-from ..faults import FaultLog
+from ..faults import Fault, FaultLog, Report
 from ..stores.batched import BatchedStore
 from .local import meta_toucher, open_local_store, open_local_tier
 from .persistent import PersistentTier
@@ -31,7 +30,7 @@ class SharedTier:
         self.users: weakref.WeakSet[FaultLog] = weakref.WeakSet()
         self.lock = threading.Lock()
 
-    def report(self, kind: str, message: str) -> None:
+    def report(self, kind: Fault, message: str) -> None:
         """Hand a fault of the tier to every cache that uses it."""
         for faults in list(self.users):
             faults.report(kind, message)
@@ -90,15 +89,15 @@ def open_shared_tier(
                 else:
                     shared.tier = open_local_tier(location / name, max_bytes, quality, meta, _reporter(shared))
             except (StoreError, ConfigError) as exc:
-                faults.warn("write", f"{exc}; caching in memory only")
+                faults.warn(Fault.WRITE, f"{exc}; caching in memory only")
         return shared, shared.tier
 
 
-def _reporter(shared: SharedTier) -> Callable[[str, str], None]:
+def _reporter(shared: SharedTier) -> Report:
     """``shared.report`` without a reference to ``shared``: its tier must not keep it alive past its users."""
     ref = weakref.ref(shared)
 
-    def report(kind: str, message: str) -> None:
+    def report(kind: Fault, message: str) -> None:
         owner = ref()
         if owner is not None:
             owner.report(kind, message)
@@ -111,7 +110,7 @@ def open_redis_tier(
     namespace: str,
     max_bytes: int,
     quality: int,
-    report: Callable[[str, str], None],
+    report: Report,
     local: Path | None = None,
     meta: dict[str, Any] | None = None,
 ) -> PersistentTier:
@@ -136,7 +135,7 @@ def open_redis_tier(
         try:
             near = open_local_store(directory, max_bytes, {**(meta or {}), "copy_of": redact_url(url)}, report)
         except StoreError as exc:
-            report("local", f"{exc}; no local copy, every hit is read from the server")
+            report(Fault.LOCAL, f"{exc}; no local copy, every hit is read from the server")
         else:
             store = LayeredStore(near, store, report)
             where = f"{where} with a local copy in {directory}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from ..._gc import collector_paused
 from ...errors import CorruptEntryError
+from ...faults import Fault, Report
 from ..rows import RowsFile
 from .layout import SampleLayout
 
@@ -37,7 +37,7 @@ FEATURES_NAME = "features.tcrows"
 #: The features file of torchcache 1.2, which ``torchcache migrate`` turns into a :data:`FEATURES_NAME`.
 LEGACY_FEATURES_NAME = "features.tcfeat"
 
-Warn = Callable[[str, str], None]
+Warn = Report
 
 
 def layout_of(file: RowsFile) -> SampleLayout:
@@ -101,22 +101,22 @@ def open_existing(path: Path, header: dict[str, Any], warn: Warn) -> RowsFile | 
     except (FileNotFoundError, NotADirectoryError):
         if path.with_name(LEGACY_FEATURES_NAME).is_file():
             warn(
-                "legacy",
+                Fault.LEGACY,
                 f"{path.parent} holds a features cache of torchcache 1.2, which this version reads only once "
                 f"migrated: run `torchcache migrate {path.parent.parent}` to use it; computing the features again",
             )
         return None
     except (CorruptEntryError, ValueError) as exc:
-        warn("corrupt", f"the features file {path} is damaged ({exc}): computed again")
+        warn(Fault.CORRUPT, f"the features file {path} is damaged ({exc}): computed again")
         remove_features(path)
         return None
     except OSError as exc:
-        warn("open", f"cannot open the features file {path} ({exc}): computed again")
+        warn(Fault.OPEN, f"cannot open the features file {path} ({exc}): computed again")
         return None
     made_for = {k: file.header.get(k) for k in header}
     if made_for != header:
         file.close()
-        warn("corrupt", f"the features file {path} was made for other keys: computed again")
+        warn(Fault.CORRUPT, f"the features file {path} was made for other keys: computed again")
         remove_features(path)
         return None
     return file
@@ -132,7 +132,7 @@ def missing_or_damaged(file: RowsFile, warn: Warn) -> np.ndarray[Any, np.dtype[n
     with collector_paused():  # a burst of short-lived objects: see torchcache._gc
         damaged = file.damaged()
     if len(damaged):
-        warn("corrupt", f"{len(damaged)} damaged rows in {file.path}: computed again")
+        warn(Fault.CORRUPT, f"{len(damaged)} damaged rows in {file.path}: computed again")
         with contextlib.suppress(OSError):
             file.unmark(damaged.tolist())
     todo = np.zeros(file.length, np.bool_)  # (np.union1d would import numpy's set routines: 0.1 s)

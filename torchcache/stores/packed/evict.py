@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 
 import lmdb
 
+from ...faults import Report
 from ..files import open_regular
 from . import upkeep
 from .format import scan_keys
@@ -122,9 +122,7 @@ def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: boo
     release(files, victims, remove=True)
 
 
-def keep_within_bounds(
-    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Callable[[str, str], None]
-) -> None:
+def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
     """Compact a bloated index; evict if the index grew past its share; compact once the files pass the budget by 5 %.
 
     Compaction goes back to 2 % over the budget where it can (segments that live
@@ -142,9 +140,7 @@ def keep_within_bounds(
         return  # another process compacted the index: the next call opens the new one
 
 
-def _keep_within_bounds(
-    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Callable[[str, str], None]
-) -> None:
+def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
     limit = max_bytes + INDEX_BASE_BYTES
     for _ in range(3):
         with index.begin() as txn:

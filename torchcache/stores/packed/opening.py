@@ -18,6 +18,7 @@ from collections.abc import Callable
 import lmdb
 
 from ...errors import StoreError
+from ...faults import Fault
 from . import upkeep
 from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index, IndexReplacedError
 from .segments import SegmentFiles
@@ -41,7 +42,7 @@ class IndexHandle:
         self,
         root: str,
         files: SegmentFiles,
-        report: Callable[[str, str, str | None], None],
+        report: Callable[[Fault, str, str | None], None],
         on_fork: Callable[[], None],
         map_size: int = MIN_MAP_SIZE,
     ) -> None:
@@ -117,16 +118,18 @@ class IndexHandle:
             raise AssertionError("unreachable")  # pragma: no cover
         except (lmdb.Error, OSError) as exc:
             self.report(
-                "index", f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss", "open"
+                Fault.INDEX,
+                f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss",
+                "open",
             )
             return None
 
     def failed(self, exc: Exception) -> None:
         """LMDB failed in a read: if the index is damaged, replace it on next use."""
         if not isinstance(exc, DAMAGE):
-            self.report("read", f"cannot read the index of {self.root} ({exc}); recomputing", f"fail{exc}")
+            self.report(Fault.READ, f"cannot read the index of {self.root} ({exc}); recomputing", f"fail{exc}")
             return
-        self.report("index", f"the index of {self.root} is damaged ({exc}); rebuilding it", f"fail{exc}")
+        self.report(Fault.INDEX, f"the index of {self.root} is damaged ({exc}); rebuilding it", f"fail{exc}")
         index = self.index
         self.drop()
         if index is not None and not index.readonly:

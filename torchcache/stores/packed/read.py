@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
+from ...faults import Fault
 from .format import HEADER, MAGIC, decode_key, payload_of, record_size
 from .index import ENTRY, Index
 from .segments import MISSING, SegmentFiles
@@ -26,7 +27,7 @@ _MAX_BAD = 1 << 16
 _unpack = ENTRY.unpack
 _ENTRY_SIZE = ENTRY.size
 Found = tuple[int, int, int, int, bytes]  # segment, offset, payload length, position in the batch, index row
-Report = Callable[[str, str, "str | None"], None]
+OnceReport = Callable[[Fault, str, "str | None"], None]
 #: Rows of the ``entries`` table (:data:`ENTRY`) as one structured array.
 _ENTRY_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u4"), ("len", "<u4")])
 _MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
@@ -46,7 +47,7 @@ class EntryReader:
             token is given only the first time.
     """
 
-    def __init__(self, root: str, files: SegmentFiles, max_entry: int, report: Report) -> None:
+    def __init__(self, root: str, files: SegmentFiles, max_entry: int, report: OnceReport) -> None:
         self.root = root
         self.files = files
         self.max_entry = max_entry
@@ -221,7 +222,7 @@ class EntryReader:
             try:
                 data = files.read(seg, offset, record_size(kb, length))
             except OSError as exc:
-                self.report("read", f"cannot read {path}: {exc}", f"r{seg}")
+                self.report(Fault.READ, f"cannot read {path}: {exc}", f"r{seg}")
                 continue
             if isinstance(data, str):
                 if data == MISSING and retry:
@@ -229,7 +230,7 @@ class EntryReader:
                 elif data == "out of bounds":
                     self.reject(kb, raw, f"its index row points past the end of {path}")
                 else:
-                    self.report("segment", f"{path} is {data}; its entries are misses", f"s{seg}")
+                    self.report(Fault.SEGMENT, f"{path} is {data}; its entries are misses", f"s{seg}")
                     self.reject(kb, raw, None)
                 continue
             payload = payload_of(data, kb, length)
@@ -248,4 +249,4 @@ class EntryReader:
         self.bad[(kb, raw)] = None
         self.doomed[kb] = raw
         if reason is not None:
-            self.report("corrupt", f"entry {decode_key(kb)} of {self.root} is a miss: {reason}", None)
+            self.report(Fault.CORRUPT, f"entry {decode_key(kb)} of {self.root} is a miss: {reason}", None)

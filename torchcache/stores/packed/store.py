@@ -28,6 +28,7 @@ import lmdb
 from ..._fork import renew_lock_after_fork
 from ..._log import logger
 from ...errors import ConfigError, StoreError
+from ...faults import Fault, Report
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, VerifyReport
 from . import upkeep
@@ -88,7 +89,7 @@ class PackedStore(BatchedStore):
         directory: str | os.PathLike[str],
         max_bytes: int | float | str,
         *,
-        report: Callable[[str, str], None] | None = None,
+        report: Report | None = None,
         evict: str = "mru",
         segment_bytes: int | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
@@ -134,7 +135,7 @@ class PackedStore(BatchedStore):
         return f"PackedStore({self._root!r}, max_bytes={format_size(self.max_bytes)}, used={used})"
 
     # -- opening ------------------------------------------------------------------
-    def _report(self, kind: str, message: str, once: str | None = None) -> None:
+    def _report(self, kind: Fault, message: str, once: str | None = None) -> None:
         if once is not None:
             if once in self._reported:
                 return
@@ -300,7 +301,7 @@ class PackedStore(BatchedStore):
         try:
             index.grow()
         except lmdb.Error as exc:
-            self._report("index", f"cannot grow the map of the index of {self._root}: {exc}", "grow")
+            self._report(Fault.INDEX, f"cannot grow the map of the index of {self._root}: {exc}", "grow")
             return False
         return True
 

@@ -18,10 +18,11 @@ import functools
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import lmdb
 
+from ...faults import Fault, Report
 from .format import encode_record, scan_records
 from .index import (
     DAMAGE,
@@ -51,7 +52,7 @@ LOCK_NAME = "compact.lock"
 _MOVE_BYTES = 8 << 20
 _LOCK_WAIT_SECONDS = 30.0
 _NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
-Report = Callable[[str, str], None]
+Report = Report
 #: Times a write that finds the index's map full grows it and tries again.
 _GROW_TRIES = 8
 
@@ -115,7 +116,9 @@ def compact_index(index: Index, root: str, report: Report) -> None:
             return  # another process compacts the store: the next write tries again
         change = index.change()  # holding LMDB's write lock: no writer is inside a transaction of this index
         try:
-            report("index", f"the index of {root} outgrew its entries ({index.file_bytes():,} bytes); rebuilding it")
+            report(
+                Fault.INDEX, f"the index of {root} outgrew its entries ({index.file_bytes():,} bytes); rebuilding it"
+            )
             _remove_index_files(root)
         finally:
             change.abort()
@@ -170,12 +173,12 @@ def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> 
     """
     problem = cut_short(os.path.join(root, INDEX_NAME))
     if problem is not None:  # mapping it could kill the process (SIGBUS): replace it
-        report("index", f"the index of {root} is {problem}; rebuilding it from the segment files")
+        report(Fault.INDEX, f"the index of {root} is {problem}; rebuilding it from the segment files")
         discard_index(root, None)
     try:
         index = open_index(root, readonly=False, map_size=map_size)
     except (*DAMAGE, IndexDamageError) as exc:
-        report("index", f"the index of {root} is damaged ({exc}); rebuilding it from the segment files")
+        report(Fault.INDEX, f"the index of {root} is damaged ({exc}); rebuilding it from the segment files")
         discard_index(root, None)
         index = open_index(root, readonly=False, map_size=map_size)
     except (lmdb.Error, OSError) as exc:
@@ -203,7 +206,7 @@ def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> 
             finally:
                 files.close()
         if count:
-            report("index", f"indexed {count} entries found in the segment files of {root}")
+            report(Fault.INDEX, f"indexed {count} entries found in the segment files of {root}")
     except lmdb.ReadonlyError:
         pass
     except BaseException:

@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 from ..._fork import renew_lock_after_fork
 from ...errors import ConfigError, StoreError, StoreUnavailableError
+from ...faults import Fault, Report
 from .url import RedisAddress
 
 __all__ = [
@@ -116,9 +117,7 @@ class RedisLink:
         ConfigError: If the redis package is missing.
     """
 
-    def __init__(
-        self, address: RedisAddress, timeout: float, clock: Callable[[], float], report: Callable[[str, str], None]
-    ) -> None:
+    def __init__(self, address: RedisAddress, timeout: float, clock: Callable[[], float], report: Report) -> None:
         module = import_redis()
         exceptions = module.exceptions
         self.address = address
@@ -258,7 +257,7 @@ class RedisLink:
             if self._troubled:
                 return
             self._troubled = True
-        self._report("unavailable", str(exc))
+        self._report(Fault.UNAVAILABLE, str(exc))
 
 
 def node_clients(client: Client, cluster: bool) -> list[Client]:

@@ -34,6 +34,7 @@ from typing import TypeVar
 from ..._fork import renew_lock_after_fork
 from ..._log import logger
 from ...errors import ConfigError, KeyingError, StoreError
+from ...faults import Fault, Report
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import check_record, encode_key, encode_keys, is_key
@@ -94,7 +95,7 @@ class RedisStore(BatchedStore):
         namespace: str,
         max_bytes: int | float | str,
         *,
-        report: Callable[[str, str], None] | None = None,
+        report: Report | None = None,
         timeout: float = 5.0,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -186,7 +187,7 @@ class RedisStore(BatchedStore):
             new = [key for key in keys if key not in self._reported]
             self._reported.update(new)
         for key in new:
-            self._report_fn("corrupt", f"entry {key} of namespace {self.namespace} at {self.url} failed its checks")
+            self._report_fn(Fault.CORRUPT, f"entry {key} of namespace {self.namespace} at {self.url} failed its checks")
         try:
             self._link.call(partial(self._ns.remove, keys=keys), "delete damaged entries")
         except StoreError as exc:

@@ -1,0 +1,59 @@
+"""FaultLog: faults reported from any thread become one warning per kind and tier, on the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+
+from torchcache import CacheWarning
+from torchcache.faults import Fault, FaultLog
+
+
+def caught(action: object) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert callable(action)
+        action()
+    return [str(w.message) for w in seen if issubclass(w.category, CacheWarning)]
+
+
+def test_one_warning_per_kind_and_tier() -> None:
+    log = FaultLog("net")
+
+    def faults() -> None:
+        log.warn(Fault.WRITE, "disk full")
+        log.warn(Fault.WRITE, "disk still full")
+        log.warn(Fault.WRITE, "memory tier read-only", "memory")
+        log.warn(Fault.CORRUPT, "a bad entry")
+
+    assert caught(faults) == [
+        "torchcache (net): disk full",
+        "torchcache (net): memory tier read-only",
+        "torchcache (net): a bad entry",
+    ]
+    assert log.warned(Fault.WRITE) and log.warned(Fault.WRITE, "memory")
+    assert not log.warned(Fault.WRITE, "disk") and not log.warned(Fault.READ)
+
+
+def test_faults_reported_from_another_thread_are_warned_at_emit() -> None:
+    log = FaultLog("net")
+    thread = threading.Thread(target=log.report, args=(Fault.READ, "server away", "disk"))
+    thread.start()
+    thread.join()
+    assert not log.warned(Fault.READ, "disk")
+    assert caught(log.emit) == ["torchcache (net): server away"]
+    assert log.warned(Fault.READ, "disk") and caught(log.emit) == []
+
+
+def test_the_warning_points_at_the_callers_line() -> None:
+    log = FaultLog("net")
+    with pytest.warns(CacheWarning) as record:
+        log.warn(Fault.OPEN, "cannot open")
+    assert record[0].filename == __file__
+
+
+def test_kinds_are_their_names_as_text() -> None:
+    assert Fault.CORRUPT == "corrupt" and f"{Fault.INDEX}" == "index"
+    assert len({fault.value for fault in Fault}) == len(Fault)
