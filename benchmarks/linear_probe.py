@@ -25,8 +25,13 @@ is a ``DataLoader(batch_size=256, num_workers=--workers)`` pass, timed from
 - memmap: the hand-written alternative, the same features written to an ``np.memmap``
   with the labels in an array, read by a ``Dataset`` whose ``__getitem__`` copies one
   row, through the same DataLoader settings, ``shuffle=True``;
-- later epochs: ``--epochs`` pairs of a memmap epoch and a features epoch, back to back
-  in alternating order; the median of each, and the median of the ratios of the pairs;
+- batched gather: the hand-written alternative that reads a whole shuffled batch with
+  one fancy index into the memmap (a ``Dataset`` indexed by a list of indices, through
+  ``DataLoader(batch_size=None, sampler=BatchSampler(RandomSampler(...), 256, False))``);
+- later epochs: ``--epochs`` rounds of a memmap epoch, a features epoch through
+  ``DataLoader(features, batch_size=256, shuffle=True)``, a batched-gather epoch and an
+  epoch of ``features.loader(256, shuffle=True)``, back to back in rotating order; the
+  median of each, and the medians of the ratios features/memmap and loader/gather;
 - changed dataset: the same dataset with 1 % of its images changed and 1 % added (a new
   key), extracted into the same root: the backbone must run on those 2 % only (counted
   by a hook), the other rows coming from the first cache; its time against the median
@@ -64,7 +69,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,6 +132,19 @@ class Memmap(Dataset[Any]):
         return torch.from_numpy(np.array(self.features[i])), int(self.labels[i])
 
 
+class MemmapBatches(Memmap):
+    """The hand-written batched alternative: one fancy index into the memmap per shuffled batch."""
+
+    def __getitem__(self, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return torch.from_numpy(self.features[indices]), torch.from_numpy(self.labels[indices])
+
+
+def batches_of(dataset: Dataset[Any], workers: int) -> DataLoader[Any]:
+    """Whole shuffled batches of ``dataset`` indexed by lists of indices, nothing collated again."""
+    sampler = BatchSampler(RandomSampler(dataset), BATCH, drop_last=False)  # type: ignore[arg-type]
+    return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers)
+
+
 def edited(data: Images, fraction: float) -> tuple[Images, np.ndarray[Any, Any]]:
     """``data`` with ``fraction`` of its images changed and as many new samples appended; the indices computed anew."""
     n = len(data)
@@ -146,9 +164,12 @@ def make_backbone() -> Backbone:
     return Backbone()
 
 
-def epoch(dataset: Dataset[Any], workers: int, shuffle: bool = True) -> tuple[float, int]:
+def epoch(dataset: Dataset[Any] | DataLoader[Any], workers: int, shuffle: bool = True) -> tuple[float, int]:
     """Seconds for one pass, and the sum of the labels seen (each label once per epoch)."""
-    loader = DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers)
+    if isinstance(dataset, DataLoader):
+        loader = dataset
+    else:
+        loader = DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers)
     seen = 0
     start = time.perf_counter()
     for x, y in loader:
@@ -269,17 +290,28 @@ def run_size(
         if not torch.equal(x, reference[rows]) or not np.array_equal(y.numpy(), labels[rows]):
             failures.append(f"{n}: features {rows.start}-{rows.stop} differ from the uncached backbone's")
 
-    times: dict[str, list[float]] = {"memmap": [], "features": []}
-    ratios = []
+    kinds = {
+        "memmap": lambda: memmap,
+        "features": lambda: features,
+        "gather": lambda: batches_of(MemmapBatches(mm_path, n, labels), workers),
+        "loader": lambda: features.loader(BATCH, shuffle=True, num_workers=workers),
+    }
+    first_batch = next(iter(features.loader(BATCH)))
+    if not torch.equal(first_batch[0], reference[:BATCH]) or first_batch[1].tolist() != labels[:BATCH].tolist():
+        failures.append(f"{n}: features.loader's first batch differs from the uncached backbone's")
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    ratios, batched_ratios = [], []
+    names = list(kinds)
     for r in range(epochs):
         pair = {}
-        for name in ("memmap", "features") if r % 2 == 0 else ("features", "memmap"):
-            seconds, seen = epoch(memmap if name == "memmap" else features, workers)
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotating: a slow spell weighs on all
+            seconds, seen = epoch(kinds[name](), workers)
             if seen != label_sum:
                 failures.append(f"{n}: a {name} epoch did not see every label once")
             pair[name] = seconds
             times[name].append(seconds)
         ratios.append(pair["features"] / pair["memmap"])
+        batched_ratios.append(pair["loader"] / pair["gather"])
     memmap_median = statistics.median(times["memmap"])
 
     second_times, opens, calls = [], [], []
@@ -336,6 +368,9 @@ def run_size(
         "memmap_epoch_s": memmap_median,
         "features_epoch_s": statistics.median(times["features"]),
         "later_over_memmap": statistics.median(ratios),
+        "gather_epoch_s": statistics.median(times["gather"]),
+        "loader_epoch_s": statistics.median(times["loader"]),
+        "loader_over_gather": statistics.median(batched_ratios),
         "later_epochs_s": times,
         "second_process_first_epoch_s": statistics.median(second_times),
         "second_process_first_epochs_s": second_times,
@@ -358,7 +393,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", type=int, action="append", help="samples (repeatable; default 10,000 and 100,000)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers in every epoch (default 0)")
-    parser.add_argument("--epochs", type=int, help="pairs of later epochs (default 7; 3 with --quick)")
+    parser.add_argument("--epochs", type=int, help="rounds of later epochs (default 8; 4 with --quick)")
     parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 9; 1 with --quick)")
     parser.add_argument("--children", type=int, help="second processes, each timed once (default 5; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2,000 samples, 3 pairs")
@@ -370,7 +405,7 @@ def main() -> int:
         child(args.child[0], int(args.child[1]), int(args.child[2]))
         return 0
     sizes = args.items or ([2000] if args.quick else [10_000, 100_000])
-    epochs = args.epochs or (3 if args.quick else 7)
+    epochs = args.epochs or (4 if args.quick else 8)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results: dict[str, Any] = {}
     failures: list[str] = []
@@ -387,7 +422,9 @@ def main() -> int:
                 f"{result['extract_s']:.2f} s ({result['extract_over_uncached']:.2f}x uncached; with a read epoch "
                 f"{result['first_epoch_s']:.2f} s, {result['first_over_uncached']:.2f}x) | later epochs: memmap "
                 f"{result['memmap_epoch_s'] * 1e3:.1f} ms, "
-                f"features {result['features_epoch_s'] * 1e3:.1f} ms ({result['later_over_memmap']:.2f}x) | second "
+                f"features {result['features_epoch_s'] * 1e3:.1f} ms ({result['later_over_memmap']:.2f}x); batched: "
+                f"gather {result['gather_epoch_s'] * 1e3:.1f} ms, loader {result['loader_epoch_s'] * 1e3:.1f} ms "
+                f"({result['loader_over_gather']:.2f}x) | second "
                 f"process {result['second_process_first_epoch_s'] * 1e3:.1f} ms ({result['second_over_memmap']:.2f}x "
                 f"memmap, {result['second_process_backbone_calls']} backbone calls) | changed dataset "
                 f"{result['changed_extract_s']:.2f} s ({result['changed_over_extract']:.2f}x extraction, backbone "

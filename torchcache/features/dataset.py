@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
 
 from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
@@ -184,6 +185,55 @@ class FeatureDataset(Dataset[Any]):
             TypeError: If an index is not an integer.
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
+        wanted = self._indices(indices)
+        if isinstance(self.file, WholeSamples):
+            return self.file.read(wanted.tolist(), self._compute_whole)
+        assert self.layout is not None
+        return self.layout.decode(self._rows(wanted))
+
+    def batch(self, indices: Sequence[int]) -> Any:
+        """The samples at ``indices`` as one batch: what ``default_collate`` makes of them, read in one gather.
+
+        Each field is one contiguous tensor with the batch first; a tuple or list sample
+        gives a list of fields, a dict sample a dict. Features that vary in shape are
+        collated with ``default_collate``.
+
+        Raises:
+            IndexError: If an index is out of range.
+            TypeError: If an index is not an integer.
+            MissingFeatureError: If a row is damaged and there is no backbone to compute it.
+        """
+        if self.layout is None:
+            return default_collate(self.__getitems__(indices))  # type: ignore[no-untyped-call]
+        return self.layout.collate(self._rows(self._indices(indices)))
+
+    def loader(self, batch_size: int, **options: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` of whole batches, each read with one gather and decoded once (:meth:`batch`).
+
+        It gives the batches ``DataLoader(features, batch_size=...)`` gives, without
+        collating them sample by sample.
+
+        Args:
+            batch_size: Samples per batch.
+            **options: ``shuffle`` (a new random order every epoch), ``drop_last``, ``generator``
+                (for a reproducible order), ``collate_fn`` (makes a batch of a list of samples
+                instead), and the DataLoader's own: ``num_workers``, ``pin_memory``, ...
+
+        Raises:
+            ValueError: If ``batch_size`` is not a positive int.
+            TypeError: If ``options`` set ``sampler`` or ``batch_sampler``.
+
+        Example::
+
+            for feats, labels in features.loader(256, shuffle=True, num_workers=2):
+                loss = criterion(head(feats), labels)
+        """
+        from .loader import make_loader
+
+        return make_loader(self, batch_size, **options)
+
+    def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """``indices`` as an array, negative ones counted from the end, checked."""
         if any(isinstance(i, bool) for i in indices):
             raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
         try:
@@ -195,16 +245,18 @@ class FeatureDataset(Dataset[Any]):
             outside = wanted[(wanted < 0) | (wanted >= self.length)]
             if len(outside):
                 raise IndexError(f"index {int(outside[0])} is out of range for {self.length} samples")
-        if isinstance(self.file, WholeSamples):
-            return self.file.read(wanted.tolist(), self._compute_whole)
-        assert self.layout is not None
+        return wanted
+
+    def _rows(self, wanted: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, Any]:
+        """The checked rows of ``wanted`` (in range), those missing or damaged computed again."""
+        assert isinstance(self.file, RowsFile)
         found, rows, missing, bad = self.file.read(wanted)
         if missing or bad:
             whole = np.empty((len(wanted), rows.shape[1]), np.uint8)
             whole[found] = rows
             self._repair(wanted, whole, missing, bad)
             rows = whole
-        return self.layout.decode(rows)
+        return rows
 
     def _no_backbone(self, index: int, what: str) -> MissingFeatureError:
         return MissingFeatureError(

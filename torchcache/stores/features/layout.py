@@ -257,7 +257,7 @@ class SampleLayout:
     def decode(self, rows: np.ndarray[Any, Any]) -> list[Any]:
         """The samples stored in ``rows`` (``(batch, stride)`` uint8): tensors view ``rows``."""
         count = len(rows)
-        columns = [self._column(f, rows, count) for f in self.fields]
+        columns = [_column(f, rows, count) for f in self.fields]
         if self.container == "tensor":
             return columns[0]
         by_name = dict(zip((f.name for f in self.fields), columns, strict=True))
@@ -268,19 +268,20 @@ class SampleLayout:
             return [list(values) for values in zip(*ordered, strict=True)]
         return [dict(zip(self.names, values, strict=True)) for values in zip(*ordered, strict=True)]
 
-    @staticmethod
-    def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
-        raw = rows[:, f.offset : f.offset + f.nbytes]
-        if f.kind in ("features", "tensor"):
-            if not f.nbytes:
-                return list(torch.zeros((count, *f.shape), dtype=DTYPES[f.dtype]).unbind(0))
-            return list(torch.from_numpy(raw).view(DTYPES[f.dtype]).reshape(count, *f.shape).unbind(0))
-        values = raw.view(f.numpy_dtype) if f.nbytes else np.zeros((count, 0), f.numpy_dtype)
-        if f.kind in _PLAIN:
-            return values.reshape(count).tolist()  # type: ignore[no-any-return]
-        if f.kind == "scalar":
-            return list(values.reshape(count))
-        return list(values.reshape(count, *f.shape))
+    def collate(self, rows: np.ndarray[Any, Any]) -> Any:
+        """The samples stored in ``rows`` as one batch, as ``default_collate`` makes it of :meth:`decode`'s samples.
+
+        Each field is one contiguous tensor with the batch first (tuples and lists become
+        lists of fields, as ``default_collate`` makes them); one copy of each field's bytes.
+        """
+        count = len(rows)
+        columns = [_batch(f, rows, count) for f in self.fields]
+        if self.container == "tensor":
+            return columns[0]
+        by_name = dict(zip((f.name for f in self.fields), columns, strict=True))
+        if self.container == "dict":
+            return {name: by_name[name] for name in self.names}
+        return [by_name[name] for name in self.names]
 
     # -- JSON -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -359,3 +360,31 @@ class SampleLayout:
         if {f.name for f in fields} != set(names):
             return None
         return cls(container, tuple(names), name, tuple(fields), stride)
+
+
+def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
+    """Field ``f`` of every row as one contiguous tensor, the batch first."""
+    raw = rows[:, f.offset : f.offset + f.nbytes]
+    if f.kind in ("features", "tensor"):
+        if not f.nbytes:
+            return torch.zeros((count, *f.shape), dtype=DTYPES[f.dtype])
+        return torch.from_numpy(np.ascontiguousarray(raw)).view(DTYPES[f.dtype]).reshape(count, *f.shape)
+    if not f.nbytes:
+        return torch.from_numpy(np.zeros((count, *f.shape), f.numpy_dtype))
+    values = np.ascontiguousarray(raw).view(f.numpy_dtype)
+    return torch.from_numpy(values.reshape(count, *f.shape))
+
+
+def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
+    """Field ``f`` of every row, one value per row (tensors view ``rows``)."""
+    raw = rows[:, f.offset : f.offset + f.nbytes]
+    if f.kind in ("features", "tensor"):
+        if not f.nbytes:
+            return list(torch.zeros((count, *f.shape), dtype=DTYPES[f.dtype]).unbind(0))
+        return list(torch.from_numpy(raw).view(DTYPES[f.dtype]).reshape(count, *f.shape).unbind(0))
+    values = raw.view(f.numpy_dtype) if f.nbytes else np.zeros((count, 0), f.numpy_dtype)
+    if f.kind in _PLAIN:
+        return values.reshape(count).tolist()  # type: ignore[no-any-return]
+    if f.kind == "scalar":
+        return list(values.reshape(count))
+    return list(values.reshape(count, *f.shape))

@@ -1,0 +1,129 @@
+"""FeatureDataset.batch and .loader: whole batches read in one gather, equal to what default_collate makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from tests.test_features import Fields, Images, Net, Scale, extract
+from torchcache import CacheWarning, FeatureDataset, MissingFeatureError
+
+
+def assert_same_batch(got: Any, want: Any) -> None:
+    """Equal structure, types, dtypes, shapes and values; tensors contiguous."""
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for key in want:
+            assert_same_batch(got[key], want[key])
+    else:
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same_batch(g, w)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "tensor", "list"])
+def test_a_batch_is_what_default_collate_makes_of_the_samples(cache_root: Path, kind: str) -> None:
+    if kind == "dict":
+        features = extract(Scale(), Fields(), input="x", batch_size=4)
+    elif kind == "tuple":
+        features = extract(Net(), Images(n=20))
+    else:
+
+        class Plain(Images):
+            def __getitem__(self, i: int) -> Any:
+                image, label = super().__getitem__(i)
+                return image if kind == "tensor" else [label, image, np.float32(label / 3)]
+
+        features = extract(Net(), Plain(n=20), input=0 if kind == "tensor" else 1)
+    for indices in ([3, 1, 4, 1, 5], [0], [-1, 2, -3]):
+        assert_same_batch(features.batch(indices), default_collate(features.__getitems__(indices)))
+
+
+def test_the_loader_gives_every_sample_once_in_batches(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=50))
+    batches = list(features.loader(16))
+    assert [len(y) for _, y in batches] == [16, 16, 16, 2]
+    assert_same_batch(batches[0], default_collate(features.__getitems__(range(16))))
+    assert torch.cat([y for _, y in batches]).tolist() == [features[i][1] for i in range(50)]
+    assert [len(y) for _, y in features.loader(16, drop_last=True)] == [16, 16, 16]
+
+
+def test_a_shuffle_is_new_each_epoch_and_repeats_with_a_seeded_generator(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=50))
+
+    def order(loader: DataLoader[Any]) -> list[int]:
+        rows = torch.cat([x for x, _ in loader])
+        return [int(torch.nonzero((rows == features[i][0]).all(1))[0]) for i in range(50)]
+
+    loader = features.loader(8, shuffle=True, generator=torch.Generator().manual_seed(4))
+    first, second = order(loader), order(loader)
+    assert sorted(first) == list(range(50)) and first != second != list(range(50))
+    again = features.loader(8, shuffle=True, generator=torch.Generator().manual_seed(4))
+    assert order(again) == first
+
+
+def test_workers_read_the_batches(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=40))
+    alone = list(features.loader(8))
+    with_workers = list(features.loader(8, num_workers=2))
+    for got, want in zip(with_workers, alone, strict=True):
+        assert_same_batch(got, want)
+
+
+def test_a_collate_fn_gets_the_samples(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=10))
+    batches = list(features.loader(4, collate_fn=list))
+    assert [len(b) for b in batches] == [4, 4, 2] and isinstance(batches[0][0], tuple)
+
+
+def test_features_that_vary_in_shape_go_through_default_collate_or_the_collate_fn(cache_root: Path) -> None:
+    class Named(Images):
+        def __getitem__(self, i: int) -> Any:
+            return self.images[i], ["cat", "dog"][i % 2]
+
+    features = extract(Net(), Named(n=10))
+    assert features.info["layout"] == "variable"
+    x, names = features.batch([0, 1, 2])
+    assert tuple(x.shape) == (3, 5) and list(names) == ["cat", "dog", "cat"]
+    assert [len(b) for b in features.loader(4, collate_fn=list)] == [4, 4, 2]
+
+
+def test_a_damaged_row_in_a_batch_is_computed_again_or_an_error_without_the_backbone(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=20))
+    want = features.batch([1, 2, 3])
+    assert features.path is not None
+    with open(features.path, "r+b") as raw:
+        raw.seek(features.file.row_offset(2))
+        raw.write(b"\xff" * 8)
+    with pytest.warns(CacheWarning, match="damaged"):
+        x, y = features.batch([1, 2, 3])
+    assert torch.equal(y, want[1]) and torch.equal(x[[0, 2]], want[0][[0, 2]])
+    assert torch.allclose(x[1], want[0][1], atol=1e-6)  # computed in another batch: equal up to rounding
+    with open(features.path, "r+b") as raw:
+        raw.seek(features.file.row_offset(3))
+        raw.write(b"\xff" * 8)
+    opened = FeatureDataset.open(features.path)
+    with pytest.warns(CacheWarning), pytest.raises(MissingFeatureError, match="extract_features"):
+        opened.batch([1, 2, 3])
+
+
+def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=10))
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        features.loader(0)
+    with pytest.raises(TypeError, match="sets sampler itself"):
+        features.loader(4, sampler=[0, 1])
+    with pytest.raises(IndexError, match="index 10 is out of range for 10 samples"):
+        features.batch([10])
+    with pytest.raises(TypeError, match="must be integers"):
+        features.batch([True])

@@ -1,0 +1,81 @@
+"""Batches of a features cache, read whole: one gather and one decode per batch, not per sample.
+
+``DataLoader(features, batch_size=256)`` asks for a batch's samples (``__getitems__``,
+one gather) and then ``default_collate`` stacks them again, sample by sample. A loader
+made by :meth:`FeatureDataset.loader <torchcache.FeatureDataset.loader>` hands the
+DataLoader whole batches instead: a batch sampler picks the indices, and the dataset
+turns each list of indices into the finished batch (each field one contiguous tensor),
+with ``batch_size=None`` so that nothing is collated again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+
+if TYPE_CHECKING:
+    from .dataset import FeatureDataset
+
+__all__ = ["Batches", "make_loader"]
+
+
+class Batches(Dataset[Any]):
+    """A features cache indexed by lists of indices, each giving one collated batch.
+
+    Args:
+        features: The features cache.
+        collate_fn: Makes a batch of a list of samples; ``None`` for the rows decoded as
+            one batch (what ``default_collate`` would make of the samples).
+    """
+
+    def __init__(self, features: FeatureDataset, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.features = features
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, indices: Sequence[int]) -> Any:
+        if self.collate_fn is None:
+            return self.features.batch(indices)
+        return self.collate_fn(self.features.__getitems__(indices))
+
+
+def _as_fetched(batch: Any) -> Any:
+    """The batch as :class:`Batches` made it (the DataLoader's default would turn tuples into lists)."""
+    return batch
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def make_loader(
+    features: FeatureDataset,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    drop_last: bool = False,
+    generator: torch.Generator | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **loader_options: Any,
+) -> DataLoader[Any]:
+    """A DataLoader of whole batches of ``features`` (see :meth:`FeatureDataset.loader`).
+
+    Raises:
+        ValueError: If ``batch_size`` is not a positive int.
+        TypeError: If ``loader_options`` name ``batch_size``, ``sampler`` or ``batch_sampler``.
+    """
+    _check_positive("batch_size", batch_size)
+    taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle"} & set(loader_options))
+    if taken:
+        raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")
+    order = RandomSampler(features, generator=generator) if shuffle else SequentialSampler(features)
+    batches = BatchSampler(order, batch_size, drop_last)
+    return DataLoader(
+        Batches(features, collate_fn), batch_size=None, sampler=batches, collate_fn=_as_fetched, **loader_options
+    )
