@@ -121,6 +121,7 @@ def test_damage_is_a_miss_never_a_wrong_row(tmp_path: Path, damage: str) -> None
             raw.write(struct.pack("<I", value))
     got = file.read(np.arange(10))
     assert got.damaged == [3] and got.missing == [] and 3 not in got.found.tolist()
+    assert file.damaged().tolist() == [3]
     assert read_all(file, list(range(10))) == {i: bytes(row(i)) for i in range(10) if i != 3}
     file.unmark([3])
     assert file.read(np.asarray([3])).missing == [0] and file.write(np.asarray([3]), rows_of([3])) == 0
