@@ -485,6 +485,8 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
             "extraction + read epoch s",
             "memmap epoch s",
             "features epoch s",
+            "batched gather epoch s",
+            "features.loader epoch s",
             "second process s",
             "changed dataset s",
         ]
@@ -500,6 +502,8 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                 spread(x["first_epochs_s"]),
                 spread(later["memmap"]),
                 spread(later["features"]),
+                spread(later["gather"]) if "gather" in later else "not measured",
+                f"{spread(later['loader'])} ({x['loader_over_gather']:.2f}x)" if "loader" in later else "not measured",
                 f"{spread(x['second_process_first_epochs_s'])} (open {fmt(x['second_process_open_s'])})",
                 f"{fmt(x['changed_extract_s'])} ({x['changed_over_extract']:.2f}x extraction; backbone on "
                 f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})",
