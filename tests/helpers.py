@@ -7,6 +7,7 @@ weights in every process (the cross-process tests rely on that).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -338,3 +339,24 @@ FORK_SERVER = textwrap.dedent(
                 say(name, "status", os.waitstatus_to_exitcode(status))
     """
 )
+
+
+def pwrite_fault(kind: str) -> Any:
+    """A stand-in for ``os.pwrite`` that fails as ``kind`` says: ``"EIO"``, ``"ENOSPC"``,
+    ``"no progress"`` (writes nothing), or ``"short, then ENOSPC"``; its ``calls`` count them."""
+    real = os.pwrite
+    calls: list[int] = []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(1)
+        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
+            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
+        if kind == "no progress":
+            return 0
+        if kind == "short, then ENOSPC" and len(calls) == 1:
+            return real(fd, bytes(data)[: len(data) // 2], offset)
+        code = errno.EIO if kind == "EIO" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    pwrite.calls = calls  # type: ignore[attr-defined]
+    return pwrite

@@ -11,24 +11,16 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
+from tests.helpers import assert_same
 from tests.test_features import Fields, Images, Net, Scale, extract
 from torchcache import CacheWarning, FeatureDataset, MissingFeatureError
 
 
 def assert_same_batch(got: Any, want: Any) -> None:
-    """Equal structure, types, dtypes, shapes and values; tensors contiguous."""
-    assert type(got) is type(want)
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
-        assert torch.equal(got, want)
-    elif isinstance(want, dict):
-        assert list(got) == list(want)
-        for key in want:
-            assert_same_batch(got[key], want[key])
-    else:
-        assert len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            assert_same_batch(g, w)
+    """Equal structure, types, dtypes, shapes and values (:func:`assert_same`); tensors contiguous."""
+    assert_same(got, want)
+    leaves = [got] if isinstance(got, torch.Tensor) else list(got.values() if isinstance(got, dict) else got)
+    assert all(leaf.is_contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 @pytest.mark.parametrize("kind", ["tuple", "dict", "tensor", "list"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import pwrite_fault
 from torchcache import CachedDataset, CacheWarning
 from torchcache.datasets import cache as sample_cache
 from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
@@ -59,25 +59,6 @@ def test_a_full_file_system_turns_the_tier_writes_off_with_a_warning(
     tier.close()
 
 
-def _pwrite_fault(kind: str) -> Any:
-    real = os.pwrite
-    calls: list[int] = []
-
-    def pwrite(fd: int, data: Any, offset: int) -> int:
-        calls.append(1)
-        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
-            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
-        if kind == "no progress":
-            return 0
-        if kind == "short, then ENOSPC" and len(calls) == 1:
-            return real(fd, bytes(data)[: len(data) // 2], offset)
-        code = errno.EIO if kind == "EIO" else errno.ENOSPC
-        raise OSError(code, os.strerror(code))
-
-    pwrite.calls = calls  # type: ignore[attr-defined]
-    return pwrite
-
-
 @pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "no progress"])
 def test_a_failing_slot_write_warns_and_the_tier_keeps_serving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -86,7 +67,7 @@ def test_a_failing_slot_write_warns_and_the_tier_keeps_serving(
     tier = SampleTier("memory", store, 10**6, FaultLog("full"), rows(tmp_path))
     samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(4)}
     tier.put_many([(store_key(i), samples[i]) for i in range(2)])
-    monkeypatch.setattr(rows_module.os, "pwrite", _pwrite_fault(kind))
+    monkeypatch.setattr(rows_module.os, "pwrite", pwrite_fault(kind))
     with pytest.warns(CacheWarning):
         tier.put_many([(store_key(i), samples[i]) for i in range(2, 4)])
         tier.faults.emit()

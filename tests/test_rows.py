@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.helpers import REPO
+from tests.helpers import REPO, pwrite_fault
 from torchcache.errors import CorruptEntryError, StoreError
 from torchcache.stores.rows import Geometry, RowsFile
 from torchcache.stores.rows import file as rows_module
@@ -246,32 +246,13 @@ def test_a_write_that_fails_after_its_slots_were_given_leaves_misses_and_the_slo
     file.close()
 
 
-def _pwrite_fault(kind: str) -> Any:
-    real = os.pwrite
-    calls: list[int] = []
-
-    def pwrite(fd: int, data: Any, offset: int) -> int:
-        calls.append(1)
-        if len(calls) > 1000:  # a loop waiting for progress would never end: stop it here
-            raise RuntimeError("pwrite was called 1000 times and wrote nothing")
-        if kind == "no progress":
-            return 0
-        if kind == "short, then ENOSPC" and len(calls) == 1:
-            return real(fd, bytes(data)[: len(data) // 2], offset)
-        code = errno.EIO if kind == "EIO" else errno.ENOSPC
-        raise OSError(code, os.strerror(code))
-
-    pwrite.calls = calls  # type: ignore[attr-defined]
-    return pwrite
-
-
 @pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "short, then ENOSPC", "no progress"])
 def test_a_failing_write_is_an_error_and_marks_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     file = make(tmp_path)
     assert file.write(np.arange(5), rows_of(list(range(5)))) == 0
-    fault = _pwrite_fault(kind)
+    fault = pwrite_fault(kind)
     monkeypatch.setattr(rows_module.os, "pwrite", fault)
     with pytest.raises(OSError) as caught:
         file.write(np.arange(5, 10), rows_of(list(range(5, 10))))
