@@ -183,9 +183,8 @@ class RowsFile:
     @property
     def nbytes(self) -> int:
         """Bytes the file takes: its header and tables, and the slots handed out."""
-        if self._mapped is None:
-            return 0
-        return self.geometry.rows_at + min(int(self._mapped.claimed[0]), self.capacity) * self.stride
+        claimed = 0 if self._mapped is None else min(int(self._mapped.claimed[0]), self.capacity)
+        return 0 if self._mapped is None else self.geometry.rows_at + claimed * self.stride
 
     def missing(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The indices of the rows not written, ascending."""
@@ -220,7 +219,8 @@ class RowsFile:
             rows = np.take(mapped.rows, slots, axis=0, mode="clip")
         else:
             rows = np.zeros((len(present), self.stride), np.uint8)
-        bad = _failing(rows, wanted, checks[present], self.row_at, self.row_size)
+        starts = np.arange(len(rows)) * self.stride + self.row_at
+        bad = _failing(rows.reshape(-1).data, wanted, checks[present], starts, self.row_size)
         if not bad:
             return RowsRead(present, rows, missing, [])
         damaged: list[int] = []
@@ -246,31 +246,13 @@ class RowsFile:
         """
         mapped = self._views()
         written = np.flatnonzero(mapped.checks)
-        if not len(written):
-            return written
-        # Each row hashed where it lies in the map, copying nothing (a fresh process would
-        # fault in a copy of the whole file); the rows that fail are read again.
         slots = mapped.slots[written].astype(np.int64) - 1
         outside = (slots < 0) | (slots >= self.capacity)
-        starts = (np.where(outside, 0, slots) * self.stride + self.row_at).tolist()
-        size, hash_row = self.row_size, xxhash.xxh3_64_intdigest
-        with mapped.rows.reshape(-1).data as view:  # released before the file can close
-            suspects = (
-                [
-                    j
-                    for j, (index, check, start) in enumerate(
-                        zip(written.tolist(), mapped.checks[written].tolist(), starts)
-                    )
-                    if hash_row(view[start : start + size], index) | 1 != check
-                ]
-                if self.capacity
-                else list(range(len(written)))
-            )
-        suspects = sorted(set(suspects) | set(np.flatnonzero(outside).tolist()))
-        if not suspects:
-            return np.empty(0, np.int64)
-        again = written[suspects]
-        return np.asarray(again[self.read(again).damaged], np.int64)
+        starts = np.where(outside, 0, slots) * self.stride + self.row_at
+        with mapped.rows.reshape(-1).data as view:  # hashed in the map, no copy; released before a close
+            failing = _failing(view, written, mapped.checks[written], starts, self.row_size) if self.capacity else []
+        again = written[sorted({*failing, *np.flatnonzero(outside).tolist()})]
+        return np.asarray(again[self.read(again).damaged], np.int64)  # read again, as read() does
 
     def _views(self) -> Mapped:
         mapped = self._mapped
@@ -384,15 +366,16 @@ class RowsFile:
 
 
 def _failing(
-    rows: np.ndarray[Any, Any], indices: np.ndarray[Any, Any], checks: np.ndarray[Any, Any], at: int, size: int
+    view: memoryview,
+    indices: np.ndarray[Any, Any],
+    checks: np.ndarray[Any, Any],
+    starts: np.ndarray[Any, Any],
+    size: int,
 ) -> list[int]:
-    """The positions of gathered ``rows`` (each at ``at`` of its line) that do not match their ``checks``."""
-    stride = rows.shape[1]
-    view = rows.reshape(-1).data
+    """The positions ``j`` whose row, ``size`` bytes at ``starts[j]`` of ``view``, does not match ``checks[j]``."""
     hash_row = xxhash.xxh3_64_intdigest
-    starts = range(at, at + len(rows) * stride, stride)
     return [
         j
-        for j, (index, check, start) in enumerate(zip(indices.tolist(), checks.tolist(), starts))
+        for j, (index, check, start) in enumerate(zip(indices.tolist(), checks.tolist(), starts.tolist()))
         if hash_row(view[start : start + size], index) | 1 != check
     ]
