@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing.popen_fork
+import multiprocessing.util
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,3 +84,44 @@ def torchcache_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logge
             log.addHandler(handler)
     log.setLevel(level)
     log.propagate = propagate
+
+
+class _Starts:
+    """Processes started while a test runs: forks, multiprocessing children, and subprocesses."""
+
+    count = 0
+
+    @classmethod
+    def wrap(cls, real: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            cls.count += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test that starts a process (a fork, a DataLoader worker, a server, a Python child) carries the ``slow`` mark.
+
+    ``pytest -m "not slow"`` then runs the tests that stay in this process, in a fraction
+    of the time; the README's test command runs them all.
+    """
+    patched = [
+        (os, "fork"),
+        (subprocess.Popen, "_execute_child"),
+        (multiprocessing.util, "spawnv_passfds"),
+        (multiprocessing.popen_fork.Popen, "_launch"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    before = _Starts.count
+    for owner, name, real in saved:
+        setattr(owner, name, _Starts.wrap(real))
+    try:
+        result = yield
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+    if _Starts.count > before and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} starts processes: give it @pytest.mark.slow (or its module pytestmark)", False)
+    return result

@@ -538,6 +538,7 @@ def run_module(*argv: str, root: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_python_dash_m_ls_json(cache_root: Path) -> None:
     _, _, directory = make_cache(items=3)
     done = run_module("ls", "--json", root=cache_root)
@@ -545,6 +546,7 @@ def test_python_dash_m_ls_json(cache_root: Path) -> None:
     assert [(c["key"], c["entries"]) for c in json.loads(done.stdout)["caches"]] == [(directory.name, 3)]
 
 
+@pytest.mark.slow
 def test_python_dash_m_clear_refuses_without_a_terminal(cache_root: Path) -> None:
     _, _, directory = make_cache(items=3)
     done = run_module("clear", "--all", root=cache_root)

@@ -136,6 +136,7 @@ def fail(key: object) -> Any:
 
 
 # -- DataLoader workers ----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent"])
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_a_second_epoch_computes_nothing(log: Path, context: str, persistent: bool) -> None:
@@ -156,6 +157,7 @@ def test_a_second_epoch_computes_nothing(log: Path, context: str, persistent: bo
     data.close()
 
 
+@pytest.mark.slow
 def test_the_memory_budget_holds_across_workers(log: Path) -> None:
     n, shape = 120, (3, 16, 16)
     budget = 40_000  # about 40 of the 120 samples
@@ -211,6 +213,7 @@ def test_the_transform_runs_after_the_cache_at_every_access(log: Path) -> None:
 
 
 # -- the disk tier -----------------------------------------------------------------
+@pytest.mark.slow
 def test_a_warmed_disk_cache_copied_elsewhere_serves_without_the_dataset(tmp_path: Path, log: Path) -> None:
     cache_dir = tmp_path / "cache"
     data = CachedDataset(Numbers(30, log), cache_dir, max_memory_size=0)
@@ -278,6 +281,7 @@ def test_serving_without_the_dataset_names_a_missing_sample(tmp_path: Path, log:
         CachedDataset(None, cache_dir)
 
 
+@pytest.mark.slow
 def test_warmup_fills_in_parallel_and_resumes(tmp_path: Path, log: Path) -> None:
     data = CachedDataset(Numbers(50, log), tmp_path / "cache")
     data[3], data[7]
@@ -314,6 +318,7 @@ def test_warmup_shows_progress_with_or_without_tqdm(
 # the kill.
 # Its SIGCHLD handler, which would raise the same RuntimeError again at any later
 # bytecode (even inside pytest.raises while it matches the first error), is silenced.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning", "ignore::ResourceWarning")
 def test_a_worker_killed_mid_epoch_leaves_every_cached_sample_right(
     tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
@@ -373,6 +378,7 @@ def job_dir_of(output: str) -> Path:
     return Path(next(line for line in output.splitlines() if line.startswith("job ")).split(" ", 1)[1])
 
 
+@pytest.mark.slow
 def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_path: Path) -> None:
     killed = run_python(JOB, "kill")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -403,6 +409,7 @@ def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_
     assert not running.exists()  # removed when its job ended
 
 
+@pytest.mark.slow
 def test_processes_of_one_job_share_the_ram_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHCACHE_JOB_ID", "shared job/1")
     assert job_id().startswith("job-")

@@ -65,6 +65,7 @@ _RUNS = 8
 _AT_ONCE = 4
 
 
+@pytest.mark.slow
 def test_processes_that_recreate_caches_always_exit_cleanly(tmp_path: Path) -> None:
     def run(i: int) -> subprocess.CompletedProcess[str]:
         return run_python(RECREATE, str(tmp_path / f"run{i}"), str(i), timeout=300)
@@ -128,6 +129,7 @@ JOINED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_exit_writes_pending_entries_then_stops_and_joins_the_writer_threads(tmp_path: Path) -> None:
     result = run_python(JOINED, str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -170,6 +172,7 @@ SLOW_EXIT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_slow_exit_says_what_it_waits_for(tmp_path: Path) -> None:
     result = run_python(SLOW_EXIT, str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -335,6 +338,7 @@ def _mount_or_skip(*commands: list[str]) -> None:
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["patched", "tmpfs", "readonly"])
 @pytest.mark.usefixtures("mount")
 def test_failing_disk_writes_never_hang_clear_or_a_rekey(tmp_path: Path, failure: str) -> None:

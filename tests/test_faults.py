@@ -378,6 +378,7 @@ def count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return fetched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["flip", "frame"])
 def test_a_damaged_entry_that_cannot_be_removed_is_reported_as_such_and_skipped_in_the_process(
     fault: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch, read_only: Callable[[Path], Callable[[], None]]
@@ -436,6 +437,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_process_killed_while_writing_leaves_no_partial_entry(cache_root: Path) -> None:
     result = run_python(KILLED_WRITER, str(N))
     assert result.returncode == 17, result.stderr
@@ -572,6 +574,7 @@ def check_every_entry(cache_root: Path, pools: list[int]) -> int:
     return stored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_process_killed_by_a_signal_while_writing_leaves_no_partial_entry(
     cache_root: Path, tmp_path: Path, sig: signal.Signals
@@ -609,6 +612,7 @@ LATER_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_writers_killed_at_random_moments_leave_every_entry_right_or_missing(cache_root: Path, tmp_path: Path) -> None:
     rounds, seed = 5, random.randrange(1 << 30)
     print(f"kills drawn with random.Random({seed})")  # shown if the test fails
@@ -664,6 +668,7 @@ def count_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return puts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["patched", "tmpfs"])
 def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
     how: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch, mounts: Callable[..., None]
@@ -816,6 +821,7 @@ FULL_TMPFS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["empty", "filled"])
 def test_a_full_tmpfs_warns_and_computes_without_a_signal(
     state: str, tmp_path: Path, mounts: Callable[..., None]
@@ -828,6 +834,7 @@ def test_a_full_tmpfs_warns_and_computes_without_a_signal(
     assert int(done.stdout.split()[-1]) >= 1, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_read_only_directory_warns_once_and_keeps_reading(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch, read_only: Callable[[Path], Callable[[], None]]
 ) -> None:

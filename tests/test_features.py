@@ -295,6 +295,7 @@ def test_a_warm_cache_opens_without_backbone_anywhere(cache_root: Path, tmp_path
         FeatureDataset.open(moved)
 
 
+@pytest.mark.slow
 def test_it_pickles_as_its_path_into_dataloader_workers(cache_root: Path) -> None:
     net, data = Scale(), torch.utils.data.TensorDataset(torch.randn(40, 6))
     features = extract(net, data)
@@ -333,6 +334,7 @@ def test_trainable_backbones_and_bad_arguments_are_refused(cache_root: Path) -> 
         extract_features(None, data)
 
 
+@pytest.mark.slow
 def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: Path) -> None:
     class Named(Images):
         def __getitem__(self, i: int) -> Any:
@@ -434,6 +436,7 @@ def finish(process: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Path) -> None:
     script = tmp_path / "kit.py"
     script.write_text(KIT)
@@ -512,6 +515,7 @@ def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
             assert torch.allclose(x, net(data.images[i : i + 1])[0], atol=1e-6) and y == data.labels[i]
 
 
+@pytest.mark.slow
 def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:
     script = tmp_path / "kit.py"
     script.write_text(KIT)
@@ -575,6 +579,7 @@ def _flip_row(features: FeatureDataset, index: int) -> None:
         raw.write(bytes([byte[0] ^ 0xFF]))
 
 
+@pytest.mark.slow
 def test_rows_damaged_at_rest_are_computed_when_the_cache_opens(cache_root: Path) -> None:
     net, data = Net(), Images()
     features = extract(net, data)

@@ -64,6 +64,7 @@ def test_a_shuffle_is_new_each_epoch_and_repeats_with_a_seeded_generator(cache_r
     assert order(again) == first
 
 
+@pytest.mark.slow
 def test_workers_read_the_batches(cache_root: Path) -> None:
     features = extract(Net(), Images(n=40))
     alone = list(features.loader(8))

@@ -43,6 +43,7 @@ def test_a_changed_dataset_runs_the_backbone_only_on_the_inputs_it_has_not_seen(
     assert all(torch.equal(after[i][0], before[i][0]) for i in unchanged)  # the very rows taken
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])  # the first cache's digests hashed in the writer's thread, in workers
 def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path, workers: int) -> None:
     net = Scale(width=6)

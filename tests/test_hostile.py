@@ -610,6 +610,7 @@ print(model.items, sum(issubclass(w.category, CacheWarning) for w in caught))
 """
 
 
+@pytest.mark.slow
 def test_a_truncated_index_never_kills_a_call(template: Template, tmp_path: Path) -> None:
     """The library part of the "index: cut short" case, in a child process: in this one, it would end the suite."""
     root = tmp_path / "library"

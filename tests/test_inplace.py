@@ -193,6 +193,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_in_place_changes_across_processes_reuse_the_entries_of_each_state(tmp_path: Path) -> None:
     runs = []
     for _ in range(2):

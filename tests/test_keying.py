@@ -102,6 +102,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_configurations_in_separate_processes_keep_their_own_entries(tmp_path: Path) -> None:
     hits = []
     for sizes in (["1"], ["2", "1"]):  # the second process computes its own, then reads the first's

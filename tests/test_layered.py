@@ -196,6 +196,7 @@ def _kill(server: Any) -> None:
     server.process.wait()
 
 
+@pytest.mark.slow
 def test_a_later_run_hits_the_local_copy_without_the_server(server: Any, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     first = _run(_MODULE, server.url, str(copy))
@@ -259,6 +260,7 @@ def test_a_local_copy_that_cannot_be_made_leaves_the_server_alone(server: Any, t
     assert disk is not None and disk.entries == 8  # on the server
 
 
+@pytest.mark.slow
 def test_a_dataset_cache_on_a_server_keeps_a_local_copy(server: Any, tmp_path: Path) -> None:
     copy = str(tmp_path / "copy")
     assert _run(RAMP_DATASET, server.url, copy) == {"calls": 24, "disk_hits": 0}
@@ -269,6 +271,7 @@ def test_a_dataset_cache_on_a_server_keeps_a_local_copy(server: Any, tmp_path: P
     assert metas[0]["kind"] == "dataset" and metas[0]["copy_of"] == server.url and metas[0]["length"] == 24
 
 
+@pytest.mark.slow
 def test_the_command_line_lists_and_verifies_a_local_copy(
     server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

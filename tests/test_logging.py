@@ -64,6 +64,7 @@ ENV_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_environment_variables_configure_the_logger_at_import(tmp_path: Path) -> None:
     log_file = tmp_path / "torchcache.log"
     env = clean_env(
@@ -86,6 +87,7 @@ def test_environment_variables_configure_the_logger_at_import(tmp_path: Path) ->
     assert len([line for line in streamed if "module key" in line]) == 1
 
 
+@pytest.mark.slow
 def test_environment_level_without_a_file_logs_to_stderr() -> None:
     result = run_python(ENV_SCRIPT, env=clean_env(TORCHCACHE_LOG_LEVEL="DEBUG", TORCHCACHE_LOG_FMT="%(message)s"))
     assert result.returncode == 0, result.stderr
@@ -134,6 +136,7 @@ NO_SIDE_EFFECTS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_import_changes_no_other_logger_and_messages_propagate_once() -> None:
     result = run_python(NO_SIDE_EFFECTS_SCRIPT, env=clean_env())
     assert result.returncode == 0, result.stderr
@@ -159,6 +162,7 @@ INVALID_LEVEL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_invalid_level_in_the_environment_warns_once_and_uses_the_default() -> None:
     result = run_python(INVALID_LEVEL_SCRIPT, env=clean_env(TORCHCACHE_LOG_LEVEL="LOUD"))
     assert result.returncode == 0, result.stderr
@@ -212,6 +216,7 @@ def test_set_logger_config_with_an_invalid_level_warns_once_and_uses_the_default
     assert logger.level == logging.WARNING
 
 
+@pytest.mark.slow
 def test_import_with_environment_variables_changes_no_other_logger(tmp_path: Path) -> None:
     env = clean_env(TORCHCACHE_LOG_LEVEL="DEBUG", TORCHCACHE_LOG_FILE=str(tmp_path / "log.txt"))
     result = run_python(NO_SIDE_EFFECTS_SCRIPT, env=env)

@@ -137,6 +137,7 @@ print(cache.items, cache.cache_instance.stats().hits, sum("torchcache migrate" i
 """
 
 
+@pytest.mark.slow
 def test_a_1_0_cache_is_read_once_migrated_and_says_so_until_then(legacy: Legacy) -> None:
     before = run_python(_READ_IN_A_NEW_PROCESS, str(legacy.root), str(ITEMS))
     assert before.returncode == 0, before.stderr[-2000:]

@@ -247,6 +247,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_hf_vit_instance_hits_across_processes(tmp_path: Path) -> None:
     transformers = _transformers()
     config = transformers.ViTConfig(**VIT)
@@ -791,6 +792,7 @@ def test_compiled_model_with_a_cached_backbone_and_a_trained_head(dynamo: Any) -
     assert backbone.cache_instance.stats().misses == 5
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings(_INDUCTOR_IMPORT)
 def test_compiled_cached_backbone_referenced_elsewhere(dynamo: Any) -> None:
     backbone = torchcache()(_mlp(seed=0))

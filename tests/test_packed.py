@@ -103,6 +103,7 @@ def _writer(path: str, ids: range, conn: Connection) -> None:
     conn.recv()  # stay alive (holding the segment) until told to go
 
 
+@pytest.mark.slow
 def test_a_running_reader_sees_what_other_processes_commit(root: Path, reports: Reports) -> None:
     reader = PackedStore(root, 10**9, report=reports)
     assert reader.get(key(0)) is None
@@ -137,6 +138,7 @@ def test_a_running_reader_sees_what_other_processes_commit(root: Path, reports: 
     assert not reports.seen
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_budget(root: Path) -> None:
     budget = 1_500_000
     procs = []
@@ -243,6 +245,7 @@ def test_a_sweep_keeps_a_segment_indexed_after_its_first_look(root: Path) -> Non
     assert store.verify().ok
 
 
+@pytest.mark.slow
 def test_a_forked_child_uses_the_store_on_its_own(root: Path) -> None:
     reports: list[tuple[str, str]] = []
     store = PackedStore(root, 10**8, report=lambda kind, message: reports.append((kind, message)))
@@ -286,6 +289,7 @@ def _endless_writer(path: str, budget: int, conn: Connection) -> None:
         batch += 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [10**8, 1_000_000])
 def test_kill_9_loses_nothing_committed(root: Path, budget: int) -> None:
     for round_ in range(10):
@@ -474,6 +478,7 @@ def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Repo
     assert path.is_dir()  # not ours to remove
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "directory", "sparse", "garbage", "lockfile-fifo"])
 def test_hostile_files_at_the_index_path(root: Path, kind: str) -> None:
     root.mkdir()
@@ -604,6 +609,7 @@ def _mount(*commands: list[str]) -> None:
             pytest.skip(f"mounting needs privileges: {result.stderr.strip()}")
 
 
+@pytest.mark.slow
 def test_a_full_disk_raises_and_leaves_nothing_half_written(mount_point: Path) -> None:
     _mount(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)])
     store = PackedStore(mount_point / "store", 10**9)
@@ -635,6 +641,7 @@ def test_a_full_disk_simulated(root: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert len(store) == 200 and store.verify().ok
 
 
+@pytest.mark.slow
 def test_a_read_only_directory(tmp_path: Path, mount_point: Path) -> None:
     source = tmp_path / "source"
     fill(PackedStore(source / "store", 10**8), range(50))
@@ -774,6 +781,7 @@ def _fill_for_child(root: Path) -> tuple[int, int]:
     return st.st_ino, st.st_size
 
 
+@pytest.mark.slow
 def test_an_index_opens_and_serves_hits_under_an_address_space_limit(root: Path) -> None:
     _fill_for_child(root)
     done = run_python(_UNDER_LIMIT, str(root), str(8_000_000 * 1024))  # ulimit -v 8000000
@@ -783,6 +791,7 @@ def test_an_index_opens_and_serves_hits_under_an_address_space_limit(root: Path)
     assert len(PackedStore(root, "1GB")) == 110
 
 
+@pytest.mark.slow
 def test_no_address_space_for_the_index_leaves_it_as_it_is(root: Path) -> None:
     identity = _fill_for_child(root)
     done = run_python(_UNDER_LIMIT, str(root), "tight")

@@ -7,6 +7,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import (
@@ -22,6 +23,8 @@ from tests.helpers import (
     stored_entries,
 )
 from torchcache.stores.packed.store import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, PackedStore
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STORE_FILE = re.compile(r"seg-[0-9a-f]{8}\.tcs")
 STORE_NAMES = {"index.lmdb", "index.lmdb-lock", "compact.lock", "seg-N.tcs", "torchcache.json"}

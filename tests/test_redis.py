@@ -148,6 +148,7 @@ print(n)
 """
 
 
+@pytest.mark.slow
 def test_entries_written_by_another_process_are_hits(server: RedisServer, reports: Reports) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _WRITER, str(ROOT), server.url], capture_output=True, text=True, timeout=120
@@ -179,6 +180,7 @@ def test_budget_holds_across_two_store_objects(server: RedisServer) -> None:
     assert first.verify().ok
 
 
+@pytest.mark.slow
 def test_forked_child_makes_its_own_connection(server: RedisServer) -> None:
     store = RedisStore(server.url, "fork", "10MB")
     store.put_many([(key(i), value(i)) for i in range(10)])
@@ -260,6 +262,7 @@ def test_cluster_evictions_reach_every_node(cluster: RedisClusterServers) -> Non
 
 
 # -- passwords ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_password_protected_server_and_the_password_never_shown(reports: Reports) -> None:
     with own_server(password=PASSWORD) as protected:
         store = RedisStore(protected.url, "locked", "1MB", report=reports)
@@ -303,6 +306,7 @@ def test_unreachable_server_at_start(reports: Reports) -> None:
     assert reports.kinds() == ["unavailable"]  # once per outage
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
     clock = Clock()
     timeout = 2.0
@@ -344,6 +348,7 @@ def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
         assert store._link.delay == BACKOFF_START
 
 
+@pytest.mark.slow
 def test_cluster_node_killed(reports: Reports) -> None:
     require_redis()
     clock = Clock()
@@ -385,6 +390,7 @@ def test_backoff_doubles_up_to_its_cap(reports: Reports) -> None:
     assert reports.kinds() == ["unavailable"]
 
 
+@pytest.mark.slow
 def test_frozen_server_times_out(reports: Reports) -> None:
     clock = Clock()
     with own_server() as redis_server:
@@ -405,6 +411,7 @@ def test_frozen_server_times_out(reports: Reports) -> None:
         assert reports.kinds() == ["unavailable"]
 
 
+@pytest.mark.slow
 def test_full_server_refuses_writes_but_reads_go_on(reports: Reports) -> None:
     with own_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as full:
         store = RedisStore(full.url, "full", "1GB", report=reports)
@@ -422,6 +429,7 @@ def test_full_server_refuses_writes_but_reads_go_on(reports: Reports) -> None:
         assert not reports.seen and store._link.delay == 0
 
 
+@pytest.mark.slow
 def test_entries_the_server_evicts_are_misses(reports: Reports) -> None:
     with own_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru") as evicting:
         store = RedisStore(evicting.url, "lru", "1GB", report=reports)
@@ -576,6 +584,7 @@ def test_planted_totals_do_not_break_the_command_line(server: RedisServer, capsy
     assert store.verify().ok and store.nbytes == 1000 * len(store)
 
 
+@pytest.mark.slow
 def test_with_the_server_away_the_count_is_the_last_one_read(reports: Reports) -> None:
     with own_server() as redis_server:
         store = RedisStore(redis_server.url, "away", "10MB", report=reports, clock=Clock(), timeout=2.0)

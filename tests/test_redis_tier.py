@@ -42,6 +42,7 @@ def _run(url: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_hits_what_the_first_stored(target: RedisServer | RedisClusterServers) -> None:
     first, second = _run(target.url), _run(target.url)
     assert first["items"] == 32 and first["hits"] == 0
@@ -102,6 +103,7 @@ def _calls_survive(model: Any, plain: Counting, x: torch.Tensor) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
 
 
+@pytest.mark.slow
 def test_a_server_that_goes_away_and_comes_back_never_breaks_a_call() -> None:
     password = "s3cret-pw"
     with own_server(password=password) as server:
@@ -131,6 +133,7 @@ def test_a_server_that_goes_away_and_comes_back_never_breaks_a_call() -> None:
         assert stored > 0
 
 
+@pytest.mark.slow
 def test_a_full_server_refuses_writes_but_calls_stay_right() -> None:
     with own_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
         model = cached(Counting, persistent=True, persistent_cache_dir=server.url)(dim_out=4096)
@@ -145,6 +148,7 @@ def test_a_full_server_refuses_writes_but_calls_stay_right() -> None:
             assert torch.equal(model(x), plain(x))
 
 
+@pytest.mark.slow
 def test_the_command_line_lists_verifies_and_clears_caches_on_a_server(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -188,6 +192,7 @@ model(torch.randn(16, 4))  # no flush: the writes are pending when the process e
 """
 
 
+@pytest.mark.slow
 def test_writes_a_server_never_took_are_counted_at_exit() -> None:
     with own_server() as server:
         url = server.url
@@ -196,6 +201,7 @@ def test_writes_a_server_never_took_are_counted_at_exit() -> None:
     assert "16 entries computed in this process could not be stored" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_dataset_cache_on_a_server_serves_a_second_process(target: RedisServer | RedisClusterServers) -> None:
     runs = []
     for _ in range(2):
@@ -227,6 +233,7 @@ def test_planted_bookkeeping_never_breaks_a_call_or_the_stats(server_url: str) -
     assert stats.disk.bytes == model.cache_instance._disk.store.nbytes > 0  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_with_the_server_away_the_stats_keep_the_last_count() -> None:
     with own_server() as server:
         model = cached(Counting, persistent=True, persistent_cache_dir=server.url, max_memory_cache_size=0)()

@@ -217,6 +217,7 @@ def test_a_failed_removal_is_one_warning(cache_root: Path, monkeypatch: pytest.M
 
 
 # -- across processes ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_least_recently_used_cache_goes_when_another_opens(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -235,6 +236,7 @@ def test_the_least_recently_used_cache_goes_when_another_opens(
     assert set(sizes(cache_root)) == {second, model.cache_instance.cache_dir}
 
 
+@pytest.mark.slow
 def test_a_cache_a_live_process_holds_is_never_removed(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -279,6 +281,7 @@ def test_a_dataset_cache_that_is_only_read_is_kept(tmp_path: Path) -> None:
     assert not directory.exists()
 
 
+@pytest.mark.slow
 def test_a_cache_that_grows_past_the_root_budget_removes_the_least_recently_used(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -293,6 +293,7 @@ def _writer(directory: str, worker: int, rounds: int, queue: Any) -> None:
     file.close()
 
 
+@pytest.mark.slow
 def test_four_processes_writing_and_reading_overlapping_indices(tmp_path: Path) -> None:
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
@@ -329,6 +330,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_writers_killed_at_random_moments_leave_every_row_right_or_a_miss(tmp_path: Path) -> None:
     script = KILLED_WRITER.format(repo=str(REPO), directory=str(tmp_path))
     rng = np.random.default_rng(5)

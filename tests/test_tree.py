@@ -1004,6 +1004,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_typed_outputs_are_disk_hits_in_a_fresh_process(tmp_path: Path) -> None:
     script = tmp_path / "typed_outputs.py"
     runs = []
@@ -1066,6 +1067,7 @@ _LAZY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_entry_whose_class_is_not_imported_yet_is_recomputed(tmp_path: Path) -> None:
     (tmp_path / "typed_outputs_mod.py").write_text('import collections\nPair = collections.namedtuple("Pair", "x y")\n')
     env = python_env(tmp_path)
