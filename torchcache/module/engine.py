@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,13 @@ _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: Calls after which a low hit rate with varying input shapes is pointed out.
 SHAPE_HINT_CALLS = 64
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class _HitsSeen(NamedTuple):
+    """A disk tier and its hit count when the counters were last reset (a tier may be shared)."""
+
+    tier: PersistentTier | None
+    hits: int
 
 
 class _KeyRetakeError(Exception):
@@ -106,8 +113,7 @@ class Cache:
         self._hits = 0
         self._misses = 0
         self._memory_hits = 0
-        # The disk tier's hit count when the counters were last reset (a tier may be shared).
-        self._disk_hits_seen: tuple[PersistentTier | None, int] = (None, 0)
+        self._disk_hits_seen = _HitsSeen(None, 0)
         self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
         self._summaries = PeriodicSummary()
         _caches.add(self)
@@ -261,7 +267,7 @@ class Cache:
                 len(disk.store) if disk else 0,
                 disk.store.nbytes if disk else 0,
                 self.settings.max_persistent_cache_size,
-                (disk.hits - (self._disk_hits_seen[1] if self._disk_hits_seen[0] is disk else 0)) if disk else 0,
+                (disk.hits - (self._disk_hits_seen.hits if self._disk_hits_seen.tier is disk else 0)) if disk else 0,
             ),
         )
 
@@ -285,7 +291,7 @@ class Cache:
                 self._hits = self._misses = self._memory_hits = 0
             self.memory.clear()
             disk = self._disk_tier() if self.settings.persistent else None
-            self._disk_hits_seen = (disk, disk.hits if disk is not None else 0)
+            self._disk_hits_seen = _HitsSeen(disk, disk.hits if disk is not None else 0)
             if disk is not None:
                 try:
                     disk.clear()

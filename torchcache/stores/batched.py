@@ -13,9 +13,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["BatchedStore", "VerifyReport"]
+import numpy as np
+
+__all__ = ["BatchedStore", "Rows", "VerifyReport"]
+
+
+class Rows(NamedTuple):
+    """The entries of a batch as arrays (:meth:`BatchedStore.get_rows`)."""
+
+    positions: np.ndarray[Any, np.dtype[np.int64]]  #: of the keys found, into the keys asked for, ascending
+    heads: np.ndarray[Any, np.dtype[np.uint8]]  #: ``(found, head)``: each payload's first ``head`` bytes
+    rest: np.ndarray[Any, np.dtype[np.uint8]]  #: ``(found, length - head)``: the rest of each payload
 
 
 @dataclass
@@ -131,7 +141,7 @@ class BatchedStore(ABC):
             StoreError: If ``fix`` is set and the storage cannot be written.
         """
 
-    def get_rows(self, keys: Sequence[str], head_of: Callable[[memoryview], int | None]) -> tuple[Any, Any, Any] | None:
+    def get_rows(self, keys: Sequence[str], head_of: Callable[[memoryview], int | None]) -> Rows | None:
         """A fast path for a batch whose found payloads all have one length, or ``None``.
 
         Returns:

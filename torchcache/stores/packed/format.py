@@ -22,18 +22,19 @@ from ...errors import KeyingError
 from ..files import read_at
 
 __all__ = [
+    "Found",
     "HEADER",
     "MAGIC",
     "MAX_KEY_BYTES",
     "check_record",
     "decode_key",
     "encode_key",
-    "is_key",
     "encode_keys",
     "encode_record",
     "encode_records",
-    "payload_of",
+    "is_key",
     "parse_segment_name",
+    "payload_of",
     "record_size",
     "scan_keys",
     "scan_records",
@@ -246,3 +247,9 @@ def scan_records(fd: int, start: int, end: int, chunk: int = 1 << 20) -> Iterato
         if pos == 0:
             return
         offset += pos
+
+
+#: An entry located in the index: (segment, offset, payload length, position in the batch,
+#: index row). A plain tuple, made once per key read (a NamedTuple costs 6x more to make);
+#: sorted, entries come in file order.
+Found = tuple[int, int, int, int, bytes]

@@ -17,7 +17,8 @@ import numpy as np
 import xxhash
 
 from ...faults import Fault
-from .format import HEADER, MAGIC, decode_key, payload_of, record_size
+from ..batched import Rows
+from .format import HEADER, MAGIC, Found, decode_key, payload_of, record_size
 from .index import ENTRY, Index
 from .segments import MISSING, SegmentFiles
 
@@ -26,14 +27,11 @@ __all__ = ["EntryReader"]
 _MAX_BAD = 1 << 16
 _unpack = ENTRY.unpack
 _ENTRY_SIZE = ENTRY.size
-Found = tuple[int, int, int, int, bytes]  # segment, offset, payload length, position in the batch, index row
 OnceReport = Callable[[Fault, str, "str | None"], None]
 #: Rows of the ``entries`` table (:data:`ENTRY`) as one structured array.
 _ENTRY_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u4"), ("len", "<u4")])
 _MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
 _digest = xxhash.xxh3_64_intdigest
-#: Rows of a batch = (positions, record heads cut after ``head`` payload bytes, the rest of each payload).
-Rows = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class EntryReader:
@@ -114,7 +112,7 @@ class EntryReader:
         raws: list[bytes] = [raw for raw in got if raw is not None] if len(positions) < n else got  # type: ignore[assignment]
         m = len(raws)
         if not m:
-            return positions, np.empty((0, 0), np.uint8), np.empty((0, 0), np.uint8)
+            return Rows(positions, np.empty((0, 0), np.uint8), np.empty((0, 0), np.uint8))
         raw = b"".join(raws)
         if len(raw) != m * _ENTRY_SIZE or set(map(len, raws)) != {_ENTRY_SIZE}:
             return None
@@ -180,7 +178,7 @@ class EntryReader:
             and (stored[:, 7:15].copy().view("<u8").ravel() == checks).all()
         ):
             return None
-        return positions, head_rows[:, skip:], body.view(np.uint8).reshape(m, rest)
+        return Rows(positions, head_rows[:, skip:], body.view(np.uint8).reshape(m, rest))
 
     def _locate(self, index: Index, kbs: list[bytes], positions: Sequence[int]) -> list[Found]:
         """Index rows of the keys at ``positions``, in file order."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..files import open_regular, read_at
-from .format import HEADER, MAGIC, parse_segment_name, segment_name
+from .format import HEADER, MAGIC, Found, parse_segment_name, segment_name
 from .index import Change
 
 __all__ = ["IRREGULAR", "MISSING", "TMP_PREFIX", "SegmentFiles", "Writer"]
@@ -140,10 +140,8 @@ class SegmentFiles:
         cached = self._readers[seg] = (opened[0], opened[1].st_size)
         return cached
 
-    def read_many(
-        self, found: list[tuple[int, int, int, int, bytes]], kbs: list[bytes], out: list[bytes | memoryview | None]
-    ) -> list[tuple[int, int, int, int, bytes]]:
-        """Read the records of ``found`` (``(segment, offset, length, position, row)``, in file order) into ``out``.
+    def read_many(self, found: list[Found], kbs: list[bytes], out: list[bytes | memoryview | None]) -> list[Found]:
+        """Read the records of ``found`` (in file order) into ``out``.
 
         Each payload is a view of a read-only mapping of its segment.
 
@@ -154,7 +152,7 @@ class SegmentFiles:
         Raises:
             OSError: If a file exists and cannot be read or mapped.
         """
-        failed: list[tuple[int, int, int, int, bytes]] = []
+        failed: list[Found] = []
         hsize, unpack, digest = HEADER.size, HEADER.unpack_from, _digest
         seg, view = -1, _EMPTY
         for item in found:

@@ -30,13 +30,13 @@ from ..._log import logger
 from ...errors import ConfigError, StoreError
 from ...faults import Fault, Report
 from ...policy import format_size, parse_size
-from ..batched import BatchedStore, VerifyReport
+from ..batched import BatchedStore, Rows, VerifyReport
 from . import upkeep
 from .evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
 from .index import Change, Index, IndexReplacedError, map_size_for
 from .opening import IndexHandle
-from .read import EntryReader, Rows
+from .read import EntryReader
 from .segments import SegmentFiles
 from .verify import verify
 
