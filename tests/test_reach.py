@@ -122,6 +122,19 @@ MECHANISMS: dict[str, tuple[str, str, str]] = {
             return Net(), (X,)
         """,
     ),
+    "default_argument_of_a_helper_function": (
+        "2.0",
+        "3.0",
+        """
+        def scaled(x, k={v}):
+            return x * k
+        class Net(nn.Module):
+            def forward(self, x):
+                return scaled(x)
+        def build():
+            return Net(), (X,)
+        """,
+    ),
     "property": (
         "2.0",
         "3.0",
