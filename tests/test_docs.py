@@ -121,15 +121,13 @@ def _runnable(page: Path) -> list[Block]:
     return [b for b in BLOCKS if b.page == page and b.reason is None and not runs_twice(b)]
 
 
-@pytest.mark.parametrize(
-    "page", [page for page in PAGES if _runnable(page)], ids=lambda page: str(page.relative_to(REPO))
-)
-def test_the_python_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
-    blocks = _runnable(page)
+def test_the_python_blocks_of_every_page_run(tmp_path: Path) -> None:
+    """Every runnable block of every page, in one interpreter (each block in a namespace and root of its own)."""
+    blocks = [block for page in PAGES for block in _runnable(page)]
     listing = tmp_path / "blocks.json"
     listing.write_text(json.dumps([[b.name, b.code] for b in blocks]))
     result = tmp_path / "result.json"
-    done = run_python(_PAGE_RUNNER, str(listing), str(tmp_path / "roots"), str(result), timeout=600)
+    done = run_python(_PAGE_RUNNER, str(listing), str(tmp_path / "roots"), str(result), timeout=900)
     report = json.loads(result.read_text()) if result.exists() else {"failed": "?", "error": done.stderr[-4000:]}
     failure = f"{report.get('failed')} failed:\n{report.get('code', '')}\n--- error ---\n{report.get('error')}"
     assert done.returncode == 0 and report["failed"] is None, failure

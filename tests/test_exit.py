@@ -61,7 +61,7 @@ RECREATE = textwrap.dedent(
     print(json.dumps({"made": made, "most_threads": most_threads}))
     """
 )
-_RUNS = 8
+_RUNS = 4
 _AT_ONCE = 4
 
 

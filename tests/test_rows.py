@@ -334,7 +334,7 @@ KILLED_WRITER = textwrap.dedent(
 def test_writers_killed_at_random_moments_leave_every_row_right_or_a_miss(tmp_path: Path) -> None:
     script = KILLED_WRITER.format(repo=str(REPO), directory=str(tmp_path))
     rng = np.random.default_rng(5)
-    for _ in range(4):
+    for _ in range(3):
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None
         for _ in range(int(rng.integers(1, 40))):
