@@ -12,7 +12,6 @@ of the file's bytes, never views of the map.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..catalog.budget import CacheClaim, claim_directory
 from ..config import resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
-from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
+from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError, compute_rows, device_of
@@ -234,7 +233,7 @@ class FeatureDataset(Dataset[Any]):
 
     def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """``indices`` as an array, negative ones counted from the end, checked."""
-        if any(isinstance(i, bool) for i in indices):
+        if bool in map(type, indices):  # (bool cannot be subclassed: its type is the test)
             raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
         try:
             wanted = np.fromiter(indices, np.int64, len(indices))
@@ -277,9 +276,7 @@ class FeatureDataset(Dataset[Any]):
         """Compute the rows at ``missing`` and ``bad`` positions again, into ``rows`` and the file."""
         assert isinstance(self.file, RowsFile) and self.layout is not None
         if bad:
-            self._faults.warn(Fault.CORRUPT, f"{len(bad)} damaged rows in {self.path}: computed again")
-            with contextlib.suppress(OSError):  # read-only: they are computed again at each read
-                self.file.unmark(sorted({int(wanted[j]) for j in bad}))
+            forget_damaged(self.file, sorted({int(wanted[j]) for j in bad}), self._faults.warn)
         positions = sorted(set(missing) | set(bad))
         if self.backbone is None or self.dataset is None:
             raise self._no_backbone(int(wanted[positions[0]]), "damaged" if bad else "not computed")

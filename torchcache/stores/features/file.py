@@ -26,6 +26,7 @@ __all__ = [
     "LEGACY_FEATURES_NAME",
     "create_features",
     "features_in_memory",
+    "forget_damaged",
     "layout_of",
     "missing_or_damaged",
     "open_existing",
@@ -132,13 +133,21 @@ def missing_or_damaged(file: RowsFile, warn: Warn) -> np.ndarray[Any, np.dtype[n
     with collector_paused():  # a burst of short-lived objects: see torchcache._gc
         damaged = file.damaged()
     if len(damaged):
-        warn(Fault.CORRUPT, f"{len(damaged)} damaged rows in {file.path}: computed again")
-        with contextlib.suppress(OSError):
-            file.unmark(damaged.tolist())
+        forget_damaged(file, damaged.tolist(), warn)
     todo = np.zeros(file.length, np.bool_)  # (np.union1d would import numpy's set routines: 0.1 s)
     todo[file.missing()] = True
     todo[damaged] = True
     return np.flatnonzero(todo).astype(np.int64)
+
+
+def forget_damaged(file: RowsFile, indices: list[int], warn: Warn) -> None:
+    """Warn about damaged rows and mark them not written, so that they are computed and written again.
+
+    A read-only file keeps them marked: they are computed again at each read.
+    """
+    warn(Fault.CORRUPT, f"{len(indices)} damaged rows in {file.path}: computed again")
+    with contextlib.suppress(OSError):
+        file.unmark(indices)
 
 
 def remove_features(path: Path) -> None:
