@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "torchcache.canonical",
             "torchcache.codec",
             "torchcache.device_digest",
+            "torchcache.dtypes",
             "torchcache.errors",
             "torchcache.faults",
             "torchcache.keys",

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 from torchcache.datasets.decode import decode_sample, decode_samples
 from torchcache.datasets.encode import check_sample, encode_sample
-from torchcache.datasets.format import MAX_DEPTH, NUMPY_DTYPES, TORCH_DTYPES, SampleTypeError
+from torchcache.datasets.format import SampleTypeError
+from torchcache.dtypes import DTYPES as TORCH_DTYPES
+from torchcache.dtypes import MAX_DEPTH, NUMPY_DTYPES
 from torchcache.errors import CorruptEntryError, KeyingError
 
 PREFIX = struct.Struct("<4sBxxxI")

@@ -21,10 +21,10 @@ import torch
 import xxhash
 
 from .codec import DEFAULT_QUALITY
+from .dtypes import OUTPUT_DTYPES
 from .errors import ConfigError
 from .policy import parse_size
 from .stores.redis.url import parse_url, redact_url
-from .tree import DTYPES
 
 __all__ = [
     "DEFAULT_ROOT_BUDGET",
@@ -48,7 +48,7 @@ _CPU = torch.device("cpu")
 _HASH_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
 _MAPPED_RE = re.compile(r"-[0-9a-f]{16}$")  # what a mapped name ends with: never taken as it is
-_STORED_DTYPES = frozenset(DTYPES.values())
+_STORED_DTYPES = frozenset(dt for dt in OUTPUT_DTYPES if dt.is_floating_point)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _validate(name: str, value: Any) -> Any:
         if value is None:
             return None
         if not isinstance(value, torch.dtype) or not value.is_floating_point or value not in _STORED_DTYPES:
-            allowed = ", ".join(str(dt) for dt in DTYPES.values() if dt.is_floating_point)
+            allowed = ", ".join(sorted(str(dt) for dt in _STORED_DTYPES))
             raise ConfigError(f"cache_dtype must be None or one of {allowed}, got {value!r}")
         return value
     if name == "brotli_quality":

@@ -27,6 +27,8 @@ from typing import Any, Union
 
 import torch
 
+from .dtypes import ALIGN, CODE_OF, MAX_DEPTH, OUTPUT_DTYPES, dtype_named
+from .dtypes import DTYPES as _ALL_DTYPES
 from .errors import KeyingError
 from .output_types import KINDS, RebuildError, build, describe_type, is_type_name, kind_of, members, type_name
 
@@ -42,46 +44,8 @@ __all__ = [
     "unflatten",
 ]
 
-#: Dtypes that can be stored, by name. Reading a file only ever looks names up here.
-DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
-_NAMES = {dt: name for name, dt in DTYPES.items()}
-#: The dtype codes of stored headers: numpy's type strings, and "bf2" for bfloat16.
-#: Headers name a dtype by its code (a (768,) entry's header is 25 bytes with names,
-#: 20 with codes) and are read with either.
-_CODES = {
-    torch.float64: "f8",
-    torch.float32: "f4",
-    torch.float16: "f2",
-    torch.bfloat16: "bf2",
-    torch.complex64: "c8",
-    torch.complex128: "c16",
-    torch.int64: "i8",
-    torch.int32: "i4",
-    torch.int16: "i2",
-    torch.int8: "i1",
-    torch.uint8: "u1",
-    torch.bool: "b1",
-}
-_HEADER_DTYPES = {**DTYPES, **{code: dt for dt, code in _CODES.items()}}
-ALIGN = 8
-#: Containers nested deeper than this are neither cached nor read from a file.
-MAX_DEPTH = 32
+#: The dtypes of module outputs, by name (the table is :mod:`torchcache.dtypes`).
+DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _ALL_DTYPES.items() if dt in OUTPUT_DTYPES}
 
 Spec = Union[str, list[Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 
@@ -314,7 +278,7 @@ class Layout:
         specs = []
         for leaf in leaves:
             out_dtype = leaf.dtype
-            if out_dtype not in _NAMES:
+            if out_dtype not in OUTPUT_DTYPES:
                 raise KeyingError(f"cannot cache outputs of dtype {out_dtype}")
             dtype = cache_dtype if cache_dtype is not None and out_dtype.is_floating_point else out_dtype
             specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype, _is_channels_last(leaf)))
@@ -333,9 +297,9 @@ class Layout:
         """
         leaves: list[list[Any]] = []
         for leaf in self.leaves:
-            item: list[Any] = [_CODES[leaf.dtype], list(leaf.shape)]
+            item: list[Any] = [CODE_OF[leaf.dtype], list(leaf.shape)]
             if leaf.out_dtype != leaf.dtype or leaf.channels_last:  # absent means "same as dtype"
-                item.append(_CODES[leaf.out_dtype])
+                item.append(CODE_OF[leaf.out_dtype])
             if leaf.channels_last:
                 item.append("cl")
             leaves.append(item)
@@ -373,7 +337,10 @@ class Layout:
                     name, shape, out_name = item["dtype"], item["shape"], item.get("out_dtype", item["dtype"])
                 if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                     raise ValueError(f"invalid shape {_short(shape)}")
-                leaves.append(LeafSpec(tuple(shape), _HEADER_DTYPES[name], _HEADER_DTYPES[out_name], channels_last))
+                dtype, out_dtype = dtype_named(name, OUTPUT_DTYPES), dtype_named(out_name, OUTPUT_DTYPES)
+                if dtype is None or out_dtype is None:
+                    raise ValueError(f"invalid dtype of leaf {_short(item)}")
+                leaves.append(LeafSpec(tuple(shape), dtype, out_dtype, channels_last))
             layout = cls(json.dumps(tree, separators=(",", ":")), tuple(leaves))
             if not short and [item["offset"] for item in header["leaves"]] != layout.offsets:
                 raise ValueError("leaf offsets do not match the layout")

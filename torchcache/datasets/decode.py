@@ -10,22 +10,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import ALIGN, DTYPES, MAX_DEPTH, NUMPY_DTYPES, NUMPY_OF
 from ..errors import CorruptEntryError
 from .format import (
-    ALIGN,
     C128,
     F64,
     I64,
     MAGIC,
-    MAX_DEPTH,
     MAX_DIMS,
     MAX_ELEMENT_BYTES,
     MAX_HEADER,
     MAX_NODES,
-    NUMPY_DTYPES,
-    NUMPY_OF,
     PREFIX,
-    TORCH_DTYPES,
     VERSION,
 )
 
@@ -85,8 +81,8 @@ class _Plan:
             return partial(_constant, args[0])
         if tag in ("s", "b") and len(args) == 1 and _count(args[0]):
             return partial(_bytes if tag == "b" else _str, self.take(args[0]), args[0])
-        if tag == "t" and len(args) == 2 and isinstance(args[0], str) and args[0] in TORCH_DTYPES:
-            return self.tensor(TORCH_DTYPES[args[0]], _shape(args[1], TORCH_DTYPES[args[0]].itemsize))
+        if tag == "t" and len(args) == 2 and isinstance(args[0], str) and args[0] in DTYPES:
+            return self.tensor(DTYPES[args[0]], _shape(args[1], DTYPES[args[0]].itemsize))
         if tag == "a" and len(args) == 2 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:
             return self.array(NUMPY_DTYPES[args[0]], _shape(args[1], NUMPY_DTYPES[args[0]].itemsize))
         if tag == "n" and len(args) == 1 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:

@@ -10,19 +10,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import ALIGN, MAX_DEPTH, NAME_OF, NUMPY_DTYPES
 from .format import (
-    ALIGN,
     C128,
     F64,
     I64,
     INT64_RANGE,
     MAGIC,
-    MAX_DEPTH,
     MAX_HEADER,
     MAX_NODES,
-    NUMPY_DTYPES,
     PREFIX,
-    TORCH_NAME,
     VERSION,
     SampleTypeError,
 )
@@ -121,7 +118,7 @@ class _Encoder:
             )
         if value.layout != torch.strided:
             raise SampleTypeError(f"{path}: a {value.layout} tensor cannot be cached; convert it with .to_dense()")
-        name = TORCH_NAME.get(value.dtype)
+        name = NAME_OF.get(value.dtype)
         if name is None:
             raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
         flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
@@ -164,7 +161,7 @@ def _plain_items(sample: object) -> Sequence[object] | None:
             if not (
                 tensor.is_cpu  # tensor.device.type costs 0.6 us, this 0.1
                 and tensor.layout == torch.strided
-                and tensor.dtype in TORCH_NAME
+                and tensor.dtype in NAME_OF
                 and tensor.is_contiguous()
                 and not tensor.is_conj()
                 and not tensor.is_neg()

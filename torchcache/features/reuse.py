@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError, CorruptEntryError, StoreError
 from ..stores.features.digests import DIGESTS_NAME, DigestFile, pack_digests
 from ..stores.features.file import FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import Field, SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
-from ..tree import DTYPES
 from .backbone import run_backbone
 
 __all__ = ["Donors", "open_digests", "outputs"]

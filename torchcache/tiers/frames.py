@@ -35,8 +35,9 @@ from ..codec import (
     unelide_rows,
     word_size,
 )
+from ..dtypes import ALIGN
 from ..errors import CorruptEntryError
-from ..tree import ALIGN, Layout
+from ..tree import Layout
 
 __all__ = ["Frame", "FrameCodec", "pack_rows"]
 

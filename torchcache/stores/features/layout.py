@@ -25,33 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...dtypes import NAME_OF, NUMPY_OF, OUTPUT_DTYPES
 from ...errors import ConfigError, CorruptEntryError
-from ...tree import DTYPES
 
 __all__ = ["Field", "SampleLayout", "VariableLayoutError"]
 
 _ALIGN = 16
 _MAX_FIELDS = 64
 _MAX_ROW = 1 << 30
-_NUMPY = {
-    name: np.dtype(name)
-    for name in (
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-}
+#: Dtypes of tensor fields by name, and of numpy fields by name (from :mod:`torchcache.dtypes`).
+_TENSOR = {NAME_OF[dt]: dt for dt in OUTPUT_DTYPES}
+_NUMPY = {dt.name: dt for dt in NUMPY_OF.values()}
 _PLAIN = {"int": np.dtype("<i8"), "float": np.dtype("<f8"), "bool": np.dtype("bool")}
 _PLAIN_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
 _KINDS = ("features", "tensor", "array", "scalar", "int", "float", "bool")
@@ -80,7 +64,7 @@ class Field:
     def itemsize(self) -> int:
         """Bytes of one element."""
         if self.kind in ("features", "tensor"):
-            return DTYPES[self.dtype].itemsize
+            return _TENSOR[self.dtype].itemsize
         return self.numpy_dtype.itemsize
 
     @property
@@ -89,7 +73,7 @@ class Field:
         if self.kind in _PLAIN:
             return _PLAIN[self.kind]
         if self.kind in ("features", "tensor"):
-            return np.dtype(f"u{DTYPES[self.dtype].itemsize}") if self.dtype == "bfloat16" else _NUMPY[self.dtype]
+            return np.dtype(f"u{_TENSOR[self.dtype].itemsize}") if self.dtype == "bfloat16" else _NUMPY[self.dtype]
         return _NUMPY[self.dtype]
 
     @property
@@ -112,7 +96,7 @@ def describe_field(name: str, value: object) -> Field:
         return Field(name, "int", "int64", ())
     if isinstance(value, float):
         return Field(name, "float", "float64", ())
-    if isinstance(value, torch.Tensor) and str(value.dtype).removeprefix("torch.") in DTYPES:
+    if isinstance(value, torch.Tensor) and str(value.dtype).removeprefix("torch.") in _TENSOR:
         return Field(name, "tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
     if isinstance(value, np.ndarray) and value.dtype.name in _NUMPY:
         return Field(name, "array", value.dtype.name, tuple(value.shape))
@@ -191,7 +175,7 @@ class SampleLayout:
             ConfigError: If the output's dtype cannot be stored.
         """
         dtype = str(output.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
+        if dtype not in _TENSOR:
             raise ConfigError(f"the backbone returns {output.dtype} outputs, which a features cache cannot store")
         first = Field(self.input, "features", dtype, tuple(output.shape))
         placed, at = [], 0
@@ -343,7 +327,7 @@ class SampleLayout:
                 or raw["name"] not in names
             ):
                 return None
-            if kind in ("features", "tensor") and dtype not in DTYPES:
+            if kind in ("features", "tensor") and dtype not in _TENSOR:
                 return None
             if kind in ("array", "scalar") and dtype not in _NUMPY:
                 return None
@@ -367,8 +351,8 @@ def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
     raw = rows[:, f.offset : f.offset + f.nbytes]
     if f.kind in ("features", "tensor"):
         if not f.nbytes:
-            return torch.zeros((count, *f.shape), dtype=DTYPES[f.dtype])
-        return torch.from_numpy(np.ascontiguousarray(raw)).view(DTYPES[f.dtype]).reshape(count, *f.shape)
+            return torch.zeros((count, *f.shape), dtype=_TENSOR[f.dtype])
+        return torch.from_numpy(np.ascontiguousarray(raw)).view(_TENSOR[f.dtype]).reshape(count, *f.shape)
     if not f.nbytes:
         return torch.from_numpy(np.zeros((count, *f.shape), f.numpy_dtype))
     values = np.ascontiguousarray(raw).view(f.numpy_dtype)
@@ -380,8 +364,8 @@ def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
     raw = rows[:, f.offset : f.offset + f.nbytes]
     if f.kind in ("features", "tensor"):
         if not f.nbytes:
-            return list(torch.zeros((count, *f.shape), dtype=DTYPES[f.dtype]).unbind(0))
-        return list(torch.from_numpy(raw).view(DTYPES[f.dtype]).reshape(count, *f.shape).unbind(0))
+            return list(torch.zeros((count, *f.shape), dtype=_TENSOR[f.dtype]).unbind(0))
+        return list(torch.from_numpy(raw).view(_TENSOR[f.dtype]).reshape(count, *f.shape).unbind(0))
     values = raw.view(f.numpy_dtype) if f.nbytes else np.zeros((count, 0), f.numpy_dtype)
     if f.kind in _PLAIN:
         return values.reshape(count).tolist()  # type: ignore[no-any-return]
