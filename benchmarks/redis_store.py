@@ -16,7 +16,7 @@ range of milliseconds per batch of hits, and round trips per batch (Redis:
 ``RedisStore.round_trips``). Exits non-zero if a read returned wrong bytes.
 
 Two more rows give the Redis store with a local copy in front
-(:class:`~torchcache.stores.layered.LayeredStore`, ``local_cache_dir``): ``redis+copy``
+(:class:`~torchcache.tiers.layered.LayeredStore`, ``local_cache_dir``): ``redis+copy``
 is filled through the copy, so its hits are local; ``new copy`` reads the same batches
 once through an empty copy (a second machine's first epoch: each batch goes to the
 server once and is written to the copy).
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _meta import write_results  # noqa: E402
 
 from torchcache.stores.batched import BatchedStore  # noqa: E402
-from torchcache.stores.layered import LayeredStore  # noqa: E402
+from torchcache.tiers.layered import LayeredStore  # noqa: E402
 from torchcache.stores.packed.store import PackedStore  # noqa: E402
 from torchcache.stores.redis.store import RedisStore  # noqa: E402
 

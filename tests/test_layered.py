@@ -20,8 +20,8 @@ from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
 from torchcache.cli.main import main
 from torchcache.errors import StoreError
 from torchcache.meta import load_meta
-from torchcache.stores.layered import LayeredStore
 from torchcache.stores.packed.store import PackedStore
+from torchcache.tiers.layered import LayeredStore
 
 
 class CountingStore(ReferenceStore):

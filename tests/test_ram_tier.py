@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import pwrite_fault
 from torchcache import CachedDataset, CacheWarning
-from torchcache.datasets import cache as sample_cache
+from torchcache.datasets import tiers as sample_tiers
 from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
 from torchcache.datasets.encode import encode_sample
 from torchcache.datasets.keys import store_key
@@ -250,7 +250,7 @@ def test_every_kind_of_value_comes_back_from_the_slots_as_a_copy_of_its_own(monk
     data = CachedDataset(Kinds(), max_memory_size="1MB")
     data.__getitems__(list(range(9)))
     with monkeypatch.context() as patch:  # one read of the slots, built as views of it, not one by one
-        patch.setattr(sample_cache, "decode_samples", None)
+        patch.setattr(sample_tiers, "decode_samples", None)
         served = data.__getitems__([8, 0, 3, 5])
     assert data.stats().memory.hits == 4
     assert all(same(sample, every_kind(i)) for i, sample in zip([8, 0, 3, 5], served))

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from tests.store_helpers import ReferenceStore, key, value
 from torchcache.errors import KeyingError
 from torchcache.stores.batched import BatchedStore
-from torchcache.stores.layered import LayeredStore
 from torchcache.stores.packed.store import PackedStore
 from torchcache.stores.redis.store import RedisStore
+from torchcache.tiers.layered import LayeredStore
 
 StoreFactory = Callable[[int], BatchedStore]
 

@@ -24,13 +24,13 @@ from typing import Any
 from .._fork import renew_lock_after_fork
 from ..catalog.budget import CacheClaim, claim_module_cache
 from ..config import module_dir_name
-from ..errors import ConfigError, CorruptEntryError, KeyingError, StoreError
+from ..errors import ConfigError, KeyingError, StoreError
 from ..faults import Fault, FaultLog
 from ..meta import load_meta
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..stores.redis.url import redact_url
+from ..tiers.lookup import look_up
 from . import shm
-from .decode import decode_samples
 from .encode import check_sample, encode_sample
 from .keys import store_key
 from .opening import DEFAULT_DISK_SIZE, hold_memory, open_tiers, resolve_places, write_dataset_meta
@@ -215,27 +215,16 @@ class SampleCache:
             if hit:
                 served[tiers[0].name] += len(hit)
                 pending = [i for i in pending if i not in hit] if len(hit) < len(keys) else []
-        skeys = {i: store_key(keys[i]) for i in pending}  # hits in slots need no store key
-        for level, tier in enumerate(tiers):
-            if not pending:
-                break
-            frames = tier.get_many([skeys[i] for i in pending])
-            found = [(i, frame) for i, frame in zip(pending, frames) if frame is not None]
-            promote, hit, uppers = [], set(), tiers[:level]
-            for (i, frame), sample in zip(found, decode_samples([frame for _, frame in found])):
-                if isinstance(sample, CorruptEntryError):
-                    self._faults.warn(Fault.DECODE, f"a cached sample is damaged ({sample}); recomputed", tier.name)
-                    tier.drop(skeys[i])
-                else:
+        skeys = [""] * len(keys)
+        if pending:  # hits in slots need no store key and no lookup
+            for i in pending:
+                skeys[i] = store_key(keys[i])
+            found = look_up(tiers, skeys, pending=pending)
+            for part in found.parts:
+                served[tiers[part.tier].name] += len(part.positions)
+                for i, (_, sample) in zip(part.positions, part.values):
                     results[i] = sample
-                    hit.add(i)
-                    if uppers:  # a hit below the first tier is copied up
-                        promote.append((skeys[i], frame))
-            served[tier.name] += len(hit)
-            missed = [i for i in pending if i not in hit]
-            for upper in uppers:
-                upper.put_many(promote)
-            pending = missed
+            pending = found.missing
         if pending:
             computed = compute_many([keys[i] for i in pending])
             if len(computed) != len(pending):

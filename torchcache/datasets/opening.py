@@ -198,8 +198,8 @@ def write_dataset_meta(
 
 def _redis_store(places: Places, url: str, max_bytes: int, faults: FaultLog) -> BatchedStore:
     """The disk tier on a Redis server, behind its local copy when there is one."""
-    from ..stores.layered import LayeredStore
     from ..stores.redis.store import RedisStore
+    from ..tiers.layered import LayeredStore
 
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")

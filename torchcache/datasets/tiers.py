@@ -200,6 +200,24 @@ class SampleTier:
             self.faults.warn(Fault.READ, f"cannot read the {self.name} tier ({what}); samples are computed", self.name)
             return [None] * len(keys)
 
+    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[tuple[bytes | memoryview, Any]]]]:
+        """The samples of ``keys``, each with its frame; a frame that does not decode is a warned miss."""
+        frames = self.get_many(keys)
+        at = [i for i, frame in enumerate(frames) if frame is not None]
+        hits, values = [], []
+        for i, sample in zip(at, decode_samples([frames[i] for i in at]) if at else ()):  # type: ignore[misc]
+            if isinstance(sample, CorruptEntryError):
+                self.faults.warn(Fault.DECODE, f"a cached sample is damaged ({sample}); recomputed", self.name)
+                self.drop(keys[i])
+            else:
+                hits.append(i)
+                values.append((frames[i], sample))
+        return [(hits, values)] if hits else []  # type: ignore[list-item]
+
+    def keep(self, keys: Sequence[str], values: list[tuple[bytes | memoryview, Any]]) -> None:
+        """Store the frames of samples found in a slower tier."""
+        self.put_many([(key, frame) for key, (frame, _) in zip(keys, values)])
+
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Write the items that fit; once one does not, take no more."""
         if not items or not self.accepting:

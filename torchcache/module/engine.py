@@ -31,8 +31,9 @@ from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
-from ..tiers.memory import MemoryTier
-from ..tiers.persistent import PersistentTier
+from ..tiers.lookup import look_up
+from ..tiers.memory import MemoryLevel, MemoryTier
+from ..tiers.persistent import DiskLevel, PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
 from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput, list_hint
@@ -408,26 +409,12 @@ class Cache:
 
         disk = self._disk_tier() if self.settings.persistent else None
         if disk is not None and missing:
-            hex_keys = [keys[pos].hex() for pos in missing]
-            try:
-                found_at, disk_layout, disk_leaves = disk.read(hex_keys)
-            except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
-                self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
-                found_at, disk_layout, disk_leaves = [], None, []
-            if found_at and (layout is None or disk_layout == layout):
-                layout = disk_layout
-                every = len(found_at) == len(missing)  # then found_at is range(len(missing))
-                positions = missing if every else [missing[i] for i in found_at]
-                parts.append((positions, disk_leaves))
-                if self.memory.max_bytes > 0:
-                    with self.memory.lock:
-                        self.memory.put([keys[p] for p in positions], disk_layout, disk_leaves)  # type: ignore[arg-type]
-                if every:
-                    missing = []
-                else:
-                    taken = set(positions)
-                    missing = [pos for pos in missing if pos not in taken]
-            self.faults.emit()
+            levels = (MemoryLevel(self.memory), DiskLevel(disk, layout, self.faults))
+            found = look_up(levels, keys, pending=missing, searched=1)
+            for part in found.parts:
+                layout = part.values[0]
+                parts.append((part.positions, part.values[1]))
+            missing = found.missing
 
         if missing:
             # exact_batches: a batch with any miss is computed whole, as an uncached call computes it.

@@ -35,7 +35,7 @@ from ..policy import MruPolicy
 from ..tree import Layout
 from .batch import index_tensor
 
-__all__ = ["CAPACITY_OVERHEAD", "MemoryTier", "Slab"]
+__all__ = ["CAPACITY_OVERHEAD", "MemoryLevel", "MemoryTier", "Slab"]
 
 _MIN_ROWS = 16
 #: How far, as a fraction of ``max_bytes``, the slabs' allocated capacity may exceed the
@@ -315,3 +315,20 @@ class MemoryTier:
         self._used = 0
         freed, self._allocated = self._allocated, 0
         release_freed(freed)
+
+
+class MemoryLevel:
+    """The memory tier: keeps rows found on disk (it is searched before the lookup)."""
+
+    def __init__(self, memory: MemoryTier) -> None:
+        self.memory = memory
+
+    def find(self, keys: Sequence[bytes]) -> list[tuple[list[int], tuple[Layout, list[torch.Tensor]]]]:
+        """Not used: the engine searches the memory tier itself, under its lock."""
+        raise AssertionError("the engine searches the memory tier itself")
+
+    def keep(self, keys: Sequence[bytes], values: tuple[Layout, list[torch.Tensor]]) -> None:
+        """Store rows found on disk, as far as the budget allows."""
+        if self.memory.max_bytes > 0:
+            with self.memory.lock:
+                self.memory.put(keys, values[0], values[1])

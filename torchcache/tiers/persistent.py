@@ -36,13 +36,13 @@ import torch
 from .._fork import after_fork
 from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
-from ..faults import Fault, Report
+from ..faults import Fault, FaultLog, Report
 from ..stores.batched import BatchedStore
 from ..tree import Layout
 from .frames import Frame, FrameCodec, pack_rows
 from .writer import BackgroundWriter
 
-__all__ = ["PersistentTier"]
+__all__ = ["DiskLevel", "PersistentTier"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -418,3 +418,32 @@ class PersistentTier:
         """
         self._writer.flush()
         self.store.clear()
+
+
+class DiskLevel:
+    """The disk tier, for rows of one layout (that of the memory hits, when there are some).
+
+    A read that fails is a warning and finds nothing: a fault of the cache never fails a call.
+    """
+
+    def __init__(self, disk: PersistentTier, layout: Layout | None, faults: FaultLog) -> None:
+        self.disk = disk
+        self.layout = layout
+        self.faults = faults
+
+    def find(self, keys: Sequence[bytes]) -> list[tuple[list[int], tuple[Layout, list[torch.Tensor]]]]:
+        """The rows stored for ``keys`` (of this level's layout, if it has one)."""
+        try:
+            found_at, layout, leaves = self.disk.read([key.hex() for key in keys])
+        except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
+            self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
+            return []
+        finally:
+            self.faults.emit()
+        if not found_at or layout is None or (self.layout is not None and layout != self.layout):
+            return []
+        return [(found_at, (layout, leaves))]
+
+    def keep(self, keys: Sequence[bytes], values: tuple[Layout, list[torch.Tensor]]) -> None:
+        """Not used: the disk is the last tier (computed rows reach it through the writer)."""
+        raise AssertionError("the disk is the last tier")

@@ -117,15 +117,15 @@ def open_redis_tier(
     """The persistent tier of a module on a Redis server or cluster (nothing is sent yet).
 
     With ``local``, a packed store at ``local / namespace`` keeps a copy of the entries
-    read and written (:class:`~torchcache.stores.layered.LayeredStore`); if it cannot be
+    read and written (:class:`~torchcache.tiers.layered.LayeredStore`); if it cannot be
     opened, ``report`` is told and the server is used alone.
 
     Raises:
         ConfigError: If the URL is invalid or the redis package is missing.
     """
-    from ..stores.layered import LayeredStore
     from ..stores.redis.store import RedisStore
     from ..stores.redis.url import redact_url
+    from .layered import LayeredStore
 
     where = f"{redact_url(url)} (namespace {namespace})"
     store: BatchedStore = RedisStore(url, namespace, max_bytes, report=report)

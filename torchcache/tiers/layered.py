@@ -24,7 +24,8 @@ from collections.abc import Iterator, Sequence
 
 from ..errors import StoreError
 from ..faults import Fault, Report
-from .batched import BatchedStore, VerifyReport
+from ..stores.batched import BatchedStore, VerifyReport
+from .lookup import hits_of, look_up
 
 __all__ = ["LayeredStore"]
 
@@ -66,27 +67,10 @@ class LayeredStore(BatchedStore):
     # -- reads --------------------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
-        keys = list(keys)
         found: list[bytes | memoryview | None] = [None] * len(keys)
-        if self._near_on:
-            try:
-                found = self.near.get_many(keys)
-            except StoreError as exc:
-                self._near_failed(exc, "read")
-        missing = [i for i, data in enumerate(found) if data is None]
-        if not missing:
-            return found
-        fetched = self.far.get_many([keys[i] for i in missing])
-        copies: list[tuple[str, bytes | memoryview]] = []
-        for i, data in zip(missing, fetched):
-            if data is not None:
+        for _, positions, datas in look_up((_Near(self), _Far(self.far)), keys).parts:
+            for i, data in zip(positions, datas):
                 found[i] = data
-                copies.append((keys[i], data))
-        if copies and self._near_on:
-            try:
-                self.near.put_many(copies)
-            except StoreError as exc:
-                self._near_failed(exc, "write")
         return found
 
     def __contains__(self, key: object) -> bool:
@@ -169,3 +153,39 @@ class LayeredStore(BatchedStore):
         bad = list(dict.fromkeys(far.bad + near.bad))
         problems = far.problems + [f"local copy: {problem}" for problem in near.problems]
         return VerifyReport(entries=far.entries, bad=bad, problems=problems, fixed=far.fixed or near.fixed)
+
+
+class _Near:
+    """The local copy as a tier: a fault turns it off and finds or keeps nothing."""
+
+    def __init__(self, layered: LayeredStore) -> None:
+        self.layered = layered
+
+    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
+        if not self.layered.near_enabled:
+            return []
+        try:
+            return hits_of(self.layered.near.get_many(keys))
+        except StoreError as exc:
+            self.layered._near_failed(exc, "read")
+            return []
+
+    def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
+        if self.layered.near_enabled:
+            try:
+                self.layered.near.put_many(list(zip(keys, values)))
+            except StoreError as exc:
+                self.layered._near_failed(exc, "write")
+
+
+class _Far:
+    """The shared store as a tier: its faults reach the caller."""
+
+    def __init__(self, far: BatchedStore) -> None:
+        self.far = far
+
+    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
+        return hits_of(self.far.get_many(keys))
+
+    def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
+        raise AssertionError("the shared store is the last tier")
