@@ -24,16 +24,20 @@ from .codec import DEFAULT_QUALITY
 from .dtypes import OUTPUT_DTYPES
 from .errors import ConfigError
 from .policy import parse_size
+from .stores.objects import OBJECT_SCHEMES
 from .stores.redis.url import parse_url, redact_url
 
 __all__ = [
     "DEFAULT_ROOT_BUDGET",
     "LEGACY_OPTIONS",
+    "OBJECT_SCHEMES",
     "REDIS_SCHEMES",
     "ROOT_BUDGET_ENV",
     "Settings",
     "check_local_dir",
     "check_redis_url",
+    "check_url",
+    "is_object_url",
     "is_url",
     "module_dir_name",
     "resolve_local_dir",
@@ -192,11 +196,27 @@ def _validate(name: str, value: Any) -> Any:
 
 #: URL schemes that make the persistent tier a Redis server or cluster.
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+#: The package each object store URL scheme needs (with fsspec).
+_OBJECT_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "oss": "ossfs",
+}
 
 
 def is_url(location: object) -> bool:
-    """Whether a ``persistent_cache_dir`` is a Redis URL rather than a path."""
-    return isinstance(location, str) and location.lower().startswith(REDIS_SCHEMES)
+    """Whether a cache location is a Redis or object store URL rather than a path."""
+    return isinstance(location, str) and location.lower().startswith((*REDIS_SCHEMES, *OBJECT_SCHEMES))
+
+
+def is_object_url(location: object) -> bool:
+    """Whether a cache location is an object store URL (``s3://``, ``gs://``, ...)."""
+    return isinstance(location, str) and location.lower().startswith(OBJECT_SCHEMES)
 
 
 def check_redis_url(value: str) -> str:
@@ -213,11 +233,31 @@ def check_redis_url(value: str) -> str:
     return value
 
 
+def check_url(value: str, name: str = "persistent_cache_dir") -> str:
+    """``value``, a Redis or object store URL, once it is well formed and its packages are there.
+
+    Raises:
+        ConfigError: Naming ``name``, if the URL is malformed or a package is missing.
+    """
+    if not is_object_url(value):
+        return check_redis_url(value)
+    scheme, _, path = value.partition("://")
+    if not path.strip("/") or path.startswith("/"):
+        raise ConfigError(f"{name} must be {scheme}://bucket/prefix, got {value!r}")
+    package = _OBJECT_PACKAGES.get(scheme.lower())
+    for module in ("fsspec", package):
+        if module is not None and importlib.util.find_spec(module) is None:
+            extra = {"s3fs": "s3", "gcsfs": "gcs"}.get(package or "", "")
+            hint = f"pip install 'torchcache[{extra}]'" if extra else f"pip install fsspec {package}"
+            raise ConfigError(f"{name} is a {scheme}:// URL, which needs {module}: {hint}")
+    return value
+
+
 def _cache_dir(value: object, name: str = "persistent_cache_dir") -> Path | str | None:
     if value is None:
         return None
     if is_url(value):
-        return check_redis_url(value)  # type: ignore[arg-type]
+        return check_url(value, name)  # type: ignore[arg-type]
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
     text = os.fspath(value)
@@ -314,7 +354,7 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
     """Where persistent entries go: the argument, else ``$TORCHCACHE_DIR``, else the user cache dir.
 
     Returns:
-        A directory, or a Redis URL (a ``str``, see :func:`is_url`).
+        A directory, or a Redis or object store URL (a ``str``, see :func:`is_url`).
 
     Raises:
         ConfigError: If ``$TORCHCACHE_DIR`` is a Redis URL that is not valid.
@@ -323,7 +363,7 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
         return persistent_cache_dir
     env = os.environ.get("TORCHCACHE_DIR")
     if env and is_url(env):
-        return check_redis_url(env)
+        return check_url(env, "TORCHCACHE_DIR")
     if env:
         return Path(env).expanduser()
     import platformdirs
@@ -332,7 +372,7 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
 
 
 def resolve_local_dir(local_cache_dir: Path | None) -> Path | None:
-    """Where a local copy of a Redis persistent tier goes: the argument, else ``$TORCHCACHE_LOCAL_DIR``.
+    """Where a local copy of a Redis or object store tier goes: the argument, else ``$TORCHCACHE_LOCAL_DIR``.
 
     Returns:
         A directory, or ``None`` for no local copy.
