@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _meta import write_results  # noqa: E402
 
 from torchcache.stores.batched import BatchedStore  # noqa: E402
-from torchcache.tiers.layered import LayeredStore  # noqa: E402
 from torchcache.stores.packed.store import PackedStore  # noqa: E402
 from torchcache.stores.redis.store import RedisStore  # noqa: E402
+from torchcache.tiers.layered import LayeredStore  # noqa: E402
 
 VALUE = 3072
 BATCH = 1024

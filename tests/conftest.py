@@ -125,3 +125,19 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if _Starts.count > before and item.get_closest_marker("slow") is None:
         pytest.fail(f"{item.nodeid} starts processes: give it @pytest.mark.slow (or its module pytestmark)", False)
     return result
+
+
+@pytest.fixture
+def bucket(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new bucket on a local S3 server, ``s3://name``, reached through the environment (tests/object_servers.py)."""
+    from tests.object_servers import new_bucket
+
+    return new_bucket(monkeypatch)
+
+
+@pytest.fixture
+def s3fs_of(bucket: str) -> Any:
+    """An s3fs filesystem on the server of ``bucket``."""
+    from tests.object_servers import filesystem
+
+    return filesystem()

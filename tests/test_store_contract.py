@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from tests.store_helpers import ReferenceStore, key, value
 from torchcache.errors import KeyingError
 from torchcache.stores.batched import BatchedStore
+from torchcache.stores.objects import ObjectStore
 from torchcache.stores.packed.store import PackedStore
 from torchcache.stores.redis.store import RedisStore
 from torchcache.tiers.layered import LayeredStore
@@ -28,7 +29,7 @@ from torchcache.tiers.layered import LayeredStore
 StoreFactory = Callable[[int], BatchedStore]
 
 
-@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster", "layered"])
+@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster", "layered", "s3"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -44,8 +45,15 @@ def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
         server = shared("redis" if store_kind == "layered" else store_kind)
 
     def make(max_bytes: int) -> BatchedStore:
-        if store_kind == "reference":
-            store: BatchedStore = ReferenceStore(max_bytes)
+        if store_kind == "s3":
+            from tests.object_servers import make_bucket, s3_endpoint  # skips (or fails under CI) without moto
+
+            endpoint = s3_endpoint()
+            options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+            url = f"s3://{make_bucket(endpoint)}/cache"
+            store: BatchedStore = ObjectStore(url, "contract", max_bytes, storage_options=options, report=_no_reports)
+        elif store_kind == "reference":
+            store = ReferenceStore(max_bytes)
         elif store_kind == "packed":
             store = PackedStore(tmp_path / f"store{next(count)}", max_bytes, report=_no_reports)
         else:
@@ -137,6 +145,8 @@ def test_budget_holds_and_oversized_items_are_skipped(make_store: StoreFactory) 
     assert all(v is None or bytes(v) == value(i) for i, v in enumerate(found))
 
 
+# A bucket's budget removes its oldest segments first (tests/test_objects.py); its local copy is MRU.
+@pytest.mark.parametrize("store_kind", ["reference", "packed", "redis", "redis-cluster", "layered"])
 def test_mru_keeps_a_stable_subset_over_shuffled_epochs(make_store: StoreFactory) -> None:
     budget = 4_000_000  # room for about 3,600 of the 9,000 items
     store = make_store(budget)

@@ -371,23 +371,30 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
     return Path(platformdirs.user_cache_path("torchcache"))
 
 
-def resolve_local_dir(local_cache_dir: Path | None) -> Path | None:
-    """Where a local copy of a Redis or object store tier goes: the argument, else ``$TORCHCACHE_LOCAL_DIR``.
+def resolve_local_dir(local_cache_dir: Path | None, default: bool = False) -> Path | None:
+    """Where a local copy of a Redis or object store tier goes.
+
+    The argument, else ``$TORCHCACHE_LOCAL_DIR``, else (with ``default``, for object
+    stores) ``copies`` under the user cache directory.
 
     Returns:
         A directory, or ``None`` for no local copy.
 
     Raises:
-        ConfigError: If ``$TORCHCACHE_LOCAL_DIR`` is a Redis URL.
+        ConfigError: If ``$TORCHCACHE_LOCAL_DIR`` is a URL.
     """
     if local_cache_dir is not None:
         return local_cache_dir
     env = os.environ.get("TORCHCACHE_LOCAL_DIR")
-    if not env:
+    if env and is_url(env):
+        raise ConfigError(f"TORCHCACHE_LOCAL_DIR must be a local directory, got the URL {redact_url(env)}")
+    if env:
+        return Path(env).expanduser()
+    if not default:
         return None
-    if is_url(env):
-        raise ConfigError(f"TORCHCACHE_LOCAL_DIR must be a local directory, got the Redis URL {redact_url(env)}")
-    return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_path("torchcache")) / "copies"
 
 
 def resolve_root(persistent_cache_dir: Path | str | None) -> Path:

@@ -106,12 +106,12 @@ class SampleCache:
         renew_lock_after_fork(self, "_lock")
         if self.directory is not None:
             self._update_meta({}, create=True)
-        if self.local_directory is not None and self.redis_url is not None:
-            copy_of = {"copy_of": redact_url(self.redis_url)}
+        if self.local_directory is not None and self.url is not None:
+            copy_of = {"copy_of": redact_url(self.url)}
             self._update_meta(copy_of, create=True, directory=self.local_directory)
 
     def __repr__(self) -> str:
-        disk = self.directory if self.redis_url is None else redact_url(self.redis_url)
+        disk = self.directory if self.url is None else redact_url(self.url)
         return f"SampleCache({self.name!r}, memory={self.memory_dir}, disk={disk})"
 
     @property
@@ -122,17 +122,17 @@ class SampleCache:
     # -- where the tiers live (see :class:`~.opening.Places`) -------------------------
     @property
     def directory(self) -> Path | None:
-        """The disk tier's directory (``None``: no disk tier, or it is on a Redis server)."""
+        """The disk tier's directory (``None``: no disk tier, or it is at a URL)."""
         return self._places.directory
 
     @property
-    def redis_url(self) -> str | None:
-        """The Redis server of the disk tier, when ``cache_dir`` is a Redis URL."""
-        return self._places.redis_url
+    def url(self) -> str | None:
+        """The Redis server or object store bucket of the disk tier, when ``cache_dir`` is a URL."""
+        return self._places.url
 
     @property
     def local_directory(self) -> Path | None:
-        """The local copy of the Redis tier (``None``: none)."""
+        """The local copy of the disk tier at :attr:`url` (``None``: none)."""
         return self._places.local_directory
 
     @property
@@ -278,7 +278,7 @@ class SampleCache:
             misses=misses,
             hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             memory=tier_stats("memory", memory_hits, self.max_memory_size),
-            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory or self.redis_url else None,
+            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory or self.url else None,
         )
 
     def metadata(self) -> dict[str, Any] | None:

@@ -2,7 +2,8 @@
 
 :func:`resolve_places` turns a :class:`~.cache.SampleCache`'s arguments into its places: a
 RAM tier under the job's shared-memory directory (:mod:`.shm`), and a disk tier that is a
-directory under the cache root, a Redis server, or a Redis server behind a local copy.
+directory under the cache root, or a Redis server or object store bucket (behind a local
+copy when there is one).
 :func:`open_tiers` opens them in a process: every fault is one warning and a tier left
 out, never an error.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import xxhash
 
 from .._version import __version__
-from ..config import check_local_dir, check_redis_url, is_url, resolve_local_dir, resolve_root
+from ..config import check_local_dir, check_url, is_object_url, is_url, resolve_local_dir, resolve_root
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
 from ..meta import META_NAME, load_meta, write_json_atomic
@@ -45,9 +46,9 @@ class Places:
     max_disk_size: int
     #: The disk tier's directory (``None``: none, or the tier is on Redis).
     directory: Path | None = None
-    #: The Redis server of the disk tier, when ``cache_dir`` is a Redis URL.
-    redis_url: str | None = None
-    #: The local copy of the Redis tier (``None``: none).
+    #: The Redis server or object store bucket of the disk tier, when ``cache_dir`` is a URL.
+    url: str | None = None
+    #: The local copy of the disk tier at ``url`` (``None``: none).
     local_directory: Path | None = None
     #: The job's shared-memory directory (``None``: no RAM tier).
     job_dir: Path | None = None
@@ -76,9 +77,9 @@ def resolve_places(
         max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
     places = Places(dirname, parse_size(max_disk_size, "max_disk_size"))
     if is_url(cache_dir):
-        places.redis_url = check_redis_url(str(cache_dir)) if places.max_disk_size else None
-        local = resolve_local_dir(check_local_dir(local_cache_dir))
-        if local is not None and places.redis_url is not None:
+        places.url = check_url(str(cache_dir), "cache_dir") if places.max_disk_size else None
+        local = resolve_local_dir(check_local_dir(local_cache_dir), default=is_object_url(cache_dir))
+        if local is not None and places.url is not None:
             places.local_directory = local / dirname
     elif local_cache_dir is not None:
         raise ConfigError(
@@ -127,7 +128,7 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
     tiers: list[SampleTier] = []
     wanted = [
         ("memory", places.memory_dir, places.max_memory_size),
-        ("disk", places.directory or places.redis_url, places.max_disk_size),
+        ("disk", places.directory or places.url, places.max_disk_size),
     ]
     for name, location, size in wanted:
         if location is None or not size:
@@ -135,8 +136,8 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
         with_slots = name == "memory" and length is not None and isinstance(location, Path)
         try:
             store: BatchedStore | Callable[[], BatchedStore]
-            if isinstance(location, str):  # a Redis URL: the namespace is the cache's name
-                store = _redis_store(places, location, store_bytes(size), faults)
+            if isinstance(location, str):  # a Redis or bucket URL: the namespace is the cache's name
+                store = _remote_store(places, location, store_bytes(size), faults)
             else:
                 store = functools.partial(
                     PackedStore,
@@ -196,14 +197,14 @@ def write_dataset_meta(
     return True
 
 
-def _redis_store(places: Places, url: str, max_bytes: int, faults: FaultLog) -> BatchedStore:
-    """The disk tier on a Redis server, behind its local copy when there is one."""
-    from ..stores.redis.store import RedisStore
+def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) -> BatchedStore:
+    """The disk tier on a Redis server or in a bucket, behind its local copy when there is one."""
+    from ..stores.remote import open_remote_store
     from ..tiers.layered import LayeredStore
 
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")
-    store = RedisStore(url, namespace, max_bytes, report=report)
+    store = open_remote_store(url, namespace, max_bytes, report)
     if places.local_directory is None:
         return store
     try:

@@ -25,7 +25,7 @@ from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
-from ..config import Settings, resolve_local_dir, resolve_location
+from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items
@@ -231,7 +231,11 @@ class Cache:
         key = self._freeze_key()
         try:
             location = resolve_location(self.settings.persistent_cache_dir)
-            local = resolve_local_dir(self.settings.local_cache_dir) if isinstance(location, str) else None
+            local = (
+                resolve_local_dir(self.settings.local_cache_dir, default=is_object_url(location))
+                if isinstance(location, str)
+                else None
+            )
         except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
             self.faults.warn(Fault.WRITE, f"{exc}; caching in memory only")
             self._disk_ready = True

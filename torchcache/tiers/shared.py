@@ -63,13 +63,13 @@ def open_shared_tier(
     """The shared tier of module key ``name`` under ``location`` with these settings, made at first use.
 
     Args:
-        location: A cache root directory, or a Redis URL.
+        location: A cache root directory, or a Redis or object store URL.
         name: The module key (a directory under the root, a namespace on the server).
         max_bytes: The budget of the module's entries.
         quality: brotli quality of new entries.
         meta: What the metadata file records (local directories).
         faults: The fault log of the cache that asks.
-        local: With a Redis URL: the root of a local copy of its entries (``None``: none).
+        local: With a URL: the root of a local copy of its entries (``None``: none).
 
     Returns:
         The shared tier (keep a reference while using it) and its persistent tier, or ``None``
@@ -85,7 +85,7 @@ def open_shared_tier(
         if shared.tier is None:
             try:
                 if isinstance(location, str):
-                    shared.tier = open_redis_tier(location, name, max_bytes, quality, _reporter(shared), local, meta)
+                    shared.tier = open_remote_tier(location, name, max_bytes, quality, _reporter(shared), local, meta)
                 else:
                     shared.tier = open_local_tier(location / name, max_bytes, quality, meta, _reporter(shared))
             except (StoreError, ConfigError) as exc:
@@ -105,7 +105,7 @@ def _reporter(shared: SharedTier) -> Report:
     return report
 
 
-def open_redis_tier(
+def open_remote_tier(
     url: str,
     namespace: str,
     max_bytes: int,
@@ -114,7 +114,7 @@ def open_redis_tier(
     local: Path | None = None,
     meta: dict[str, Any] | None = None,
 ) -> PersistentTier:
-    """The persistent tier of a module on a Redis server or cluster (nothing is sent yet).
+    """The persistent tier of a module on a Redis server or cluster, or in a bucket (nothing is sent yet).
 
     With ``local``, a packed store at ``local / namespace`` keeps a copy of the entries
     read and written (:class:`~torchcache.tiers.layered.LayeredStore`); if it cannot be
@@ -123,12 +123,12 @@ def open_redis_tier(
     Raises:
         ConfigError: If the URL is invalid or the redis package is missing.
     """
-    from ..stores.redis.store import RedisStore
     from ..stores.redis.url import redact_url
+    from ..stores.remote import open_remote_store
     from .layered import LayeredStore
 
     where = f"{redact_url(url)} (namespace {namespace})"
-    store: BatchedStore = RedisStore(url, namespace, max_bytes, report=report)
+    store: BatchedStore = open_remote_store(url, namespace, max_bytes, report)
     touch = None
     if local is not None:
         directory = local / namespace

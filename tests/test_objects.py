@@ -1,0 +1,207 @@
+"""Caches in an object store bucket (S3 through a local moto server): stores, datasets, the decorator."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import Counting, cached
+from tests.object_servers import s3_endpoint
+from tests.store_helpers import Reports, key, value
+from torchcache import CachedDataset, CacheWarning, ConfigError
+from torchcache.errors import StoreUnavailableError
+from torchcache.faults import Fault
+from torchcache.stores.objects import ObjectStore
+
+
+def _store(url: str, max_bytes: int = 10**7, reports: Reports | None = None, **options: Any) -> ObjectStore:
+    storage = {"endpoint_url": s3_endpoint(), "key": "testing", "secret": "testing"}
+    return ObjectStore(f"{url}/cache", "ns", max_bytes, storage_options=storage, report=reports, **options)
+
+
+def _objects(fs: Any, url: str) -> list[str]:
+    return sorted(path.rsplit("/", 1)[-1] for path in fs.find(url.removeprefix("s3://")))
+
+
+class Images(torch.utils.data.Dataset[Any]):
+    def __init__(self, n: int = 12) -> None:
+        self.n, self.calls = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        self.calls += 1
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i
+
+
+# -- the store ----------------------------------------------------------------------------
+def test_writers_on_two_machines_see_each_others_entries_after_a_listing(bucket: str) -> None:
+    one, two = _store(bucket), _store(bucket)
+    one.put_many([(key(i), value(i)) for i in range(10)])
+    two.put_many([(key(i), value(i)) for i in range(10, 20)])
+    third = _store(bucket)
+    assert [bytes(v or b"") for v in third.get_many([key(i) for i in range(20)])] == [value(i) for i in range(20)]
+    assert third.bucket.requests <= 4  # one listing, one read of the manifests, one ranged read per segment
+
+
+def test_an_upload_without_its_manifest_is_invisible_and_prune_sweeps_it(bucket: str, s3fs_of: Any) -> None:
+    store = _store(bucket)
+    store.put_many([(key(1), value(1))])
+    prefix = store.bucket.prefix
+    s3fs_of.pipe_file(f"{prefix}/00000000000000000001-deadbeefdeadbeef.tcs", value(2))  # a writer killed here
+    assert _store(bucket).get(key(2)) is None and len(_store(bucket)) == 1
+    assert store.prune(10**7, sweep_seconds=0) == 1
+    assert not any(name.startswith("00000000000000000001") for name in _objects(s3fs_of, bucket))
+    assert bytes(_store(bucket).get(key(1)) or b"") == value(1)
+
+
+def test_damaged_segment_bytes_are_misses_never_wrong_bytes(bucket: str, s3fs_of: Any) -> None:
+    _store(bucket).put_many([(key(i), value(i)) for i in range(4)])
+    segment = next(p for p in s3fs_of.find(bucket.removeprefix("s3://")) if p.endswith(".tcs"))
+    data = bytearray(s3fs_of.cat_file(segment))
+    data[1500] ^= 0xFF  # inside the second entry
+    s3fs_of.pipe_file(segment, bytes(data))
+    reports = Reports()
+    found = _store(bucket, reports=reports).get_many([key(i) for i in range(4)])
+    assert [None if v is None else bytes(v) for v in found] == [value(0), None, value(2), value(3)]
+    assert reports.kinds() == [Fault.CORRUPT]
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"not json",
+        b'{"format": "torchcache-objects", "version": 1, "bytes": 10, "entries": [["abcd", 5, 10, 0]]}',
+        b'{"format": "torchcache-objects", "version": 2, "bytes": 0, "entries": []}',
+        b'{"format": "torchcache-objects", "version": 1, "bytes": 10, "entries": [["../x", 0, 1, 0]]}',
+    ],
+)
+def test_a_planted_or_lying_manifest_is_reported_and_not_used(bucket: str, s3fs_of: Any, manifest: bytes) -> None:
+    store = _store(bucket)
+    store.put_many([(key(1), value(1))])
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcs", b"\0" * 10)
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcm", manifest)
+    reports = Reports()
+    reader = _store(bucket, reports=reports)
+    assert bytes(reader.get(key(1)) or b"") == value(1) and reader.get("abcd") is None
+    assert reports.kinds() == [Fault.INDEX]
+
+
+def test_a_manifest_whose_digest_lies_gives_a_miss(bucket: str, s3fs_of: Any) -> None:
+    store = _store(bucket)
+    planted = {"format": "torchcache-objects", "version": 1, "bytes": 4, "entries": [["abcd", 0, 4, 12345]]}
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcs", b"evil")
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcm", json.dumps(planted).encode())
+    reports = Reports()
+    assert _store(bucket, reports=reports).get("abcd") is None
+    assert reports.kinds() == [Fault.CORRUPT]
+
+
+def test_the_budget_removes_the_oldest_segments_first(bucket: str, s3fs_of: Any) -> None:
+    store = _store(bucket, max_bytes=25_000)
+    for batch in range(10):
+        store.put_many([(key(batch * 5 + i), value(batch * 5 + i, 1000)) for i in range(5)])
+    assert store.disk_bytes <= 25_000
+    segments = [name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs")]
+    assert sum(s3fs_of.size(f"{store.bucket.prefix}/{name}") for name in segments) <= 25_000  # what the bucket holds
+    reader = _store(bucket)
+    kept = [i for i, v in enumerate(reader.get_many([key(i) for i in range(50)])) if v is not None]
+    assert kept == list(range(50 - len(kept), 50)) and len(kept) >= 20  # the newest batches
+
+
+def test_a_deleted_entry_stays_deleted_for_other_readers_until_written_again(bucket: str) -> None:
+    store = _store(bucket)
+    store.put_many([(key(1), b"one"), (key(2), b"two")])
+    assert store.delete_many([key(1)]) == 1
+    assert _store(bucket).get(key(1)) is None and bytes(_store(bucket).get(key(2)) or b"") == b"two"
+    store.put_many([(key(1), b"again")])
+    assert bytes(_store(bucket).get(key(1)) or b"") == b"again"
+
+
+def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.object_servers import CREDENTIALS, _free_port, require_s3
+
+    require_s3()
+    for name, val in CREDENTIALS.items():
+        monkeypatch.setenv(name, val)
+    reports = Reports()
+    away = f"http://127.0.0.1:{_free_port()}"
+    store = ObjectStore("s3://nowhere/cache", "ns", 10**6, storage_options={"endpoint_url": away}, report=reports)
+    assert store.get_many([key(1), key(2)]) == [None, None]
+    assert store.get_many([key(1)]) == [None]
+    assert reports.kinds() == [Fault.UNAVAILABLE]  # once per outage
+    with pytest.raises(StoreUnavailableError):
+        store.put_many([(key(1), b"x")])
+
+
+# -- the products -------------------------------------------------------------------------
+def test_a_dataset_cache_warmed_into_a_bucket_is_read_by_a_fresh_machine(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/datasets"
+    data = Images()
+    first = CachedDataset(data, url, max_memory_size=0, local_cache_dir=tmp_path / "machine1")
+    assert [label for _, label in first.__getitems__(list(range(12)))] == list(range(12))
+    first.close()
+    fresh = Images()
+    second = CachedDataset(fresh, url, max_memory_size=0, local_cache_dir=tmp_path / "machine2")
+    samples = second.__getitems__(list(range(12)))
+    assert fresh.calls == 0 and second.stats().disk.hits == 12
+    assert all(torch.equal(image, torch.full((3, 4, 4), i, dtype=torch.uint8)) for i, (image, _) in enumerate(samples))
+    assert any((tmp_path / "machine2").rglob("seg-*.tcs"))  # kept locally: later epochs read the local copy
+    second.close()
+
+
+def test_a_bucket_url_is_never_taken_for_a_local_path(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cache = CachedDataset(Images(), f"{bucket}/x", max_memory_size=0, local_cache_dir=tmp_path / "copy")
+    cache.__getitems__([0, 1])
+    cache.close()
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/modules"
+    x = torch.randn(8, 4)
+    model = cached(
+        Counting,
+        persistent=True,
+        persistent_cache_dir=url,
+        local_cache_dir=str(tmp_path / "one"),
+        max_memory_cache_size=0,
+    )()
+    expected = model(x)
+    model.cache_instance.flush()
+    other = cached(
+        Counting,
+        persistent=True,
+        persistent_cache_dir=url,
+        local_cache_dir=str(tmp_path / "two"),
+        max_memory_cache_size=0,
+    )()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        out = other(x)
+    assert torch.equal(out, expected) and list(other.seen) == []
+    assert other.cache_instance.stats().disk.hits == 8
+
+
+def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"torchcache\[gcs\]"):
+        CachedDataset(Images(), "gs://bucket/prefix")
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///abs", "gs://"])
+def test_a_url_without_a_bucket_is_refused_naming_the_argument(url: str) -> None:
+    with pytest.raises(ConfigError, match="cache_dir"):
+        CachedDataset(Images(), url)

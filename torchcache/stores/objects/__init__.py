@@ -1,0 +1,6 @@
+"""Caches in object store buckets (S3, GCS and others fsspec reaches): :class:`ObjectStore`."""
+
+from .filesystem import OBJECT_SCHEMES, open_filesystem, storage_options_from_env
+from .store import ObjectStore
+
+__all__ = ["OBJECT_SCHEMES", "ObjectStore", "open_filesystem", "storage_options_from_env"]

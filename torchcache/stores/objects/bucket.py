@@ -1,0 +1,102 @@
+"""The objects of one cache in a bucket: requests with a backoff, faults reported once per outage."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ...errors import StoreError, StoreUnavailableError
+from ...faults import Fault, Report
+
+__all__ = ["Bucket"]
+
+T = TypeVar("T")
+
+
+class Bucket:
+    """The objects under ``prefix`` of an fsspec filesystem, by name (no ``/`` in names).
+
+    A request that fails (the server away, 403, 404 on the bucket, throttling after the
+    library's own retries) raises :class:`~torchcache.errors.StoreUnavailableError` and
+    starts a backoff (0.5 s doubling to 30 s) during which requests fail at once; a
+    success ends it. ``requests`` counts the requests sent.
+    """
+
+    def __init__(self, fs: Any, prefix: str, url: str, report: Report) -> None:
+        self.fs = fs
+        self.prefix = prefix
+        self.url = url
+        self.requests = 0
+        self._report = report
+        self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
+
+    def call(self, op: Callable[[], T], what: str) -> T:
+        """Run one request (``FileNotFoundError`` passes through: an object another writer removed)."""
+        wait = self._retry_at - time.monotonic()
+        if wait > 0:
+            raise StoreUnavailableError(f"cannot {what}: {self.url} was unreachable; next try in {wait:.1f} s")
+        self.requests += 1
+        try:
+            result = op()
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any fault of the bucket is a store fault
+            self._delay = min(30.0, max(0.5, self._delay * 2))
+            self._retry_at = time.monotonic() + self._delay
+            raise StoreUnavailableError(f"cannot {what} in {self.url}: {type(exc).__name__}: {exc}") from None
+        self._delay, self._retry_at, self._troubled = 0.0, float("-inf"), False
+        return result
+
+    def read_failed(self, exc: StoreError) -> None:
+        """Report a failed read, once until a request succeeds again."""
+        if not self._troubled:
+            self._troubled = True
+            self._report(Fault.UNAVAILABLE, str(exc))
+
+    def path(self, name: str) -> str:
+        """The full path of object ``name``."""
+        return f"{self.prefix}/{name}"
+
+    def names(self) -> set[str]:
+        """The names of the objects there now (a fresh listing)."""
+
+        def ls() -> list[str]:
+            try:
+                self.fs.invalidate_cache(self.prefix)
+                return list(self.fs.ls(self.prefix, detail=False))
+            except FileNotFoundError:
+                return []
+
+        return {path.rsplit("/", 1)[-1] for path in self.call(ls, "list")}
+
+    def cat(self, names: Sequence[str]) -> dict[str, object]:
+        """Each object's bytes, or the exception its read raised (``FileNotFoundError``: gone)."""
+        paths = [self.path(name) for name in names]
+        found = self.call(lambda: self.fs.cat(paths, on_error="return"), f"read {len(paths)} objects")
+        return {name: found.get(path) for name, path in zip(names, paths)}
+
+    def ranges(self, names: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[object]:
+        """One byte range of each object (in one call; the library sends them concurrently)."""
+        paths = [self.path(name) for name in names]
+        return list(self.call(lambda: self.fs.cat_ranges(paths, starts, ends, on_error="return"), "read entries"))
+
+    def put(self, name: str, data: bytes, what: str) -> None:
+        """Upload one object (a new name: objects are never overwritten)."""
+        self.call(lambda: self.fs.pipe_file(self.path(name), data), what)
+
+    def remove(self, names: Sequence[str]) -> None:
+        """Remove objects in order; one already removed (by another writer) is skipped."""
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self.call(lambda name=name: self.fs.rm_file(self.path(name)), "remove an object")  # type: ignore[misc]
+
+    def remove_all(self) -> None:
+        """Remove every object under the prefix."""
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.prefix, recursive=True)
+
+        self.call(rm, "clear")

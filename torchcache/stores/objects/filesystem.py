@@ -1,0 +1,62 @@
+"""The fsspec filesystem of an object store URL, with bounded retries, and storage options from the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ...errors import ConfigError
+
+__all__ = ["OBJECT_SCHEMES", "open_filesystem", "storage_options_from_env"]
+
+#: URL schemes of object stores (through fsspec and the scheme's package).
+OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
+
+
+def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path it names (``bucket/prefix``, no scheme).
+
+    Raises:
+        ConfigError: If ``url`` is not an object store URL, or fsspec or the scheme's package is missing.
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if not url.lower().startswith(OBJECT_SCHEMES) or not url.split("://", 1)[1].strip("/"):
+        raise ConfigError(
+            f"an object store URL is scheme://bucket/prefix with scheme one of {OBJECT_SCHEMES}, got {url!r}"
+        )
+    extra = _EXTRAS.get(scheme, scheme)
+    options = dict(storage_options or {})
+    if extra == "s3":  # bounded retries: a bucket that is away costs seconds, not minutes
+        options.setdefault("config_kwargs", _S3_CONFIG)
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(scheme, **options)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{scheme}:// caches need fsspec and the package of the scheme ({exc}): pip install 'torchcache[{extra}]'"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a filesystem that cannot be made is a configuration problem
+        raise ConfigError(f"cannot use {scheme}:// ({type(exc).__name__}: {exc})") from None
+    return fs, url.split("://", 1)[1].strip("/")
+
+
+def storage_options_from_env() -> dict[str, Any]:
+    """``storage_options`` from ``TORCHCACHE_STORAGE_OPTIONS`` (a JSON object), or none.
+
+    Raises:
+        ConfigError: If the variable is set but is not a JSON object.
+    """
+    raw = os.environ.get("TORCHCACHE_STORAGE_OPTIONS")
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise ConfigError("TORCHCACHE_STORAGE_OPTIONS must be a JSON object of fsspec storage options")
+    return options

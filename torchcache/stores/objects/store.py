@@ -1,0 +1,296 @@
+"""A store in an object store bucket (S3, GCS and others fsspec reaches): immutable segments and manifests.
+
+Writers never overwrite an object. A batch of entries is uploaded as one *segment*
+(``<stamp>-<id>.tcs``: the payloads one after another), then its *manifest*
+(``<stamp>-<id>.tcm``: JSON naming each entry's key, offset, length and xxh3-64), and
+an entry is visible once its manifest is: a writer killed mid-upload leaves a segment
+no reader sees (``prune`` sweeps it). Removing entries uploads a *tombstone*
+(``<stamp>-<id>.tcd``) that hides them in the manifests made before it. ``<stamp>`` is
+the upload time in nanoseconds, so the names sort by age, and any number of writers on
+any number of machines need no lock.
+
+A reader lists the manifests once, then again when it misses (at most every
+``refresh_seconds``), and fetches each segment's entries of a batch with one ranged
+read; every payload is checked against its manifest's digest, so a damaged or planted
+object is a miss, never wrong bytes. Manifests are parsed as JSON and validated; nothing
+read from the bucket is unpickled or run. Credentials come from the filesystem
+library's own chain (environment, config files, instance metadata) or
+``storage_options``; they are never logged or written.
+
+The budget (``max_bytes``) counts segment bytes: past it, the oldest segments go
+first (manifest, then segment), across writers, and a segment another writer removed
+first is simply gone. Faults of the bucket (unreachable, 403, 404, throttling) are
+reported once per outage; reads then miss and writes raise
+:class:`~torchcache.errors.StoreUnavailableError` until a backoff (0.5 s doubling to
+30 s) has passed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..._log import logger
+from ...errors import StoreError, StoreUnavailableError
+from ...faults import Fault, Report
+from ..batched import BatchedStore, VerifyReport
+from ..packed.format import encode_key, is_key
+from .bucket import Bucket
+from .filesystem import open_filesystem
+from .manifests import MANIFEST, SEGMENT, TOMBSTONE, Index, pack, ranged_reads, tombstone, unfinished
+
+__all__ = ["ObjectStore"]
+
+_STALE_UPLOAD_SECONDS = 3600.0
+
+
+class ObjectStore(BatchedStore):
+    """Entries in a bucket, as immutable segments with manifests (see the module's description).
+
+    Args:
+        url: ``scheme://bucket/prefix``.
+        namespace: The cache's name: its objects live under ``prefix/namespace/``.
+        max_bytes: The budget of segment bytes under the namespace.
+        storage_options: Passed to the fsspec filesystem (``endpoint_url``, credentials...).
+        report: Called with ``(kind, message)`` for faults.
+        refresh_seconds: A miss lists the manifests again at most this often.
+
+    Raises:
+        ConfigError: If the URL is invalid or a package is missing.
+    """
+
+    remote = True
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        max_bytes: int,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        report: Report | None = None,
+        refresh_seconds: float = 30.0,
+    ) -> None:
+        fs, root = open_filesystem(url, storage_options)
+        self.url = url
+        self.max_bytes = max_bytes
+        self.refresh_seconds = refresh_seconds
+        self._report = report or (lambda kind, message: logger.warning("%s", message))
+        self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report)
+        self._lock = threading.RLock()
+        self._known = Index()
+        self._last_stamp = 0
+        self._listed_at = float("-inf")
+
+    def __repr__(self) -> str:
+        namespace = self.bucket.prefix.rsplit("/", 1)[-1]
+        entries = len(self._known.entries)
+        return f"ObjectStore({self.url!r}, {namespace!r}, max_bytes={self.max_bytes}, {entries} entries)"
+
+    def _name(self) -> str:
+        """A new object name: a stamp that grows in this process, then a random id."""
+        with self._lock:
+            stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return f"{stamp:020d}-{uuid.uuid4().hex[:16]}"
+
+    # -- the index ----------------------------------------------------------------
+    def refresh(self) -> set[str]:
+        """List the bucket and read the manifests and tombstones not read yet; return the names listed.
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be listed.
+        """
+        with self._lock:
+            names = self.bucket.names()
+            new = sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self._known.seen)
+            for name, body in self.bucket.cat(new).items() if new else ():
+                if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
+                    self._apply(name, body)
+            self._known.drop_gone(names)
+            self._listed_at = time.monotonic()
+            return names
+
+    def _apply(self, name: str, body: object) -> None:
+        problem = self._known.apply(name, body)
+        if problem is not None:
+            self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid manifest ({problem}); not used")
+
+    def _index(self, refresh_if_missing: Sequence[str] = ()) -> None:
+        """List the bucket at first use, and again at a miss once ``refresh_seconds`` passed."""
+        due = time.monotonic() - self._listed_at >= self.refresh_seconds
+        if self._listed_at == float("-inf") or (due and any(k not in self._known.entries for k in refresh_if_missing)):
+            self.refresh()
+
+    # -- reads --------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        """The stored bytes of each key, ``None`` for a miss: one ranged read per segment.
+
+        A bucket that cannot be read gives misses (reported once per outage).
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+        """
+        for key in keys:
+            encode_key(key)
+        out: list[bytes | memoryview | None] = [None] * len(keys)
+        try:
+            with self._lock:
+                self._index(keys)
+                reads = ranged_reads([(i, self._known.entries.get(key)) for i, key in enumerate(keys)])
+            if not reads:
+                return out
+            blobs = self.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
+        except StoreError as exc:
+            self.bucket.read_failed(exc)
+            return out
+        damaged: list[str] = []
+        for read, blob in zip(reads, blobs):
+            if isinstance(blob, FileNotFoundError):  # pruned by another writer since the listing
+                with self._lock:
+                    self._known.forget({read.segment})
+            elif not isinstance(blob, bytes):
+                self.bucket.read_failed(StoreUnavailableError(f"cannot read {self.bucket.path(read.segment)}: {blob}"))
+            else:
+                damaged += [keys[i] for i in read.take(blob, out)]
+        if damaged:
+            self._report(Fault.CORRUPT, f"{len(damaged)} entries in {self.bucket.prefix} fail their checksum: not used")
+            with self._lock:
+                for key in damaged:
+                    self._known.entries.pop(key, None)
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str) or not is_key(key):
+            return False
+        try:
+            with self._lock:
+                self._index()
+        except StoreError as exc:
+            self.bucket.read_failed(exc)
+        return key in self._known.entries
+
+    def keys(self) -> Iterator[str]:
+        """The keys of the manifests read so far (the bucket is listed once first)."""
+        self._index()
+        return iter(list(self._known.entries))
+
+    def __len__(self) -> int:
+        self._index()
+        return len(self._known.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the visible entries."""
+        return sum(e.length for e in list(self._known.entries.values()))
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the segments in the bucket (0: nothing is on this machine's disk)."""
+        return sum(list(self._known.segments.values()))
+
+    # -- writes -------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        """Upload the entries as one segment, then its manifest; then keep the budget.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreUnavailableError: If the bucket cannot be written (nothing is visible then).
+        """
+        latest: dict[str, bytes | memoryview] = {}
+        for key, data in items:
+            encode_key(key)
+            if len(data) <= self.max_bytes:
+                latest[key] = data
+        todo = latest
+        if not todo:
+            return 0
+        with self._lock:
+            self._index()
+        name = self._name()
+        segment, body = pack(todo)
+        self.bucket.put(name + SEGMENT, segment, f"write {len(todo)} entries")
+        self.bucket.put(name + MANIFEST, body, "write a manifest")
+        with self._lock:
+            self._apply(name + MANIFEST, body)
+        if self.disk_bytes > self.max_bytes:
+            self.prune(self.max_bytes, sweep_seconds=None)
+        return len(latest)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Hide entries behind a tombstone; return how many were visible.
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
+            StoreUnavailableError: If the bucket cannot be written.
+        """
+        for key in keys:
+            encode_key(key)
+        with self._lock:
+            self._index()
+            present = [key for key in dict.fromkeys(keys) if key in self._known.entries]
+        if not present:
+            return 0
+        name = self._name() + TOMBSTONE
+        body = tombstone(present)
+        self.bucket.put(name, body, "write a tombstone")
+        with self._lock:
+            self._apply(name, body)
+        return len(present)
+
+    def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS) -> int:
+        """Remove the oldest segments until the rest fit ``max_bytes``; sweep unfinished uploads.
+
+        A segment without a manifest older than ``sweep_seconds`` (a writer killed
+        mid-upload) is removed too (``None``: no sweep).
+
+        Returns:
+            How many segments were removed.
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be listed or written.
+        """
+        with self._lock:
+            names = self.refresh()
+            doomed = self._known.oldest_over(max_bytes)
+            if sweep_seconds is not None:
+                doomed += unfinished(names - set(doomed), time.time_ns() - int(sweep_seconds * 1e9))
+            self._known.forget(set(doomed))
+        # Manifests first: an entry is never visible without its segment.
+        self.bucket.remove([n for s in doomed for n in (s.removesuffix(SEGMENT) + MANIFEST, s)])
+        return len(doomed)
+
+    def clear(self) -> None:
+        """Remove every object under the namespace.
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be written.
+        """
+        self.bucket.remove_all()
+        with self._lock:
+            self._known.clear()
+
+    def flush(self) -> None:
+        """Nothing to do: every write is visible when ``put_many`` returns."""
+
+    def close(self) -> None:
+        """Forget the index; it is listed again when used."""
+        with self._lock:
+            self._known.clear()
+            self._listed_at = float("-inf")
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Read every entry and check it; with ``fix``, hide the bad ones behind a tombstone.
+
+        Raises:
+            StoreError: If ``fix`` is set and the bucket cannot be written.
+        """
+        self.refresh()
+        keys = list(self._known.entries)
+        bad = [key for key, data in zip(keys, self.get_many(keys)) if data is None]
+        problems = [f"{len(bad)} entries fail their checksum or cannot be read"] if bad else []
+        if fix and bad:
+            self.delete_many(bad)
+        return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
