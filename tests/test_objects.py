@@ -205,3 +205,20 @@ def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_url_without_a_bucket_is_refused_naming_the_argument(url: str) -> None:
     with pytest.raises(ConfigError, match="cache_dir"):
         CachedDataset(Images(), url)
+
+
+def test_a_warmed_bucket_serves_a_machine_without_the_dataset(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/warmed"
+    warm = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    expected = warm.__getitems__(list(range(12)))
+    warm.close()
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert len(served) == 12 and served.fingerprint == warm.fingerprint
+    samples = served.__getitems__(list(range(12)))
+    assert all(torch.equal(a, b) and i == j for (a, i), (b, j) in zip(samples, expected))
+    served.close()
+
+
+def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
+    with pytest.raises(ConfigError, match="holds none"):
+        CachedDataset(None, f"{bucket}/empty")

@@ -95,6 +95,7 @@ class SampleCache:
         )
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         self._info = dict(info or {})
+        places.info = self._info
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
         self.length: int | None = length if type(length) is int and length > 0 else None

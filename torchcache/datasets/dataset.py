@@ -22,10 +22,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import module_dir_name, resolve_root
-from ..errors import ConfigError, TorchCacheError
+from ..config import is_object_url, module_dir_name, resolve_root
+from ..errors import ConfigError, StoreError, TorchCacheError
 from ..meta import read_meta
 from ..stats import CacheStats
+from ..stores.objects import storage_options_from_env
+from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
 from .keys import fingerprint_dataset
 
@@ -64,6 +66,26 @@ def _find_cache(directory: Path) -> Path:
         what = f"{len(found)} dataset caches: {listed}; pass one of them" if found else "no dataset cache"
         raise ConfigError(f"CachedDataset(None, {str(directory)!r}): {directory} holds {what}")
     return found[0][0]
+
+
+def _find_bucket_cache(url: str) -> tuple[str, dict[str, Any]]:
+    """The name and description of the one dataset cache under ``url``.
+
+    Raises:
+        ConfigError: If there is none, several, or the bucket cannot be read.
+    """
+    from ..stores.objects.store import find_caches
+
+    try:
+        metas = find_caches(url, storage_options_from_env())
+    except StoreError as exc:
+        raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): {exc}") from None
+    found = [m for m in metas if m.get("kind") == "dataset" and isinstance(m.get("cache"), str)]
+    if len(found) != 1:
+        listed = "; ".join(f"{m['cache']} ({m.get('name')})" for m in found)
+        what = f"{len(found)} dataset caches: {listed}; give each dataset a prefix of its own" if found else "none"
+        raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): {redact_url(url)} holds {what}")
+    return found[0]["cache"], found[0]
 
 
 class CachedDataset(Dataset[Any]):
@@ -131,20 +153,25 @@ class CachedDataset(Dataset[Any]):
         if dataset is None:
             if version is not None:
                 raise ConfigError("version names a cache of a dataset; without a dataset, pass its directory")
-            root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
-            directory = _find_cache(root)
-            meta = read_meta(directory) or {}
+            if is_object_url(cache_dir):
+                name, meta = _find_bucket_cache(str(cache_dir))
+                where: str | Path = str(cache_dir)
+            else:
+                root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+                directory = _find_cache(root)
+                name, meta, where = directory.name, read_meta(directory) or {}, directory.parent
             length = meta.get("length")
-            if type(length) is not int or length < 0 or module_dir_name(directory.name) != directory.name:
-                raise ConfigError(f"{directory} is not a usable dataset cache (its length or name is invalid)")
-            self.fingerprint = directory.name
+            if type(length) is not int or length < 0 or module_dir_name(name) != name:
+                raise ConfigError(f"{name} in {where} is not a usable dataset cache (its length or name is invalid)")
+            self.fingerprint = name
             size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size
             self.cache = SampleCache(
-                directory.name,
-                directory.parent,
+                name,
+                where,
                 max_memory_size=max_memory_size,
                 max_disk_size=size,
                 info={"length": length},
+                local_cache_dir=local_cache_dir if isinstance(where, str) else None,
             )
         else:
             try:

@@ -14,7 +14,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ class Places:
     #: The job's shared-memory directory (``None``: no RAM tier).
     job_dir: Path | None = None
     max_memory_size: int = 0
+    #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def memory_dir(self) -> Path | None:
@@ -204,7 +206,8 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
 
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")
-    store = open_remote_store(url, namespace, max_bytes, report)
+    meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
+    store = open_remote_store(url, namespace, max_bytes, report, meta=meta)
     if places.local_directory is None:
         return store
     try:

@@ -29,7 +29,7 @@ import numpy as np
 import torch.utils.data
 
 from .._log import logger
-from ..errors import ConfigError, CorruptEntryError
+from ..errors import ConfigError, CorruptEntryError, StoreUnavailableError
 from ..faults import Fault, FaultLog
 from ..stores.batched import BatchedStore
 from ..stores.packed.index import INDEX_NAME
@@ -243,12 +243,10 @@ class SampleTier:
                 store.put_many(admitted)
                 self._give_back(store, admitted)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
-            self.writable = False
-            self.faults.warn(
-                Fault.WRITE,
-                f"cannot write to the {self.name} tier ({exc}); samples are computed, not cached there, from now on",
-                self.name,
-            )
+            retried = isinstance(exc, StoreUnavailableError) and bool(getattr(self.store, "remote", False))
+            self.writable = retried  # a server that is away may come back; a disk that failed does not
+            later = "retried later" if retried else "samples are computed, not cached there, from now on"
+            self.faults.warn(Fault.WRITE, f"cannot write to the {self.name} tier ({exc}); {later}", self.name)
 
     def _put_rows(
         self, slots: SampleRows, items: Sequence[tuple[str, bytes | memoryview]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -10,7 +11,10 @@ from typing import Any, TypeVar
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 
-__all__ = ["Bucket"]
+__all__ = ["META_NAME", "Bucket"]
+
+#: The object that describes a cache (its kind, name, length), beside its segments.
+META_NAME = "torchcache.json"
 
 T = TypeVar("T")
 
@@ -85,6 +89,14 @@ class Bucket:
     def put(self, name: str, data: bytes, what: str) -> None:
         """Upload one object (a new name: objects are never overwritten)."""
         self.call(lambda: self.fs.pipe_file(self.path(name), data), what)
+
+    def describe(self, meta: dict[str, Any]) -> None:
+        """Upload ``torchcache.json`` unless there is one; a failure is reported, not raised."""
+        try:
+            if not self.call(lambda: self.fs.exists(self.path(META_NAME)), "look for the description"):
+                self.put(META_NAME, json.dumps(meta, sort_keys=True).encode(), "describe the cache")
+        except StoreError as exc:
+            self._report(Fault.META, f"cannot describe the cache in {self.url}: {exc}")
 
     def remove(self, names: Sequence[str]) -> None:
         """Remove objects in order; one already removed (by another writer) is skipped."""

@@ -27,10 +27,12 @@ reported once per outage; reads then miss and writes raise
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..._log import logger
@@ -38,7 +40,7 @@ from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
-from .bucket import Bucket
+from .bucket import META_NAME, Bucket
 from .filesystem import open_filesystem
 from .manifests import MANIFEST, SEGMENT, TOMBSTONE, Index, pack, ranged_reads, tombstone, unfinished
 
@@ -57,6 +59,7 @@ class ObjectStore(BatchedStore):
         storage_options: Passed to the fsspec filesystem (``endpoint_url``, credentials...).
         report: Called with ``(kind, message)`` for faults.
         refresh_seconds: A miss lists the manifests again at most this often.
+        meta: What the namespace's ``torchcache.json`` records, written with the first entries.
 
     Raises:
         ConfigError: If the URL is invalid or a package is missing.
@@ -73,6 +76,7 @@ class ObjectStore(BatchedStore):
         storage_options: dict[str, Any] | None = None,
         report: Report | None = None,
         refresh_seconds: float = 30.0,
+        meta: Mapping[str, Any] | None = None,
     ) -> None:
         fs, root = open_filesystem(url, storage_options)
         self.url = url
@@ -84,6 +88,7 @@ class ObjectStore(BatchedStore):
         self._known = Index()
         self._last_stamp = 0
         self._listed_at = float("-inf")
+        self._meta = None if meta is None else dict(meta)
 
     def __repr__(self) -> str:
         namespace = self.bucket.prefix.rsplit("/", 1)[-1]
@@ -199,25 +204,22 @@ class ObjectStore(BatchedStore):
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
             StoreUnavailableError: If the bucket cannot be written (nothing is visible then).
         """
-        latest: dict[str, bytes | memoryview] = {}
-        for key, data in items:
-            encode_key(key)
-            if len(data) <= self.max_bytes:
-                latest[key] = data
-        todo = latest
+        todo = {key: data for key, data in items if encode_key(key) and len(data) <= self.max_bytes}
         if not todo:
             return 0
         with self._lock:
             self._index()
-        name = self._name()
-        segment, body = pack(todo)
+        name, (segment, body) = self._name(), pack(todo)
         self.bucket.put(name + SEGMENT, segment, f"write {len(todo)} entries")
         self.bucket.put(name + MANIFEST, body, "write a manifest")
         with self._lock:
             self._apply(name + MANIFEST, body)
+        if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
+            self.bucket.describe(self._meta)
+            self._meta = None
         if self.disk_bytes > self.max_bytes:
             self.prune(self.max_bytes, sweep_seconds=None)
-        return len(latest)
+        return len(todo)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Hide entries behind a tombstone; return how many were visible.
@@ -294,3 +296,23 @@ class ObjectStore(BatchedStore):
         if fix and bad:
             self.delete_many(bad)
         return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
+
+
+def find_caches(url: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The ``torchcache.json`` of every cache under ``url`` (invalid ones are left out).
+
+    Raises:
+        ConfigError: If the URL is invalid or a package is missing.
+        StoreUnavailableError: If the bucket cannot be listed or read.
+    """
+    fs, root = open_filesystem(url, storage_options)
+    bucket = Bucket(fs, root, url, lambda kind, message: None)
+    paths = bucket.call(lambda: list(fs.glob(f"{root}/*/{META_NAME}")), "list caches")
+    found = bucket.call(lambda: fs.cat(paths, on_error="return"), "read cache descriptions") if paths else {}
+    metas = []
+    for body in found.values():
+        with contextlib.suppress(ValueError, TypeError):
+            meta = json.loads(body)
+            if isinstance(meta, dict):
+                metas.append(meta)
+    return metas
