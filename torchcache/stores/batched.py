@@ -155,6 +155,14 @@ class BatchedStore(ABC):
         """
         return None
 
+    def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
+        """Checked entries that reads fetched beyond the keys asked for (whole remote segments), once.
+
+        A local copy in front of the store keeps them, so that later batches find them
+        there. Stores that read only what is asked return ``[]``.
+        """
+        return []
+
     # -- helpers written once -----------------------------------------------------
     def get(self, key: str) -> bytes | memoryview | None:
         """The stored bytes of one key, or ``None``."""

@@ -68,9 +68,13 @@ class LayeredStore(BatchedStore):
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
         found: list[bytes | memoryview | None] = [None] * len(keys)
-        for _, positions, datas in look_up((_Near(self), _Far(self.far)), keys).parts:
+        near = _Near(self)
+        for _, positions, datas in look_up((near, _Far(self.far)), keys).parts:
             for i, data in zip(positions, datas):
                 found[i] = data
+        extras = self.far.take_extras()  # the rest of whole segments the shared store read
+        if extras:
+            near.keep([key for key, _ in extras], [data for _, data in extras])
         return found
 
     def __contains__(self, key: object) -> bool:

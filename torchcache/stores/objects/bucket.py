@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,13 +37,21 @@ class Bucket:
         self.requests = 0
         self._report = report
         self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
+        self._last_stamp = 0
+        self._stamp_lock = threading.Lock()
 
-    def call(self, op: Callable[[], T], what: str) -> T:
-        """Run one request (``FileNotFoundError`` passes through: an object another writer removed)."""
+    def new_name(self) -> str:
+        """A new object name: a stamp that grows in this process (names sort by age), then a random id."""
+        with self._stamp_lock:
+            stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return f"{stamp:020d}-{uuid.uuid4().hex[:16]}"
+
+    def call(self, op: Callable[[], T], what: str, requests: int = 1) -> T:
+        """Run ``op``, which sends ``requests`` requests (``FileNotFoundError`` passes through: an object gone)."""
         wait = self._retry_at - time.monotonic()
         if wait > 0:
             raise StoreUnavailableError(f"cannot {what}: {self.url} was unreachable; next try in {wait:.1f} s")
-        self.requests += 1
+        self.requests += requests
         try:
             result = op()
         except FileNotFoundError:
@@ -78,13 +88,14 @@ class Bucket:
     def cat(self, names: Sequence[str]) -> dict[str, object]:
         """Each object's bytes, or the exception its read raised (``FileNotFoundError``: gone)."""
         paths = [self.path(name) for name in names]
-        found = self.call(lambda: self.fs.cat(paths, on_error="return"), f"read {len(paths)} objects")
+        found = self.call(lambda: self.fs.cat(paths, on_error="return"), f"read {len(paths)} objects", len(paths))
         return {name: found.get(path) for name, path in zip(names, paths)}
 
     def ranges(self, names: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[object]:
         """One byte range of each object (in one call; the library sends them concurrently)."""
         paths = [self.path(name) for name in names]
-        return list(self.call(lambda: self.fs.cat_ranges(paths, starts, ends, on_error="return"), "read entries"))
+        op = lambda: self.fs.cat_ranges(paths, starts, ends, on_error="return")  # noqa: E731
+        return list(self.call(op, "read entries", requests=len(paths)))
 
     def put(self, name: str, data: bytes, what: str) -> None:
         """Upload one object (a new name: objects are never overwritten)."""

@@ -46,15 +46,20 @@ class Entry(NamedTuple):
 
 
 class Read(NamedTuple):
-    """One ranged read: a segment's bytes ``start:end``, holding the entries at these batch positions."""
+    """One ranged read: a segment's bytes ``start:end``, holding the entries at these batch positions.
+
+    A read of most of a segment reads all of it (``others``: the entries not asked for),
+    so that a local copy takes the whole segment and later batches find it there.
+    """
 
     segment: str
     start: int
     end: int
     entries: list[tuple[int, Entry]]
+    others: list[tuple[str, Entry]]
 
-    def take(self, blob: bytes, out: list[bytes | memoryview | None]) -> list[int]:
-        """Put each entry that passes its check into ``out``; return the positions that fail."""
+    def take(self, blob: bytes, out: list[bytes | memoryview | None]) -> tuple[list[int], list[tuple[str, memoryview]]]:
+        """Fill ``out`` with the entries that pass their check; return the positions that fail, and the others."""
         view, failed = memoryview(blob), []
         for i, entry in self.entries:
             data = view[entry.offset - self.start : entry.offset - self.start + entry.length]
@@ -62,19 +67,38 @@ class Read(NamedTuple):
                 out[i] = data
             else:
                 failed.append(i)
-        return failed
+        others = []
+        for key, entry in self.others:
+            data = view[entry.offset - self.start : entry.offset - self.start + entry.length]
+            if len(data) == entry.length and xxhash.xxh3_64_intdigest(data) == entry.digest:
+                others.append((key, data))
+        return failed, others
 
 
-def ranged_reads(wanted: list[tuple[int, Entry | None]]) -> list[Read]:
-    """The reads of a batch's entries (position, entry or ``None``): one range per segment."""
+def ranged_reads(wanted: list[tuple[int, Entry | None]], index: Index, whole_above: float = 0.5) -> list[Read]:
+    """The reads of a batch's entries (position, entry or ``None``): one range per segment.
+
+    A range over more than ``whole_above`` of its segment becomes the whole segment.
+    """
     by_segment: dict[str, list[tuple[int, Entry]]] = {}
     for i, entry in wanted:
         if entry is not None:
             by_segment.setdefault(entry.segment, []).append((i, entry))
-    return [
-        Read(s, min(e.offset for _, e in found), max(e.offset + e.length for _, e in found), found)
-        for s, found in by_segment.items()
-    ]
+    reads, whole = [], set()
+    for segment, found in by_segment.items():
+        start, end = min(e.offset for _, e in found), max(e.offset + e.length for _, e in found)
+        size = index.segments.get(segment, 0)
+        if size and end - start > whole_above * size:
+            start, end = 0, size
+            whole.add(segment)
+        reads.append(Read(segment, start, end, found, []))
+    if whole:
+        asked = {id(e) for found in by_segment.values() for _, e in found}
+        by_name = {read.segment: read for read in reads}
+        for key, entry in index.entries.items():
+            if entry.segment in whole and id(entry) not in asked:
+                by_name[entry.segment].others.append((key, entry))
+    return reads
 
 
 class Index:

@@ -31,7 +31,6 @@ import contextlib
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -86,20 +85,14 @@ class ObjectStore(BatchedStore):
         self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report)
         self._lock = threading.RLock()
         self._known = Index()
-        self._last_stamp = 0
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
+        self._extras: list[tuple[str, bytes | memoryview]] = []
 
     def __repr__(self) -> str:
         namespace = self.bucket.prefix.rsplit("/", 1)[-1]
         entries = len(self._known.entries)
         return f"ObjectStore({self.url!r}, {namespace!r}, max_bytes={self.max_bytes}, {entries} entries)"
-
-    def _name(self) -> str:
-        """A new object name: a stamp that grows in this process, then a random id."""
-        with self._lock:
-            stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
-        return f"{stamp:020d}-{uuid.uuid4().hex[:16]}"
 
     # -- the index ----------------------------------------------------------------
     def refresh(self) -> set[str]:
@@ -144,7 +137,7 @@ class ObjectStore(BatchedStore):
         try:
             with self._lock:
                 self._index(keys)
-                reads = ranged_reads([(i, self._known.entries.get(key)) for i, key in enumerate(keys)])
+                reads = ranged_reads([(i, self._known.entries.get(key)) for i, key in enumerate(keys)], self._known)
             if not reads:
                 return out
             blobs = self.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
@@ -152,6 +145,7 @@ class ObjectStore(BatchedStore):
             self.bucket.read_failed(exc)
             return out
         damaged: list[str] = []
+        extras: list[tuple[str, memoryview]] = []
         for read, blob in zip(reads, blobs):
             if isinstance(blob, FileNotFoundError):  # pruned by another writer since the listing
                 with self._lock:
@@ -159,13 +153,21 @@ class ObjectStore(BatchedStore):
             elif not isinstance(blob, bytes):
                 self.bucket.read_failed(StoreUnavailableError(f"cannot read {self.bucket.path(read.segment)}: {blob}"))
             else:
-                damaged += [keys[i] for i in read.take(blob, out)]
+                failed, others = read.take(blob, out)
+                damaged, extras = damaged + [keys[i] for i in failed], extras + others
+        self._extras += extras
         if damaged:
             self._report(Fault.CORRUPT, f"{len(damaged)} entries in {self.bucket.prefix} fail their checksum: not used")
             with self._lock:
                 for key in damaged:
                     self._known.entries.pop(key, None)
         return out
+
+    def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
+        """Entries read with whole segments beyond those asked for, once (for a local copy to keep)."""
+        with self._lock:
+            extras, self._extras = self._extras, []
+        return extras
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str) or not is_key(key):
@@ -209,7 +211,7 @@ class ObjectStore(BatchedStore):
             return 0
         with self._lock:
             self._index()
-        name, (segment, body) = self._name(), pack(todo)
+        name, (segment, body) = self.bucket.new_name(), pack(todo)
         self.bucket.put(name + SEGMENT, segment, f"write {len(todo)} entries")
         self.bucket.put(name + MANIFEST, body, "write a manifest")
         with self._lock:
@@ -235,7 +237,7 @@ class ObjectStore(BatchedStore):
             present = [key for key in dict.fromkeys(keys) if key in self._known.entries]
         if not present:
             return 0
-        name = self._name() + TOMBSTONE
+        name = self.bucket.new_name() + TOMBSTONE
         body = tombstone(present)
         self.bucket.put(name, body, "write a tombstone")
         with self._lock:
