@@ -1,0 +1,187 @@
+"""A dataset cache in a bucket: warm it, then read it on a fresh "machine", against a local disk cache.
+
+Usage::
+
+    python benchmarks/object_store.py                 # 10,000 samples of 3x64x64 uint8 + label
+    python benchmarks/object_store.py --samples 2000  # a smoke run
+
+An S3-compatible server (moto's server mode) runs in a process of its own on 127.0.0.1.
+Steps, each read in a fresh process with the RAM tier off (``max_memory_size=0``) and
+shuffled batches of 256:
+
+1. warm: ``CachedDataset(images, "s3://bucket/cache")`` reads every sample once; upload
+   throughput is the payload bytes over that epoch's time;
+2. a local disk cache of the same samples (``CachedDataset(images, directory)``), warmed
+   the same way; then a fresh process serves it without the dataset
+   (``CachedDataset(None, directory)``) for two epochs: the baseline;
+3. a fresh process with an empty local directory serves the bucket without the dataset
+   (``CachedDataset(None, url)``) for two epochs: the first reads the bucket (requests
+   counted), the second its local copy.
+
+Every sample read is checked against the image it was made from. Targets (issue 39):
+first epoch from the bucket at most 2x the first from the local disk cache, the second
+at most 1.1x; requests per epoch about one per segment touched, not one per sample. It
+exits non-zero if a sample is wrong. Results go to ``--json`` (default
+``benchmarks/results/object_store.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _meta import write_results
+
+HERE = Path(__file__).resolve()
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def image(i: int) -> Any:
+    """Sample ``i``'s image: a deterministic 3x64x64 uint8 pattern."""
+    import torch
+
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g)
+
+
+class Images:
+    """A map-style dataset of :func:`image`, with labels."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return image(i), i % 10
+
+
+def epoch(dataset: Any, n: int, seed: int) -> dict[str, Any]:
+    """One shuffled epoch in batches of 256: seconds, and samples whose image is wrong."""
+    import torch
+
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    wrong, start = 0, time.perf_counter()
+    batches = [order[i : i + 256] for i in range(0, n, 256)]
+    served = [dataset.__getitems__(batch) for batch in batches]
+    seconds = time.perf_counter() - start
+    for batch, samples in zip(batches, served):
+        wrong += sum(1 for i, (img, label) in zip(batch, samples) if label != i % 10 or not torch.equal(img, image(i)))
+    return {"seconds": round(seconds, 3), "wrong": wrong}
+
+
+def child(role: str, location: str, local: str, n: int) -> None:
+    """Run one step in this (fresh) process and print its figures as JSON."""
+    from torchcache import CachedDataset
+
+    out: dict[str, Any] = {}
+    if role == "warm":
+        cache = CachedDataset(Images(n), location, max_memory_size=0, local_cache_dir=local or None)
+        out["warm"] = epoch(cache, n, seed=0)
+    else:
+        cache = CachedDataset(None, location, max_memory_size=0, local_cache_dir=local or None)
+        out["epochs"] = [epoch(cache, n, seed=e + 1) for e in range(2)]
+        disk = cache.cache._tiers[-1].store  # the bucket behind its local copy, or a packed store
+        far = getattr(disk, "far", None)
+        out["requests"] = getattr(getattr(far, "bucket", None), "requests", None)
+        out["disk_hits"] = cache.stats().disk.hits if cache.stats().disk else 0
+    cache.close()
+    print("RESULT " + json.dumps(out))
+
+
+def run_child(role: str, location: str, local: str, n: int, env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, str(HERE), "--child", role, location, local, str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{role} failed:\n{done.stdout}\n{done.stderr}")
+    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=10_000)
+    parser.add_argument("--json", help="default: benchmarks/results/object_store.json")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        role, location, local, n = args.child
+        child(role, location, local, int(n))
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        import boto3
+
+        for _ in range(100):
+            try:
+                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t",
+                             aws_secret_access_key="t").create_bucket(Bucket="bench")  # fmt: skip
+                break
+            except Exception:  # noqa: BLE001 - the server is starting
+                time.sleep(0.1)
+        work = Path(tempfile.mkdtemp(prefix="tc-objects-"))
+        env = {
+            **os.environ,
+            **CREDENTIALS,
+            "TORCHCACHE_STORAGE_OPTIONS": json.dumps({"endpoint_url": endpoint}),
+            "TORCHCACHE_DIR": str(work / "root"),
+        }
+        n, url = args.samples, "s3://bench/cache"
+        payload = n * (3 * 64 * 64)
+        warm = run_child("warm", url, str(work / "warm-copy"), n, env)["warm"]
+        run_child("warm", str(work / "disk"), "", n, env)
+        local = run_child("serve", str(work / "disk"), "", n, env)
+        bucket = run_child("serve", url, str(work / "fresh-copy"), n, env)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    wrong = sum(e["wrong"] for e in local["epochs"] + bucket["epochs"]) + warm["wrong"]
+    first = bucket["epochs"][0]["seconds"] / local["epochs"][0]["seconds"]
+    second = bucket["epochs"][1]["seconds"] / local["epochs"][1]["seconds"]
+    results = {
+        "samples": n,
+        "payload_mb": round(payload / 1e6, 1),
+        "warm_seconds": warm["seconds"],
+        "upload_mb_per_s": round(payload / 1e6 / warm["seconds"], 1),
+        "local_disk_epochs_s": [e["seconds"] for e in local["epochs"]],
+        "bucket_epochs_s": [e["seconds"] for e in bucket["epochs"]],
+        "first_epoch_ratio": round(first, 2),
+        "second_epoch_ratio": round(second, 2),
+        "bucket_requests_two_epochs": bucket["requests"],
+        "batches_per_epoch": -(-n // 256),
+        "wrong_samples": wrong,
+        "targets": {"first_epoch_ratio": 2.0, "second_epoch_ratio": 1.1},
+    }
+    for name, value in results.items():
+        print(f"  {name:28} {value}")
+    write_results("object_store", results, args.json)
+    if wrong:
+        raise SystemExit(f"{wrong} samples were wrong")
+
+
+if __name__ == "__main__":
+    main()
