@@ -222,3 +222,25 @@ def test_a_warmed_bucket_serves_a_machine_without_the_dataset(bucket: str, tmp_p
 def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
     with pytest.raises(ConfigError, match="holds none"):
         CachedDataset(None, f"{bucket}/empty")
+
+
+def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
+    bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+
+    url = f"{bucket}/cli"
+    cache = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
+    cache.__getitems__(list(range(12)))
+    cache.close()
+    model = cached(Counting, persistent=True, persistent_cache_dir=url, local_cache_dir=str(tmp_path / "m"))()
+    model(torch.randn(8, 4))
+    model.cache_instance.flush()
+    assert main(["ls", url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["caches"]
+    assert sorted(c["entries"] for c in listed) == [8, 12]
+    assert main(["verify", url]) == 0 and "no problems found" in capsys.readouterr().out
+    assert main(["prune", url, "--max-size", "0"]) == 0 and "removed 2 segments" in capsys.readouterr().out
+    assert main(["clear", "--all", "--root", url, "--yes"]) == 0
+    capsys.readouterr()
+    assert main(["ls", url, "--json"]) == 0 and json.loads(capsys.readouterr().out)["caches"] == []

@@ -65,9 +65,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         The exit status: 0.
     """
     if is_url(args.root):
-        from . import redis as cli_redis
+        from . import remote
 
-        return cli_redis.redis_ls(args.root, args)
+        return remote.remote_ls(args.root, args)
     root = command_root(args.root)
     caches = find_caches(root)
     if args.json:
@@ -94,9 +94,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         CacheLookupError: If no module cache, or more than one, matches the target.
     """
     if is_url(args.root):
-        from . import redis as cli_redis
+        from . import remote
 
-        return cli_redis.redis_info(args.root, args)
+        return remote.remote_info(args.root, args)
     root = command_root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
@@ -194,9 +194,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         The exit status: 1 if problems were found and not fixed, else 0.
     """
     if is_url(args.path):
-        from . import redis as cli_redis
+        from . import remote
 
-        return cli_redis.redis_verify(args.path, args)
+        return remote.remote_verify(args.path, args)
     root = command_root(args.path)
     caches = find_caches(root)
     listed = [(cache, list_files(cache.directory)) for cache in caches]
@@ -305,6 +305,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 1 if a module cache could not be removed, else 0.
     """
+    if is_url(args.root):
+        from . import remote
+
+        return remote.remote_prune(args.root, args)
     try:
         root = command_root(args.root)
     except CacheLookupError as exc:
@@ -396,9 +400,9 @@ def cmd_clear(args: argparse.Namespace) -> int:
         CacheLookupError: If no module cache, or more than one, matches the target.
     """
     if is_url(args.root):
-        from . import redis as cli_redis
+        from . import remote
 
-        return cli_redis.redis_clear(args.root, args)
+        return remote.remote_clear(args.root, args)
     root = command_root(args.root)
     targets = find_caches(root) if args.all else [resolve_cache(root, args.target, root_given=args.root is not None)]
     if not targets:

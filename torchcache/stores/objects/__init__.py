@@ -1,6 +1,13 @@
 """Caches in object store buckets (S3, GCS and others fsspec reaches): :class:`ObjectStore`."""
 
 from .filesystem import OBJECT_SCHEMES, open_filesystem, storage_options_from_env
-from .store import ObjectStore
+from .store import ObjectStore, bucket_namespaces, find_caches
 
-__all__ = ["OBJECT_SCHEMES", "ObjectStore", "open_filesystem", "storage_options_from_env"]
+__all__ = [
+    "OBJECT_SCHEMES",
+    "ObjectStore",
+    "bucket_namespaces",
+    "find_caches",
+    "open_filesystem",
+    "storage_options_from_env",
+]

@@ -109,6 +109,19 @@ class Bucket:
         except StoreError as exc:
             self._report(Fault.META, f"cannot describe the cache in {self.url}: {exc}")
 
+    def description(self) -> dict[str, Any]:
+        """What ``torchcache.json`` says of the cache (``{}``: none, or not a JSON object).
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be read.
+        """
+        try:
+            body = self.call(lambda: self.fs.cat_file(self.path(META_NAME)), "read the description")
+            meta = json.loads(body)
+        except (FileNotFoundError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def remove(self, names: Sequence[str]) -> None:
         """Remove objects in order; one already removed (by another writer) is skipped."""
         for name in names:

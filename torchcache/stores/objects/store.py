@@ -318,3 +318,16 @@ def find_caches(url: str, storage_options: dict[str, Any] | None = None) -> list
             if isinstance(meta, dict):
                 metas.append(meta)
     return metas
+
+
+def bucket_namespaces(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """The caches (namespaces) under ``url``: its folders.
+
+    Raises:
+        ConfigError: If the URL is invalid or a package is missing.
+        StoreUnavailableError: If the bucket cannot be listed.
+    """
+    fs, root = open_filesystem(url, storage_options)
+    bucket = Bucket(fs, root, url, lambda kind, message: None)
+    found = bucket.call(lambda: fs.ls(root, detail=True) if fs.exists(root) else [], "list caches")
+    return sorted(str(item["name"]).rsplit("/", 1)[-1] for item in found if item.get("type") == "directory")

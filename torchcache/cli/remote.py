@@ -1,8 +1,9 @@
-"""The ``torchcache`` command on a Redis server or cluster: ``ls``, ``info``, ``verify``, ``clear`` by URL.
+"""The ``torchcache`` command by URL (a Redis server or cluster, a bucket): ls, info, verify, clear, prune.
 
-A cache on a server is a namespace (the module key, see :mod:`torchcache.stores.redis.store`).
-The handlers here take the URL where the local ones take a root, and never print a
-password: every URL shown is redacted.
+A cache there is a namespace: a key prefix on a server (:mod:`torchcache.stores.redis.store`),
+a folder under the URL in a bucket (:mod:`torchcache.stores.objects`). The handlers here
+take the URL where the local ones take a root, and never print a password: every URL
+shown is redacted.
 """
 
 from __future__ import annotations
@@ -11,24 +12,32 @@ import argparse
 import sys
 from typing import Any
 
+from ..config import is_object_url
 from ..errors import StoreError
 from ..policy import format_size
-from ..stores.redis.store import RedisStore
+from ..stores.batched import BatchedStore
+from ..stores.objects import ObjectStore, bucket_namespaces, storage_options_from_env
 from ..stores.redis.url import redact_url
+from ..stores.remote import open_remote_store
 from .output import error, plural, print_json, table
 from .verify import check_entries, check_frame
 
-__all__ = ["redis_clear", "redis_info", "redis_ls", "redis_verify"]
+__all__ = ["remote_clear", "remote_info", "remote_ls", "remote_prune", "remote_verify"]
 
 _UNLIMITED = 1 << 62
 
 
-def _open(url: str, namespace: str) -> RedisStore:
-    return RedisStore(url, namespace, _UNLIMITED, report=lambda kind, message: None)
+def _open(url: str, namespace: str) -> BatchedStore:
+    return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None)
 
 
 def _namespaces(url: str, prefix: str | None = None) -> list[str]:
-    names = RedisStore.namespaces(url)
+    if is_object_url(url):
+        names = bucket_namespaces(url, storage_options_from_env())
+    else:
+        from ..stores.redis.store import RedisStore
+
+        names = RedisStore.namespaces(url)
     if prefix is None:
         return names
     exact = [n for n in names if n == prefix]
@@ -40,8 +49,8 @@ def _describe(url: str, namespace: str) -> dict[str, Any]:
         return {"key": namespace, "entries": len(store), "bytes": store.nbytes}
 
 
-def redis_ls(url: str, args: argparse.Namespace) -> int:
-    """``torchcache ls redis://...``: the caches (namespaces) on a server, with entries and bytes."""
+def remote_ls(url: str, args: argparse.Namespace) -> int:
+    """``torchcache ls URL``: the caches (namespaces) on a server or in a bucket, with entries and bytes."""
     shown = redact_url(url)
     caches = [_describe(url, n) for n in _namespaces(url)]
     if args.json:
@@ -65,8 +74,8 @@ def _one(url: str, target: str) -> str | None:
     return None
 
 
-def redis_info(url: str, args: argparse.Namespace) -> int:
-    """``torchcache info KEY --root redis://...``: one namespace's entries and bytes."""
+def remote_info(url: str, args: argparse.Namespace) -> int:
+    """``torchcache info KEY --root URL``: one namespace's entries and bytes."""
     namespace = _one(url, args.target)
     if namespace is None:
         return 1
@@ -84,8 +93,8 @@ def redis_info(url: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def redis_verify(url: str, args: argparse.Namespace) -> int:
-    """``torchcache verify redis://...``: every namespace's bookkeeping, record checksums and frames."""
+def remote_verify(url: str, args: argparse.Namespace) -> int:
+    """``torchcache verify URL``: every namespace's bookkeeping, record checksums and (module caches) frames."""
     problems: list[tuple[str, str]] = []
     checked = 0
     for namespace in _namespaces(url):
@@ -94,8 +103,9 @@ def redis_verify(url: str, args: argparse.Namespace) -> int:
             checked += report.entries
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
             problems += [(namespace, line) for line in report.problems]
-            for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
-                problems.append((namespace, f"entry {key}: {reason}"))
+            if _holds_module_outputs(store):
+                for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
+                    problems.append((namespace, f"entry {key}: {reason}"))
     if args.json:
         print_json(
             {
@@ -116,8 +126,8 @@ def redis_verify(url: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def redis_clear(url: str, args: argparse.Namespace) -> int:
-    """``torchcache clear KEY|--all --root redis://... --yes``: remove namespaces from a server."""
+def remote_clear(url: str, args: argparse.Namespace) -> int:
+    """``torchcache clear KEY|--all --root URL --yes``: remove namespaces from a server or a bucket."""
     if args.all:
         targets = _namespaces(url)
     else:
@@ -136,4 +146,29 @@ def redis_clear(url: str, args: argparse.Namespace) -> int:
             error(f"cannot clear {namespace}: {exc}")
             return 1
     print(f"removed {plural(len(targets), 'cache')} from {redact_url(url)}", file=sys.stdout)
+    return 0
+
+
+def _holds_module_outputs(store: BatchedStore) -> bool:
+    """Whether a namespace's entries are output frames (a bucket's dataset caches hold samples)."""
+    if not isinstance(store, ObjectStore):
+        return True
+    return store.bucket.description().get("kind") != "dataset"
+
+
+def remote_prune(url: str, args: argparse.Namespace) -> int:
+    """``torchcache prune URL --max-size SIZE``: each bucket cache's oldest segments, and unfinished uploads."""
+    if not is_object_url(url) or args.max_size is None:
+        error("prune on a URL takes a bucket (s3://, gs://...) and --max-size; a Redis server keeps its own budget")
+        return 1
+    removed = 0
+    for namespace in _namespaces(url):
+        store = _open(url, namespace)
+        assert isinstance(store, ObjectStore)
+        try:
+            removed += 0 if args.dry_run else store.prune(args.max_size)
+        except StoreError as exc:
+            error(f"cannot prune {namespace}: {exc}")
+            return 1
+    print(f"removed {plural(removed, 'segment')} from {redact_url(url)}")
     return 0
