@@ -915,6 +915,7 @@ def test_a_batch_mixing_long_and_short_headers_of_one_layout_is_read_whole(
 
 
 def test_raw_rows_of_one_layout_are_one_contiguous_array_and_others_are_refused() -> None:
+    from torchcache.stores.batched import rows_of
     from torchcache.tiers.frames import FrameCodec
     from torchcache.tree import Layout, flatten
 
@@ -924,12 +925,14 @@ def test_raw_rows_of_one_layout_are_one_contiguous_array_and_others_are_refused(
     layout = Layout.of(*flatten(dense), None)
     frames = [bytes(f) for f in codec.encode(layout, dense.view(torch.uint8).numpy())]
     assert {f[5] for f in frames} == {CODEC_RAW}
-    found = codec.raw_rows([memoryview(b"." + f)[1:] for f in frames])  # views at odd addresses
-    assert found is not None
-    got_layout, rows = found
-    assert got_layout == layout and rows.shape == (8, 768 * 4) and rows.flags.c_contiguous
-    assert rows.ctypes.data % 16 == 0 and np.array_equal(rows, dense.view(torch.uint8).numpy())
+    found = rows_of([memoryview(b"." + f)[1:] for f in frames], codec.raw_head)  # views at odd addresses
+    assert found is not None and found.positions.tolist() == list(range(8))
+    assert codec.raw_layout(found.heads) == layout
+    rows = found.rest
+    assert rows.shape == (8, 768 * 4) and rows.flags.c_contiguous
+    assert np.array_equal(rows, dense.view(torch.uint8).numpy())
     other = bytearray(frames[3])
     other[PREFIX_SIZE + 5] ^= 1  # another header of the same length
-    assert codec.raw_rows([*frames[:3], bytes(other), *frames[4:]]) is None
-    assert codec.raw_rows([*frames[:3], frames[3][:-4], *frames[4:]]) is None  # another length
+    mixed = rows_of([*frames[:3], bytes(other), *frames[4:]], codec.raw_head)
+    assert mixed is not None and codec.raw_layout(mixed.heads) is None
+    assert rows_of([*frames[:3], frames[3][:-4], *frames[4:]], codec.raw_head) is None  # another length

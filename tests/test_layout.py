@@ -66,7 +66,6 @@ LONG_UNITS = {
     "torchcache.stores.packed.store.PackedStore": 415,
     "torchcache.stores.redis.store.RedisStore": 280,
     "torchcache.stores.rows.file.RowsFile": 315,
-    "torchcache.tiers.frames.FrameCodec": 265,
     "torchcache.tiers.persistent.PersistentTier": 335,
 }
 

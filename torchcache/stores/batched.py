@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BatchedStore", "Rows", "VerifyReport"]
+__all__ = ["BatchedStore", "Rows", "VerifyReport", "rows_of"]
 
 
 class Rows(NamedTuple):
@@ -142,18 +142,24 @@ class BatchedStore(ABC):
         """
 
     def get_rows(self, keys: Sequence[str], head_of: Callable[[memoryview], int | None]) -> Rows | None:
-        """A fast path for a batch whose found payloads all have one length, or ``None``.
+        """A batch whose found payloads all have one length, as arrays; else ``None``.
+
+        The read path of every store for batches of one kind of entry: a store may serve
+        it without building a ``bytes`` object per entry (the packed store gathers the
+        records with numpy); this default reads :meth:`get_many` and joins the payloads.
 
         Returns:
             ``(positions, heads, rows)``: the positions (into ``keys``, ascending, an
             int64 array) of the entries found, checked as :meth:`get_many` checks them;
             a ``(found, head)`` uint8 array of the first ``head`` bytes of each payload,
             ``head`` being ``head_of(first payload found)``; and a contiguous
-            ``(found, length - head)`` uint8 array of the rest. ``None`` where the store
-            has no such path or the batch is not that simple (then call :meth:`get_many`,
-            which reports what it finds); it reports nothing itself.
+            ``(found, length - head)`` uint8 array of the rest. ``None`` where the batch
+            is not that simple (then call :meth:`get_many`, the general path).
+
+        Raises:
+            KeyingError: If a key is not 4 to 64 lowercase hex digits.
         """
-        return None
+        return rows_of(self.get_many(keys), head_of)
 
     def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
         """Checked entries that reads fetched beyond the keys asked for (whole remote segments), once.
@@ -191,3 +197,26 @@ class BatchedStore(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def rows_of(datas: Sequence[bytes | memoryview | None], head_of: Callable[[memoryview], int | None]) -> Rows | None:
+    """:class:`Rows` of the found payloads of a batch if they share one length and ``head_of`` takes the first.
+
+    Example:
+        >>> rows = rows_of([b"h1abc", None, b"h2xyz"], lambda payload: 2)
+        >>> rows.positions.tolist(), rows.heads.tobytes(), rows.rest.tobytes()
+        ([0, 2], b'h1h2', b'abcxyz')
+    """
+    at = [i for i, data in enumerate(datas) if data is not None]
+    if not at:
+        return Rows(np.empty(0, np.int64), np.empty((0, 0), np.uint8), np.empty((0, 0), np.uint8))
+    views = [memoryview(datas[i]) for i in at]  # type: ignore[arg-type]
+    length = len(views[0])
+    if any(len(view) != length for view in views):
+        return None
+    head = head_of(views[0])
+    if head is None or not 0 <= head <= length:
+        return None
+    heads = np.frombuffer(bytearray().join([view[:head] for view in views]), np.uint8).reshape(len(views), head)
+    rest = np.frombuffer(bytearray().join([view[head:] for view in views]), np.uint8)
+    return Rows(np.asarray(at, np.int64), heads, rest.reshape(len(views), length - head))

@@ -173,39 +173,6 @@ class FrameCodec:
     def _row_bytes(self, header_bytes: bytes) -> int:
         return self.layout_of(header_bytes).row_bytes
 
-    def raw_rows(self, datas: Sequence[bytes | memoryview]) -> tuple[Layout, np.ndarray] | None:
-        """The payload rows of frames that are all raw and of one layout, checked as a whole.
-
-        The payloads are copied once, into one contiguous array, and the heads (prefix
-        and header) into another; the prefixes (checksum aside) and headers are compared
-        with the first frame's in a few vectorized operations, so a batch costs no numpy
-        call per item. Frames read from a store need no checksum of
-        their own (see :meth:`decode`).
-
-        Returns:
-            The layout and a ``(len(datas), row_bytes)`` uint8 array (a view), or ``None``
-            if the frames differ in length, codec or header (then decode them one by one).
-        """
-        if not datas or len(set(map(len, datas))) != 1 or len(datas[0]) < PREFIX_SIZE or datas[0][5] != CODEC_RAW:
-            return None
-        try:
-            header, payload = self.decode(datas[0])
-        except CorruptEntryError:
-            return None
-        head = len(datas[0]) - len(payload)
-        views = [memoryview(data) for data in datas]
-        # Heads and payloads joined apart: the payloads make one contiguous, aligned array,
-        # which the output tensors view without another copy.
-        heads = np.frombuffer(bytearray().join([view[:head] for view in views]), dtype=np.uint8).reshape(len(datas), -1)
-        fixed = PREFIX_SIZE - 8  # the prefix before its checksum
-        if not (
-            (heads[:, :fixed] == heads[0, :fixed]).all()
-            and (heads[:, PREFIX_SIZE:] == np.frombuffer(header, dtype=np.uint8)).all()
-        ):
-            return None
-        rows = np.frombuffer(bytearray().join([view[head:] for view in views]), dtype=np.uint8)
-        return self.layout_of(header), rows.reshape(len(datas), -1)
-
     def raw_head(self, data: memoryview) -> int | None:
         """The bytes before the payload of a raw frame, checked in full; ``None`` if it is not one.
 
@@ -223,7 +190,8 @@ class FrameCodec:
     def raw_layout(self, heads: np.ndarray) -> Layout | None:
         """The layout of raw frames whose heads (prefix and header) are the rows of ``heads``, if all are equal.
 
-        The heads must equal each other, checksum aside (as in :meth:`raw_rows`); one of
+        The heads must equal each other, checksum aside (each frame's own checksum is not
+        needed: the store checked the record, see :meth:`decode`); one of
         them was checked in full by :meth:`raw_head`, so all of them are valid.
         """
         if not len(heads) or heads.shape[1] < PREFIX_SIZE:

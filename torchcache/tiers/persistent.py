@@ -266,11 +266,6 @@ class PersistentTier:
         todo = [i for i in range(n) if i not in queued] if queued else list(range(n))
         if todo:
             datas = self._fetch([keys[i] for i in todo])
-            if not queued:  # the common case: frames of one layout, all raw, read as one array
-                present = [i for i, data in enumerate(datas) if data is not None]
-                fast = self.codec.raw_rows([datas[i] for i in present])  # type: ignore[misc]
-                if fast is not None:
-                    return self._found(present, fast[0], fast[1])
             decoded, rows = self._decode(datas)
             for i, frame in zip(todo, decoded):
                 frames[i] = frame
