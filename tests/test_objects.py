@@ -244,3 +244,18 @@ def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
     assert main(["clear", "--all", "--root", url, "--yes"]) == 0
     capsys.readouterr()
     assert main(["ls", url, "--json"]) == 0 and json.loads(capsys.readouterr().out)["caches"] == []
+
+
+@pytest.mark.slow  # the GCS emulator is a process of its own
+def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_dataset(
+    gcs_bucket: str, tmp_path: Path
+) -> None:
+    url = f"{gcs_bucket}/datasets"
+    warm = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "one")
+    expected = warm.__getitems__(list(range(12)))
+    warm.close()
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "two")
+    samples = served.__getitems__(list(range(12)))
+    assert all(torch.equal(a, b) and i == j for (a, i), (b, j) in zip(samples, expected))
+    assert served.stats().disk.hits == 12
+    served.close()

@@ -29,13 +29,23 @@ from torchcache.tiers.layered import LayeredStore
 StoreFactory = Callable[[int], BatchedStore]
 
 
-@pytest.fixture(params=["reference", "packed", "redis", "redis-cluster", "layered", "s3"])
+@pytest.fixture(
+    params=[
+        "reference",
+        "packed",
+        "redis",
+        "redis-cluster",
+        "layered",
+        "s3",
+        pytest.param("gcs", marks=pytest.mark.slow),
+    ]
+)
 def store_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture
-def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
+def make_store(store_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreFactory]:
     made: list[BatchedStore] = []
     count = iter(range(1000))
     server = None
@@ -52,6 +62,12 @@ def make_store(store_kind: str, tmp_path: Path) -> Iterator[StoreFactory]:
             options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
             url = f"s3://{make_bucket(endpoint)}/cache"
             store: BatchedStore = ObjectStore(url, "contract", max_bytes, storage_options=options, report=_no_reports)
+        elif store_kind == "gcs":
+            from tests.object_servers import new_gcs_bucket
+
+            url = f"{new_gcs_bucket(monkeypatch)}/cache"  # sets STORAGE_EMULATOR_HOST for this test
+            options = {"token": "anon", "project": "test"}
+            store = ObjectStore(url, "contract", max_bytes, storage_options=options, report=_no_reports)
         elif store_kind == "reference":
             store = ReferenceStore(max_bytes)
         elif store_kind == "packed":
