@@ -169,22 +169,15 @@ def test_a_bucket_url_is_never_taken_for_a_local_path(
 def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tmp_path: Path) -> None:
     url = f"{bucket}/modules"
     x = torch.randn(8, 4)
-    model = cached(
-        Counting,
-        persistent=True,
-        persistent_cache_dir=url,
-        local_cache_dir=str(tmp_path / "one"),
-        max_memory_cache_size=0,
-    )()
+
+    def machine(copy: str) -> Any:
+        options = {"persistent_cache_dir": url, "local_cache_dir": str(tmp_path / copy), "max_memory_cache_size": 0}
+        return cached(Counting, persistent=True, **options)()
+
+    model = machine("one")
     expected = model(x)
     model.cache_instance.flush()
-    other = cached(
-        Counting,
-        persistent=True,
-        persistent_cache_dir=url,
-        local_cache_dir=str(tmp_path / "two"),
-        max_memory_cache_size=0,
-    )()
+    other = machine("two")
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
         out = other(x)
