@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,66 @@ def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_data
     assert all(torch.equal(a, b) and i == j for (a, i), (b, j) in zip(samples, expected))
     assert served.stats().disk.hits == 12
     served.close()
+
+
+_WRITER = """
+import os, sys
+from torchcache.stores.objects import ObjectStore
+store = ObjectStore(sys.argv[1], "ns", 10**9, storage_options={"endpoint_url": sys.argv[2]})
+for batch in range(10**6):
+    store.put_many([(f"{batch:08x}{i:08x}", bytes([i % 251]) * 300_000) for i in range(8)])
+    print(batch, flush=True)
+"""
+
+
+@pytest.mark.slow  # a writer process, killed
+def test_a_writer_killed_mid_upload_leaves_nothing_a_reader_sees_and_prune_sweeps_it(bucket: str, s3fs_of: Any) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, python_env
+
+    url = f"{bucket}/cache"
+    env = python_env(**{name: os.environ[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, url, s3_endpoint()], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout is not None
+    for _ in range(3):  # three batches complete, the fourth is under way
+        writer.stdout.readline()
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=60)
+    writer.stdout.close()
+    reader = _store(bucket)
+    keys = list(reader.keys())
+    assert len(keys) >= 24 and len(keys) % 8 == 0  # whole batches only
+    for name, data in zip(keys, reader.get_many(keys)):
+        assert data is not None and bytes(data) == bytes([int(name[8:], 16) % 251]) * 300_000
+    reader.prune(10**12, sweep_seconds=0)
+    names = _objects(s3fs_of, bucket)
+    segments = {n.removesuffix(".tcs") for n in names if n.endswith(".tcs")}
+    assert segments == {n.removesuffix(".tcm") for n in names if n.endswith(".tcm")}
+
+
+def test_a_bucket_of_ten_thousand_objects_is_listed_and_pruned_to_its_budget(bucket: str, s3fs_of: Any) -> None:
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    from torchcache.stores.objects.manifests import pack
+
+    store = _store(bucket)
+    name, prefix = bucket.removeprefix("s3://"), store.bucket.prefix.split("/", 1)[1]
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["global"]  # planted in the server's memory: 10,000 uploads take minutes
+    for n in range(9750):  # 9,500 uploads that killed writers left, 250 whole segments with their manifests
+        segment, manifest = pack({key(n): value(n, 100)})
+        stem = f"{prefix}/{1_000_000_000_000 + n:020d}-{n:016x}"
+        backend.put_object(name, stem + ".tcs", segment)
+        if n >= 9500:
+            backend.put_object(name, stem + ".tcm", manifest)
+    reader = _store(bucket)
+    assert len(reader) == 250 and reader.disk_bytes == 25_000
+    assert reader.prune(10_000, sweep_seconds=0) == 150 + 9500
+    kept = [n for n, v in zip(range(9500, 9750), _store(bucket).get_many([key(n) for n in range(9500, 9750)])) if v]
+    assert kept == list(range(9650, 9750))  # the newest whole segments
+    assert len(_objects(s3fs_of, bucket)) == 200

@@ -263,7 +263,8 @@ class ObjectStore(BatchedStore):
                 doomed += unfinished(names - set(doomed), time.time_ns() - int(sweep_seconds * 1e9))
             self._known.forget(set(doomed))
         # Manifests first: an entry is never visible without its segment.
-        self.bucket.remove([n for s in doomed for n in (s.removesuffix(SEGMENT) + MANIFEST, s)])
+        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in doomed])
+        self.bucket.remove(doomed)
         return len(doomed)
 
     def clear(self) -> None:
