@@ -316,3 +316,32 @@ def test_a_bucket_of_ten_thousand_objects_is_listed_and_pruned_to_its_budget(buc
     kept = [n for n, v in zip(range(9500, 9750), _store(bucket).get_many([key(n) for n in range(9500, 9750)])) if v]
     assert kept == list(range(9650, 9750))  # the newest whole segments
     assert len(_objects(s3fs_of, bucket)) == 200
+
+
+def test_storage_options_passed_as_an_argument_reach_the_bucket_and_are_never_written(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3fs_of: Any
+) -> None:
+    monkeypatch.delenv("TORCHCACHE_STORAGE_OPTIONS")
+    options = {"endpoint_url": s3_endpoint(), "key": "testing", "secret": "s3cret-value"}
+    url = f"{bucket}/args"
+    data = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "a", storage_options=options)
+    data.__getitems__(list(range(12)))
+    data.close()
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "b", storage_options=options)
+    assert len(served) == 12 and served.__getitems__([3])[0][1] == 3
+    served.close()
+    model = cached(Counting, persistent=True, persistent_cache_dir=url, storage_options=options)()
+    model(torch.randn(4, 4))
+    model.cache_instance.flush()
+    assert model.cache_instance.stats().disk.entries == 4
+    written = b"".join(s3fs_of.cat_file(p) for p in s3fs_of.find(bucket.removeprefix("s3://")) if p.endswith(".json"))
+    written += b"".join(p.read_bytes() for p in tmp_path.rglob("*.json"))
+    assert b"s3cret-value" not in written and b"torchcache" in written
+
+
+@pytest.mark.parametrize("options", [["endpoint_url"], {1: "x"}, "endpoint_url=x"])
+def test_storage_options_that_are_not_a_dict_are_refused_naming_the_argument(options: Any) -> None:
+    with pytest.raises(ConfigError, match="storage_options"):
+        CachedDataset(Images(), "s3://bucket/prefix", storage_options=options)
+    with pytest.raises(ConfigError, match="storage_options"):
+        cached(Counting, persistent=True, persistent_cache_dir="s3://bucket/prefix", storage_options=options)

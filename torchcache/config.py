@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import torch
 import xxhash
 
@@ -36,6 +37,7 @@ __all__ = [
     "Settings",
     "check_local_dir",
     "check_redis_url",
+    "check_storage_options",
     "check_url",
     "is_object_url",
     "is_url",
@@ -73,6 +75,7 @@ class Settings:
     batch_dims: Mapping[str, int] = field(default_factory=dict)
     keep_eval: bool = False
     local_cache_dir: Path | None = None
+    storage_options: Mapping[str, Any] | None = None
     key_ignore: frozenset[str] = frozenset()
     verify_weights: int | None = None
     exact_batches: bool = False
@@ -146,6 +149,8 @@ def _validate(name: str, value: Any) -> Any:
         return _cache_dir(value)
     if name == "local_cache_dir":
         return check_local_dir(value)
+    if name == "storage_options":
+        return check_storage_options(value)
     if name == "persistent_module_hash":
         return module_dir_name(value)
     if name in ("max_memory_cache_size", "max_persistent_cache_size"):
@@ -282,6 +287,14 @@ def check_local_dir(value: object) -> Path | None:
     return _cache_dir(value, "local_cache_dir")  # type: ignore[return-value]
 
 
+def check_storage_options(value: object) -> dict[str, Any] | None:
+    """``storage_options`` as a dict (``None`` stays ``None``); a ConfigError naming it otherwise."""
+    if value is not None and (not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value)):
+        got = type(value).__name__
+        raise ConfigError(f"storage_options must be a dict of fsspec options (str keys) or None, got a {got}")
+    return None if value is None else dict(value)  # type: ignore[arg-type]
+
+
 def _device(value: object) -> torch.device | None:
     if value is None:
         return None
@@ -366,8 +379,6 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
         return check_url(env, "TORCHCACHE_DIR")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
     return Path(platformdirs.user_cache_path("torchcache"))
 
 
@@ -375,7 +386,7 @@ def resolve_local_dir(local_cache_dir: Path | None, default: bool = False) -> Pa
     """Where a local copy of a Redis or object store tier goes.
 
     The argument, else ``$TORCHCACHE_LOCAL_DIR``, else (with ``default``, for object
-    stores) ``copies`` under the user cache directory.
+    stores) ``copies`` under the cache root (``$TORCHCACHE_DIR`` or the user cache directory).
 
     Returns:
         A directory, or ``None`` for no local copy.
@@ -392,9 +403,8 @@ def resolve_local_dir(local_cache_dir: Path | None, default: bool = False) -> Pa
         return Path(env).expanduser()
     if not default:
         return None
-    import platformdirs
-
-    return Path(platformdirs.user_cache_path("torchcache")) / "copies"
+    root = resolve_location(None)  # $TORCHCACHE_DIR, else the user cache directory
+    return root / "copies" if isinstance(root, Path) else Path(platformdirs.user_cache_path("torchcache")) / "copies"
 
 
 def resolve_root(persistent_cache_dir: Path | str | None) -> Path:

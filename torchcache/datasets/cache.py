@@ -23,7 +23,7 @@ from typing import Any
 
 from .._fork import renew_lock_after_fork
 from ..catalog.budget import CacheClaim, claim_module_cache
-from ..config import module_dir_name
+from ..config import check_storage_options, module_dir_name
 from ..errors import ConfigError, KeyingError, StoreError
 from ..faults import Fault, FaultLog
 from ..meta import load_meta
@@ -53,10 +53,14 @@ class SampleCache:
         max_disk_size: The disk tier's budget; ``None`` for :data:`DEFAULT_DISK_SIZE` when a
             ``cache_dir`` is given and no disk tier otherwise; 0 for no disk tier.
         info: More fields for the disk tier's ``torchcache.json`` (``name``, ``length``...).
-        local_cache_dir: With a Redis URL as ``cache_dir``: a directory on this machine that
-            keeps a copy of the samples read from and written to the server, under
+        local_cache_dir: With a Redis or bucket URL as ``cache_dir``: a directory on this
+            machine that keeps a copy of the samples read from and written to there, under
             ``max_disk_size`` too, so that their hits do not cross the network; default
-            ``$TORCHCACHE_LOCAL_DIR``, else none. Not for a local ``cache_dir``.
+            ``$TORCHCACHE_LOCAL_DIR``, else none for Redis and ``copies`` under the cache root for a
+            bucket. Not for a local ``cache_dir``.
+        storage_options: With a bucket URL as ``cache_dir``: options for its fsspec
+            filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
+            never logged or written.
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -82,6 +86,7 @@ class SampleCache:
         max_disk_size: int | float | str | None = None,
         info: Mapping[str, Any] | None = None,
         local_cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         dirname = module_dir_name(name)
         if dirname is None:
@@ -93,6 +98,7 @@ class SampleCache:
         self._places = places = resolve_places(
             dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults
         )
+        places.storage_options = check_storage_options(storage_options)
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         self._info = dict(info or {})
         places.info = self._info

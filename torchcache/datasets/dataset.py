@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def _find_cache(directory: Path) -> Path:
     return found[0][0]
 
 
-def _find_bucket_cache(url: str) -> tuple[str, dict[str, Any]]:
+def _find_bucket_cache(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """The name and description of the one dataset cache under ``url``.
 
     Raises:
@@ -77,7 +77,7 @@ def _find_bucket_cache(url: str) -> tuple[str, dict[str, Any]]:
     from ..stores.objects.store import find_caches
 
     try:
-        metas = find_caches(url, storage_options_from_env())
+        metas = find_caches(url, {**storage_options_from_env(), **(storage_options or {})})
     except StoreError as exc:
         raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): {exc}") from None
     found = [m for m in metas if m.get("kind") == "dataset" and isinstance(m.get("cache"), str)]
@@ -113,9 +113,13 @@ class CachedDataset(Dataset[Any]):
         version: Part of the fingerprint: change it when the data changed in a way the
             fingerprint cannot see (files edited on disk are not seen).
         transform: Applied to every sample after the cache, at every access.
-        local_cache_dir: With a Redis URL as ``cache_dir``: a directory on this machine that
-            keeps a copy of the samples read from the server, so that their hits do not
-            cross the network (default ``$TORCHCACHE_LOCAL_DIR``, else none).
+        local_cache_dir: With a Redis or bucket URL as ``cache_dir``: a directory on this
+            machine that keeps a copy of the samples read from there, so that their hits do
+            not cross the network (default ``$TORCHCACHE_LOCAL_DIR``, else none for Redis
+            and ``copies`` under the cache root for a bucket).
+        storage_options: With a bucket URL as ``cache_dir``: options for its fsspec
+            filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
+            never logged or written.
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
@@ -147,6 +151,7 @@ class CachedDataset(Dataset[Any]):
         version: object = None,
         transform: Callable[[Any], Any] | None = None,
         local_cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.dataset = dataset
         self.transform = transform
@@ -154,7 +159,7 @@ class CachedDataset(Dataset[Any]):
             if version is not None:
                 raise ConfigError("version names a cache of a dataset; without a dataset, pass its directory")
             if is_object_url(cache_dir):
-                name, meta = _find_bucket_cache(str(cache_dir))
+                name, meta = _find_bucket_cache(str(cache_dir), storage_options)
                 where: str | Path = str(cache_dir)
             else:
                 root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
@@ -172,6 +177,7 @@ class CachedDataset(Dataset[Any]):
                 max_disk_size=size,
                 info={"length": length},
                 local_cache_dir=local_cache_dir if isinstance(where, str) else None,
+                storage_options=storage_options,
             )
         else:
             try:
@@ -188,6 +194,7 @@ class CachedDataset(Dataset[Any]):
                 max_disk_size=max_disk_size,
                 info=info,
                 local_cache_dir=local_cache_dir,
+                storage_options=storage_options,
             )
         self.length = length
 

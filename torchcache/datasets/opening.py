@@ -53,6 +53,8 @@ class Places:
     #: The job's shared-memory directory (``None``: no RAM tier).
     job_dir: Path | None = None
     max_memory_size: int = 0
+    #: Options for the filesystem of a bucket URL (``None``: from the environment).
+    storage_options: dict[str, Any] | None = None
     #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -207,7 +209,7 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")
     meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
-    store = open_remote_store(url, namespace, max_bytes, report, meta=meta)
+    store = open_remote_store(url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options)
     if places.local_directory is None:
         return store
     try:

@@ -67,6 +67,7 @@ def torchcache(
     persistent: bool = False,
     persistent_cache_dir: str | Path | None = None,
     local_cache_dir: str | Path | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     persistent_module_hash: str | None = None,
     max_memory_cache_size: int | float | str = int(1e9),
     max_persistent_cache_size: int | float | str = int(10e9),
@@ -102,11 +103,16 @@ def torchcache(
         persistent_cache_dir: The cache root; default ``$TORCHCACHE_DIR``, else the user
             cache directory (``platformdirs.user_cache_path("torchcache")``); or a Redis URL
             (``redis://host:6379/0``, ``rediss://``, ``redis+cluster://``) to share entries
-            between machines (``pip install 'torchcache[redis]'``).
+            between machines (``pip install 'torchcache[redis]'``), or a bucket URL
+            (``s3://bucket/prefix``, ``gs://...``; ``pip install 'torchcache[s3]'``).
         local_cache_dir: With a Redis URL: a directory on this machine that keeps a copy of
             the entries this machine reads and writes, so that their hits do not cross the
             network (bounded by ``max_persistent_cache_size`` too); default
-            ``$TORCHCACHE_LOCAL_DIR``, else none. Not for a local ``persistent_cache_dir``.
+            ``$TORCHCACHE_LOCAL_DIR``, else none (with a bucket URL, ``copies`` under the cache
+            root). Not for a local ``persistent_cache_dir``.
+        storage_options: With a bucket URL (``s3://``, ``gs://``): options for its fsspec
+            filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
+            never logged or written.
         persistent_module_hash: Use this name for the module's directory instead of the
             computed module key (changes to the code or weights then no longer
             invalidate the cache). Any string; unsafe characters are mapped.
@@ -179,6 +185,7 @@ def torchcache(
         persistent=persistent,
         persistent_cache_dir=persistent_cache_dir,
         local_cache_dir=local_cache_dir,
+        storage_options=storage_options,
         persistent_module_hash=persistent_module_hash,
         max_memory_cache_size=max_memory_cache_size,
         max_persistent_cache_size=max_persistent_cache_size,

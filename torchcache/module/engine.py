@@ -252,7 +252,14 @@ class Cache:
         settings = self.settings
         # Kept while this cache uses the tier: other caches of this key share it.
         self._shared, self._disk = open_shared_tier(
-            location, key, settings.max_persistent_cache_size, settings.brotli_quality, meta, self.faults, local=local
+            location,
+            key,
+            settings.max_persistent_cache_size,
+            settings.brotli_quality,
+            meta,
+            self.faults,
+            local=local,
+            storage_options=settings.storage_options,
         )
         self._disk_ready = True
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from .._fork import after_fork
 from ..errors import ConfigError, StoreError
@@ -59,6 +62,7 @@ def open_shared_tier(
     faults: FaultLog,
     *,
     local: Path | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[SharedTier, PersistentTier | None]:
     """The shared tier of module key ``name`` under ``location`` with these settings, made at first use.
 
@@ -70,12 +74,15 @@ def open_shared_tier(
         meta: What the metadata file records (local directories).
         faults: The fault log of the cache that asks.
         local: With a URL: the root of a local copy of its entries (``None``: none).
+        storage_options: With a bucket URL: options for its filesystem (``None``: from the environment).
 
     Returns:
         The shared tier (keep a reference while using it) and its persistent tier, or ``None``
         when the location cannot be used (``faults`` was warned).
     """
-    key = f"{location}|{name}|{max_bytes}|{quality}|{local}"
+    options = repr(sorted(storage_options.items())).encode() if storage_options is not None else b""
+    digest = xxhash.xxh3_64_hexdigest(options)  # the options (credentials) stay out of the registry's keys
+    key = f"{location}|{name}|{max_bytes}|{quality}|{local}|{digest}"
     with _tiers_lock:
         shared = _tiers.get(key)
         if shared is None:
@@ -85,7 +92,9 @@ def open_shared_tier(
         if shared.tier is None:
             try:
                 if isinstance(location, str):
-                    shared.tier = open_remote_tier(location, name, max_bytes, quality, _reporter(shared), local, meta)
+                    shared.tier = open_remote_tier(
+                        location, name, max_bytes, quality, _reporter(shared), local, meta, storage_options
+                    )
                 else:
                     shared.tier = open_local_tier(location / name, max_bytes, quality, meta, _reporter(shared))
             except (StoreError, ConfigError) as exc:
@@ -113,6 +122,7 @@ def open_remote_tier(
     report: Report,
     local: Path | None = None,
     meta: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PersistentTier:
     """The persistent tier of a module on a Redis server or cluster, or in a bucket (nothing is sent yet).
 
@@ -128,7 +138,7 @@ def open_remote_tier(
     from .layered import LayeredStore
 
     where = f"{redact_url(url)} (namespace {namespace})"
-    store: BatchedStore = open_remote_store(url, namespace, max_bytes, report)
+    store: BatchedStore = open_remote_store(url, namespace, max_bytes, report, storage_options=storage_options)
     touch = None
     if local is not None:
         directory = local / namespace

@@ -79,8 +79,7 @@ class ObjectStore(BatchedStore):
     ) -> None:
         fs, root = open_filesystem(url, storage_options)
         self.url = url
-        self.max_bytes = max_bytes
-        self.refresh_seconds = refresh_seconds
+        self.max_bytes, self.refresh_seconds = max_bytes, refresh_seconds
         self._report = report or (lambda kind, message: logger.warning("%s", message))
         self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report)
         self._lock = threading.RLock()
