@@ -15,6 +15,7 @@ from tests.helpers import Counting, cached
 from tests.object_servers import s3_endpoint
 from tests.store_helpers import Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError
+from torchcache.datasets.tiers import ENTRY_OVERHEAD
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
@@ -38,7 +39,7 @@ class Images(torch.utils.data.Dataset[Any]):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         self.calls += 1
-        return torch.full((3, 4, 4), i, dtype=torch.uint8), i
+        return torch.full((3, 4, 4), i % 251, dtype=torch.uint8), i
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -345,3 +346,27 @@ def test_storage_options_that_are_not_a_dict_are_refused_naming_the_argument(opt
         CachedDataset(Images(), "s3://bucket/prefix", storage_options=options)
     with pytest.raises(ConfigError, match="storage_options"):
         cached(Counting, persistent=True, persistent_cache_dir="s3://bucket/prefix", storage_options=options)
+
+
+def test_a_local_copy_of_half_the_cache_keeps_a_stable_half_over_shuffled_epochs(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/half"
+    n = 400
+    warm = CachedDataset(Images(n), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    for start in range(0, n, 50):
+        warm.__getitems__(list(range(start, start + 50)))
+    size = warm.stats().disk.bytes + n * ENTRY_OVERHEAD  # what the whole cache takes in a local store
+    warm.close()
+    half = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "half", max_local_size=size // 2)
+    layered = half.cache._open()[0].store
+    rng = torch.Generator().manual_seed(0)
+    shares = []
+    for _ in range(4):
+        before = list(layered.served)
+        order = torch.randperm(n, generator=rng).tolist()
+        for start in range(0, n, 50):
+            batch = order[start : start + 50]
+            assert [label for _, label in half.__getitems__(batch)] == batch
+        near, far = (now - then for now, then in zip(layered.served, before))
+        shares.append(near / (near + far))
+    assert all(0.35 <= share <= 0.65 for share in shares[1:]), shares  # about half, every epoch
+    half.close()

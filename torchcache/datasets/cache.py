@@ -27,6 +27,7 @@ from ..config import check_storage_options, module_dir_name
 from ..errors import ConfigError, KeyingError, StoreError
 from ..faults import Fault, FaultLog
 from ..meta import load_meta
+from ..policy import parse_size
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..stores.redis.url import redact_url
 from ..tiers.lookup import look_up
@@ -61,6 +62,9 @@ class SampleCache:
         storage_options: With a bucket URL as ``cache_dir``: options for its fsspec
             filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
             never logged or written.
+        max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
+            smaller than the cache keeps a fixed subset over shuffled epochs (its entries
+            are evicted most recently used first) and reads the rest from the URL.
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -87,6 +91,7 @@ class SampleCache:
         info: Mapping[str, Any] | None = None,
         local_cache_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        max_local_size: int | float | str | None = None,
     ) -> None:
         dirname = module_dir_name(name)
         if dirname is None:
@@ -99,6 +104,8 @@ class SampleCache:
             dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults
         )
         places.storage_options = check_storage_options(storage_options)
+        if max_local_size is not None:
+            places.max_local_size = parse_size(max_local_size, "max_local_size")
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         self._info = dict(info or {})
         places.info = self._info

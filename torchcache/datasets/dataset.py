@@ -120,6 +120,9 @@ class CachedDataset(Dataset[Any]):
         storage_options: With a bucket URL as ``cache_dir``: options for its fsspec
             filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
             never logged or written.
+        max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
+            smaller than the cache keeps a fixed subset over shuffled epochs (its entries
+            are evicted most recently used first) and reads the rest from the URL.
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
@@ -152,6 +155,7 @@ class CachedDataset(Dataset[Any]):
         transform: Callable[[Any], Any] | None = None,
         local_cache_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        max_local_size: int | float | str | None = None,
     ) -> None:
         self.dataset = dataset
         self.transform = transform
@@ -178,6 +182,7 @@ class CachedDataset(Dataset[Any]):
                 info={"length": length},
                 local_cache_dir=local_cache_dir if isinstance(where, str) else None,
                 storage_options=storage_options,
+                max_local_size=max_local_size,
             )
         else:
             try:
@@ -195,6 +200,7 @@ class CachedDataset(Dataset[Any]):
                 info=info,
                 local_cache_dir=local_cache_dir,
                 storage_options=storage_options,
+                max_local_size=max_local_size,
             )
         self.length = length
 

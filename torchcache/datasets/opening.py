@@ -53,6 +53,8 @@ class Places:
     #: The job's shared-memory directory (``None``: no RAM tier).
     job_dir: Path | None = None
     max_memory_size: int = 0
+    #: The local copy's budget (``None``: the disk tier's).
+    max_local_size: int | None = None
     #: Options for the filesystem of a bucket URL (``None``: from the environment).
     storage_options: dict[str, Any] | None = None
     #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
@@ -213,7 +215,8 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     if places.local_directory is None:
         return store
     try:
-        near = PackedStore(places.local_directory, max_bytes, report=report)
+        local_bytes = max_bytes if places.max_local_size is None else places.max_local_size
+        near = PackedStore(places.local_directory, local_bytes, report=report)
     except StoreError as exc:
         faults.warn(Fault.LOCAL, f"no local copy of the disk tier ({exc}); hits are read from the server", "disk")
         return store

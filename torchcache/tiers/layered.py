@@ -48,6 +48,8 @@ class LayeredStore(BatchedStore):
         self._report = report
         self._near_on = True
         self._lock = threading.Lock()
+        #: Hits served by the local copy and by the shared store, in this process.
+        self.served = [0, 0]
 
     def __repr__(self) -> str:
         return f"LayeredStore(near={self.near!r}, far={self.far!r})"
@@ -69,11 +71,12 @@ class LayeredStore(BatchedStore):
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
-        for _, positions, datas in look_up((near, _Far(self.far)), keys).parts:
+        for tier, positions, datas in look_up((near, _Far(self.far)), keys).parts:
+            self.served[tier] += len(positions)
             for i, data in zip(positions, datas):
                 found[i] = data
         extras = self.far.take_extras()  # the rest of whole segments the shared store read
-        if extras:
+        if extras and self.near.nbytes < self.near.max_bytes // 2:  # a copy that is filling up keeps no more
             near.keep([key for key, _ in extras], [data for _, data in extras])
         return found
 
