@@ -161,6 +161,10 @@ class BatchedStore(ABC):
         """
         return rows_of(self.get_many(keys), head_of)
 
+    #: Whether reads may fetch entries beyond those asked for, for :meth:`take_extras`
+    #: (a local copy in front turns it off while it has no room for them).
+    prefetch: bool = False
+
     def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
         """Checked entries that reads fetched beyond the keys asked for (whole remote segments), once.
 

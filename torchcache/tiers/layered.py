@@ -71,12 +71,14 @@ class LayeredStore(BatchedStore):
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
+        room = self._near_on and self.near.nbytes < self.near.max_bytes // 2  # for the rest of whole segments
+        self.far.prefetch = room
         for tier, positions, datas in look_up((near, _Far(self.far)), keys).parts:
             self.served[tier] += len(positions)
             for i, data in zip(positions, datas):
                 found[i] = data
         extras = self.far.take_extras()  # the rest of whole segments the shared store read
-        if extras and self.near.nbytes < self.near.max_bytes // 2:  # a copy that is filling up keeps no more
+        if extras and room:
             near.keep([key for key, _ in extras], [data for _, data in extras])
         return found
 

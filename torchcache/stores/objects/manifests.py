@@ -9,6 +9,7 @@ from every manifest older than it. Both are JSON, validated before use.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import xxhash
@@ -75,28 +76,40 @@ class Read(NamedTuple):
         return failed, others
 
 
-def ranged_reads(wanted: list[tuple[int, Entry | None]], index: Index, whole_above: float = 0.5) -> list[Read]:
-    """The reads of a batch's entries (position, entry or ``None``): one range per segment.
+def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int = 1 << 20) -> list[Read]:
+    """The reads of the entries of a batch of keys that ``index`` knows.
 
-    A range over more than ``whole_above`` of its segment becomes the whole segment.
+    With ``whole``, a segment whose wanted entries span more than half of it is read
+    whole (for a local copy to keep the rest). Otherwise each segment's wanted entries
+    are read in runs: entries less than ``gap`` bytes apart share one range (a request
+    costs more than a megabyte read with it).
     """
     by_segment: dict[str, list[tuple[int, Entry]]] = {}
-    for i, entry in wanted:
+    for i, key in enumerate(keys):
+        entry = index.entries.get(key)
         if entry is not None:
             by_segment.setdefault(entry.segment, []).append((i, entry))
-    reads, whole = [], set()
+    reads, full = [], set()
     for segment, found in by_segment.items():
         start, end = min(e.offset for _, e in found), max(e.offset + e.length for _, e in found)
         size = index.segments.get(segment, 0)
-        if size and end - start > whole_above * size:
-            start, end = 0, size
-            whole.add(segment)
-        reads.append(Read(segment, start, end, found, []))
-    if whole:
+        if whole and size and end - start > size // 2:
+            full.add(segment)
+            reads.append(Read(segment, 0, size, found, []))
+            continue
+        found.sort(key=lambda item: item[1].offset)
+        run: list[tuple[int, Entry]] = []
+        for item in found:
+            if run and item[1].offset - (run[-1][1].offset + run[-1][1].length) > gap:
+                reads.append(Read(segment, run[0][1].offset, max(e.offset + e.length for _, e in run), run, []))
+                run = []
+            run.append(item)
+        reads.append(Read(segment, run[0][1].offset, max(e.offset + e.length for _, e in run), run, []))
+    if full:
         asked = {id(e) for found in by_segment.values() for _, e in found}
-        by_name = {read.segment: read for read in reads}
+        by_name = {read.segment: read for read in reads if read.segment in full}
         for key, entry in index.entries.items():
-            if entry.segment in whole and id(entry) not in asked:
+            if entry.segment in full and id(entry) not in asked:
                 by_name[entry.segment].others.append((key, entry))
     return reads
 

@@ -130,13 +130,12 @@ class ObjectStore(BatchedStore):
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
         """
-        for key in keys:
-            encode_key(key)
+        list(map(encode_key, keys))  # each key checked
         out: list[bytes | memoryview | None] = [None] * len(keys)
         try:
             with self._lock:
                 self._index(keys)
-                reads = ranged_reads([(i, self._known.entries.get(key)) for i, key in enumerate(keys)], self._known)
+                reads = ranged_reads(keys, self._known, self.prefetch)
             if not reads:
                 return out
             blobs = self.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
