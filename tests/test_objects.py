@@ -370,3 +370,88 @@ def test_a_local_copy_of_half_the_cache_keeps_a_stable_half_over_shuffled_epochs
         shares.append(near / (near + far))
     assert all(0.35 <= share <= 0.65 for share in shares[1:]), shares  # about half, every epoch
     half.close()
+
+
+def test_a_bucket_that_does_not_exist_leaves_outputs_right_with_a_warning(bucket: str, tmp_path: Path) -> None:
+    url = bucket.replace("s3://", "s3://missing-") + "/x"  # 404 on every request
+    x = torch.randn(4, 4)
+    with pytest.warns(CacheWarning, match="cannot write"):
+        model = cached(Counting, persistent=True, persistent_cache_dir=url, local_cache_dir=str(tmp_path / "c"))()
+        assert torch.equal(model(x), Counting()(x))
+        model.cache_instance.flush()
+    with pytest.warns(CacheWarning, match="does not exist"):
+        data = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "d")
+        assert [label for _, label in data.__getitems__([0, 1, 2, 3])] == [0, 1, 2, 3]
+    data.close()
+
+
+@pytest.mark.parametrize("fault", [PermissionError("403 Forbidden"), OSError("503 SlowDown")])
+def test_a_bucket_that_refuses_mid_run_gives_misses_computed_right_and_one_warning(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: Exception
+) -> None:
+    url = f"{bucket}/faults"
+    warm = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    warm.__getitems__(list(range(12)))
+    warm.close()
+    data = Images()
+    served = CachedDataset(data, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert [label for _, label in served.__getitems__([0, 1])] == [0, 1] and data.calls == 0
+    far = served.cache._open()[0].store.far
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise fault
+
+    monkeypatch.setattr(far.bucket.fs, "cat_ranges", refuse)
+    monkeypatch.setattr(far.bucket.fs, "pipe_file", refuse)
+    with pytest.warns(CacheWarning) as caught:
+        for start in range(2, 12, 5):
+            batch = list(range(start, min(start + 5, 12)))
+            samples = served.__getitems__(batch)
+            assert all(
+                torch.equal(img, torch.full((3, 4, 4), i, dtype=torch.uint8)) for (img, _), i in zip(samples, batch)
+            )
+    assert data.calls == 10 and len([w for w in caught if "cannot" in str(w.message)]) <= 2  # once per kind
+    served.close()
+
+
+_SHARD_WRITER = """
+import sys, torch
+from torchcache import CachedDataset
+
+class Images(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i
+
+first, local = int(sys.argv[1]), sys.argv[2]
+cache = CachedDataset(Images(), sys.argv[3], max_memory_size=0, local_cache_dir=local)
+for start in range(first, 40, 10):  # every other block of ten
+    cache.__getitems__(list(range(start, start + 5)))
+    cache.__getitems__(list(range(start + 5, start + 10)))
+cache.close()
+"""
+
+
+@pytest.mark.slow  # two writer processes and a reader
+def test_two_processes_write_one_bucket_and_a_third_reads_everything(bucket: str, tmp_path: Path) -> None:
+    from tests.helpers import python_env, run_python
+
+    url = f"{bucket}/shared"
+    env = python_env()
+    for first in (0, 10):
+        done = run_python(_SHARD_WRITER, str(first), str(tmp_path / f"w{first}"), url, env=env)
+        assert done.returncode == 0, done.stderr
+    reader = """
+import sys, torch
+from torchcache import CachedDataset
+cache = CachedDataset(None, sys.argv[1], max_memory_size=0, local_cache_dir=sys.argv[2])
+samples = cache.__getitems__(list(range(40)))
+assert all(torch.equal(img, torch.full((3, 4, 4), i, dtype=torch.uint8)) and label == i
+           for i, (img, label) in enumerate(samples))
+print(len(cache), cache.stats().disk.hits)
+"""
+    done = run_python(reader, url, str(tmp_path / "reader"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["40", "40"]
