@@ -358,6 +358,7 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("max_memory_cache_size", -1),
         ("max_memory_cache_size", "2XB"),
         ("max_persistent_cache_size", "lots"),
+        ("max_local_cache_size", "lots"),
         ("max_persistent_cache_size", float("nan")),
         ("memory_cache_device", "not-a-device"),
         ("memory_cache_device", "meta"),

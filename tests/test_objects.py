@@ -455,3 +455,18 @@ print(len(cache), cache.stats().disk.hits)
     done = run_python(reader, url, str(tmp_path / "reader"), env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["40", "40"]
+
+
+def test_the_decorators_local_copy_of_a_bucket_keeps_its_own_budget(bucket: str, tmp_path: Path) -> None:
+    from torchcache.stores.packed.store import PackedStore
+
+    budget = 200_000
+    options = {"persistent_cache_dir": f"{bucket}/small", "local_cache_dir": str(tmp_path / "copy")}
+    model = cached(Counting, persistent=True, max_local_cache_size=budget, **options)(dim_out=256)
+    for _ in range(8):
+        model(torch.randn(64, 4))
+    model.cache_instance.flush()
+    assert model.cache_instance.stats().disk.entries == 512  # the bucket holds every entry
+    (directory,) = {index.parent for index in (tmp_path / "copy").rglob("index.lmdb")}
+    with PackedStore(directory, 1 << 40) as copy:
+        assert 0 < copy.nbytes <= budget and len(copy) < 512

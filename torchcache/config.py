@@ -76,6 +76,7 @@ class Settings:
     keep_eval: bool = False
     local_cache_dir: Path | None = None
     storage_options: Mapping[str, Any] | None = None
+    max_local_cache_size: int | None = None
     key_ignore: frozenset[str] = frozenset()
     verify_weights: int | None = None
     exact_batches: bool = False
@@ -155,6 +156,8 @@ def _validate(name: str, value: Any) -> Any:
         return module_dir_name(value)
     if name in ("max_memory_cache_size", "max_persistent_cache_size"):
         return parse_size(value, name)
+    if name == "max_local_cache_size":
+        return None if value is None else parse_size(value, name)
     if name == "memory_cache_device":
         return _device(value)
     if name == "subsample_count":

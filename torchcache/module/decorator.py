@@ -68,6 +68,7 @@ def torchcache(
     persistent_cache_dir: str | Path | None = None,
     local_cache_dir: str | Path | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    max_local_cache_size: int | float | str | None = None,
     persistent_module_hash: str | None = None,
     max_memory_cache_size: int | float | str = int(1e9),
     max_persistent_cache_size: int | float | str = int(10e9),
@@ -113,6 +114,9 @@ def torchcache(
         storage_options: With a bucket URL (``s3://``, ``gs://``): options for its fsspec
             filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
             never logged or written.
+        max_local_cache_size: The budget of the local copy (``None``: ``max_persistent_cache_size``).
+            A copy smaller than the cache keeps a fixed subset of it (most recently used
+            entries are evicted first) and reads the rest from the URL.
         persistent_module_hash: Use this name for the module's directory instead of the
             computed module key (changes to the code or weights then no longer
             invalidate the cache). Any string; unsafe characters are mapped.
@@ -186,6 +190,7 @@ def torchcache(
         persistent_cache_dir=persistent_cache_dir,
         local_cache_dir=local_cache_dir,
         storage_options=storage_options,
+        max_local_cache_size=max_local_cache_size,
         persistent_module_hash=persistent_module_hash,
         max_memory_cache_size=max_memory_cache_size,
         max_persistent_cache_size=max_persistent_cache_size,

@@ -260,6 +260,7 @@ class Cache:
             self.faults,
             local=local,
             storage_options=settings.storage_options,
+            local_bytes=settings.max_local_cache_size,
         )
         self._disk_ready = True
 

@@ -63,6 +63,7 @@ def open_shared_tier(
     *,
     local: Path | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    local_bytes: int | None = None,
 ) -> tuple[SharedTier, PersistentTier | None]:
     """The shared tier of module key ``name`` under ``location`` with these settings, made at first use.
 
@@ -75,6 +76,7 @@ def open_shared_tier(
         faults: The fault log of the cache that asks.
         local: With a URL: the root of a local copy of its entries (``None``: none).
         storage_options: With a bucket URL: options for its filesystem (``None``: from the environment).
+        local_bytes: The budget of the local copy (``None``: ``max_bytes``).
 
     Returns:
         The shared tier (keep a reference while using it) and its persistent tier, or ``None``
@@ -82,7 +84,7 @@ def open_shared_tier(
     """
     options = repr(sorted(storage_options.items())).encode() if storage_options is not None else b""
     digest = xxhash.xxh3_64_hexdigest(options)  # the options (credentials) stay out of the registry's keys
-    key = f"{location}|{name}|{max_bytes}|{quality}|{local}|{digest}"
+    key = f"{location}|{name}|{max_bytes}|{quality}|{local}|{local_bytes}|{digest}"
     with _tiers_lock:
         shared = _tiers.get(key)
         if shared is None:
@@ -93,7 +95,7 @@ def open_shared_tier(
             try:
                 if isinstance(location, str):
                     shared.tier = open_remote_tier(
-                        location, name, max_bytes, quality, _reporter(shared), local, meta, storage_options
+                        location, name, max_bytes, quality, _reporter(shared), local, meta, storage_options, local_bytes
                     )
                 else:
                     shared.tier = open_local_tier(location / name, max_bytes, quality, meta, _reporter(shared))
@@ -123,6 +125,7 @@ def open_remote_tier(
     local: Path | None = None,
     meta: dict[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    local_bytes: int | None = None,
 ) -> PersistentTier:
     """The persistent tier of a module on a Redis server or cluster, or in a bucket (nothing is sent yet).
 
@@ -143,7 +146,8 @@ def open_remote_tier(
     if local is not None:
         directory = local / namespace
         try:
-            near = open_local_store(directory, max_bytes, {**(meta or {}), "copy_of": redact_url(url)}, report)
+            budget = max_bytes if local_bytes is None else local_bytes
+            near = open_local_store(directory, budget, {**(meta or {}), "copy_of": redact_url(url)}, report)
         except StoreError as exc:
             report(Fault.LOCAL, f"{exc}; no local copy, every hit is read from the server")
         else:
