@@ -16,7 +16,7 @@ from ..config import is_object_url
 from ..errors import StoreError
 from ..policy import format_size
 from ..stores.batched import BatchedStore
-from ..stores.objects import ObjectStore, bucket_namespaces, storage_options_from_env
+from ..stores.objects import ObjectStore, bucket_namespaces
 from ..stores.redis.url import redact_url
 from ..stores.remote import open_remote_store
 from .output import error, plural, print_json, table
@@ -33,7 +33,7 @@ def _open(url: str, namespace: str) -> BatchedStore:
 
 def _namespaces(url: str, prefix: str | None = None) -> list[str]:
     if is_object_url(url):
-        names = bucket_namespaces(url, storage_options_from_env())
+        names = bucket_namespaces(url)
     else:
         from ..stores.redis.store import RedisStore
 

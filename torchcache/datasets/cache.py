@@ -23,11 +23,10 @@ from typing import Any
 
 from .._fork import renew_lock_after_fork
 from ..catalog.budget import CacheClaim, claim_module_cache
-from ..config import check_storage_options, module_dir_name
+from ..config import module_dir_name
 from ..errors import ConfigError, KeyingError, StoreError
 from ..faults import Fault, FaultLog
 from ..meta import load_meta
-from ..policy import parse_size
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..stores.redis.url import redact_url
 from ..tiers.lookup import look_up
@@ -59,12 +58,8 @@ class SampleCache:
             ``max_disk_size`` too, so that their hits do not cross the network; default
             ``$TORCHCACHE_LOCAL_DIR``, else none for Redis and ``copies`` under the cache root for a
             bucket. Not for a local ``cache_dir``.
-        storage_options: With a bucket URL as ``cache_dir``: options for its fsspec
-            filesystem (``endpoint_url``, ``profile``...), over ``$TORCHCACHE_STORAGE_OPTIONS``;
-            never logged or written.
-        max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
-            smaller than the cache keeps a fixed subset over shuffled epochs (its entries
-            are evicted most recently used first) and reads the rest from the URL.
+        storage_options: With a bucket URL, as for :class:`~torchcache.CachedDataset`.
+        max_local_size: The local copy's budget, as for :class:`~torchcache.CachedDataset`.
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -100,15 +95,19 @@ class SampleCache:
         self.dirname = dirname
         self._summaries = PeriodicSummary()
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
-        self._places = places = resolve_places(
-            dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults
-        )
-        places.storage_options = check_storage_options(storage_options)
-        if max_local_size is not None:
-            places.max_local_size = parse_size(max_local_size, "max_local_size")
-        self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         self._info = dict(info or {})
-        places.info = self._info
+        self._places = places = resolve_places(
+            dirname,
+            cache_dir,
+            max_memory_size,
+            max_disk_size,
+            local_cache_dir,
+            self._faults,
+            storage_options=storage_options,
+            max_local_size=max_local_size,
+            info=self._info,
+        )
+        self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
         self.length: int | None = length if type(length) is int and length > 0 else None

@@ -26,7 +26,6 @@ from ..config import is_object_url, module_dir_name, resolve_root
 from ..errors import ConfigError, StoreError, TorchCacheError
 from ..meta import read_meta
 from ..stats import CacheStats
-from ..stores.objects import storage_options_from_env
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
 from .keys import fingerprint_dataset
@@ -77,7 +76,7 @@ def _find_bucket_cache(url: str, storage_options: Mapping[str, Any] | None) -> t
     from ..stores.objects.store import find_caches
 
     try:
-        metas = find_caches(url, {**storage_options_from_env(), **(storage_options or {})})
+        metas = find_caches(url, storage_options)
     except StoreError as exc:
         raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): {exc}") from None
     found = [m for m in metas if m.get("kind") == "dataset" and isinstance(m.get("cache"), str)]

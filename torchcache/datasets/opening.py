@@ -21,7 +21,15 @@ from typing import Any
 import xxhash
 
 from .._version import __version__
-from ..config import check_local_dir, check_url, is_object_url, is_url, resolve_local_dir, resolve_root
+from ..config import (
+    check_local_dir,
+    check_storage_options,
+    check_url,
+    is_object_url,
+    is_url,
+    resolve_local_dir,
+    resolve_root,
+)
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
 from ..meta import META_NAME, load_meta, write_json_atomic
@@ -73,15 +81,22 @@ def resolve_places(
     max_disk_size: int | float | str | None,
     local_cache_dir: str | os.PathLike[str] | None,
     faults: FaultLog,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    max_local_size: int | float | str | None = None,
+    info: dict[str, Any] | None = None,
 ) -> Places:
     """The places of a sample cache's tiers; the RAM tier's directories are held on return.
 
     Raises:
-        ConfigError: If a size, the Redis URL or ``local_cache_dir`` is invalid.
+        ConfigError: If a size, the URL, ``local_cache_dir`` or ``storage_options`` is invalid.
     """
     if max_disk_size is None:
         max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
-    places = Places(dirname, parse_size(max_disk_size, "max_disk_size"))
+    places = Places(dirname, parse_size(max_disk_size, "max_disk_size"), info=info if info is not None else {})
+    places.storage_options = check_storage_options(storage_options)
+    if max_local_size is not None:
+        places.max_local_size = parse_size(max_local_size, "max_local_size")
     if is_url(cache_dir):
         places.url = check_url(str(cache_dir), "cache_dir") if places.max_disk_size else None
         local = resolve_local_dir(check_local_dir(local_cache_dir), default=is_object_url(cache_dir))

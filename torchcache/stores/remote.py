@@ -7,7 +7,7 @@ from typing import Any
 
 from ..faults import Report
 from .batched import BatchedStore
-from .objects import OBJECT_SCHEMES, ObjectStore, storage_options_from_env
+from .objects import OBJECT_SCHEMES, ObjectStore
 
 __all__ = ["open_remote_store"]
 
@@ -30,8 +30,7 @@ def open_remote_store(
         ConfigError: If the URL is invalid or its package is missing.
     """
     if url.lower().startswith(OBJECT_SCHEMES):
-        options = {**storage_options_from_env(), **(storage_options or {})}
-        return ObjectStore(url, namespace, max_bytes, storage_options=options, report=report, meta=meta)
+        return ObjectStore(url, namespace, max_bytes, storage_options=storage_options, report=report, meta=meta)
     from .redis.store import RedisStore
 
     return RedisStore(url, namespace, max_bytes, report=report)

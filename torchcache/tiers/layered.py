@@ -1,7 +1,7 @@
 """A local store in front of a shared one: repeated hits never cross the network.
 
 :class:`LayeredStore` keeps a local copy (a :class:`~torchcache.stores.packed.store.PackedStore`
-on a node's disk) of the entries of a shared store (a Redis server or cluster) that this
+on a node's disk) of the entries of a shared store (a Redis server or cluster, a bucket) that this
 machine read or wrote. A batch is looked up in the local copy first and only its misses
 go to the server, in one round trip; the entries found there are copied into the local
 copy. Writes go to both.
@@ -71,14 +71,12 @@ class LayeredStore(BatchedStore):
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
-        room = self._near_on and self.near.nbytes < self.near.max_bytes // 2  # for the rest of whole segments
-        self.far.prefetch = room
-        for tier, positions, datas in look_up((near, _Far(self.far)), keys).parts:
+        for tier, positions, datas in look_up((near, _Far(self)), keys).parts:
             self.served[tier] += len(positions)
             for i, data in zip(positions, datas):
                 found[i] = data
         extras = self.far.take_extras()  # the rest of whole segments the shared store read
-        if extras and room:
+        if extras:
             near.keep([key for key, _ in extras], [data for _, data in extras])
         return found
 
@@ -188,13 +186,19 @@ class _Near:
 
 
 class _Far:
-    """The shared store as a tier: its faults reach the caller."""
+    """The shared store as a tier: its faults reach the caller.
 
-    def __init__(self, far: BatchedStore) -> None:
-        self.far = far
+    Its reads may fetch more than asked (whole segments of a bucket) only while the local
+    copy has room to keep the rest: up to half its budget.
+    """
+
+    def __init__(self, layered: LayeredStore) -> None:
+        self.layered = layered
 
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
-        return hits_of(self.far.get_many(keys))
+        near, far = self.layered.near, self.layered.far
+        far.prefetch = self.layered.near_enabled and near.nbytes < near.max_bytes // 2
+        return hits_of(far.get_many(keys))
 
     def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
         raise AssertionError("the shared store is the last tier")

@@ -1,6 +1,6 @@
 """Caches in object store buckets (S3, GCS and others fsspec reaches): :class:`ObjectStore`."""
 
-from .filesystem import OBJECT_SCHEMES, open_filesystem, storage_options_from_env
+from .filesystem import OBJECT_SCHEMES, open_filesystem
 from .store import ObjectStore, bucket_namespaces, find_caches
 
 __all__ = [
@@ -9,5 +9,4 @@ __all__ = [
     "bucket_namespaces",
     "find_caches",
     "open_filesystem",
-    "storage_options_from_env",
 ]

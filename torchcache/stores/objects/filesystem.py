@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
 
-__all__ = ["OBJECT_SCHEMES", "open_filesystem", "storage_options_from_env"]
+__all__ = ["OBJECT_SCHEMES", "open_filesystem"]
 
 #: URL schemes of object stores (through fsspec and the scheme's package).
 OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
@@ -16,8 +17,10 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
 
 
-def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path it names (``bucket/prefix``, no scheme).
+
+    ``storage_options`` go to the filesystem over those of ``$TORCHCACHE_STORAGE_OPTIONS``.
 
     Raises:
         ConfigError: If ``url`` is not an object store URL, or fsspec or the scheme's package is missing.
@@ -28,7 +31,7 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             f"an object store URL is scheme://bucket/prefix with scheme one of {OBJECT_SCHEMES}, got {url!r}"
         )
     extra = _EXTRAS.get(scheme, scheme)
-    options = dict(storage_options or {})
+    options = {**storage_options_from_env(), **(storage_options or {})}
     if extra == "s3":  # bounded retries: a bucket that is away costs seconds, not minutes
         options.setdefault("config_kwargs", _S3_CONFIG)
     try:

@@ -72,7 +72,7 @@ class ObjectStore(BatchedStore):
         namespace: str,
         max_bytes: int,
         *,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         report: Report | None = None,
         refresh_seconds: float = 30.0,
         meta: Mapping[str, Any] | None = None,
@@ -123,7 +123,7 @@ class ObjectStore(BatchedStore):
 
     # -- reads --------------------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
-        """The stored bytes of each key, ``None`` for a miss: one ranged read per segment.
+        """The stored bytes of each key, ``None`` for a miss: a few ranged reads per segment (:func:`ranged_reads`).
 
         A bucket that cannot be read gives misses (reported once per outage).
 
@@ -256,14 +256,13 @@ class ObjectStore(BatchedStore):
         """
         with self._lock:
             names = self.refresh()
-            doomed = self._known.oldest_over(max_bytes)
-            if sweep_seconds is not None:
-                doomed += unfinished(names - set(doomed), time.time_ns() - int(sweep_seconds * 1e9))
-            self._known.forget(set(doomed))
+            oldest = self._known.oldest_over(max_bytes)
+            left = [] if sweep_seconds is None else unfinished(names, time.time_ns() - int(sweep_seconds * 1e9))
+            self._known.forget(set(oldest))
         # Manifests first: an entry is never visible without its segment.
-        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in doomed])
-        self.bucket.remove(doomed)
-        return len(doomed)
+        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])
+        self.bucket.remove(oldest + left)
+        return len(oldest) + len(left)
 
     def clear(self) -> None:
         """Remove every object under the namespace.
@@ -299,7 +298,7 @@ class ObjectStore(BatchedStore):
         return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
 
 
-def find_caches(url: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The ``torchcache.json`` of every cache under ``url`` (invalid ones are left out).
 
     Raises:
@@ -319,7 +318,7 @@ def find_caches(url: str, storage_options: dict[str, Any] | None = None) -> list
     return metas
 
 
-def bucket_namespaces(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """The caches (namespaces) under ``url``: its folders.
 
     Raises:
