@@ -15,10 +15,11 @@ from tests.helpers import Counting, cached
 from tests.object_servers import s3_endpoint
 from tests.store_helpers import Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError
-from torchcache.datasets.tiers import ENTRY_OVERHEAD
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
+from torchcache.stores.packed.format import HEADER
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
 
 def _store(url: str, max_bytes: int = 10**7, reports: Reports | None = None, **options: Any) -> ObjectStore:
@@ -259,6 +260,8 @@ def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_data
 _WRITER = """
 import os, sys
 from torchcache.stores.objects import ObjectStore
+from torchcache.stores.packed.format import HEADER
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 store = ObjectStore(sys.argv[1], "ns", 10**9, storage_options={"endpoint_url": sys.argv[2]})
 for batch in range(10**6):
     store.put_many([(f"{batch:08x}{i:08x}", bytes([i % 251]) * 300_000) for i in range(8)])
@@ -354,7 +357,7 @@ def test_a_local_copy_of_half_the_cache_keeps_a_stable_half_over_shuffled_epochs
     warm = CachedDataset(Images(n), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
     for start in range(0, n, 50):
         warm.__getitems__(list(range(start, start + 50)))
-    size = warm.stats().disk.bytes + n * ENTRY_OVERHEAD  # what the whole cache takes in a local store
+    size = warm.stats().disk.bytes + n * (HEADER.size + 16 + INDEX_ENTRY_BYTES)  # the whole cache in a local store
     warm.close()
     half = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "half", max_local_size=size // 2)
     layered = half.cache._open()[0].store

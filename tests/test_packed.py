@@ -27,12 +27,19 @@ from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
 from torchcache.stores.packed import upkeep as packed_upkeep
+from torchcache.stores.packed.evict import INDEX_BASE_BYTES
 from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, parse_segment_name, segment_name
 from torchcache.stores.packed.index import ENTRY, INDEX_NAME
-from torchcache.stores.packed.store import INDEX_BASE_BYTES, PackedStore
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 
 FORK = multiprocessing.get_context("fork")
 DEADLINE = 60.0
+
+
+def _used(store: PackedStore) -> int:
+    """The bytes a store's budget counts: its records and the index's share."""
+    usage = store.usage()
+    return usage["records"] + usage["index"]
 
 
 @pytest.fixture
@@ -518,8 +525,8 @@ def test_disk_stays_within_bounds_with_churn(root: Path) -> None:
     assert store.verify().ok
 
 
-def _churn(root: Path, budget: int, writer: int, batches: int) -> None:
-    store = PackedStore(root, budget, report=lambda kind, message: None)
+def _churn(root: Path, budget: int, writer: int, batches: int, evict: str = "mru") -> None:
+    store = PackedStore(root, budget, report=lambda kind, message: None, evict=evict)
     for step in range(batches):
         ids = range(writer * 10**6 + step * 20, writer * 10**6 + step * 20 + 20)
         store.put_many([(key(i), value(i, 500 + (i * 37) % 2500)) for i in ids])
@@ -541,23 +548,50 @@ def _bloat(index_path: Path, nbytes: int) -> None:
 
 
 @pytest.mark.slow
-def test_eight_writers_on_a_small_budget_keep_the_index_within_it_and_keep_entries(root: Path) -> None:
+@pytest.mark.parametrize("evict", ["mru", "none"])
+def test_eight_writers_on_a_small_budget_keep_the_index_within_it_and_keep_entries(root: Path, evict: str) -> None:
     budget = 1_500_000
-    first = PackedStore(root, budget)
+    first = PackedStore(root, budget, evict=evict)
     first.put_many([(key(0), value(0))])
     first.close()
     _bloat(root / INDEX_NAME, 2 * budget)  # the index outgrew the whole budget
-    writers = [FORK.Process(target=_churn, args=(root, budget, w, 30)) for w in range(8)]
+    writers = [FORK.Process(target=_churn, args=(root, budget, w, 30, evict)) for w in range(8)]
     for process in writers:
         process.start()
     for process in writers:
         process.join(DEADLINE)
     assert [process.exitcode for process in writers] == [0] * 8
-    store = PackedStore(root, budget, report=lambda kind, message: None)
+    store = PackedStore(root, budget, report=lambda kind, message: None, evict=evict)
     store.put_many([(key(10**8 + i), value(i, 1000)) for i in range(100)])
     assert len(store) > 100  # entries kept, not a store full of index
+    assert _used(store) <= budget
     assert store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    # An index rebuilt while other writers evict may list a segment that one of them
+    # removes a moment later: its entries are misses, never wrong bytes, and
+    # verify(fix=True) drops them.
+    keys = list(store.keys())
+    for k, got in zip(keys, store.get_many(keys)):
+        i = None if got is None else int.from_bytes(bytes(got[:4]), "little")
+        assert got is None or (k in (key(i), key(10**8 + i)) and bytes(got) == value(i, len(got)))  # type: ignore[arg-type]
+    store.verify(fix=True)
     assert store.verify().ok
+
+
+def test_a_store_that_does_not_evict_keeps_what_it_holds_and_takes_what_fits(root: Path) -> None:
+    budget = 100_000
+    store = PackedStore(root, budget, evict="none")
+    taken = [store.put_many([(key(i), value(i, 3000)) for i in range(at, at + 10)]) for at in range(0, 500, 10)]
+    full = next(n for n, count in enumerate(taken) if count < 10)
+    assert set(taken[:full]) == {10} and set(taken[full + 1 :]) == {0}
+    held = [key(i) for i in range(sum(taken))]
+    assert sorted(store.keys()) == sorted(held)  # the first ones written, kept
+    assert 0 <= budget - _used(store) < 3000 + 15 + 8 + INDEX_ENTRY_BYTES  # the next one did not fit
+    got = store.get_many(held)
+    assert all(v is not None and bytes(v) == value(i, 3000) for i, v in enumerate(got))
+    smaller = PackedStore(root, budget // 2, evict="none")  # a lower budget on a later run still holds
+    smaller.trim()
+    assert 0 < len(smaller) < len(held) and _used(smaller) <= budget // 2
+    assert set(smaller.keys()) < set(held)
 
 
 @pytest.mark.parametrize("how", ["put", "trim"])

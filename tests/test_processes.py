@@ -22,7 +22,8 @@ from tests.helpers import (
     run_python,
     stored_entries,
 )
-from torchcache.stores.packed.store import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, PackedStore
+from torchcache.stores.packed.evict import INDEX_BASE_BYTES
+from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -38,7 +38,7 @@ from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
 from . import shm
 from .rows import SampleRows
-from .tiers import SampleTier, segment_bytes, store_bytes
+from .tiers import SampleTier, segment_bytes
 
 __all__ = ["DEFAULT_DISK_SIZE", "Places", "hold_memory", "open_tiers", "resolve_places", "write_dataset_meta"]
 
@@ -158,12 +158,13 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
         try:
             store: BatchedStore | Callable[[], BatchedStore]
             if isinstance(location, str):  # a Redis or bucket URL: the namespace is the cache's name
-                store = _remote_store(places, location, store_bytes(size), faults)
+                store = _remote_store(places, location, size, faults)
             else:
                 store = functools.partial(
                     PackedStore,
                     location,
-                    store_bytes(size),
+                    size,
+                    evict="none",
                     segment_bytes=segment_bytes(size),
                     report=_reporter(faults, name),
                 )

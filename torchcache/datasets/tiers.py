@@ -1,18 +1,21 @@
-"""The tiers of a sample cache: admission control, fault handling, hit counters.
+"""The tiers of a sample cache: where each sample goes, fault handling, hit counters.
 
-A tier admits an entry only while it fits (payload, record header and index share
-within the budget): a full tier keeps what it holds and takes no more, so with
-more samples than room a fixed subset stays cached, the hit rate is the fraction
-cached, and a full tier costs no write work. (Evicting instead, with shuffled epochs,
-would rewrite the tier all the time for the same hit rate.) The store under a tier has
-an eighth more room than the budget, so that two processes admitting at once never make
-it evict: the one that finds the budget passed after its write removes its own entries.
-A tier that fails to write warns once and is only read from then on, in that process.
+A tier's budget is its store's: the tier writes, and the store keeps what fits. A
+local tier's packed store does not evict (``evict="none"``): a full tier keeps what it
+holds and takes no more, so with more samples than room a fixed subset stays cached,
+the hit rate is the fraction cached, and a full tier costs no write work. (Evicting
+instead, with shuffled epochs, would rewrite the tier all the time for the same hit
+rate.) A shared store (Redis, a bucket) keeps its own policy; a write it did not keep
+whole also marks the tier full. A tier that fails to write warns once and is only read
+from then on, in that process.
 
 The RAM tier of a dataset of known length keeps the samples whose frames share the
 first frame's size in a :class:`~torchcache.stores.rows.RowsFile` (one row per index,
-no index transaction) and the others in its packed store; both count against its one
-budget.
+no index transaction) and the others in its packed store. The two share the tier's
+budget: the rows file takes rows while the budget minus the store's bytes has room, and
+the store's budget is what the rows file leaves. Each holds its part under its own lock;
+only writers of both kinds at once (a dataset whose samples vary in size) can pass the
+budget, by at most one batch each.
 """
 
 from __future__ import annotations
@@ -33,19 +36,16 @@ from ..errors import ConfigError, CorruptEntryError, StoreUnavailableError
 from ..faults import Fault, FaultLog
 from ..stores.batched import BatchedStore
 from ..stores.packed.index import INDEX_NAME
-from ..stores.packed.store import INDEX_ENTRY_BYTES
+from ..stores.packed.store import PackedStore
 from ..stores.rows import RowsFile
 from .decode import decode_rows, decode_samples, frame_head
 from .keys import store_key
 from .rows import SampleRows
 
-__all__ = ["ENTRY_OVERHEAD", "HitCounters", "SampleTier", "samples_from_slots", "segment_bytes", "store_bytes"]
+__all__ = ["HitCounters", "SampleTier", "samples_from_slots", "segment_bytes"]
 
 
-#: Bytes an entry costs a tier beyond its payload: record header, packed key, index share.
-ENTRY_OVERHEAD = 15 + 16 + INDEX_ENTRY_BYTES
 _SLOTS = 65  # counter slots: the main process, then DataLoader workers by id
-_MIN_SLACK = 1 << 24
 
 
 class HitCounters:
@@ -82,12 +82,7 @@ class HitCounters:
 
 
 class SampleTier:
-    """One packed store, with admission control and its faults.
-
-    The store itself gets more room than the budget (:func:`store_bytes`): admission
-    keeps the tier within the budget, and the store never evicts on its own when two
-    processes admit entries at the same moment; the one that finds the budget passed
-    after its write takes its own entries back.
+    """One store (and, for a RAM tier, its rows file), with its faults.
 
     Args:
         name: ``"memory"`` or ``"disk"``, for messages.
@@ -95,8 +90,8 @@ class SampleTier:
             (a RAM tier whose samples are all in slots never opens its store in a
             DataLoader worker), and if it cannot be, the tier warns once and keeps to
             its slots.
-        budget: The tier's budget in bytes: payload plus :data:`ENTRY_OVERHEAD` per entry
-            in the store, and the slot file's bytes.
+        budget: The tier's budget in bytes: what its store counts (records and the
+            index's share) plus the rows file's bytes.
         faults: Where faults are warned about.
         slots: The rows file for the samples of a dataset (keys that are indices), if any.
     """
@@ -154,15 +149,13 @@ class SampleTier:
         if self._slots_only():
             return 0
         store = self.store
-        return 0 if store is None else store.nbytes + len(store) * ENTRY_OVERHEAD
+        if not isinstance(store, PackedStore):
+            return 0 if store is None else store.nbytes
+        usage = store.usage()
+        return usage["records"] + usage["index"]
 
     def _rows(self) -> RowsFile | None:
         return None if self.slots is None else self.slots.file
-
-    def used(self) -> int:
-        """The bytes the tier's entries count against its budget."""
-        rows = self._rows()
-        return self._store_used() + (0 if rows is None else rows.nbytes)
 
     def __len__(self) -> int:
         """Entries in the store and the rows file."""
@@ -219,7 +212,7 @@ class SampleTier:
         self.put_many([(key, frame) for key, (frame, _) in zip(keys, values)])
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        """Write the items that fit; once one does not, take no more."""
+        """Write the items; once the store keeps fewer than it was given, take no more."""
         if not items or not self.accepting:
             return
         try:
@@ -230,18 +223,12 @@ class SampleTier:
             store = self.store
             if store is None:
                 return
-            room = self.budget - self.used()
-            admitted = []
-            for key, frame in items:
-                room -= len(frame) + ENTRY_OVERHEAD
-                if room < 0:
-                    self.full = True
-                    logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
-                    break
-                admitted.append((key, frame))
-            if admitted:
-                store.put_many(admitted)
-                self._give_back(store, admitted)
+            rows = self._rows()
+            if rows is not None and isinstance(store, PackedStore):
+                store.max_bytes = max(0, self.budget - rows.nbytes)  # what the rows file leaves
+            if store.put_many(items) < len({key for key, _ in items}):
+                self.full = True
+                logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
             retried = isinstance(exc, StoreUnavailableError) and bool(getattr(self.store, "remote", False))
             self.writable = retried  # a server that is away may come back; a disk that failed does not
@@ -288,20 +275,6 @@ class SampleTier:
             self.full = True
             logger.info("the %s tier %s is full: later samples are not cached there", self.name, rows.path)
         return rest
-
-    def _give_back(self, store: BatchedStore, written: list[tuple[str, bytes | memoryview]]) -> None:
-        """If other processes wrote at the same time and the budget is passed, remove this write's entries."""
-        over = self.used() - self.budget
-        if over <= 0:
-            return
-        self.full = True
-        back = []
-        for key, frame in reversed(written):
-            if over <= 0:
-                break
-            back.append(key)
-            over -= len(frame) + ENTRY_OVERHEAD
-        store.delete_many(back)
 
     def drop(self, key: str) -> None:
         """Remove a damaged entry, if the tier can be written."""
@@ -370,18 +343,13 @@ def samples_from_slots(
     return hit
 
 
-def store_bytes(budget: int) -> int:
-    """The room a tier's store gets for a budget: an eighth more, at least 16 MiB more."""
-    return budget + max(budget // 8, _MIN_SLACK)
-
-
 def segment_bytes(budget: int) -> int:
-    """The segment size of a tier's store: 1/16 of its room (:func:`store_bytes`), at most 256 MiB.
+    """The segment size of a tier's store: 1/16 of its budget, at most 256 MiB (0: the store's default).
 
-    A tier admits samples within its budget rather than evicting, so its segments can be
+    A tier keeps samples within its budget rather than evicting, so its segments can be
     four times the size a module cache's store takes (1/64): a random batch then touches
     fewer segments, and each costs an ``fstat`` and a mapping lookup per batch (at a
     141.88 MB budget, 15 segments against 57: 7.8 against 8.9 us per cached sample). A
     store whose budget shrank on a later run evicts in steps of one segment.
     """
-    return min(store_bytes(budget) // 16, 1 << 28)
+    return min(budget // 16, 1 << 28)

@@ -19,11 +19,11 @@ import lmdb
 from ...faults import Report
 from ..files import open_regular
 from . import upkeep
-from .format import scan_keys
+from .format import record_size, scan_keys
 from .index import Change, Index, IndexReplacedError
 from .segments import SegmentFiles
 
-__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "evict", "keep_within_bounds", "release"]
+__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "evict", "fitting", "keep_within_bounds", "release"]
 
 #: Index bytes charged to the budget per entry (measured: 55 to 70 with 32-digit keys).
 INDEX_ENTRY_BYTES = 96
@@ -35,6 +35,18 @@ Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclus
 def index_charge(index_bytes: int, count: int) -> int:
     """What the index costs the budget with ``count`` entries and a file of ``index_bytes``."""
     return max(count * INDEX_ENTRY_BYTES, index_bytes - INDEX_BASE_BYTES)
+
+
+def fitting(
+    index: Index, change: Change, kbs: list[bytes], datas: list[bytes | memoryview], max_bytes: int
+) -> tuple[list[bytes], list[bytes | memoryview]]:
+    """The first of the entries that fit the budget beside what ``change`` holds (a store that does not evict)."""
+    room = max_bytes - change.records - index_charge(index.file_bytes(), change.count)
+    for n, (kb, data) in enumerate(zip(kbs, datas)):
+        room -= record_size(kb, len(data)) + INDEX_ENTRY_BYTES
+        if room < 0:
+            return kbs[:n], datas[:n]
+    return kbs, datas
 
 
 def index_bloated(index_bytes: int, count: int, max_bytes: int) -> bool:
@@ -122,8 +134,10 @@ def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: boo
     release(files, victims, remove=True)
 
 
-def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
+def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> bool:
     """Compact a bloated index; evict if the index grew past its share; compact once the files pass the budget by 5 %.
+
+    Returns whether the index was replaced (the next write opens a compact one).
 
     Compaction goes back to 2 % over the budget where it can (segments that live
     writers still hold are left alone). An index holding more free pages than
@@ -135,12 +149,12 @@ def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent
         OSError: If a file cannot be read, written or removed.
     """
     try:
-        _keep_within_bounds(index, files, max_bytes, recent, report)
+        return _keep_within_bounds(index, files, max_bytes, recent, report)
     except IndexReplacedError:
-        return  # another process compacted the index: the next call opens the new one
+        return True  # another process compacted the index: the next call opens the new one
 
 
-def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
+def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> bool:
     limit = max_bytes + INDEX_BASE_BYTES
     for _ in range(3):
         with index.begin() as txn:
@@ -148,10 +162,11 @@ def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recen
         index_bytes = index.file_bytes()
         if index_bloated(index_bytes, count, max_bytes):
             upkeep.compact_index(index, files.root, report)
-            return  # the next call opens the new index
+            return True  # the next call opens the new index
         if totals[b"records"] + index_charge(index_bytes, count) > max_bytes:
             _evict_to_fit(index, files, max_bytes, recent)  # a large transaction grew the index
         elif totals[b"files"] + index_bytes <= limit * 1.05 or not upkeep.compact(
             index, files, int(limit * 1.02), report
         ):
-            return
+            return False
+    return False

@@ -32,7 +32,7 @@ from ...faults import Fault, Report
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, Rows, VerifyReport
 from . import upkeep
-from .evict import INDEX_BASE_BYTES, INDEX_ENTRY_BYTES, Victims, evict, keep_within_bounds, release
+from .evict import INDEX_ENTRY_BYTES, Victims, evict, fitting, index_charge, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
 from .index import Change, Index, IndexReplacedError, map_size_for
 from .opening import IndexHandle
@@ -40,7 +40,7 @@ from .read import EntryReader
 from .segments import SegmentFiles
 from .verify import verify
 
-__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "MAX_ENTRY_BYTES", "PackedStore"]
+__all__ = ["INDEX_ENTRY_BYTES", "MAX_ENTRY_BYTES", "PackedStore"]
 
 #: The largest entry stored by default; a longer length in the index is a lie and is not read.
 MAX_ENTRY_BYTES = 1 << 28
@@ -63,7 +63,8 @@ class PackedStore(BatchedStore):
             entry failed its checks and is a miss), ``"segment"`` (a segment file is
             missing or not a regular file), ``"index"`` (the index was damaged and
             rebuilt), ``"read"`` (a read failed). Logged as warnings by default.
-        evict: ``"mru"`` (the most recently written segment goes first) or ``"lru"`` (the least).
+        evict: ``"mru"`` (the most recently written segment goes first), ``"lru"`` (the least),
+            or ``"none"``: a full store keeps what it holds and takes what fits of a write.
         segment_bytes: Seal a segment once it holds this many bytes; by default 1/64 of
             the budget, between 64 KiB and 256 MiB (1/16 of budgets under 1 MiB).
         max_entry_bytes: Larger entries are not stored, and an index row that claims a
@@ -94,8 +95,8 @@ class PackedStore(BatchedStore):
         segment_bytes: int | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
-        if evict not in ("mru", "lru"):
-            raise ConfigError(f"evict must be 'mru' or 'lru', got {evict!r}")
+        if evict not in ("mru", "lru", "none"):
+            raise ConfigError(f"evict must be 'mru', 'lru' or 'none', got {evict!r}")
         self.directory = Path(directory)
         self.max_bytes = parse_size(max_bytes, "max_bytes")
         # 1/64 of the budget, at least 64 KiB; small budgets get segments of 1/16 (at least
@@ -107,7 +108,8 @@ class PackedStore(BatchedStore):
         self._max_entry = min(self.max_bytes, int(max_entry_bytes))
         self._root = os.fspath(self.directory)
         self._report_fn = report if report is not None else _default_report
-        self._recent = evict == "mru"
+        self._recent = evict != "lru"
+        self._keep = evict == "none"
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
@@ -224,39 +226,34 @@ class PackedStore(BatchedStore):
             start = chunk[-1] + b"\0"
 
     def __len__(self) -> int:
-        with self._lock:
-            index = self._ensure(write=False)
-            if index is None:
-                return 0
-            with index.begin() as txn:
-                return index.count(txn)
+        return self.usage()["entries"]
 
     @property
     def nbytes(self) -> int:
         """Payload bytes of the live entries (every process's)."""
-        with self._lock:
-            index = self._ensure(write=False)
-            if index is None:
-                return 0
-            with index.begin() as txn:
-                return index.totals(txn)[b"payload"]
+        return self.usage()["payload"]
 
     def usage(self) -> dict[str, int]:
         """What the index counts, every process's writes included.
 
         Returns:
             ``entries``, ``payload`` (live payload bytes), ``records`` (live record bytes,
-            headers included) and ``files`` (bytes of segment files; what they hold beyond
-            ``records`` is reclaimable by compaction).
+            headers included), ``files`` (bytes of segment files; what they hold beyond
+            ``records`` is reclaimable by compaction) and ``index`` (the index's share of
+            the budget).
         """
         with self._lock:
             index = self._ensure(write=False)
             if index is None:
-                return {"entries": 0, "payload": 0, "records": 0, "files": 0}
+                return {"entries": 0, "payload": 0, "records": 0, "files": 0, "index": 0}
             with index.begin() as txn:
-                totals = index.totals(txn)
-                count = index.count(txn)
-        return {"entries": count, **{name: totals[name.encode()] for name in ("payload", "records", "files")}}
+                totals, count = index.totals(txn), index.count(txn)
+            charge = index_charge(index.file_bytes(), count)
+        return {
+            "entries": count,
+            **{name: totals[name.encode()] for name in ("payload", "records", "files")},
+            "index": charge,
+        }
 
     @property
     def disk_bytes(self) -> int:
@@ -309,7 +306,8 @@ class PackedStore(BatchedStore):
         """Store entries under the budget (see :meth:`BatchedStore.put_many`).
 
         Every item is appended, then whole segments are evicted until the budget holds
-        (with MRU, the most recently written first, which may be this batch's own).
+        (with MRU, the most recently written first, which may be this batch's own); with
+        ``evict="none"``, only the first ones that fit, checked in the write transaction.
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
@@ -330,6 +328,12 @@ class PackedStore(BatchedStore):
                 victims: Victims = []
                 try:
                     kbs, datas = list(plan), list(plan.values())
+                    kbs, datas = fitting(index, change, kbs, datas, self.max_bytes) if self._keep else (kbs, datas)
+                    if not kbs:  # full, or an index bloated with free pages: rebuilt, then tried again
+                        change.abort()
+                        if attempt + 1 < _GROW_TRIES and self._trim(index):
+                            continue
+                        return 0
                     places = self._files.append(change, encode_records(kbs, datas))
                     change.add_many(kbs, places, list(map(len, datas)))
                     victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent)
@@ -347,11 +351,15 @@ class PackedStore(BatchedStore):
                 break
             self._files.committed()
             release(self._files, victims, remove=True)
-            try:
-                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
-            except (lmdb.Error, OSError) as exc:
-                raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
-        return len(plan) - len(evicted.intersection(plan))
+            self._trim(index)
+        return len(kbs) - len(evicted.intersection(kbs))
+
+    def _trim(self, index: Index) -> bool:
+        """Keep the store within its budget (:func:`keep_within_bounds`); whether the index was replaced."""
+        try:
+            return keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+        except (lmdb.Error, OSError) as exc:
+            raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
 
     def trim(self) -> None:
         """Evict and compact now until the budget holds (otherwise done by each :meth:`put_many`).
@@ -362,10 +370,7 @@ class PackedStore(BatchedStore):
         with self._lock:
             index = self._ensure(write=True)
             assert index is not None  # _ensure(write=True) raises instead
-            try:
-                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
-            except (lmdb.Error, OSError) as exc:
-                raise StoreError(f"cannot trim the store {self._root}: {exc}") from exc
+            self._trim(index)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove entries; return how many were present.
@@ -396,11 +401,7 @@ class PackedStore(BatchedStore):
         return removed
 
     def flush(self) -> None:
-        """Remove the entries this process found damaged from the index.
-
-        Entries are visible to every process, and safe from a killed one, as soon as
-        :meth:`put_many` returns: there is nothing else to flush.
-        """
+        """Remove the entries this process found damaged from the index (a put is durable when it returns)."""
         with self._lock:
             self._flush_quietly()
 
@@ -435,10 +436,7 @@ class PackedStore(BatchedStore):
             upkeep.remove_unindexed(index, self._files)
 
     def close(self) -> None:
-        """Flush, seal this process's segment, close the index and every file.
-
-        The store reopens if it is used again.
-        """
+        """Flush, seal this process's segment, close the index and every file (reopened if used again)."""
         with self._lock:
             if self._handle.forked():
                 return
