@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from torchcache.stores.batched import BatchedStore, VerifyReport
 from torchcache.stores.packed.format import encode_key
+from torchcache.stores.packed.store import PackedStore
 
 
 def key(i: int) -> str:
@@ -18,6 +19,12 @@ def key(i: int) -> str:
 def value(i: int, size: int = 1000) -> bytes:
     """``size`` bytes that name ``i``: the value stored under ``key(i)``."""
     return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def charged(store: PackedStore) -> int:
+    """The bytes a packed store's budget counts: its records and the index's share."""
+    usage = store.usage()
+    return usage["records"] + usage["index"]
 
 
 class Reports:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tests.helpers import REPO, python_env, run_python
+from tests.store_helpers import charged
 from torchcache import CachedDataset, CacheWarning, SampleCache
 from torchcache.datasets.dataset import MissingSampleError
 from torchcache.datasets.decode import decode_sample, frame_head
@@ -37,12 +38,6 @@ from torchcache.faults import FaultLog
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 from torchcache.stores.rows import Geometry, RowsFile
-
-
-def _used(store: PackedStore) -> int:
-    """The bytes a store's budget counts: its records and the index's share."""
-    usage = store.usage()
-    return usage["records"] + usage["index"]
 
 
 @pytest.fixture(autouse=True)
@@ -609,7 +604,7 @@ def test_a_tier_keeps_what_its_store_holds_when_another_writer_filled_it(tmp_pat
     tier = SampleTier("memory", store, budget, FaultLog("test"))
     store.put_many([(store_key(i), b"o" * 100) for i in range(100, 106)])  # the other process
     tier.put_many([(store_key(i), b"m" * 100) for i in range(8)])
-    assert tier.full and _used(store) <= budget
+    assert tier.full and charged(store) <= budget
     assert sorted(store.keys()) == sorted(store_key(i) for i in [*range(4), *range(100, 106)])
     tier.put_many([(store_key(50), b"m" * 100)])  # full: nothing more
     assert len(store) == 10
@@ -750,7 +745,7 @@ def test_the_users_ram_root_is_removed_with_its_last_job(shm_root: Path, log: Pa
     again.close()
 
 
-def test_a_dataset_cache_logs_its_summary_while_it_is_used(
+def test_a_dataset_cache_logs_its_summary_while_it_ischarged(
     log: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torchcache_logger: Any
 ) -> None:
     import torchcache.stats as stats

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import run_python
-from tests.store_helpers import Reports, key, value
+from tests.store_helpers import Reports, charged, key, value
 from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
@@ -34,12 +34,6 @@ from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 
 FORK = multiprocessing.get_context("fork")
 DEADLINE = 60.0
-
-
-def _used(store: PackedStore) -> int:
-    """The bytes a store's budget counts: its records and the index's share."""
-    usage = store.usage()
-    return usage["records"] + usage["index"]
 
 
 @pytest.fixture
@@ -564,7 +558,7 @@ def test_eight_writers_on_a_small_budget_keep_the_index_within_it_and_keep_entri
     store = PackedStore(root, budget, report=lambda kind, message: None, evict=evict)
     store.put_many([(key(10**8 + i), value(i, 1000)) for i in range(100)])
     assert len(store) > 100  # entries kept, not a store full of index
-    assert _used(store) <= budget
+    assert charged(store) <= budget
     assert store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
     # An index rebuilt while other writers evict may list a segment that one of them
     # removes a moment later: its entries are misses, never wrong bytes, and
@@ -585,12 +579,12 @@ def test_a_store_that_does_not_evict_keeps_what_it_holds_and_takes_what_fits(roo
     assert set(taken[:full]) == {10} and set(taken[full + 1 :]) == {0}
     held = [key(i) for i in range(sum(taken))]
     assert sorted(store.keys()) == sorted(held)  # the first ones written, kept
-    assert 0 <= budget - _used(store) < 3000 + 15 + 8 + INDEX_ENTRY_BYTES  # the next one did not fit
+    assert 0 <= budget - charged(store) < 3000 + 15 + 8 + INDEX_ENTRY_BYTES  # the next one did not fit
     got = store.get_many(held)
     assert all(v is not None and bytes(v) == value(i, 3000) for i, v in enumerate(got))
     smaller = PackedStore(root, budget // 2, evict="none")  # a lower budget on a later run still holds
     smaller.trim()
-    assert 0 < len(smaller) < len(held) and _used(smaller) <= budget // 2
+    assert 0 < len(smaller) < len(held) and charged(smaller) <= budget // 2
     assert set(smaller.keys()) < set(held)
 
 
