@@ -408,7 +408,7 @@ def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixtu
     assert lines[4].startswith("left 2 module caches, 8 entries, ") and len(lines) == 5
 
     code, out, _ = run(capsys, "prune", "--max-size", str(limit))
-    assert code == 0 and not oldest.exists() and middle.exists() and newest.exists()
+    assert code == 0 and not oldest.exists() and middle.exists() and newest.exists(), (out, _)
     assert out.splitlines()[0] == f"removed 1 module cache ({format_size(sizes[oldest.name])}):"
     assert out.splitlines()[2].startswith(oldest.name[:12]) and "left 2 module caches" in out
     shutil.rmtree(middle.parent)

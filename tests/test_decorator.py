@@ -295,7 +295,7 @@ def test_disk_layout_and_metadata(cache_root: Path) -> None:
     segments = {name for name in names if re.fullmatch(r"seg-[0-9a-f]{8}\.tcs", name)}
     assert {"torchcache.json", "index.lmdb"} <= names
     assert segments
-    assert names - segments <= {"torchcache.json", "index.lmdb", "index.lmdb-lock", "compact.lock"}
+    assert names - segments <= {"torchcache.json", "index.lmdb", "index.lmdb-lock", "compact.lock", "index.lock"}
     assert all(p.is_file() for p in module_dir.iterdir())
     assert not list(cache_root.rglob("*.tce"))
 

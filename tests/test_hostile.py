@@ -42,8 +42,8 @@ from torchcache.codec import CODEC_BROTLI, MAGIC, encode_header
 from torchcache.meta import META_NAME
 from torchcache.stores.packed.format import parse_segment_name
 from torchcache.stores.packed.index import INDEX_NAME
+from torchcache.stores.packed.locks import INDEX_LOCK_NAME, LOCK_NAME
 from torchcache.stores.packed.store import PackedStore
-from torchcache.stores.packed.upkeep import LOCK_NAME
 from torchcache.tree import Layout, flatten
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants FIFOs")
@@ -292,6 +292,8 @@ CASES: dict[str, Case] = {
     "index lock: directory": Case(INDEX_NAME + "-lock", _replacing(_directory), verify_ok=True, **INDEX_REBUILT),
     "compaction lock: FIFO": Case(LOCK_NAME, _replacing(_fifo), **HARMLESS),
     "compaction lock: directory": Case(LOCK_NAME, _replacing(_directory), **HARMLESS),
+    "opening lock: FIFO": Case(INDEX_LOCK_NAME, _replacing(_fifo), **HARMLESS),
+    "opening lock: directory": Case(INDEX_LOCK_NAME, _replacing(_directory), **HARMLESS),
     # a segment the index knows, and one it does not
     "segment: random bytes": Case(SEGMENT, _bytes(lambda: os.urandom(5000)), **SEGMENT_LOST),
     "segment: FIFO": Case(SEGMENT, _replacing(_fifo), **SEGMENT_LOST),
@@ -436,7 +438,8 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
         keys = sorted(store.keys())
         frames = store.get_many(keys)
     assert len(keys) == N and all(frames)
-    assert sorted(p.name for p in directory.iterdir()) == [INDEX_NAME, INDEX_NAME + "-lock", SEGMENT, META_NAME]
+    names = [LOCK_NAME, INDEX_LOCK_NAME, INDEX_NAME, INDEX_NAME + "-lock", SEGMENT, META_NAME]
+    assert sorted(p.name for p in directory.iterdir()) == sorted(names)
     return Template(root, directory.name, x, Counting()(x), keys[0], bytes(frames[0]))  # type: ignore[arg-type]
 
 
@@ -501,7 +504,7 @@ def _listed_entries(directory: Path) -> list[Path]:
 def _is_torchcache_file(name: str) -> bool:
     return (
         name.endswith(".tce")
-        or name in (META_NAME, INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME)
+        or name in (META_NAME, INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, INDEX_LOCK_NAME)
         or parse_segment_name(name) is not None
     )
 

@@ -28,7 +28,7 @@ from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STORE_FILE = re.compile(r"seg-[0-9a-f]{8}\.tcs")
-STORE_NAMES = {"index.lmdb", "index.lmdb-lock", "compact.lock", "seg-N.tcs", "torchcache.json"}
+STORE_NAMES = {"index.lmdb", "index.lmdb-lock", "compact.lock", "index.lock", "seg-N.tcs", "torchcache.json"}
 
 PREAMBLE = """
 import json, sys, torch

@@ -31,8 +31,8 @@ from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_fea
 from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
 from ..stores.packed.index import INDEX_NAME, cut_short
+from ..stores.packed.locks import LOCK_NAMES
 from ..stores.packed.store import PackedStore
-from ..stores.packed.upkeep import LOCK_NAME
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -208,7 +208,7 @@ def list_files(directory: Path) -> CacheFiles:
 
 
 def _is_store_file(name: str) -> bool:
-    known = (INDEX_NAME, INDEX_NAME + "-lock", LOCK_NAME, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
+    known = (INDEX_NAME, INDEX_NAME + "-lock", *LOCK_NAMES, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
     return name in known or parse_segment_name(name) is not None
 
 

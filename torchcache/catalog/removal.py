@@ -2,7 +2,7 @@
 
 Removal is narrow on purpose: it empties the packed store through its index (so a
 process using it reads misses, never partial entries), then unlinks the store's files
-(``index.lmdb*``, ``seg-*.tcs``, ``compact.lock``), torchcache 1.0 entry files
+(``index.lmdb*``, ``seg-*.tcs``, the two ``.lock`` files), torchcache 1.0 entry files
 (``<3 hex digits>/<key>.tce``), temporary files (``.*.tmp``) and the metadata file, then
 removes directories with :func:`os.rmdir`, which fails on a directory that still holds
 something, so unknown files survive with their directory.

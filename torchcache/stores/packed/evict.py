@@ -55,7 +55,7 @@ def index_bloated(index_bytes: int, count: int, max_bytes: int) -> bool:
     So it is when its file, beyond its base, takes half the budget and more than four
     times what its entries are charged plus 256 KiB: LMDB keeps free pages of its own
     (more when many processes read and write at once, since a page freed while a reader
-    could still see it waits), and a rebuild reads every segment file.
+    could still see it waits), and compacting copies the whole index.
     """
     excess = index_bytes - INDEX_BASE_BYTES
     return excess > max(4 * count * INDEX_ENTRY_BYTES + (1 << 18), max_bytes // 2)
@@ -74,6 +74,8 @@ def evict(
         OSError: If a segment cannot be read.
     """
     index_bytes = index.file_bytes()
+    if index_bloated(index_bytes, change.count, max_bytes):
+        index_bytes = 0  # free pages, not entries: compacted after the commit (keep_within_bounds)
     victims: Victims = []
     evicted: set[bytes] = set()
     if change.records + index_charge(index_bytes, change.count) <= max_bytes:

@@ -36,6 +36,7 @@ import lmdb
 from ..._fork import after_fork
 from ...errors import StoreError
 from .format import HEADER, record_size
+from .locks import opening_index
 
 __all__ = [
     "DAMAGE",
@@ -170,7 +171,8 @@ def open_index(root: str, readonly: bool, map_size: int = MIN_MAP_SIZE) -> Index
     Raises:
         IndexDamageError: If the index or its lock file is not a regular file.
         lmdb.Error: If LMDB refuses the file (damaged, another format, no access, no memory).
-        OSError: If the lock file cannot be given its pages (a full file system).
+        OSError: If the lock file cannot be given its pages (a full file system), or the
+            directory stays locked for 30 s.
     """
     path = os.path.join(root, INDEX_NAME)
     for name in (path, path + "-lock"):
@@ -189,13 +191,15 @@ def open_index(root: str, readonly: bool, map_size: int = MIN_MAP_SIZE) -> Index
         if shared is not None:  # LMDB allows one environment per file and process: share it
             shared.users += 1
             return shared
-        if not readonly:
-            index = Index(path, readonly=False, lock=True, map_size=map_size)
-        else:
+        with opening_index(root) as locked:  # no index is replaced while it is opened
+            if not locked:
+                raise OSError(errno.EAGAIN, f"{root} stayed locked while its index was being replaced")
             try:
-                index = Index(path, readonly=True, lock=True, map_size=map_size)
-            except (lmdb.Error, StoreError):  # the lock file cannot be written either: read without it
-                index = Index(path, readonly=True, lock=False, map_size=map_size)
+                index = Index(path, readonly=readonly, lock=True, map_size=map_size)
+            except (lmdb.Error, StoreError):
+                if not readonly:
+                    raise
+                index = Index(path, readonly=True, lock=False, map_size=map_size)  # no lock file to write
         _shared[index.identity] = index
         return index
 

@@ -433,7 +433,7 @@ class PackedStore(BatchedStore):
                 raise StoreError(f"cannot clear the store {self._root}: {exc}") from exc
             self._files.seal_writer()
             self._reader.bad.clear()
-            upkeep.remove_unindexed(index, self._files)
+            upkeep.remove_unindexed(index, self._files, wait=True)
 
     def close(self) -> None:
         """Flush, seal this process's segment, close the index and every file (reopened if used again)."""
@@ -441,12 +441,13 @@ class PackedStore(BatchedStore):
             if self._handle.forked():
                 return
             self._flush_quietly()
-            index, seg = self._handle.index, self._files.seal_writer()
-            if index is not None and seg is not None and not index.readonly:
-                with contextlib.suppress(lmdb.Error):
+            index, writer = self._handle.index, self._files.writer
+            if index is not None and writer is not None and not index.readonly:
+                with contextlib.suppress(lmdb.Error):  # sealed while still locked: no one evicted it meanwhile
                     change = index.change()
-                    change.seal(seg)
+                    change.seal(writer.seg)
                     change.commit()
+            self._files.seal_writer()
             self._handle.drop()
 
     def verify(self, fix: bool = False) -> VerifyReport:

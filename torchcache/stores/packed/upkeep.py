@@ -16,9 +16,8 @@ import errno
 import fcntl
 import functools
 import os
-import stat
+import threading
 import time
-from collections.abc import Iterator
 
 import lmdb
 
@@ -35,7 +34,8 @@ from .index import (
     cut_short,
     open_index,
 )
-from .segments import SegmentFiles
+from .locks import INDEX_LOCK_NAME, LOCK_NAMES, exclusive
+from .segments import TMP_PREFIX, SegmentFiles
 
 __all__ = [
     "compact",
@@ -48,80 +48,57 @@ __all__ = [
     "seal_orphans",
 ]
 
-LOCK_NAME = "compact.lock"
 _MOVE_BYTES = 8 << 20
-_LOCK_WAIT_SECONDS = 30.0
 _NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
 Report = Report
 #: Times a write that finds the index's map full grows it and tries again.
 _GROW_TRIES = 8
 
 
-@contextlib.contextmanager
-def exclusive(root: str, wait: bool) -> Iterator[bool]:
-    """Hold the store's exclusive lock file; yield whether it was taken.
-
-    Without ``wait``, give up at once if another process holds it; with it, poll for at
-    most 30 s. Something other than a regular file at its path is replaced.
-    """
-    path = os.path.join(root, LOCK_NAME)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = -1
-    for _ in range(2):
-        try:
-            fd = os.open(path, flags, 0o644)
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                break
-            os.close(fd)
-            fd = -1
-        except OSError:
-            fd = -1
-        with contextlib.suppress(OSError):  # a FIFO, link or directory someone put there
-            os.rmdir(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
-    if fd < 0:
-        yield False
-        return
-    try:
-        deadline = time.monotonic() + (_LOCK_WAIT_SECONDS if wait else 0.0)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.005)
-        yield True
-    finally:
-        os.close(fd)
-
-
 def compact_index(index: Index, root: str, report: Report) -> None:
-    """Replace an index that holds far more free pages than entries: it is rebuilt from the segment files.
+    """Replace an index that holds far more free pages than entries with a compact copy of it.
 
     LMDB reuses a freed page only once no reader can still see it, so with many writers
     and readers at once its file can grow past what its entries need, and it never
-    shrinks: charged to the budget, it would leave no room for entries. The index is
-    discarded as a damaged one is, and the next process to open it (this one, at its
-    next call) indexes every intact record of the segment files again; a writer that
-    was waiting for the write lock finds the file replaced and opens the new one
-    (:meth:`~torchcache.stores.packed.index.Index.change`).
+    shrinks: charged to the budget, it would leave no room for entries. Holding the
+    index's write lock (nothing can be committed meanwhile), a compact copy of it is
+    written beside it and renamed over it, and the old lock file is removed with it;
+    a writer that was waiting for the write lock finds the file replaced and opens the
+    new one (:meth:`~torchcache.stores.packed.index.Index.change`). Every entry is kept.
 
     Raises:
-        OSError: If the index cannot be removed.
+        lmdb.Error: If the copy cannot be made.
+        OSError: If it cannot be written or renamed.
     """
-    with exclusive(root, wait=False) as got:
-        if not got:
+    with exclusive(root, wait=False) as got, exclusive(root, True, INDEX_LOCK_NAME) as alone:
+        if not got or not alone:
             return  # another process compacts the store: the next write tries again
+        before = index.file_bytes()
         change = index.change()  # holding LMDB's write lock: no writer is inside a transaction of this index
+        tmp = os.path.join(root, f"{TMP_PREFIX}index-{os.getpid()}-{time.monotonic_ns()}.tmp")
         try:
-            report(
-                Fault.INDEX, f"the index of {root} outgrew its entries ({index.file_bytes():,} bytes); rebuilding it"
-            )
-            _remove_index_files(root)
+            failed: list[BaseException] = []
+            copier = threading.Thread(target=_copy_compact, args=(index, tmp, failed))
+            copier.start()  # a read transaction of another thread: this one holds the write transaction
+            copier.join()
+            if failed:
+                raise failed[0]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(index.path + "-lock")  # the next process to open the new file makes a new one
+            os.replace(tmp, index.path)
+            report(Fault.INDEX, f"the index of {root} outgrew its entries ({before:,} bytes); compacted it")
         finally:
             change.abort()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def _copy_compact(index: Index, path: str, failed: list[BaseException]) -> None:
+    try:
+        with index.env.begin() as txn:
+            index.env.copy(path, compact=True, txn=txn)
+    except BaseException as exc:  # noqa: BLE001 (handed to the thread that waits for it)
+        failed.append(exc)
 
 
 def _no_access(exc: BaseException) -> bool:
@@ -138,7 +115,7 @@ def discard_index(root: str, identity: tuple[int, int] | None) -> None:
         OSError: If it cannot be removed.
     """
     path = os.path.join(root, INDEX_NAME)
-    with exclusive(root, wait=True):
+    with exclusive(root, wait=True), exclusive(root, True, INDEX_LOCK_NAME):
         if identity is not None:
             with contextlib.suppress(FileNotFoundError):
                 st = os.lstat(path)
@@ -285,7 +262,7 @@ def seal_orphans(index: Index, files: SegmentFiles) -> None:
                 change.seal(seg)
                 change.set_end(seg, max(change.segment(seg)[1], size))
         change.commit()
-    files.sweep(functools.partial(known_segments, index))
+    remove_unindexed(index, files, wait=False)
 
 
 def known_segments(index: Index) -> set[int]:
@@ -393,14 +370,22 @@ def _move(index: Index, files: SegmentFiles, seg: int, batch: list[tuple[int, by
         files.remove(seg)
 
 
-def remove_unindexed(index: Index, files: SegmentFiles) -> int:
-    """Remove the segment files the index does not know and no live writer holds.
+def remove_unindexed(index: Index, files: SegmentFiles, wait: bool) -> int:
+    """Remove the segment files the index does not know and no live writer holds; return how many.
+
+    Only while ``index`` is still the store's index, checked holding ``compact.lock``,
+    under which an index is replaced: a process whose index another one replaced must
+    not take the new index's segments for orphans. Without ``wait``, nothing is
+    removed while another process holds the lock (the next open sweeps).
 
     Raises:
         lmdb.Error: If the index cannot be read.
         OSError: If the directory cannot be listed.
     """
-    return files.sweep(functools.partial(known_segments, index))
+    with exclusive(files.root, wait) as locked:
+        if not locked or index.replaced():
+            return 0
+        return files.sweep(functools.partial(known_segments, index))
 
 
 def disk_bytes(root: str) -> int:
@@ -409,7 +394,7 @@ def disk_bytes(root: str) -> int:
     with contextlib.suppress(OSError), os.scandir(root) as entries:
         for entry in entries:
             name = entry.name
-            if name.startswith(INDEX_NAME) or name == LOCK_NAME or (name.startswith("seg-") and name.endswith(".tcs")):
+            if name.startswith(INDEX_NAME) or name in LOCK_NAMES or (name.startswith("seg-") and name.endswith(".tcs")):
                 with contextlib.suppress(OSError):
                     total += entry.stat(follow_symlinks=False).st_blocks * 512
     return total

@@ -8,7 +8,6 @@ segment files (no index row, no live writer) are removed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 
@@ -18,7 +17,7 @@ from ..batched import VerifyReport
 from .format import check_record, decode_key, record_size
 from .index import Entry, Index
 from .segments import SegmentFiles
-from .upkeep import known_segments
+from .upkeep import known_segments, remove_unindexed
 
 __all__ = ["verify"]
 
@@ -79,7 +78,7 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     result.problems.extend(f"{files.path(seg)} is not in the index" for seg in sorted(orphans))
     if fix and not result.ok:
         _repair(index, files, bad)
-        files.sweep(functools.partial(known_segments, index))
+        remove_unindexed(index, files, wait=True)
         result.fixed = True
     return result
 
