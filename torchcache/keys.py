@@ -169,14 +169,12 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
             rows, subsampled = item_rows(tensor, subsample_count)
             flag = _SUBSAMPLED if subsampled else _WHOLE
         flat, width = memoryview(rows.reshape(-1)), rows.shape[1]  # type: ignore[arg-type]
-        if flag == _ON_DEVICE:  # 32 bytes per item, already a digest
-            row_digests.append([bytes(flat[i * width : (i + 1) * width]) for i in range(batch)])
-        else:
-            row_digests.append([digest(flat[i * width : (i + 1) * width]) for i in range(batch)])
-        flags.append(flag)
+        items = [flat[at : at + width] for at in range(0, batch * width, width)]
+        row_digests.append(list(map(bytes, items)) if flag == _ON_DEVICE else list(map(digest, items)))
+        flags.append(flag)  # on a device: 32 bytes per item, already a digest
     prefix = context + bytes(flags)
     if len(row_digests) == 1:
-        return [digest(prefix + d) for d in row_digests[0]]
+        return list(map(digest, map(prefix.__add__, row_digests[0])))
     return [digest(prefix + b"".join(parts)) for parts in zip(*row_digests)]
 
 

@@ -429,7 +429,7 @@ class DiskLevel:
     def find(self, keys: Sequence[bytes]) -> list[tuple[list[int], tuple[Layout, list[torch.Tensor]]]]:
         """The rows stored for ``keys`` (of this level's layout, if it has one)."""
         try:
-            found_at, layout, leaves = self.disk.read([key.hex() for key in keys])
+            found_at, layout, leaves = self.disk.read(list(map(bytes.hex, keys)))
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
             self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
             return []

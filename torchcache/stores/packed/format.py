@@ -114,7 +114,7 @@ def encode_keys(keys: list[str] | tuple[str, ...]) -> list[bytes]:
     except (TypeError, ValueError):
         raw = b""
     # Whitespace or capitals pass fromhex: only an exact round trip is lowercase hex.
-    if raw and raw.hex() == joined and all(len(key) == width for key in keys):
+    if raw and raw.hex() == joined and set(map(len, keys)) == {width}:
         size = width // 2
         return [raw[i : i + size] for i in range(0, len(raw), size)]
     return [encode_key(key) for key in keys]
