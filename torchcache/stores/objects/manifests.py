@@ -9,6 +9,7 @@ from every manifest older than it. Both are JSON, validated before use.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +35,8 @@ __all__ = [
 FORMAT = "torchcache-objects"
 SEGMENT, MANIFEST, TOMBSTONE = ".tcs", ".tcm", ".tcd"
 _MAX_MANIFEST = 64 << 20
+#: A store key (:func:`~torchcache.stores.packed.format.is_key`), matched in one call.
+_KEY = re.compile(r"[0-9a-f]{4,64}")
 
 
 class Entry(NamedTuple):
@@ -226,14 +229,19 @@ def parse(body: object, name: str) -> dict[str, Any] | str:
     if type(size) is not int or size < 0 or not isinstance(entries, list):
         return "invalid size or entries"
     for entry in entries:
+        if type(entry) is not list or len(entry) != 4:
+            return f"invalid entry {str(entry)[:80]}"
+        key, offset, length, digest = entry
         if (
-            not isinstance(entry, list)
-            or len(entry) != 4
-            or not isinstance(entry[0], str)
-            or not is_key(entry[0])
-            or not all(type(v) is int and v >= 0 for v in entry[1:])
-            or entry[1] + entry[2] > size
-            or entry[3] >= 1 << 64
+            type(key) is not str
+            or _KEY.fullmatch(key) is None
+            or type(offset) is not int
+            or type(length) is not int
+            or type(digest) is not int
+            or offset < 0
+            or length < 0
+            or offset + length > size
+            or not 0 <= digest < 1 << 64
         ):
             return f"invalid entry {str(entry)[:80]}"
     return data
