@@ -24,7 +24,9 @@ shuffled batches of 256:
 Every sample read is checked against the image it was made from. Targets (issue 39):
 first epoch from the bucket at most 2x the first from the local disk cache, the second
 at most 1.1x; requests per epoch about one per segment touched, not one per sample; with
-half a local copy, at least 0.45 of the hits local in epochs 2-4. It
+half a local copy, at least 0.45 of the hits local in epochs 2-4. Beside them, the
+server's own floor: every segment object fetched whole with boto3 on 1 and on 4
+streams, nothing decoded or written (best of 3), over the local first epoch. It
 exits non-zero if a sample is wrong. Results go to ``--json`` (default
 ``benchmarks/results/object_store.json``).
 """
@@ -114,6 +116,30 @@ def child(role: str, location: str, local: str, n: int) -> None:
     print("RESULT " + json.dumps(out))
 
 
+def raw_download(endpoint: str) -> dict[str, float]:
+    """Seconds to fetch every segment object of the bucket whole, on 1 and on 4 streams (best of 3 each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t",
+                          aws_secret_access_key="t", config=Config(max_pool_connections=8))  # fmt: skip
+    listed = client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix="cache")
+    keys = [(o["Key"], o["Size"]) for page in listed for o in page.get("Contents", []) if o["Key"].endswith(".tcs")]
+    out = {"mb": round(sum(size for _, size in keys) / 1e6, 1)}
+    for streams in (1, 4):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            with ThreadPoolExecutor(streams) as pool:
+                got = sum(pool.map(lambda k: len(client.get_object(Bucket="bench", Key=k[0])["Body"].read()), keys))
+            best = min(best, time.perf_counter() - start)
+            assert got == sum(size for _, size in keys)
+        out[str(streams)] = round(best, 3)
+    return out
+
+
 def run_child(role: str, location: str, local: str, n: int, env: dict[str, str]) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, str(HERE), "--child", role, location, local, str(n)],
@@ -172,6 +198,7 @@ def main() -> None:
         bucket = run_child("serve", url, str(work / "fresh-copy"), n, env)
         copy_bytes = sum(f.stat().st_size for f in (work / "fresh-copy").rglob("seg-*.tcs"))
         half = run_child(f"half:{copy_bytes // 2}", url, str(work / "half-copy"), n, env)
+        raw = raw_download(endpoint)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -191,6 +218,12 @@ def main() -> None:
         "batches_per_epoch": -(-n // 256),
         "half_local_copy_hit_rates_epochs_1_to_4": half["local_hit_rates"],
         "half_local_copy_epochs_s": [e["seconds"] for e in half["epochs"]],
+        # The server's own floor: every segment of the bucket fetched whole with boto3, no decoding
+        "raw_download_mb": raw["mb"],
+        "raw_download_s_1_stream": raw["1"],
+        "raw_download_s_4_streams": raw["4"],
+        "raw_download_over_local_epoch_1_stream": round(raw["1"] / local["epochs"][0]["seconds"], 2),
+        "raw_download_over_local_epoch_4_streams": round(raw["4"] / local["epochs"][0]["seconds"], 2),
         "wrong_samples": wrong,
         "targets": {"first_epoch_ratio": 2.0, "second_epoch_ratio": 1.1, "half_copy_hit_rate_epochs_2_4": 0.45},
     }
