@@ -43,18 +43,28 @@ def _take(fd: int, mode: int, wait: bool) -> bool:
 def _open(root: str, name: str) -> int:
     """A descriptor of the lock file ``name`` (made if missing), or -1 where none can be had.
 
-    Something other than a regular file at its path is replaced.
+    A lock file this process may not write (another user's) is opened for reading, which
+    is enough for ``flock``; something other than a regular file at its path is replaced.
     """
     path = os.path.join(root, name)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
     for _ in range(2):
-        try:
-            fd = os.open(path, flags, 0o644)
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+            try:
+                fd = os.open(path, flags | nofollow, 0o644)
+            except OSError:
+                continue
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 return fd
             os.close(fd)
+            break
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                return -1  # a regular file that cannot be opened at all: leave it
+        except FileNotFoundError:
+            return -1  # cannot be made (a read-only directory)
         except OSError:
-            pass
+            return -1
         with contextlib.suppress(OSError):  # a FIFO, link or directory someone put there
             os.rmdir(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
     return -1
