@@ -20,6 +20,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchcache import keys as keys_module
 from torchcache import torchcache
 from torchcache.errors import KeyingError
 from torchcache.keys import Context, encode_value, hash_items
@@ -589,3 +590,13 @@ def test_fingerprint_function_differs_with_settings() -> None:
     assert fingerprint_function(_plus_one, SETTINGS) != fingerprint_function(
         _plus_one, {"cache_dtype": "torch.float16", "subsample_count": 10000}
     )
+
+
+def test_a_subsample_and_whole_items_of_the_same_bytes_get_different_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Subsamples are taken on accelerators only; here item_rows is made to say its rows are one.
+    x = torch.arange(12.0).reshape(3, 4)
+    whole = hash_items(b"ctx", [x])
+    real = keys_module.item_rows
+    monkeypatch.setattr(keys_module, "item_rows", lambda tensor, count: (real(tensor, count)[0], True))
+    subsampled = hash_items(b"ctx", [x])
+    assert len(set(whole)) == 3 and not set(whole) & set(subsampled)
