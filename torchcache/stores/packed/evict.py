@@ -37,11 +37,20 @@ def index_charge(index_bytes: int, count: int) -> int:
     return max(count * INDEX_ENTRY_BYTES, index_bytes - INDEX_BASE_BYTES)
 
 
+def write_charge(index_bytes: int, count: int, max_bytes: int) -> int:
+    """The index's charge as a write sees it: a bloated index counts as its entries.
+
+    Its free pages are no reason to evict or to refuse entries: :func:`keep_within_bounds`
+    compacts it after the write.
+    """
+    return index_charge(0 if index_bloated(index_bytes, count, max_bytes) else index_bytes, count)
+
+
 def fitting(
     index: Index, change: Change, kbs: list[bytes], datas: list[bytes | memoryview], max_bytes: int
 ) -> tuple[list[bytes], list[bytes | memoryview]]:
     """The first of the entries that fit the budget beside what ``change`` holds (a store that does not evict)."""
-    room = max_bytes - change.records - index_charge(index.file_bytes(), change.count)
+    room = max_bytes - change.records - write_charge(index.file_bytes(), change.count, max_bytes)
     for n, (kb, data) in enumerate(zip(kbs, datas)):
         room -= record_size(kb, len(data)) + INDEX_ENTRY_BYTES
         if room < 0:
@@ -74,18 +83,16 @@ def evict(
         OSError: If a segment cannot be read.
     """
     index_bytes = index.file_bytes()
-    if index_bloated(index_bytes, change.count, max_bytes):
-        index_bytes = 0  # free pages, not entries: compacted after the commit (keep_within_bounds)
     victims: Victims = []
     evicted: set[bytes] = set()
-    if change.records + index_charge(index_bytes, change.count) <= max_bytes:
+    if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
         return victims, evicted
     mine = files.own()
     table = change.table()
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
     order = [seg for seg in by_time if table[seg].sealed] + [seg for seg in by_time if seg in mine]
     for seg in dict.fromkeys(order):
-        if change.records + index_charge(index_bytes, change.count) <= max_bytes:
+        if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
             break
         lock: int | None = None
         if seg in mine:
@@ -136,10 +143,8 @@ def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: boo
     release(files, victims, remove=True)
 
 
-def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> bool:
+def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
     """Compact a bloated index; evict if the index grew past its share; compact once the files pass the budget by 5 %.
-
-    Returns whether the index was replaced (the next write opens a compact one).
 
     Compaction goes back to 2 % over the budget where it can (segments that live
     writers still hold are left alone). An index holding more free pages than
@@ -151,12 +156,12 @@ def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent
         OSError: If a file cannot be read, written or removed.
     """
     try:
-        return _keep_within_bounds(index, files, max_bytes, recent, report)
+        _keep_within_bounds(index, files, max_bytes, recent, report)
     except IndexReplacedError:
-        return True  # another process compacted the index: the next call opens the new one
+        return  # another process compacted the index: the next call opens the new one
 
 
-def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> bool:
+def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
     limit = max_bytes + INDEX_BASE_BYTES
     for _ in range(3):
         with index.begin() as txn:
@@ -164,11 +169,10 @@ def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recen
         index_bytes = index.file_bytes()
         if index_bloated(index_bytes, count, max_bytes):
             upkeep.compact_index(index, files.root, report)
-            return True  # the next call opens the new index
+            return  # the next call opens the new index
         if totals[b"records"] + index_charge(index_bytes, count) > max_bytes:
             _evict_to_fit(index, files, max_bytes, recent)  # a large transaction grew the index
         elif totals[b"files"] + index_bytes <= limit * 1.05 or not upkeep.compact(
             index, files, int(limit * 1.02), report
         ):
-            return False
-    return False
+            return

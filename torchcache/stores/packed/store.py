@@ -329,10 +329,8 @@ class PackedStore(BatchedStore):
                 try:
                     kbs, datas = list(plan), list(plan.values())
                     kbs, datas = fitting(index, change, kbs, datas, self.max_bytes) if self._keep else (kbs, datas)
-                    if not kbs:  # full, or an index bloated with free pages: rebuilt, then tried again
+                    if not kbs:  # full
                         change.abort()
-                        if attempt + 1 < _GROW_TRIES and self._trim(index):
-                            continue
                         return 0
                     places = self._files.append(change, encode_records(kbs, datas))
                     change.add_many(kbs, places, list(map(len, datas)))
@@ -354,10 +352,10 @@ class PackedStore(BatchedStore):
             self._trim(index)
         return len(kbs) - len(evicted.intersection(kbs))
 
-    def _trim(self, index: Index) -> bool:
-        """Keep the store within its budget (:func:`keep_within_bounds`); whether the index was replaced."""
+    def _trim(self, index: Index) -> None:
+        """Keep the store within its budget (:func:`keep_within_bounds`)."""
         try:
-            return keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+            keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
 
