@@ -18,6 +18,7 @@ from torchcache import CachedDataset, CacheWarning, ConfigError
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
+from torchcache.stores.objects.manifests import pack
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
@@ -125,6 +126,67 @@ def test_a_deleted_entry_stays_deleted_for_other_readers_until_written_again(buc
     assert _store(bucket).get(key(1)) is None and bytes(_store(bucket).get(key(2)) or b"") == b"two"
     store.put_many([(key(1), b"again")])
     assert bytes(_store(bucket).get(key(1)) or b"") == b"again"
+
+
+def _checkpoints(fs: Any, bucket: str) -> list[str]:
+    return [name for name in _objects(fs, bucket) if name.endswith(".tci")]
+
+
+def test_a_reader_starting_from_nothing_reads_the_newest_checkpoint_and_the_manifests_it_does_not_cover(
+    bucket: str, s3fs_of: Any
+) -> None:
+    writer = _store(bucket)
+    for batch in range(40):  # checkpoints after 16 and 32 manifests; the first is removed by the writer
+        writer.put_many([(key(batch * 3 + i), value(batch * 3 + i)) for i in range(3)])
+    assert len(_checkpoints(s3fs_of, bucket)) == 1
+    reader = _store(bucket)
+    keys = [key(i) for i in range(120)]
+    assert [bytes(v or b"") for v in reader.get_many(keys)] == [value(i) for i in range(120)]
+    # one listing, the checkpoint, one read of the 8 manifests it does not cover, one ranged read per segment
+    assert reader.bucket.requests == 1 + 1 + 8 + 40
+
+
+def test_a_checkpoint_keeps_tombstones_and_forgets_segments_pruned_after_it(bucket: str, s3fs_of: Any) -> None:
+    writer = _store(bucket)
+    writer.put_many([(key(0), value(0))])
+    writer.delete_many([key(0)])
+    for batch in range(1, 17):
+        writer.put_many([(key(batch), value(batch, 1000))])
+    assert len(_checkpoints(s3fs_of, bucket)) == 1
+    # a manifest stamped before the tombstone, uploaded late: the checkpoint's tombstone still hides it
+    segment, manifest = pack({key(0): b"old"})
+    s3fs_of.pipe_file(f"{writer.bucket.prefix}/00000000000000000001-0123456789abcdef.tcs", segment)
+    s3fs_of.pipe_file(f"{writer.bucket.prefix}/00000000000000000001-0123456789abcdef.tcm", manifest)
+    assert _store(bucket).get(key(0)) is None
+    _store(bucket).prune(8_000, sweep_seconds=None)  # another machine removes the oldest segments
+    assert len(_checkpoints(s3fs_of, bucket)) == 1  # the checkpoint now names segments that are gone
+    reader = _store(bucket)
+    kept = [i for i, v in enumerate(reader.get_many([key(i) for i in range(17)])) if v is not None]
+    assert kept == list(range(17 - len(kept), 17)) and 0 < len(kept) < 16
+    assert len(reader) == len(kept) and reader.disk_bytes <= 8_000
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    [
+        b"not json",
+        b'{"format": "torchcache-objects", "version": 1, "covers": ["../x.tcm"], "segments": [], "deleted": []}',
+        b'{"format": "torchcache-objects", "version": 1, "covers": [], "segments": [["../x.tcs", 4, []]], '
+        b'"deleted": []}',
+        b'{"format": "torchcache-objects", "version": 1, "covers": [], "segments": [], "deleted": [["abcd", 1]]}',
+    ],
+)
+def test_a_planted_checkpoint_is_reported_and_the_manifests_are_read_instead(
+    bucket: str, s3fs_of: Any, checkpoint: bytes
+) -> None:
+    writer = _store(bucket)
+    for batch in range(3):
+        writer.put_many([(key(batch), value(batch))])
+    s3fs_of.pipe_file(f"{writer.bucket.prefix}/99999999999999999999-0123456789abcdef.tci", checkpoint)
+    reports = Reports()
+    reader = _store(bucket, reports=reports)
+    assert [bytes(v or b"") for v in reader.get_many([key(i) for i in range(3)])] == [value(i) for i in range(3)]
+    assert reports.kinds() == [Fault.INDEX]
 
 
 def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -260,6 +322,7 @@ def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_data
 _WRITER = """
 import os, sys
 from torchcache.stores.objects import ObjectStore
+from torchcache.stores.objects.manifests import pack
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 store = ObjectStore(sys.argv[1], "ns", 10**9, storage_options={"endpoint_url": sys.argv[2]})
@@ -302,8 +365,6 @@ def test_a_writer_killed_mid_upload_leaves_nothing_a_reader_sees_and_prune_sweep
 def test_a_bucket_of_ten_thousand_objects_is_listed_and_pruned_to_its_budget(bucket: str, s3fs_of: Any) -> None:
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
-
-    from torchcache.stores.objects.manifests import pack
 
     store = _store(bucket)
     name, prefix = bucket.removeprefix("s3://"), store.bucket.prefix.split("/", 1)[1]
@@ -393,9 +454,10 @@ def test_a_bucket_that_refuses_mid_run_gives_misses_computed_right_and_one_warni
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: Exception
 ) -> None:
     url = f"{bucket}/faults"
-    warm = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
-    warm.__getitems__(list(range(12)))
-    warm.close()
+    for batch in ([0, 1], list(range(2, 12))):  # 0 and 1 in a segment of their own: read whole, it brings no others
+        warm = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+        warm.__getitems__(batch)
+        warm.close()
     data = Images()
     served = CachedDataset(data, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
     assert [label for _, label in served.__getitems__([0, 1])] == [0, 1] and data.calls == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
+from .._gc import collector_paused
 from ..errors import StoreError
 from ..faults import Fault, Report
 from ..stores.batched import BatchedStore, VerifyReport
@@ -71,13 +72,14 @@ class LayeredStore(BatchedStore):
         """Each key's bytes from the local copy, else from the shared store (then copied locally)."""
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
-        for tier, positions, datas in look_up((near, _Far(self)), keys).parts:
-            self.served[tier] += len(positions)
-            for i, data in zip(positions, datas):
-                found[i] = data
-        extras = self.far.take_extras()  # the rest of whole segments the shared store read
-        if extras:
-            near.keep([key for key, _ in extras], [data for _, data in extras])
+        with collector_paused():  # whole segments fetched and copied: a burst of short-lived objects
+            for tier, positions, datas in look_up((near, _Far(self)), keys).parts:
+                self.served[tier] += len(positions)
+                for i, data in zip(positions, datas):
+                    found[i] = data
+            extras = self.far.take_extras()  # the rest of whole segments the shared store read
+            if extras:
+                near.keep([key for key, _ in extras], [data for _, data in extras])
         return found
 
     def __contains__(self, key: object) -> bool:

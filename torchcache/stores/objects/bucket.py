@@ -39,6 +39,7 @@ class Bucket:
         self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
         self._last_stamp = 0
         self._stamp_lock = threading.Lock()
+        self._replaced: list[str] = []  # see replace()
 
     def new_name(self) -> str:
         """A new object name: a stamp that grows in this process (names sort by age), then a random id."""
@@ -100,6 +101,16 @@ class Bucket:
     def put(self, name: str, data: bytes, what: str) -> None:
         """Upload one object (a new name: objects are never overwritten)."""
         self.call(lambda: self.fs.pipe_file(self.path(name), data), what)
+
+    def replace(self, suffix: str, data: bytes, what: str) -> None:
+        """Upload a new object named with ``suffix``, then remove those this process uploaded with it before."""
+        name = self.new_name() + suffix
+        self.put(name, data, what)
+        with self._stamp_lock:
+            older = [n for n in self._replaced if n.endswith(suffix)]
+            self._replaced = [n for n in self._replaced if not n.endswith(suffix)] + [name]
+        with contextlib.suppress(StoreError):
+            self.remove(older)
 
     def describe(self, meta: dict[str, Any]) -> None:
         """Upload ``torchcache.json`` unless there is one; a failure is reported, not raised."""

@@ -3,7 +3,10 @@
 Object names are ``<stamp>-<id><suffix>``: the stamp (upload time in nanoseconds, 20
 digits) makes names sort by age. A manifest (``.tcm``) names its segment's (``.tcs``)
 entries as ``[key, offset, length, xxh3-64]``; a tombstone (``.tcd``) names keys removed
-from every manifest older than it. Both are JSON, validated before use.
+from every manifest older than it. A checkpoint (``.tci``) is the merge of the manifests
+and tombstones it names (``covers``), so that a reader starting from nothing reads one
+object and the few manifests newer than it, not every manifest. All three are JSON,
+validated before use.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import xxhash
 from ..packed.format import is_key
 
 __all__ = [
+    "CHECKPOINT",
     "FORMAT",
     "MANIFEST",
     "SEGMENT",
@@ -26,17 +30,24 @@ __all__ = [
     "Index",
     "pack",
     "Read",
+    "Taken",
     "parse",
+    "parse_checkpoint",
     "ranged_reads",
+    "take_all",
     "tombstone",
     "unfinished",
 ]
 
 FORMAT = "torchcache-objects"
-SEGMENT, MANIFEST, TOMBSTONE = ".tcs", ".tcm", ".tcd"
+SEGMENT, MANIFEST, TOMBSTONE, CHECKPOINT = ".tcs", ".tcm", ".tcd", ".tci"
 _MAX_MANIFEST = 64 << 20
+_MAX_CHECKPOINT = 1 << 30
 #: A store key (:func:`~torchcache.stores.packed.format.is_key`), matched in one call.
 _KEY = re.compile(r"[0-9a-f]{4,64}")
+#: An object name as :meth:`~torchcache.stores.objects.bucket.Bucket.new_name` makes them, with a suffix.
+_NAME = re.compile(r"[0-9]{20}-[0-9a-f]{1,32}\.tc[smd]")
+_STAMP = re.compile(r"[0-9]{20}")
 
 
 class Entry(NamedTuple):
@@ -52,8 +63,8 @@ class Entry(NamedTuple):
 class Read(NamedTuple):
     """One ranged read: a segment's bytes ``start:end``, holding the entries at these batch positions.
 
-    A read of most of a segment reads all of it (``others``: the entries not asked for),
-    so that a local copy takes the whole segment and later batches find it there.
+    A read may take a whole segment (``others``: the entries not asked for), so that a
+    local copy takes all of it and later batches find it there.
     """
 
     segment: str
@@ -79,11 +90,35 @@ class Read(NamedTuple):
         return failed, others
 
 
+class Taken(NamedTuple):
+    """What the reads of a batch gave beside its entries."""
+
+    damaged: list[str]  #: keys whose bytes fail their digest
+    extras: list[tuple[str, memoryview]]  #: entries of whole segments not asked for, that pass
+    gone: set[str]  #: segments removed since the listing
+    unreadable: str  #: a segment that could not be read ("" if none)
+
+
+def take_all(reads: Sequence[Read], blobs: Sequence[object], keys: Sequence[str], out: list[Any]) -> Taken:
+    """Fill ``out`` from the blobs of ``reads`` (bytes, or the exception each read raised)."""
+    taken = Taken([], [], set(), "")
+    for read, blob in zip(reads, blobs):
+        if isinstance(blob, FileNotFoundError):
+            taken.gone.add(read.segment)
+        elif not isinstance(blob, bytes):
+            taken = taken._replace(unreadable=f"{read.segment}: {blob}")
+        else:
+            failed, others = read.take(blob, out)
+            taken.damaged.extend(keys[i] for i in failed)
+            taken.extras.extend(others)
+    return taken
+
+
 def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int = 1 << 20) -> list[Read]:
     """The reads of the entries of a batch of keys that ``index`` knows.
 
-    With ``whole``, a segment whose wanted entries span more than half of it is read
-    whole (for a local copy to keep the rest). Otherwise each segment's wanted entries
+    With ``whole``, every segment touched is read whole (for a local copy to keep the
+    rest: a shuffled first epoch then reads each segment once). Otherwise each segment's wanted entries
     are read in runs: entries less than ``gap`` bytes apart share one range (a request
     costs more than a megabyte read with it).
     """
@@ -94,9 +129,8 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
             by_segment.setdefault(entry.segment, []).append((i, entry))
     reads, full = [], set()
     for segment, found in by_segment.items():
-        start, end = min(e.offset for _, e in found), max(e.offset + e.length for _, e in found)
         size = index.segments.get(segment, 0)
-        if whole and size and end - start > size // 2:
+        if whole and size:
             full.add(segment)
             reads.append(Read(segment, 0, size, found, []))
             continue
@@ -125,9 +159,20 @@ class Index:
         self.segments: dict[str, int] = {}  # segment name -> bytes
         self.seen: set[str] = set()  # manifests and tombstones read
         self.deleted: dict[str, str] = {}  # key -> stamp of the latest tombstone naming it
+        self.covered: set[str] = set()  # what the newest checkpoint read or written covers
+
+    def checkpoint_due(self) -> bool:
+        """Whether a writer should upload a checkpoint: 16 manifests and tombstones read are not covered by one.
+
+        Past 128, an eighth of those the last checkpoint covered: the checkpoints a
+        cache's warming uploads add up to a few times its final index, not one per write.
+        """
+        return len(self.seen) - len(self.seen & self.covered) >= max(16, len(self.covered) // 8)
 
     def apply(self, name: str, body: object) -> str | None:
-        """Merge one manifest or tombstone; return what is wrong with it instead, if anything."""
+        """Merge one manifest, tombstone or checkpoint; return what is wrong with it instead, if anything."""
+        if name.endswith(CHECKPOINT):
+            return self.load(body)
         self.seen.add(name)
         stamp = name.split("-", 1)[0]
         parsed = parse(body, name)
@@ -141,13 +186,45 @@ class Index:
                 if entry is not None and entry.stamp < stamp:
                     del self.entries[key]
             return None
-        segment = name.removesuffix(MANIFEST) + SEGMENT
-        self.segments[segment] = parsed["bytes"]
-        for key, offset, length, digest in parsed["entries"]:
+        self._add(name.removesuffix(MANIFEST) + SEGMENT, parsed["bytes"], parsed["entries"])
+        return None
+
+    def _add(self, segment: str, size: int, entries: list[list[Any]]) -> None:
+        stamp = segment.split("-", 1)[0]
+        self.segments[segment] = size
+        for key, offset, length, digest in entries:
             old = self.entries.get(key)
             if (old is None or old.stamp < stamp) and self.deleted.get(key, "") < stamp:
                 self.entries[key] = Entry(segment, offset, length, digest, stamp)
+
+    def load(self, body: object) -> str | None:
+        """Merge a checkpoint; return what is wrong with it instead, if anything (nothing is merged then)."""
+        parsed = parse_checkpoint(body)
+        if isinstance(parsed, str):
+            return parsed
+        for key, stamp in parsed["deleted"]:
+            if self.deleted.get(key, "") < stamp:
+                self.deleted[key] = stamp
+        for segment, size, entries in parsed["segments"]:
+            self._add(segment, size, entries)
+        self.seen.update(parsed["covers"])
+        self.covered = set(parsed["covers"])
         return None
+
+    def checkpoint(self) -> bytes:
+        """The checkpoint of what this index holds; it covers every manifest and tombstone read."""
+        held: dict[str, list[list[Any]]] = {segment: [] for segment in self.segments}
+        for key, entry in self.entries.items():
+            held[entry.segment].append([key, entry.offset, entry.length, entry.digest])
+        self.covered = set(self.seen)
+        body = {
+            "format": FORMAT,
+            "version": 1,
+            "covers": sorted(self.covered),
+            "segments": [[segment, self.segments[segment], entries] for segment, entries in sorted(held.items())],
+            "deleted": sorted(self.deleted.items()),
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
 
     def forget(self, segments: set[str]) -> None:
         """Drop segments (removed from the bucket) and the entries they held."""
@@ -157,11 +234,11 @@ class Index:
             del self.entries[key]
 
     def drop_gone(self, listed: set[str]) -> None:
-        """Forget the manifests read before that a listing no longer shows (pruned by another writer)."""
-        gone = {n for n in self.seen if n not in listed}
+        """Forget the segments whose manifest a listing no longer shows (pruned by another writer)."""
+        self.seen &= listed
+        gone = {s for s in self.segments if s.removesuffix(SEGMENT) + MANIFEST not in listed}
         if gone:
-            self.seen -= gone
-            self.forget({n.removesuffix(MANIFEST) + SEGMENT for n in gone if n.endswith(MANIFEST)})
+            self.forget(gone)
 
     def oldest_over(self, max_bytes: int) -> list[str]:
         """The oldest segments to remove for the rest to fit ``max_bytes``."""
@@ -180,6 +257,7 @@ class Index:
         self.segments.clear()
         self.seen.clear()
         self.deleted.clear()
+        self.covered.clear()
 
 
 def unfinished(names: set[str], older_than_ns: int) -> list[str]:
@@ -225,7 +303,12 @@ def parse(body: object, name: str) -> dict[str, Any] | str:
         if not isinstance(deleted, list) or not all(isinstance(k, str) and is_key(k) for k in deleted):
             return "invalid deleted keys"
         return data
-    size, entries = data.get("bytes"), data.get("entries")
+    problem = _entries_problem(data.get("bytes"), data.get("entries"))
+    return data if problem is None else problem
+
+
+def _entries_problem(size: object, entries: object) -> str | None:
+    """What is wrong with a segment's size and entries (``[key, offset, length, digest]``), if anything."""
     if type(size) is not int or size < 0 or not isinstance(entries, list):
         return "invalid size or entries"
     for entry in entries:
@@ -244,4 +327,40 @@ def parse(body: object, name: str) -> dict[str, Any] | str:
             or not 0 <= digest < 1 << 64
         ):
             return f"invalid entry {str(entry)[:80]}"
+    return None
+
+
+def parse_checkpoint(body: object) -> dict[str, Any] | str:
+    """A checkpoint, validated, or what is wrong with it."""
+    if not isinstance(body, bytes) or len(body) > _MAX_CHECKPOINT:
+        return "unreadable or too large"
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        return f"not JSON: {exc}"
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != 1:
+        return "not a torchcache checkpoint of a known version"
+    covers, segments, deleted = data.get("covers"), data.get("segments"), data.get("deleted")
+    if not isinstance(covers, list) or not all(type(n) is str and _NAME.fullmatch(n) for n in covers):
+        return "invalid names covered"
+    if not isinstance(deleted, list) or not all(_is_deletion(d) for d in deleted):
+        return "invalid deleted keys"
+    if not isinstance(segments, list):
+        return "invalid segments"
+    for segment in segments:
+        if type(segment) is not list or len(segment) != 3 or type(segment[0]) is not str:
+            return f"invalid segment {str(segment)[:80]}"
+        if not _NAME.fullmatch(segment[0]) or not segment[0].endswith(SEGMENT):
+            return f"invalid segment name {segment[0][:80]!r}"
+        problem = _entries_problem(segment[1], segment[2])
+        if problem is not None:
+            return problem
     return data
+
+
+def _is_deletion(item: object) -> bool:
+    """Whether ``item`` is ``[key, stamp]``: a key and the stamp of the newest tombstone naming it."""
+    if type(item) is not list or len(item) != 2:
+        return False
+    key, stamp = item
+    return type(key) is str and is_key(key) and type(stamp) is str and _STAMP.fullmatch(stamp) is not None

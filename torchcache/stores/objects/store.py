@@ -7,15 +7,18 @@ an entry is visible once its manifest is: a writer killed mid-upload leaves a se
 no reader sees (``prune`` sweeps it). Removing entries uploads a *tombstone*
 (``<stamp>-<id>.tcd``) that hides them in the manifests made before it. ``<stamp>`` is
 the upload time in nanoseconds, so the names sort by age, and any number of writers on
-any number of machines need no lock.
+any number of machines need no lock. Once many manifests are not covered by one, a
+writer uploads a *checkpoint* (``<stamp>-<id>.tci``): their merge, which a reader
+starting from nothing reads in their place.
 
-A reader lists the manifests once, then again when it misses (at most every
-``refresh_seconds``), and fetches each segment's entries of a batch with one ranged
-read; every payload is checked against its manifest's digest, so a damaged or planted
-object is a miss, never wrong bytes. Manifests are parsed as JSON and validated; nothing
-read from the bucket is unpickled or run. Credentials come from the filesystem
-library's own chain (environment, config files, instance metadata) or
-``storage_options``; they are never logged or written.
+A reader lists the bucket once (reading the newest checkpoint and the manifests it does
+not cover), then again when it misses (at most every ``refresh_seconds``), and fetches
+each segment's entries of a batch with one ranged read; every payload is checked against
+its manifest's digest, so a damaged or planted object is a miss, never wrong bytes.
+Manifests and checkpoints are parsed as JSON and validated; nothing read from the bucket
+is unpickled or run. Credentials come from the filesystem library's own chain
+(environment, config files, instance metadata) or ``storage_options``; they are never
+logged or written.
 
 The budget (``max_bytes``) counts segment bytes: past it, the oldest segments go
 first (manifest, then segment), across writers, and a segment another writer removed
@@ -34,6 +37,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..._gc import collector_paused
 from ..._log import logger
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
@@ -41,7 +45,18 @@ from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
 from .bucket import META_NAME, Bucket
 from .filesystem import open_filesystem
-from .manifests import MANIFEST, SEGMENT, TOMBSTONE, Index, pack, ranged_reads, tombstone, unfinished
+from .manifests import (
+    CHECKPOINT,
+    MANIFEST,
+    SEGMENT,
+    TOMBSTONE,
+    Index,
+    pack,
+    ranged_reads,
+    take_all,
+    tombstone,
+    unfinished,
+)
 
 __all__ = ["ObjectStore"]
 
@@ -89,8 +104,7 @@ class ObjectStore(BatchedStore):
         self._extras: list[tuple[str, bytes | memoryview]] = []
 
     def __repr__(self) -> str:
-        namespace = self.bucket.prefix.rsplit("/", 1)[-1]
-        entries = len(self._known.entries)
+        namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known.entries)
         return f"ObjectStore({self.url!r}, {namespace!r}, max_bytes={self.max_bytes}, {entries} entries)"
 
     # -- the index ----------------------------------------------------------------
@@ -100,12 +114,15 @@ class ObjectStore(BatchedStore):
         Raises:
             StoreUnavailableError: If the bucket cannot be listed.
         """
-        with self._lock:
+        with self._lock, collector_paused():  # thousands of entries made and kept: see torchcache._gc
             names = self.bucket.names()
-            new = sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self._known.seen)
-            for name, body in self.bucket.cat(new).items() if new else ():
-                if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
-                    self._apply(name, body)
+            checkpoints = sorted(n for n in names if n.endswith(CHECKPOINT))
+            first = checkpoints[-1:] if not self._known.seen else []  # a reader starting from nothing
+            for new in (first, sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)))):
+                new = [n for n in new if n not in self._known.seen]
+                for name, body in self.bucket.cat(new).items() if new else ():
+                    if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
+                        self._apply(name, body)
             self._known.drop_gone(names)
             self._listed_at = time.monotonic()
             return names
@@ -113,7 +130,7 @@ class ObjectStore(BatchedStore):
     def _apply(self, name: str, body: object) -> None:
         problem = self._known.apply(name, body)
         if problem is not None:
-            self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid manifest ({problem}); not used")
+            self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid index object ({problem}); not used")
 
     def _index(self, refresh_if_missing: Sequence[str] = ()) -> None:
         """List the bucket at first use, and again at a miss once ``refresh_seconds`` passed."""
@@ -142,23 +159,17 @@ class ObjectStore(BatchedStore):
         except StoreError as exc:
             self.bucket.read_failed(exc)
             return out
-        damaged: list[str] = []
-        extras: list[tuple[str, memoryview]] = []
-        for read, blob in zip(reads, blobs):
-            if isinstance(blob, FileNotFoundError):  # pruned by another writer since the listing
-                with self._lock:
-                    self._known.forget({read.segment})
-            elif not isinstance(blob, bytes):
-                self.bucket.read_failed(StoreUnavailableError(f"cannot read {self.bucket.path(read.segment)}: {blob}"))
-            else:
-                failed, others = read.take(blob, out)
-                damaged, extras = damaged + [keys[i] for i in failed], extras + others
-        self._extras += extras
-        if damaged:
-            self._report(Fault.CORRUPT, f"{len(damaged)} entries in {self.bucket.prefix} fail their checksum: not used")
-            with self._lock:
-                for key in damaged:
-                    self._known.entries.pop(key, None)
+        taken = take_all(reads, blobs, keys, out)
+        if taken.unreadable:
+            self.bucket.read_failed(StoreUnavailableError(f"cannot read {self.bucket.path(taken.unreadable)}"))
+        if taken.damaged:
+            n = len(taken.damaged)
+            self._report(Fault.CORRUPT, f"{n} entries in {self.bucket.prefix} fail their checksum: not used")
+        with self._lock:
+            self._extras += taken.extras
+            self._known.forget(taken.gone)  # pruned by another writer since the listing
+            for key in taken.damaged:
+                self._known.entries.pop(key, None)
         return out
 
     def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
@@ -219,6 +230,11 @@ class ObjectStore(BatchedStore):
             self._meta = None
         if self.disk_bytes > self.max_bytes:
             self.prune(self.max_bytes, sweep_seconds=None)
+        with self._lock:
+            checkpoint = self._known.checkpoint() if self._known.checkpoint_due() else None
+        with contextlib.suppress(StoreError):  # the entries are visible without it
+            if checkpoint is not None:
+                self.bucket.replace(CHECKPOINT, checkpoint, "write a checkpoint")
         return len(todo)
 
     def delete_many(self, keys: Sequence[str]) -> int:
@@ -228,8 +244,7 @@ class ObjectStore(BatchedStore):
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
             StoreUnavailableError: If the bucket cannot be written.
         """
-        for key in keys:
-            encode_key(key)
+        list(map(encode_key, keys))  # each key checked
         with self._lock:
             self._index()
             present = [key for key in dict.fromkeys(keys) if key in self._known.entries]
@@ -246,7 +261,8 @@ class ObjectStore(BatchedStore):
         """Remove the oldest segments until the rest fit ``max_bytes``; sweep unfinished uploads.
 
         A segment without a manifest older than ``sweep_seconds`` (a writer killed
-        mid-upload) is removed too (``None``: no sweep).
+        mid-upload) is removed too (``None``: no sweep), and so is every checkpoint but
+        the newest.
 
         Returns:
             How many segments were removed.
@@ -258,11 +274,12 @@ class ObjectStore(BatchedStore):
             names = self.refresh()
             oldest = self._known.oldest_over(max_bytes)
             left = [] if sweep_seconds is None else unfinished(names, time.time_ns() - int(sweep_seconds * 1e9))
+            left += sorted(n for n in names if n.endswith(CHECKPOINT))[:-1]
             self._known.forget(set(oldest))
         # Manifests first: an entry is never visible without its segment.
         self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])
         self.bucket.remove(oldest + left)
-        return len(oldest) + len(left)
+        return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
         """Remove every object under the namespace.
