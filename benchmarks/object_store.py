@@ -16,7 +16,8 @@ shuffled batches of 256:
    (``CachedDataset(None, directory)``) for two epochs: the baseline;
 3. a fresh process with an empty local directory serves the bucket without the dataset
    (``CachedDataset(None, url)``) for two epochs: the first reads the bucket (requests
-   counted), the second its local copy;
+   counted), the second its local copy (the bucket is listed once before, since moto
+   computes ETags at the first listing where S3 does at upload);
 4. another fresh process does the same with a local copy of half the bytes step 3's
    copy took (``max_local_size``), for four epochs: the share of hits its local copy
    serves in each.
@@ -140,6 +141,16 @@ def raw_download(endpoint: str) -> dict[str, float]:
     return out
 
 
+def prime_listing(endpoint: str) -> None:
+    """List the bucket once: moto computes each object's ETag (an MD5 of it) at its first listing, S3 at upload."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t",
+                          aws_secret_access_key="t")  # fmt: skip
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+        assert page["KeyCount"] >= 0
+
+
 def run_child(role: str, location: str, local: str, n: int, env: dict[str, str]) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, str(HERE), "--child", role, location, local, str(n)],
@@ -195,6 +206,7 @@ def main() -> None:
         warm = run_child("warm", url, str(work / "warm-copy"), n, env)["warm"]
         run_child("warm", str(work / "disk"), "", n, env)
         local = run_child("serve", str(work / "disk"), "", n, env)
+        prime_listing(endpoint)
         bucket = run_child("serve", url, str(work / "fresh-copy"), n, env)
         copy_bytes = sum(f.stat().st_size for f in (work / "fresh-copy").rglob("seg-*.tcs"))
         half = run_child(f"half:{copy_bytes // 2}", url, str(work / "half-copy"), n, env)

@@ -191,7 +191,7 @@ class _Far:
     """The shared store as a tier: its faults reach the caller.
 
     Its reads may fetch more than asked (whole segments of a bucket) only while the local
-    copy has room to keep the rest: up to half its budget.
+    copy has room to keep the rest: while its files take less than half its budget.
     """
 
     def __init__(self, layered: LayeredStore) -> None:
@@ -199,7 +199,7 @@ class _Far:
 
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
         near, far = self.layered.near, self.layered.far
-        far.prefetch = self.layered.near_enabled and near.nbytes < near.max_bytes // 2
+        far.prefetch = self.layered.near_enabled and near.disk_bytes < near.max_bytes // 2
         return hits_of(far.get_many(keys))
 
     def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
