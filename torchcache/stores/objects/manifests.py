@@ -288,16 +288,24 @@ def tombstone(keys: list[str]) -> bytes:
     return json.dumps({"format": FORMAT, "version": 1, "deleted": keys}).encode()
 
 
-def parse(body: object, name: str) -> dict[str, Any] | str:
-    """A manifest or tombstone, validated, or what is wrong with it."""
-    if not isinstance(body, bytes) or len(body) > _MAX_MANIFEST:
+def _read(body: object, limit: int, what: str) -> dict[str, Any] | str:
+    """The JSON object of a manifest, tombstone or checkpoint of this format, or what is wrong with it."""
+    if not isinstance(body, bytes) or len(body) > limit:
         return "unreadable or too large"
     try:
         data = json.loads(body)
     except ValueError as exc:
         return f"not JSON: {exc}"
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != 1:
-        return "not a torchcache manifest of a known version"
+        return f"not a torchcache {what} of a known version"
+    return data
+
+
+def parse(body: object, name: str) -> dict[str, Any] | str:
+    """A manifest or tombstone, validated, or what is wrong with it."""
+    data = _read(body, _MAX_MANIFEST, "manifest")
+    if isinstance(data, str):
+        return data
     if name.endswith(TOMBSTONE):
         deleted = data.get("deleted")
         if not isinstance(deleted, list) or not all(isinstance(k, str) and is_key(k) for k in deleted):
@@ -332,14 +340,9 @@ def _entries_problem(size: object, entries: object) -> str | None:
 
 def parse_checkpoint(body: object) -> dict[str, Any] | str:
     """A checkpoint, validated, or what is wrong with it."""
-    if not isinstance(body, bytes) or len(body) > _MAX_CHECKPOINT:
-        return "unreadable or too large"
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        return f"not JSON: {exc}"
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != 1:
-        return "not a torchcache checkpoint of a known version"
+    data = _read(body, _MAX_CHECKPOINT, "checkpoint")
+    if isinstance(data, str):
+        return data
     covers, segments, deleted = data.get("covers"), data.get("segments"), data.get("deleted")
     if not isinstance(covers, list) or not all(type(n) is str and _NAME.fullmatch(n) for n in covers):
         return "invalid names covered"
