@@ -22,7 +22,9 @@ shuffled batches of 256:
    later ones;
 4. another fresh process does the same with a local copy of half the bytes step 3's
    copy took (``max_local_size``), for four epochs: the share of hits its local copy
-   serves in each.
+   serves in each;
+5. a fresh process warms a cache of ``--upload-mb`` (1,000 MB) of such samples into
+   another prefix, its uploads flushed by ``close()``: the upload throughput.
 
 Every sample read is checked against the image it was made from. Targets (issue 39):
 first epoch from the bucket at most 2x the first from the local disk cache, the second
@@ -79,6 +81,23 @@ class Images:
         return image(i), i % 10
 
 
+class Pool:
+    """A map-style dataset of ``n`` samples drawn from 1,000 random images (cheap to make, as random as any)."""
+
+    def __init__(self, n: int) -> None:
+        import torch
+
+        self.n = n
+        seeded = torch.Generator().manual_seed(7)
+        self.images = torch.randint(0, 256, (1000, 3, 64, 64), dtype=torch.uint8, generator=seeded)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.images[i % 1000], i
+
+
 def epoch(dataset: Any, n: int, seed: int) -> dict[str, Any]:
     """One shuffled epoch in batches of 256: seconds, and samples whose image is wrong."""
     import torch
@@ -101,6 +120,14 @@ def child(role: str, location: str, local: str, n: int) -> None:
     if role == "warm":
         cache = CachedDataset(Images(n), location, max_memory_size=0, local_cache_dir=local or None)
         out["warm"] = epoch(cache, n, seed=0)
+    elif role == "upload":  # a cache of about 1 GB written once, uploads flushed by close()
+        cache = CachedDataset(Pool(n), location, max_memory_size=0, local_cache_dir=local)
+        start = time.perf_counter()
+        for at in range(0, n, 256):
+            cache.__getitems__(list(range(at, min(at + 256, n))))
+        cache.close()
+        out["seconds"] = round(time.perf_counter() - start, 3)
+        out["entries"] = len(cache.cache._open()[-1].store.far)  # what a fresh listing of the bucket shows
     elif role.startswith("half:"):  # a local copy of half the cache's bytes, four epochs
         budget = int(role.removeprefix("half:"))
         cache = CachedDataset(None, location, max_memory_size=0, local_cache_dir=local, max_local_size=budget)
@@ -173,6 +200,7 @@ def run_child(role: str, location: str, local: str, n: int, env: dict[str, str])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=10_000)
+    parser.add_argument("--upload-mb", type=int, default=1000, help="size of the cache warmed for upload throughput")
     parser.add_argument("--json", help="default: benchmarks/results/object_store.json")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,6 +244,8 @@ def main() -> None:
         copy_bytes = sum(f.stat().st_size for f in (work / "fresh-copy-0").rglob("seg-*.tcs"))
         half = run_child(f"half:{copy_bytes // 2}", url, str(work / "half-copy"), n, env)
         raw = raw_download(endpoint)
+        big = -(-args.upload_mb * 10**6 // (3 * 64 * 64))
+        upload = run_child("upload", "s3://bench/big", str(work / "big-copy"), big, env)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -232,6 +262,10 @@ def main() -> None:
         "payload_mb": round(payload / 1e6, 1),
         "warm_seconds": warm["seconds"],
         "upload_mb_per_s": round(payload / 1e6 / warm["seconds"], 1),
+        "big_cache_mb": round(big * 3 * 64 * 64 / 1e6),
+        "big_cache_upload_s": upload["seconds"],
+        "big_cache_upload_mb_per_s": round(big * 3 * 64 * 64 / 1e6 / upload["seconds"], 1),
+        "big_cache_entries_listed": upload["entries"],
         "local_disk_epochs_s": [[e["seconds"] for e in run["epochs"]] for run in locals_],
         "bucket_epochs_s": [[e["seconds"] for e in run["epochs"]] for run in buckets],
         "local_disk_first_epoch_s_median": local_first,
@@ -256,6 +290,8 @@ def main() -> None:
     write_results("object_store", results, args.json)
     if wrong:
         raise SystemExit(f"{wrong} samples were wrong")
+    if upload["entries"] != big:
+        raise SystemExit(f"the uploaded cache lists {upload['entries']} entries, not {big}")
 
 
 if __name__ == "__main__":
