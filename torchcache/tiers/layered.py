@@ -199,7 +199,8 @@ class _Far:
 
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
         near, far = self.layered.near, self.layered.far
-        far.prefetch = self.layered.near_enabled and near.disk_bytes < near.max_bytes // 2
+        half = near.max_bytes // 2  # payload bytes first: counted in the index, where disk bytes take a listing
+        far.prefetch = self.layered.near_enabled and near.nbytes < half and near.disk_bytes < half
         return hits_of(far.get_many(keys))
 
     def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
