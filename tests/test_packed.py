@@ -541,6 +541,21 @@ def _bloat(index_path: Path, nbytes: int) -> None:
     env.close()
 
 
+@pytest.mark.parametrize("evict", ["mru", "none"])
+def test_a_full_store_compacts_a_bloated_index_even_when_it_refuses_a_write(root: Path, evict: str) -> None:
+    budget = 1_500_000
+    store = PackedStore(root, budget, evict=evict)
+    store.put_many([(key(i), value(i, 500 + (i * 37) % 1500)) for i in range(1200)])  # full
+    store.close()
+    _bloat(root / INDEX_NAME, 2 * budget)
+    store = PackedStore(root, budget, evict=evict, report=lambda kind, message: None)
+    held = len(store)
+    store.put_many([(key(10**8 + i), value(i, 1000)) for i in range(100)])  # refused by "none"
+    assert charged(store) <= budget and store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    assert len(store) >= held * 0.9 if evict == "mru" else len(store) == held  # a store that keeps, kept
+    assert store.verify().ok
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("evict", ["mru", "none"])
 def test_eight_writers_on_a_small_budget_keep_the_index_within_it_and_keep_entries(root: Path, evict: str) -> None:

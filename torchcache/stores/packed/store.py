@@ -329,8 +329,9 @@ class PackedStore(BatchedStore):
                 try:
                     kbs, datas = list(plan), list(plan.values())
                     kbs, datas = fitting(index, change, kbs, datas, self.max_bytes) if self._keep else (kbs, datas)
-                    if not kbs:  # full
+                    if not kbs:  # full; an index bloated with free pages is still compacted
                         change.abort()
+                        self._trim(index)
                         return 0
                     places = self._files.append(change, encode_records(kbs, datas))
                     change.add_many(kbs, places, list(map(len, datas)))
@@ -353,9 +354,15 @@ class PackedStore(BatchedStore):
         return len(kbs) - len(evicted.intersection(kbs))
 
     def _trim(self, index: Index) -> None:
-        """Keep the store within its budget (:func:`keep_within_bounds`)."""
+        """Keep the store within its budget (:func:`keep_within_bounds`), on the new index too after a compaction."""
         try:
-            keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+            for _ in range(2):
+                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+                if not index.replaced():
+                    return
+                opened = self._ensure(write=True)
+                assert opened is not None  # _ensure(write=True) raises instead
+                index = opened
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
 
