@@ -28,12 +28,14 @@ _LOG_AT_IMPORT = (list(_log.handlers), _log.level, _log.propagate)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Keep what collection made (modules, torch, the test items) out of later collections.
+    """Keep what collection made (modules, torch and its compiler, the test items) out of later collections.
 
     They live for the whole session; without this, each full collection a test starts
     (``gc.collect()`` before its directory goes, or one the allocator sets off) walks
     them again: about 0.6 s in a worker that collected the suite, 10 ms after.
     """
+    import torch._dynamo  # noqa: F401 - imported by the compile tests anyway: kept out of collections too
+
     gc.collect()
     gc.freeze()
 

@@ -353,16 +353,13 @@ class PackedStore(BatchedStore):
             self._trim(index)
         return len(kbs) - len(evicted.intersection(kbs))
 
-    def _trim(self, index: Index) -> None:
+    def _trim(self, index: Index | None) -> None:
         """Keep the store within its budget (:func:`keep_within_bounds`), on the new index too after a compaction."""
         try:
             for _ in range(2):
-                keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
-                if not index.replaced():
-                    return
-                opened = self._ensure(write=True)
-                assert opened is not None  # _ensure(write=True) raises instead
-                index = opened
+                if index is not None:
+                    keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
+                    index = self._ensure(write=True) if index.replaced() else None
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
 
@@ -373,9 +370,7 @@ class PackedStore(BatchedStore):
             StoreError: If the store cannot be written.
         """
         with self._lock:
-            index = self._ensure(write=True)
-            assert index is not None  # _ensure(write=True) raises instead
-            self._trim(index)
+            self._trim(self._ensure(write=True))
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove entries; return how many were present.
