@@ -118,9 +118,9 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
     """The reads of the entries of a batch of keys that ``index`` knows.
 
     With ``whole``, every segment touched is read whole (for a local copy to keep the
-    rest: a shuffled first epoch then reads each segment once). Otherwise each segment's wanted entries
-    are read in runs: entries less than ``gap`` bytes apart share one range (a request
-    costs more than a megabyte read with it).
+    rest: a shuffled first epoch then reads each segment once). Otherwise each segment's
+    wanted entries are read in runs: entries less than ``gap`` bytes apart share one
+    range (a request costs more than a megabyte read with it).
     """
     by_segment: dict[str, list[tuple[int, Entry]]] = {}
     for i, key in enumerate(keys):
