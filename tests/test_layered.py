@@ -281,3 +281,33 @@ def test_the_command_line_lists_and_verifies_a_local_copy(
     listing = capsys.readouterr().out
     assert "Counting" in listing and "32" in listing
     assert main(["verify", str(copy)]) == 0
+
+
+class _WholeReads(ReferenceStore):
+    """A shared store whose reads fetch every entry, handing those not asked for as extras."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.reads, self._extras = 0, []
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        self.reads += 1
+        self._extras = [(k, v) for k, v in self._data.items() if k not in keys]
+        return super().get_many(keys)
+
+    def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
+        extras, self._extras = self._extras, []
+        return extras
+
+
+def test_entries_read_beyond_a_batch_wait_in_a_bounded_stash_while_the_local_copy_is_full() -> None:
+    far = _WholeReads(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(ReferenceStore(0), far, Reports(), stash_bytes=3 * len(value(0)))  # a copy with no room
+    assert layered.get_many([key(0)]) == [value(0)] and far.reads == 1
+    assert layered.stash.nbytes == 3 * len(value(0))  # the newest three of the nine others; the oldest went
+    assert layered.get_many([key(9), key(8)]) == [value(9), value(8)] and far.reads == 1
+    assert layered.served == [0, 3]  # the stash's hits were fetched from the shared store
+    assert layered.get_many([key(9)]) == [value(9)] and far.reads == 2  # a stash hit is served once
+    assert layered.get_many([key(1)]) == [value(1)] and far.reads == 3  # gone from the stash: read again
+    assert layered.stash.nbytes <= layered.stash.max_bytes

@@ -14,11 +14,11 @@ import torch
 from tests.helpers import Counting, cached
 from tests.object_servers import s3_endpoint
 from tests.store_helpers import Reports, key, value
-from torchcache import CachedDataset, CacheWarning, ConfigError
+from torchcache import CachedDataset, CacheWarning, ConfigError, WindowSampler
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
-from torchcache.stores.objects.manifests import pack
+from torchcache.stores.objects.manifests import Index, pack, ranged_reads, tombstone
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
@@ -322,7 +322,7 @@ def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_data
 _WRITER = """
 import os, sys
 from torchcache.stores.objects import ObjectStore
-from torchcache.stores.objects.manifests import pack
+from torchcache.stores.objects.manifests import Index, pack, ranged_reads, tombstone
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 store = ObjectStore(sys.argv[1], "ns", 10**9, storage_options={"endpoint_url": sys.argv[2]})
@@ -434,6 +434,59 @@ def test_a_local_copy_of_half_the_cache_keeps_a_stable_half_over_shuffled_epochs
         shares.append(near / (near + far))
     assert all(0.35 <= share <= 0.65 for share in shares[1:]), shares  # about half, every epoch
     half.close()
+
+
+def test_a_segment_a_batch_spans_is_read_whole_with_exactly_its_visible_entries_not_asked_for() -> None:
+    index = Index()
+    index.apply("01-a.tcm", pack({key(i): value(i, 100) for i in range(4)})[1])
+    index.apply("02-b.tcm", pack({key(i): value(i, 100) for i in range(4, 6)})[1])
+    reads = ranged_reads([key(0), key(3), key(4)], index, whole=False)
+    assert [(r.segment, r.start, r.end) for r in reads] == [("01-a.tcs", 0, 400), ("02-b.tcs", 0, 100)]
+    assert sorted(k for k, _ in reads[0].others) == sorted([key(1), key(2)]) and reads[1].others == []
+    index.apply("03-c.tcd", tombstone([key(1)]))  # hidden: no longer handed over
+    reads = ranged_reads([key(0), key(3)], index, whole=False)
+    assert [k for k, _ in reads[0].others] == [key(2)]
+    index.apply("04-d.tcm", pack({key(2): value(2, 50)})[1])  # written again elsewhere: not in segment a now
+    assert ranged_reads([key(0), key(3)], index, whole=False)[0].others == []
+    assert [(r.start, r.end) for r in ranged_reads([key(0)], index, whole=False)] == [(0, 100)]  # a narrow batch
+
+
+def _bytes_per_epoch(cache: CachedDataset, orders: list[list[int]]) -> list[int]:
+    """Bytes read from the bucket in each epoch of ``orders`` (batches of 50), every label checked."""
+    bucket, received = cache.cache._open()[0].store.far.bucket, []
+    for order in orders:
+        before = bucket.received
+        for start in range(0, len(order), 50):
+            batch = order[start : start + 50]
+            assert [label for _, label in cache.__getitems__(batch)] == batch
+        received.append(bucket.received - before)
+    return received
+
+
+def test_a_window_sampler_reads_each_segment_once_an_epoch_where_a_shuffle_reads_them_again_and_again(
+    bucket: str, tmp_path: Path
+) -> None:
+    url, n = f"{bucket}/windows", 800
+    warm = CachedDataset(Images(n), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    for start in range(0, n, 50):  # 16 segments of 50 samples
+        warm.__getitems__(list(range(start, start + 50)))
+    size = warm.stats().disk.bytes + n * (HEADER.size + 16 + INDEX_ENTRY_BYTES)
+    warm.close()
+    received = {}
+    for order in ("shuffle", "windows"):
+        half = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / order, max_local_size=size // 2)
+        layered = half.cache._open()[0].store
+        assert len(layered.far) == n  # listed: the segments' bytes are known
+        segments = layered.far.disk_bytes
+        layered.stash.max_bytes = segments // 8  # two segments: a small stash, as 64 MiB is beside a large cache
+        sampler = WindowSampler(half, seed=1, window_bytes=segments // 8)
+        rng = torch.Generator().manual_seed(1)
+        orders = [list(sampler) if order == "windows" else torch.randperm(n, generator=rng).tolist() for _ in range(4)]
+        received[order] = _bytes_per_epoch(half, orders)[1:]  # the first epoch also fills the local copy
+        assert layered.stash.nbytes <= layered.stash.max_bytes
+        half.close()
+    assert all(got <= 0.8 * segments for got in received["windows"]), (received, segments)  # the half not held here
+    assert all(got >= 2 * segments for got in received["shuffle"]), (received, segments)
 
 
 def test_a_bucket_that_does_not_exist_leaves_outputs_right_with_a_warning(bucket: str, tmp_path: Path) -> None:

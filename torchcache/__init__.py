@@ -22,6 +22,7 @@ from ._version import __version__
 from .catalog.budget import set_root_budget
 from .datasets.cache import SampleCache
 from .datasets.dataset import CachedDataset, MissingSampleError
+from .datasets.sampler import WindowSampler
 from .errors import CacheWarning, ConfigError, CorruptEntryError, KeyingError, StoreError, TorchCacheError
 from .features import FeatureDataset, MissingFeatureError, extract_features
 from .module.decorator import torchcache
@@ -43,6 +44,7 @@ __all__ = [
     "StoreError",
     "TierStats",
     "TorchCacheError",
+    "WindowSampler",
     "__version__",
     "extract_features",
     "flush_all",

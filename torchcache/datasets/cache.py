@@ -34,7 +34,7 @@ from . import shm
 from .encode import check_sample, encode_sample
 from .keys import store_key
 from .opening import DEFAULT_DISK_SIZE, hold_memory, open_tiers, resolve_places, write_dataset_meta
-from .tiers import HitCounters, SampleTier, samples_from_slots
+from .tiers import HitCounters, SampleTier, placement, samples_from_slots
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 
@@ -120,8 +120,7 @@ class SampleCache:
         if self.directory is not None:
             self._update_meta({}, create=True)
         if self.local_directory is not None and self.url is not None:
-            copy_of = {"copy_of": redact_url(self.url)}
-            self._update_meta(copy_of, create=True, directory=self.local_directory)
+            self._update_meta({"copy_of": redact_url(self.url)}, create=True, directory=self.local_directory)
 
     def __repr__(self) -> str:
         disk = self.directory if self.url is None else redact_url(self.url)
@@ -268,6 +267,10 @@ class SampleCache:
         """The keys not stored in ``tier`` (``"memory"`` or ``"disk"``; ``None``: in no tier)."""
         tiers = [t for t in self._open() if tier is None or t.name == tier]
         return [key for key in keys if not any(store_key(key) in t for t in tiers)]
+
+    def placement(self, keys: Sequence[int | str]) -> list[tuple[str, int] | None]:
+        """Where the slowest tier would fetch each sample from (:func:`~.tiers.placement`)."""
+        return placement(self._open(), [store_key(key) for key in keys])
 
     # -- upkeep -------------------------------------------------------------------------
     def summary(self) -> str:

@@ -42,7 +42,7 @@ from .decode import decode_rows, decode_samples, frame_head
 from .keys import store_key
 from .rows import SampleRows
 
-__all__ = ["HitCounters", "SampleTier", "samples_from_slots", "segment_bytes"]
+__all__ = ["HitCounters", "SampleTier", "placement", "samples_from_slots", "segment_bytes"]
 
 
 _SLOTS = 65  # counter slots: the main process, then DataLoader workers by id
@@ -193,6 +193,16 @@ class SampleTier:
             self.faults.warn(Fault.READ, f"cannot read the {self.name} tier ({what}); samples are computed", self.name)
             return [None] * len(keys)
 
+    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+        """The store's placement of ``keys`` (:meth:`~torchcache.stores.batched.BatchedStore.placement`)."""
+        try:
+            store = None if self._slots_only() else self.store
+            return [None] * len(keys) if store is None else store.placement(keys)
+        except Exception as exc:  # noqa: BLE001 - an order is only a hint: any fault leaves it plain
+            message = f"cannot read the {self.name} tier ({exc}); the order is a plain shuffle"
+            self.faults.warn(Fault.READ, message, self.name)
+            return [None] * len(keys)
+
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[tuple[bytes | memoryview, Any]]]]:
         """The samples of ``keys``, each with its frame; a frame that does not decode is a warned miss."""
         frames = self.get_many(keys)
@@ -341,6 +351,20 @@ def samples_from_slots(
             results[i] = sample
             hit.add(i)
     return hit
+
+
+def placement(tiers: Sequence[SampleTier], keys: Sequence[str]) -> list[tuple[str, int] | None]:
+    """Where the slowest of ``tiers`` would fetch each key from; ``None`` for those a faster tier holds.
+
+    See :meth:`~torchcache.stores.batched.BatchedStore.placement`.
+    """
+    if not tiers:
+        return [None] * len(keys)
+    todo = [i for i, key in enumerate(keys) if not any(key in tier for tier in tiers[:-1])]
+    out: list[tuple[str, int] | None] = [None] * len(keys)
+    for i, place in zip(todo, tiers[-1].placement([keys[i] for i in todo])):
+        out[i] = place
+    return out
 
 
 def segment_bytes(budget: int) -> int:

@@ -173,6 +173,15 @@ class BatchedStore(ABC):
         """
         return []
 
+    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+        """Where a read of each key fetches it from: ``(object, its bytes)`` of a remote store.
+
+        ``None`` where there is nothing to fetch (a local store, or a key it lacks). A
+        sampler orders an epoch by it so that an object's entries are asked for together
+        (:class:`~torchcache.datasets.sampler.WindowSampler`).
+        """
+        return [None] * len(keys)
+
     # -- helpers written once -----------------------------------------------------
     def get(self, key: str) -> bytes | memoryview | None:
         """The stored bytes of one key, or ``None``."""

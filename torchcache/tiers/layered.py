@@ -11,6 +11,12 @@ budget); the local copy holds a subset, under its own budget, with its own MRU
 eviction. An entry is the output of a keyed computation, so a copy is never stale: an
 entry the server evicted or another job cleared is still correct where a copy has it.
 
+A shared store may read more than a batch asks for (a bucket's whole segments): the local
+copy keeps the rest while it has room. Once it is full, the rest waits in a small
+*stash* in RAM (:data:`STASH_BYTES`, oldest out first), where the next batches of a
+windowed order (:class:`~torchcache.datasets.sampler.WindowSampler`) find it: each
+segment is then fetched once per epoch, not once per batch.
+
 Faults of the local copy (a full or read-only disk, a damaged file) are reported once
 under the kind ``"local"`` and turn the copy off for this process; the shared store
 keeps working. Faults of the shared store reach the caller as they would without a
@@ -20,6 +26,7 @@ copy, while local hits keep being served.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from .._gc import collector_paused
@@ -28,7 +35,11 @@ from ..faults import Fault, Report
 from ..stores.batched import BatchedStore, VerifyReport
 from .lookup import hits_of, look_up
 
-__all__ = ["LayeredStore"]
+__all__ = ["STASH_BYTES", "LayeredStore"]
+
+#: Bytes of entries a layered store holds in RAM, read with a batch's segments but not
+#: asked for, while its local copy is full.
+STASH_BYTES = 64 << 20
 
 
 class LayeredStore(BatchedStore):
@@ -42,13 +53,14 @@ class LayeredStore(BatchedStore):
 
     remote = True
 
-    def __init__(self, near: BatchedStore, far: BatchedStore, report: Report) -> None:
+    def __init__(self, near: BatchedStore, far: BatchedStore, report: Report, stash_bytes: int = STASH_BYTES) -> None:
         self.near = near
         self.far = far
         self.max_bytes = far.max_bytes
         self._report = report
         self._near_on = True
         self._lock = threading.Lock()
+        self.stash = _Stash(stash_bytes)
         #: Hits served by the local copy and by the shared store, in this process.
         self.served = [0, 0]
 
@@ -73,14 +85,25 @@ class LayeredStore(BatchedStore):
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
         with collector_paused():  # whole segments fetched and copied: a burst of short-lived objects
-            for tier, positions, datas in look_up((near, _Far(self)), keys).parts:
-                self.served[tier] += len(positions)
+            for tier, positions, datas in look_up((near, self.stash, _Far(self)), keys).parts:
+                self.served[min(tier, 1)] += len(positions)  # the stash's hits came from the shared store
                 for i, data in zip(positions, datas):
                     found[i] = data
             extras = self.far.take_extras()  # the rest of whole segments the shared store read
-            if extras:
+            if extras and self.far.prefetch:  # the local copy had room
                 near.keep([key for key, _ in extras], [data for _, data in extras])
+            elif extras:
+                self.stash.add(extras)
         return found
+
+    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+        """The shared store's placement of the keys the local copy lacks (``None`` for those it has)."""
+        near = self.near if self._near_on else None
+        lacking = [i for i, key in enumerate(keys) if near is None or key not in near]
+        out: list[tuple[str, int] | None] = [None] * len(keys)
+        for i, place in zip(lacking, self.far.placement([keys[i] for i in lacking])):
+            out[i] = place
+        return out
 
     def __contains__(self, key: object) -> bool:
         return key in self.far
@@ -185,6 +208,41 @@ class _Near:
                 self.layered.near.put_many(list(zip(keys, values)))
             except StoreError as exc:
                 self.layered._near_failed(exc, "write")
+
+
+class _Stash:
+    """Entries read with a batch's segments but not asked for, in RAM, oldest out first; a hit takes one out.
+
+    Each is a copy of its bytes, so the stash holds what it counts and no segment behind it.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, extras: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        with self._lock:
+            for key, data in extras:
+                if len(data) > self.max_bytes:
+                    continue
+                old = self._entries.pop(key, None)
+                self.nbytes += len(data) - (0 if old is None else len(old))
+                self._entries[key] = bytes(data)
+            while self.nbytes > self.max_bytes:
+                self.nbytes -= len(self._entries.popitem(last=False)[1])
+
+    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
+        if not self._entries:
+            return []
+        with self._lock:
+            taken = [self._entries.pop(key, None) for key in keys]
+            self.nbytes -= sum(len(data) for data in taken if data is not None)
+        return hits_of(taken)
+
+    def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
+        """Entries the shared store served are served: nothing to keep."""
 
 
 class _Far:

@@ -27,7 +27,7 @@ class Bucket:
     A request that fails (the server away, 403, 404 on the bucket, throttling after the
     library's own retries) raises :class:`~torchcache.errors.StoreUnavailableError` and
     starts a backoff (0.5 s doubling to 30 s) during which requests fail at once; a
-    success ends it. ``requests`` counts the requests sent.
+    success ends it. ``requests`` counts the requests sent, ``received`` the bytes of entries read.
     """
 
     def __init__(self, fs: Any, prefix: str, url: str, report: Report) -> None:
@@ -35,6 +35,7 @@ class Bucket:
         self.prefix = prefix
         self.url = url
         self.requests = 0
+        self.received = 0
         self._report = report
         self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
         self._last_stamp = 0
@@ -96,7 +97,9 @@ class Bucket:
         """One byte range of each object (in one call; the library sends them concurrently)."""
         paths = [self.path(name) for name in names]
         op = lambda: self.fs.cat_ranges(paths, starts, ends, on_error="return")  # noqa: E731
-        return list(self.call(op, "read entries", requests=len(paths)))
+        blobs = list(self.call(op, "read entries", requests=len(paths)))
+        self.received += sum(len(blob) for blob in blobs if isinstance(blob, bytes))
+        return blobs
 
     def put(self, name: str, data: bytes, what: str) -> None:
         """Upload one object (a new name: objects are never overwritten)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import xxhash
@@ -36,7 +36,7 @@ __all__ = [
     "ranged_reads",
     "take_all",
     "tombstone",
-    "unfinished",
+    "to_sweep",
 ]
 
 FORMAT = "torchcache-objects"
@@ -118,9 +118,12 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
     """The reads of the entries of a batch of keys that ``index`` knows.
 
     With ``whole``, every segment touched is read whole (for a local copy to keep the
-    rest: a shuffled first epoch then reads each segment once). Otherwise each segment's
-    wanted entries are read in runs: entries less than ``gap`` bytes apart share one
-    range (a request costs more than a megabyte read with it).
+    rest: a shuffled first epoch then reads each segment once). Otherwise a segment whose
+    wanted entries span more than half of it is read whole too (the rest is kept for the
+    batches after: a windowed order, :class:`~torchcache.datasets.sampler.WindowSampler`,
+    asks for it next), and the others' wanted entries are read in runs: entries less
+    than ``gap`` bytes apart share one range (a request costs more than a megabyte read
+    with it).
     """
     by_segment: dict[str, list[tuple[int, Entry]]] = {}
     for i, key in enumerate(keys):
@@ -130,7 +133,8 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
     reads, full = [], set()
     for segment, found in by_segment.items():
         size = index.segments.get(segment, 0)
-        if whole and size:
+        span = max(e.offset + e.length for _, e in found) - min(e.offset for _, e in found)
+        if size and (whole or 2 * span > size):
             full.add(segment)
             reads.append(Read(segment, 0, size, found, []))
             continue
@@ -144,10 +148,9 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
         reads.append(Read(segment, run[0][1].offset, max(e.offset + e.length for _, e in run), run, []))
     if full:
         asked = {id(e) for found in by_segment.values() for _, e in found}
-        by_name = {read.segment: read for read in reads if read.segment in full}
-        for key, entry in index.entries.items():
-            if entry.segment in full and id(entry) not in asked:
-                by_name[entry.segment].others.append((key, entry))
+        for read in reads:
+            if read.segment in full:
+                read.others.extend((key, e) for key, e in index.members(read.segment) if id(e) not in asked)
     return reads
 
 
@@ -160,6 +163,16 @@ class Index:
         self.seen: set[str] = set()  # manifests and tombstones read
         self.deleted: dict[str, str] = {}  # key -> stamp of the latest tombstone naming it
         self.covered: set[str] = set()  # what the newest checkpoint read or written covers
+        self._members: dict[str, list[tuple[str, Entry]]] | None = None  # by segment; None: to be made again
+
+    def members(self, segment: str) -> list[tuple[str, Entry]]:
+        """The visible entries of a segment (their map by segment is made again after the entries change)."""
+        if self._members is None:
+            members: dict[str, list[tuple[str, Entry]]] = {}
+            for key, entry in self.entries.items():
+                members.setdefault(entry.segment, []).append((key, entry))
+            self._members = members
+        return self._members.get(segment, [])
 
     def checkpoint_due(self) -> bool:
         """Whether a writer should upload a checkpoint: 16 manifests and tombstones read are not covered by one.
@@ -185,6 +198,7 @@ class Index:
                 entry = self.entries.get(key)
                 if entry is not None and entry.stamp < stamp:
                     del self.entries[key]
+                    self._members = None
             return None
         self._add(name.removesuffix(MANIFEST) + SEGMENT, parsed["bytes"], parsed["entries"])
         return None
@@ -192,6 +206,7 @@ class Index:
     def _add(self, segment: str, size: int, entries: list[list[Any]]) -> None:
         stamp = segment.split("-", 1)[0]
         self.segments[segment] = size
+        self._members = None
         for key, offset, length, digest in entries:
             old = self.entries.get(key)
             if (old is None or old.stamp < stamp) and self.deleted.get(key, "") < stamp:
@@ -226,12 +241,32 @@ class Index:
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
-    def forget(self, segments: set[str]) -> None:
-        """Drop segments (removed from the bucket) and the entries they held."""
+    def unread(self, names: set[str]) -> Iterator[list[str]]:
+        """The index objects of a listing not read yet, in two rounds, each to be applied before the next.
+
+        A reader starting from nothing first reads the newest checkpoint, then the
+        manifests and tombstones that it does not cover.
+        """
+        if not self.seen:
+            yield sorted(n for n in names if n.endswith(CHECKPOINT))[-1:]
+        yield sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self.seen)
+
+    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+        """Each key's segment and that segment's bytes (``None``: not known to be in the bucket)."""
+        entries, sizes = self.entries, self.segments
+        return [None if (e := entries.get(key)) is None else (e.segment, sizes.get(e.segment, 0)) for key in keys]
+
+    def forget(self, segments: set[str], keys: Sequence[str] = ()) -> None:
+        """Drop segments (removed from the bucket) and the entries they held, and the entries of ``keys``."""
+        if not segments and not keys:
+            return
         for segment in segments:
             self.segments.pop(segment, None)
-        for key in [k for k, e in self.entries.items() if e.segment in segments]:
+        for key in [k for k, e in self.entries.items() if e.segment in segments] if segments else ():
             del self.entries[key]
+        for key in keys:
+            self.entries.pop(key, None)
+        self._members = None
 
     def drop_gone(self, listed: set[str]) -> None:
         """Forget the segments whose manifest a listing no longer shows (pruned by another writer)."""
@@ -254,15 +289,21 @@ class Index:
     def clear(self) -> None:
         """Forget everything."""
         self.entries.clear()
+        self._members = None
         self.segments.clear()
         self.seen.clear()
         self.deleted.clear()
         self.covered.clear()
 
 
-def unfinished(names: set[str], older_than_ns: int) -> list[str]:
-    """Segments without a manifest stamped before ``older_than_ns`` (uploads a killed writer left)."""
-    found = []
+def to_sweep(names: set[str], older_than_ns: int | None) -> list[str]:
+    """What ``prune`` sweeps: every checkpoint but the newest, and the segments a killed writer left.
+
+    Those are segments without a manifest stamped before ``older_than_ns`` (``None``: none).
+    """
+    found = sorted(n for n in names if n.endswith(CHECKPOINT))[:-1]
+    if older_than_ns is None:
+        return found
     for name in names:
         base = name.removesuffix(SEGMENT)
         if name.endswith(SEGMENT) and base + MANIFEST not in names:

@@ -54,8 +54,8 @@ from .manifests import (
     pack,
     ranged_reads,
     take_all,
+    to_sweep,
     tombstone,
-    unfinished,
 )
 
 __all__ = ["ObjectStore"]
@@ -116,10 +116,7 @@ class ObjectStore(BatchedStore):
         """
         with self._lock, collector_paused():  # thousands of entries made and kept: see torchcache._gc
             names = self.bucket.names()
-            checkpoints = sorted(n for n in names if n.endswith(CHECKPOINT))
-            first = checkpoints[-1:] if not self._known.seen else []  # a reader starting from nothing
-            for new in (first, sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)))):
-                new = [n for n in new if n not in self._known.seen]
+            for new in self._known.unread(names):
                 for name, body in self.bucket.cat(new).items() if new else ():
                     if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
                         self._apply(name, body)
@@ -167,9 +164,7 @@ class ObjectStore(BatchedStore):
             self._report(Fault.CORRUPT, f"{n} entries in {self.bucket.prefix} fail their checksum: not used")
         with self._lock:
             self._extras += taken.extras
-            self._known.forget(taken.gone)  # pruned by another writer since the listing
-            for key in taken.damaged:
-                self._known.entries.pop(key, None)
+            self._known.forget(taken.gone, taken.damaged)  # segments pruned by another writer since the listing
         return out
 
     def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
@@ -178,15 +173,21 @@ class ObjectStore(BatchedStore):
             extras, self._extras = self._extras, []
         return extras
 
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, str) or not is_key(key):
-            return False
+    def _listed(self) -> Index:
+        """The index, the bucket listed first if it was not (if it cannot be, the fault is reported)."""
         try:
             with self._lock:
                 self._index()
         except StoreError as exc:
             self.bucket.read_failed(exc)
-        return key in self._known.entries
+        return self._known
+
+    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+        """Each key's segment and its bytes (``None``: not in the bucket as far as it could be listed)."""
+        return self._listed().placement(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and is_key(key) and key in self._listed().entries
 
     def keys(self) -> Iterator[str]:
         """The keys of the manifests read so far (the bucket is listed once first)."""
@@ -273,11 +274,9 @@ class ObjectStore(BatchedStore):
         with self._lock:
             names = self.refresh()
             oldest = self._known.oldest_over(max_bytes)
-            left = [] if sweep_seconds is None else unfinished(names, time.time_ns() - int(sweep_seconds * 1e9))
-            left += sorted(n for n in names if n.endswith(CHECKPOINT))[:-1]
+            left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
             self._known.forget(set(oldest))
-        # Manifests first: an entry is never visible without its segment.
-        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])
+        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])  # first: no entry without its segment
         self.bucket.remove(oldest + left)
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 

@@ -1,0 +1,132 @@
+"""Shuffled epochs that fetch each segment of a bucket once: :class:`WindowSampler`.
+
+A cache in a bucket is read in whole segments (a few megabytes of samples each). A
+plain shuffled epoch asks every batch for a few samples of every segment, so when the
+local copy cannot hold the whole cache, each batch fetches most segments again (ten
+times the cache's bytes per epoch). :class:`WindowSampler` shuffles the segments, cuts
+them into windows of :data:`~torchcache.tiers.layered.STASH_BYTES`, and shuffles the
+samples within each window (the samples held on this machine are spread over all
+windows): the batches of a window ask for its segments alone, the first batch fetches
+them, and the next ones find the rest in the RAM stash. That is how streaming
+datasets shuffle shards (MosaicML streaming's "shuffle blocks").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from ..tiers.layered import STASH_BYTES
+
+__all__ = ["WindowSampler", "window_order"]
+
+
+class _Placed(Protocol):
+    def placement(self, keys: Sequence[int]) -> list[tuple[str, int] | None]: ...
+
+
+def window_order(placement: Sequence[tuple[str, int] | None], window_bytes: int, rng: np.random.Generator) -> list[int]:
+    """A shuffled order of ``range(len(placement))`` that keeps the indices of a window of segments together.
+
+    Args:
+        placement: Per index, ``(segment, its bytes)`` where a read fetches it, or ``None``
+            (held locally, or not cached): those are spread over all windows.
+        window_bytes: The segments of a window add up to at most this many bytes (a
+            window has one segment at least).
+        rng: The random generator.
+
+    Example:
+        >>> order = window_order([("a", 10), ("b", 10), ("a", 10), ("b", 10)], 10, np.random.default_rng(0))
+        >>> sorted(order), abs(order.index(0) - order.index(2))  # 0 and 2 share segment a: one window
+        ([0, 1, 2, 3], 1)
+    """
+    n = len(placement)
+    names: dict[str, int] = {}
+    sizes: list[int] = []
+    segment = np.full(n, -1, np.int64)
+    for i, place in enumerate(placement):
+        if place is not None:
+            at = names.setdefault(place[0], len(names))
+            if at == len(sizes):
+                sizes.append(place[1])
+            segment[i] = at
+    if not names:
+        return rng.permutation(n).tolist()  # type: ignore[no-any-return]
+    window_of = np.empty(len(names), np.int64)
+    window, total = 0, 0
+    for at in rng.permutation(len(names)).tolist():
+        if total and total + sizes[at] > window_bytes:
+            window, total = window + 1, 0
+        window_of[at] = window
+        total += sizes[at]
+    placed = segment >= 0
+    windows = np.empty(n, np.int64)
+    windows[placed] = window_of[segment[placed]]
+    counts = np.bincount(windows[placed], minlength=window + 1)
+    windows[~placed] = rng.choice(window + 1, size=int((~placed).sum()), p=counts / counts.sum())
+    return np.lexsort((rng.random(n), windows)).tolist()  # type: ignore[no-any-return]
+
+
+class WindowSampler(Sampler[int]):
+    """A shuffled order of a cached dataset's indices that reads a bucket's segments once per epoch.
+
+    Use it where a :class:`~torchcache.CachedDataset` in a bucket has a local copy smaller
+    than the cache: each epoch then fetches each segment it needs once (see the module's
+    description), where a plain shuffle fetches most segments at every batch. For a cache
+    on a local disk or in Redis, it is a plain shuffle.
+
+    Each ``iter()`` is the next epoch, drawn from ``(seed, epoch)``: the same orders in
+    every run with one seed. :meth:`set_epoch` sets the epoch (to resume a run).
+
+    Args:
+        dataset: The :class:`~torchcache.CachedDataset`.
+        seed: The seed of the orders; ``None`` draws one from torch's global generator
+            (seeded by ``torch.manual_seed``).
+        window_bytes: The bytes of segments in a window; default the stash's,
+            :data:`~torchcache.tiers.layered.STASH_BYTES` (64 MiB). Smaller windows mix less.
+
+    Raises:
+        ValueError: If ``window_bytes`` is not a positive int.
+
+    Example:
+        >>> import tempfile
+        >>> from torchcache import CachedDataset
+        >>> class Squares(torch.utils.data.Dataset):
+        ...     def __len__(self) -> int:
+        ...         return 8
+        ...     def __getitem__(self, i: int) -> torch.Tensor:
+        ...         return torch.tensor(i * i)
+        >>> cached = CachedDataset(Squares(), tempfile.mkdtemp(), max_memory_size=0)
+        >>> loader = torch.utils.data.DataLoader(cached, batch_size=4, sampler=WindowSampler(cached, seed=0))
+        >>> sorted(torch.cat(list(loader)).tolist())
+        [0, 1, 4, 9, 16, 25, 36, 49]
+        >>> cached.close()
+    """
+
+    def __init__(self, dataset: Any, *, seed: int | None = None, window_bytes: int = STASH_BYTES) -> None:
+        if type(window_bytes) is not int or window_bytes <= 0:
+            raise ValueError(f"window_bytes must be a positive int, got {window_bytes!r}")
+        self.dataset = dataset
+        self.seed = int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
+        self.window_bytes = window_bytes
+        self.epoch = 0
+
+    def __repr__(self) -> str:
+        return f"WindowSampler(seed={self.seed}, window_bytes={self.window_bytes}, epoch={self.epoch})"
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` epoch ``epoch``."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        cache: _Placed = self.dataset.cache
+        rng = np.random.default_rng([self.seed % 2**63, self.epoch])
+        self.epoch += 1
+        return iter(window_order(cache.placement(range(len(self))), self.window_bytes, rng))
