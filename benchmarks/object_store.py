@@ -20,9 +20,11 @@ shuffled batches of 256:
    bucket is listed once before, since moto computes ETags at the first listing where
    S3 does at upload). The ratios compare medians: of the first epochs, and of the
    later ones;
-4. another fresh process does the same with a local copy of half the bytes step 3's
+4. other fresh processes do the same with a local copy of half the bytes step 3's
    copy took (``max_local_size``), for four epochs: the share of hits its local copy
-   serves in each;
+   serves in each, and the bytes read from the bucket per epoch, in a plain shuffled
+   order and in ``WindowSampler``'s, each with the 64 MiB stash and with a 16 MiB one
+   (as beside a cache four times this size);
 5. a fresh process warms a cache of ``--upload-mb`` (1,000 MB) of such samples into
    another prefix, its uploads flushed by ``close()``: the upload throughput.
 
@@ -98,12 +100,18 @@ class Pool:
         return self.images[i % 1000], i
 
 
-def epoch(dataset: Any, n: int, seed: int) -> dict[str, Any]:
-    """One shuffled epoch in batches of 256: seconds, and samples whose image is wrong."""
+SMALL_STASH = 16 << 20
+
+
+def epoch(dataset: Any, n: int, seed: int, sampler: Any = None) -> dict[str, Any]:
+    """One shuffled epoch in batches of 256 (in the sampler's order if given): seconds, and wrong samples."""
     import torch
 
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     wrong, start = 0, time.perf_counter()
+    if sampler is None:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(sampler)
     batches = [order[i : i + 256] for i in range(0, n, 256)]
     served = [dataset.__getitems__(batch) for batch in batches]
     seconds = time.perf_counter() - start
@@ -128,16 +136,22 @@ def child(role: str, location: str, local: str, n: int) -> None:
         cache.close()
         out["seconds"] = round(time.perf_counter() - start, 3)
         out["entries"] = len(cache.cache._open()[-1].store.far)  # what a fresh listing of the bucket shows
-    elif role.startswith("half:"):  # a local copy of half the cache's bytes, four epochs
-        budget = int(role.removeprefix("half:"))
-        cache = CachedDataset(None, location, max_memory_size=0, local_cache_dir=local, max_local_size=budget)
+    elif role.startswith("half:"):  # a local copy of half the cache's bytes, four epochs: half:budget:order:stash
+        from torchcache import WindowSampler
+
+        budget, order, stash = role.split(":")[1:]
+        cache = CachedDataset(None, location, max_memory_size=0, local_cache_dir=local, max_local_size=int(budget))
         layered = cache.cache._open()[-1].store
-        out["local_hit_rates"] = []
+        if int(stash):  # a stash smaller than the default: as beside a cache many times larger
+            layered.stash.max_bytes = int(stash)
+        sampler = WindowSampler(cache, seed=0, window_bytes=layered.stash.max_bytes) if order == "window" else None
+        out["local_hit_rates"], out["received_mb"] = [], []
         for e in range(4):
-            before = list(layered.served)
-            out.setdefault("epochs", []).append(epoch(cache, n, seed=10 + e))
+            before, received = list(layered.served), layered.far.bucket.received
+            out.setdefault("epochs", []).append(epoch(cache, n, seed=10 + e, sampler=sampler))
             near, far = (now - then for now, then in zip(layered.served, before))
             out["local_hit_rates"].append(round(near / max(1, near + far), 3))
+            out["received_mb"].append(round((layered.far.bucket.received - received) / 1e6, 1))
     else:
         cache = CachedDataset(None, location, max_memory_size=0, local_cache_dir=local or None)
         out["epochs"] = [epoch(cache, n, seed=e + 1) for e in range(4)]
@@ -242,7 +256,14 @@ def main() -> None:
         prime_listing(endpoint)
         buckets = [run_child("serve", url, str(work / f"fresh-copy-{r}"), n, env) for r in range(ROUNDS)]
         copy_bytes = sum(f.stat().st_size for f in (work / "fresh-copy-0").rglob("seg-*.tcs"))
-        half = run_child(f"half:{copy_bytes // 2}", url, str(work / "half-copy"), n, env)
+        halves = {
+            f"{order}{'' if not stash else '_small_stash'}": run_child(
+                f"half:{copy_bytes // 2}:{order}:{stash}", url, str(work / f"half-{order}-{stash}"), n, env
+            )
+            for order in ("shuffle", "window")
+            for stash in (0, SMALL_STASH)
+        }
+        half = halves["shuffle"]
         raw = raw_download(endpoint)
         big = -(-args.upload_mb * 10**6 // (3 * 64 * 64))
         upload = run_child("upload", "s3://bench/big", str(work / "big-copy"), big, env)
@@ -250,7 +271,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=30)
     served = [e for run in locals_ + buckets for e in run["epochs"]]
-    wrong = sum(e["wrong"] for e in served + half["epochs"]) + warm["wrong"]
+    wrong = sum(e["wrong"] for e in served + [e for h in halves.values() for e in h["epochs"]]) + warm["wrong"]
     local_first = statistics.median(run["epochs"][0]["seconds"] for run in locals_)
     local_later = statistics.median(e["seconds"] for run in locals_ for e in run["epochs"][1:])
     bucket_first = statistics.median(run["epochs"][0]["seconds"] for run in buckets)
@@ -276,6 +297,11 @@ def main() -> None:
         "batches_per_epoch": -(-n // 256),
         "half_local_copy_hit_rates_epochs_1_to_4": half["local_hit_rates"],
         "half_local_copy_epochs_s": [e["seconds"] for e in half["epochs"]],
+        # MB read from the bucket per epoch with half a local copy: a plain shuffle and WindowSampler,
+        # with the 64 MiB stash and with a 16 MiB one (as beside a cache four times this one's size)
+        **{f"half_copy_{name}_received_mb": h["received_mb"] for name, h in halves.items()},
+        **{f"half_copy_{name}_epochs_s": [e["seconds"] for e in h["epochs"]] for name, h in halves.items()},
+        **{f"half_copy_{name}_hit_rates": h["local_hit_rates"] for name, h in halves.items()},
         # The server's own floor: every segment of the bucket fetched whole with boto3, no decoding
         "raw_download_mb": raw["mb"],
         "raw_download_s_1_stream": raw["1"],

@@ -86,6 +86,9 @@ TARGETS = {
     "linear_probe later epochs within 1.5x of the np.memmap": (1.5, "max"),
     "linear_probe first epoch (extraction) within 1.1x of uncached": (1.1, "max"),
     "linear_probe second process's first epoch within 1.5x of the np.memmap's": (1.5, "max"),
+    "object_store first epoch from the bucket within 2x of a local disk cache's": (2.0, "max"),
+    "object_store later epochs from the bucket within 1.1x of a local disk cache's": (1.1, "max"),
+    "object_store half a local copy: at least 0.45 of the hits local in epochs 2-4": (0.45, "min"),
 }
 
 # compare.py's targets: (name in TARGETS, numerator (side, key), denominator or None, label);
@@ -589,7 +592,36 @@ def render_flat(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
     return [*table(rows), ""]
 
 
+def render_object_store(rec: dict[str, Any], every: dict[str, Any]) -> list[str]:
+    """The flat figures, the half-copy orders side by side, and the targets."""
+    res = rec["results"]
+    out = render_flat(rec, every)
+    halves = [("shuffle", "a plain shuffle", "64 MiB"), ("window", "WindowSampler", "64 MiB")]
+    halves += [("shuffle_small_stash", "a plain shuffle", "16 MiB"), ("window_small_stash", "WindowSampler", "16 MiB")]
+    rows = [["order", "stash", "local share of hits, epochs 1-4", "MB read from the bucket", "seconds"]]
+    for name, order, stash in halves:
+        if f"half_copy_{name}_received_mb" in res:
+            rows.append([order, stash, ", ".join(fmt(x) for x in res[f"half_copy_{name}_hit_rates"]),
+                         ", ".join(fmt(x) for x in res[f"half_copy_{name}_received_mb"]),
+                         ", ".join(fmt(x) for x in res[f"half_copy_{name}_epochs_s"])])  # fmt: skip
+    if len(rows) > 1:
+        out += [f"A local copy of half the cache ({fmt(res['payload_mb'])} MB of samples), four epochs each:", ""]
+        out += [*table(rows), ""]
+    rates = res.get("half_local_copy_hit_rates_epochs_1_to_4", [])
+    checks: list[tuple[str, float | None, str]] = [
+        ("object_store first epoch from the bucket within 2x of a local disk cache's", res["first_epoch_ratio"],
+         f"{fmt(res['first_epoch_ratio'])}x (the server's floor: {fmt(res['raw_download_over_local_epoch_1_stream'])}x "
+         "to download the segments on 1 stream, nothing decoded)"),
+        ("object_store later epochs from the bucket within 1.1x of a local disk cache's", res["second_epoch_ratio"],
+         f"{fmt(res['second_epoch_ratio'])}x"),
+        ("object_store half a local copy: at least 0.45 of the hits local in epochs 2-4", min(rates[1:] or [0.0]),
+         ", ".join(fmt(x) for x in rates[1:])),
+    ]  # fmt: skip
+    return [*out, *table(target_rows(checks)), ""]
+
+
 RENDER: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
+    "object_store": render_object_store,
     "gpu": render_gpu,
     "linear_probe": render_linear_probe,
     "compare": render_compare,
