@@ -311,3 +311,7 @@ def test_entries_read_beyond_a_batch_wait_in_a_bounded_stash_while_the_local_cop
     assert layered.get_many([key(9)]) == [value(9)] and far.reads == 2  # a stash hit is served once
     assert layered.get_many([key(1)]) == [value(1)] and far.reads == 3  # gone from the stash: read again
     assert layered.stash.nbytes <= layered.stash.max_bytes
+    layered.delete_many([key(8)])  # in the stash again since the last read: deleted there too
+    assert layered.get_many([key(8)]) == [None] and far.reads == 4
+    layered.clear()
+    assert layered.stash.nbytes == 0 and layered.get_many([key(7)]) == [None]

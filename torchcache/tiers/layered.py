@@ -150,6 +150,7 @@ class LayeredStore(BatchedStore):
         Raises:
             StoreError: If either store cannot be written (the entry is then not trusted).
         """
+        self.stash.drop(keys)
         self.near.delete_many(keys)
         return self.far.delete_many(keys)
 
@@ -159,6 +160,7 @@ class LayeredStore(BatchedStore):
         Raises:
             StoreError: If either store cannot be written.
         """
+        self.stash.drop(None)
         self.near.clear()
         self.far.clear()
 
@@ -168,7 +170,8 @@ class LayeredStore(BatchedStore):
         self.far.flush()
 
     def close(self) -> None:
-        """Close both; they reopen if used again."""
+        """Close both (and empty the stash); they reopen if used again."""
+        self.stash.drop(None)
         try:
             self.near.close()
         finally:
@@ -232,6 +235,13 @@ class _Stash:
                 self._entries[key] = bytes(data)
             while self.nbytes > self.max_bytes:
                 self.nbytes -= len(self._entries.popitem(last=False)[1])
+
+    def drop(self, keys: Sequence[str] | None) -> None:
+        """Forget ``keys`` (``None``: everything)."""
+        with self._lock:
+            for key in self._entries.copy() if keys is None else keys:
+                data = self._entries.pop(key, None)
+                self.nbytes -= 0 if data is None else len(data)
 
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
         if not self._entries:
