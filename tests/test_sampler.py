@@ -101,3 +101,49 @@ def test_a_data_loader_with_the_sampler_serves_every_sample(tmp_path: Path) -> N
 def test_a_window_that_is_not_a_positive_int_is_refused_naming_the_argument(window_bytes: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="window_bytes"):
         WindowSampler(CachedDataset(Numbers(), tmp_path, max_memory_size=0), window_bytes=window_bytes)
+
+
+class _Segments:
+    """A stand-in for a CachedDataset in a bucket: 12 segments of 100 bytes, 30 samples each."""
+
+    def __init__(self) -> None:
+        self.cache = self
+        self.shared: list[bool] = []
+
+    def __len__(self) -> int:
+        return 360
+
+    def placement(self, keys: Any, shared: bool = False) -> list[tuple[str, int] | None]:
+        self.shared.append(shared)
+        return [(f"s{i % 12}", 100) for i in keys]
+
+
+def test_the_ranks_of_a_job_take_disjoint_shares_of_whole_windows_from_the_bucket_alone() -> None:
+    dataset = _Segments()
+    samplers = [WindowSampler(dataset, window_bytes=100, num_replicas=3, rank=r) for r in range(3)]
+    for _ in range(2):  # two epochs: a new order, still disjoint shares
+        shares = [list(sampler) for sampler in samplers]
+        assert sorted(i for share in shares for i in share) == list(range(360))
+        segments = [{i % 12 for i in share} for share in shares]
+        assert [len(s) for s in segments] == [4, 4, 4] and set.union(*segments) == set(range(12))
+    assert dataset.shared == [True] * 6  # the bucket's placement, the same on every machine
+    assert all(len(sampler) == 120 and sampler.seed == 0 for sampler in samplers)
+
+
+@pytest.mark.parametrize(("drop_last", "share"), [(False, 14), (True, 13)])
+def test_shares_are_equal_wrapping_around_or_dropping_the_last(tmp_path: Path, drop_last: bool, share: int) -> None:
+    cached = CachedDataset(Numbers(), tmp_path, max_memory_size=0)  # 40 samples over 3 ranks
+    shares = [list(WindowSampler(cached, num_replicas=3, rank=r, drop_last=drop_last)) for r in range(3)]
+    assert [len(s) for s in shares] == [share] * 3
+    taken = [i for s in shares for i in s]
+    assert set(taken) <= set(range(40)) and len(set(taken)) == (40 if not drop_last else 39)
+    cached.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"num_replicas": 0}, "num_replicas"), ({"num_replicas": 2, "rank": 2}, "rank"), ({"rank": -1}, "rank")],
+)
+def test_a_share_that_does_not_exist_is_refused_naming_the_argument(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        WindowSampler(_Segments(), **options)

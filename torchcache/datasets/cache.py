@@ -268,9 +268,9 @@ class SampleCache:
         tiers = [t for t in self._open() if tier is None or t.name == tier]
         return [key for key in keys if not any(store_key(key) in t for t in tiers)]
 
-    def placement(self, keys: Sequence[int | str]) -> list[tuple[str, int] | None]:
+    def placement(self, keys: Sequence[int | str], shared: bool = False) -> list[tuple[str, int] | None]:
         """Where the slowest tier would fetch each sample from (:func:`~.tiers.placement`)."""
-        return placement(self._open(), [store_key(key) for key in keys])
+        return placement(self._open(), [store_key(key) for key in keys], shared)
 
     # -- upkeep -------------------------------------------------------------------------
     def summary(self) -> str:

@@ -26,7 +26,7 @@ __all__ = ["WindowSampler", "window_order"]
 
 
 class _Placed(Protocol):
-    def placement(self, keys: Sequence[int]) -> list[tuple[str, int] | None]: ...
+    def placement(self, keys: Sequence[int], shared: bool = False) -> list[tuple[str, int] | None]: ...
 
 
 def window_order(placement: Sequence[tuple[str, int] | None], window_bytes: int, rng: np.random.Generator) -> list[int]:
@@ -82,15 +82,29 @@ class WindowSampler(Sampler[int]):
     Each ``iter()`` is the next epoch, drawn from ``(seed, epoch)``: the same orders in
     every run with one seed. :meth:`set_epoch` sets the epoch (to resume a run).
 
+    In a distributed job, as with ``DistributedSampler``, each rank takes its share of
+    every epoch: ``len(dataset) / num_replicas`` indices (the order wraps around to make
+    the shares equal, unless ``drop_last``), a contiguous run of whole windows, so that
+    each rank reads its own segments. Every rank must then see the same entries in the
+    bucket (a warmed cache): the order is made from the bucket's placement alone, not
+    from what each machine's local copy holds.
+
     Args:
         dataset: The :class:`~torchcache.CachedDataset`.
         seed: The seed of the orders; ``None`` draws one from torch's global generator
-            (seeded by ``torch.manual_seed``).
+            (seeded by ``torch.manual_seed``), or is 0 with several replicas (every rank
+            needs the same orders).
         window_bytes: The bytes of segments in a window; default the stash's,
             :data:`~torchcache.tiers.layered.STASH_BYTES` (64 MiB). Smaller windows mix less.
+        num_replicas: The processes sharing each epoch; default the world size of
+            ``torch.distributed`` when it is initialized, else 1.
+        rank: This process's share; default its rank in ``torch.distributed``, else 0.
+        drop_last: With several replicas, leave out the last indices that do not fill
+            a share (``False``: wrap around to the first ones).
 
     Raises:
-        ValueError: If ``window_bytes`` is not a positive int.
+        ValueError: If ``window_bytes`` or ``num_replicas`` is not a positive int, or
+            ``rank`` is not in ``[0, num_replicas)``.
 
     Example:
         >>> import tempfile
@@ -107,19 +121,39 @@ class WindowSampler(Sampler[int]):
         >>> cached.close()
     """
 
-    def __init__(self, dataset: Any, *, seed: int | None = None, window_bytes: int = STASH_BYTES) -> None:
-        if type(window_bytes) is not int or window_bytes <= 0:
-            raise ValueError(f"window_bytes must be a positive int, got {window_bytes!r}")
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int | None = None,
+        window_bytes: int = STASH_BYTES,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if num_replicas is None:
+            num_replicas = torch.distributed.get_world_size() if distributed else 1
+        if rank is None:
+            rank = torch.distributed.get_rank() if distributed else 0
+        for name, value in (("window_bytes", window_bytes), ("num_replicas", num_replicas)):
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if type(rank) is not int or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be an int in [0, {num_replicas}) (num_replicas), got {rank!r}")
         self.dataset = dataset
-        self.seed = int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
-        self.window_bytes = window_bytes
-        self.epoch = 0
+        if seed is None:
+            seed = 0 if num_replicas > 1 else int(torch.empty((), dtype=torch.int64).random_().item())
+        self.seed, self.window_bytes, self.epoch = seed, window_bytes, 0
+        self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
 
     def __repr__(self) -> str:
-        return f"WindowSampler(seed={self.seed}, window_bytes={self.window_bytes}, epoch={self.epoch})"
+        share = f", rank={self.rank} of {self.num_replicas}" if self.num_replicas > 1 else ""
+        return f"WindowSampler(seed={self.seed}, window_bytes={self.window_bytes}, epoch={self.epoch}{share})"
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        n, replicas = len(self.dataset), self.num_replicas
+        return n // replicas if self.drop_last else -(-n // replicas)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` epoch ``epoch``."""
@@ -129,4 +163,9 @@ class WindowSampler(Sampler[int]):
         cache: _Placed = self.dataset.cache
         rng = np.random.default_rng([self.seed % 2**63, self.epoch])
         self.epoch += 1
-        return iter(window_order(cache.placement(range(len(self))), self.window_bytes, rng))
+        n, share = len(self.dataset), len(self)
+        order = window_order(cache.placement(range(n), shared=self.num_replicas > 1), self.window_bytes, rng)
+        if self.num_replicas > 1:
+            order = (order * -(-share * self.num_replicas // max(n, 1)))[: share * self.num_replicas]
+            order = order[self.rank * share : (self.rank + 1) * share]
+        return iter(order)

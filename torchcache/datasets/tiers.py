@@ -193,11 +193,11 @@ class SampleTier:
             self.faults.warn(Fault.READ, f"cannot read the {self.name} tier ({what}); samples are computed", self.name)
             return [None] * len(keys)
 
-    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+    def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
         """The store's placement of ``keys`` (:meth:`~torchcache.stores.batched.BatchedStore.placement`)."""
         try:
             store = None if self._slots_only() else self.store
-            return [None] * len(keys) if store is None else store.placement(keys)
+            return [None] * len(keys) if store is None else store.placement(keys, shared)
         except Exception as exc:  # noqa: BLE001 - an order is only a hint: any fault leaves it plain
             message = f"cannot read the {self.name} tier ({exc}); the order is a plain shuffle"
             self.faults.warn(Fault.READ, message, self.name)
@@ -353,16 +353,18 @@ def samples_from_slots(
     return hit
 
 
-def placement(tiers: Sequence[SampleTier], keys: Sequence[str]) -> list[tuple[str, int] | None]:
+def placement(tiers: Sequence[SampleTier], keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
     """Where the slowest of ``tiers`` would fetch each key from; ``None`` for those a faster tier holds.
 
-    See :meth:`~torchcache.stores.batched.BatchedStore.placement`.
+    With ``shared``, what this machine holds is left out: every process of a distributed
+    job, whatever its local copy holds, gets the same placement. See
+    :meth:`~torchcache.stores.batched.BatchedStore.placement`.
     """
     if not tiers:
         return [None] * len(keys)
-    todo = [i for i, key in enumerate(keys) if not any(key in tier for tier in tiers[:-1])]
+    todo = [i for i, key in enumerate(keys) if shared or not any(key in tier for tier in tiers[:-1])]
     out: list[tuple[str, int] | None] = [None] * len(keys)
-    for i, place in zip(todo, tiers[-1].placement([keys[i] for i in todo])):
+    for i, place in zip(todo, tiers[-1].placement([keys[i] for i in todo], shared)):
         out[i] = place
     return out
 

@@ -173,12 +173,13 @@ class BatchedStore(ABC):
         """
         return []
 
-    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+    def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
         """Where a read of each key fetches it from: ``(object, its bytes)`` of a remote store.
 
         ``None`` where there is nothing to fetch (a local store, or a key it lacks). A
         sampler orders an epoch by it so that an object's entries are asked for together
-        (:class:`~torchcache.datasets.sampler.WindowSampler`).
+        (:class:`~torchcache.datasets.sampler.WindowSampler`). With ``shared``, what a
+        local copy in front holds is placed too: the same answer on every machine.
         """
         return [None] * len(keys)
 

@@ -96,9 +96,12 @@ class LayeredStore(BatchedStore):
                 self.stash.add(extras)
         return found
 
-    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
-        """The shared store's placement of the keys the local copy lacks (``None`` for those it has)."""
-        near = self.near if self._near_on else None
+    def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
+        """The shared store's placement of the keys the local copy lacks (``None`` for those it has).
+
+        With ``shared``, of every key: the local copy is left out.
+        """
+        near = self.near if self._near_on and not shared else None
         lacking = [i for i, key in enumerate(keys) if near is None or key not in near]
         out: list[tuple[str, int] | None] = [None] * len(keys)
         for i, place in zip(lacking, self.far.placement([keys[i] for i in lacking])):

@@ -182,7 +182,7 @@ class ObjectStore(BatchedStore):
             self.bucket.read_failed(exc)
         return self._known
 
-    def placement(self, keys: Sequence[str]) -> list[tuple[str, int] | None]:
+    def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
         """Each key's segment and its bytes (``None``: not in the bucket as far as it could be listed)."""
         return self._listed().placement(keys)
 
