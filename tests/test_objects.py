@@ -200,6 +200,7 @@ def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch
     store = ObjectStore("s3://nowhere/cache", "ns", 10**6, storage_options={"endpoint_url": away}, report=reports)
     assert store.get_many([key(1), key(2)]) == [None, None]
     assert store.get_many([key(1)]) == [None]
+    assert store.placement([key(1), key(2)]) == [None, None]  # a sampler's order: a plain shuffle
     assert reports.kinds() == [Fault.UNAVAILABLE]  # once per outage
     with pytest.raises(StoreUnavailableError):
         store.put_many([(key(1), b"x")])
@@ -499,6 +500,9 @@ def test_a_bucket_that_does_not_exist_leaves_outputs_right_with_a_warning(bucket
     with pytest.warns(CacheWarning, match="does not exist"):
         data = CachedDataset(Images(), url, max_memory_size=0, local_cache_dir=tmp_path / "d")
         assert [label for _, label in data.__getitems__([0, 1, 2, 3])] == [0, 1, 2, 3]
+        order = list(WindowSampler(data, seed=0))  # the placement of nothing: a plain shuffle
+    assert sorted(order) == list(range(len(data)))
+    assert [label for _, label in data.__getitems__(order)] == order
     data.close()
 
 
