@@ -242,7 +242,10 @@ class _Stash:
     def drop(self, keys: Sequence[str] | None) -> None:
         """Forget ``keys`` (``None``: everything)."""
         with self._lock:
-            for key in self._entries.copy() if keys is None else keys:
+            if keys is None:
+                self._entries.clear()
+                self.nbytes = 0
+            for key in keys or ():
                 data = self._entries.pop(key, None)
                 self.nbytes -= 0 if data is None else len(data)
 
@@ -261,8 +264,10 @@ class _Stash:
 class _Far:
     """The shared store as a tier: its faults reach the caller.
 
-    Its reads may fetch more than asked (whole segments of a bucket) only while the local
-    copy has room to keep the rest: while its files take less than half its budget.
+    Its reads fetch every segment a batch touches whole (``prefetch``) only while the local
+    copy has room to keep the rest: while its files take less than half its budget. Once
+    it is full, a bucket still reads whole the segments a batch spans most of, and the
+    rest goes to the stash.
     """
 
     def __init__(self, layered: LayeredStore) -> None:
