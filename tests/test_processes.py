@@ -433,3 +433,40 @@ def test_an_entry_one_running_process_writes_is_found_by_another_without_a_resta
         workers.close()
     assert len(stored_entries(cache_root)) == 4 + 4 + 24 + 30
     assert_all_entries_decode(cache_root)
+
+
+IN_FLIGHT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, threading
+    from torchcache.stores.packed.index import open_index
+    from torchcache.stores.packed.store import PackedStore
+
+    root, key = sys.argv[1], "a" * 32
+    store = PackedStore(root, max_bytes=10**6)
+    store.put_many([(key, b"x" * 100)])
+    store.flush()
+    index = open_index(root, readonly=False)  # the store's environment, shared
+    held = index.env.begin(write=True)  # this thread holds the write lock: the next writer waits in LMDB
+    waiter = threading.Thread(target=lambda: index.env.begin(write=True).abort(), daemon=True)
+    waiter.start()
+    task = f"/proc/self/task/{waiter.native_id}/wchan"
+    while not os.path.exists(task) or "futex" not in open(task).read():  # until it waits inside py-lmdb
+        pass
+    subprocess.run(["true"], preexec_fn=lambda: None, check=True)  # a child that runs another program
+    pid = os.fork()  # a child that uses the store
+    if pid == 0:
+        got = PackedStore(root, max_bytes=10**6).get(key)  # the parent's environment was in use at the fork
+        os._exit(0 if got in (None, b"x" * 100) else 3)
+    _, status = os.waitpid(pid, 0)
+    held.abort()
+    waiter.join()
+    print(json.dumps({"child": os.waitstatus_to_exitcode(status), "parent": bytes(store.get(key))[:1].decode()}))
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to see a thread wait")
+def test_a_fork_while_another_thread_is_inside_lmdb_never_hangs_the_child(tmp_path: Path) -> None:
+    result = run_python(IN_FLIGHT, str(tmp_path), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"child": 0, "parent": "x"}, result.stderr

@@ -3,19 +3,11 @@
 Three tables: ``entries`` maps a key to ``(segment, offset, payload length)``;
 ``segments`` maps a segment number to ``(sealed, end, live record bytes, live records,
 stamp)``, the stamp being the index clock at the segment's last write; ``meta`` holds
-the clock and the running totals. LMDB serialises writers with one lock, gives readers
-a consistent snapshot without one, and commits atomically: a process killed
-mid-transaction leaves the index as it was. It runs with ``sync=False`` and
-``metasync=False``: durable against a killed process, not against a power cut, which a
-cache does not need. Nothing in the index is unpickled, and every value is checked for
-its exact size before it is unpacked.
-
-The map is sized from the store's budget (:func:`map_size_for`), not a fixed 64 GiB
-of address space that a process under ``ulimit -v`` cannot map, and doubled when a
-write finds it full; a process whose map another one outgrew adopts the new size. The
-data file is written with ``pwrite`` (no ``writemap``), and the lock file, which LMDB
-writes through a shared mapping, has its pages allocated before LMDB maps it: on a
-full file system opening fails with ``ENOSPC`` instead of a ``SIGBUS``. Only a checked
+the clock and the running totals. Writes commit atomically (``sync=False``: durable
+against a killed process, not a power cut); nothing is unpickled, and every value is
+checked for its exact size before it is unpacked. The map is sized from the store's
+budget (:func:`map_size_for`) and doubled when full; the lock file's pages are allocated
+before LMDB maps it (``ENOSPC``, not ``SIGBUS``, on a full file system). Only a checked
 inconsistency (:data:`DAMAGE`, :class:`IndexDamageError`) means the file is damaged;
 any other error opening it (``ENOMEM``, ``EAGAIN``, ``ENOSPC``) leaves it as it is.
 """
@@ -89,10 +81,8 @@ _MAX_SEGMENT = (1 << 32) - 2
 _MIN_RECORD, _MAX_RECORD = HEADER.size + 2, HEADER.size + 33
 _BLOCK = 4096
 _shared: dict[tuple[int, int], Index] = {}  # open environments of this process, by file identity
-# Reentrant: a store dropped by the garbage collector while this thread opens an index
-# closes its own use of an index from inside the open (PackedStore.__del__)
-_shared_lock = threading.RLock()
-_abandoned: list[Index] = []  # environments inherited over fork: never used, never closed
+_shared_lock = threading.RLock()  # reentrant: a store the collector drops inside an open closes its use
+_inherited: list[Index] = []  # environments inherited over fork: never used, closed before the next open
 
 
 class Entry(NamedTuple):
@@ -183,6 +173,7 @@ def open_index(root: str, readonly: bool, map_size: int = MIN_MAP_SIZE) -> Index
         if not stat.S_ISREG(st.st_mode):
             raise IndexDamageError(errno.EINVAL, f"{name} is not a regular file")
     with _shared_lock:
+        _close_inherited()
         try:
             st = os.stat(path)
             shared = _shared.get((st.st_dev, st.st_ino))
@@ -235,21 +226,31 @@ def cut_short(path: str) -> str | None:
 
 
 def _forget_shared() -> None:
-    """In a forked child: give up the parent's environments without using them.
+    """In a forked child: set the parent's environments aside, unused, to close before the next open.
 
-    The child must not use them, and LMDB refuses to open a file that an environment of
-    this process still has open, so each is closed here: that releases only the child's
-    copies (its mappings and descriptors; the child holds no reader slot, no lock), and
-    lets the child open the index afresh. Left open, the child would take the index for
-    damaged and rebuild it under every other process.
+    Not here: a close at the fork can wait forever (py-lmdb waits for the operations in
+    flight, and one another thread of the parent had begun never ends in the child).
     """
     global _shared_lock
-    for index in _shared.values():
-        with contextlib.suppress(Exception):
-            index.env.close()
-    _abandoned.extend(_shared.values())
+    _inherited.extend(_shared.values())
     _shared.clear()
     _shared_lock = threading.RLock()
+
+
+def _close_inherited() -> None:
+    """Close this process's copies of inherited environments (LMDB opens a file once per process).
+
+    Each on a thread, waited for 2 s: one stuck leaves its store unavailable here, not a hang.
+    """
+    while _inherited:
+        closer = threading.Thread(target=_close_quietly, args=(_inherited.pop(),), daemon=True)
+        closer.start()
+        closer.join(2.0)
+
+
+def _close_quietly(index: Index) -> None:
+    with contextlib.suppress(Exception):
+        index.env.close()
 
 
 after_fork(_forget_shared)
