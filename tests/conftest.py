@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
+from tests import zygote
 from torchcache.module.independence import forget_checks
 
 # gcsfs probes a bucket's type over gRPC at its first use, which waits 60 s against the GCS
@@ -141,6 +142,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         (subprocess.Popen, "_execute_child"),
         (multiprocessing.util, "spawnv_passfds"),
         (multiprocessing.popen_fork.Popen, "_launch"),
+        (zygote, "start"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
     before = _Starts.count

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests import zygote
 from torchcache import torchcache
 from torchcache.codec import decode_frame
 from torchcache.stores.packed.index import INDEX_NAME
@@ -205,19 +207,24 @@ def run_python(
     """Run ``python -c script args`` from the repository root; return the completed process.
 
     With ``path``, the script is written there and run as a file instead (``spawn``
-    children of multiprocessing need a main module they can import again).
+    children of multiprocessing need a main module they can import again). The child is
+    a fork of a process that has imported torch (:mod:`tests.zygote`).
     """
     full_env = python_env() if env is None else env
     if path is not None:
         path.write_text(script)
-    return subprocess.run(
-        [sys.executable, *(["-c", script] if path is None else [str(path)]), *args],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = ["-c", script, *args] if path is None else [str(path), *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = zygote.start(argv, env=full_env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([sys.executable, *argv], code, out.read(), err.read())
 
 
 class ProcessGroup:
@@ -230,14 +237,13 @@ class ProcessGroup:
     def __init__(self, code: str, stderr: Path, timeout: float = 300) -> None:
         self.stderr = stderr
         with open(stderr, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", code],
+            self.proc = zygote.start(
+                ["-c", code],
                 cwd=REPO,
                 env=python_env(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
-                text=True,
                 start_new_session=True,  # its process group holds what it forks too
             )
         self.closed = False

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from tests import zygote
 from tests.helpers import REPO, python_env, run_python
 from tests.store_helpers import charged
 from torchcache import CachedDataset, CacheWarning, SampleCache
@@ -395,9 +396,7 @@ def test_the_leftovers_of_a_killed_job_go_at_the_next_start(shm_root: Path, tmp_
     killed = run_python(JOB, "kill")
     leftover = job_dir_of(killed.stdout)
     env = python_env()
-    live = subprocess.Popen(
-        [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    live = zygote.start(["-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert live.stdout is not None
         lines = [live.stdout.readline() for _ in range(5)]
@@ -416,9 +415,7 @@ def test_processes_of_one_job_share_the_ram_tier(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TORCHCACHE_JOB_ID", "shared job/1")
     assert job_id().startswith("job-")
     env = python_env()
-    first = subprocess.Popen(
-        [sys.executable, "-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    first = zygote.start(["-c", JOB, "wait"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert first.stdout is not None
         shared = job_dir_of("".join(first.stdout.readline() for _ in range(5)))

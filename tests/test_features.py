@@ -8,7 +8,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import textwrap
 import threading
 import warnings
@@ -21,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import torchcache
+from tests import zygote
 from tests.helpers import Tally, python_env
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
@@ -419,18 +419,17 @@ print(json.dumps({"computed": SEEN[0], "digest": digest.hexdigest(), "path": str
 """
 
 
-def run_kit(script: Path, root: Path, n: int, batch: int, **env: str) -> subprocess.Popen[str]:
-    environ = python_env(**env)
-    return subprocess.Popen(
-        [sys.executable, str(script), str(root), str(n), str(batch)],
-        env=environ,
+def run_kit(script: Path, root: Path, n: int, batch: int, **env: str) -> zygote.Process:
+    return zygote.start(
+        [str(script), str(root), str(n), str(batch)],
+        env=python_env(**env),
+        cwd=os.getcwd(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
-def finish(process: subprocess.Popen[str]) -> dict[str, Any]:
+def finish(process: zygote.Process) -> dict[str, Any]:
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]

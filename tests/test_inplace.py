@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -15,6 +13,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from tests.helpers import run_python
 from torchcache import CacheWarning, torchcache
 
 
@@ -197,7 +196,7 @@ _CHILD = textwrap.dedent(
 def test_in_place_changes_across_processes_reuse_the_entries_of_each_state(tmp_path: Path) -> None:
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True, text=True)
+        done = run_python(_CHILD, str(tmp_path))
         assert done.returncode == 0, done.stderr
         runs.append(done.stdout.split("\n")[-2])
     assert runs == ["[0, 0]", "[5, 10]"]

@@ -7,8 +7,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import subprocess
-import sys
 import textwrap
 import threading
 import warnings
@@ -20,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import run_python
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.config import module_dir_name
@@ -106,9 +105,7 @@ _CHILD = textwrap.dedent(
 def test_configurations_in_separate_processes_keep_their_own_entries(tmp_path: Path) -> None:
     hits = []
     for sizes in (["1"], ["2", "1"]):  # the second process computes its own, then reads the first's
-        done = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(tmp_path), *sizes], capture_output=True, text=True, check=False
-        )
+        done = run_python(_CHILD, str(tmp_path), *sizes)
         assert done.returncode == 0, done.stderr
         hits += [int(line) for line in done.stdout.split()]
     assert hits == [0, 0, 4]  # each configuration reuses its own entries, never the other's

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import zygote
 from tests.helpers import Counting, cached
 from tests.object_servers import s3_endpoint
 from tests.store_helpers import Reports, key, value
@@ -337,15 +338,12 @@ for batch in range(10**6):
 def test_a_writer_killed_mid_upload_leaves_nothing_a_reader_sees_and_prune_sweeps_it(bucket: str, s3fs_of: Any) -> None:
     import signal
     import subprocess
-    import sys
 
     from tests.helpers import REPO, python_env
 
     url = f"{bucket}/cache"
     env = python_env(**{name: os.environ[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
-    writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, url, s3_endpoint()], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
-    )
+    writer = zygote.start(["-c", _WRITER, url, s3_endpoint()], cwd=REPO, env=env, stdout=subprocess.PIPE)
     assert writer.stdout is not None
     for _ in range(3):  # three batches complete, the fourth is under way
         writer.stdout.readline()
@@ -559,18 +557,16 @@ cache.close()
 @pytest.mark.slow  # two writer processes
 def test_two_processes_write_one_bucket_and_a_third_reads_everything(bucket: str, tmp_path: Path) -> None:
     import subprocess
-    import sys
 
     from tests.helpers import REPO, python_env
 
     url = f"{bucket}/shared"
     writers = [  # at once, each with a local copy of its own
-        subprocess.Popen(
-            [sys.executable, "-c", _SHARD_WRITER, str(first), str(tmp_path / f"w{first}"), url],
+        zygote.start(
+            ["-c", _SHARD_WRITER, str(first), str(tmp_path / f"w{first}"), url],
             cwd=REPO,
             env=python_env(),
             stderr=subprocess.PIPE,
-            text=True,
         )
         for first in (0, 10)
     ]

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -500,7 +499,7 @@ def test_hostile_files_at_the_index_path(root: Path, kind: str) -> None:
         "s = PackedStore(sys.argv[1], 10**7, report=lambda k, m: print(k))\n"
         "s.put_many([('abcd', b'x')]); assert bytes(s.get('abcd')) == b'x'; print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
+    result = run_python(code, str(root), timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "ok"
 

@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import run_python
 from tests.redis_servers import RedisClusterServers, RedisServer, own_server, require_redis, shared
 from tests.store_helpers import Reports, key, value
 from torchcache.errors import ConfigError, KeyingError, StoreError, StoreUnavailableError
@@ -150,9 +150,7 @@ print(n)
 
 @pytest.mark.slow
 def test_entries_written_by_another_process_are_hits(server: RedisServer, reports: Reports) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _WRITER, str(ROOT), server.url], capture_output=True, text=True, timeout=120
-    )
+    done = run_python(_WRITER, str(ROOT), server.url, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "200"
     store = RedisStore(server.url, "shared", "10MB", report=reports)

@@ -9,7 +9,6 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from tests import zygote
 from tests.helpers import REPO, pwrite_fault
 from torchcache.errors import CorruptEntryError, StoreError
 from torchcache.stores.rows import Geometry, RowsFile
@@ -335,7 +335,7 @@ def test_writers_killed_at_random_moments_leave_every_row_right_or_a_miss(tmp_pa
     script = KILLED_WRITER.format(repo=str(REPO), directory=str(tmp_path))
     rng = np.random.default_rng(5)
     for _ in range(3):
-        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        child = zygote.start(["-c", script], env=dict(os.environ), cwd=os.getcwd(), stdout=subprocess.PIPE)
         assert child.stdout is not None
         for _ in range(int(rng.integers(1, 40))):
             child.stdout.readline()
