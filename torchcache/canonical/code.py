@@ -24,7 +24,6 @@ import struct
 import sys
 import types
 import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
@@ -383,7 +382,3 @@ def encode_builtin(encoder: Encoder, value: Any, path: str, depth: int) -> bytes
     qualname = getattr(value, "__qualname__", None) or getattr(value, "__name__", "")
     origin = origin_of_module(module) if isinstance(module, str) and module else None
     return tagged(Tag.BUILTIN_FUNCTION, text(f"{module}.{qualname}") + text(origin or "") + bound)
-
-
-#: A callable that encodes one kind of value (used by the encoder's dispatch).
-Rule = Callable[[Encoder, Any, str, int], bytes]

@@ -202,12 +202,6 @@ class BackgroundWriter:
         with _pool.lock:
             return len(self._jobs) + self._busy
 
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of the jobs submitted and not yet written."""
-        with _pool.lock:
-            return self._pending_bytes
-
     def submit(self, job: Any, nbytes: int) -> None:
         """Queue a job; block while too many bytes are pending."""
         pool = _pool
