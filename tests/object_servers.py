@@ -79,7 +79,10 @@ def make_bucket(endpoint: str) -> str:
 
     name = f"tc-{uuid.uuid4().hex[:20]}"
     client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
-    client.create_bucket(Bucket=name)  # boto3's client: s3fs's mkdir asks for a location constraint moto refuses
+    try:
+        client.create_bucket(Bucket=name)  # boto3's client: s3fs's mkdir asks for a location constraint moto refuses
+    finally:
+        client.close()  # else its connection lingers and warns when a later test's gc.collect() finds it
     return name
 
 
