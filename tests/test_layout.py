@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "core",
         {
+            "torchcache._buffers",
             "torchcache._fork",
             "torchcache._gc",
             "torchcache._log",

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._buffers import empty_rows
 from .._fork import after_fork
 from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
@@ -194,7 +195,7 @@ class PersistentTier:
         # never from a prefix alone: a planted prefix must not size an allocation.
         first: Any = self.codec.decode_many(todo[:1])[0]
         raw_len = len(first[1]) if isinstance(first, tuple) else 0
-        rows = np.empty((len(todo), raw_len), dtype=np.uint8) if raw_len else None
+        rows = empty_rows(len(todo), raw_len) if raw_len else None
         decoded: list[Any] = [None] * len(todo)
         landed = [False] * len(todo)
 

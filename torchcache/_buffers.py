@@ -1,0 +1,53 @@
+"""Large output buffers, used again once nothing refers to them.
+
+glibc maps every allocation of 32 MiB or more afresh and unmaps it when it is freed, so a
+batch of hits that large (64 items of ``(197, 768)`` float32 is 39 MB) costs the kernel
+new zeroed pages at every call, and their unmapping: on 2 cores, that doubled such a
+batch's time in some runs. :func:`empty_rows` keeps the last few such buffers and hands
+one out again only when its own list holds the last reference to it: no array, view,
+tensor or storage made from it is alive, exactly as an allocator reuses freed memory.
+At most :data:`KEPT` buffers are kept, so at most that many batches' bytes stay
+allocated while unused.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KEPT", "MIN_BYTES", "empty_rows"]
+
+#: Buffers below this size come from ``np.empty`` (malloc reuses its heap for them).
+MIN_BYTES = 32 << 20
+#: Buffers kept for reuse.
+KEPT = 2
+
+_kept: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+_lock = threading.Lock()
+
+
+def empty_rows(count: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """An uninitialized ``(count, size)`` uint8 array, in a buffer used before where one is free.
+
+    Example:
+        >>> rows = empty_rows(2, 3)
+        >>> rows.shape, rows.dtype
+        ((2, 3), dtype('uint8'))
+    """
+    nbytes = count * size
+    if nbytes < MIN_BYTES:
+        return np.empty((count, size), dtype=np.uint8)
+    with _lock:
+        for i in range(len(_kept)):
+            # 2: the list's reference and the argument's; any view, tensor or storage adds one.
+            if _kept[i].nbytes == nbytes and sys.getrefcount(_kept[i]) == 2:
+                buffer = _kept.pop(i)
+                break
+        else:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+        _kept.append(buffer)  # the most recently handed out last
+        del _kept[:-KEPT]
+        return buffer.reshape(count, size)
