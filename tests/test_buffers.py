@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,19 @@ def test_at_most_kept_buffers_stay_and_small_ones_are_never_kept() -> None:
     assert small.shape == (4, 16) and small.dtype == np.uint8 and len(_buffers._kept) == KEPT
     again = empty_rows(1, MIN_BYTES + KEPT + 1)  # the size of the newest one kept: that one again
     assert again.base is _buffers._kept[-1]
+
+
+def _take_one() -> None:
+    assert empty_rows(1, MIN_BYTES).shape == (1, MIN_BYTES)
+
+
+@pytest.mark.slow
+def test_a_child_forked_while_the_lock_is_held_still_gets_buffers() -> None:
+    with _buffers._lock:  # as another thread of this process may hold it at a fork
+        child = multiprocessing.get_context("fork").Process(target=_take_one)
+        child.start()
+    child.join(60)
+    assert child.exitcode == 0  # not None: the child did not wait on the lock it inherited
 
 
 class Sparse(nn.Module):

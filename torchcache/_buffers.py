@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ._fork import after_fork
+
 __all__ = ["KEPT", "MIN_BYTES", "empty_rows"]
 
 #: Buffers below this size come from ``np.empty`` (malloc reuses its heap for them).
@@ -27,6 +29,16 @@ KEPT = 2
 
 _kept: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
 _lock = threading.Lock()
+
+
+def _forget() -> None:
+    """In a forked child: a new lock (another thread may have held this one) and no buffers."""
+    global _lock
+    _lock = threading.Lock()
+    _kept.clear()
+
+
+after_fork(_forget)
 
 
 def empty_rows(count: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
