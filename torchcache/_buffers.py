@@ -31,6 +31,15 @@ _kept: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
 _lock = threading.Lock()
 
 
+def _count_when_alone() -> int:
+    """What ``sys.getrefcount`` says of an array only a list holds (interpreters count the argument differently)."""
+    alone = [np.empty(0, dtype=np.uint8)]
+    return sys.getrefcount(alone[0])
+
+
+_ALONE = _count_when_alone()
+
+
 def _forget() -> None:
     """In a forked child: a new lock (another thread may have held this one) and no buffers."""
     global _lock
@@ -54,8 +63,8 @@ def empty_rows(count: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return np.empty((count, size), dtype=np.uint8)
     with _lock:
         for i in range(len(_kept)):
-            # 2: the list's reference and the argument's; any view, tensor or storage adds one.
-            if _kept[i].nbytes == nbytes and sys.getrefcount(_kept[i]) == 2:
+            # Any view, tensor or storage made from it adds a reference.
+            if _kept[i].nbytes == nbytes and sys.getrefcount(_kept[i]) == _ALONE:
                 buffer = _kept.pop(i)
                 break
         else:
