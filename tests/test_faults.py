@@ -655,13 +655,18 @@ def test_writers_killed_at_random_moments_leave_every_entry_right_or_missing(cac
 
 
 # -- a full disk, a read-only directory -------------------------------------------------------
-def count_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many entries each ``PackedStore.put_many`` call was given, from now on."""
+def count_puts(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[int]:
+    """How many entries each ``PackedStore.put_many`` under ``root`` was given, from now on.
+
+    Stores elsewhere are left out: a writer thread of an earlier test in this process may
+    still be flushing into its own.
+    """
     puts: list[int] = []
     real = PackedStore.put_many
 
     def counting(self: PackedStore, items: Any) -> int:
-        puts.append(len(items))
+        if self.directory.is_relative_to(root):
+            puts.append(len(items))
         return real(self, items)
 
     monkeypatch.setattr(PackedStore, "put_many", counting)
@@ -686,7 +691,7 @@ def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
             return real_pwritev(fd, buffers, offset, *flags)
 
         monkeypatch.setattr(os, "pwritev", full_after_one)
-    puts = count_puts(monkeypatch)
+    puts = count_puts(monkeypatch, cache_root)
     model = cached(Counting, persistent=True)(4, 4096)
     plain = Counting(4, 4096)
     x, y = torch.randn(20, 4), torch.randn(8, 4)
@@ -844,7 +849,7 @@ def test_a_read_only_directory_warns_once_and_keeps_reading(
     sizes = segment_bytes(directory)
     undo = read_only(directory)
 
-    puts = count_puts(monkeypatch)
+    puts = count_puts(monkeypatch, cache_root)
     plain = Counting()
     model = cached(Counting, persistent=True)()
     y, z = torch.randn(6, 4), torch.randn(5, 4)
@@ -908,7 +913,7 @@ def test_segment_files_that_cannot_be_created_fall_back_to_memory(
         pass
     for seg in range(1, 129):  # more segment names than a writer tries are taken by directories
         (directory / f"seg-{seg:08x}.tcs").mkdir()
-    puts = count_puts(monkeypatch)
+    puts = count_puts(monkeypatch, cache_root)
     plain = Counting()
     x = torch.randn(8, 4)
     with cache_warnings() as caught:
