@@ -34,15 +34,10 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any, Union
 
-__all__ = ["Child", "Process", "fresh_python", "start"]
+__all__ = ["Child", "Process", "start"]
 
 _FRESH = os.environ.get("TORCHCACHE_TEST_FRESH_PYTHON") == "1"
 _MAX_MESSAGE = 1 << 20
-
-
-def fresh_python() -> bool:
-    """Whether children are new interpreters (``TORCHCACHE_TEST_FRESH_PYTHON=1``) rather than forks of a zygote."""
-    return _FRESH
 
 
 class Child:
@@ -122,10 +117,6 @@ class Child:
         """``SIGKILL`` the child."""
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        """``SIGTERM`` the child."""
-        self.send_signal(signal.SIGTERM)
-
 
 class _Zygote:
     def __init__(self) -> None:
@@ -152,8 +143,8 @@ class _Zygote:
             self.proc.kill()
             self.proc.wait()
 
-    def fork(self, request: dict[str, Any], fds: Sequence[int]) -> int:
-        """Send a request; the read end of the child's status pipe."""
+    def fork(self, request: dict[str, Any], fds: Sequence[int]) -> tuple[int, int]:
+        """Send a request; the child's pid and the read end of its status pipe."""
         status_r, status_w = os.pipe()
         try:
             with self.lock:
@@ -167,8 +158,7 @@ class _Zygote:
                 os.close(status_r)
                 raise RuntimeError("the zygote ended before it started the child")
             line += chunk
-        request["pid"] = int(line)
-        return status_r
+        return int(line), status_r
 
 
 _zygote: _Zygote | None = None
@@ -239,11 +229,11 @@ def start(
         "session": start_new_session,
     }
     try:
-        status = _the_zygote().fork(request, streams)
+        pid, status = _the_zygote().fork(request, streams)
     finally:
         for fd in to_close:
             os.close(fd)
-    return Child([sys.executable, *args], request["pid"], status, ours)
+    return Child([sys.executable, *args], pid, status, ours)
 
 
 # -- the zygote's side --------------------------------------------------------------------
