@@ -28,8 +28,7 @@ from tests.store_helpers import charged
 from torchcache import CachedDataset, CacheWarning, SampleCache
 from torchcache.datasets.dataset import MissingSampleError
 from torchcache.datasets.decode import decode_sample, frame_head
-from torchcache.datasets.encode import encode_sample
-from torchcache.datasets.format import SampleTypeError
+from torchcache.datasets.encode import SampleTypeError, encode_sample
 from torchcache.datasets.keys import fingerprint_dataset, store_key
 from torchcache.datasets.rows import ROWS_NAME
 from torchcache.datasets.shm import LOCK_NAME, job_id

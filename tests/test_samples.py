@@ -16,19 +16,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torchcache.codec import PREFIX_SIZE, seal
 from torchcache.datasets.decode import decode_sample, decode_samples
-from torchcache.datasets.encode import check_sample, encode_sample
-from torchcache.datasets.format import SampleTypeError
+from torchcache.datasets.encode import SampleTypeError, check_sample, encode_sample
 from torchcache.dtypes import DTYPES as TORCH_DTYPES
 from torchcache.dtypes import MAX_DEPTH, NUMPY_DTYPES
 from torchcache.errors import CorruptEntryError, KeyingError
 
-PREFIX = struct.Struct("<4sBxxxI")
-
 
 def frame_of(header: object, data: bytes = b"") -> bytes:
-    text = json.dumps(header).encode()
-    return PREFIX.pack(b"TCSM", 1, len(text)) + text + data
+    """A raw frame of ``header`` (JSON-encoded) and ``data``, with a valid checksum."""
+    return seal(json.dumps(header).encode(), [data])
+
+
+def header_of(frame: bytes) -> bytes:
+    (length,) = struct.unpack_from("<I", frame, 8)
+    return frame[PREFIX_SIZE : PREFIX_SIZE + length]
 
 
 def assert_same(got: Any, want: Any, path: str = "sample") -> None:
@@ -162,8 +165,10 @@ def test_decode_accepts_bytes_bytearray_and_memoryview() -> None:
 
 def test_samples_of_one_shape_share_a_header() -> None:
     frames = [encode_sample((torch.full((3, 4), i), i, float(i), f"n{i}")) for i in range(5, 9)]
-    headers = {f[: PREFIX.size + PREFIX.unpack_from(f)[2]] for f in frames}
-    assert len(headers) == 1
+    assert len({header_of(f) for f in frames}) == 1
+    assert (
+        header_of(frames[0]) == b'{"l":[["i8",[3,4]],["i8",[]],["f8",[]],["u1",[2]]],"t":["tuple",["T","i","f","s"]]}'
+    )
     assert [decode_sample(f)[1] for f in frames] == [5, 6, 7, 8]
 
 
@@ -401,42 +406,61 @@ def test_damaged_frames_decode_or_raise_corrupt_entry_error() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_never_crash_the_decoder(data: bytes) -> None:
-    for candidate in (data, b"TCSM\x01\0\0\0" + data):
+    for candidate in (data, b"TCHE\x01\0\0\0" + data, frame_of({"l": [["f4", [2]]]})[:36] + data):
         with contextlib.suppress(CorruptEntryError):
             decode_sample(candidate)
+
+
+def leaf(kind: str, dtype: str, shape: object) -> dict[str, Any]:
+    return {"t": kind, "l": [[dtype, shape]]}
 
 
 @pytest.mark.parametrize(
     ("header", "data"),
     [
-        (["t", "float32", [2**40, 2**40]], b""),  # a giant tensor the data does not hold
-        (["t", "float32", [0, 2**62, 2**62]], b""),  # zero elements, absurd dimensions
-        (["t", "float32", [-1]], b""),
-        (["t", "float32", [True]], b""),
-        (["t", "float32", [1.5]], b""),
-        (["t", "float32", [1] * 40], b"\0" * 4),
-        (["t", "object", [1]], b"\0" * 8),
-        (["t", "qint8", [1]], b"\0"),
-        (["a", "|O", [1]], b"\0" * 8),
-        (["a", "<U1", [1]], b"\0" * 4),
-        (["n", "O"], b"\0" * 8),
-        (["b", 2**60], b""),
-        (["s", -1], b""),
-        (["s", 2], b"\xff\xfe"),  # not UTF-8
-        (["d", ["a"], ["i", "i"]], b"\0" * 16),
-        (["d", [[1]], ["i"]], b"\0" * 8),
-        (["d", [True], ["i"]], b"\0" * 8),
-        (["l", "i"], b"\0" * 8),
-        (["x", 1], b""),
-        ("z", b""),
-        ({"a": 1}, b""),
-        (1.5, b""),
-        ([], b""),
-        ([1], b""),
-        (["i"], b""),
-        (["I", "7"], b""),
-        ("i", b"\0" * 7),  # too short for its int
-        ("i", b"\0" * 9),  # longer than its header needs
+        (leaf("T", "f4", [2**40, 2**40]), b""),  # a giant tensor the data does not hold
+        (leaf("T", "f4", [0, 2**62, 2**62]), b""),  # zero elements, absurd dimensions
+        (leaf("T", "f4", [-1]), b""),
+        (leaf("T", "f4", [True]), b""),
+        (leaf("T", "f4", [1.5]), b""),
+        (leaf("T", "f4", [1] * 40), b"\0" * 8),
+        (leaf("T", "object", [1]), b"\0" * 8),
+        (leaf("T", "qint8", [1]), b"\0" * 8),
+        (leaf("T", "<f4", [1]), b"\0" * 8),  # a numpy name for a tensor
+        (leaf("A", "|O", [1]), b"\0" * 8),
+        (leaf("A", "<U1", [1]), b"\0" * 8),
+        (leaf("A", "f4", [1]), b"\0" * 8),  # a torch code for an array
+        (leaf("S", "O", []), b"\0" * 8),
+        (leaf("S", "<f4", [1]), b"\0" * 8),  # a scalar with a shape
+        (leaf("y", "u1", [2**60]), b""),
+        (leaf("s", "u1", [-1]), b""),
+        (leaf("s", "u1", [2]), b"\xff\xfe" + b"\0" * 6),  # not UTF-8
+        (leaf("s", "f4", [2]), b"\0" * 8),
+        (leaf("s", "u1", [1, 1]), b"\0" * 8),
+        (leaf("i", "i4", []), b"\0" * 8),
+        (leaf("i", "i8", [1]), b"\0" * 8),
+        (leaf("f", "f4", []), b"\0" * 8),
+        (leaf("i", "i8", []), b"\0" * 7),  # too short for its int
+        (leaf("i", "i8", []), b"\0" * 16),  # longer than its header needs
+        ({"t": ["dict", [["a", "i"], ["a", "i"]]], "l": [["i8", []], ["i8", []]]}, b"\0" * 16),
+        ({"t": ["dict", [[[1], "i"]]], "l": [["i8", []]]}, b"\0" * 8),
+        ({"t": ["dict", [[True, "i"]]], "l": [["i8", []]]}, b"\0" * 8),
+        ({"t": ["list", "i"], "l": [["i8", []]]}, b"\0" * 8),
+        ({"t": ["tuple", ["T", "T"]], "l": [["f4", [2]]]}, b"\0" * 8),  # fewer leaves than the structure
+        ({"t": "T", "l": [["f4", [2]], ["f4", [2]]]}, b"\0" * 16),  # more
+        ({"t": ["namedtuple", "m:P", [["x", "i"]]], "l": [["i8", []]]}, b"\0" * 8),  # not a sample's node
+        ({"l": [["f4", [2]]], "x": 1}, b"\0" * 8),
+        ({"l": 3}, b""),
+        ({"l": ["f4"]}, b"\0" * 8),
+        ({"t": ["x", 1], "l": []}, b""),
+        ({"t": "z", "l": []}, b""),
+        ({"t": {"a": 1}, "l": []}, b""),
+        ({"t": 1.5, "l": []}, b""),
+        ({"t": [], "l": []}, b""),
+        ({"t": ["I", "7"], "l": []}, b""),
+        ({"t": ["I"], "l": []}, b""),
+        (["l", []], b""),
+        ("T", b""),
     ],
 )
 def test_hostile_headers_are_corrupt_entry_errors(header: object, data: bytes) -> None:
@@ -446,20 +470,24 @@ def test_hostile_headers_are_corrupt_entry_errors(header: object, data: bytes) -
 
 def test_hostile_prefixes_and_nesting_are_corrupt_entry_errors() -> None:
     good = encode_sample(1)
+    head = good[: PREFIX_SIZE - 8]
     cases = [
         b"",
-        b"TCSM",
+        b"TCHE",
         b"XXXX" + good[4:],
         good[:4] + b"\x02" + good[5:],  # another version
-        PREFIX.pack(b"TCSM", 1, 2**32 - 1) + b"[]",  # a header longer than the frame
-        PREFIX.pack(b"TCSM", 1, 3) + b"\xff\xfe\xfd",  # not JSON
-        frame_of(["u", [["u", []]]]).replace(b'["u", []]', b"[" * 50_000 + b"]" * 50_000),
+        good[:5] + b"\x07" + good[6:],  # an unknown codec
+        head[:8] + struct.pack("<I", 2**32 - 1) + head[12:] + good[PREFIX_SIZE - 8 :],  # a header longer than the frame
+        seal(b"\xff\xfe\xfd", [b""]),  # not JSON
+        seal(b"[" * 50_000 + b"]" * 50_000, [b""]),
+        seal(b'{"l":[],"t":' + b"[" * 50_000 + b"]" * 50_000 + b"}", [b""]),
+        b"TCSM\x01\0\0\0\x03\0\0\0" + b'"i"' + b"\0" * 8,  # a frame of torchcache 1.2
     ]
-    nested: Any = None
+    nested: Any = "N"
     for _ in range(MAX_DEPTH + 2):
-        nested = ["l", [nested]]
-    cases.append(frame_of(nested))
-    cases.append(frame_of(["l", [None] * 100_001]))
+        nested = ["list", [nested]]
+    cases.append(frame_of({"t": nested, "l": []}))
+    cases.append(frame_of({"t": ["list", ["N"] * 300_000], "l": []}))  # a header past 1 MiB
     for case in cases:
         with pytest.raises(CorruptEntryError):
             decode_sample(case)

@@ -56,6 +56,7 @@ __all__ = [
     "CODEC_ZERO",
     "DEFAULT_QUALITY",
     "MAGIC",
+    "MAX_HEADER",
     "MAX_ITEM_BYTES",
     "PREFIX",
     "PREFIX_SIZE",
@@ -74,6 +75,7 @@ __all__ = [
     "nested_deeper_than",
     "parse_header",
     "read_prefix",
+    "seal",
     "split_frame",
     "unelide",
     "unelide_rows",
@@ -106,7 +108,8 @@ _U64 = struct.Struct("<Q")
 #: The fixed prefix of a frame: magic, version, codec, word size, header, stored and raw lengths, checksum.
 PREFIX = _PREFIX
 PREFIX_SIZE = _PREFIX.size
-_MAX_HEADER = 1 << 20
+#: The largest header a frame may have.
+MAX_HEADER = 1 << 20
 _MAX_HEADER_DEPTH = 100
 #: The largest raw payload (one item) a frame may declare; larger items are not written.
 MAX_ITEM_BYTES = 1 << 28
@@ -120,11 +123,6 @@ def _checksum(prefix: bytes | memoryview, header: bytes | memoryview, payload: b
     h.update(header)
     h.update(payload)
     return h.intdigest()
-
-
-def window_bits(size: int) -> int:
-    """A brotli window just large enough for ``size`` bytes (small windows are faster)."""
-    return max(10, min(24, size.bit_length() + 1))
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
@@ -292,9 +290,6 @@ def encode_frame(
         word: Zero-elision word size (2, 4 or 8, see :func:`word_size`), or ``None``
             not to try zero elision.
 
-    Returns:
-        The frame bytes.
-
     Raises:
         ValueError: If ``word`` is not a supported word size.
 
@@ -314,18 +309,32 @@ def encode_frame(
         if elided is not None:
             stored, codec, param = elided, CODEC_ZERO, word
     if quality is not None and raw_len >= _MIN_COMPRESS:
-        packed = brotli.compress(bytes(payload), quality=quality, lgwin=window_bits(raw_len))
+        window = max(10, min(24, raw_len.bit_length() + 1))  # just large enough: small windows are faster
+        packed = brotli.compress(bytes(payload), quality=quality, lgwin=window)
         limit = RAW_RATIO * raw_len if codec == CODEC_RAW else BROTLI_MARGIN * len(stored)
         if len(packed) <= limit:
             stored, codec, param = packed, CODEC_BROTLI, 0
-    return _seal(header_bytes, codec, param, stored, raw_len)
+    return seal(header_bytes, [stored], codec, param, raw_len)
 
 
-def _seal(header_bytes: bytes, codec: int, param: int, stored: bytes | memoryview, raw_len: int) -> bytes:
-    """The frame of a stored payload: prefix, checksum, header, payload."""
-    head = _PREFIX.pack(MAGIC, VERSION, codec, param, len(header_bytes), len(stored), raw_len, 0)[: PREFIX_SIZE - 8]
-    checksum = _checksum(head, header_bytes, stored)
-    return b"".join((head, _U64.pack(checksum), header_bytes, stored))
+def seal(header_bytes: bytes, chunks: Sequence[Any], codec: int = CODEC_RAW, word: int = 0, raw_len: int = -1) -> bytes:
+    """The frame of a stored payload given in pieces (buffers, joined once): prefix, checksum, header, payload.
+
+    ``raw_len`` (the payload's length once decoded) defaults to the stored length, as for a raw payload.
+
+    Example:
+        >>> frame = seal(b'{"l":[["u1",[3]]]}', [b"ab", b"c"])
+        >>> decode_frame(frame) == ({"l": [["u1", [3]]]}, b"abc")
+        True
+    """
+    stored_len = sum(memoryview(chunk).nbytes for chunk in chunks)
+    raw_len = stored_len if raw_len < 0 else raw_len
+    head = _PREFIX.pack(MAGIC, VERSION, codec, word, len(header_bytes), stored_len, raw_len, 0)[: PREFIX_SIZE - 8]
+    h = xxhash.xxh3_64(head)
+    h.update(header_bytes)
+    for chunk in chunks:
+        h.update(chunk)
+    return b"".join((head, _U64.pack(h.intdigest()), header_bytes, *chunks))
 
 
 def encode_zero_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.uint8]], word: int) -> list[bytes | None]:
@@ -357,7 +366,7 @@ def encode_zero_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.ui
     raw_len = rows.shape[1]
     if raw_len < _MIN_COMPRESS:
         return [None] * rows.shape[0]
-    return [None if p is None else _seal(header_bytes, CODEC_ZERO, word, p, raw_len) for p in _elide_rows(rows, word)]
+    return [None if p is None else seal(header_bytes, [p], CODEC_ZERO, word, raw_len) for p in _elide_rows(rows, word)]
 
 
 def unelide_rows(
@@ -472,21 +481,15 @@ def encode_raw_frames(header_bytes: bytes, rows: np.ndarray[Any, np.dtype[np.uin
     return frames
 
 
-def read_prefix(data: bytes | memoryview) -> tuple[int, int, int, int, int]:
+def read_prefix(data: bytes | memoryview) -> tuple[int, int, int, int, int, int]:
     """Validate a frame's fixed prefix.
 
     Returns:
-        ``(codec, header_len, stored_len, raw_len, checksum)``.
+        ``(codec, word_size, header_len, stored_len, raw_len, checksum)``.
 
     Raises:
         CorruptEntryError: If the prefix is not a torchcache frame of a known version.
     """
-    codec, _, header_len, stored_len, raw_len, checksum = _read_prefix(data)
-    return codec, header_len, stored_len, raw_len, checksum
-
-
-def _read_prefix(data: bytes | memoryview) -> tuple[int, int, int, int, int, int]:
-    """:func:`read_prefix`, with the word size after the codec."""
     if len(data) < PREFIX_SIZE:
         raise CorruptEntryError("truncated frame: shorter than its fixed prefix")
     magic, version, codec, word, header_len, stored_len, raw_len, checksum = _PREFIX.unpack_from(data)
@@ -494,7 +497,7 @@ def _read_prefix(data: bytes | memoryview) -> tuple[int, int, int, int, int, int
         raise CorruptEntryError("not a torchcache entry (bad magic)")
     if version != VERSION:
         raise CorruptEntryError(f"unsupported entry version {version} (expected {VERSION})")
-    if codec not in (CODEC_RAW, CODEC_BROTLI, CODEC_ZERO) or header_len > _MAX_HEADER:
+    if codec not in (CODEC_RAW, CODEC_BROTLI, CODEC_ZERO) or header_len > MAX_HEADER:
         raise CorruptEntryError("invalid frame prefix")
     if codec == CODEC_ZERO and word not in WORD_SIZES:
         raise CorruptEntryError(f"invalid zero-elision word size {word}")
@@ -516,7 +519,7 @@ def frame_length(prefix: bytes | memoryview) -> int:
         >>> frame_length(frame[:PREFIX_SIZE]) == len(frame)
         True
     """
-    _, header_len, stored_len, _, _ = read_prefix(prefix)
+    _, _, header_len, stored_len, _, _ = read_prefix(prefix)
     return PREFIX_SIZE + header_len + stored_len
 
 
@@ -627,7 +630,7 @@ def split_frame(
     Raises:
         CorruptEntryError: If the frame is truncated, altered or not a torchcache entry.
     """
-    codec, word, header_len, stored_len, raw_len, checksum = _read_prefix(data)
+    codec, word, header_len, stored_len, raw_len, checksum = read_prefix(data)
     end = PREFIX_SIZE + header_len + stored_len
     if len(data) != end:
         raise CorruptEntryError(f"frame length {len(data)} does not match its prefix ({end})")
@@ -653,5 +656,5 @@ def split_frame(
 
 def decode_header(data: bytes | memoryview) -> dict[str, Any]:
     """Return only the header of a frame (no checksum check, no decompression)."""
-    _, header_len, _, _, _ = read_prefix(data)
+    _, _, header_len, _, _, _ = read_prefix(data)
     return parse_header(bytes(memoryview(data)[PREFIX_SIZE : PREFIX_SIZE + header_len]))

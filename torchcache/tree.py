@@ -38,14 +38,21 @@ __all__ = [
     "Layout",
     "LeafSpec",
     "RebuildError",
+    "VALUE_LEAVES",
     "describe",
     "flatten",
+    "leaf_kinds",
     "leaf_paths",
     "unflatten",
 ]
 
 #: The dtypes of module outputs, by name (the table is :mod:`torchcache.dtypes`).
 DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _ALL_DTYPES.items() if dt in OUTPUT_DTYPES}
+
+#: Leaf nodes only dataset samples hold: a numpy array (``"A"``) or scalar (``"S"``), and a
+#: Python ``int`` (``"i"``), ``float`` (``"f"``), ``complex`` (``"c"``), ``str`` (``"s"``) or
+#: ``bytes`` (``"y"``); each has one entry in a layout's leaves, as a tensor (``"T"``) has.
+VALUE_LEAVES = frozenset("ASifcsy")
 
 Spec = Union[str, list[Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 
@@ -321,7 +328,7 @@ class Layout:
         try:
             short = "l" in header
             tree = header.get("t", "T") if short else header["tree"]
-            count = _count_leaves(tree)
+            count = len(leaf_kinds(tree))
             leaves = []
             for item in header["l"] if short else header["leaves"]:
                 channels_last = False
@@ -360,15 +367,37 @@ def _is_channels_last(leaf: torch.Tensor) -> bool:
     return False
 
 
-def _count_leaves(node: Any, depth: int = 0) -> int:
-    """The tensor leaves of a spec read from a file, validating every node.
+def leaf_kinds(tree: object, values: bool = False) -> list[str]:
+    """The kind of every leaf of a structure read from a file, in leaf order, validating every node.
+
+    Module outputs hold tensor leaves (``"T"``) and ``None``; with ``values`` the structure
+    may also hold what dataset samples do (:data:`VALUE_LEAVES`, the constants ``true``,
+    ``false`` and ``["I", int]``, and dicts with int keys).
 
     Raises:
         ValueError: If a node is not of a known kind, a name is malformed, a key is
             repeated, or containers nest deeper than :data:`MAX_DEPTH`.
+
+    Example:
+        >>> leaf_kinds(["tuple", ["T", ["dict", [["a", "N"], ["b", "T"]]]]])
+        ['T', 'T']
+        >>> leaf_kinds(["tuple", ["T", "i", True, ["I", 2**70]]], values=True)
+        ['T', 'i']
     """
-    if node == "T" or node == "N":
-        return int(node == "T")
+    kinds: list[str] = []
+    _check_node(tree, 0, values, kinds)
+    return kinds
+
+
+def _check_node(node: Any, depth: int, values: bool, kinds: list[str]) -> None:
+    """Validate ``node`` and append the kind of each of its leaves to ``kinds``."""
+    if node == "T" or (values and type(node) is str and node in VALUE_LEAVES):
+        kinds.append(node)
+        return
+    if node == "N" or (values and (node is True or node is False)):
+        return
+    if values and type(node) is list and len(node) == 2 and node[0] == "I" and type(node[1]) is int:
+        return
     if not isinstance(node, list) or len(node) not in (2, 3) or node[0] not in (*_PLAIN, *KINDS):
         raise ValueError(f"invalid structure node {_short(node)}")
     if depth >= MAX_DEPTH:
@@ -378,19 +407,23 @@ def _count_leaves(node: Any, depth: int = 0) -> int:
     if not isinstance(node[-1], list):
         raise ValueError(f"invalid {node[0]} node {_short(node)}: its items are not a list")
     if node[0] in ("tuple", "list"):
-        return sum(_count_leaves(value, depth + 1) for value in node[1])
+        for value in node[1]:
+            _check_node(value, depth + 1, values, kinds)
+        return
     if len(node) == 3 and not is_type_name(node[1]):
         raise ValueError(f"invalid class name {_short(node[1])}: expected 'module:qualname' of identifiers")
     keys = set()
+    key_types = (str, int) if values and node[0] == "dict" else (str,)
     for item in node[-1]:
-        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+        if not isinstance(item, list) or len(item) != 2 or type(item[0]) not in key_types:
             raise ValueError(f"invalid {node[0]} item {_short(item)}")
         if node[0] in ("namedtuple", "dataclass") and not item[0].isidentifier():
             raise ValueError(f"invalid field name {_short(item[0])}")
         if item[0] in keys:
             raise ValueError(f"repeated key {_short(item[0])} in a {node[0]} node")
         keys.add(item[0])
-    return sum(_count_leaves(value, depth + 1) for _, value in node[-1])
+    for _, value in node[-1]:
+        _check_node(value, depth + 1, values, kinds)
 
 
 _PLAIN = ("tuple", "list", "dict")

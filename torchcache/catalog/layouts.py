@@ -47,7 +47,7 @@ def _read_header(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(path)
     fd, _ = opened
     try:
-        _, header_len, _, _, _ = read_prefix(read_at(fd, PREFIX_SIZE))
+        _, _, header_len, _, _, _ = read_prefix(read_at(fd, PREFIX_SIZE))
         return parse_header(read_at(fd, header_len, PREFIX_SIZE))
     finally:
         os.close(fd)
@@ -63,7 +63,7 @@ def _describe(layout: Layout) -> str:
 
 
 def _frame_header(data: bytes | memoryview) -> dict[str, Any]:
-    _, header_len, _, _, _ = read_prefix(data)
+    _, _, header_len, _, _, _ = read_prefix(data)
     return parse_header(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]))
 
 

@@ -173,12 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print JSON instead of text")
     migrate = command(
         "migrate",
-        "pack torchcache 1.0 entry files into the packed store",
-        "Pack the one-file-per-entry caches of torchcache 1.0 into packed stores, removing each file once its "
-        "entry is stored. Until then the library does not read them. Safe to interrupt and run again.",
+        "convert caches of earlier versions to the current format",
+        "Pack the one-file-per-entry caches of torchcache 1.0 into packed stores (removing each file once its "
+        "entry is stored), turn features files of torchcache 1.2 into rows files, and rewrite the samples of "
+        "torchcache 1.2 dataset caches (under a root, or on a Redis server or in a bucket given by URL) in the "
+        "current format. Until then the library does not read them. Safe to interrupt and run again.",
         cmd_migrate,
     )
-    migrate.add_argument("path", nargs="?", metavar="ROOT|DIR", help=f"{root_help}, or one module cache")
+    migrate.add_argument(
+        "path", nargs="?", metavar="ROOT|DIR|URL", help=f"{root_help}, one cache, or a Redis or bucket URL"
+    )
     clear = command(
         "clear",
         "remove a module cache, or all",

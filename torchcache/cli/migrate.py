@@ -1,4 +1,4 @@
-"""``torchcache migrate``: entry files of torchcache 1.0 into packed stores, features files of 1.2 into rows files."""
+"""``torchcache migrate``: entry files of torchcache 1.0 into packed stores, features files and samples of 1.2."""
 
 from __future__ import annotations
 
@@ -24,12 +24,16 @@ from ..catalog.inspect import (
     open_store,
 )
 from ..catalog.removal import remove_file
+from ..config import is_url
 from ..errors import CorruptEntryError, StoreError
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
+from ..stores.redis.url import redact_url
 from .commands import command_root
 from .output import Progress, error, plural, relative, table
+from .remote import open_remote, remote_namespaces
+from .samples12 import migrate_samples
 from .verify import UNLIMITED, Problem, check_entry
 
 __all__ = ["Migration", "cmd_migrate", "migrate_cache", "migrate_features"]
@@ -216,16 +220,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 1 if damaged files were left or a cache could not be migrated, else 0.
     """
+    if is_url(args.path):
+        return remote_migrate(args.path)
     root = command_root(args.path)
     everything = find_caches(root)
     caches = [cache for cache in everything if cache.legacy_entries]
     features = [c.directory for c in everything if (c.directory / LEGACY_FEATURES_NAME).is_file()]
-    if not caches and not features:
-        print(f"nothing to migrate: no torchcache 1.0 entries or 1.2 features files under {root}")
+    datasets = [c for c in everything if c.meta.get("kind") == "dataset" and c.entries]
+    if not caches and not features and not datasets:
+        print(f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or dataset caches under {root}")
         return 0
+    failures = _migrate_datasets(datasets, root)
     moved = dropped = 0
     damaged: list[Problem] = []
-    failures: list[str] = []
     for directory in features:
         try:
             done = migrate_features(directory)
@@ -263,3 +270,40 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for failure in failures:
         error(failure)
     return 1 if damaged or failures else 0
+
+
+def _migrate_datasets(caches: list[ModuleCache], root: Path) -> list[str]:
+    """Convert the torchcache 1.2 samples of dataset caches; return what could not be done."""
+    failures = []
+    for cache in caches:
+        try:
+            store = open_store(cache.directory, UNLIMITED)  # a converted sample replaces its old frame, never another
+            if store is None:
+                continue
+            with store:
+                moved, dropped = migrate_samples(store)
+        except OSError as exc:  # StoreError included
+            failures.append(f"cannot migrate {cache.directory}: {exc}")
+            continue
+        if moved:
+            print(f"converted {plural(moved, 'sample')} of {relative(cache.directory, root)} to the current format")
+        if dropped:
+            failures.append(f"removed {plural(dropped, 'damaged sample')} of {relative(cache.directory, root)}")
+    return failures
+
+
+def remote_migrate(url: str) -> int:
+    """``torchcache migrate URL``: convert the torchcache 1.2 samples of every cache on a server or in a bucket."""
+    moved = dropped = 0
+    for namespace in remote_namespaces(url):
+        try:
+            with open_remote(url, namespace) as store:
+                done, bad = migrate_samples(store)
+        except OSError as exc:
+            error(f"cannot migrate {namespace} on {redact_url(url)}: {exc}")
+            return 1
+        moved, dropped = moved + done, dropped + bad
+    print(f"converted {plural(moved, 'sample')} on {redact_url(url)} to the current format")
+    if dropped:
+        error(f"removed {plural(dropped, 'damaged sample')}; the caches compute them again")
+    return 1 if dropped else 0

@@ -22,16 +22,26 @@ from ..stores.remote import open_remote_store
 from .output import error, plural, print_json, table
 from .verify import check_entries, check_frame
 
-__all__ = ["remote_clear", "remote_info", "remote_ls", "remote_prune", "remote_verify"]
+__all__ = [
+    "open_remote",
+    "remote_clear",
+    "remote_info",
+    "remote_ls",
+    "remote_namespaces",
+    "remote_prune",
+    "remote_verify",
+]
 
 _UNLIMITED = 1 << 62
 
 
-def _open(url: str, namespace: str) -> BatchedStore:
+def open_remote(url: str, namespace: str) -> BatchedStore:
+    """The store of one namespace on a server or in a bucket, opened without a budget of its own."""
     return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None)
 
 
-def _namespaces(url: str, prefix: str | None = None) -> list[str]:
+def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:
+    """The namespaces (caches) on a server or in a bucket; with ``prefix``, that key, else the keys it starts."""
     if is_object_url(url):
         names = bucket_namespaces(url)
     else:
@@ -45,14 +55,14 @@ def _namespaces(url: str, prefix: str | None = None) -> list[str]:
 
 
 def _describe(url: str, namespace: str) -> dict[str, Any]:
-    with _open(url, namespace) as store:
+    with open_remote(url, namespace) as store:
         return {"key": namespace, "entries": len(store), "bytes": store.nbytes}
 
 
 def remote_ls(url: str, args: argparse.Namespace) -> int:
     """``torchcache ls URL``: the caches (namespaces) on a server or in a bucket, with entries and bytes."""
     shown = redact_url(url)
-    caches = [_describe(url, n) for n in _namespaces(url)]
+    caches = [_describe(url, n) for n in remote_namespaces(url)]
     if args.json:
         print_json({"root": shown, "caches": caches})
     elif not caches:
@@ -66,7 +76,7 @@ def remote_ls(url: str, args: argparse.Namespace) -> int:
 
 
 def _one(url: str, target: str) -> str | None:
-    names = _namespaces(url, target)
+    names = remote_namespaces(url, target)
     if len(names) == 1:
         return names[0]
     what = "no cache" if not names else f"{len(names)} caches ({', '.join(names[:5])})"
@@ -97,8 +107,8 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
     """``torchcache verify URL``: every namespace's bookkeeping, record checksums and (module caches) frames."""
     problems: list[tuple[str, str]] = []
     checked = 0
-    for namespace in _namespaces(url):
-        with _open(url, namespace) as store:
+    for namespace in remote_namespaces(url):
+        with open_remote(url, namespace) as store:
             report = store.verify(args.fix)
             checked += report.entries
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
@@ -129,7 +139,7 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
 def remote_clear(url: str, args: argparse.Namespace) -> int:
     """``torchcache clear KEY|--all --root URL --yes``: remove namespaces from a server or a bucket."""
     if args.all:
-        targets = _namespaces(url)
+        targets = remote_namespaces(url)
     else:
         one = _one(url, args.target)
         if one is None:
@@ -140,7 +150,7 @@ def remote_clear(url: str, args: argparse.Namespace) -> int:
         return 1
     for namespace in targets:
         try:
-            with _open(url, namespace) as store:
+            with open_remote(url, namespace) as store:
                 store.clear()
         except StoreError as exc:
             error(f"cannot clear {namespace}: {exc}")
@@ -162,8 +172,8 @@ def remote_prune(url: str, args: argparse.Namespace) -> int:
         error("prune on a URL takes a bucket (s3://, gs://...) and --max-size; a Redis server keeps its own budget")
         return 1
     removed = 0
-    for namespace in _namespaces(url):
-        store = _open(url, namespace)
+    for namespace in remote_namespaces(url):
+        store = open_remote(url, namespace)
         assert isinstance(store, ObjectStore)
         try:
             removed += 0 if args.dry_run else store.prune(args.max_size)

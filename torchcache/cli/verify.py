@@ -138,11 +138,19 @@ def check_frame(data: bytes | memoryview) -> str | None:
 
 
 def check_sample(data: bytes | memoryview) -> str | None:
-    """Why a stored dataset sample is corrupt, or ``None`` (see :mod:`torchcache.datasets.format`)."""
+    """Why a stored dataset sample is corrupt (frame, checksum, layout, payload), or ``None``.
+
+    An intact sample of torchcache 1.2 is not corrupt: ``torchcache migrate`` converts it.
+    """
     from ..datasets.decode import decode_sample
+    from .samples12 import LEGACY_MAGIC, convert_sample
 
     try:
-        decode_sample(data)
+        if bytes(memoryview(data)[: len(LEGACY_MAGIC)]) == LEGACY_MAGIC:
+            convert_sample(data)
+        else:
+            split_frame(data)  # the checksum, which reading a sample leaves to the store
+            decode_sample(data)
     except (CorruptEntryError, ValueError, TypeError, RecursionError) as exc:
         return str(exc) or type(exc).__name__
     return None

@@ -1,8 +1,18 @@
-"""Frames back to dataset samples, one at a time or many alike at once (the format is :mod:`.format`)."""
+"""Frames back to dataset samples, one at a time or many alike at once (frames: :mod:`.encode`).
+
+The decoder keeps the *plan* it compiled from each header (validated once: known node
+kinds and dtypes, bounded depth and dimensions, as many leaves as the structure has).
+Decoding checks that the payload is exactly as long as the plan needs, copies it once
+into a new ``bytearray`` and builds every leaf as a view of that copy: the tensors it
+returns never alias the caller's buffer, and a hostile frame raises
+:class:`~torchcache.errors.CorruptEntryError`, never allocates more than it holds. The
+frame's checksum is the store's to check (every store checks what it returns); ``torchcache
+verify`` checks it too.
+"""
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -10,23 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..dtypes import ALIGN, DTYPES, MAX_DEPTH, NUMPY_DTYPES, NUMPY_OF
+from .. import codec
+from ..codec import MAX_ITEM_BYTES, PREFIX_SIZE, parse_header, split_frame
+from ..dtypes import ALIGN, NUMPY_DTYPES, NUMPY_OF, dtype_named
 from ..errors import CorruptEntryError
-from .format import (
-    C128,
-    F64,
-    I64,
-    MAGIC,
-    MAX_DIMS,
-    MAX_ELEMENT_BYTES,
-    MAX_HEADER,
-    MAX_NODES,
-    PREFIX,
-    VERSION,
-)
+from ..tree import leaf_kinds
+from .encode import C128, F64, I64
 
 __all__ = ["Buffer", "Build", "decode_rows", "decode_sample", "decode_samples", "frame_head"]
-
 
 _PLAN_CACHE_SIZE = 1024
 
@@ -38,86 +39,101 @@ _PLAN_CACHE_SIZE = 1024
 #: memory (``RowsFile.read`` gathers rows into one without zeroing it first).
 Buffer = bytearray | memoryview
 
-
 Build = Callable[[Buffer, int, list[Any]], Any]
-
 
 _Leaf = tuple[str, Any, int, int, tuple[int, ...]]  # kind, dtype, element count, offset, shape
 
+_MAX_DIMS = 32
+
+_RAW_FRAME = (codec.MAGIC, codec.VERSION, codec.CODEC_RAW)
+
+_CHECKSUM = slice(PREFIX_SIZE - 8, PREFIX_SIZE)  # the prefix's checksum: the one part alike frames differ in
 
 _STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
 
 class _Plan:
-    """What a header describes: the data size it needs, and how to build samples from it."""
+    """What a header describes: the payload size it needs, and how to build samples from it."""
 
-    def __init__(self, tree: object) -> None:
+    def __init__(self, header: dict[str, Any]) -> None:
+        if not set(header) <= {"l", "t"} or not isinstance(header.get("l"), list):
+            raise ValueError("not a sample layout")
+        tree = header.get("t", "T")
+        kinds = leaf_kinds(tree, values=True)
+        if len(kinds) != len(header["l"]):
+            raise ValueError("the structure does not match the number of leaves")
         self.size = 0
-        self.nodes = 0
         self.leaves: list[_Leaf] = []
-        self.build = self.compile(tree, 0)
+        self._items = iter(header["l"])
+        self.build = self.compile(tree)
         #: "leaf", "tuple" or "list" when the sample is its leaves alone, in order: then a
         #: batch of samples is made by zipping the leaves' values.
         self.flat = _flat(self.build, len(self.leaves))
 
     def take(self, nbytes: int) -> int:
-        offset = self.size + (-self.size % ALIGN)
-        self.size = offset + nbytes
+        offset = self.size
+        self.size += nbytes + (-nbytes % ALIGN)
         return offset
 
-    def compile(self, node: object, depth: int) -> Build:
-        self.nodes += 1
-        if self.nodes > MAX_NODES or depth > MAX_DEPTH:
-            raise ValueError("too many values or nested too deeply")
-        if node is None or node is True or node is False:
-            return partial(_constant, node)
-        if isinstance(node, str) and node in _NUMBERS:
-            form = _NUMBERS[node]
-            return self.leaf((node, form, 1, self.take(form.size), ()))
-        if not isinstance(node, list) or not node or not isinstance(node[0], str):
-            raise ValueError(f"unknown node {str(node)[:40]}")
-        tag, args = node[0], node[1:]
-        if tag == "I" and len(args) == 1 and type(args[0]) is int:
-            return partial(_constant, args[0])
-        if tag in ("s", "b") and len(args) == 1 and _count(args[0]):
-            return partial(_bytes if tag == "b" else _str, self.take(args[0]), args[0])
-        if tag == "t" and len(args) == 2 and isinstance(args[0], str) and args[0] in DTYPES:
-            return self.tensor(DTYPES[args[0]], _shape(args[1], DTYPES[args[0]].itemsize))
-        if tag == "a" and len(args) == 2 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:
-            return self.array(NUMPY_DTYPES[args[0]], _shape(args[1], NUMPY_DTYPES[args[0]].itemsize))
-        if tag == "n" and len(args) == 1 and isinstance(args[0], str) and args[0] in NUMPY_DTYPES:
-            dtype = NUMPY_DTYPES[args[0]]
-            return partial(_numpy_scalar, dtype, self.take(dtype.itemsize))
-        if tag in ("l", "u") and len(args) == 1 and isinstance(args[0], list):
-            parts = [self.compile(child, depth + 1) for child in args[0]]
-            return partial(_tuple if tag == "u" else _list, parts)
-        if tag == "d" and len(args) == 2 and isinstance(args[0], list) and isinstance(args[1], list):
-            keys, children = args
-            if len(keys) != len(children) or not all(type(k) is str or type(k) is int for k in keys):
-                raise ValueError("malformed dict node")
-            return partial(_dict, [(key, self.compile(child, depth + 1)) for key, child in zip(keys, children)])
-        raise ValueError(f"unknown node {str(node)[:40]}")
+    def compile(self, node: Any) -> Build:
+        if node == "N" or node is True or node is False:
+            return partial(_constant, None if node == "N" else node)
+        if isinstance(node, str):  # a leaf: leaf_kinds checked its kind
+            item = next(self._items)
+            if type(item) is not list or len(item) != 2 or not isinstance(item[0], str):
+                raise ValueError(f"invalid leaf {str(item)[:40]}")
+            name, shape = item
+            if node in _NUMBERS:
+                if item != _NUMBER_LEAVES[node]:
+                    raise ValueError(f"invalid {node} leaf {str(item)[:40]}")
+                form = _NUMBERS[node]
+                return self.leaf((node, form, 1, self.take(form.size), ()))
+            if node in ("s", "y"):
+                if name != "u1" or not isinstance(shape, list) or len(shape) != 1 or not _count(shape[0]):
+                    raise ValueError(f"invalid {node} leaf {str(item)[:40]}")
+                return partial(_bytes if node == "y" else _str, self.take(shape[0]), shape[0])
+            if node == "T":
+                dtype = dtype_named(name)
+                if dtype is None:
+                    raise ValueError(f"invalid dtype {name[:40]}")
+                return self.tensor(dtype, _shape(shape, dtype.itemsize))
+            np_dtype = NUMPY_DTYPES.get(name)
+            if np_dtype is None:
+                raise ValueError(f"invalid numpy dtype {name[:40]}")
+            if node == "S":
+                if shape != []:
+                    raise ValueError("a numpy scalar with a shape")
+                return partial(_numpy_scalar, np_dtype, self.take(np_dtype.itemsize))
+            return self.array(np_dtype, _shape(shape, np_dtype.itemsize))
+        if node[0] == "I":
+            return partial(_constant, node[1])
+        if node[0] in ("tuple", "list"):
+            parts = [self.compile(child) for child in node[1]]
+            return partial(_tuple if node[0] == "tuple" else _list, parts)
+        if node[0] == "dict":
+            return partial(_dict, [(key, self.compile(child)) for key, child in node[1]])
+        raise ValueError(f"a {node[0]} node in a sample")
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Build:
-        count = _numel(shape)
+        count = math.prod(shape)
         at = self.take(count * dtype.itemsize)
         if count == 0:
-            return partial(_empty_tensor, dtype, shape)
+            return partial(_call, partial(torch.empty, shape, dtype=dtype))
         npdt = NUMPY_OF.get(dtype)
         return self.leaf(("n", npdt, count, at, shape) if npdt is not None else ("t", dtype, count, at, shape))
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Build:
-        count = _numel(shape)
+        count = math.prod(shape)
         at = self.take(count * dtype.itemsize)
         if count == 0:
-            return partial(_empty_array, dtype, shape)
+            return partial(_call, partial(np.empty, shape, dtype))
         return self.leaf(("a", dtype, count, at, shape))
 
     def leaf(self, spec: _Leaf) -> Build:
         self.leaves.append(spec)
         return partial(_leaf, len(self.leaves) - 1)
 
-    def build_many(self, datas: list[memoryview]) -> list[Any]:
+    def build_many(self, datas: Sequence[bytes | memoryview]) -> list[Any]:
         """Build one sample from each data section (each exactly :attr:`size` bytes).
 
         The sections are copied once, into one buffer: the tensors and arrays of the
@@ -206,6 +222,7 @@ def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Seq
 # start in it and its leaves.
 _NUMBERS = {"i": I64, "f": F64, "c": C128}
 
+_NUMBER_LEAVES = {"i": ["i8", []], "f": ["f8", []], "c": ["c16", []]}
 
 _NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
 
@@ -238,16 +255,8 @@ def _dict(pairs: list[tuple[str | int, Build]], buf: Buffer, base: int, leaves: 
     return {key: part(buf, base, leaves) for key, part in pairs}
 
 
-def _empty_tensor(
-    dtype: torch.dtype, shape: tuple[int, ...], buf: Buffer, base: int, leaves: list[Any]
-) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
-def _empty_array(
-    dtype: np.dtype[Any], shape: tuple[int, ...], buf: Buffer, base: int, leaves: list[Any]
-) -> np.ndarray[Any, Any]:
-    return np.empty(shape, dtype)
+def _call(make: Callable[[], Any], buf: Buffer, base: int, leaves: list[Any]) -> Any:
+    return make()
 
 
 def _leaf(k: int, buf: Buffer, base: int, leaves: list[Any]) -> Any:
@@ -255,25 +264,18 @@ def _leaf(k: int, buf: Buffer, base: int, leaves: list[Any]) -> Any:
 
 
 def _count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= MAX_ELEMENT_BYTES
+    return type(value) is int and 0 <= value <= MAX_ITEM_BYTES
 
 
 def _shape(value: object, itemsize: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(_count(d) for d in value):
+    if not isinstance(value, list) or len(value) > _MAX_DIMS or not all(_count(d) for d in value):
         raise ValueError(f"invalid shape {str(value)[:40]}")
     bound = itemsize
     for dim in value:
         bound *= max(dim, 1)
-        if bound > MAX_ELEMENT_BYTES:
+        if bound > MAX_ITEM_BYTES:
             raise ValueError(f"shape {str(value)[:40]} is too large")
     return tuple(value)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 _plans: dict[bytes, _Plan] = {}
@@ -285,15 +287,18 @@ def _plan(header: bytes) -> _Plan:
         if len(_plans) >= _PLAN_CACHE_SIZE:
             _plans.clear()
         try:
-            plan = _Plan(json.loads(header))
-        except (ValueError, RecursionError) as exc:
+            plan = _Plan(parse_header(header))
+        except (ValueError, TypeError, RecursionError) as exc:  # CorruptEntryError is a ValueError
             raise CorruptEntryError(f"invalid sample header: {str(exc)[:200]}") from None
         _plans[header] = plan
     return plan
 
 
-def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, memoryview]:
-    """The plan of a sample frame and its data section.
+def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, bytes | memoryview]:
+    """The plan of a sample frame and its payload.
+
+    A raw frame (how samples are written) is read here; any other goes through
+    :func:`~torchcache.codec.split_frame`, which also says what is wrong with a bad one.
 
     Raises:
         CorruptEntryError: If the frame is not a valid sample frame.
@@ -301,18 +306,22 @@ def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, memoryview]:
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
-    if len(view) < PREFIX.size:
-        raise CorruptEntryError(f"a sample frame of {len(view)} bytes is too short")
-    magic, version, header_len = PREFIX.unpack_from(view)
-    if magic != MAGIC or version != VERSION:
-        raise CorruptEntryError(f"not a sample frame of version {VERSION} (magic {bytes(magic)!r}, version {version})")
-    start = PREFIX.size + header_len
-    if header_len > MAX_HEADER or start > len(view):
-        raise CorruptEntryError(f"a sample header of {header_len} bytes does not fit the frame")
-    plan = _plan(bytes(view[PREFIX.size : start]))
-    if len(view) - start != plan.size:
-        raise CorruptEntryError(f"a sample frame holds {len(view) - start} data bytes, its header needs {plan.size}")
-    return plan, view[start:]
+    payload: bytes | memoryview
+    head = codec.PREFIX.unpack_from(view) if len(view) >= PREFIX_SIZE else (None,) * 8
+    start = PREFIX_SIZE + (head[4] or 0)
+    if head[:3] == _RAW_FRAME and head[4] <= codec.MAX_HEADER and head[5] == head[6] == len(view) - start:
+        header, payload = bytes(view[PREFIX_SIZE:start]), view[start:]
+    else:
+        header, payload = split_frame(view, verify=False)
+    plan = _plan(header)
+    if len(payload) != plan.size:
+        raise CorruptEntryError(f"a sample frame holds {len(payload)} payload bytes, its header needs {plan.size}")
+    return plan, payload
+
+
+def _raw(frame: bytes | bytearray | memoryview) -> bool:
+    """Whether a frame's payload is stored raw (so that it lies in the frame as it is decoded)."""
+    return len(frame) > PREFIX_SIZE and frame[5] == 0
 
 
 _DECODE_ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError)
@@ -324,24 +333,14 @@ def decode_sample(frame: bytes | bytearray | memoryview) -> Any:
     The data is copied once; the tensors and arrays returned are writable views of that
     copy, never of ``frame``.
 
-    Args:
-        frame: The frame.
-
-    Returns:
-        The sample.
-
     Raises:
         CorruptEntryError: If the frame is not a valid sample frame.
     """
     return _build_one(*_split(frame))
 
 
-def _build_one(plan: _Plan, data: memoryview) -> Any:
-    """The sample of one data section.
-
-    Raises:
-        CorruptEntryError: If the data does not build (a string that is not UTF-8).
-    """
+def _build_one(plan: _Plan, data: bytes | memoryview) -> Any:
+    """The sample of one payload; :class:`CorruptEntryError` if it does not build (a str that is not UTF-8)."""
     try:
         return plan.build_many([data])[0]
     except _DECODE_ERRORS as exc:
@@ -356,16 +355,13 @@ def decode_samples(frames: Sequence[bytes | bytearray | memoryview]) -> list[Any
     views of that buffer (as a ``TensorDataset``'s samples are views of its tensors),
     never of ``frames``.
 
-    Args:
-        frames: The frames.
-
     Returns:
         For each frame its sample, or the :class:`~torchcache.errors.CorruptEntryError`
         that :func:`decode_sample` would raise for it (returned, not raised).
     """
     out: list[Any] = [None] * len(frames)
     rest = _decode_alike(frames, out) if len(frames) > 1 else range(len(frames))
-    groups: dict[int, tuple[_Plan, list[int], list[memoryview]]] = {}
+    groups: dict[int, tuple[_Plan, list[int], list[bytes | memoryview]]] = {}
     for j in rest:
         try:
             plan, data = _split(frames[j])
@@ -395,15 +391,15 @@ def decode_samples(frames: Sequence[bytes | bytearray | memoryview]) -> list[Any
 def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[Any]) -> Sequence[int]:
     """Decode into ``out`` the frames that are byte for byte the first one's length, prefix and header.
 
-    The common case, a batch of samples of one structure, costs one join and one
-    vectorized comparison of the headers, with no work per frame in Python.
+    (Checksums aside: the stores checked them.) The common case, a batch of samples of one
+    structure, costs one join and one comparison of the headers, no work per frame in Python.
 
     Returns:
         The positions of the frames left for the general path (all of them when any
         frame of that length differs in its header, or a sample fails to build).
     """
     everything = range(len(frames))
-    if not _flat_bytes(frames[0]):
+    if not _flat_bytes(frames[0]) or not _raw(frames[0]):
         return everything
     first = memoryview(frames[0])
     try:
@@ -418,7 +414,7 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
     lead = -head % _STRIDE_ALIGN  # so that each data section starts 16-byte aligned
     buf, stride = _padded([frames[j] for j in alike], size, lead)
     heads = np.ndarray((len(alike), head), np.uint8, buffer=buf, offset=lead, strides=(stride, 1))
-    if not (heads == np.frombuffer(first, np.uint8, head)).all():
+    if not _alike(heads, np.frombuffer(first, np.uint8, head)):
         return everything
     try:
         samples = plan.build_rows(buf, lead + head, len(alike), stride)
@@ -433,7 +429,7 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
 
 
 def frame_head(frame: bytes | bytearray | memoryview) -> int | None:
-    """The bytes of a sample frame before its data section; ``None`` if it is not a valid frame.
+    """The bytes of a sample frame before its payload; ``None`` if it is not a valid frame stored raw.
 
     Example:
         >>> from torchcache.datasets.encode import encode_sample
@@ -441,6 +437,8 @@ def frame_head(frame: bytes | bytearray | memoryview) -> int | None:
         >>> 0 < frame_head(frame) < len(frame), frame_head(b"junk")
         (True, None)
     """
+    if not _raw(frame):
+        return None
     try:
         _, data = _split(frame)
     except CorruptEntryError:
@@ -462,20 +460,30 @@ def decode_rows(buf: Buffer, n: int, stride: int, at: int, size: int) -> list[An
     """
     if n == 0:
         return []
+    first = memoryview(buf)[at : at + size]
+    if not _raw(first):
+        return None
     try:
-        plan, data = _split(memoryview(buf)[at : at + size])
+        plan, data = _split(first)
     except CorruptEntryError:
         return None
     head = size - len(data)
     if (at + head) % _STRIDE_ALIGN or stride % _STRIDE_ALIGN or at + (n - 1) * stride + size > len(buf):
         return None
     heads = np.ndarray((n, head), np.uint8, buffer=buf, offset=at, strides=(stride, 1))
-    if n > 1 and not (heads[1:] == heads[0]).all():
+    if n > 1 and not _alike(heads[1:], heads[0]):
         return None
     try:
         return plan.build_rows(buf, at + head, n, stride)
     except _DECODE_ERRORS:
         return None
+
+
+def _alike(heads: np.ndarray[Any, Any], first: np.ndarray[Any, Any]) -> bool:
+    """Whether every row of ``heads`` (frames' prefixes and headers) is ``first``, checksums aside."""
+    return bool((heads[:, : _CHECKSUM.start] == first[: _CHECKSUM.start]).all()) and bool(
+        (heads[:, _CHECKSUM.stop :] == first[_CHECKSUM.stop :]).all()
+    )
 
 
 def _flat_bytes(frame: bytes | bytearray | memoryview) -> bool:

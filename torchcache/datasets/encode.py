@@ -1,30 +1,45 @@
-"""Dataset samples to frames (the format is :mod:`.format`)."""
+"""Dataset samples to frames.
+
+A sample is what a dataset's ``__getitem__`` returns: CPU tensors of any dtype and
+shape, numpy arrays and scalars of numbers, ``bool``, ``int``, ``float``, ``complex``,
+``str``, ``bytes``, ``None``, and tuples, lists and dicts (``str`` or ``int`` keys) of
+these, nested up to :data:`~torchcache.dtypes.MAX_DEPTH` containers. Its frame is the
+one every cached value has (:mod:`torchcache.codec`): a checked prefix, a header that is
+the sample's layout (:mod:`torchcache.tree`: its structure, and a dtype and shape per
+leaf) and a payload that is its packed row (each leaf's bytes, padded to a multiple of 8
+bytes; a number or a string is a leaf too). The header holds no values that vary between
+samples of one shape, so the samples of a dataset share a few headers. Samples are
+stored raw: what they hold is mostly already compressed (images) or read once per epoch.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import json
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..dtypes import ALIGN, MAX_DEPTH, NAME_OF, NUMPY_DTYPES
-from .format import (
-    C128,
-    F64,
-    I64,
-    INT64_RANGE,
-    MAGIC,
-    MAX_HEADER,
-    MAX_NODES,
-    PREFIX,
-    VERSION,
-    SampleTypeError,
-)
+from ..codec import MAX_HEADER, encode_header, seal
+from ..dtypes import ALIGN, CODE_OF, MAX_DEPTH, NAME_OF, NUMPY_DTYPES
+from ..errors import KeyingError
 
-__all__ = ["check_sample", "encode_sample"]
+__all__ = ["MAX_NODES", "SampleTypeError", "check_sample", "encode_sample"]
+
+#: At most this many values (leaves and containers) in one sample.
+MAX_NODES = 100_000
+
+I64 = struct.Struct("<q")
+F64 = struct.Struct("<d")
+C128 = struct.Struct("<dd")
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+class SampleTypeError(KeyingError):
+    """A sample holds a value that cannot be cached (the message names it and its path)."""
+
 
 _HEADER_CACHE_SIZE = 1024
 
@@ -52,65 +67,72 @@ def _refuse(value: object, path: str) -> SampleTypeError:
 
 # -- encoding ---------------------------------------------------------------------
 class _Encoder:
+    """Walks a sample: its structure (:mod:`torchcache.tree`'s nodes), its leaves, and their bytes."""
+
     def __init__(self) -> None:
         self.chunks: list[bytes | memoryview] = []
-        self.size = 0
+        self.leaves: list[list[Any]] = []
         self.nodes = 0
 
-    def put(self, data: bytes | memoryview) -> None:
-        pad = -self.size % ALIGN
-        if pad:
-            self.chunks.append(b"\0" * pad)
+    def put(self, leaf: list[Any], data: bytes | memoryview) -> None:
+        """Append a leaf (``[dtype, shape]``) and its bytes, padded to a multiple of :data:`ALIGN`."""
+        self.leaves.append(leaf)
         self.chunks.append(data)
-        self.size += pad + len(data)
+        pad = -len(data) % ALIGN
+        if pad:
+            self.chunks.append(_ZEROS[:pad])
 
     def node(self, value: object, path: str, depth: int) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise SampleTypeError(f"{path}: a sample holds more than {MAX_NODES} values; cache fewer, larger arrays")
         cls = type(value)
-        if value is None or cls is bool:
+        if value is None:
+            return "N"
+        if cls is bool:
             return value
         if cls is int:
             if INT64_RANGE[0] <= value <= INT64_RANGE[1]:  # type: ignore[operator]
-                self.put(I64.pack(value))
+                self.put(["i8", []], I64.pack(value))
                 return "i"
             return ["I", value]
         if cls is float:
-            self.put(F64.pack(value))
+            self.put(["f8", []], F64.pack(value))
             return "f"
         if cls is complex:
-            self.put(C128.pack(value.real, value.imag))  # type: ignore[attr-defined]
+            self.put(["c16", []], C128.pack(value.real, value.imag))  # type: ignore[attr-defined]
             return "c"
         if cls is str:
             data = value.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
-            self.put(data)
-            return ["s", len(data)]
+            self.put(["u1", [len(data)]], data)
+            return "s"
         if cls is bytes:
-            self.put(value)  # type: ignore[arg-type]
-            return ["b", len(value)]  # type: ignore[arg-type]
+            self.put(["u1", [len(value)]], value)  # type: ignore[arg-type]
+            return "y"
         if isinstance(value, torch.Tensor):
-            return self.tensor(value, path)
+            self.tensor(value, path)
+            return "T"
         if isinstance(value, np.ndarray) and cls is np.ndarray:
-            return ["a", self.array(value, path), list(value.shape)]
+            self.array(value, path)
+            return "A"
         if isinstance(value, np.generic) and value.dtype.str in NUMPY_DTYPES:
-            self.put(np.asarray(value).tobytes())
-            return ["n", value.dtype.str]
+            self.put([value.dtype.str, []], np.asarray(value).tobytes())
+            return "S"
         if cls in (tuple, list, dict) and depth >= MAX_DEPTH:
             raise SampleTypeError(f"{path}: the sample nests containers more than {MAX_DEPTH} deep")
         if cls is tuple or cls is list:
             seq: list[object] | tuple[object, ...] = value  # type: ignore[assignment]
-            return ["u" if cls is tuple else "l", [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(seq)]]
+            items = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(seq)]
+            return ["tuple" if cls is tuple else "list", items]
         if cls is dict:
             mapping: dict[object, object] = value  # type: ignore[assignment]
             for key in mapping:
                 if type(key) is not str and type(key) is not int:
                     raise SampleTypeError(f"{path}: dict keys must be str or int to be cached, got {key!r}")
-            values = [self.node(v, f"{path}[{k!r}]", depth + 1) for k, v in mapping.items()]
-            return ["d", list(mapping), values]
+            return ["dict", [[k, self.node(v, f"{path}[{k!r}]", depth + 1)] for k, v in mapping.items()]]
         raise _refuse(value, path)
 
-    def tensor(self, value: torch.Tensor, path: str) -> Any:
+    def tensor(self, value: torch.Tensor, path: str) -> None:
         if value.device.type != "cpu":
             raise SampleTypeError(
                 f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
@@ -118,27 +140,28 @@ class _Encoder:
             )
         if value.layout != torch.strided:
             raise SampleTypeError(f"{path}: a {value.layout} tensor cannot be cached; convert it with .to_dense()")
-        name = NAME_OF.get(value.dtype)
+        name = CODE_OF.get(value.dtype) or NAME_OF.get(value.dtype)
         if name is None:
             raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
         flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        self.put(flat.view(torch.uint8).numpy().data)
-        return ["t", name, list(value.shape)]
+        self.put([name, list(value.shape)], flat.view(torch.uint8).numpy().data)
 
-    def array(self, value: np.ndarray[Any, Any], path: str) -> str:
+    def array(self, value: np.ndarray[Any, Any], path: str) -> None:
         if value.dtype.str not in NUMPY_DTYPES:
             raise SampleTypeError(
                 f"{path}: numpy arrays of dtype {value.dtype} cannot be cached (numbers and bool only); "
                 "convert object or string arrays to a list or tensor"
             )
-        self.put(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
-        return str(value.dtype.str)
+        self.put([value.dtype.str, list(value.shape)], np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+
+
+_ZEROS = bytes(ALIGN)
 
 
 _PLAIN_ITEMS = 16
 
 
-_plain_headers: dict[tuple[Any, ...], bytes] = {}
+_plain_headers: dict[tuple[Any, ...], bytes] = {}  # signature -> header
 
 
 def _plain_items(sample: object) -> Sequence[object] | None:
@@ -180,17 +203,15 @@ def _plain_frame(sample: object) -> bytes | None:
 
     A plain sample is one contiguous CPU tensor, or a tuple or list of at most
     :data:`_PLAIN_ITEMS` such tensors, ``int`` (within int64) and ``float`` values, as a
-    dataset of ``(image, label)`` returns. Its prefix and header depend only on its
-    structure, dtypes and shapes, so they are taken from the first frame of each
-    structure that :func:`_encode_tree` makes; the frame is the one it would make (its
-    leaves at multiples of 8 bytes).
+    dataset of ``(image, label)`` returns. Its header depends only on its structure,
+    dtypes and shapes, so it is taken from the first sample of each structure that
+    :func:`_encode_tree` encodes; the frame is the one it would make.
     """
     items = _plain_items(sample)
     if items is None:
         return None
     signature: list[object] = [type(sample)]
     chunks: list[bytes | memoryview | ctypes.Array[ctypes.c_ubyte]] = []
-    size = 0
     for value in items:
         data: bytes | memoryview | ctypes.Array[ctypes.c_ubyte]
         if type(value) is torch.Tensor:
@@ -203,20 +224,18 @@ def _plain_frame(sample: object) -> bytes | None:
         else:
             data = F64.pack(value)  # type: ignore[arg-type]
             signature.append(float)
-        pad = -size % ALIGN
-        if pad:
-            chunks.append(b"\0" * pad)
         chunks.append(data)
-        size += pad + len(data)
+        pad = -len(data) % ALIGN
+        if pad:
+            chunks.append(_ZEROS[:pad])
     key = tuple(signature)
-    head = _plain_headers.get(key)
-    if head is None:  # a new structure: the general encoder makes its frame, and its header is kept
-        frame = _encode_tree(sample, "sample")
+    header = _plain_headers.get(key)
+    if header is None:  # a new structure: the general encoder makes its header, which is kept
+        header, _ = _encode_tree(sample, "sample")
         if len(_plain_headers) >= _HEADER_CACHE_SIZE:
             _plain_headers.clear()
-        _plain_headers[key] = frame[: PREFIX.size + PREFIX.unpack_from(frame)[2]]
-        return frame
-    return b"".join([head, *chunks])
+        _plain_headers[key] = header
+    return seal(header, chunks)
 
 
 def _bytes_in_place(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte]:
@@ -250,7 +269,7 @@ def encode_sample(sample: object, name: str = "sample") -> bytes:
         (tensor([0, 1, 2]), {'label': 7})
     """
     frame = _plain_frame(sample)
-    return frame if frame is not None else _encode_tree(sample, name)
+    return frame if frame is not None else seal(*_encode_tree(sample, name))
 
 
 def check_sample(sample: object, name: str = "sample") -> None:
@@ -266,11 +285,11 @@ def check_sample(sample: object, name: str = "sample") -> None:
         _encode_tree(sample, name)
 
 
-def _encode_tree(sample: object, name: str) -> bytes:
-    """:func:`encode_sample` for any sample, by walking its structure."""
+def _encode_tree(sample: object, name: str) -> tuple[bytes, list[bytes | memoryview]]:
+    """The header and payload chunks of any sample, by walking its structure."""
     encoder = _Encoder()
     tree = encoder.node(sample, name, 0)
-    header = json.dumps(tree, separators=(",", ":")).encode("ascii")
+    header = encode_header({"l": encoder.leaves} if tree == "T" else {"l": encoder.leaves, "t": tree})
     if len(header) > MAX_HEADER:
         raise SampleTypeError(f"{name}: the sample's structure is too large to cache ({len(header)} bytes)")
-    return b"".join([PREFIX.pack(MAGIC, VERSION, len(header)), header, *encoder.chunks])
+    return header, encoder.chunks

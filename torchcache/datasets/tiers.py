@@ -209,7 +209,13 @@ class SampleTier:
         at = [i for i, frame in enumerate(frames) if frame is not None]
         hits, values = [], []
         for i, sample in zip(at, decode_samples([frames[i] for i in at]) if at else ()):  # type: ignore[misc]
-            if isinstance(sample, CorruptEntryError):
+            if isinstance(sample, CorruptEntryError) and bytes(memoryview(frames[i])[:4]) == _FORMAT_12:  # type: ignore[arg-type]
+                message = (
+                    "the cache holds samples of torchcache 1.2, in a format this version does not read; they are "
+                    "computed again (and replace them when written): run `torchcache migrate` on it to keep them"
+                )
+                self.faults.warn(Fault.DECODE, message, self.name)
+            elif isinstance(sample, CorruptEntryError):
                 self.faults.warn(Fault.DECODE, f"a cached sample is damaged ({sample}); recomputed", self.name)
                 self.drop(keys[i])
             else:
@@ -308,6 +314,9 @@ class SampleTier:
             self._store.close()
         if self.slots is not None:
             self.slots.close()
+
+
+_FORMAT_12 = b"TCSM"  # the first bytes of a sample frame of torchcache 1.2 (see torchcache.cli.samples12)
 
 
 def samples_from_slots(
