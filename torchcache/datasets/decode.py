@@ -31,8 +31,6 @@ __all__ = ["Buffer", "Build", "decode_rows", "decode_sample", "decode_samples", 
 
 _PLAN_CACHE_SIZE = 1024
 
-
-# -- decoding ---------------------------------------------------------------------
 # A builder takes its parameters, then the data buffer, where this sample's data starts
 # in it, and the tensors and arrays already made for this sample (its leaves, in order).
 #: The buffer samples are views of: a ``bytearray``, or a ``memoryview`` of uninitialised
@@ -48,6 +46,7 @@ _MAX_DIMS = 32
 _RAW_FRAME = (codec.MAGIC, codec.VERSION, codec.CODEC_RAW)
 
 _CHECKSUM = slice(PREFIX_SIZE - 8, PREFIX_SIZE)  # the prefix's checksum: the one part alike frames differ in
+_masks: dict[int, np.ndarray[Any, Any]] = {}  # by head length: every byte but the checksum
 
 _STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
@@ -221,9 +220,7 @@ def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Seq
 # The builders of a plan: each takes its parameters, then the buffer, this sample's
 # start in it and its leaves.
 _NUMBERS = {"i": I64, "f": F64, "c": C128}
-
 _NUMBER_LEAVES = {"i": ["i8", []], "f": ["f8", []], "c": ["c16", []]}
-
 _NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
 
 
@@ -481,9 +478,11 @@ def decode_rows(buf: Buffer, n: int, stride: int, at: int, size: int) -> list[An
 
 def _alike(heads: np.ndarray[Any, Any], first: np.ndarray[Any, Any]) -> bool:
     """Whether every row of ``heads`` (frames' prefixes and headers) is ``first``, checksums aside."""
-    return bool((heads[:, : _CHECKSUM.start] == first[: _CHECKSUM.start]).all()) and bool(
-        (heads[:, _CHECKSUM.stop :] == first[_CHECKSUM.stop :]).all()
-    )
+    mask = _masks.get(len(first))
+    if mask is None:
+        at = np.arange(len(first))
+        mask = _masks[len(first)] = (at < _CHECKSUM.start) | (at >= _CHECKSUM.stop)
+    return not ((heads != first) & mask).any()
 
 
 def _flat_bytes(frame: bytes | bytearray | memoryview) -> bool:
