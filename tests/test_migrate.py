@@ -200,7 +200,10 @@ def test_migrate_twice_is_a_no_op(legacy: Legacy) -> None:
     files = sorted(p.name for p in legacy.directory.iterdir())
     code, out, err = cli("migrate", str(legacy.root))
     assert (code, err) == (0, "")
-    assert out == f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or dataset caches under {legacy.root}\n"
+    assert (
+        out
+        == f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or dataset caches under {legacy.root}\n"
+    )
     assert packed(legacy.directory) == before and len(before) == ITEMS
     assert sorted(p.name for p in legacy.directory.iterdir()) == files
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from torchcache.codec import PREFIX_SIZE, seal
 from torchcache.datasets.decode import decode_sample, decode_samples
-from torchcache.datasets.encode import SampleTypeError, check_sample, encode_sample
+from torchcache.datasets.encode import MAX_NODES, SampleTypeError, check_sample, encode_sample
 from torchcache.dtypes import DTYPES as TORCH_DTYPES
 from torchcache.dtypes import MAX_DEPTH, NUMPY_DTYPES
 from torchcache.errors import CorruptEntryError, KeyingError
@@ -487,7 +487,14 @@ def test_hostile_prefixes_and_nesting_are_corrupt_entry_errors() -> None:
     for _ in range(MAX_DEPTH + 2):
         nested = ["list", [nested]]
     cases.append(frame_of({"t": nested, "l": []}))
-    cases.append(frame_of({"t": ["list", ["N"] * 300_000], "l": []}))  # a header past 1 MiB
+    cases.append(frame_of({"t": ["list", ["N"] * 1_100_000], "l": []}))  # a header past 4 MiB
     for case in cases:
         with pytest.raises(CorruptEntryError):
             decode_sample(case)
+
+
+def test_a_sample_of_nearly_max_nodes_numbers_round_trips() -> None:
+    sample = list(range(MAX_NODES - 2))  # its header is about 1.4 MB: within a frame's 4 MiB
+    assert decode_sample(encode_sample(sample)) == sample
+    with pytest.raises(SampleTypeError, match="more than 100000 values"):
+        encode_sample(list(range(MAX_NODES)))

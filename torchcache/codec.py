@@ -109,7 +109,7 @@ _U64 = struct.Struct("<Q")
 PREFIX = _PREFIX
 PREFIX_SIZE = _PREFIX.size
 #: The largest header a frame may have.
-MAX_HEADER = 1 << 20
+MAX_HEADER = 1 << 22
 _MAX_HEADER_DEPTH = 100
 #: The largest raw payload (one item) a frame may declare; larger items are not written.
 MAX_ITEM_BYTES = 1 << 28
