@@ -317,10 +317,10 @@ def encode_frame(
     return seal(header_bytes, [stored], codec, param, raw_len)
 
 
-def seal(header_bytes: bytes, chunks: Sequence[Any], codec: int = CODEC_RAW, word: int = 0, raw_len: int = -1) -> bytes:
-    """The frame of a stored payload given in pieces (buffers, joined once): prefix, checksum, header, payload.
-
-    ``raw_len`` (the payload's length once decoded) defaults to the stored length, as for a raw payload.
+def seal(
+    header_bytes: bytes, chunks: Sequence[Any], codec: int = CODEC_RAW, word: int = 0, raw_len: int | None = None
+) -> bytes:
+    """The frame of a payload stored in pieces (joined once); ``raw_len``, its decoded length, defaults to its own.
 
     Example:
         >>> frame = seal(b'{"l":[["u1",[3]]]}', [b"ab", b"c"])
@@ -328,7 +328,7 @@ def seal(header_bytes: bytes, chunks: Sequence[Any], codec: int = CODEC_RAW, wor
         True
     """
     stored_len = sum(memoryview(chunk).nbytes for chunk in chunks)
-    raw_len = stored_len if raw_len < 0 else raw_len
+    raw_len = stored_len if raw_len is None else raw_len
     head = _PREFIX.pack(MAGIC, VERSION, codec, word, len(header_bytes), stored_len, raw_len, 0)[: PREFIX_SIZE - 8]
     h = xxhash.xxh3_64(head)
     h.update(header_bytes)

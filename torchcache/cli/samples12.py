@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from ..codec import encode_header, nested_deeper_than, seal
 from ..datasets.decode import decode_sample
+from ..datasets.encode import MAGIC_1_2, is_sample_1_2
 from ..dtypes import ALIGN, CODE_OF, DTYPES, MAX_DEPTH
 from ..errors import CorruptEntryError
 from ..stores.batched import BatchedStore
 
-__all__ = ["LEGACY_MAGIC", "convert_sample", "migrate_samples"]
-
-#: The first bytes of a torchcache 1.2 sample frame.
-LEGACY_MAGIC = b"TCSM"
+__all__ = ["convert_sample", "migrate_samples"]
 _PREFIX = struct.Struct("<4sBxxxI")
 _BATCH = 256
 _NUMBERS = {"i": ["i8", []], "f": ["f8", []], "c": ["c16", []]}
@@ -41,11 +39,11 @@ def convert_sample(frame: bytes | memoryview) -> bytes:
     Raises:
         CorruptEntryError: If ``frame`` is not a whole, valid torchcache 1.2 sample frame.
     """
-    view = memoryview(frame).cast("B") if memoryview(frame).ndim != 1 else memoryview(frame)
+    view = memoryview(frame).cast("B")
     if len(view) < _PREFIX.size:
         raise CorruptEntryError("not a torchcache 1.2 sample frame: too short")
     magic, version, header_len = _PREFIX.unpack_from(view)
-    if magic != LEGACY_MAGIC or version != 1 or _PREFIX.size + header_len > len(view):
+    if magic != MAGIC_1_2 or version != 1 or _PREFIX.size + header_len > len(view):
         raise CorruptEntryError("not a torchcache 1.2 sample frame")
     start = _PREFIX.size + header_len
     try:
@@ -115,12 +113,14 @@ def migrate_samples(store: BatchedStore, tick: Callable[[int], None] | None = No
         OSError: If the store cannot be read or written (``StoreError`` included).
     """
     moved = dropped = 0
-    for keys in _batches(store.keys()):
+    everything = list(store.keys())  # listed before anything is written
+    for start in range(0, len(everything), _BATCH):
+        keys = everything[start : start + _BATCH]
         frames = store.get_many(keys)
         converted: list[tuple[str, bytes | memoryview]] = []
         damaged: list[str] = []
         for key, frame in zip(keys, frames):
-            if frame is None or bytes(memoryview(frame)[: len(LEGACY_MAGIC)]) != LEGACY_MAGIC:
+            if frame is None or not is_sample_1_2(frame):
                 continue
             try:
                 converted.append((key, convert_sample(frame)))
@@ -134,14 +134,3 @@ def migrate_samples(store: BatchedStore, tick: Callable[[int], None] | None = No
         if tick is not None:
             tick(len(keys))
     return moved, dropped
-
-
-def _batches(keys: Iterable[str]) -> Iterable[list[str]]:
-    batch: list[str] = []
-    for key in list(keys):
-        batch.append(key)
-        if len(batch) == _BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -143,10 +143,11 @@ def check_sample(data: bytes | memoryview) -> str | None:
     An intact sample of torchcache 1.2 is not corrupt: ``torchcache migrate`` converts it.
     """
     from ..datasets.decode import decode_sample
-    from .samples12 import LEGACY_MAGIC, convert_sample
+    from ..datasets.encode import is_sample_1_2
+    from .samples12 import convert_sample
 
     try:
-        if bytes(memoryview(data)[: len(LEGACY_MAGIC)]) == LEGACY_MAGIC:
+        if is_sample_1_2(data):
             convert_sample(data)
         else:
             split_frame(data)  # the checksum, which reading a sample leaves to the store

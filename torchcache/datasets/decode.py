@@ -318,7 +318,7 @@ def _split(frame: bytes | bytearray | memoryview) -> tuple[_Plan, bytes | memory
 
 def _raw(frame: bytes | bytearray | memoryview) -> bool:
     """Whether a frame's payload is stored raw (so that it lies in the frame as it is decoded)."""
-    return len(frame) > PREFIX_SIZE and frame[5] == 0
+    return len(frame) > PREFIX_SIZE and frame[5] == codec.CODEC_RAW  # byte 5: the codec
 
 
 _DECODE_ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError)

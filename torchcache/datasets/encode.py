@@ -26,7 +26,7 @@ from ..codec import MAX_HEADER, encode_header, seal
 from ..dtypes import ALIGN, CODE_OF, MAX_DEPTH, NAME_OF, NUMPY_DTYPES
 from ..errors import KeyingError
 
-__all__ = ["MAX_NODES", "SampleTypeError", "check_sample", "encode_sample"]
+__all__ = ["MAGIC_1_2", "MAX_NODES", "SampleTypeError", "check_sample", "encode_sample", "is_sample_1_2"]
 
 #: At most this many values (leaves and containers) in one sample.
 MAX_NODES = 100_000
@@ -35,6 +35,15 @@ I64 = struct.Struct("<q")
 F64 = struct.Struct("<d")
 C128 = struct.Struct("<dd")
 INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+#: The first bytes of a sample frame of torchcache 1.2 (read only by ``torchcache migrate``).
+MAGIC_1_2 = b"TCSM"
+
+
+def is_sample_1_2(frame: bytes | bytearray | memoryview) -> bool:
+    """Whether ``frame`` starts as a sample frame of torchcache 1.2 does."""
+    return bytes(memoryview(frame)[: len(MAGIC_1_2)]) == MAGIC_1_2
 
 
 class SampleTypeError(KeyingError):

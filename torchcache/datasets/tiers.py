@@ -39,6 +39,7 @@ from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.store import PackedStore
 from ..stores.rows import RowsFile
 from .decode import decode_rows, decode_samples, frame_head
+from .encode import is_sample_1_2
 from .keys import store_key
 from .rows import SampleRows
 
@@ -209,7 +210,7 @@ class SampleTier:
         at = [i for i, frame in enumerate(frames) if frame is not None]
         hits, values = [], []
         for i, sample in zip(at, decode_samples([frames[i] for i in at]) if at else ()):  # type: ignore[misc]
-            if isinstance(sample, CorruptEntryError) and bytes(memoryview(frames[i])[:4]) == _FORMAT_12:  # type: ignore[arg-type]
+            if isinstance(sample, CorruptEntryError) and is_sample_1_2(frames[i]):  # type: ignore[arg-type]
                 message = (
                     "the cache holds samples of torchcache 1.2, in a format this version does not read; they are "
                     "computed again (and replace them when written): run `torchcache migrate` on it to keep them"
@@ -314,9 +315,6 @@ class SampleTier:
             self._store.close()
         if self.slots is not None:
             self.slots.close()
-
-
-_FORMAT_12 = b"TCSM"  # the first bytes of a sample frame of torchcache 1.2 (see torchcache.cli.samples12)
 
 
 def samples_from_slots(
