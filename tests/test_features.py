@@ -688,9 +688,14 @@ def test_hostile_headers_are_refused(tmp_path: Path) -> None:
 
     for layout in (
         {**header["layout"], "stride": 1 << 40},
-        {**header["layout"], "fields": [{**header["layout"]["fields"][0], "dtype": "object"}]},
-        {**header["layout"], "fields": [{**header["layout"]["fields"][0], "offset": 1 << 20}]},
-        {**header["layout"], "container": "os.system"},
+        {**header["layout"], "stride": 8},  # shorter than the row
+        {**header["layout"], "l": [["object", header["layout"]["l"][0][1]]]},
+        {**header["layout"], "l": [["f4", [1 << 40]]]},
+        {**header["layout"], "t": "os.system"},
+        {**header["layout"], "t": ["namedtuple", "os:system", [["x", "T"]]]},
+        {**header["layout"], "t": ["tuple", ["T", ["list", ["i"]]]], "l": [["f4", [8]], ["i8", []]]},
+        {**header["layout"], "input": 1},
+        {**header["layout"], "offset": 1 << 20},
     ):
         text = json.dumps({**header, "layout": layout}, sort_keys=True, separators=(",", ":")).encode()
         head = struct.pack("<8sIIQQQQ", b"TCROWS01", 1, len(text), 4, 32, 0, 4) + text
@@ -774,3 +779,30 @@ def test_the_command_line_lists_checks_and_clears_a_features_cache(
     capsys.readouterr()
     assert main(["clear", "--all", "--yes"]) == 0
     assert not directory.exists()
+
+
+def test_a_features_layout_is_written_in_the_language_of_every_cached_value() -> None:
+    from torchcache.stores.features.layout import SampleLayout
+
+    sample = (3, torch.zeros(6), np.float32(1), True)
+    layout = SampleLayout.of_sample(sample, 1).with_features(torch.zeros(5, dtype=torch.float16))
+    assert layout.to_json() == {
+        "l": [["i8", []], ["f2", [5]], ["<f4", []], ["b1", []]],
+        "t": ["tuple", ["i", "T", "S", "b"]],
+        "input": 1,
+        "stride": 48,  # a packed row: 8 + 16 + 8 + 8 = 40 bytes, rows 16-byte aligned
+    }
+    assert [(f.name, f.offset) for f in layout.fields] == [("1", 8), ("0", 0), ("2", 24), ("3", 32)]
+    assert SampleLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    rows = np.zeros((2, layout.stride), np.uint8)
+    layout.fill(rows, torch.ones(2, 5, dtype=torch.float16), [[3, 4], [np.float32(1), np.float32(2)], [True, False]])
+    got = layout.decode(rows)
+    assert [(s[0], s[2], s[3]) for s in got] == [(3, np.float32(1), True), (4, np.float32(2), False)]
+    assert type(got[0][3]) is bool and torch.equal(got[1][1], torch.ones(5, dtype=torch.float16))
+    named = SampleLayout.of_sample({"x": torch.zeros(2), "y": 1}, "x").with_features(torch.zeros(3))
+    assert named.to_json() == {
+        "l": [["f4", [3]], ["i8", []]],
+        "t": ["dict", [["x", "T"], ["y", "i"]]],
+        "input": 0,
+        "stride": 32,
+    }

@@ -26,7 +26,8 @@ from torch.utils.data import Dataset
 
 from torchcache import ConfigError, FeatureDataset, extract_features
 from torchcache.cli.main import main
-from torchcache.stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
+from torchcache.errors import CorruptEntryError
+from torchcache.stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
 
 _LEGACY_HEAD = struct.Struct("<8sIIQQQQQ")
 _PAGE = 4096
@@ -79,6 +80,38 @@ def write_legacy(path: Path, header: dict[str, Any], rows: np.ndarray[Any, np.dt
     path.write_bytes(bytes(data))
 
 
+def as_1_2(directory: Path) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Replace the rows file of a features cache with the features file torchcache 1.2 wrote for it.
+
+    1.2 put the features first in a row and each other field at the next multiple of its
+    item size (at most 16), in the sample's order, and wrote the layout as a list of fields.
+    """
+    file = open_features(directory / FEATURES_NAME)
+    try:
+        got = file.read(np.arange(LENGTH))
+        assert got.found.tolist() == list(range(LENGTH))
+        row_at = file.geometry.row_at
+        rows = np.ascontiguousarray(got.rows[:, row_at : row_at + file.row_size])
+        header = dict(file.header)
+        layout = layout_of(file)
+    finally:
+        file.close()
+    fields, at = [], 0
+    for f in layout.fields:  # the features first
+        at = -(-at // min(f.itemsize, 16)) * min(f.itemsize, 16)
+        fields.append({"name": f.name, "kind": f.kind, "dtype": f.dtype, "shape": list(f.shape), "offset": at})
+        at += f.nbytes
+    stride = -(-max(at, 1) // 16) * 16
+    old_rows = np.zeros((LENGTH, stride), np.uint8)
+    for f, old in zip(layout.fields, fields):
+        old_rows[:, old["offset"] : old["offset"] + f.nbytes] = rows[:, f.offset : f.offset + f.nbytes]
+    old_layout = {"container": layout.container, "names": list(layout.names), "input": layout.input}
+    header["layout"] = {**old_layout, "stride": stride, "fields": fields}
+    write_legacy(directory / LEGACY_FEATURES_NAME, header, old_rows)
+    (directory / FEATURES_NAME).unlink()
+    return old_rows
+
+
 @pytest.fixture
 def legacy(cache_root: Path) -> Iterator[Legacy]:
     features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
@@ -87,18 +120,38 @@ def legacy(cache_root: Path) -> Iterator[Legacy]:
     directory = features.path.parent
     del features
     gc.collect()
-    file = open_features(directory / FEATURES_NAME)
-    try:
-        got = file.read(np.arange(LENGTH))
-        assert got.found.tolist() == list(range(LENGTH))
-        row_at = file.geometry.row_at
-        rows = np.ascontiguousarray(got.rows[:, row_at : row_at + file.row_size])
-        write_legacy(directory / LEGACY_FEATURES_NAME, dict(file.header), rows)
-    finally:
-        file.close()
-    (directory / FEATURES_NAME).unlink()
+    rows = as_1_2(directory)
     yield Legacy(directory, want, rows)
     gc.collect()
+
+
+class Labelled(Vectors):
+    """Samples whose features are not their first field: ``(label, vector, weight)``."""
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        return i % 3, self.x[i], np.float32(i / 4)
+
+
+def test_migrate_moves_the_fields_of_a_1_2_row_where_rows_now_put_them(cache_root: Path) -> None:
+    features = extract_features(Scale(), Labelled(), batch_size=8, progress=False, input=1)
+    want = [features[i] for i in range(LENGTH)]
+    assert features.path is not None
+    directory = features.path.parent
+    new_stride = features.file.row_size
+    del features
+    gc.collect()
+    old_rows = as_1_2(directory)
+    assert old_rows.shape[1] == new_stride == 48  # the same size; in 1.2 the features came first, at 0
+    code, out, err = cli("migrate", str(cache_root))
+    assert code == 0, err
+    assert f"moved {LENGTH} rows" in out
+    opened = FeatureDataset.open(directory)
+    got = [opened[i] for i in range(LENGTH)]
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and type(g[0]) is int
+        assert torch.equal(g[1], w[1])
+        assert g[2] == w[2] and type(g[2]) is np.float32
+    assert opened.layout is not None and [f.offset for f in opened.layout.fields] == [8, 0, 32]
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -158,3 +211,39 @@ def test_migrate_removes_a_1_2_file_that_is_not_whole_and_says_so(legacy: Legacy
     assert not old.exists() and not (legacy.directory / FEATURES_NAME).exists()
     features = extract_features(Scale(), Vectors(), batch_size=8, progress=False)
     assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
+
+
+_GOOD_1_2 = {
+    "container": "tensor",
+    "names": ["0"],
+    "input": "0",
+    "stride": 32,
+    "fields": [{"name": "0", "kind": "features", "dtype": "float32", "shape": [6], "offset": 0}],
+}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kind": "os.system"},
+        {"kind": "int"},  # the features are not first
+        {"dtype": "object"},
+        {"shape": [-1]},
+        {"shape": [1 << 40]},
+        {"offset": 1 << 20},
+        {"offset": 16},  # 24 bytes from 16 pass the 32-byte row
+        {"offset": "0"},
+        {"name": "1"},
+    ],
+)
+def test_a_1_2_layout_that_is_not_valid_is_refused(change: dict[str, Any]) -> None:
+    from torchcache.cli.migrate import _layout_12
+
+    layout, moves = _layout_12(_GOOD_1_2, 32)
+    assert layout.to_json() == {"l": [["f4", [6]]], "input": 0, "stride": 32} and moves == [(0, 0, 24)]
+    bad = {**_GOOD_1_2, "fields": [{**_GOOD_1_2["fields"][0], **change}]}  # type: ignore[dict-item]
+    with pytest.raises(CorruptEntryError):
+        _layout_12(bad, 32)
+    for other in ({**_GOOD_1_2, "fields": []}, {**_GOOD_1_2, "container": "set"}, {**_GOOD_1_2, "input": "1"}, []):
+        with pytest.raises(CorruptEntryError):
+            _layout_12(other, 32)

@@ -49,10 +49,11 @@ __all__ = [
 #: The dtypes of module outputs, by name (the table is :mod:`torchcache.dtypes`).
 DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _ALL_DTYPES.items() if dt in OUTPUT_DTYPES}
 
-#: Leaf nodes only dataset samples hold: a numpy array (``"A"``) or scalar (``"S"``), and a
-#: Python ``int`` (``"i"``), ``float`` (``"f"``), ``complex`` (``"c"``), ``str`` (``"s"``) or
+#: Leaf nodes only samples hold: a numpy array (``"A"``) or scalar (``"S"``), and a Python
+#: ``int`` (``"i"``), ``float`` (``"f"``), ``complex`` (``"c"``), ``bool`` (``"b"``, in a
+#: features row; a dataset sample keeps its bools in the structure), ``str`` (``"s"``) or
 #: ``bytes`` (``"y"``); each has one entry in a layout's leaves, as a tensor (``"T"``) has.
-VALUE_LEAVES = frozenset("ASifcsy")
+VALUE_LEAVES = frozenset("ASifcbsy")
 
 Spec = Union[str, list[Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 

@@ -27,6 +27,7 @@ from ..catalog.removal import remove_file
 from ..config import is_url
 from ..errors import CorruptEntryError, StoreError
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features
+from ..stores.features.layout import Field, SampleLayout
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
 from ..stores.redis.url import redact_url
@@ -160,10 +161,13 @@ def _legacy_features(fd: int, file_size: int) -> tuple[dict[str, Any], int, int,
 def migrate_features(directory: Path) -> Migration:
     """Turn the torchcache 1.2 features file of a features cache into a rows file, then remove it.
 
-    Rows that fail their check are left out (computed again by the next extraction);
-    the input digests beside the file stay valid (a row's check is the same in both
-    formats). If the cache already has a rows file, the old file is only removed, and so
-    is an old file that is not whole (reported in ``damaged``).
+    The layout is rewritten in today's notation and each row repacked to match it (its
+    fields where a packed row puts them; unchanged when the features come first, as they
+    most often do). Rows that fail their check are left out (computed again by the next
+    extraction). The input digests beside the file stay valid; a row that moved is not
+    lent to another cache's extraction until it is written again. If the cache already
+    has a rows file, the old file is only removed, and so is an old file that is not
+    whole or whose layout is invalid (reported in ``damaged``).
 
     Raises:
         StoreError: If the rows file cannot be made or written.
@@ -180,9 +184,14 @@ def migrate_features(directory: Path) -> Migration:
         except CorruptEntryError as exc:  # nothing can read it: removed, its rows computed again
             remove_file(old)
             return Migration(0, 0, [Problem(old, "corrupt", f"the features file is not usable: {exc}", st.st_size)])
+        try:
+            layout, moves = _layout_12(header["layout"], stride)
+        except CorruptEntryError as exc:
+            remove_file(old)
+            return Migration(0, 0, [Problem(old, "corrupt", f"the features file is not usable: {exc}", st.st_size)])
         if not (directory / FEATURES_NAME).exists():
             try:
-                new = create_features(directory / FEATURES_NAME, header)
+                new = create_features(directory / FEATURES_NAME, {**header, "layout": layout.to_json()})
             except (OSError, CorruptEntryError) as exc:
                 raise StoreError(f"cannot make {directory / FEATURES_NAME}: {exc}") from exc
             try:
@@ -200,7 +209,7 @@ def migrate_features(directory: Path) -> Migration:
                     dropped += int(np.count_nonzero(checks)) - len(good)
                     moved += len(good)
                     if good:
-                        new.write(indices[good], rows[good])
+                        new.write(indices[good], _repack(rows[good], moves, layout.stride))
             except OSError as exc:
                 raise StoreError(f"cannot write {directory / FEATURES_NAME}: {exc}") from exc
             finally:
@@ -209,6 +218,39 @@ def migrate_features(directory: Path) -> Migration:
         os.close(fd)
     remove_file(old)
     return Migration(moved, dropped, [])
+
+
+def _layout_12(old: Any, stride: int) -> tuple[SampleLayout, list[tuple[int, int, int]]]:
+    """Today's layout of the sample layout of a torchcache 1.2 features file, and each field's move.
+
+    A move is ``(offset in a 1.2 row, offset in a row now, bytes)``.
+
+    Raises:
+        CorruptEntryError: If ``old`` is not a valid 1.2 layout for rows of ``stride`` bytes.
+    """
+    try:
+        fields = [Field(f["name"], f["kind"], f["dtype"], tuple(f["shape"])) for f in old["fields"]]
+        if fields[0].kind != "features" or old["input"] != fields[0].name:
+            raise ValueError("the features are not its first field")
+        layout = SampleLayout.placed(old["container"], old["names"], fields)
+        layout = SampleLayout.from_json(layout.to_json())  # every kind, dtype and shape checked
+        if layout.names != tuple(old["names"]):
+            raise ValueError("its field names are not those of its container")
+        offsets = {f["name"]: f["offset"] for f in old["fields"]}
+        moves = [(offsets[f.name], f.offset, f.nbytes) for f in layout.fields]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # CorruptEntryError included
+        raise CorruptEntryError(f"its sample layout is invalid ({str(exc)[:200]})") from None
+    if not all(type(at) is int and 0 <= at <= stride - n for at, _, n in moves):
+        raise CorruptEntryError("its sample layout puts a field outside the row")
+    return layout, moves
+
+
+def _repack(rows: np.ndarray[Any, Any], moves: list[tuple[int, int, int]], stride: int) -> np.ndarray[Any, Any]:
+    """Rows of ``stride`` bytes holding each field of ``rows`` where ``moves`` put it."""
+    out = np.zeros((len(rows), stride), np.uint8)
+    for source, target, nbytes in moves:
+        out[:, target : target + nbytes] = rows[:, source : source + nbytes]
+    return out
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

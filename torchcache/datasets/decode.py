@@ -25,7 +25,7 @@ from ..codec import MAX_ITEM_BYTES, PREFIX_SIZE, parse_header, split_frame
 from ..dtypes import ALIGN, NUMPY_DTYPES, NUMPY_OF, dtype_named
 from ..errors import CorruptEntryError
 from ..tree import leaf_kinds
-from .encode import C128, F64, I64
+from .encode import BOOL, C128, F64, I64
 
 __all__ = ["Buffer", "Build", "decode_rows", "decode_sample", "decode_samples", "frame_head"]
 
@@ -219,9 +219,9 @@ def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Seq
 
 # The builders of a plan: each takes its parameters, then the buffer, this sample's
 # start in it and its leaves.
-_NUMBERS = {"i": I64, "f": F64, "c": C128}
-_NUMBER_LEAVES = {"i": ["i8", []], "f": ["f8", []], "c": ["c16", []]}
-_NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16")}
+_NUMBERS = {"i": I64, "f": F64, "c": C128, "b": BOOL}
+_NUMBER_LEAVES = {"i": ["i8", []], "f": ["f8", []], "c": ["c16", []], "b": ["b1", []]}
+_NUMBER_DTYPES = {"i": np.dtype("<i8"), "f": np.dtype("<f8"), "c": np.dtype("<c16"), "b": np.dtype("?")}
 
 
 def _constant(value: object, buf: Buffer, base: int, leaves: list[Any]) -> object:

@@ -34,6 +34,7 @@ MAX_NODES = 100_000
 I64 = struct.Struct("<q")
 F64 = struct.Struct("<d")
 C128 = struct.Struct("<dd")
+BOOL = struct.Struct("<?")
 INT64_RANGE = (-(2**63), 2**63 - 1)
 
 

@@ -9,9 +9,13 @@ dataset returned them (a Python ``int`` comes back an ``int``, a numpy scalar a 
 scalar, a tensor a tensor). What cannot be stored in a fixed size (strings, ``None``,
 nested containers, a field whose shape varies) is refused with a message naming it.
 
-The layout is described in JSON (field names, kinds, dtype names, shapes, offsets) in
-the file's header and checked field by field when it is read back: names come from a
-closed list, so reading a layout can never reach anything but numpy and torch dtypes.
+The layout is stored in the file's header in the language of every cached value
+(:mod:`torchcache.tree`): ``{"l": [[dtype, shape], ...], "t": structure, "input": leaf,
+"stride": bytes}``, the fields in the sample's order, each at the offset a packed row
+gives it (the sum of the earlier fields' sizes, each rounded up to 8 bytes), ``input``
+the position of the features among them, and rows ``stride`` bytes apart (a multiple of
+16). It is checked field by field when it is read back: names come from closed tables,
+so reading a layout can never reach anything but numpy and torch dtypes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...dtypes import NAME_OF, NUMPY_OF, OUTPUT_DTYPES
+from ...dtypes import ALIGN, CODE_OF, NAME_OF, NUMPY_OF, OUTPUT_DTYPES, dtype_named
 from ...errors import ConfigError, CorruptEntryError
+from ...tree import leaf_kinds
 
 __all__ = ["Field", "SampleLayout", "VariableLayoutError"]
 
@@ -38,8 +43,11 @@ _TENSOR = {NAME_OF[dt]: dt for dt in OUTPUT_DTYPES}
 _NUMPY = {dt.name: dt for dt in NUMPY_OF.values()}
 _PLAIN = {"int": np.dtype("<i8"), "float": np.dtype("<f8"), "bool": np.dtype("bool")}
 _PLAIN_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
-_KINDS = ("features", "tensor", "array", "scalar", "int", "float", "bool")
-_CONTAINERS = ("tensor", "tuple", "list", "dict")
+#: The leaf kind (:mod:`torchcache.tree`) that stores each kind of field, and back.
+_LEAF_OF = {"features": "T", "tensor": "T", "array": "A", "scalar": "S", "int": "i", "float": "f", "bool": "b"}
+_KIND_OF = {"T": "tensor", "A": "array", "S": "scalar", "i": "int", "f": "float", "b": "bool"}
+_PLAIN_LEAF = {"int": ["i8", []], "float": ["f8", []], "bool": ["b1", []]}
+_NUMPY_STR = {dt.str: dt for dt in _NUMPY.values()}  # numpy dtypes by type string (native order)
 
 
 class VariableLayoutError(ConfigError):
@@ -55,7 +63,7 @@ class Field:
     """One field of a stored sample: where it is in the row and what it becomes when read."""
 
     name: str  # the position in a tuple or list, or the key of a dict
-    kind: str  # one of _KINDS; "features" is the backbone's output
+    kind: str  # a key of _LEAF_OF; "features" is the backbone's output
     dtype: str  # a torch dtype name for tensors and features, a numpy one for arrays and scalars
     shape: tuple[int, ...]
     offset: int = 0
@@ -178,12 +186,24 @@ class SampleLayout:
         if dtype not in _TENSOR:
             raise ConfigError(f"the backbone returns {output.dtype} outputs, which a features cache cannot store")
         first = Field(self.input, "features", dtype, tuple(output.shape))
-        placed, at = [], 0
-        for f in (first, *(f for f in self.fields if f.kind != "features")):
-            at = _up(at, min(f.itemsize, _ALIGN))
-            placed.append(Field(f.name, f.kind, f.dtype, f.shape, at))
-            at += f.nbytes
-        return SampleLayout(self.container, self.names, self.input, tuple(placed), _up(max(at, 1), _ALIGN))
+        return SampleLayout.placed(
+            self.container, self.names, (first, *(f for f in self.fields if f.kind != "features"))
+        )
+
+    @classmethod
+    def placed(cls, container: str, names: Sequence[str], fields: Sequence[Field]) -> SampleLayout:
+        """The layout of ``fields`` (the features first) with their offsets and the stride set.
+
+        Each field lies where a packed row puts it: after the fields before it in the
+        sample, each rounded up to :data:`~torchcache.dtypes.ALIGN` bytes.
+        """
+        by_name = {f.name: f for f in fields}
+        offsets, at = {}, 0
+        for name in names:
+            offsets[name] = at
+            at += _up(by_name[name].nbytes, ALIGN)
+        placed = tuple(Field(f.name, f.kind, f.dtype, f.shape, offsets[f.name]) for f in fields)
+        return cls(container, tuple(names), fields[0].name, placed, _up(max(at, 1), _ALIGN))
 
     @property
     def features(self) -> Field:
@@ -269,17 +289,17 @@ class SampleLayout:
 
     # -- JSON -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        """The layout as JSON-able data, for the file's header."""
-        return {
-            "container": self.container,
-            "names": list(self.names),
-            "input": self.input,
-            "stride": self.stride,
-            "fields": [
-                {"name": f.name, "kind": f.kind, "dtype": f.dtype, "shape": list(f.shape), "offset": f.offset}
-                for f in self.fields
-            ],
-        }
+        """The layout as JSON-able data, for the file's header (see the module's description)."""
+        by_name = {f.name: f for f in self.fields}
+        ordered = [by_name[name] for name in self.names]
+        leaves = [[_code(f), list(f.shape)] for f in ordered]
+        kinds = [_LEAF_OF[f.kind] for f in ordered]
+        layout: dict[str, Any] = {"l": leaves, "input": self.names.index(self.input), "stride": self.stride}
+        if self.container == "dict":
+            layout["t"] = ["dict", [[name, kind] for name, kind in zip(self.names, kinds, strict=True)]]
+        elif self.container != "tensor":
+            layout["t"] = [self.container, kinds]
+        return layout
 
     @classmethod
     def from_json(cls, data: object) -> SampleLayout:
@@ -289,61 +309,71 @@ class SampleLayout:
             CorruptEntryError: If the data does not describe a valid layout.
         """
         try:
-            layout = cls._parse(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptEntryError(f"the header's sample layout is invalid ({exc})") from None
-        if layout is None:
-            raise CorruptEntryError("the header's sample layout is invalid")
-        return layout
+            return cls._parse(data)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CorruptEntryError(f"the header's sample layout is invalid ({str(exc)[:200]})") from None
 
     @classmethod
-    def _parse(cls, data: Any) -> SampleLayout | None:
-        container, names, name, stride = data["container"], data["names"], data["input"], data["stride"]
-        raw_fields = data["fields"]
-        if (
-            container not in _CONTAINERS
-            or not isinstance(names, list)
-            or not all(isinstance(n, str) for n in names)
-            or len(set(names)) != len(names)
-            or not isinstance(raw_fields, list)
-            or not 1 <= len(raw_fields) <= _MAX_FIELDS
-            or len(raw_fields) != len(names)
-            or type(stride) is not int
-            or not 0 < stride <= _MAX_ROW
-            or stride % _ALIGN
-        ):
-            return None
-        fields = []
-        for i, raw in enumerate(raw_fields):
-            kind, dtype, shape, offset = raw["kind"], raw["dtype"], raw["shape"], raw["offset"]
-            if (
-                kind not in _KINDS
-                or (kind == "features") != (i == 0)
-                or not isinstance(shape, list)
-                or len(shape) > 16
-                or not all(type(n) is int and 0 <= n <= _MAX_ROW for n in shape)
-                or type(offset) is not int
-                or not isinstance(raw["name"], str)
-                or raw["name"] not in names
-            ):
-                return None
-            if kind in ("features", "tensor") and dtype not in _TENSOR:
-                return None
-            if kind in ("array", "scalar") and dtype not in _NUMPY:
-                return None
-            if kind in _PLAIN and dtype != _PLAIN[kind].name:
-                return None
-            f = Field(raw["name"], kind, dtype, tuple(shape), offset)
-            if kind in ("scalar", *_PLAIN) and f.shape:
-                return None
-            if f.nbytes > _MAX_ROW or not 0 <= offset <= stride - f.nbytes or offset % min(f.itemsize, _ALIGN):
-                return None
-            fields.append(f)
-        if fields[0].name != name or (container == "tensor" and names != ["0"]):
-            return None
-        if {f.name for f in fields} != set(names):
-            return None
-        return cls(container, tuple(names), name, tuple(fields), stride)
+    def _parse(cls, data: Any) -> SampleLayout:
+        if not isinstance(data, dict) or not set(data) <= {"l", "t", "input", "stride"}:
+            raise ValueError("not a features layout")
+        tree, leaves, input, stride = data.get("t", "T"), data["l"], data["input"], data["stride"]
+        kinds = leaf_kinds(tree, values=True)
+        if not isinstance(leaves, list) or not 1 <= len(leaves) == len(kinds) <= _MAX_FIELDS:
+            raise ValueError("the leaves do not match the structure")
+        if tree == "T":
+            container, names = "tensor", ["0"]
+        elif tree[0] in ("tuple", "list") and len(tree[1]) == len(kinds):
+            container, names = tree[0], [str(i) for i in range(len(kinds))]
+        elif tree[0] == "dict" and len(tree[1]) == len(kinds) and all(type(k) is str for k, _ in tree[1]):
+            container, names = "dict", [key for key, _ in tree[1]]
+        else:
+            raise ValueError("a structure other than a tensor, or a tuple, list or dict of fields")
+        if type(input) is not int or not 0 <= input < len(kinds) or kinds[input] != "T":
+            raise ValueError(f"input {str(input)[:20]} is not a tensor field")
+        fields = [_field(name, kind, leaf, name == names[input]) for name, kind, leaf in zip(names, kinds, leaves)]
+        first = fields[input]
+        layout = cls.placed(container, names, (first, *(f for f in fields if f is not first)))
+        if type(stride) is not int or not layout.stride <= stride <= _MAX_ROW or stride % _ALIGN:
+            raise ValueError(f"invalid stride {str(stride)[:20]}")
+        return SampleLayout(container, layout.names, layout.input, layout.fields, stride)
+
+
+def _code(f: Field) -> str:
+    """How a field's dtype is named in a layout: a tensor dtype's code, a numpy type string."""
+    if f.kind in ("features", "tensor"):
+        return CODE_OF[_TENSOR[f.dtype]]
+    return f.numpy_dtype.str if f.kind in ("array", "scalar") else str(_PLAIN_LEAF[f.kind][0])
+
+
+def _field(name: str, kind: str, leaf: Any, features: bool) -> Field:
+    """The field of one leaf of a layout read from a file.
+
+    Raises:
+        ValueError: If the leaf is not one a features row can hold.
+    """
+    if kind not in _KIND_OF or type(leaf) is not list or len(leaf) != 2:
+        raise ValueError(f"invalid field {name[:20]}")
+    code, shape = leaf
+    if not isinstance(shape, list) or len(shape) > 16 or not all(type(n) is int and 0 <= n <= _MAX_ROW for n in shape):
+        raise ValueError(f"invalid shape of field {name[:20]}")
+    field_kind = "features" if features else _KIND_OF[kind]
+    if kind == "T":
+        dtype = dtype_named(code, OUTPUT_DTYPES)
+        if dtype is None:
+            raise ValueError(f"invalid dtype of field {name[:20]}")
+        f = Field(name, field_kind, NAME_OF[dtype], tuple(shape))
+    elif kind in ("A", "S"):
+        if not isinstance(code, str) or code not in _NUMPY_STR or (kind == "S" and shape):
+            raise ValueError(f"invalid field {name[:20]}")
+        f = Field(name, field_kind, _NUMPY_STR[code].name, tuple(shape))
+    else:
+        if leaf != _PLAIN_LEAF[field_kind]:
+            raise ValueError(f"invalid field {name[:20]}")
+        f = Field(name, field_kind, _PLAIN[field_kind].name, ())
+    if f.nbytes > _MAX_ROW:
+        raise ValueError(f"field {name[:20]} is too large")
+    return f
 
 
 def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
