@@ -799,6 +799,14 @@ def test_a_features_layout_is_written_in_the_language_of_every_cached_value() ->
     got = layout.decode(rows)
     assert [(s[0], s[2], s[3]) for s in got] == [(3, np.float32(1), True), (4, np.float32(2), False)]
     assert type(got[0][3]) is bool and torch.equal(got[1][1], torch.ones(5, dtype=torch.float16))
+    for bad in (
+        {"l": [["f4", [5]], ["i8", []]], "t": ["tuple", ["T", ["list", ["i"]]]], "input": 0, "stride": 32},  # nested
+        {"l": [["f4", [5]]], "t": ["tuple", ["T", "N"]], "input": 0, "stride": 32},  # None: not in the row
+        {"l": [["f4", [5]], ["i8", []]], "t": ["dict", [[1, "T"], [2, "i"]]], "input": 0, "stride": 32},  # int keys
+        {"l": [["f4", [5]], ["i8", []]], "t": ["mapping", "a:B", [["x", "T"], ["y", "i"]]], "input": 0, "stride": 32},
+    ):
+        with pytest.raises(CorruptEntryError):
+            SampleLayout.from_json(bad)
     named = SampleLayout.of_sample({"x": torch.zeros(2), "y": 1}, "x").with_features(torch.zeros(3))
     assert named.to_json() == {
         "l": [["f4", [3]], ["i8", []]],

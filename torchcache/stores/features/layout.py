@@ -321,11 +321,14 @@ class SampleLayout:
         kinds = leaf_kinds(tree, values=True)
         if not isinstance(leaves, list) or not 1 <= len(leaves) == len(kinds) <= _MAX_FIELDS:
             raise ValueError("the leaves do not match the structure")
+        children = [] if tree == "T" else tree[1] if tree[0] != "dict" else [child for _, child in tree[1]]
         if tree == "T":
             container, names = "tensor", ["0"]
-        elif tree[0] in ("tuple", "list") and len(tree[1]) == len(kinds):
+        elif not all(type(child) is str for child in children) or len(children) != len(kinds):
+            raise ValueError("fields nested in containers, or not stored in the row")
+        elif tree[0] in ("tuple", "list"):
             container, names = tree[0], [str(i) for i in range(len(kinds))]
-        elif tree[0] == "dict" and len(tree[1]) == len(kinds) and all(type(k) is str for k, _ in tree[1]):
+        elif tree[0] == "dict" and all(type(key) is str for key, _ in tree[1]):
             container, names = "dict", [key for key, _ in tree[1]]
         else:
             raise ValueError("a structure other than a tensor, or a tuple, list or dict of fields")
