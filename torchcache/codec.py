@@ -8,25 +8,11 @@ in a cache file can make the reader run code. Layout of a frame::
     | stored payload length u64 | raw payload length u64 | xxh3-64 checksum u64
     | header (UTF-8 JSON) | stored payload
 
-The codec is raw (0), brotli (1) or zero elision (2). The word size is 2, 4 or 8 for
-zero elision and 0 for the others (frames of either older codec always carry 0 there).
-A zero-elided payload of ``raw`` bytes holds ``n = raw // word`` words::
-
-    mask (ceil(n / 8) bytes, bit i set, least significant first, when word i is not
-    zero; the unused bits of the last byte are 0) | the non-zero words, in order
-    | the last ``raw % word`` bytes of the payload, as they are
-
-so its stored length fixes how many words it holds, and the mask must set exactly that
-many bits. It decodes at memory speed (a boolean scatter into a zeroed buffer), where
-brotli decodes at a few hundred MB/s.
-
-The checksum (xxh3-64) covers every prefix field before it (codec and word size
-included), the header and the stored payload, so a truncated, bit-flipped or foreign
-file is rejected. The encoder picks per item: zero elision (when the caller gives a word
-size, as the disk tier does) when at least ``ZERO_MIN_FRACTION`` of the words are zero
-and it shrinks the payload below ``RAW_RATIO``; brotli (when asked for) only when it is at most ``RAW_RATIO`` of the raw
-size and at most ``BROTLI_MARGIN`` of the zero-elided size; otherwise raw, read back
-with a single copy.
+The codec is raw (0), brotli (1) or zero elision (2: a bitmask of the non-zero words,
+the words, then the tail; the word size, 2, 4 or 8, is in the prefix, and 0 for the other
+codecs), laid out in ``docs/file-format.md``; :func:`encode_frame` says how one is chosen.
+The checksum (xxh3-64) covers every prefix field before it, the header and the stored
+payload, so a truncated, bit-flipped or foreign file is rejected.
 
 The checksum is against accidents, not tampering: whoever can write a frame can give it
 a valid checksum. What a frame cannot do is make its reader spend more than it declares:
@@ -71,6 +57,7 @@ __all__ = [
     "encode_zero_frames",
     "encode_header",
     "frame_length",
+    "heads_alike",
     "inflate",
     "nested_deeper_than",
     "parse_header",
@@ -553,6 +540,18 @@ def inflate(stored: bytes | memoryview, raw_len: int) -> bytes:
     if len(out) != raw_len or not decompressor.is_finished():
         raise CorruptEntryError("payload length does not match the header")
     return out
+
+
+def heads_alike(heads: np.ndarray[Any, Any], first: np.ndarray[Any, Any]) -> bool:
+    """Whether every row of ``heads`` (heads of frames a store checked, uint8) is ``first``, checksums aside."""
+    mask = _HEAD_MASKS.get(len(first))
+    if mask is None:
+        at = np.arange(len(first))
+        mask = _HEAD_MASKS[len(first)] = (at < PREFIX_SIZE - 8) | (at >= PREFIX_SIZE)
+    return not ((heads != first) & mask).any()
+
+
+_HEAD_MASKS: dict[int, np.ndarray[Any, Any]] = {}  # by head length: every byte but the checksum's
 
 
 def decode_frame(data: bytes | memoryview, verify: bool = True) -> tuple[dict[str, Any], bytes | memoryview]:

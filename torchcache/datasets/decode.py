@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..codec import MAX_ITEM_BYTES, PREFIX_SIZE, parse_header, split_frame
+from ..codec import MAX_ITEM_BYTES, PREFIX_SIZE, heads_alike, parse_header, split_frame
 from ..dtypes import ALIGN, NUMPY_DTYPES, NUMPY_OF, dtype_named
 from ..errors import CorruptEntryError
 from ..tree import leaf_kinds
@@ -45,8 +45,6 @@ _MAX_DIMS = 32
 
 _RAW_FRAME = (codec.MAGIC, codec.VERSION, codec.CODEC_RAW)
 
-_CHECKSUM = slice(PREFIX_SIZE - 8, PREFIX_SIZE)  # the prefix's checksum: the one part alike frames differ in
-_masks: dict[int, np.ndarray[Any, Any]] = {}  # by head length: every byte but the checksum
 
 _STRIDE_ALIGN = 16  # samples of a batch start this far apart: a multiple of every item size
 
@@ -411,7 +409,7 @@ def _decode_alike(frames: Sequence[bytes | bytearray | memoryview], out: list[An
     lead = -head % _STRIDE_ALIGN  # so that each data section starts 16-byte aligned
     buf, stride = _padded([frames[j] for j in alike], size, lead)
     heads = np.ndarray((len(alike), head), np.uint8, buffer=buf, offset=lead, strides=(stride, 1))
-    if not _alike(heads, np.frombuffer(first, np.uint8, head)):
+    if not heads_alike(heads, np.frombuffer(first, np.uint8, head)):
         return everything
     try:
         samples = plan.build_rows(buf, lead + head, len(alike), stride)
@@ -468,21 +466,12 @@ def decode_rows(buf: Buffer, n: int, stride: int, at: int, size: int) -> list[An
     if (at + head) % _STRIDE_ALIGN or stride % _STRIDE_ALIGN or at + (n - 1) * stride + size > len(buf):
         return None
     heads = np.ndarray((n, head), np.uint8, buffer=buf, offset=at, strides=(stride, 1))
-    if n > 1 and not _alike(heads[1:], heads[0]):
+    if n > 1 and not heads_alike(heads[1:], heads[0]):
         return None
     try:
         return plan.build_rows(buf, at + head, n, stride)
     except _DECODE_ERRORS:
         return None
-
-
-def _alike(heads: np.ndarray[Any, Any], first: np.ndarray[Any, Any]) -> bool:
-    """Whether every row of ``heads`` (frames' prefixes and headers) is ``first``, checksums aside."""
-    mask = _masks.get(len(first))
-    if mask is None:
-        at = np.arange(len(first))
-        mask = _masks[len(first)] = (at < _CHECKSUM.start) | (at >= _CHECKSUM.stop)
-    return not ((heads != first) & mask).any()
 
 
 def _flat_bytes(frame: bytes | bytearray | memoryview) -> bool:

@@ -180,7 +180,8 @@ class SampleTier:
 
     def slots_ready(self) -> RowsFile | None:
         """The rows file, if it exists now (another process of the job may have made it)."""
-        return None if self.slots is None else self.slots.attach()
+        slots = self.slots
+        return None if slots is None else slots.file or slots.attach()  # once attached, no call
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""

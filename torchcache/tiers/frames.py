@@ -30,6 +30,7 @@ from ..codec import (
     encode_header,
     encode_raw_frames,
     encode_zero_frames,
+    heads_alike,
     parse_header,
     split_frame,
     unelide_rows,
@@ -196,9 +197,8 @@ class FrameCodec:
         """
         if not len(heads) or heads.shape[1] < PREFIX_SIZE:
             return None
-        fixed = PREFIX_SIZE - 8
         first = heads[0]
-        if not ((heads[:, :fixed] == first[:fixed]).all() and (heads[:, PREFIX_SIZE:] == first[PREFIX_SIZE:]).all()):
+        if not heads_alike(heads, first):
             return None
         try:
             return self.layout_of(first[PREFIX_SIZE:].tobytes())
