@@ -404,4 +404,5 @@ def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
         return values.reshape(count).tolist()  # type: ignore[no-any-return]
     if f.kind == "scalar":
         return list(values.reshape(count))
-    return list(values.reshape(count, *f.shape))
+    arrays = values.reshape(count, *f.shape)
+    return list(arrays) if f.shape else [np.array(value) for value in arrays]  # 0-d arrays stay arrays
