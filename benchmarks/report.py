@@ -49,6 +49,8 @@ ABOUT = {
     "batches of hits",
     "linear_probe": "extract_features against a hand-written np.memmap of the same features and the uncached "
     "backbone: first epoch, later epochs, a second process",
+    "side_by_side": "two commits side by side (the working tree against `--base`): dataset_cache, disk_tier, "
+    "linear_probe and compare run on both in turns, on one machine at one time",
     "gpu": "a torchvision ResNet-50 at 224 px, batch 256, on CUDA, fp32 and bf16 autocast: keying, hits from the "
     "host and device memory tiers and from disk in a fresh process, a first pass, against the plain forward "
     "(needs a CUDA device; not yet measured where this table lacks it)",
@@ -620,7 +622,22 @@ def render_object_store(rec: dict[str, Any], every: dict[str, Any]) -> list[str]
     return [*out, *table(target_rows(checks)), ""]
 
 
+def render_side_by_side(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    rows = [["benchmark", "figure", f"base {r['base']}", f"head {r['head']}", "head/base"]]
+    for name, figures in r["table"].items():
+        for label, row in figures.items():
+            rows.append([name, label, fmt(row["base"]), fmt(row["head"]), f"{row['head_over_base']:.2f}x"])
+    sizes = "the benchmarks' quick sizes" if r["quick"] else "the benchmarks' full sizes"
+    head = (
+        f"Medians over {r['pairs']} turns, each running every benchmark on both commits ({sizes}), the side "
+        "that goes first alternating; lower is faster. Each benchmark checked its own results on both sides."
+    )
+    return [head, "", *table(rows), ""]
+
+
 RENDER: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
+    "side_by_side": render_side_by_side,
     "object_store": render_object_store,
     "gpu": render_gpu,
     "linear_probe": render_linear_probe,
