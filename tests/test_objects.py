@@ -261,6 +261,15 @@ def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
         CachedDataset(Images(), "gs://bucket/prefix")
 
 
+def test_every_store_of_a_url_shares_one_filesystem_and_its_session(bucket: str) -> None:
+    from torchcache.stores.objects import open_filesystem
+
+    first = ObjectStore(bucket, "a1b2", 1 << 20)
+    first.put_many([(key(1), value(1))])  # the library rewrites the client options it is given
+    assert open_filesystem(bucket)[0] is first.bucket.fs
+    assert ObjectStore(bucket, "c3d4", 1 << 20).bucket.fs is first.bucket.fs
+
+
 @pytest.mark.parametrize("url", ["s3://", "s3:///abs", "gs://"])
 def test_a_url_without_a_bucket_is_refused_naming_the_argument(url: str) -> None:
     with pytest.raises(ConfigError, match="cache_dir"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -33,7 +34,9 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     extra = _EXTRAS.get(scheme, scheme)
     options = {**storage_options_from_env(), **(storage_options or {})}
     if extra == "s3":  # bounded retries: a bucket that is away costs seconds, not minutes
-        options.setdefault("config_kwargs", _S3_CONFIG)
+        # a copy each time: botocore rewrites the dict it is given, and fsspec keys its instances by these
+        # options, so a shared dict would make every later call a new filesystem with a new session
+        options.setdefault("config_kwargs", copy.deepcopy(_S3_CONFIG))
     try:
         import fsspec
 
