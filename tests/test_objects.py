@@ -450,10 +450,10 @@ def test_a_segment_a_batch_spans_is_read_whole_with_exactly_its_visible_entries_
     index.apply("02-b.tcm", pack({key(i): value(i, 100) for i in range(4, 6)})[1])
     reads = ranged_reads([key(0), key(3), key(4)], index, whole=False)
     assert [(r.segment, r.start, r.end) for r in reads] == [("01-a.tcs", 0, 400), ("02-b.tcs", 0, 100)]
-    assert sorted(k for k, _ in reads[0].others) == sorted([key(1), key(2)]) and reads[1].others == []
+    assert sorted(k for k, *_ in reads[0].others) == sorted([key(1), key(2)]) and reads[1].others == []
     index.apply("03-c.tcd", tombstone([key(1)]))  # hidden: no longer handed over
     reads = ranged_reads([key(0), key(3)], index, whole=False)
-    assert [k for k, _ in reads[0].others] == [key(2)]
+    assert [k for k, *_ in reads[0].others] == [key(2)]
     index.apply("04-d.tcm", pack({key(2): value(2, 50)})[1])  # written again elsewhere: not in segment a now
     assert ranged_reads([key(0), key(3)], index, whole=False)[0].others == []
     assert [(r.start, r.end) for r in ranged_reads([key(0)], index, whole=False)] == [(0, 100)]  # a narrow batch

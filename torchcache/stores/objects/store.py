@@ -104,7 +104,7 @@ class ObjectStore(BatchedStore):
         self._extras: list[tuple[str, bytes | memoryview]] = []
 
     def __repr__(self) -> str:
-        namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known.entries)
+        namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known)
         return f"ObjectStore({self.url!r}, {namespace!r}, max_bytes={self.max_bytes}, {entries} entries)"
 
     # -- the index ----------------------------------------------------------------
@@ -132,7 +132,7 @@ class ObjectStore(BatchedStore):
     def _index(self, refresh_if_missing: Sequence[str] = ()) -> None:
         """List the bucket at first use, and again at a miss once ``refresh_seconds`` passed."""
         due = time.monotonic() - self._listed_at >= self.refresh_seconds
-        if self._listed_at == float("-inf") or (due and any(k not in self._known.entries for k in refresh_if_missing)):
+        if self._listed_at == float("-inf") or (due and self._known.missing(refresh_if_missing)):
             self.refresh()
 
     # -- reads --------------------------------------------------------------------
@@ -187,21 +187,21 @@ class ObjectStore(BatchedStore):
         return self._listed().placement(keys)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and is_key(key) and key in self._listed().entries
+        return isinstance(key, str) and is_key(key) and key in self._listed()
 
     def keys(self) -> Iterator[str]:
         """The keys of the manifests read so far (the bucket is listed once first)."""
         self._index()
-        return iter(list(self._known.entries))
+        return iter(self._known.keys())
 
     def __len__(self) -> int:
         self._index()
-        return len(self._known.entries)
+        return len(self._known)
 
     @property
     def nbytes(self) -> int:
         """Payload bytes of the visible entries."""
-        return sum(e.length for e in list(self._known.entries.values()))
+        return self._known.nbytes()
 
     @property
     def disk_bytes(self) -> int:
@@ -248,7 +248,8 @@ class ObjectStore(BatchedStore):
         list(map(encode_key, keys))  # each key checked
         with self._lock:
             self._index()
-            present = [key for key in dict.fromkeys(keys) if key in self._known.entries]
+            asked = list(dict.fromkeys(keys))
+            present = [key for key, entry in zip(asked, self._known.find(asked)) if entry is not None]
         if not present:
             return 0
         name = self.bucket.new_name() + TOMBSTONE
@@ -306,7 +307,7 @@ class ObjectStore(BatchedStore):
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
         self.refresh()
-        keys = list(self._known.entries)
+        keys = self._known.keys()
         bad = [key for key, data in zip(keys, self.get_many(keys)) if data is None]
         problems = [f"{len(bad)} entries fail their checksum or cannot be read"] if bad else []
         if fix and bad:
