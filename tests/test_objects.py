@@ -19,7 +19,8 @@ from torchcache import CachedDataset, CacheWarning, ConfigError, WindowSampler
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
-from torchcache.stores.objects.manifests import Index, pack, ranged_reads, tombstone
+from torchcache.stores.objects.index import Index
+from torchcache.stores.objects.manifests import pack, ranged_reads, tombstone
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 
@@ -333,7 +334,8 @@ def test_a_dataset_cache_in_a_gcs_bucket_serves_a_fresh_machine_without_the_data
 _WRITER = """
 import os, sys
 from torchcache.stores.objects import ObjectStore
-from torchcache.stores.objects.manifests import Index, pack, ranged_reads, tombstone
+from torchcache.stores.objects.index import Index
+from torchcache.stores.objects.manifests import pack, ranged_reads, tombstone
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 store = ObjectStore(sys.argv[1], "ns", 10**9, storage_options={"endpoint_url": sys.argv[2]})

@@ -9,7 +9,8 @@ import secrets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache.stores.objects.manifests import CHECKPOINT, MANIFEST, SEGMENT, TOMBSTONE, Entry, Index, pack, tombstone
+from torchcache.stores.objects.index import Index
+from torchcache.stores.objects.manifests import CHECKPOINT, MANIFEST, SEGMENT, TOMBSTONE, Entry, pack, tombstone
 
 HEX = "0123456789abcdef"
 

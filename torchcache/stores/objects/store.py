@@ -45,12 +45,12 @@ from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
 from .bucket import META_NAME, Bucket
 from .filesystem import open_filesystem
+from .index import Index
 from .manifests import (
     CHECKPOINT,
     MANIFEST,
     SEGMENT,
     TOMBSTONE,
-    Index,
     pack,
     ranged_reads,
     take_all,
