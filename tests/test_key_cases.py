@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -443,3 +444,167 @@ def test_a_list_of_strings_as_long_as_the_batch_is_pointed_out_once() -> None:
         warnings.simplefilter("error", CacheWarning)
         encode({"input_ids": ids, "text": ["c", "b", "a"]})  # once per cache
         assert encode.cache_instance.stats().hits == 0  # the list is keyed whole: another order, other keys
+
+
+# state reached in other ways ----------------------------------------------------------------------
+_MEMOIZED = """
+import functools
+@functools.lru_cache(maxsize=None)
+def factor():
+    return {}
+def scaled(x):
+    return x * factor()
+"""
+
+
+def test_a_memoized_helper_is_keyed_by_the_function_it_wraps(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("defines_memoized")
+    first = _load(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(2.0)).scaled
+    second = _load(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(3.0)).scaled
+    got, expected = _both(first, second, X, root=tmp_path / "cache")
+    assert torch.equal(got, expected)
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    return x + ((torch.arange(1, x.shape[1] + 1) / 7.0).exp() * 1.1).tan().to(x.dtype)  # in the default dtype
+
+
+def test_the_default_dtype_is_keyed(tmp_path: Path) -> None:
+    cached = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_positions)
+    single = cached(X * 0.1)
+    cached.cache_instance.flush()
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        again = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_positions)
+        assert torch.equal(again(X * 0.1), _positions(X * 0.1))
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(single, _positions(X * 0.1))
+
+
+def test_code_under_the_interpreters_prefix_but_outside_its_libraries_is_the_users() -> None:
+    from torchcache.canonical.origins import is_installed_file
+
+    assert not is_installed_file(str(Path(sys.base_prefix) / "src" / "app" / "train.py"))  # /usr/src/app
+    assert is_installed_file(torch.__file__) and is_installed_file(warnings.__file__)
+
+
+def test_a_batch_of_one_item_repeated_does_not_pass_the_item_check() -> None:
+    model = torchcache()(_frozen(nn.BatchNorm1d(4, track_running_stats=False)))
+    warm = model(torch.zeros(4, 4))  # a warm-up batch: its items are alike, so it tells nothing
+    assert torch.equal(warm, torch.zeros(4, 4))
+    with pytest.raises(KeyingError, match="depend on the other items"):
+        model(torch.cat([torch.randn(3, 4), torch.zeros(1, 4)]))  # one of its rows cached
+
+
+def test_a_check_whose_smaller_batch_fails_refuses_the_module() -> None:
+    model = torchcache()(_frozen(nn.BatchNorm1d(4, track_running_stats=False)).train())
+    with pytest.warns(CacheWarning, match="in training mode"):  # one item alone: batch norm raises
+        out = model(torch.randn(2, 4))
+    assert out.shape == (2, 4)
+    evaluated = torchcache()(_frozen(nn.BatchNorm1d(4, track_running_stats=False)))
+    with pytest.raises(KeyingError, match="raised ValueError"):
+        evaluated(torch.randn(2, 4))
+
+
+class _Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.teacher = [nn.Linear(4, 4).requires_grad_(False)]  # not registered: keyed by content
+        self.table = {"w": torch.ones(4)}
+        self.scale = np.ones(4, dtype=np.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.teacher[0](x) * self.table["w"] * torch.from_numpy(self.scale)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.layers.__delitem__(slice(2, None)),
+        lambda m: m.layers.pop(0),
+        lambda m: m.teacher[0].weight.mul_(2),
+        lambda m: m.table["w"].mul_(2),
+        lambda m: np.multiply(m.scale, 2, out=m.scale),
+    ],
+    ids=["del", "pop", "module-in-a-list", "tensor-in-a-dict", "numpy-array"],
+)
+def test_state_changed_in_place_outside_the_registries_takes_the_key_again(change: Any) -> None:
+    model = torchcache()(_frozen(_Layers()))
+    model(X)
+    change(model)
+    assert torch.equal(model(X), _Layers.forward(model, X))
+
+
+_TABLE = torch.ones(4)
+
+
+def _reads_a_table(x: torch.Tensor) -> torch.Tensor:
+    return x * _TABLE
+
+
+def test_a_global_tensor_written_in_place_takes_a_functions_key_again() -> None:
+    cached = torchcache()(_reads_a_table)
+    cached(X)
+    try:
+        _TABLE.mul_(2)
+        assert torch.equal(cached(X), X * 2)
+    finally:
+        _TABLE.fill_(1)
+
+
+def _by_name(x: torch.Tensor) -> torch.Tensor:
+    return x * globals()["_TABLE"]
+
+
+def _imports_by_name(x: torch.Tensor) -> torch.Tensor:
+    return importlib.import_module("math").pi * x
+
+
+@pytest.mark.parametrize(("fn", "named"), [(_by_name, "globals"), (_imports_by_name, "importlib")])
+def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
+    with pytest.raises(KeyingError, match=f"{named}.*known only when it runs"):
+        torchcache()(fn)(X)
+
+
+def test_a_method_patched_into_an_installed_class_is_keyed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    net = _frozen(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    got, expected = None, None
+    first = torchcache(persistent=True, persistent_cache_dir=tmp_path)(net)
+    first(X)
+    first.cache_instance.flush()
+    monkeypatch.setattr(nn.ReLU, "forward", lambda self, x: x.clamp(min=1.0))
+    second = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_frozen(nn.Sequential(net[0], nn.ReLU())))
+    got, expected = second(X), net[0](X).clamp(min=1.0)
+    assert torch.equal(got, expected)
+
+
+_OPERATOR = """
+import torch
+@torch.library.custom_op("tcases::scale{n}", mutates_args=())
+def scale(x: torch.Tensor) -> torch.Tensor:
+    return x * {factor}
+"""
+
+
+def test_a_custom_operator_is_keyed_by_the_functions_it_is_defined_with(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("defines_operator")
+    _load(tmp_path / "defines_operator.py", "defines_operator", _OPERATOR.format(n="", factor=2.0))
+
+    def calls(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tcases.scale(x)
+
+    before = torchcache()(calls).cache_instance.module_hash
+    operator = sys.modules["defines_operator"].scale
+
+    @operator.register_kernel("cpu")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0
+
+    cached = torchcache()(calls)
+    assert cached.cache_instance.module_hash != before
+    assert torch.equal(cached(X), X * 3.0)

@@ -11,7 +11,7 @@ kind has a tag of its own in :mod:`~torchcache.canonical.tags`.
 from __future__ import annotations
 
 from .modules import MODULE_MANAGED, OBSERVER_HOOKS, module_attributes, module_hooks
-from .objects import CONFIG_UNKEYED, tensor_content_digest
+from .objects import CONFIG_UNKEYED, collecting, tensor_content_digest
 from .origins import origin_of_module
 from .values import KeyEncoder, encode_key_value
 
@@ -20,6 +20,7 @@ __all__ = [
     "MODULE_MANAGED",
     "OBSERVER_HOOKS",
     "KeyEncoder",
+    "collecting",
     "encode_key_value",
     "module_attributes",
     "module_hooks",

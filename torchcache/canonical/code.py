@@ -19,6 +19,7 @@ they hold the user's values (``torch.no_grad()`` around a user function).
 from __future__ import annotations
 
 import dis
+import importlib
 import os
 import struct
 import sys
@@ -58,6 +59,11 @@ _CLASS_METADATA = frozenset(
 )
 _LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+#: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
+_DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
+_DYNAMIC = "it {what}, so what it reads is known only when it runs"
+#: Namespaces of operators torch itself defines (some of their kernels are registered from Python).
+_TORCH_OPERATORS = frozenset({"aten", "prims", "prim", "_native", "quantized", "_quantized", "profiler", "inductor"})
 _HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
 
 
@@ -207,7 +213,7 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         inner = encoder.child(wrapped, f"{path}.__wrapped__", depth) if wrapped is not None else b""
         return tagged(Tag.WRAPPER, text(code.co_name) + inner)
     parts = [text(f"{module}.{fn.__qualname__}")]
-    installed = is_installed_file(code.co_filename)
+    installed = module != "__main__" and is_installed_file(code.co_filename)  # a script run is the user's
     if installed:
         parts.append(text(version_of(module.partition(".")[0]) if module else code.co_filename))
     else:
@@ -252,13 +258,19 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             continue
         if name in namespace:
             value = namespace[name]
+            if value is importlib.import_module or (value is importlib and chain[1:2] == ("import_module",)):
+                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what="imports a module named at run time"))
         elif name in builtins:
+            if name in _DYNAMIC_BUILTINS:
+                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
             parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
             continue
         else:
             parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
             continue
         parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
+        if len(chain) > 3 and chain[1] == "ops" and getattr(value, "__name__", None) == "torch":
+            parts.append(_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
     for module_name, level, names in scan.imports:
         imported = _imported(module_name, level, namespace)
         label = f"{where}.<import {module_name}>"
@@ -270,6 +282,38 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         else:
             parts.append(encoder.child(imported, label, depth))
     return tagged(Tag.GLOBALS, b"".join(parts))
+
+
+def _operator(encoder: Encoder, namespace: str, name: str, path: str, depth: int) -> bytes:
+    """An operator called as ``torch.ops.<namespace>.<name>``: the functions a ``custom_op`` defines it with.
+
+    Raises:
+        KeyingError: If Python code registered it in another way (``torch.library.Library``),
+            whose functions cannot be found.
+    """
+    import torch
+
+    definition = getattr(torch._library.custom_ops, "OPDEFS", {}).get(f"{namespace}::{name}")
+    if definition is not None:
+        kernels = sorted((str(device), _kernel(f)) for device, f in definition._backend_fns.items())
+        if not all(isinstance(f, types.FunctionType) for _, f in kernels):
+            raise encoder.refuse(path, "the kernels of this custom operator could not be found")
+        return encoder.child([definition._init_fn, kernels], path, depth)
+    registered = getattr(torch.library, "_impls", ())
+    if namespace not in _TORCH_OPERATORS and any(entry.startswith(f"{namespace}/{name}/") for entry in registered):
+        raise encoder.refuse(path, "an operator registered from Python with torch.library.Library is not followed")
+    return b""
+
+
+def _kernel(registered: Any) -> Any:
+    """The function a ``custom_op`` kernel was registered with: torch keeps it in a closure cell ``fn``."""
+    import inspect
+
+    function = inspect.unwrap(registered)
+    code = getattr(function, "__code__", None)
+    if code is not None and "fn" in code.co_freevars and function.__closure__:
+        return function.__closure__[code.co_freevars.index("fn")].cell_contents
+    return function
 
 
 def _imported(name: str, level: int, namespace: dict[str, Any]) -> types.ModuleType | None:
@@ -312,7 +356,8 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
         name = f"{klass.__module__}.{klass.__qualname__}"
         origin = origin_of_module(klass.__module__)
         if origin is not None:
-            parts.append(tagged(Tag.INSTALLED_CLASS, text(name) + text(origin)))
+            patched = _patched_members(encoder, klass, f"{path}.<class {klass.__qualname__}>", depth)
+            parts.append(tagged(Tag.INSTALLED_CLASS, text(name) + text(origin) + patched))
             continue
         members = []
         where = f"{path}.<class {klass.__qualname__}>" if klass is not cls else f"{path}.<class>"
@@ -321,6 +366,17 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
+    return b"".join(parts)
+
+
+def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
+    """The functions of an installed class that code of another package put there (``nn.ReLU.forward = f``)."""
+    top = klass.__module__.partition(".")[0]
+    parts = []
+    for member, value in sorted(vars(klass).items()):
+        func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        if isinstance(func, types.FunctionType) and (func.__module__ or "").partition(".")[0] != top:
+            parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
     return b"".join(parts)
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .objects import CONFIG_UNKEYED, slot_values, tensor_content_digest
+from .objects import CONFIG_UNKEYED, collect, slot_values, tensor_content_digest
 from .tags import Tag, raw, tagged, text
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ def encode_module(encoder: Encoder, module: torch.nn.Module, path: str, depth: i
         for key, tensor in registry.items():
             if not encoder.ignored(path, key):
                 digest = b"" if tensor is None else tensor_content_digest(tensor, f"{path}.{key}")
+                collect(tensor)
                 parts.append(text(kind.decode() + key) + raw(digest))
     for key, sub in module._modules.items():
         parts.append(text(key) + encoder.child(sub, f"{path}.{key}", depth))

@@ -8,10 +8,12 @@ its ``to_dict()``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import sys
-from collections.abc import Collection, Iterable
+import threading
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_UNKEYED",
+    "collect",
+    "collecting",
     "encode_array",
     "encode_fields",
     "encode_set",
@@ -120,7 +124,11 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     except Exception as exc:  # noqa: BLE001 - whatever pickle's protocol raises, the value is refused
         raise encoder.refuse(path, f"a {_qualname(cls)} has no state that can be described ({exc})") from None
     if isinstance(reduced, str):  # a global singleton, by its name
-        return tagged(Tag.SINGLETON, text(f"{getattr(value, '__module__', '')}.{reduced}"))
+        named = text(f"{getattr(value, '__module__', '')}.{reduced}")
+        wrapped = getattr(value, "__wrapped__", None)  # a functools.lru_cache of a function: by its code too
+        return tagged(
+            Tag.SINGLETON, named + (b"" if wrapped is None else encoder.child(wrapped, f"{path}.__wrapped__", depth))
+        )
     if not isinstance(reduced, tuple) or len(reduced) < 2:
         raise encoder.refuse(path, f"a {_qualname(cls)} describes its state in an unknown way")
     parts = [cls_encoding]
@@ -146,6 +154,31 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     return tagged(Tag.OBJECT, b"".join(parts))
 
 
+_collector = threading.local()
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Any]]:
+    """Collect the tensors and numpy arrays encoded by content in the block (on this thread).
+
+    A key covers them as they were; whoever holds the key watches them for in-place writes.
+    """
+    previous = getattr(_collector, "found", None)
+    found: list[Any] = []
+    _collector.found = found
+    try:
+        yield found
+    finally:
+        _collector.found = previous
+
+
+def collect(value: object) -> None:
+    """Note a tensor or array keyed by content, for :func:`collecting`."""
+    found = getattr(_collector, "found", None)
+    if found is not None:
+        found.append(value)
+
+
 def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:
     """A tensor held as a value: its type and a digest of its content."""
     if not encoder.tensors:
@@ -155,6 +188,7 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:
         )
     if value.device.type == "meta":
         raise encoder.refuse(path, "a tensor on the meta device has no content to key by")
+    collect(value)
     return tagged(Tag.TENSOR, text(_qualname(type(value))) + raw(tensor_content_digest(value, path)))
 
 
@@ -168,6 +202,7 @@ def encode_array(encoder: Encoder, array: np.ndarray[Any, Any], path: str, depth
         stat = os.stat(array.filename)
         where = f"{array.filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}"
         return tagged(Tag.MEMMAP, head + text(where))
+    collect(array)
     h = xxhash.xxh3_128()
     h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     return tagged(Tag.ARRAY, head + raw(h.digest()))

@@ -32,7 +32,7 @@ def _installed_roots() -> tuple[str, ...]:
     user_site = getattr(site, "getusersitepackages", lambda: None)()
     if isinstance(user_site, str):
         roots.add(user_site)
-    roots.update({sys.base_prefix, sys.base_exec_prefix})
+    # not sys.base_prefix as a whole: under a system Python it is /usr, and /usr/src/app is the user's code
     return tuple(sorted({os.path.abspath(root) + os.sep for root in roots if root}))
 
 
@@ -68,7 +68,7 @@ def is_installed_file(filename: str) -> bool:
 def origin_of_module(name: str) -> str | None:
     """``package==version`` for a module of the standard library or an installed package, else ``None``."""
     module = sys.modules.get(name)
-    if module is None:
+    if module is None or name == "__main__":  # the script being run is the user's, wherever it lies
         return None
     filename = getattr(module, "__file__", None)
     top = name.partition(".")[0]

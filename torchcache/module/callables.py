@@ -141,8 +141,14 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
         raise ConfigError("keep_eval applies to modules; a function has no training mode")
     target = fn.func if isinstance(fn, functools.partial) else fn
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
-    key = fingerprint_function(fn, settings.key_settings(), settings.key_ignore)
-    cache = Cache(settings, name, "function", inspect.signature(fn), lambda: key)
+    cache = Cache(
+        settings,
+        name,
+        "function",
+        inspect.signature(fn),
+        lambda: fingerprint_function(fn, settings.key_settings(), settings.key_ignore),
+    )
+    cache.take_key()  # now: what cannot be keyed is refused where the function is decorated
 
     @outside_compile
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
+from ..canonical import collecting
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
@@ -37,9 +38,9 @@ from ..tiers.persistent import DiskLevel, PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
 from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput, list_hint
-from .independence import DependentItemsError, check_items, is_checked, mark_checked
+from .independence import ItemCheck
 from .outputs import OutputPlan, UnbatchedOutputError
-from .versions import VersionWatch
+from .versions import HeldValues, VersionWatch
 
 __all__ = ["Cache"]
 
@@ -88,11 +89,10 @@ class Cache:
         self._fingerprint = fingerprint
         self._rebind: Callable[[Any], Cache] | None = None
         self._watch: VersionWatch | None = None
+        self._held: HeldValues | None = None  # tensors and arrays the key covers beyond the module's own
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
         self._stale = False
-        self._checked_modes: set[bool | None] = set()  # training modes whose items are known to be independent
-        self._uncached_modes: set[bool | None] = set()  # training modes whose calls run without the cache
         if self._module_hash is not None:
             logger.warning(
                 "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
@@ -106,6 +106,7 @@ class Cache:
         self._shared: SharedTier | None = None
         self._disk_ready = not settings.persistent
         self.faults = FaultLog(name)
+        self._items = ItemCheck(name, settings.check_items, self.faults)
         self._lock = threading.RLock()
         self._shape_hint = ShapeHint(SHAPE_HINT_CALLS)
         self._outputs = OutputPlan(name, settings.batch_dims)
@@ -172,9 +173,28 @@ class Cache:
                 if self._module_hash is None:
                     if self._watch is not None:
                         self._watch.reset()  # before hashing: a write during it is seen at the next call
-                    self._module_hash = self._fingerprint()
+                    self._module_hash = self._take_key()
                     logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
         return self._module_hash
+
+    def take_key(self) -> None:
+        """Take the key now rather than at the first call (unless ``persistent_module_hash`` gives it).
+
+        Raises:
+            KeyingError: If what the key covers cannot be encoded.
+        """
+        with self._lock:
+            if self._module_hash is None:
+                self._module_hash = self._take_key()
+                logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+
+    def _take_key(self) -> str:
+        """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
+        with collecting() as found:
+            key = self._fingerprint()
+        held = HeldValues(found) if self.settings.persistent_module_hash is None else None
+        self._held = held if held else None
+        return key
 
     def weights_changed(self) -> None:
         """Take the module key again at the next call (the weights may have changed).
@@ -192,7 +212,7 @@ class Cache:
             if self._watch is not None:
                 self._watch.reset()  # before hashing: a write during it is seen at the next call
             try:
-                key = self._fingerprint()
+                key = self._take_key()
             except Exception as exc:
                 raise _KeyRetakeError(f"{type(exc).__name__}: {exc}") from exc
             self._stale = False
@@ -202,8 +222,7 @@ class Cache:
             if self._disk is not None:
                 self._disk.flush()
             self._module_hash = key
-            self._checked_modes.clear()
-            self._uncached_modes.clear()
+            self._items.reset()
             self._disk = None
             self._shared = None
             self._disk_ready = not self.settings.persistent
@@ -321,8 +340,12 @@ class Cache:
         ``fn`` is called back with the caller's own layout of positional and keyword
         arguments, with only the per-item tensors replaced by the rows to compute.
         """
-        watch = self._watch
-        if watch is not None and self._module_hash is not None and not self._stale and watch.changed():
+        watch, held = self._watch, self._held
+        if (
+            self._module_hash is not None
+            and not self._stale
+            and ((watch is not None and watch.changed()) or (held is not None and held.changed()))
+        ):
             self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
         try:
             call, context = self._split(args, kwargs, training)
@@ -336,7 +359,7 @@ class Cache:
                 "run without the cache until it can",
             )
             return fn(*args, **kwargs)
-        if training in self._uncached_modes:  # items that depend on each other in this mode
+        if training in self._items.uncached:  # items that depend on each other in this mode
             return fn(*args, **kwargs)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -376,7 +399,7 @@ class Cache:
             except RebuildError as exc:
                 return self._recompute(fn, args, kwargs, batch, exc.with_traceback(None))
             self._count(hits=batch, memory_hits=batch)
-            if self._check_due(call) and not self._verify_items(fn, call, layout, whole):
+            if self._check_due(call) and not self._verify_items(fn, call, layout, whole, keys):
                 return fn(*args, **kwargs)
             return output
         return self._call_mixed(fn, call, keys, layout, parts, device)
@@ -399,6 +422,11 @@ class Cache:
         for device_type in {*_AUTOCAST_DEVICES, call.tensors[0].device.type}:
             if torch.is_autocast_enabled(device_type):
                 context.add(f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode())
+        # So do the dtype of tensors made without one (torch.arange, torch.zeros) and the matmul precision.
+        if torch.get_default_dtype() is not torch.float32:
+            context.add(f"default_dtype:{torch.get_default_dtype()}".encode())
+        if torch.get_float32_matmul_precision() != "highest":
+            context.add(f"matmul:{torch.get_float32_matmul_precision()}".encode())
         return call, context.digest()
 
     def _call_mixed(
@@ -450,7 +478,7 @@ class Cache:
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
             if whole:
-                if self._check_due(call) and not self._verify_items(fn, call, layout, leaves):
+                if self._check_due(call) and not self._verify_items(fn, call, layout, leaves, keys):
                     return computed
                 if leaves and len(missing) < batch:  # store the misses' rows only
                     rows = index_tensor(missing, leaves[0].device)
@@ -462,7 +490,7 @@ class Cache:
             parts.append((missing, leaves))
         assert layout is not None
         merged = merge_parts(parts, batch, layout, device)
-        if self._check_due(call) and not self._verify_items(fn, call, layout, merged):
+        if self._check_due(call) and not self._verify_items(fn, call, layout, merged, keys):
             return fn(*call.args, **call.kwargs)
         try:
             output = self._outputs.rebuild(layout, merged)
@@ -498,43 +526,16 @@ class Cache:
 
     def _check_due(self, call: CallArguments) -> bool:
         """Whether the call's items are still to be checked (two items or more, a mode not yet checked)."""
-        return self.settings.check_items and call.batch > 1 and call.training not in self._checked_modes
+        items = self._items
+        return items.enabled and call.batch > 1 and call.training not in items.passed
 
     def _verify_items(
-        self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor]
+        self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
     ) -> bool:
-        """Check, once per module key, training mode and process, that the call's items do not depend on each other.
-
-        Returns:
-            ``False`` if they do in training mode: calls in training mode then run without
-            the cache (dropout, batch statistics), and the caller computes this one afresh.
-
-        Raises:
-            DependentItemsError: If they do outside training mode; the entries cached so
-                far under this key are removed.
-        """
-        key = self._module_hash
-        assert key is not None
-        if not is_checked(key, call.training):
-            kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
-            try:
-                with kept:  # the check's forward leaves no trace in batch norm's statistics
-                    check_items(self.name, fn, call, self._outputs, layout, rows)
-            except DependentItemsError as exc:
-                if call.training:
-                    self._uncached_modes.add(True)
-                    self.faults.warn(
-                        Fault.TRAIN,
-                        f"in training mode: {str(exc).partition(': ')[2]} Calls in training mode run without the "
-                        "cache; call .eval() on the module (a parent's .train() passes training mode down; "
-                        "keep_eval=True keeps it in eval mode)",
-                    )
-                    return False
-                self.clear()
-                raise
-            mark_checked(key, call.training)
-        self._checked_modes.add(call.training)
-        return True
+        """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
+        assert self._module_hash is not None
+        kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
+        return self._items.verify(self._module_hash, fn, call, self._outputs, layout, rows, keys, kept, self.clear)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up

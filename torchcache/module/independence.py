@@ -24,16 +24,18 @@ mode and process; ``check_items=False`` turns it off.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from ..errors import KeyingError
+from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
 from .arguments import CallArguments
 from .outputs import OutputPlan
 
-__all__ = ["DependentItemsError", "check_items", "forget_checks", "is_checked", "mark_checked"]
+__all__ = ["DependentItemsError", "ItemCheck", "check_items", "forget_checks", "is_checked", "mark_checked"]
 
 #: Module keys, with the training flag of the calls, whose items were seen to be independent in this process.
 _checked: set[tuple[str, bool | None]] = set()
@@ -73,6 +75,83 @@ def forget_checks() -> None:
     _checked.clear()
 
 
+class ItemCheck:
+    """The item check of one cache: the training modes whose items passed it, and those run uncached.
+
+    Args:
+        name: The cached callable's name, for messages.
+        enabled: ``check_items``.
+        faults: Where a module that fails the check in training mode is reported.
+    """
+
+    def __init__(self, name: str, enabled: bool, faults: FaultLog) -> None:
+        self.name, self.enabled, self.faults = name, enabled, faults
+        self.passed: set[bool | None] = set()  # training modes whose items are known to be independent
+        self.uncached: set[bool | None] = set()  # training modes whose calls run without the cache
+
+    def reset(self) -> None:
+        """Check again at the next call (the module key changed)."""
+        self.passed.clear()
+        self.uncached.clear()
+
+    def verify(
+        self,
+        module_key: str,
+        fn: Callable[..., Any],
+        call: CallArguments,
+        plan: OutputPlan,
+        layout: Layout,
+        rows: list[torch.Tensor],
+        keys: list[bytes],
+        kept: AbstractContextManager[Any],
+        clear: Callable[[], None],
+    ) -> bool:
+        """Check, once per module key, training mode and process, that the call's items do not depend on each other.
+
+        Args:
+            module_key: The module key.
+            fn: The callable, called with the caller's layout of arguments.
+            call: The call, with at least two items.
+            plan: Where the batch sits in each output leaf.
+            layout: The layout of ``rows``.
+            rows: The output leaves of the whole call, batch first, in input order.
+            keys: The items' keys.
+            kept: Restores the module's buffers after the check's forward.
+            clear: Removes the entries of the module key (when the check fails).
+
+        Returns:
+            ``False`` if they do in training mode: calls in training mode then run without
+            the cache (dropout, batch statistics), and the caller computes this one afresh.
+            A batch of one item repeated (a warm-up batch of zeros) cannot show dependence
+            on the batch: passing, it is not marked, and the next batch is checked too.
+
+        Raises:
+            DependentItemsError: If they do outside training mode; the entries cached so
+                far under this key are removed.
+        """
+        if not is_checked(module_key, call.training):
+            try:
+                with kept:  # the check's forward leaves no trace in batch norm's statistics
+                    check_items(self.name, fn, call, plan, layout, rows)
+            except DependentItemsError as exc:
+                if call.training:
+                    self.uncached.add(True)
+                    self.faults.warn(
+                        Fault.TRAIN,
+                        f"in training mode: {str(exc).partition(': ')[2]} Calls in training mode run without the "
+                        "cache; call .eval() on the module (a parent's .train() passes training mode down; "
+                        "keep_eval=True keeps it in eval mode)",
+                    )
+                    return False
+                clear()
+                raise
+            if all(k == keys[0] for k in keys):  # randomness shows; dependence on the batch cannot
+                return True
+            mark_checked(module_key, call.training)
+        self.passed.add(call.training)
+        return True
+
+
 def check_items(
     name: str, fn: Callable[..., Any], call: CallArguments, plan: OutputPlan, layout: Layout, rows: list[torch.Tensor]
 ) -> None:
@@ -92,8 +171,14 @@ def check_items(
     batch = call.batch
     positions = [batch - 1] if batch == 2 else [batch - 1, 0]
     args, kwargs = call.select(positions)
-    with torch.no_grad():
-        spec, leaves = flatten(fn(*args, **kwargs))
+    try:
+        with torch.no_grad():
+            spec, leaves = flatten(fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - a batch of 2 computed, a batch of 1 of its items did not
+        raise DependentItemsError(
+            f"{name}: items {positions} computed in a batch of {len(positions)} instead of {batch} raised "
+            f"{type(exc).__name__}: {str(exc)[:200]}; its outputs depend on the batch (batch statistics?). {_REMEDY}"
+        ) from None
     leaves = plan.to_items(spec, leaves)
     other = Layout.of(spec, leaves, None)
     same_shapes = [leaf.shape for leaf in other.leaves] == [leaf.shape for leaf in layout.leaves]

@@ -35,16 +35,21 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 from torch.utils.hooks import RemovableHandle
 
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes
 
-__all__ = ["VersionWatch"]
+__all__ = ["HeldValues", "VersionWatch"]
 
 _version = operator.attrgetter("_version")
 _training = operator.attrgetter("training")
+_children = operator.attrgetter("_modules")
+#: Bytes of numpy arrays a key covers that :class:`HeldValues` hashes again at every call.
+ARRAY_WATCH_BYTES = 1 << 20
 _data_ptr = torch.Tensor.data_ptr
 _GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
 
@@ -95,6 +100,8 @@ class VersionWatch:
 
     __slots__ = (
         "_calls",
+        "_child_count",
+        "_children",
         "_count",
         "_digest",
         "_generation",
@@ -125,12 +132,13 @@ class VersionWatch:
         self._registries_held: list[dict[str, torch.Tensor | None]] = []
         self._hook_dicts: list[dict[int, Any]] = []
         self._submodules: list[torch.nn.Module] = []
+        self._children: list[dict[str, torch.nn.Module | None]] = []
         self._values: list[torch.Tensor | None] = []
         self._ids: list[int] = []
         self._modules: list[int] = []
         self._ptrs: list[int] = []
         self._hooks: list[int] = []
-        self._total = self._count = self._hook_count = self._handle = self._calls = 0
+        self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = 0
         self._generation = -1
         self._digest = ""
 
@@ -142,6 +150,8 @@ class VersionWatch:
         self._generation = _Generation.value
         submodules = [sub for _, sub in module.named_modules(remove_duplicate=False)]
         self._submodules = submodules[1:]
+        self._children = list(map(_children, submodules))  # a submodule deleted runs no registration hook
+        self._child_count = sum(map(len, self._children))
         self._registries = [r for sub in submodules for r in (sub._parameters, sub._buffers)]
         self._count = sum(map(len, self._registries))
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
@@ -171,6 +181,8 @@ class VersionWatch:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        if sum(map(len, self._children)) != self._child_count:
             return True
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
@@ -205,3 +217,41 @@ class VersionWatch:
         """The training flags of the submodules, or ``b""`` when they all follow the module's own."""
         flags = bytes(map(_training, self._submodules))
         return b"" if flags.count(training) == len(flags) else flags
+
+
+class HeldValues:
+    """Tensors and numpy arrays a key covers by content beyond the module's own tensors.
+
+    Tensors in lists, dicts or other objects among the attributes, and those a function
+    reads from its globals: the key was taken from their content, so an in-place write
+    (seen by the version counter, or for numpy arrays, up to :data:`ARRAY_WATCH_BYTES`
+    in all, by hashing them again) means the key must be taken again.
+    """
+
+    __slots__ = ("_arrays", "_ptrs", "_tensors", "_total", "_versioned")
+
+    def __init__(self, values: list[Any]) -> None:
+        unique = list({id(value): value for value in values}.values())
+        self._tensors = [v for v in unique if isinstance(v, torch.Tensor) and v.layout == torch.strided]
+        self._versioned = [t for t in self._tensors if not t.is_inference()]
+        self._total = sum(map(_version, self._versioned))
+        self._ptrs = list(map(_data_ptr, self._tensors))
+        self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
+        room = ARRAY_WATCH_BYTES
+        for array in (v for v in unique if isinstance(v, np.ndarray) and not v.dtype.hasobject):
+            if array.nbytes <= room:
+                room -= array.nbytes
+                self._arrays.append((array, _array_digest(array)))
+
+    def __bool__(self) -> bool:
+        return bool(self._tensors or self._arrays)
+
+    def changed(self) -> bool:
+        """Whether one of them was written in place (or given new storage) since they were collected."""
+        if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        return any(_array_digest(array) != digest for array, digest in self._arrays)
+
+
+def _array_digest(array: np.ndarray[Any, Any]) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
