@@ -139,6 +139,17 @@ def test_outputs_equal_the_backbone_over_the_same_batches(cache_root: Path) -> N
     assert torch.equal(x, expected[-1]) and y == data.labels[-1]
 
 
+def test_features_made_under_autocast_are_not_served_without_it(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lowered = extract(net, data)
+    exact = extract(net, data)
+    with torch.no_grad():
+        expected = torch.cat([net(data.images[i : i + 8]) for i in range(0, len(data), 8)])
+    assert lowered[0][0].dtype == torch.bfloat16 and len(feature_dirs(cache_root)) == 2
+    assert all(torch.equal(exact[i][0], expected[i]) for i in range(len(data)))
+
+
 def test_batched_reads_through_a_dataloader(cache_root: Path) -> None:
     net, data = Net(), Images(n=50)
     features = extract(net, data)

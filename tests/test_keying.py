@@ -516,6 +516,53 @@ def test_dataset_fingerprints_see_pandas_rows() -> None:
     assert fingerprint_dataset(_Rows(frame)) != fingerprint_dataset(_Rows(other))
 
 
+def test_dataset_fingerprints_see_categories_attrs_and_what_an_object_cell_holds() -> None:
+    pandas = pytest.importorskip("pandas")
+    labels = pandas.Categorical(["dog", "cat"], categories=["cat", "dog"])
+    reordered = pandas.Categorical(["dog", "cat"], categories=["bird", "cat", "dog"])  # other codes, same values
+    frames = [pandas.DataFrame({"label": labels}), pandas.DataFrame({"label": reordered})]
+    scaled = pandas.DataFrame({"a": [1.0, 2.0]})
+    scaled.attrs["scale"] = 100
+    frames += [pandas.DataFrame({"a": [1.0, 2.0]}), scaled]
+    cells = ([None, "x"], [float("nan"), "x"])
+    frames += [pandas.DataFrame({"o": pandas.Series(column, dtype=object)}) for column in cells]
+    keys = [fingerprint_dataset(_Rows(frame)) for frame in frames]
+    assert len(set(keys)) == len(keys)
+
+
+def test_a_pandas_column_of_lists_asks_for_a_version(tmp_path: Path) -> None:
+    pandas = pytest.importorskip("pandas")
+    boxes = pandas.DataFrame({"boxes": [[1, 2], [3, 4]]})
+    with pytest.raises(KeyingError, match="version="):
+        CachedDataset(_Rows(boxes), tmp_path / "c")
+    assert len(CachedDataset(_Rows(boxes), tmp_path / "c", version="v1")) == 2
+
+
+def test_dataset_fingerprints_see_which_part_of_a_memory_mapped_file_a_view_covers(tmp_path: Path) -> None:
+    np.save(tmp_path / "rows.npy", np.arange(40.0).reshape(20, 2))
+    for name in (str(tmp_path / "rows.npy"), tmp_path / "rows.npy"):
+        rows = np.load(name, mmap_mode="r")
+        views = [rows[:10], rows[10:], rows[::2], rows[1::2], rows[:10]]
+        keys = [fingerprint_dataset(_Rows(view)) for view in views]
+        assert len(set(keys[:4])) == 4 and keys[4] == keys[0]
+
+
+def test_dataset_fingerprints_see_slots_and_masks() -> None:
+    @dataclasses.dataclass(slots=True)
+    class Signals(torch.utils.data.Dataset[float]):
+        values: list[float]
+
+        def __len__(self) -> int:
+            return len(self.values)
+
+        def __getitem__(self, i: int) -> float:
+            return self.values[i]
+
+    assert fingerprint_dataset(Signals([1.0, 2.0])) != fingerprint_dataset(Signals([10.0, 20.0]))
+    masked = np.ma.masked_array([3.0, 4.0], mask=[False, True])
+    assert fingerprint_dataset(_Rows(masked)) != fingerprint_dataset(_Rows(np.ma.masked_array([3.0, 4.0])))
+
+
 def test_dataset_paths_are_keyed_by_size_and_mtime(tmp_path: Path) -> None:
     file = tmp_path / "labels.txt"
     file.write_text("a")

@@ -33,7 +33,7 @@ import xxhash
 from .canonical import encode_key_value, tensor_content_digest
 from .device_digest import device_row_digests
 
-__all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "tag", "tensor_digest"]
+__all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "numerics", "tag", "tensor_digest"]
 
 #: Version of the key derivation and of the entry format; part of every module key.
 FORMAT_VERSION = 4
@@ -195,3 +195,22 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         rows, _ = item_rows(data, None)
         h.update(memoryview(rows.reshape(-1)))  # type: ignore[arg-type]
     return h.hexdigest()
+
+
+def numerics(device_types: Iterable[str]) -> list[bytes]:
+    """What changes the values a forward computes beside its inputs and code: one line each, none at the defaults.
+
+    Each autocast that is on among ``device_types`` (its dtype), torch's default dtype
+    (tensors made without one, such as ``torch.arange`` in a position encoding) and the
+    float32 matmul precision.
+    """
+    found = [
+        f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
+        for device_type in sorted(set(device_types))
+        if torch.is_autocast_enabled(device_type)
+    ]
+    if torch.get_default_dtype() is not torch.float32:
+        found.append(f"default_dtype:{torch.get_default_dtype()}".encode())
+    if torch.get_float32_matmul_precision() != "highest":
+        found.append(f"matmul:{torch.get_float32_matmul_precision()}".encode())
+    return found

@@ -197,15 +197,33 @@ def encode_array(encoder: Encoder, array: np.ndarray[Any, Any], path: str, depth
     head = text(f"{type(array).__name__}|{array.dtype.descr!r}|{array.shape}")
     if array.dtype.hasobject:
         return tagged(Tag.ARRAY, head + encoder.child(array.tolist(), path, depth))
-    if encoder.files and isinstance(array, np.memmap) and isinstance(array.filename, str):
-        # A memory-mapped file by name, place, size and modification time: its content stays unread.
-        stat = os.stat(array.filename)
-        where = f"{array.filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}"
+    view = _place_in_mapping(array) if encoder.files and isinstance(array, np.memmap) else None
+    if isinstance(array, np.memmap) and view is not None:
+        # A memory-mapped file by name, place, size and modification time (and where in the
+        # mapping this view starts, with its strides): its content stays unread.
+        filename = os.fspath(array.filename)  # type: ignore[arg-type]
+        stat = os.stat(filename)
+        where = f"{filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}|{view}"
         return tagged(Tag.MEMMAP, head + text(where))
     collect(array)
     h = xxhash.xxh3_128()
     h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    if isinstance(array, np.ma.MaskedArray):  # which values are masked, and what fills them
+        h.update(np.ascontiguousarray(np.ma.getmaskarray(array)).view(np.uint8).data)
+        h.update(repr(array.fill_value).encode())
     return tagged(Tag.ARRAY, head + raw(h.digest()))
+
+
+def _place_in_mapping(array: np.memmap[Any, Any]) -> str | None:
+    """Where a memmap view starts in its file's mapping, and its strides (``None``: not a view of a file)."""
+    mapping = getattr(array, "_mmap", None)
+    if not isinstance(array.filename, (str, os.PathLike)) or mapping is None or array.size == 0:
+        return None
+    try:
+        base = np.frombuffer(mapping, np.uint8).ctypes.data
+    except (TypeError, ValueError):  # a closed mapping
+        return None
+    return f"{array.ctypes.data - base}|{array.strides}"
 
 
 def encode_path(encoder: Encoder, value: PurePath) -> bytes:
@@ -304,10 +322,21 @@ def pandas_digest(value: object) -> bytes | None:
     pandas = sys.modules.get("pandas")
     if pandas is None or not isinstance(value, (pandas.DataFrame, pandas.Series, pandas.Index)):
         return None
-    rows = pandas.util.hash_pandas_object(value, index=not isinstance(value, pandas.Index))
+    hashed = pandas.util.hash_pandas_object
+    rows = hashed(value, index=not isinstance(value, pandas.Index))
     h = xxhash.xxh3_128(np.ascontiguousarray(rows.to_numpy()).view(np.uint8).data)
     if isinstance(value, pandas.DataFrame):
         h.update(repr((list(value.columns), [str(t) for t in value.dtypes])).encode())
+        columns = [value[name] for name in value.columns] if value.columns.is_unique else []
     else:
         h.update(repr((value.name, str(value.dtype))).encode())
+        columns = [value]
+    for column in columns:
+        dtype = column.dtype
+        if isinstance(dtype, pandas.CategoricalDtype):  # its categories in order, used or not
+            h.update(b"categories|%d|" % dtype.ordered)
+            h.update(np.ascontiguousarray(hashed(dtype.categories, index=False).to_numpy()).view(np.uint8).data)
+        elif dtype == np.dtype(object):  # None and NaN hash alike: the type of each cell tells them apart
+            names = pandas.Index([type(cell).__qualname__ for cell in column.to_numpy()])
+            h.update(np.ascontiguousarray(hashed(names, index=False).to_numpy()).view(np.uint8).data)
     return h.digest()

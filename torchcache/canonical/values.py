@@ -226,9 +226,13 @@ class KeyEncoder:
             return tagged(Tag.NUMPY_DTYPE, repr(value).encode())
         if isinstance(value, types.MappingProxyType):
             return tagged(Tag.MAPPING_PROXY, self.child(dict(value), path, depth))
-        pandas = objects.pandas_digest(value)
+        try:
+            pandas = objects.pandas_digest(value)
+        except TypeError as exc:  # a column of lists or dicts: pandas cannot hash its cells
+            raise self.refuse(path, f"pandas cannot hash its rows ({exc})") from None
         if pandas is not None:
-            return tagged(Tag.PANDAS, self.child(cls, path, depth) + raw(pandas))
+            attrs = self.child(dict(value.attrs), f"{path}.attrs", depth) if getattr(value, "attrs", None) else b""  # type: ignore[attr-defined]
+            return tagged(Tag.PANDAS, self.child(cls, path, depth) + raw(pandas) + attrs)
         return objects.encode_state(self, value, cls, path, depth)
 
     # -- containers ----------------------------------------------------------------------------------

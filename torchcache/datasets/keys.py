@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from ..canonical import KeyEncoder
+from ..canonical.objects import slot_values
 from ..errors import KeyingError
 from ..keys import tag
 
@@ -69,14 +70,15 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     if whole or callable(getattr(dataset, "__torchcache_key__", None)) or not isinstance(state, dict):
         h.update(encoder.encode(dataset, root))  # a tensor, array or list used as a dataset: its values
     else:
-        for name, value in sorted(state.items()):
+        slots = [(tag(b"s", name.encode()), name, value) for name, value in slot_values(dataset)]  # __slots__ too
+        for label, name, value in [(tag(b"k", n.encode()), n, v) for n, v in sorted(state.items())] + slots:
             try:
                 encoded = encoder.encode(value, f"{root}.{name}")
             except KeyingError:
                 if version is None:
                     raise
                 encoded = b"version"  # covered by the version the user gave
-            h.update(tag(b"k", name.encode()) + encoded)
+            h.update(label + encoded)
     h.update(tag(b"n", str(len(dataset)).encode()))
     h.update(tag(b"V", KeyEncoder(_REMEDY).encode(version, "version")))
     return h.hexdigest()

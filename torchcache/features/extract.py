@@ -40,7 +40,7 @@ from ..config import resolve_root
 from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
-from ..keys import tag
+from ..keys import numerics, tag
 from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import fingerprint_module
 from ..module.guards import check_frozen
@@ -166,7 +166,12 @@ def _extract_features(
     if length == 0:
         raise ConfigError("extract_features: the dataset is empty")
     faults = FaultLog(type(backbone).__qualname__)
-    module_key = fingerprint_module(backbone, b"", {"features": backbone.training})
+    settings: dict[str, object] = {"features": backbone.training}
+    device = next(iter(backbone.parameters()), torch.empty(0)).device.type
+    lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
+    if lines:  # in the module key: rows are reused only from caches computed the same way
+        settings["numerics"] = b"|".join(lines).decode()
+    module_key = fingerprint_module(backbone, b"", settings)
     dataset_key = fingerprint_dataset(dataset, version)
     h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))

@@ -29,7 +29,7 @@ from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
-from ..keys import FORMAT_VERSION, Context, hash_items
+from ..keys import FORMAT_VERSION, Context, hash_items, numerics
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from ..tiers.lookup import look_up
@@ -417,16 +417,10 @@ class Cache:
             pattern = self._watch.training_pattern(training) if self._watch is not None else b""
             if pattern:
                 context.add(b"submodules:" + pattern)
-        # Autocast changes the dtype and the values of outputs: it is part of the key,
-        # and nothing is added when it is off, so keys made without it stay the same.
-        for device_type in {*_AUTOCAST_DEVICES, call.tensors[0].device.type}:
-            if torch.is_autocast_enabled(device_type):
-                context.add(f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode())
-        # So do the dtype of tensors made without one (torch.arange, torch.zeros) and the matmul precision.
-        if torch.get_default_dtype() is not torch.float32:
-            context.add(f"default_dtype:{torch.get_default_dtype()}".encode())
-        if torch.get_float32_matmul_precision() != "highest":
-            context.add(f"matmul:{torch.get_float32_matmul_precision()}".encode())
+        # Autocast, the default dtype and the matmul precision change the values of outputs:
+        # part of the key, and nothing is added at their defaults, so keys made without them stay.
+        for line in numerics((*_AUTOCAST_DEVICES, call.tensors[0].device.type)):
+            context.add(line)
         return call, context.digest()
 
     def _call_mixed(
