@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.test_features import Images, Net, Scale, extract, feature_dirs
-from torchcache.stores.features.digests import DIGESTS_NAME, DigestFile, input_digest
+from torchcache.stores.features.digests import DIGESTS_NAME, DigestFile, bindings, input_digest
 
 
 def edited(base: Images, changed: list[int], added: int) -> Images:
@@ -114,7 +114,7 @@ def test_rows_of_an_older_cache_that_fail_their_check_are_computed(cache_root: P
     assert all(torch.allclose(after[i][0], direct[i], atol=1e-6) for i in range(len(data)))
 
 
-@pytest.mark.parametrize("damage", ["garbage", "cut short", "swapped", "missing"])
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "swapped", "digests swapped", "missing"])
 def test_a_damaged_digest_file_never_gives_a_wrong_row(cache_root: Path, damage: str) -> None:
     net, base = Net(), Images(16)
     before = extract(net, base)
@@ -130,6 +130,10 @@ def test_a_damaged_digest_file_never_gives_a_wrong_row(cache_root: Path, damage:
         a, b = 4096 + 24 * 1, 4096 + 24 * 6
         raw[a : a + 24], raw[b : b + 24] = raw[b : b + 24], raw[a : a + 24]
         digests.write_bytes(bytes(raw))
+    elif damage == "digests swapped":  # only the digests: each binding stays with its row, and names its digest
+        a, b = 4096 + 24 * 1, 4096 + 24 * 6
+        raw[a : a + 16], raw[b : b + 16] = raw[b : b + 16], raw[a : a + 16]
+        digests.write_bytes(bytes(raw))
     else:
         digests.unlink()
     data = edited(base, changed=[], added=1)
@@ -139,6 +143,7 @@ def test_a_damaged_digest_file_never_gives_a_wrong_row(cache_root: Path, damage:
     with torch.no_grad():
         direct = net(data.images)
     assert all(torch.allclose(after[i][0], direct[i], atol=1e-6) for i in range(len(data)))
+    assert all(not torch.equal(direct[1], direct[6]) for _ in [0])  # a row taken for the other would show
 
 
 def test_digests_name_the_input_exactly() -> None:
@@ -165,7 +170,8 @@ def test_a_digest_file_of_another_length_or_header_is_not_used(tmp_path: Path) -
     digests, checks = opened.read()
     opened.close()
     assert (digests[3:6] == 7).all() and not digests[:3].any() and not digests[6:].any()
-    assert checks.tolist() == [0, 0, 0, 11, 12, 2**64 - 1, 0, 0, 0, 0]
+    expected = bindings(np.full((3, 16), 7, np.uint8), np.array([11, 12, 2**64 - 1], np.uint64)).tolist()
+    assert checks.tolist() == [0, 0, 0, *expected, 0, 0, 0, 0] and 0 not in expected
     path.write_bytes(b"\0" * 8192)
     assert DigestFile.open(path, 10, create=False) is None
 

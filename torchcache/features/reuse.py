@@ -23,7 +23,7 @@ import torch
 
 from ..dtypes import DTYPES
 from ..errors import ConfigError, CorruptEntryError, StoreError
-from ..stores.features.digests import DIGESTS_NAME, DigestFile, pack_digests
+from ..stores.features.digests import DIGESTS_NAME, DigestFile, bindings, pack_digests
 from ..stores.features.file import FEATURES_NAME, layout_of, open_features
 from ..stores.features.layout import Field, SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
@@ -161,15 +161,18 @@ def _open_donor(directory: Path, module_key: str, input: int | str) -> _Donor | 
         return None
     finally:
         digests.close()
-    # An entry counts only for the row content it was written for: its check is the row's.
-    rows = np.flatnonzero((bound != 0) & (bound == file.checks(np.arange(file.length))))
+    # An entry counts only for the row content it was written for, and for its own digest: its
+    # binding is the digest's hash seeded by the row's check.
+    checks = file.checks(np.arange(file.length))
+    rows = np.flatnonzero(bound != 0)
+    rows = rows[bound[rows] == bindings(known[rows], checks[rows])]
     if not len(rows):
         file.close()
         return None
     prefixes = _prefixes(known[rows])
     order = np.argsort(prefixes, kind="stable")
     rows = rows[order]
-    return _Donor(file, layout_of(file), prefixes[order], known[rows], rows.astype(np.int64), bound[rows])
+    return _Donor(file, layout_of(file), prefixes[order], known[rows], rows.astype(np.int64), checks[rows])
 
 
 def outputs(

@@ -4,16 +4,18 @@ The file (``inputs.tcdig``), beside ``features.tcrows``::
 
     header   magic, version, dataset length, and the xxh3_64 of these (32 bytes)
     entries  24 bytes per index at ``4096 + 24 * index``: the xxh3_128 of the backbone's
-             input for that sample (its bytes, seeded by its dtype and shape), then the check
-             of the row it gave (as the features file holds it); zeros where unknown
+             input for that sample (its bytes, seeded by its dtype and shape), then the
+             binding of that digest to the row it gave: the xxh3_64 of the digest seeded by
+             the row's check (as the features file holds it); zeros where unknown
 
 An extraction writes a batch's entries once its rows are written and marked. A later
 extraction with the same backbone over a changed dataset (another fingerprint, another
 cache) takes the row of an input it has seen instead of running the backbone again
 (:mod:`torchcache.features.reuse`), but only where the entry's check equals the row's
 check in the features file and the row's bytes pass it: an entry binds an input to one
-row's content, so an entry that is damaged, cut short, left from a killed run or moved
-to another index matches nothing (or, with odds of 2**-64, passes). A file that is
+row's content, so an entry that is damaged, cut short, left from a killed run, moved to
+another index or given another entry's digest matches nothing (or, with odds of 2**-64,
+passes). A file that is
 missing or not valid only means nothing is taken from that cache.
 """
 
@@ -34,13 +36,13 @@ import xxhash
 from ..files import create_whole, pwrite_all, read_at
 from ..rows import runs
 
-__all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "input_digest", "pack_digests"]
+__all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "bindings", "input_digest", "pack_digests"]
 
 DIGESTS_NAME = "inputs.tcdig"
 DIGEST_BYTES = 16
 _ENTRY = DIGEST_BYTES + 8
 _MAGIC = b"TCDIGS1\0"
-_VERSION = 1
+_VERSION = 2  # 1 kept the row check alone: a digest moved to another entry was taken for it
 _FIRST = struct.Struct("<8sIIQ")  # magic, version, reserved, length; then the xxh3_64 of these (8 bytes)
 _HEAD_BYTES = _FIRST.size + 8
 _AT = 4096
@@ -101,6 +103,18 @@ def pack_digests(digests: list[bytes | None]) -> np.ndarray[Any, np.dtype[np.uin
     return out
 
 
+def bindings(digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """What an entry holds beside each digest (``(n, 16)`` uint8): its xxh3_64 seeded by the row's check.
+
+    0 where the check is 0 (a row not written).
+    """
+    out = np.zeros(len(checks), np.uint64)
+    for i, (digest, check) in enumerate(zip(digests, checks.tolist())):
+        if check:
+            out[i] = xxhash.xxh3_64_intdigest(digest.tobytes(), check) or 1  # 0 stays "unknown"
+    return out
+
+
 def _head(length: int) -> bytes:
     first = _FIRST.pack(_MAGIC, _VERSION, 0, length)
     return first + xxhash.xxh3_64_intdigest(first).to_bytes(8, "little")
@@ -155,20 +169,21 @@ class DigestFile:
         return cls(path, made, length)
 
     def write(self, indices: np.ndarray[Any, Any], digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> None:
-        """Write the entries of ascending ``indices``: digests (``(n, 16)`` uint8) and their rows' checks.
+        """Write the entries of ascending ``indices``: digests (``(n, 16)`` uint8) bound to their rows' checks.
 
         Raises:
             OSError: If the file cannot be written.
         """
         entries = np.zeros((len(indices), _ENTRY), np.uint8)
         entries[:, :DIGEST_BYTES] = digests
-        entries[:, DIGEST_BYTES:] = np.ascontiguousarray(checks, "<u8").view(np.uint8).reshape(-1, 8)
+        bound = np.where(digests.any(axis=1), bindings(digests, np.asarray(checks, np.uint64)), 0)
+        entries[:, DIGEST_BYTES:] = np.ascontiguousarray(bound, "<u8").view(np.uint8).reshape(-1, 8)
         for start, stop in runs(indices):
             offset = _AT + _ENTRY * int(indices[start])
             pwrite_all(self._fd, memoryview(entries[start:stop]).cast("B"), offset)  # type: ignore[arg-type]
 
     def read(self) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], np.ndarray[Any, np.dtype[np.uint64]]]:
-        """Every entry: the digests, ``(length, 16)`` uint8, and the checks, ``(length,)`` (zeros where unknown).
+        """Every entry: the digests, ``(length, 16)`` uint8, and their bindings, ``(length,)`` (zeros where unknown).
 
         Raises:
             OSError: If the file cannot be read.
