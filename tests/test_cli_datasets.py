@@ -115,3 +115,37 @@ def test_ls_names_each_kind_of_cache(dataset_dir: Path, capsys: pytest.CaptureFi
     assert f"refusing to remove dataset cache {dataset_dir.name} (" in capsys.readouterr().err
     assert main(["clear", "--all", "--yes", "--root", str(root)]) == 0
     assert capsys.readouterr().out.startswith("removed 1 module cache, 1 dataset cache and 2 feature caches (")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_features_cache_with_damaged_metadata_is_listed_verified_and_rebuilt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    root = tmp_path / "root"
+    flat = torch.nn.Flatten().requires_grad_(False)
+    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    (meta,) = root.glob("features-*/torchcache.json")
+    meta.write_text("not json{") if damage == "garbage" else meta.unlink()
+    code, listed = _json(capsys, "ls", str(root))
+    (cache,) = listed["caches"]
+    assert code == 0 and (cache["kind"], cache["entries"]) == ("features", 6) and cache["metadata_problem"]
+    assert main(["verify", str(root)]) == 1
+    assert main(["verify", "--fix", str(root)]) == 0 and main(["verify", str(root)]) == 0
+    assert json.loads(meta.read_text())["kind"] == "features"
+
+
+def test_verify_reports_an_index_lmdb_refused_and_rebuilt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    data = CachedDataset(Squares(), root, max_memory_size=0)
+    for i in range(len(data)):
+        data[i]
+    data.close()
+    (index,) = root.glob("*/index.lmdb")
+    index.write_bytes(b"\xff" * 8192)
+    capsys.readouterr()
+    assert main(["verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "the index is damaged" in out and "rebuilt from the segment files" in out
+    assert main(["verify", str(root)]) == 0  # rebuilt: every sample is there again
+    again = CachedDataset(None, root, max_memory_size=0)
+    assert [int(again[i][1]) for i in range(12)] == list(range(12))

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import time
 import tracemalloc
@@ -951,6 +952,25 @@ def test_planted_index_totals_are_recomputed_from_the_entries(root: Path, plant:
     assert reopened.verify().ok
     got = reopened.get_many([key(i) for i in range(400)])
     assert all(v is None or bytes(v) == value(i) for i, v in enumerate(got))
+
+
+@pytest.mark.parametrize("end", [(1 << 64) - 1, (1 << 63) + 1010], ids=["all ones", "high bit"])
+def test_a_planted_segment_row_is_left_out_and_writes_go_on(root: Path, end: int) -> None:
+    store = PackedStore(root, 200_000, segment_bytes=20_000)
+    fill(store, range(30))
+    store.close()
+    env = lmdb.open(str(root / INDEX_NAME), subdir=False, max_dbs=3, lock=False)
+    with env.begin(write=True) as txn:
+        rows = env.open_db(b"segments", txn=txn)
+        for seg, row in list(txn.cursor(db=rows)):
+            sealed, _, live, count, stamp = struct.unpack("<BQQQQ", row)
+            txn.put(seg, struct.pack("<BQQQQ", sealed, end, live, count, stamp), db=rows)
+    env.close()
+    reopened = PackedStore(root, 200_000, segment_bytes=20_000)
+    got = reopened.get_many([key(i) for i in range(30)])
+    assert all(v is None or bytes(v) == value(i) for i, v in enumerate(got))
+    fill(reopened, range(30, 60))  # no struct.error: a row no segment could have is not believed
+    assert reopened.verify(fix=True).entries >= 30 and reopened.verify().ok
 
 
 def test_verify_reports_and_fixes_planted_totals(root: Path) -> None:

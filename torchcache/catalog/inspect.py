@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
@@ -30,7 +32,7 @@ from ..stores.features.digests import DIGESTS_NAME
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
-from ..stores.packed.index import INDEX_NAME, cut_short
+from ..stores.packed.index import DAMAGE, INDEX_NAME, cut_short
 from ..stores.packed.locks import LOCK_NAMES
 from ..stores.packed.store import PackedStore
 
@@ -91,9 +93,10 @@ class CacheFiles:
 
     @property
     def has_store_data(self) -> bool:
-        """Whether anything is at the name of a packed store's index or segment, whatever kind of file it is."""
+        """Whether anything is at the name of a store's index, segment or features file, whatever kind of file it is."""
         names = [f.path.name for f in self.store] + [p.name for p in self.irregular]
-        return any(name == INDEX_NAME or parse_segment_name(name) is not None for name in names)
+        stores = (INDEX_NAME, FEATURES_NAME, LEGACY_FEATURES_NAME)
+        return any(name in stores or parse_segment_name(name) is not None for name in names)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class ModuleCache:
     temporaries: int
     disk_bytes: int = 0
     meta_problem: str | None = None
+    #: Why LMDB refused its index as it was, when this listing opened it (the store rebuilt it then).
+    index_damage: str | None = None
     legacy_entries: int = 0
     live_bytes: int = 0
     reclaimable_bytes: int = 0
@@ -245,6 +250,36 @@ def index_problem(directory: Path) -> str | None:
     return cut_short(os.fspath(path))
 
 
+def index_damage(directory: Path) -> str | None:
+    """Why LMDB refuses the index of a module directory as it is, if it does (opening the store rebuilds it).
+
+    It is read without its lock file and without writing anything; an index cut short is
+    :func:`index_problem`'s, and errors that are not damage (no memory, no access) are not reported.
+    """
+    path = directory / INDEX_NAME
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or cut_short(os.fspath(path)) is not None:
+            return None
+        env = lmdb.open(os.fspath(path), subdir=False, readonly=True, lock=False, max_dbs=3)
+    except OSError:
+        return None
+    except DAMAGE as exc:
+        return f"the index is damaged ({exc})"
+    except lmdb.Error:
+        return None
+    try:
+        with env.begin() as txn:
+            for table in (b"entries", b"segments", b"meta"):
+                txn.stat(env.open_db(table, txn=txn, create=False))
+    except (*DAMAGE, lmdb.NotFoundError) as exc:
+        return f"the index is damaged ({exc})"
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
+    return None
+
+
 def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
 
@@ -298,6 +333,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
     meta, problem = load_meta(directory)
     if meta is None and problem is None:
         problem = f"no {META_NAME}"
+    damage = index_damage(directory)  # before the store opens it, and rebuilds what LMDB refuses
     usage = _store_usage(directory)  # first: opening a store may seal or rebuild it, which changes its files
     files = list_files(directory)
     if problem is not None and not _has_cache_files(files):
@@ -306,6 +342,8 @@ def load_cache(directory: Path) -> ModuleCache | None:
     meta_file = st is not None and stat.S_ISREG(st.st_mode)
     own = [*files.entries, *files.temporaries, *files.store]
     meta = meta or {}
+    if "kind" not in meta and any(f.path.name in (FEATURES_NAME, LEGACY_FEATURES_NAME) for f in files.store):
+        meta = {**meta, "kind": "features"}  # damaged metadata: the features file tells the kind
     version, name = meta.get("torchcache_version"), meta.get("name")
     if not isinstance(name, str):  # a SampleCache of its own is named by its directory; "?": damaged metadata
         name = "?" if problem is not None else directory.name if meta.get("kind") == "dataset" else "-"
@@ -327,6 +365,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
         temporaries=len(files.temporaries),
         disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
+        index_damage=damage,
     )
 
 

@@ -22,6 +22,7 @@ from ..config import is_url, resolve_root
 from ..errors import ConfigError, StoreError
 from ..meta import META_NAME
 from ..policy import format_size
+from ..stores.packed.index import INDEX_NAME
 from .output import (
     Progress,
     cache_json,
@@ -216,6 +217,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if cache.meta_problem is not None:
                 damaged[cache.directory / META_NAME] = cache
                 problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
+            if cache.index_damage is not None:  # listing the cache opened its store, which rebuilt the index
+                note = f"{cache.index_damage}; rebuilt from the segment files"
+                problems.append(Problem(cache.directory / INDEX_NAME, "store", note, 0))
             try:
                 _, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
             except StoreError as exc:

@@ -118,6 +118,8 @@ def _unpack_segment(value: bytes | memoryview | None) -> Segment | None:
     if value is None or len(value) != _SEGMENT.size:
         return None
     sealed, end, live, count, stamp = _SEGMENT.unpack(value)
+    if sealed > 1 or max(end, live, count, stamp) > _MAX_TOTAL:  # no segment could have these
+        return None
     return Segment(bool(sealed), end, live, count, stamp)
 
 

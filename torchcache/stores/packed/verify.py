@@ -69,7 +69,11 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
         result.problems.append(f"the index counts {totals[b'files']:,} file bytes, its segments take {files_bytes:,}")
     for seg, (size, count) in live.items():
         if (size, count) != (table[seg].live, table[seg].records) and not bad:
-            result.problems.append(f"segment {seg}: the index counts {table[seg].records} live records, found {count}")
+            row = table[seg]
+            result.problems.append(
+                f"segment {seg}: the index counts {row.records} live records of {row.live:,} bytes, "
+                f"found {count} of {size:,}"
+            )
         if not os.path.isfile(files.path(seg)):
             result.problems.append(f"segment {seg}: {files.path(seg)} is missing or not a regular file")
     orphans = set(files.orphans(set(table)))
