@@ -17,6 +17,7 @@ import torch
 
 import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
 from tests import zygote
+from torchcache.canonical import KeyEncoder
 from torchcache.module.independence import forget_checks
 
 # gcsfs probes a bucket's type over gRPC at its first use, which waits 60 s against the GCS
@@ -71,6 +72,23 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     _log.setLevel(level)
     _log.propagate = propagate
     return (yield)
+
+
+def _numerics() -> tuple[object, ...]:
+    autocast = [torch.is_autocast_enabled(device) for device in ("cpu", "cuda")]
+    classes = KeyEncoder("").encode([torch.nn.Linear, torch.nn.ReLU, torch.nn.Sequential], "classes")
+    return torch.get_default_dtype(), torch.get_float32_matmul_precision(), autocast, classes
+
+
+@pytest.fixture(autouse=True)
+def _any_test_leaves_the_numerics_as_found() -> Iterator[None]:
+    """A test leaves what every key of the process depends on as it found it (other tests' keys would differ).
+
+    Its name sorts first, so that it is set up before the other fixtures and looks after their teardown.
+    """
+    before = _numerics()
+    yield
+    assert _numerics() == before, "the test changed torch's global numerics (or torch's classes) and left them so"
 
 
 @pytest.fixture(autouse=True)

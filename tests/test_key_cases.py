@@ -608,3 +608,11 @@ def test_a_custom_operator_is_keyed_by_the_functions_it_is_defined_with(tmp_path
     cached = torchcache()(calls)
     assert cached.cache_instance.module_hash != before
     assert torch.equal(cached(X), X * 3.0)
+
+
+def test_a_method_another_package_only_adds_to_an_installed_class_keeps_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = KeyEncoder("remedy").encode(nn.Linear, "cls")
+    monkeypatch.setattr(nn.Module, "smart_apply", lambda self, fn: fn(self), raising=False)  # as transformers does
+    assert KeyEncoder("remedy").encode(nn.Linear, "cls") == before
+    monkeypatch.setattr(nn.Linear, "extra_repr", lambda self: "patched")  # overrides nn.Module's: keyed
+    assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before

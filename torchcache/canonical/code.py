@@ -370,12 +370,20 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
 
 
 def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
-    """The functions of an installed class that code of another package put there (``nn.ReLU.forward = f``)."""
+    """The methods of an installed class that code of another package replaced (``nn.ReLU.forward = f``).
+
+    A replaced method overrides one of a base class (``forward``, ``extra_repr``); a
+    method another package only added (transformers adds ``nn.Module.smart_apply``) is
+    not keyed, so that keys stay the same whether or not that package was used.
+    """
     top = klass.__module__.partition(".")[0]
+    bases = [vars(base) for base in klass.__mro__[1:] if base is not object]
     parts = []
     for member, value in sorted(vars(klass).items()):
         func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-        if isinstance(func, types.FunctionType) and (func.__module__ or "").partition(".")[0] != top:
+        if not isinstance(func, types.FunctionType) or (func.__module__ or "").partition(".")[0] == top:
+            continue
+        if member == "forward" or any(member in base for base in bases):
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
     return b"".join(parts)
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lmdb
-
 from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
@@ -32,9 +30,10 @@ from ..stores.features.digests import DIGESTS_NAME
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
-from ..stores.packed.index import DAMAGE, INDEX_NAME, cut_short
+from ..stores.packed.index import INDEX_NAME, cut_short
 from ..stores.packed.locks import LOCK_NAMES
 from ..stores.packed.store import PackedStore
+from ..stores.packed.upkeep import index_damage
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -250,36 +249,6 @@ def index_problem(directory: Path) -> str | None:
     return cut_short(os.fspath(path))
 
 
-def index_damage(directory: Path) -> str | None:
-    """Why LMDB refuses the index of a module directory as it is, if it does (opening the store rebuilds it).
-
-    It is read without its lock file and without writing anything; an index cut short is
-    :func:`index_problem`'s, and errors that are not damage (no memory, no access) are not reported.
-    """
-    path = directory / INDEX_NAME
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode) or cut_short(os.fspath(path)) is not None:
-            return None
-        env = lmdb.open(os.fspath(path), subdir=False, readonly=True, lock=False, max_dbs=3)
-    except OSError:
-        return None
-    except DAMAGE as exc:
-        return f"the index is damaged ({exc})"
-    except lmdb.Error:
-        return None
-    try:
-        with env.begin() as txn:
-            for table in (b"entries", b"segments", b"meta"):
-                txn.stat(env.open_db(table, txn=txn, create=False))
-    except (*DAMAGE, lmdb.NotFoundError) as exc:
-        return f"the index is damaged ({exc})"
-    except lmdb.Error:
-        return None
-    finally:
-        env.close()
-    return None
-
-
 def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
 
@@ -333,7 +302,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
     meta, problem = load_meta(directory)
     if meta is None and problem is None:
         problem = f"no {META_NAME}"
-    damage = index_damage(directory)  # before the store opens it, and rebuilds what LMDB refuses
+    damage = index_damage(os.fspath(directory))  # before the store opens it, and rebuilds what LMDB refuses
     usage = _store_usage(directory)  # first: opening a store may seal or rebuild it, which changes its files
     files = list_files(directory)
     if problem is not None and not _has_cache_files(files):

@@ -109,18 +109,14 @@ def _blocks(size: int) -> int:
 
 def unpack_entry(value: bytes | memoryview | None) -> Entry | None:
     """An index value as an :class:`Entry`; ``None`` if absent or not exactly an entry's size."""
-    if value is None or len(value) != ENTRY.size:
-        return None
-    return Entry._make(ENTRY.unpack(value))
+    return None if value is None or len(value) != ENTRY.size else Entry._make(ENTRY.unpack(value))
 
 
 def _unpack_segment(value: bytes | memoryview | None) -> Segment | None:
     if value is None or len(value) != _SEGMENT.size:
         return None
-    sealed, end, live, count, stamp = _SEGMENT.unpack(value)
-    if sealed > 1 or max(end, live, count, stamp) > _MAX_TOTAL:  # no segment could have these
-        return None
-    return Segment(bool(sealed), end, live, count, stamp)
+    row = Segment._make(_SEGMENT.unpack(value))  # with values no segment could have, it is not believed
+    return None if row.sealed > 1 or max(row[1:]) > _MAX_TOTAL else row._replace(sealed=bool(row.sealed))
 
 
 def _u64(value: bytes | memoryview | None) -> int:

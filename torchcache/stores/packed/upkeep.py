@@ -16,6 +16,7 @@ import errno
 import fcntl
 import functools
 import os
+import stat
 import threading
 import time
 
@@ -42,6 +43,7 @@ __all__ = [
     "compact_index",
     "discard_index",
     "disk_bytes",
+    "index_damage",
     "known_segments",
     "open_or_recover",
     "remove_unindexed",
@@ -398,3 +400,34 @@ def disk_bytes(root: str) -> int:
                 with contextlib.suppress(OSError):
                     total += entry.stat(follow_symlinks=False).st_blocks * 512
     return total
+
+
+def index_damage(root: str) -> str | None:
+    """Why LMDB refuses the index of a store directory as it is, if it does (opening the store rebuilds it).
+
+    It is read without its lock file and without writing anything. An index cut short is
+    left to :func:`~torchcache.stores.packed.index.cut_short`, and errors that are not
+    damage (no memory, no access) are not reported.
+    """
+    path = os.path.join(root, INDEX_NAME)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or cut_short(path) is not None:
+            return None
+        env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=3)
+    except OSError:
+        return None
+    except DAMAGE as exc:
+        return f"the index is damaged ({exc})"
+    except lmdb.Error:
+        return None
+    try:
+        with env.begin() as txn:
+            for table in (b"entries", b"segments", b"meta"):
+                txn.stat(env.open_db(table, txn=txn, create=False))
+    except (*DAMAGE, lmdb.NotFoundError) as exc:
+        return f"the index is damaged ({exc})"
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
+    return None
