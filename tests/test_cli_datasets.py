@@ -149,3 +149,18 @@ def test_verify_reports_an_index_lmdb_refused_and_rebuilt(tmp_path: Path, capsys
     assert main(["verify", str(root)]) == 0  # rebuilt: every sample is there again
     again = CachedDataset(None, root, max_memory_size=0)
     assert [int(again[i][1]) for i in range(12)] == list(range(12))
+
+
+def test_verify_checks_the_samples_of_features_kept_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    extract_features(torch.nn.Flatten().eval(), Worded(), cache_dir=root, progress=False)  # features kept whole
+    (cache,) = [p for p in root.iterdir() if p.is_dir()]
+    status, report = _json(capsys, "verify", str(root))
+    assert status == 0 and report["ok"]
+    with PackedStore(cache, 1 << 30) as store:
+        keys = sorted(store.keys())
+        good = bytes(store.get(keys[0]) or b"")
+        store.put_many([(keys[1], good[: len(good) // 2])])  # a valid record holding half a sample
+    status, report = _json(capsys, "verify", str(root))
+    assert status == 1 and [Path(p["path"]).name for p in report["problems"]] == [keys[1]]
+    assert main(["verify", "--fix", str(root)]) == 0
