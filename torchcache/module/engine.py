@@ -169,12 +169,8 @@ class Cache:
         if self._stale:
             self._rekey()
         if self._module_hash is None:
-            with self._lock:  # threads making the first calls at once fingerprint once
-                if self._module_hash is None:
-                    if self._watch is not None:
-                        self._watch.reset()  # before hashing: a write during it is seen at the next call
-                    self._module_hash = self._take_key()
-                    logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+            self.take_key()
+        assert self._module_hash is not None
         return self._module_hash
 
     def take_key(self) -> None:
@@ -183,8 +179,10 @@ class Cache:
         Raises:
             KeyingError: If what the key covers cannot be encoded.
         """
-        with self._lock:
+        with self._lock:  # threads making the first calls at once fingerprint once
             if self._module_hash is None:
+                if self._watch is not None:
+                    self._watch.reset()  # before hashing: a write during it is seen at the next call
                 self._module_hash = self._take_key()
                 logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
 
