@@ -18,6 +18,7 @@ import torch
 import torchcache  # noqa: F401 - the logger's state at import, below, is the one it leaves
 from tests import zygote
 from torchcache.canonical import KeyEncoder
+from torchcache.keys import numerics
 from torchcache.module.independence import forget_checks
 
 # gcsfs probes a bucket's type over gRPC at its first use, which waits 60 s against the GCS
@@ -77,7 +78,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 def _numerics() -> tuple[object, ...]:
     autocast = [torch.is_autocast_enabled(device) for device in ("cpu", "cuda")]
     classes = KeyEncoder("").encode([torch.nn.Linear, torch.nn.ReLU, torch.nn.Sequential], "classes")
-    return torch.get_default_dtype(), torch.get_float32_matmul_precision(), autocast, classes
+    return numerics(("cpu", "cuda")), autocast, classes
 
 
 @pytest.fixture(autouse=True)

@@ -483,6 +483,35 @@ def test_the_default_dtype_is_keyed(tmp_path: Path) -> None:
     assert torch.equal(single, _positions(X * 0.1))
 
 
+def _matmul(x: torch.Tensor) -> torch.Tensor:
+    return x @ torch.ones(x.shape[1], 3)
+
+
+def test_the_float32_precision_of_each_backend_is_keyed_and_never_breaks_a_call(tmp_path: Path) -> None:
+    cached = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_matmul)
+    cached(X)
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # the per-backend API: the legacy getter raises
+        assert torch.equal(cached(X), _matmul(X))
+        assert cached.cache_instance.stats().misses == 2 * len(X)  # another key: computed again
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    cached(X)
+    assert cached.cache_instance.stats().misses == 2 * len(X)
+
+
+def test_flushing_subnormals_to_zero_is_keyed() -> None:
+    tiny = torch.full((2, 3), 1e-39)  # subnormal float32: 0 on a thread that flushes them
+    cached = torchcache()(_matmul)
+    try:
+        torch.set_flush_denormal(True)
+        assert not cached(tiny).any()
+    finally:
+        torch.set_flush_denormal(False)
+    exact = cached(tiny)
+    assert torch.equal(exact, _matmul(tiny)) and exact.all()
+
+
 def test_code_under_the_interpreters_prefix_but_outside_its_libraries_is_the_users() -> None:
     from torchcache.canonical.origins import is_installed_file
 

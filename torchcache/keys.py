@@ -197,12 +197,60 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+#: The float32 precision of each backend and operation (``torch.backends.*.fp32_precision``), at torch's defaults.
+_FP32_DEFAULTS = {
+    ("generic", "all"): "none",
+    ("cuda", "all"): "none",
+    ("cuda", "matmul"): "none",
+    ("cuda", "conv"): "tf32",
+    ("cuda", "rnn"): "tf32",
+    ("mkldnn", "all"): "none",
+    ("mkldnn", "matmul"): "none",
+    ("mkldnn", "conv"): "none",
+    ("mkldnn", "rnn"): "none",
+}
+_FP32_BACKENDS = tuple(backend for backend, _ in _FP32_DEFAULTS)
+_FP32_OPS = tuple(op for _, op in _FP32_DEFAULTS)
+_FP32_AT_DEFAULTS = tuple(_FP32_DEFAULTS.values())
+_fp32_getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: True)
+#: A subnormal double and one: their product is 0 on a thread that flushes subnormals to zero, as
+#: ``torch.set_flush_denormal(True)`` makes the calling thread do (the CPU's flag serves every float).
+_SUBNORMAL, _ONE = float("1e-310"), 1.0
+
+
+def _fp32_precisions() -> list[bytes]:
+    """The float32 precisions that differ from torch's defaults, and cuDNN's TF32 switch when it is off."""
+    if _fp32_getter is None:  # a torch without the per-backend settings
+        try:
+            matmul = torch.get_float32_matmul_precision()
+        except RuntimeError as exc:
+            matmul = f"unknown ({exc})"
+        return [] if matmul == "highest" else [f"matmul:{matmul}".encode()]
+    try:
+        values = tuple(map(_fp32_getter, _FP32_BACKENDS, _FP32_OPS))
+    except (RuntimeError, ValueError) as exc:
+        values = (f"unknown ({type(exc).__name__})",) * len(_FP32_OPS)
+    found = []
+    if values != _FP32_AT_DEFAULTS:
+        found = [
+            f"fp32:{backend}:{op}:{value}".encode()
+            for backend, op, value, default in zip(_FP32_BACKENDS, _FP32_OPS, values, _FP32_AT_DEFAULTS)
+            if value != default
+        ]
+    if not _cudnn_tf32():
+        found.append(b"cudnn_allow_tf32:False")
+    return found
+
+
 def numerics(device_types: Iterable[str]) -> list[bytes]:
     """What changes the values a forward computes beside its inputs and code: one line each, none at the defaults.
 
     Each autocast that is on among ``device_types`` (its dtype), torch's default dtype
-    (tensors made without one, such as ``torch.arange`` in a position encoding) and the
-    float32 matmul precision.
+    (tensors made without one, such as ``torch.arange`` in a position encoding), the
+    float32 precision of each backend and operation (``torch.set_float32_matmul_precision``
+    and ``torch.backends.*.fp32_precision``) and whether this thread flushes subnormal
+    numbers to zero (``torch.set_flush_denormal``).
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -211,6 +259,7 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     ]
     if torch.get_default_dtype() is not torch.float32:
         found.append(f"default_dtype:{torch.get_default_dtype()}".encode())
-    if torch.get_float32_matmul_precision() != "highest":
-        found.append(f"matmul:{torch.get_float32_matmul_precision()}".encode())
+    found += _fp32_precisions()
+    if _SUBNORMAL * _ONE == 0.0:
+        found.append(b"flush_denormal:True")
     return found
