@@ -115,6 +115,28 @@ def test_a_replaced_parameter_is_seen(tmp_path: Path) -> None:
     _same(cached, plain, x)
 
 
+class _Graph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("adjacency", (torch.rand(5, 5) > 0.5).float().to_sparse())  # a sparse buffer
+        self.lin = nn.Linear(3, 3)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.sparse.mm(self.adjacency, row) for row in self.lin(x)])
+
+
+def test_a_sparse_buffer_passes_the_item_check_and_its_writes_are_seen() -> None:
+    cached, plain = torchcache()(_Graph()).eval(), _Graph().eval()
+    x = torch.randn(4, 5, 3)
+    assert torch.equal(cached(x), plain(x))  # the item check restores buffers: sparse ones too
+    with torch.no_grad():
+        cached.adjacency.mul_(0.5)
+        plain.adjacency.mul_(0.5)
+    assert torch.equal(cached(x), plain(x))
+
+
 def test_load_state_dict_still_takes_the_key_again(tmp_path: Path) -> None:
     cached, plain = _cached(False, tmp_path)
     x = torch.randn(5, 6)

@@ -156,10 +156,11 @@ class VersionWatch:
         self._count = sum(map(len, self._registries))
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
-        self._tensors = [t for t in _tensors(module) if t.layout == torch.strided]
-        self._ids = [id(t) for t in _tensors(module)]
+        held = list(_tensors(module))
+        self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
+        self._ids = list(map(id, held))
         self._modules = _module_ids(module)
-        self._versioned = [t for t in self._tensors if not t.is_inference()]
+        self._versioned = [t for t in held if not t.is_inference()]  # sparse ones count their writes too
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._hook_dicts = [h for sub in self._submodules for h in (sub._forward_pre_hooks, sub._forward_hooks)]
@@ -204,13 +205,15 @@ class VersionWatch:
         """Restore the module's buffers when the block ends (an extra forward in training mode updates them)."""
         module = self._module()
         buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
-        saved = [b.detach().clone() for b in buffers]
+        saved = [(b.detach().clone(), b._version) for b in buffers]
         try:
             yield
         finally:
             with torch.no_grad():
-                for buffer, value in zip(buffers, saved):
-                    if not torch.equal(buffer, value):
+                for buffer, (value, version) in zip(buffers, saved):
+                    # torch.equal takes strided tensors only; a sparse buffer is restored if it was written
+                    strided = buffer.layout == torch.strided
+                    if (strided and not torch.equal(buffer, value)) or (not strided and buffer._version != version):
                         buffer.copy_(value)
 
     def training_pattern(self, training: bool) -> bytes:
@@ -232,8 +235,9 @@ class HeldValues:
 
     def __init__(self, values: list[Any]) -> None:
         unique = list({id(value): value for value in values}.values())
-        self._tensors = [v for v in unique if isinstance(v, torch.Tensor) and v.layout == torch.strided]
-        self._versioned = [t for t in self._tensors if not t.is_inference()]
+        tensors = [v for v in unique if isinstance(v, torch.Tensor)]
+        self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
+        self._versioned = [t for t in tensors if not t.is_inference()]
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
