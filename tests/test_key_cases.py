@@ -446,6 +446,56 @@ def test_a_list_of_strings_as_long_as_the_batch_is_pointed_out_once() -> None:
         assert encode.cache_instance.stats().hits == 0  # the list is keyed whole: another order, other keys
 
 
+def _joined(feats: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(feats.values()), dim=1)  # depends on the order of the dict
+
+
+def _joined_keywords(**feats: torch.Tensor) -> torch.Tensor:
+    return torch.cat(list(feats.values()), dim=1)
+
+
+def test_a_dict_of_tensors_and_keyword_arguments_are_keyed_in_their_order() -> None:
+    a, b = torch.randn(3, 2), torch.randn(3, 5)
+    joined = torchcache()(_joined)
+    joined({"rgb": a, "depth": b})
+    assert torch.equal(joined({"depth": b, "rgb": a}), torch.cat([b, a], dim=1))
+    keywords = torchcache()(_joined_keywords)
+    keywords(rgb=a, depth=b)
+    assert torch.equal(keywords(depth=b, rgb=a), torch.cat([b, a], dim=1))
+
+
+class _Batch(dict):  # type: ignore[type-arg]
+    scale = 1.0
+
+
+def _scaled_batch(batch: _Batch) -> torch.Tensor:
+    return batch["x"] * batch.scale
+
+
+def _with_default(batch: collections.defaultdict[str, Any]) -> torch.Tensor:
+    return batch["x"] + (batch["bias"] if batch["bias"] is not None else 0)
+
+
+def test_a_mapping_class_keeps_its_attributes_in_the_key_and_in_smaller_batches() -> None:
+    x = torch.randn(4, 3)
+    cached = torchcache()(_scaled_batch)
+    first = _Batch(x=x)
+    first.scale = 1.0
+    assert torch.equal(cached(first), x)  # the item check rebuilt smaller batches with the attribute
+    second = _Batch(x=x)
+    second.scale = 10.0
+    assert torch.equal(cached(second), x * 10.0)
+    partial = _Batch(x=torch.cat([x[:2], torch.randn(2, 3)]))
+    partial.scale = 10.0
+    assert torch.equal(cached(partial), partial["x"] * 10.0)  # misses computed on a rebuilt _Batch
+    defaults = torchcache()(_with_default)
+    made = collections.defaultdict(lambda: None, x=x)
+    assert torch.equal(defaults(made), x)
+    partly = collections.defaultdict(lambda: None, x=torch.cat([x[:2], torch.randn(2, 3)]))
+    assert torch.equal(defaults(partly), partly["x"])
+    assert defaults.cache_instance.stats().hits == 2
+
+
 # state reached in other ways ----------------------------------------------------------------------
 _MEMOIZED = """
 import functools

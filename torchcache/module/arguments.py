@@ -27,6 +27,7 @@ never be confused with a parameter called ``args[0]``.
 from __future__ import annotations
 
 import collections
+import copy
 import inspect
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -45,6 +46,9 @@ __all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput", "list_
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
 _TENSOR_TYPE = b"\x00C"
+#: A mapping of tensors, its items in order (with ``_KEYWORDS``: apart from keys of 1.2, which sorted them).
+_MAPPING = b"{="
+_KEYWORDS = b"\x00K"
 _SHARED_REMEDY = (
     "Pass a value torchcache can key (tensors, numbers, strings, containers, dataclasses, enums, objects with "
     "plain state), or give the object's class a __torchcache_key__() method"
@@ -119,8 +123,26 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: 
         return type(value)(_map_tensors(v, fn, depth + 1) for v in value)
     if isinstance(value, Mapping):
         mapped = {k: _map_tensors(v, fn, depth + 1) for k, v in value.items()}
-        return mapped if type(value) is dict else type(value)(mapped)  # type: ignore[call-arg]
+        return mapped if type(value) is dict else _rebuilt(value, mapped)
     return value
+
+
+def _rebuilt(value: Mapping[Any, Any], mapped: dict[Any, Any]) -> Any:
+    """A mapping of ``value``'s class, with its attributes (a ``defaultdict``'s factory, a ``BatchEncoding``'s fields), holding ``mapped``."""
+    try:
+        new = copy.copy(value)
+        for key, item in mapped.items():
+            new[key] = item  # type: ignore[index]
+        return new
+    except Exception:  # noqa: BLE001 - a mapping that cannot be copied or written: made from its items
+        pass
+    try:
+        return type(value)(mapped)  # type: ignore[call-arg]
+    except Exception as exc:  # noqa: BLE001 - any failure means the class cannot be rebuilt
+        raise KeyingError(
+            f"cannot make a {type(value).__qualname__} holding part of a batch: copy.copy and item assignment, "
+            f"and {type(value).__qualname__}(dict) fail ({type(exc).__name__}: {exc}); pass a dict"
+        ) from None
 
 
 def _holds_tensor(value: Any, depth: int = 0) -> bool:
@@ -172,8 +194,11 @@ class _Splitter:
             keys = list(value)
             if not all(isinstance(k, str) for k in keys):
                 raise KeyingError(f"argument {label!r}: a mapping that holds tensors must have str keys, got {keys!r}")
-            self.context.add(b"{" + _type_key(type(value), label) + str(len(keys)).encode())
-            for key in sorted(keys):
+            # In their order (a forward may concatenate the values), and a subclass's own state with its class.
+            self.context.add(_MAPPING + _type_key(type(value), label) + str(len(keys)).encode())
+            if type(value) is not dict:
+                self.context.add(_mapping_state(value, label))
+            for key in keys:
                 self.context.add(key.encode())
                 self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
         else:
@@ -212,6 +237,17 @@ class _Splitter:
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
+
+
+def _mapping_state(value: Mapping[Any, Any], label: str) -> bytes:
+    """What a mapping class other than ``dict`` holds besides its items: attributes, a ``defaultdict``'s factory."""
+    state = dict(getattr(value, "__dict__", None) or {})
+    if isinstance(value, collections.UserDict):
+        state.pop("data", None)  # its items
+    factory = getattr(value, "default_factory", None)
+    if factory is not None:
+        state["<default_factory>"] = factory
+    return encode_value(state, f"argument {label!r} attributes") if state else b""
 
 
 def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
@@ -308,7 +344,8 @@ class CallSplitter:
                 for i, item in enumerate(value):
                     splitter.add(f"*{name}[{i}]", name, item)
             elif kind is inspect.Parameter.VAR_KEYWORD:
-                for key in sorted(value):
+                splitter.context.add(_KEYWORDS)  # in the caller's order, which **kwargs keeps
+                for key in value:
                     splitter.add(f"**{key}", key, value[key])
             else:
                 splitter.add(name, name, value)
