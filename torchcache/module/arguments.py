@@ -128,7 +128,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: 
 
 
 def _rebuilt(value: Mapping[Any, Any], mapped: dict[Any, Any]) -> Any:
-    """A mapping of ``value``'s class, with its attributes (a ``defaultdict``'s factory, a ``BatchEncoding``'s fields), holding ``mapped``."""
+    """A mapping of the class of ``value``, with its attributes (a ``defaultdict``'s factory), holding ``mapped``."""
     try:
         new = copy.copy(value)
         for key, item in mapped.items():
