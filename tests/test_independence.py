@@ -103,13 +103,13 @@ def test_the_check_leaves_batch_norm_statistics_as_a_plain_call_would() -> None:
 def test_the_check_runs_once_per_module_key_and_process_for_one_or_two_items() -> None:
     first = torchcache()(Counting())
     first(torch.randn(5, 4))
-    assert first.seen == [5, 2]  # the last and the first item again, in a batch of their own
+    assert first.seen == [5, 2, 1]  # the last and the first item again, then a middle one, in batches of their own
     second = torchcache()(Counting())  # the same key: already checked in this process
     second(torch.randn(5, 4))
     assert second.seen == [5]
     pair = torchcache()(Counting(seed=3))
     pair(torch.randn(2, 4))
-    assert pair.seen == [2, 1]
+    assert pair.seen == [2, 1, 1]  # each item alone
 
 
 def test_check_items_false_turns_the_check_off() -> None:

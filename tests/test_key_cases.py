@@ -344,10 +344,10 @@ def test_a_submodule_switched_to_training_mode_alone_is_keyed() -> None:
     net = torchcache()(_frozen(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))))
     evaluated = net(X)
     net[1].train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CacheWarning)
-        trained = net(X)
-    assert not torch.equal(trained, evaluated)  # dropout ran: not the eval-mode entries
+    with pytest.raises(KeyingError, match="not deterministic"):  # another context, checked: dropout runs
+        net(X)
+    net[1].eval()
+    assert torch.equal(net(X), evaluated)
 
 
 # also seen ----------------------------------------------------------------------------------------
@@ -569,12 +569,45 @@ def test_code_under_the_interpreters_prefix_but_outside_its_libraries_is_the_use
     assert is_installed_file(torch.__file__) and is_installed_file(warnings.__file__)
 
 
+def _centered(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(dim=0)  # each row depends on the batch
+
+
 def test_a_batch_of_one_item_repeated_does_not_pass_the_item_check() -> None:
-    model = torchcache()(_frozen(nn.BatchNorm1d(4, track_running_stats=False)))
-    warm = model(torch.zeros(4, 4))  # a warm-up batch: its items are alike, so it tells nothing
+    centered = torchcache()(_centered)
+    warm = centered(torch.zeros(4, 4))  # a warm-up batch: its items are alike, so it tells nothing
     assert torch.equal(warm, torch.zeros(4, 4))
     with pytest.raises(KeyingError, match="depend on the other items"):
-        model(torch.cat([torch.randn(3, 4), torch.zeros(1, 4)]))  # one of its rows cached
+        centered(torch.cat([torch.randn(3, 4), torch.zeros(1, 4)]))  # one of its rows cached
+
+
+def test_the_item_check_runs_per_call_context_and_sees_sorted_batches_and_single_items() -> None:
+    def pool(ids: torch.Tensor, lengths: torch.Tensor, center: bool = False) -> torch.Tensor:
+        longest = int(lengths.max())  # the padding trimmed to the batch's longest item
+        rows = ids[:, :longest].float().mean(dim=1, keepdim=True)
+        return rows - rows.mean(dim=0) if center else rows
+
+    lengths = torch.tensor([2, 3, 5, 8])  # sorted: the last and the first together keep the longest
+    ids = (torch.arange(8).expand(4, 8) < lengths[:, None]) * 7
+    with pytest.raises(KeyingError, match="depend on the other items"):
+        torchcache()(pool)(ids, lengths)
+    plain = torchcache()(lambda x, center=False: x - x.mean(dim=0) if center else x * 2)
+    plain(torch.randn(4, 3))
+    with pytest.raises(KeyingError, match="depend on the other items"):  # another context: checked again
+        plain(torch.randn(4, 3), center=True)
+    noisy = torchcache()(lambda x: x + torch.randn_like(x))
+    with pytest.raises(KeyingError, match="not deterministic"):  # one item at a time: computed twice
+        noisy(torch.randn(1, 3))
+
+
+def _normalized_in_place(x: torch.Tensor) -> torch.Tensor:
+    x.sub_(x.mean(dim=1, keepdim=True))  # the caller's tensor changes: a hit would not change it
+    return x * 2
+
+
+def test_a_forward_that_writes_its_input_in_place_is_refused() -> None:
+    with pytest.raises(KeyingError, match="wrote an input in place"):
+        torchcache()(_normalized_in_place)(torch.randn(4, 3))
 
 
 def test_a_check_whose_smaller_batch_fails_refuses_the_module() -> None:

@@ -89,6 +89,23 @@ class CallArguments:
     training: bool | None = None
     #: Arguments that are lists of as many strings as there are items (texts, file names).
     lists_like_the_batch: list[str] = field(default_factory=list)
+    #: The digest of everything but the items (module key, arguments, mode): the item check runs once per context.
+    context: bytes = b""
+    #: The per-item tensors' version counters when the call was split.
+    versions: list[int] = field(default_factory=list)
+
+    def refuse_written(self, name: str) -> None:
+        """Raise if a per-item tensor was written in place since the call was split (by the forward of ``name``).
+
+        Raises:
+            KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
+        """
+        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)):
+            raise KeyingError(
+                f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
+                "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
+                "outside the cached module"
+            )
 
     def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The caller's arguments with every per-item tensor restricted to ``positions``."""
@@ -108,6 +125,10 @@ class CallArguments:
         if name in self._shared:
             return value
         return _map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version  # an inference tensor counts no writes
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
@@ -367,6 +388,7 @@ class CallSplitter:
             _shared=self.shared,
             _dims=self.dims,
             lists_like_the_batch=[label for label, length in splitter.sequences if length == splitter.batch],
+            versions=list(map(_version_of, splitter.tensors)),
         )
 
 

@@ -152,11 +152,12 @@ def torchcache(
             that no returned batch mixes items computed in batches of other sizes (CPU
             and GPU kernels can differ in the last bits between batch sizes). Hits then
             come only from batches found whole in the cache.
-        check_items: At the first call of a module key in a process with two items or
-            more, compute one or two of them again in another batch and raise
-            :class:`~torchcache.KeyingError` if their outputs changed: a module whose
-            items depend on each other (CLIP's logits, batch norm with batch
-            statistics) cannot be cached per item. Costs one forward of one or two items.
+        check_items: At the first call of each call context (the arguments other than
+            the items, the per-item shapes, the mode) in a process, compute some of its
+            items again in other batches and raise :class:`~torchcache.KeyingError` if
+            their outputs changed: a module whose items depend on each other (CLIP's
+            logits, batch norm with batch statistics) or that draws at random cannot be
+            cached per item. Costs two forwards of one or two items per context.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
             accepted and ignored, with a ``DeprecationWarning``.

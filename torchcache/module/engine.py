@@ -419,7 +419,8 @@ class Cache:
         # part of the key, and nothing is added at their defaults, so keys made without them stay.
         for line in numerics((*_AUTOCAST_DEVICES, call.tensors[0].device.type)):
             context.add(line)
-        return call, context.digest()
+        call.context = context.digest()
+        return call, call.context
 
     def _call_mixed(
         self,
@@ -453,6 +454,7 @@ class Cache:
             whole = len(missing) == batch or self.settings.exact_batches
             if whole:
                 computed = fn(*call.args, **call.kwargs)
+                call.refuse_written(self.name)  # a hit does not run forward: the input would stay as it was
             else:
                 sub_args, sub_kwargs = call.select(missing)
                 computed = fn(*sub_args, **sub_kwargs)
@@ -470,7 +472,7 @@ class Cache:
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
             if whole:
-                if self._check_due(call) and not self._verify_items(fn, call, layout, leaves, keys):
+                if self._check_due(call, computed=True) and not self._verify_items(fn, call, layout, leaves, keys):
                     return computed
                 if leaves and len(missing) < batch:  # store the misses' rows only
                     rows = index_tensor(missing, leaves[0].device)
@@ -516,18 +518,19 @@ class Cache:
                 ) from None
             raise
 
-    def _check_due(self, call: CallArguments) -> bool:
-        """Whether the call's items are still to be checked (two items or more, a mode not yet checked)."""
-        items = self._items
-        return items.enabled and call.batch > 1 and call.training not in items.passed
+    def _check_due(self, call: CallArguments, computed: bool = False) -> bool:
+        """Whether the call's items are still to be checked (one item: only when computed, to see randomness)."""
+        items, context = self._items, call.context  # ItemCheck's fields: no call on the hit path
+        if not items.enabled or context in items.passed:
+            return False
+        return call.batch > 1 or (computed and context not in items.alone)
 
     def _verify_items(
         self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
-        assert self._module_hash is not None
         kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
-        return self._items.verify(self._module_hash, fn, call, self._outputs, layout, rows, keys, kept, self.clear)
+        return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up

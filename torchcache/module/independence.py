@@ -6,10 +6,13 @@ batch. Modules that compare or pool across the batch break that: CLIP's
 that normalises with the batch's statistics, attention across the batch. Their rows,
 cached from one batch and served in another, would be wrong.
 
-So the first call of a module key in a process with at least two items computes one or
-two of them again in another batch (the last item alone when there are two, else the
-last and the first, in that order: another set, another size and another order) and
-compares their rows with the rows the call returns, cached or computed. Rows that
+So the first call of each call context (the module key, the arguments but the items,
+the mode) in a process computes some of its items again in other batches (of two items,
+each alone; of more, the last and the first, in that order, then a middle one alone,
+which no sort of the batch makes its largest: other sets, sizes and orders) and compares
+their rows with the rows the call returns, cached or computed. A call of one item is
+computed again (randomness shows there), and the next call of that context with two
+items or more is checked in full. Rows that
 differ beyond what floating point allows between batch sizes (a relative difference of
 1 %, or 8 units in the last place of a low-precision dtype; integers exactly), or
 outputs whose per-item shape depends on the batch, make the call raise
@@ -17,8 +20,8 @@ outputs whose per-item shape depends on the batch, make the call raise
 in the same batch, to tell randomness (dropout in training mode) from dependence on the
 batch. In training mode, where dropout and batch statistics are expected, a module that
 fails the check is not refused: its calls in training mode run without the cache, with
-one warning. The check costs one forward of one or two items per module key, training
-mode and process; ``check_items=False`` turns it off.
+one warning. The check costs two forwards of one or two items per call context and
+process; ``check_items=False`` turns it off.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from .outputs import OutputPlan
 
 __all__ = ["DependentItemsError", "ItemCheck", "check_items", "forget_checks", "is_checked", "mark_checked"]
 
-#: Module keys, with the training flag of the calls, whose items were seen to be independent in this process.
-_checked: set[tuple[str, bool | None]] = set()
+#: Call contexts (module key, arguments but the items, mode) whose items were seen to be independent here.
+_checked: set[bytes] = set()
 _REMEDY = (
     "Caching per item would return rows computed in other batches. Cache a method whose outputs are per item "
     "(for CLIP: get_image_features and get_text_features instead of the whole model), give batch norm running "
@@ -60,18 +63,18 @@ class DependentItemsError(KeyingError):
         self.random = random
 
 
-def is_checked(module_key: str, training: bool | None) -> bool:
-    """Whether the items of ``module_key`` in training mode ``training`` were checked in this process."""
-    return (module_key, training) in _checked
+def is_checked(context: bytes) -> bool:
+    """Whether the items of calls in ``context`` (:attr:`CallArguments.context`) were checked in this process."""
+    return context in _checked
 
 
-def mark_checked(module_key: str, training: bool | None) -> None:
-    """Record that the items of ``module_key`` in training mode ``training`` are independent."""
-    _checked.add((module_key, training))
+def mark_checked(context: bytes) -> None:
+    """Record that the items of calls in ``context`` are independent."""
+    _checked.add(context)
 
 
 def forget_checks() -> None:
-    """Check every module key again at its next call with two items or more."""
+    """Check every call context again at its next call."""
     _checked.clear()
 
 
@@ -86,17 +89,18 @@ class ItemCheck:
 
     def __init__(self, name: str, enabled: bool, faults: FaultLog) -> None:
         self.name, self.enabled, self.faults = name, enabled, faults
-        self.passed: set[bool | None] = set()  # training modes whose items are known to be independent
+        self.passed: set[bytes] = set()  # call contexts whose items are known to be independent
+        self.alone: set[bytes] = set()  # contexts whose single items were computed twice alike (not random)
         self.uncached: set[bool | None] = set()  # training modes whose calls run without the cache
 
     def reset(self) -> None:
         """Check again at the next call (the module key changed)."""
         self.passed.clear()
+        self.alone.clear()
         self.uncached.clear()
 
     def verify(
         self,
-        module_key: str,
         fn: Callable[..., Any],
         call: CallArguments,
         plan: OutputPlan,
@@ -106,10 +110,12 @@ class ItemCheck:
         kept: AbstractContextManager[Any],
         clear: Callable[[], None],
     ) -> bool:
-        """Check, once per module key, training mode and process, that the call's items do not depend on each other.
+        """Check, once per call context and process, that the call's items do not depend on each other.
+
+        A call of one item can only show randomness: its item is computed again (once per
+        context), and the next call of two items or more is checked in full.
 
         Args:
-            module_key: The module key.
             fn: The callable, called with the caller's layout of arguments.
             call: The call, with at least two items.
             plan: Where the batch sits in each output leaf.
@@ -129,7 +135,7 @@ class ItemCheck:
             DependentItemsError: If they do outside training mode; the entries cached so
                 far under this key are removed.
         """
-        if not is_checked(module_key, call.training):
+        if not is_checked(call.context):
             try:
                 with kept:  # the check's forward leaves no trace in batch norm's statistics
                     check_items(self.name, fn, call, plan, layout, rows)
@@ -146,9 +152,10 @@ class ItemCheck:
                 clear()
                 raise
             if all(k == keys[0] for k in keys):  # randomness shows; dependence on the batch cannot
+                self.alone.add(call.context)
                 return True
-            mark_checked(module_key, call.training)
-        self.passed.add(call.training)
+            mark_checked(call.context)
+        self.passed.add(call.context)
         return True
 
 
@@ -160,7 +167,7 @@ def check_items(
     Args:
         name: The cached callable's name, for the message.
         fn: The callable, called with the caller's layout of arguments.
-        call: The call, with at least two items.
+        call: The call.
         plan: Where the batch sits in each output leaf.
         layout: The layout of ``rows``.
         rows: The output leaves of the whole call, batch first, in input order.
@@ -169,7 +176,24 @@ def check_items(
         DependentItemsError: If the rows computed in the other batch differ.
     """
     batch = call.batch
-    positions = [batch - 1] if batch == 2 else [batch - 1, 0]
+    # Other sets, sizes and orders: the last and the first, then a middle item alone, which no sort of the
+    # batch (by length, say) makes its largest (of two items, each alone); of one item: itself again.
+    checks = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], [batch // 2]]
+    for positions in checks:
+        _check_positions(name, fn, call, plan, layout, rows, positions)
+
+
+def _check_positions(
+    name: str,
+    fn: Callable[..., Any],
+    call: CallArguments,
+    plan: OutputPlan,
+    layout: Layout,
+    rows: list[torch.Tensor],
+    positions: list[int],
+) -> None:
+    """Compute the items at ``positions`` in a batch of their own and compare them with their ``rows``."""
+    batch = call.batch
     args, kwargs = call.select(positions)
     try:
         with torch.no_grad():
