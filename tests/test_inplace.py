@@ -137,6 +137,16 @@ def test_a_sparse_buffer_passes_the_item_check_and_its_writes_are_seen() -> None
     assert torch.equal(cached(x), plain(x))
 
 
+def test_a_module_unfrozen_after_its_first_call_runs_uncached_with_its_graph() -> None:
+    cached = torchcache()(nn.Linear(4, 4).requires_grad_(False)).eval()
+    x = torch.randn(3, 4)
+    cached(x)
+    cached.requires_grad_(True)  # fine-tuning after a warm-up: a hit would carry no gradient
+    with pytest.warns(CacheWarning, match="require grad"):
+        out = cached(x)
+    assert out.requires_grad
+
+
 def test_load_state_dict_still_takes_the_key_again(tmp_path: Path) -> None:
     cached, plain = _cached(False, tmp_path)
     x = torch.randn(5, 6)
