@@ -9,7 +9,10 @@ the spec says. There are three kinds, each checked on the class itself:
 
 * ``namedtuple``: a tuple subclass with ``_fields`` (``collections.namedtuple``,
   ``typing.NamedTuple``), rebuilt with ``cls._make(values)``;
-* ``dataclass``: ``dataclasses.is_dataclass(cls)``, rebuilt with ``cls(**fields)``.
+* ``dataclass``: ``dataclasses.is_dataclass(cls)``, rebuilt with its stored fields set
+  on a new instance, without running ``__init__`` or ``__post_init__`` again (one that
+  transforms a field would transform it twice), and refused at store time if it holds
+  attributes beyond its fields; a ``dict`` subclass is rebuilt with ``cls(**fields)``.
   This covers Hugging Face ``ModelOutput`` (an ``OrderedDict`` subclass and a
   dataclass): its fields that were ``None`` are stored as ``None`` and the class
   leaves them out of its dict part again;
@@ -161,6 +164,12 @@ def _dataclass_members(node: object, what: str, path: str) -> list[tuple[str, An
                 "argument (init=False), so a cached entry could not rebuild it"
             )
     values = [(field.name, getattr(node, field.name)) for field in fields]
+    extra = sorted(set(getattr(node, "__dict__", ())) - {name for name, _ in values})
+    if extra and not isinstance(node, dict):  # rebuilt from its fields alone, __post_init__ not run again
+        raise KeyingError(
+            f"{path}: cannot cache an output of type {what}: it holds attributes beyond its fields ({extra}), "
+            "set by its __init__ or __post_init__, which a cached entry would not hold; make them fields"
+        )
     if isinstance(node, dict):  # a ModelOutput: its dict part must follow from its fields
         names = [name for name, _ in values]
         keys = list(node)
@@ -243,8 +252,13 @@ def build(kind: str, name: str, keys: list[str], values: list[Any]) -> object:
     try:
         if kind == "namedtuple":
             return cls._make(values)  # type: ignore[attr-defined]
-        if kind == "dataclass":
+        if kind == "dataclass" and issubclass(cls, dict):  # a ModelOutput: its __post_init__ makes its items
             return cls(**dict(zip(keys, values)))
+        if kind == "dataclass":  # its fields as they were stored: __post_init__ ran when it was made
+            node: object = object.__new__(cls)
+            for key, value in zip(keys, values):
+                object.__setattr__(node, key, value)
+            return node
         return cls(zip(keys, values))
     except Exception as exc:
         raise RebuildError(f"cannot rebuild a cached output of type {name!r}: {type(exc).__name__}: {exc}") from exc

@@ -108,6 +108,7 @@ class VersionWatch:
         "_generation",
         "_grads",
         "_handle",
+        "_held",
         "_hook_count",
         "_hook_dicts",
         "_hooks",
@@ -141,6 +142,7 @@ class VersionWatch:
         self._ptrs: list[int] = []
         self._hooks: list[int] = []
         self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
+        self._held: list[torch.Tensor] = []
         self._generation = -1
         self._digest = ""
 
@@ -158,7 +160,8 @@ class VersionWatch:
         self._count = sum(map(len, self._registries))
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
-        self._grads = sum(map(_requires_grad, self._values))  # unfrozen later: the key is taken again, and refused
+        self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
+        self._grads = sum(map(_requires_grad, self._held))  # unfrozen later: the key is taken again, and refused
         held = list(_tensors(module))
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
@@ -186,7 +189,7 @@ class VersionWatch:
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        if sum(map(len, self._children)) != self._child_count or sum(map(_requires_grad, self._values)) != self._grads:
+        if sum(map(len, self._children)) != self._child_count or sum(map(_requires_grad, self._held)) != self._grads:
             return True
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
