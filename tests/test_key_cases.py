@@ -496,6 +496,28 @@ def test_a_mapping_class_keeps_its_attributes_in_the_key_and_in_smaller_batches(
     assert defaults.cache_instance.stats().hits == 2
 
 
+class _Options:
+    def __init__(self, gain: float) -> None:
+        self.name, self.gain = "run", gain
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name}  # what gets logged: not everything forward reads
+
+
+class _Gained(nn.Module):
+    def __init__(self, options: _Options) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.options.gain
+
+
+def test_an_object_with_a_to_dict_is_keyed_by_what_it_leaves_out_too(tmp_path: Path) -> None:
+    got, expected = _both(_Gained(_Options(1.0)), _Gained(_Options(5.0)), X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
 # state reached in other ways ----------------------------------------------------------------------
 _MEMOIZED = """
 import functools

@@ -101,7 +101,7 @@ def encode_plain(encoder: Encoder, value: Any, cls_encoding: bytes, path: str, d
 
 
 def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int) -> bytes:
-    """Objects without a rule: a ``__torchcache_key__()``, a configuration's entries, or pickle's state."""
+    """Objects without a rule: a ``__torchcache_key__()``, a config's entries (and what they omit), or pickle state."""
     own_key = getattr(value, "__torchcache_key__", None)
     if callable(own_key):
         named = text(f"{cls.__module__}.{cls.__qualname__}")
@@ -115,7 +115,10 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
             entries = None
         if type(entries) is dict:
             entries = {k: v for k, v in entries.items() if k not in CONFIG_UNKEYED}
-            return tagged(Tag.CONFIG, cls_encoding + encoder.attributes(entries.items(), path, depth))
+            encoded = cls_encoding + encoder.attributes(entries.items(), path, depth)
+            # and what it leaves out (a config's _attn_implementation_internal; a logging-minded to_dict)
+            others = sorted(((k, v) for k, v in vars(value).items() if k not in entries and k not in CONFIG_UNKEYED))
+            return tagged(Tag.CONFIG, encoded + (encoder.attributes(others, path, depth) if others else b""))
     if _is_plain(cls) and isinstance(getattr(value, "__dict__", None), dict):
         encoder.remember_plain(cls, cls_encoding)  # later instances skip the checks above
         return encode_plain(encoder, value, cls_encoding, path, depth)
