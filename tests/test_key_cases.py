@@ -518,6 +518,36 @@ def test_an_object_with_a_to_dict_is_keyed_by_what_it_leaves_out_too(tmp_path: P
     assert torch.equal(got, expected)
 
 
+_ENCODER = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False).eval()
+
+
+def _through_global_encoder(x: torch.Tensor) -> torch.Tensor:
+    return _ENCODER(x)
+
+
+class _HoldsUnregistered(nn.Module):
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "encoder", encoder)  # not a submodule: keyed as a value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+@pytest.mark.parametrize("holder", ["function", "module"])
+def test_the_training_flag_of_a_module_held_as_a_value_is_keyed_and_watched(holder: str) -> None:
+    encoder = _ENCODER if holder == "function" else nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    cached = torchcache()(_through_global_encoder if holder == "function" else _HoldsUnregistered(encoder).eval())
+    cached(X)
+    try:
+        encoder.train()  # dropout on: the eval-mode entries must not be served
+        with pytest.raises(KeyingError, match="not deterministic"):
+            cached(X)
+    finally:
+        encoder.eval()
+    assert torch.equal(cached(X), encoder(X))
+
+
 # state reached in other ways ----------------------------------------------------------------------
 _MEMOIZED = """
 import functools

@@ -78,8 +78,14 @@ def module_hooks(encoder: Encoder, module: torch.nn.Module, path: str, depth: in
 
 
 def encode_module(encoder: Encoder, module: torch.nn.Module, path: str, depth: int) -> bytes:
-    """A module held as a value: class, attributes, hooks, weights and submodules."""
+    """A module held as a value: class, attributes, training flag, hooks, weights and submodules.
+
+    Its training flag is watched by whoever holds the key (:func:`collect`), as a registered
+    submodule's is part of every call's key.
+    """
+    collect(module)
     parts = [module_attributes(encoder, module, path, depth), module_hooks(encoder, module, path, depth)]
+    parts.append(text("training" if module.training else "eval"))
     for kind, registry in ((b"p", module._parameters), (b"b", module._buffers)):
         for key, tensor in registry.items():
             if not encoder.ignored(path, key):

@@ -162,7 +162,7 @@ _collector = threading.local()
 
 @contextlib.contextmanager
 def collecting() -> Iterator[list[Any]]:
-    """Collect the tensors and numpy arrays encoded by content in the block (on this thread).
+    """Collect the tensors and numpy arrays encoded by content, and modules held as values, in the block (this thread).
 
     A key covers them as they were; whoever holds the key watches them for in-place writes.
     """
@@ -176,7 +176,7 @@ def collecting() -> Iterator[list[Any]]:
 
 
 def collect(value: object) -> None:
-    """Note a tensor or array keyed by content, for :func:`collecting`."""
+    """Note a tensor or array keyed by content, or a module held as a value, for :func:`collecting`."""
     found = getattr(_collector, "found", None)
     if found is not None:
         found.append(value)

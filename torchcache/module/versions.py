@@ -229,7 +229,7 @@ class VersionWatch:
 
 
 class HeldValues:
-    """Tensors and numpy arrays a key covers by content beyond the module's own tensors.
+    """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
     Tensors in lists, dicts or other objects among the attributes, and those a function
     reads from its globals: the key was taken from their content, so an in-place write
@@ -237,7 +237,7 @@ class HeldValues:
     in all, by hashing them again) means the key must be taken again.
     """
 
-    __slots__ = ("_arrays", "_ptrs", "_tensors", "_total", "_versioned")
+    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned")
 
     def __init__(self, values: list[Any]) -> None:
         unique = list({id(value): value for value in values}.values())
@@ -246,6 +246,8 @@ class HeldValues:
         self._versioned = [t for t in tensors if not t.is_inference()]
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
+        self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
+        self._flags = bytes(map(_training, self._modules))
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
         room = ARRAY_WATCH_BYTES
         for array in (v for v in unique if isinstance(v, np.ndarray) and not v.dtype.hasobject):
@@ -254,11 +256,13 @@ class HeldValues:
                 self._arrays.append((array, _array_digest(array)))
 
     def __bool__(self) -> bool:
-        return bool(self._tensors or self._arrays)
+        return bool(self._tensors or self._arrays or self._modules)
 
     def changed(self) -> bool:
         """Whether one of them was written in place (or given new storage) since they were collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
         return any(_array_digest(array) != digest for array, digest in self._arrays)
 
