@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import pickle
@@ -281,6 +282,18 @@ def test_serving_without_the_dataset_names_a_missing_sample(tmp_path: Path, log:
     other.close()
     with pytest.raises(ConfigError, match="2 dataset caches"):
         CachedDataset(None, cache_dir)
+
+
+def test_serving_without_the_dataset_refuses_a_length_no_dataset_can_have(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(3, log), tmp_path, max_memory_size=0)
+    data[0]
+    data.close()
+    meta_path = next(tmp_path.glob("*/torchcache.json"))
+    meta = json.loads(meta_path.read_text())
+    meta["length"] = 2**63  # past what len() can return
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="not a usable dataset cache"):
+        CachedDataset(None, tmp_path)
 
 
 @pytest.mark.slow

@@ -83,9 +83,10 @@ def test_damaged_segment_bytes_are_misses_never_wrong_bytes(bucket: str, s3fs_of
     "manifest",
     [
         b"not json",
-        b'{"format": "torchcache-objects", "version": 1, "bytes": 10, "entries": [["abcd", 5, 10, 0]]}',
-        b'{"format": "torchcache-objects", "version": 2, "bytes": 0, "entries": []}',
-        b'{"format": "torchcache-objects", "version": 1, "bytes": 10, "entries": [["../x", 0, 1, 0]]}',
+        b'{"format": "torchcache-objects", "version": 2, "bytes": 10, "entries": [["abcd", 5, 10, 0]]}',
+        b'{"format": "torchcache-objects", "version": 1, "bytes": 0, "entries": []}',  # its digests bind no key
+        b'{"format": "torchcache-objects", "version": 2, "bytes": 10, "entries": [["../x", 0, 1, 0]]}',
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the JSON parser's depth
     ],
 )
 def test_a_planted_or_lying_manifest_is_reported_and_not_used(bucket: str, s3fs_of: Any, manifest: bytes) -> None:
@@ -101,12 +102,55 @@ def test_a_planted_or_lying_manifest_is_reported_and_not_used(bucket: str, s3fs_
 
 def test_a_manifest_whose_digest_lies_gives_a_miss(bucket: str, s3fs_of: Any) -> None:
     store = _store(bucket)
-    planted = {"format": "torchcache-objects", "version": 1, "bytes": 4, "entries": [["abcd", 0, 4, 12345]]}
+    planted = {"format": "torchcache-objects", "version": 2, "bytes": 4, "entries": [["abcd", 0, 4, 12345]]}
     s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcs", b"evil")
     s3fs_of.pipe_file(f"{store.bucket.prefix}/00000000000000000002-0123456789abcdef.tcm", json.dumps(planted).encode())
     reports = Reports()
     assert _store(bucket, reports=reports).get("abcd") is None
     assert reports.kinds() == [Fault.CORRUPT]
+
+
+def _manifest_name(fs: Any, store: ObjectStore) -> str:
+    return next(path for path in fs.find(store.bucket.prefix) if path.endswith(".tcm"))
+
+
+def test_a_manifest_that_gives_a_key_another_entrys_bytes_gives_a_miss(bucket: str, s3fs_of: Any) -> None:
+    store = _store(bucket)
+    store.put_many([(key(1), value(1)), (key(2), value(2))])
+    path = _manifest_name(s3fs_of, store)
+    manifest = json.loads(s3fs_of.cat_file(path))
+    entries = {entry[0]: entry for entry in manifest["entries"]}
+    entries[key(1)][1:] = entries[key(2)][1:]  # key 1 pointed at key 2's offset, length and digest
+    s3fs_of.pipe_file(path, json.dumps(manifest).encode())
+    reports = Reports()
+    reader = _store(bucket, reports=reports)
+    assert reader.get(key(1)) is None and bytes(reader.get(key(2)) or b"") == value(2)
+    assert reports.kinds() == [Fault.CORRUPT]
+
+
+def test_a_segment_pruned_since_the_listing_is_listed_again_and_its_keys_read_from_the_newer(
+    bucket: str, s3fs_of: Any
+) -> None:
+    first = _store(bucket)
+    first.put_many([(key(1), value(1))])
+    reader = _store(bucket)
+    assert len(reader) == 1  # listed: key 1 is in the first segment
+    old = _manifest_name(s3fs_of, first).removesuffix(".tcm")
+    _store(bucket).put_many([(key(1), value(1))])  # another writer keeps it in a newer segment...
+    s3fs_of.rm([old + ".tcm", old + ".tcs"])  # ...and prunes the first
+    assert bytes(reader.get(key(1)) or b"") == value(1)
+
+
+def test_a_reader_that_left_entries_out_for_its_own_faults_uploads_no_checkpoint(bucket: str, s3fs_of: Any) -> None:
+    _store(bucket).put_many([(key(1), value(1))])
+    segment = next(path for path in s3fs_of.find(bucket.removeprefix("s3://")) if path.endswith(".tcs"))
+    s3fs_of.pipe_file(segment, b"\xff" * len(value(1)))  # read as damaged (as a fault in transit would be)
+    reports = Reports()
+    reader = _store(bucket, reports=reports)
+    assert reader.get(key(1)) is None and reports.kinds() == [Fault.CORRUPT]
+    for i in range(2, 40):  # past the manifests that make a checkpoint due
+        reader.put_many([(key(i), value(i))])
+    assert not [name for name in _objects(s3fs_of, bucket) if name.endswith(".tci")]
 
 
 def test_the_budget_removes_the_oldest_segments_first(bucket: str, s3fs_of: Any) -> None:
@@ -172,10 +216,10 @@ def test_a_checkpoint_keeps_tombstones_and_forgets_segments_pruned_after_it(buck
     "checkpoint",
     [
         b"not json",
-        b'{"format": "torchcache-objects", "version": 1, "covers": ["../x.tcm"], "segments": [], "deleted": []}',
-        b'{"format": "torchcache-objects", "version": 1, "covers": [], "segments": [["../x.tcs", 4, []]], '
+        b'{"format": "torchcache-objects", "version": 2, "covers": ["../x.tcm"], "segments": [], "deleted": []}',
+        b'{"format": "torchcache-objects", "version": 2, "covers": [], "segments": [["../x.tcs", 4, []]], '
         b'"deleted": []}',
-        b'{"format": "torchcache-objects", "version": 1, "covers": [], "segments": [], "deleted": [["abcd", 1]]}',
+        b'{"format": "torchcache-objects", "version": 2, "covers": [], "segments": [], "deleted": [["abcd", 1]]}',
     ],
 )
 def test_a_planted_checkpoint_is_reported_and_the_manifests_are_read_instead(
@@ -206,6 +250,22 @@ def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch
     assert reports.kinds() == [Fault.UNAVAILABLE]  # once per outage
     with pytest.raises(StoreUnavailableError):
         store.put_many([(key(1), b"x")])
+
+
+def test_the_stats_of_a_dataset_cache_whose_bucket_is_away_do_not_raise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.object_servers import CREDENTIALS, _free_port, require_s3
+
+    require_s3()
+    for name, val in CREDENTIALS.items():
+        monkeypatch.setenv(name, val)
+    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+    with pytest.warns(CacheWarning):
+        cached = CachedDataset(Images(4), "s3://nowhere/cache", storage_options=away, local_cache_dir=tmp_path)
+        assert [label for _, label in cached.__getitems__([0, 1])] == [0, 1]
+        stats = cached.stats()
+    assert stats.misses == 2 and stats.disk is not None and stats.disk.entries == 0
 
 
 # -- the products -------------------------------------------------------------------------

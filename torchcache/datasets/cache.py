@@ -281,20 +281,14 @@ class SampleCache:
         """Hits per tier and misses (over this process and its DataLoader workers), and each tier's size."""
         memory_hits, disk_hits, misses = self._counters.totals()
         by_name = {tier.name: tier for tier in self._open()}
-
-        def tier_stats(name: str, hits: int, max_bytes: int) -> TierStats:
-            tier = by_name.get(name)
-            if tier is None:
-                return TierStats(entries=0, bytes=0, max_bytes=max_bytes, hits=hits)
-            return TierStats(entries=len(tier), bytes=tier.nbytes, max_bytes=max_bytes, hits=hits)
-
         hits = memory_hits + disk_hits
+        disk = _tier_stats(by_name.get("disk"), disk_hits, self.max_disk_size)
         return CacheStats(
             hits=hits,
             misses=misses,
             hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-            memory=tier_stats("memory", memory_hits, self.max_memory_size),
-            disk=tier_stats("disk", disk_hits, self.max_disk_size) if self.directory or self.url else None,
+            memory=_tier_stats(by_name.get("memory"), memory_hits, self.max_memory_size),
+            disk=disk if self.directory or self.url else None,
         )
 
     def metadata(self) -> dict[str, Any] | None:
@@ -345,3 +339,12 @@ def _encode(sample: object, key: object, check_only: bool = False) -> bytes:
         return encode_sample(sample)
     except KeyingError as exc:
         raise type(exc)(f"the sample of {key!r}: {exc}") from None
+
+
+def _tier_stats(tier: SampleTier | None, hits: int, max_bytes: int) -> TierStats:
+    """A tier's figures (none for a tier not open, or a server away: its store reports the fault)."""
+    try:
+        entries, nbytes = (len(tier), tier.nbytes) if tier is not None else (0, 0)
+    except StoreError:
+        entries = nbytes = 0
+    return TierStats(entries=entries, bytes=nbytes, max_bytes=max_bytes, hits=hits)

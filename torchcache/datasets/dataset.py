@@ -169,7 +169,7 @@ class CachedDataset(Dataset[Any]):
                 directory = _find_cache(root)
                 name, meta, where = directory.name, read_meta(directory) or {}, directory.parent
             length = meta.get("length")
-            if type(length) is not int or length < 0 or module_dir_name(name) != name:
+            if type(length) is not int or not 0 <= length <= sys.maxsize or module_dir_name(name) != name:
                 raise ConfigError(f"{name} in {where} is not a usable dataset cache (its length or name is invalid)")
             self.fingerprint = name
             size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size

@@ -132,7 +132,7 @@ class Bucket:
         try:
             body = self.call(lambda: self.fs.cat_file(self.path(META_NAME)), "read the description")
             meta = json.loads(body)
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, RecursionError):
             return {}
         return meta if isinstance(meta, dict) else {}
 

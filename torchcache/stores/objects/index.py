@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .manifests import CHECKPOINT, FORMAT, MANIFEST, SEGMENT, TOMBSTONE, Entry, parse, parse_checkpoint
+from .manifests import CHECKPOINT, FORMAT, MANIFEST, SEGMENT, TOMBSTONE, VERSION, Entry, parse, parse_checkpoint
 
 __all__ = ["Index"]
 
@@ -202,7 +202,7 @@ class Index:
         self.covered = set(self.seen)
         body = {
             "format": FORMAT,
-            "version": 1,
+            "version": VERSION,
             "covers": sorted(self.covered),
             "segments": [[segment, self.segments[segment], entries] for segment, entries in sorted(held.items())],
             "deleted": sorted((key, f"{stamp:020d}") for key, stamp in self.deleted.items()),

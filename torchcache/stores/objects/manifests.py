@@ -2,7 +2,9 @@
 
 Object names are ``<stamp>-<id><suffix>``: the stamp (upload time in nanoseconds, 20
 digits) makes names sort by age. A manifest (``.tcm``) names its segment's (``.tcs``)
-entries as ``[key, offset, length, xxh3-64]``; a tombstone (``.tcd``) names keys removed
+entries as ``[key, offset, length, digest]``, the digest being the xxh3-64 of the entry's
+bytes seeded with the xxh3-64 of its key (:func:`digest`: bytes under another key fail
+it, whatever a manifest says); a tombstone (``.tcd``) names keys removed
 from every manifest older than it. A checkpoint (``.tci``) is the merge of the manifests
 and tombstones it names (``covers``), so that a reader starting from nothing reads one
 object and the few manifests newer than it, not every manifest. All three are JSON,
@@ -29,7 +31,9 @@ __all__ = [
     "MANIFEST",
     "SEGMENT",
     "TOMBSTONE",
+    "VERSION",
     "Entry",
+    "digest",
     "pack",
     "Read",
     "Taken",
@@ -42,6 +46,8 @@ __all__ = [
 ]
 
 FORMAT = "torchcache-objects"
+#: Version 2 binds each digest to its key; objects of version 1 (no binding) are not read.
+VERSION = 2
 SEGMENT, MANIFEST, TOMBSTONE, CHECKPOINT = ".tcs", ".tcm", ".tcd", ".tci"
 _MAX_MANIFEST = 64 << 20
 _MAX_CHECKPOINT = 1 << 30
@@ -74,19 +80,21 @@ class Read(NamedTuple):
     entries: list[tuple[int, Entry]]
     others: list[tuple[str, int, int, int]]  #: ``(key, offset, length, digest)``
 
-    def take(self, blob: bytes, out: list[bytes | memoryview | None]) -> tuple[list[int], list[tuple[str, memoryview]]]:
+    def take(
+        self, blob: bytes, keys: Sequence[str], out: list[bytes | memoryview | None]
+    ) -> tuple[list[int], list[tuple[str, memoryview]]]:
         """Fill ``out`` with the entries that pass their check; return the positions that fail, and the others."""
         view, failed = memoryview(blob), []
         for i, entry in self.entries:
             data = view[entry.offset - self.start : entry.offset - self.start + entry.length]
-            if len(data) == entry.length and xxhash.xxh3_64_intdigest(data) == entry.digest:
+            if len(data) == entry.length and digest(keys[i], data) == entry.digest:
                 out[i] = data
             else:
                 failed.append(i)
         others = []
-        for key, offset, length, digest in self.others:
+        for key, offset, length, expected in self.others:
             data = view[offset - self.start : offset - self.start + length]
-            if len(data) == length and xxhash.xxh3_64_intdigest(data) == digest:
+            if len(data) == length and digest(key, data) == expected:
                 others.append((key, data))
         return failed, others
 
@@ -109,7 +117,7 @@ def take_all(reads: Sequence[Read], blobs: Sequence[object], keys: Sequence[str]
         elif not isinstance(blob, bytes):
             taken = taken._replace(unreadable=f"{read.segment}: {blob}")
         else:
-            failed, others = read.take(blob, out)
+            failed, others = read.take(blob, keys, out)
             taken.damaged.extend(keys[i] for i in failed)
             taken.extras.extend(others)
     return taken
@@ -171,20 +179,25 @@ def to_sweep(names: set[str], older_than_ns: int | None) -> list[str]:
     return found
 
 
+def digest(key: str, data: bytes | memoryview) -> int:
+    """An entry's digest: the xxh3-64 of its bytes, seeded with the xxh3-64 of its key."""
+    return xxhash.xxh3_64_intdigest(data, xxhash.xxh3_64_intdigest(key.encode()))
+
+
 def pack(items: dict[str, bytes | memoryview]) -> tuple[bytes, bytes]:
     """A segment holding ``items`` (key to payload) and its manifest."""
     entries: list[list[Any]] = []
     offset = 0
     for key, data in items.items():
-        entries.append([key, offset, len(data), xxhash.xxh3_64_intdigest(data)])
+        entries.append([key, offset, len(data), digest(key, data)])
         offset += len(data)
-    body = {"format": FORMAT, "version": 1, "bytes": offset, "entries": entries}
+    body = {"format": FORMAT, "version": VERSION, "bytes": offset, "entries": entries}
     return b"".join(bytes(data) for data in items.values()), json.dumps(body, separators=(",", ":")).encode()
 
 
 def tombstone(keys: list[str]) -> bytes:
     """The tombstone of ``keys``."""
-    return json.dumps({"format": FORMAT, "version": 1, "deleted": keys}).encode()
+    return json.dumps({"format": FORMAT, "version": VERSION, "deleted": keys}).encode()
 
 
 def _read(body: object, limit: int, what: str) -> dict[str, Any] | str:
@@ -193,9 +206,9 @@ def _read(body: object, limit: int, what: str) -> dict[str, Any] | str:
         return "unreadable or too large"
     try:
         data = json.loads(body)
-    except ValueError as exc:
-        return f"not JSON: {exc}"
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != 1:
+    except (ValueError, RecursionError) as exc:  # a planted object nested past the parser's depth
+        return f"not JSON: {type(exc).__name__}"
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         return f"not a torchcache {what} of a known version"
     return data
 

@@ -102,6 +102,8 @@ class ObjectStore(BatchedStore):
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
+        #: Entries were left out of the index for a fault of this process's reads: it uploads no checkpoint.
+        self._partial = False
 
     def __repr__(self) -> str:
         namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known)
@@ -139,7 +141,9 @@ class ObjectStore(BatchedStore):
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored bytes of each key, ``None`` for a miss: a few ranged reads per segment (:func:`ranged_reads`).
 
-        A bucket that cannot be read gives misses (reported once per outage).
+        A segment gone since the listing (another writer pruned it, maybe after copying
+        its entries into a newer one) makes the bucket be listed again and its keys read
+        once more. A bucket that cannot be read gives misses (reported once per outage).
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
@@ -149,22 +153,12 @@ class ObjectStore(BatchedStore):
         try:
             with self._lock:
                 self._index(keys)
-                reads = ranged_reads(keys, self._known, self.prefetch)
-            if not reads:
-                return out
-            blobs = self.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
+            if _fetch(self, keys, range(len(keys)), out):
+                with self._lock:
+                    self.refresh()  # what is listed no more is forgotten; newer manifests are read
+                _fetch(self, keys, [i for i, data in enumerate(out) if data is None], out)
         except StoreError as exc:
             self.bucket.read_failed(exc)
-            return out
-        taken = take_all(reads, blobs, keys, out)
-        if taken.unreadable:
-            self.bucket.read_failed(StoreUnavailableError(f"cannot read {self.bucket.path(taken.unreadable)}"))
-        if taken.damaged:
-            n = len(taken.damaged)
-            self._report(Fault.CORRUPT, f"{n} entries in {self.bucket.prefix} fail their checksum: not used")
-        with self._lock:
-            self._extras += taken.extras
-            self._known.forget(taken.gone, taken.damaged)  # segments pruned by another writer since the listing
         return out
 
     def take_extras(self) -> list[tuple[str, bytes | memoryview]]:
@@ -232,7 +226,7 @@ class ObjectStore(BatchedStore):
         if self.disk_bytes > self.max_bytes:
             self.prune(self.max_bytes, sweep_seconds=None)
         with self._lock:
-            checkpoint = self._known.checkpoint() if self._known.checkpoint_due() else None
+            checkpoint = self._known.checkpoint() if self._known.checkpoint_due() and not self._partial else None
         with contextlib.suppress(StoreError):  # the entries are visible without it
             if checkpoint is not None:
                 self.bucket.replace(CHECKPOINT, checkpoint, "write a checkpoint")
@@ -315,6 +309,38 @@ class ObjectStore(BatchedStore):
         return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
 
 
+def _fetch(
+    store: ObjectStore, keys: Sequence[str], positions: Sequence[int], out: list[bytes | memoryview | None]
+) -> bool:
+    """Read the entries of ``keys`` at ``positions`` into ``out``; whether a segment was gone.
+
+    Raises:
+        StoreError: If the bucket cannot be read.
+    """
+    asked = [keys[i] for i in positions]
+    with store._lock:
+        reads = ranged_reads(asked, store._known, store.prefetch) if asked else []
+    if not reads:
+        return False
+    blobs = store.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
+    found: list[bytes | memoryview | None] = [None] * len(asked)
+    taken = take_all(reads, blobs, asked, found)
+    for i, data in zip(positions, found):
+        if data is not None:
+            out[i] = data
+    if taken.unreadable:
+        store.bucket.read_failed(StoreUnavailableError(f"cannot read {store.bucket.path(taken.unreadable)}"))
+    if taken.damaged:
+        n = len(taken.damaged)
+        store._report(Fault.CORRUPT, f"{n} entries in {store.bucket.prefix} fail their checksum: not used")
+    with store._lock:
+        store._extras += taken.extras
+        if taken.damaged:  # not read again here; the index no longer holds all its manifests say
+            store._known.forget(set(), taken.damaged)
+            store._partial = True
+    return bool(taken.gone)
+
+
 def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The ``torchcache.json`` of every cache under ``url`` (invalid ones are left out).
 
@@ -328,7 +354,7 @@ def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> l
     found = bucket.call(lambda: fs.cat(paths, on_error="return"), "read cache descriptions") if paths else {}
     metas = []
     for body in found.values():
-        with contextlib.suppress(ValueError, TypeError):
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             meta = json.loads(body)
             if isinstance(meta, dict):
                 metas.append(meta)
