@@ -296,6 +296,26 @@ def test_serving_without_the_dataset_refuses_a_length_no_dataset_can_have(tmp_pa
         CachedDataset(None, tmp_path)
 
 
+class _OneLarge(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((300_000 if i == 0 else 100,), i % 7, dtype=torch.uint8)  # sample 0: past the budget
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_a_sample_too_large_for_the_budget_does_not_stop_the_caching_of_the_others(tmp_path: Path, where: str) -> None:
+    if where == "disk":
+        cached = CachedDataset(_OneLarge(), tmp_path, max_memory_size=0, max_disk_size="200KB")
+    else:
+        cached = CachedDataset(_OneLarge(), max_memory_size="200KB")
+    for i in [0, *range(1, 50), *range(1, 50)]:
+        assert torch.equal(cached[i], _OneLarge()[i])
+    assert cached.stats().hits == 49  # every small sample the second time
+    cached.close()
+
+
 @pytest.mark.slow
 def test_warmup_fills_in_parallel_and_resumes(tmp_path: Path, log: Path) -> None:
     data = CachedDataset(Numbers(50, log), tmp_path / "cache")

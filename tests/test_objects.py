@@ -153,6 +153,23 @@ def test_a_reader_that_left_entries_out_for_its_own_faults_uploads_no_checkpoint
     assert not [name for name in _objects(s3fs_of, bucket) if name.endswith(".tci")]
 
 
+def test_a_segment_whose_manifest_could_not_be_uploaded_is_removed(
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(bucket)
+    real = store.bucket.fs.pipe_file
+
+    def throttled(path: str, data: bytes, **kwargs: Any) -> Any:
+        if path.endswith(".tcm"):
+            raise OSError("SlowDown: Please reduce your request rate")
+        return real(path, data, **kwargs)
+
+    monkeypatch.setattr(store.bucket.fs, "pipe_file", throttled)
+    with pytest.raises(StoreUnavailableError):
+        store.put_many([(key(1), value(1))])
+    assert not [name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs")]  # nothing left to count
+
+
 def test_the_budget_removes_the_oldest_segments_first(bucket: str, s3fs_of: Any) -> None:
     store = _store(bucket, max_bytes=25_000)
     for batch in range(10):
@@ -531,6 +548,20 @@ def _bytes_per_epoch(cache: CachedDataset, orders: list[list[int]]) -> list[int]
             assert [label for _, label in cache.__getitems__(batch)] == batch
         received.append(bucket.received - before)
     return received
+
+
+@pytest.mark.slow
+def test_the_bucket_budget_holds_over_what_dataloader_workers_wrote(bucket: str, s3fs_of: Any, tmp_path: Path) -> None:
+    budget = 40_000  # what each worker writes fits, what they write together does not
+    cached = CachedDataset(Images(400), f"{bucket}/cache", max_memory_size=0, max_disk_size=budget,
+                           local_cache_dir=tmp_path)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        loader = torch.utils.data.DataLoader(cached, batch_size=8, num_workers=2)
+        assert sum(len(labels) for _, labels in loader) == 400
+    cached.close()  # keeps the budget over a fresh listing: each worker saw only its own writes
+    segments = [p for p in s3fs_of.find(bucket.removeprefix("s3://")) if p.endswith(".tcs")]
+    assert 0 < sum(s3fs_of.size(p) for p in segments) <= budget
 
 
 def test_a_window_sampler_reads_each_segment_once_an_epoch_where_a_shuffle_reads_them_again_and_again(

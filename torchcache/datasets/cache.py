@@ -14,6 +14,7 @@ fault of a tier (a full or read-only disk, a damaged entry) is one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -318,6 +319,9 @@ class SampleCache:
         The cache reopens if used again (with a new, empty RAM tier if this one was removed).
         """
         with self._lock:
+            if self.url and self._pid != os.getpid():  # opened to keep the bucket's budget over workers' writes
+                with contextlib.suppress(StoreError, ConfigError):
+                    self._open()
             if self._pid == os.getpid():
                 for tier in self._tiers:
                     tier.close()

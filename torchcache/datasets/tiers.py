@@ -244,7 +244,7 @@ class SampleTier:
             rows = self._rows()
             if rows is not None and isinstance(store, PackedStore):
                 store.max_bytes = max(0, self.budget - rows.nbytes)  # what the rows file leaves
-            if store.put_many(items) < len({key for key, _ in items}):
+            if store.put_many(items) < len({key for key, _ in items}) and _crowded(store, items):
                 self.full = True
                 logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
@@ -387,3 +387,8 @@ def segment_bytes(budget: int) -> int:
     store whose budget shrank on a later run evicts in steps of one segment.
     """
     return min(budget // 16, 1 << 28)
+
+
+def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:
+    """Whether a store left out a sample of an ordinary size (not one too large for its budget alone)."""
+    return any(len(data) <= store.max_bytes // 2 and key not in store for key, data in items)

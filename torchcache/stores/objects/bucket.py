@@ -105,6 +105,20 @@ class Bucket:
         """Upload one object (a new name: objects are never overwritten)."""
         self.call(lambda: self.fs.pipe_file(self.path(name), data), what)
 
+    def upload(self, name: str, segment: bytes, manifest: bytes, entries: int) -> None:
+        """Upload a segment, then its manifest; a segment whose manifest failed is removed (best effort).
+
+        Raises:
+            StoreUnavailableError: If either cannot be written (nothing is visible then).
+        """
+        self.put(name + ".tcs", segment, f"write {entries} entries")
+        try:
+            self.put(name + ".tcm", manifest, "write a manifest")
+        except StoreError:
+            with contextlib.suppress(Exception):  # a segment no manifest names would count for nothing
+                self.fs.rm_file(self.path(name + ".tcs"))  # at once, whatever the backoff
+            raise
+
     def replace(self, suffix: str, data: bytes, what: str) -> None:
         """Upload a new object named with ``suffix``, then remove those this process uploaded with it before."""
         name = self.new_name() + suffix

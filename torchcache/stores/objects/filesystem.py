@@ -15,7 +15,10 @@ __all__ = ["OBJECT_SCHEMES", "open_filesystem"]
 #: URL schemes of object stores (through fsspec and the scheme's package).
 OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2, "mode": "standard"}}
+#: s3fs's own retries of a request botocore gave up on (5 by default): with botocore's two attempts and
+#: the read timeout, a server that accepts connections but never answers costs about a minute per try.
+_S3FS_RETRIES = 2
 
 
 def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -41,6 +44,8 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
         import fsspec
 
         fs = fsspec.filesystem(scheme, **options)
+        if extra == "s3" and getattr(fs, "retries", 0) > _S3FS_RETRIES:
+            fs.retries = _S3FS_RETRIES
     except ImportError as exc:
         raise ConfigError(
             f"{scheme}:// caches need fsspec and the package of the scheme ({exc}): pip install 'torchcache[{extra}]'"

@@ -102,7 +102,7 @@ class ObjectStore(BatchedStore):
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
-        #: Entries were left out of the index for a fault of this process's reads: it uploads no checkpoint.
+        #: Entries were left out of the index for faults of this process's reads: it uploads no checkpoint.
         self._partial = False
 
     def __repr__(self) -> str:
@@ -131,10 +131,10 @@ class ObjectStore(BatchedStore):
         if problem is not None:
             self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid index object ({problem}); not used")
 
-    def _index(self, refresh_if_missing: Sequence[str] = ()) -> None:
-        """List the bucket at first use, and again at a miss once ``refresh_seconds`` passed."""
+    def _index(self, refresh_if_missing: Sequence[str] = (), stale: bool = False) -> None:
+        """List the bucket at first use, and again once ``refresh_seconds`` passed at a miss (or with ``stale``)."""
         due = time.monotonic() - self._listed_at >= self.refresh_seconds
-        if self._listed_at == float("-inf") or (due and self._known.missing(refresh_if_missing)):
+        if self._listed_at == float("-inf") or (due and (stale or self._known.missing(refresh_if_missing))):
             self.refresh()
 
     # -- reads --------------------------------------------------------------------
@@ -214,17 +214,16 @@ class ObjectStore(BatchedStore):
         if not todo:
             return 0
         with self._lock:
-            self._index()
+            self._index(stale=True)  # other writers' segments count against the budget
         name, (segment, body) = self.bucket.new_name(), pack(todo)
-        self.bucket.put(name + SEGMENT, segment, f"write {len(todo)} entries")
-        self.bucket.put(name + MANIFEST, body, "write a manifest")
+        self.bucket.upload(name, segment, body, len(todo))
         with self._lock:
             self._apply(name + MANIFEST, body)
         if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
             self.bucket.describe(self._meta)
             self._meta = None
         if self.disk_bytes > self.max_bytes:
-            self.prune(self.max_bytes, sweep_seconds=None)
+            self.prune(self.max_bytes)  # and the uploads killed writers left an hour ago or more
         with self._lock:
             checkpoint = self._known.checkpoint() if self._known.checkpoint_due() and not self._partial else None
         with contextlib.suppress(StoreError):  # the entries are visible without it
@@ -289,7 +288,9 @@ class ObjectStore(BatchedStore):
         """Nothing to do: every write is visible when ``put_many`` returns."""
 
     def close(self) -> None:
-        """Forget the index; it is listed again when used."""
+        """Keep the budget over a fresh listing (DataLoader workers and other writers wrote too); forget the index."""
+        with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
+            self.prune(self.max_bytes)
         with self._lock:
             self._known.clear()
             self._listed_at = float("-inf")
