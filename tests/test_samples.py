@@ -127,6 +127,13 @@ def test_numpy_arrays_and_scalars_of_every_dtype(code: str) -> None:
     assert decoded.flags.writeable
 
 
+@pytest.mark.parametrize("scalar", [np.int64(7), np.uint64(7), np.int32(7), np.int16(7)])  # np.longlong: as np.int64
+def test_a_numpy_scalar_and_array_come_back_of_their_own_type(scalar: Any) -> None:
+    decoded = decode_sample(encode_sample((scalar, np.arange(3, dtype=type(scalar)))))
+    assert type(decoded[0]) is type(scalar) and decoded[0] == scalar  # np.int64 was np.longlong on Linux
+    assert decoded[1].dtype.type is type(scalar)
+
+
 def test_python_values_and_containers() -> None:
     sample = {
         "none": None,

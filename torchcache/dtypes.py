@@ -83,10 +83,12 @@ NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
     DTYPES[name]: np.dtype(name) for name in DTYPES if name in _NUMPY_NAMES or name.startswith(("int", "uint"))
 }
 
-#: Numpy array dtypes that can be stored, by ``dtype.str`` (both byte orders).
+#: Numpy array dtypes that can be stored, by ``dtype.str`` (both byte orders). Where two types share
+#: one (``long`` and ``longlong`` are both ``<i8`` on Linux), the sized name's type wins: ``np.int64``
+#: comes back as ``np.int64``.
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     dt.str: dt
-    for code in "?bBhHiIlLqQefdFD"
+    for code in [*"?bBhHiIlLqQefdFD", "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
     for dt in (np.dtype(code).newbyteorder("<"), np.dtype(code).newbyteorder(">"))
 }
 
