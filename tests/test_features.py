@@ -345,6 +345,24 @@ def test_trainable_backbones_and_bad_arguments_are_refused(cache_root: Path) -> 
         extract_features(None, data)
 
 
+@pytest.mark.parametrize("later", ["tuple", "longer", "more keys"])
+def test_samples_whose_structure_changes_are_kept_whole_not_cut_to_the_first(cache_root: Path, later: str) -> None:
+    class Changing(Images):
+        def __getitem__(self, i: int) -> Any:
+            image = self.images[i]
+            if later == "more keys":
+                return {"x": image, "y": i} if i < 10 else {"x": image, "y": i, "z": -i}
+            if later == "longer":
+                return (image, i) if i < 10 else (image, i, 10 * i)
+            return [image, i] if i == 0 else (image, i)  # the first a list, the others tuples
+
+    data = Changing()
+    features = extract(Net(), data, input="x" if later == "more keys" else 0)
+    got, expected = features[15], data[15]
+    assert type(got) is type(expected) and len(got) == len(expected)
+    assert (list(got) == list(expected)) if isinstance(expected, dict) else got[1:] == expected[1:]
+
+
 @pytest.mark.slow
 def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: Path) -> None:
     class Named(Images):

@@ -170,11 +170,24 @@ class SampleLayout:
         return convert(self.input), tuple(convert(f.name) for f in self.fields if f.kind != "features")
 
     def split(self, samples: Sequence[Any]) -> tuple[list[Any], list[list[Any]]]:
-        """The backbone's inputs of a batch of samples, and each other field's values (a column per field)."""
+        """The backbone's inputs of a batch of samples, and each other field's values (a column per field).
+
+        Raises:
+            VariableLayoutError: If a sample is not of the first one's structure (its
+                container, its fields in order): each sample is then kept whole.
+        """
+        kind = {"tensor": torch.Tensor, "tuple": tuple, "list": list, "dict": Mapping}[self.container]
+        for sample in samples:
+            if not isinstance(sample, kind) or (kind is not torch.Tensor and _names(sample) != self.names):
+                raise VariableLayoutError(
+                    f"a sample is not of the first one's structure ({self.container} of {list(self.names)}): "
+                    "a features cache needs samples of one structure"
+                )
         if self.container == "tensor":
             return list(samples), []
         key, others = self._keys
         return [sample[key] for sample in samples], [[sample[k] for sample in samples] for k in others]
+
 
     def with_features(self, output: torch.Tensor) -> SampleLayout:
         """The layout completed with the features of one sample's output, offsets placed.
@@ -406,3 +419,8 @@ def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
         return list(values.reshape(count))
     arrays = values.reshape(count, *f.shape)
     return list(arrays) if f.shape else [np.array(value) for value in arrays]  # 0-d arrays stay arrays
+
+
+def _names(sample: Any) -> tuple[str, ...]:
+    """The fields of a tuple, list or mapping sample, as a layout names them."""
+    return tuple(sample) if isinstance(sample, Mapping) else tuple(str(i) for i in range(len(sample)))
