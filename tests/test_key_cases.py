@@ -747,6 +747,25 @@ def test_a_method_patched_into_an_installed_class_is_keyed(tmp_path: Path, monke
     assert torch.equal(got, expected)
 
 
+def _gelu_of_torch(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x)
+
+
+def _sigmoid_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def test_a_users_function_put_into_an_installed_module_is_keyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_gelu_of_torch)
+    first(X)
+    first.cache_instance.flush()
+    monkeypatch.setattr(torch.nn.functional, "gelu", _sigmoid_gelu)  # as kernel-patching libraries do
+    second = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_gelu_of_torch)
+    assert torch.equal(second(X), _sigmoid_gelu(X))
+
+
 _OPERATOR = """
 import torch
 @torch.library.custom_op("tcases::scale{n}", mutates_args=())

@@ -1,19 +1,13 @@
 """What a function, class or Python module is, for a key: its code, followed where it leads.
 
-Code written by the user (anything outside the standard library and installed packages)
-is keyed by what the interpreter runs, never by source text: each function by its code
-object (bytecode, constants and nested code, names, argument counts, flags, exception
-table), its defaults, the values its closure captured and the globals its code reads,
-followed in turn (values by content, functions and classes by their own keys, attribute
-chains through user modules such as ``helpers.scale``); each class by every function,
-descriptor and plain value in its ``__dict__`` and in those of its base classes. Line
-numbers, file names and docstrings are not part of a key: adding code above a class, or
-a comment, keeps its key.
-
-Code of the standard library and of installed packages is keyed by its module, its
-qualified name and the package's version (``torch==2.13.0``): its files change only
-with the version. Closures and defaults of installed functions are still followed, since
-they hold the user's values (``torch.no_grad()`` around a user function).
+User code (outside the standard library and installed packages) is keyed by what the
+interpreter runs, never by source text: a function by its code object, defaults, closure
+and the globals it reads, followed in turn (attribute chains through user modules such as
+``helpers.scale``, and a user's function put into an installed module, ``F.gelu = mine``);
+a class by everything in its ``__dict__`` and its bases'. Line numbers, file names and
+docstrings are not part of a key. Installed code is keyed by module, qualified name and
+the package's version (``torch==2.13.0``); the closures and defaults of installed
+functions are still followed, since they hold the user's values.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import weakref
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
-from .origins import OWN_PACKAGE, is_installed_file, origin_of_module, version_of
+from .origins import OWN_PACKAGE, is_installed_file, is_users_object, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -328,9 +322,16 @@ def _imported(name: str, level: int, namespace: dict[str, Any]) -> types.ModuleT
 def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:
     """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
     for i, attribute in enumerate(attributes):
-        if not isinstance(value, types.ModuleType) or origin_of_module(value.__name__) is not None:
+        if not isinstance(value, types.ModuleType):
             break
         namespace = vars(value)
+        if origin_of_module(value.__name__) is not None:  # installed: by version, unless what is read was put there
+            member: object = value
+            for name in attributes[i:]:  # through its submodules (torch.nn.functional.gelu); no module code runs
+                scope = vars(member) if isinstance(member, types.ModuleType) else {}
+                member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
+            user = isinstance(member, (types.FunctionType, type)) and is_users_object(member)
+            return encoder.child(value, path, depth) + (encoder.child(member, f"{path}.<put>", depth) if user else b"")
         if attribute not in namespace:
             if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
                 value = sys.modules[f"{value.__name__}.{attribute}"]

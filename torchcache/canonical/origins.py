@@ -20,7 +20,7 @@ import sysconfig
 
 import xxhash
 
-__all__ = ["OWN_PACKAGE", "is_installed_file", "origin_of_module", "version_of"]
+__all__ = ["OWN_PACKAGE", "is_installed_file", "is_users_object", "origin_of_module", "version_of"]
 
 OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -162,3 +162,9 @@ def _files_digest(top: str) -> str:
         with open(path, "rb") as handle:
             h.update(handle.read())
     return "files-" + h.hexdigest()
+
+
+def is_users_object(member: object) -> bool:
+    """Whether a function or class comes from the user's code (not the standard library or a package)."""
+    module = getattr(member, "__module__", None)
+    return isinstance(module, str) and origin_of_module(module) is None

@@ -188,7 +188,6 @@ class SampleLayout:
         key, others = self._keys
         return [sample[key] for sample in samples], [[sample[k] for sample in samples] for k in others]
 
-
     def with_features(self, output: torch.Tensor) -> SampleLayout:
         """The layout completed with the features of one sample's output, offsets placed.
 
