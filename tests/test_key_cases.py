@@ -766,6 +766,23 @@ def test_a_users_function_put_into_an_installed_module_is_keyed(
     assert torch.equal(second(X), _sigmoid_gelu(X))
 
 
+def test_a_function_of_a_users_own_compiled_extension_is_keyed_by_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import math
+    import types
+
+    built = tmp_path / "myops.cpython-311-x86_64-linux-gnu.so"  # built in place, not installed
+    built.write_bytes(b"\x7fELF version 1")
+    extension = types.ModuleType("tc_myops")
+    extension.__file__ = str(built)
+    monkeypatch.setitem(sys.modules, "tc_myops", extension)
+    monkeypatch.setattr(math.hypot, "__module__", "tc_myops")  # a C function of that module
+    before = KeyEncoder("remedy").encode(math.hypot, "gain")
+    built.write_bytes(b"\x7fELF version 2, rebuilt")
+    assert KeyEncoder("remedy").encode(math.hypot, "gain") != before
+
+
 _OPERATOR = """
 import torch
 @torch.library.custom_op("tcases::scale{n}", mutates_args=())

@@ -22,7 +22,7 @@ import weakref
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
-from .origins import OWN_PACKAGE, is_installed_file, is_users_object, origin_of_module, version_of
+from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -446,4 +446,5 @@ def encode_builtin(encoder: Encoder, value: Any, path: str, depth: int) -> bytes
     module = getattr(value, "__module__", None) or getattr(owner, "__name__", None) or ""
     qualname = getattr(value, "__qualname__", None) or getattr(value, "__name__", "")
     origin = origin_of_module(module) if isinstance(module, str) and module else None
+    origin = origin or (extension_digest(module) if isinstance(module, str) else None)  # a user's: by its file
     return tagged(Tag.BUILTIN_FUNCTION, text(f"{module}.{qualname}") + text(origin or "") + bound)

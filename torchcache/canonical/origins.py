@@ -20,7 +20,7 @@ import sysconfig
 
 import xxhash
 
-__all__ = ["OWN_PACKAGE", "is_installed_file", "is_users_object", "origin_of_module", "version_of"]
+__all__ = ["OWN_PACKAGE", "extension_digest", "is_installed_file", "is_users_object", "origin_of_module", "version_of"]
 
 OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -168,3 +168,22 @@ def is_users_object(member: object) -> bool:
     """Whether a function or class comes from the user's code (not the standard library or a package)."""
     module = getattr(member, "__module__", None)
     return isinstance(module, str) and origin_of_module(module) is None
+
+
+_extensions: dict[tuple[str, int, int], str] = {}
+
+
+def extension_digest(name: str) -> str | None:
+    """The xxh3-128 of the compiled file of a user's extension module (built in place, not installed), if any."""
+    filename = getattr(sys.modules.get(name), "__file__", None)
+    if not isinstance(filename, str) or filename.endswith(".py"):
+        return None
+    try:
+        stat = os.stat(filename)
+        found = _extensions.get((filename, stat.st_mtime_ns, stat.st_size))
+        if found is None:
+            with open(filename, "rb") as file:
+                found = _extensions[(filename, stat.st_mtime_ns, stat.st_size)] = xxhash.xxh3_128_hexdigest(file.read())
+    except OSError:
+        return None
+    return found
