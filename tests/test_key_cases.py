@@ -548,6 +548,76 @@ def test_the_training_flag_of_a_module_held_as_a_value_is_keyed_and_watched(hold
     assert torch.equal(cached(X), encoder(X))
 
 
+class _PerBatch(dict):  # type: ignore[type-arg]
+    """A library's batch: its fields as attributes too (as a ModelOutput), and private per-batch data."""
+
+
+class _Slotted(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _first(batch: Any) -> torch.Tensor:
+    return batch["x"] * 2
+
+
+def test_a_mappings_tensor_and_private_attributes_do_not_make_a_key_per_batch() -> None:
+    cached = torchcache()(_first)
+    x = torch.randn(4, 3)
+    for rows in (x, torch.cat([x[:2], torch.randn(2, 3)])):
+        batch = _PerBatch(x=rows)
+        batch.x, batch._encodings = rows, [object()]  # the items again, and per-batch data
+        assert torch.equal(cached(batch), rows * 2)
+    assert cached.cache_instance.stats().hits == 2  # the same items in another batch
+
+
+def test_a_mapping_that_holds_its_items_in_an_attribute_is_never_written_by_the_cache() -> None:
+    cached = torchcache()(_first)
+    x = torch.randn(4, 3)
+    batch = _Slotted({"x": x})
+    cached(batch)  # the item check makes smaller batches of it
+    partial = _Slotted({"x": torch.cat([x[:2], torch.randn(2, 3)])})
+    mine = partial["x"]
+    assert torch.equal(cached(partial), mine * 2)
+    assert batch["x"] is x and partial["x"] is mine
+
+
+def _squeezed(x: torch.Tensor) -> torch.Tensor:
+    return (x @ torch.ones(3, 1)).squeeze()  # () for one item
+
+
+def test_a_head_that_squeezes_is_cached_in_batches_of_four() -> None:
+    cached = torchcache()(_squeezed)
+    x = torch.randn(4, 3)
+    assert torch.equal(cached(x), _squeezed(x)) and torch.equal(cached(x), _squeezed(x))
+
+
+def _dropped_in_place(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.hardtanh_(x, -100.0, 100.0) * 2  # a write in place that changes no value
+
+
+def test_a_write_in_place_that_changes_no_value_is_not_refused() -> None:
+    x = torch.randn(4, 3)
+    assert torch.equal(torchcache()(_dropped_in_place)(x.clone()), x * 2)
+
+
 # state reached in other ways ----------------------------------------------------------------------
 _MEMOIZED = """
 import functools
@@ -600,6 +670,20 @@ def test_the_float32_precision_of_each_backend_is_keyed_and_never_breaks_a_call(
         torch.backends.mkldnn.matmul.fp32_precision = "none"
     cached(X)
     assert cached.cache_instance.stats().misses == 2 * len(X)
+
+
+def test_numerics_set_explicitly_to_their_defaults_add_nothing_to_keys() -> None:
+    from torchcache.keys import numerics
+
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert numerics(["cpu"])  # another precision: keyed
+        torch.set_float32_matmul_precision("highest")  # back, and "ieee" where it was "none": as the default
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_flush_denormal(False)
+        assert numerics(["cpu"]) == []
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_flushing_subnormals_to_zero_is_keyed() -> None:

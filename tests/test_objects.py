@@ -141,6 +141,22 @@ def test_a_segment_pruned_since_the_listing_is_listed_again_and_its_keys_read_fr
     assert bytes(reader.get(key(1)) or b"") == value(1)
 
 
+def test_a_segment_gone_while_its_manifest_stays_is_listed_again_once_not_at_every_read(
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(bucket)
+    store.put_many([(key(1), value(1))])
+    s3fs_of.rm(_manifest_name(s3fs_of, store).removesuffix(".tcm") + ".tcs")  # its manifest is still listed
+    store.put_many([(key(2), value(2))])
+    reader = _store(bucket)
+    listings = []
+    real = reader.refresh
+    monkeypatch.setattr(reader, "refresh", lambda: listings.append(1) or real())
+    for _ in range(5):
+        assert reader.get_many([key(1), key(2)]) == [None, value(2)]
+    assert len(listings) <= 2  # the first listing, then one at the segment found gone
+
+
 def test_a_reader_that_left_entries_out_for_its_own_faults_uploads_no_checkpoint(bucket: str, s3fs_of: Any) -> None:
     _store(bucket).put_many([(key(1), value(1))])
     segment = next(path for path in s3fs_of.find(bucket.removeprefix("s3://")) if path.endswith(".tcs"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -768,6 +769,23 @@ class _Boxes:
 
     def __post_init__(self) -> None:
         self.area = self.boxes.prod(-1)  # not a field: a rebuilt entry would lack it
+
+
+@dataclasses.dataclass
+class _Scored:
+    logits: torch.Tensor
+
+    @functools.cached_property
+    def probabilities(self) -> torch.Tensor:
+        return self.logits.softmax(-1)  # made again on a rebuilt entry
+
+
+def test_a_dataclass_with_a_cached_property_read_is_stored_and_rebuilt() -> None:
+    node = _Scored(_t(2, 3))
+    assert node.probabilities.shape == (2, 3)
+    spec, leaves = flatten(node)
+    rebuilt = unflatten(spec, leaves)
+    assert torch.equal(rebuilt.logits, node.logits) and torch.equal(rebuilt.probabilities, node.probabilities)
 
 
 def test_a_dataclass_holding_attributes_beyond_its_fields_is_refused() -> None:

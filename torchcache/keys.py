@@ -232,11 +232,11 @@ def _fp32_precisions() -> list[bytes]:
     except (RuntimeError, ValueError) as exc:
         values = (f"unknown ({type(exc).__name__})",) * len(_FP32_OPS)
     found = []
-    if values != _FP32_AT_DEFAULTS:
+    if values != _FP32_AT_DEFAULTS:  # "ieee" (set explicitly, or "highest" again) computes as "none" does
         found = [
             f"fp32:{backend}:{op}:{value}".encode()
             for backend, op, value, default in zip(_FP32_BACKENDS, _FP32_OPS, values, _FP32_AT_DEFAULTS)
-            if value != default
+            if value != default and not (value == "ieee" and default == "none")
         ]
     if not _cudnn_tf32():
         found.append(b"cudnn_allow_tf32:False")

@@ -31,6 +31,7 @@ first cached, with a :class:`KeyingError` naming the type and the path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections import OrderedDict
 from types import ModuleType
@@ -164,7 +165,11 @@ def _dataclass_members(node: object, what: str, path: str) -> list[tuple[str, An
                 "argument (init=False), so a cached entry could not rebuild it"
             )
     values = [(field.name, getattr(node, field.name)) for field in fields]
-    extra = sorted(set(getattr(node, "__dict__", ())) - {name for name, _ in values})
+    cls = type(node)  # a functools.cached_property's value is made again on a rebuilt entry: not held
+    held = (
+        k for k in getattr(node, "__dict__", ()) if not isinstance(getattr(cls, k, None), functools.cached_property)
+    )
+    extra = sorted(set(held) - {name for name, _ in values})
     if extra and not isinstance(node, dict):  # rebuilt from its fields alone, __post_init__ not run again
         raise KeyingError(
             f"{path}: cannot cache an output of type {what}: it holds attributes beyond its fields ({extra}), "

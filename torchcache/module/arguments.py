@@ -94,13 +94,16 @@ class CallArguments:
     #: The per-item tensors' version counters when the call was split.
     versions: list[int] = field(default_factory=list)
 
-    def refuse_written(self, name: str) -> None:
+    def refuse_written(self, name: str, unchanged: Callable[[], bool]) -> None:
         """Raise if a per-item tensor was written in place since the call was split (by the forward of ``name``).
+
+        ``unchanged`` (the items hashed again) tells a write that left the values as they
+        were (dropout in eval mode with ``inplace=True``) from one that changed them.
 
         Raises:
             KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
         """
-        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)):
+        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not unchanged():
             raise KeyingError(
                 f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
                 "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
@@ -150,13 +153,14 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: 
 
 def _rebuilt(value: Mapping[Any, Any], mapped: dict[Any, Any]) -> Any:
     """A mapping of the class of ``value``, with its attributes (a ``defaultdict``'s factory), holding ``mapped``."""
-    try:
-        new = copy.copy(value)
-        for key, item in mapped.items():
-            new[key] = item  # type: ignore[index]
-        return new
-    except Exception:  # noqa: BLE001 - a mapping that cannot be copied or written: made from its items
-        pass
+    if isinstance(value, (dict, collections.UserDict)):  # a copy holds its own items: the caller's stay
+        try:
+            new = copy.copy(value)
+            for key, item in mapped.items():
+                new[key] = item
+            return new
+        except Exception:  # noqa: BLE001 - a mapping that cannot be copied or written: made from its items
+            pass
     try:
         return type(value)(mapped)  # type: ignore[call-arg]
     except Exception as exc:  # noqa: BLE001 - any failure means the class cannot be rebuilt
@@ -262,7 +266,9 @@ class _Splitter:
 
 def _mapping_state(value: Mapping[Any, Any], label: str) -> bytes:
     """What a mapping class other than ``dict`` holds besides its items: attributes, a ``defaultdict``'s factory."""
-    state = dict(getattr(value, "__dict__", None) or {})
+    # Public attributes that hold no tensor: the items, and what a library keeps per batch (a BatchEncoding's
+    # _encodings, a ModelOutput's fields), are not configuration; private ones are not keyed.
+    state = {k: v for k, v in (getattr(value, "__dict__", None) or {}).items() if k[:1] != "_" and not _holds_tensor(v)}
     if isinstance(value, collections.UserDict):
         state.pop("data", None)  # its items
     factory = getattr(value, "default_factory", None)

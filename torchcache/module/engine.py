@@ -454,7 +454,8 @@ class Cache:
             whole = len(missing) == batch or self.settings.exact_batches
             if whole:
                 computed = fn(*call.args, **call.kwargs)
-                call.refuse_written(self.name)  # a hit does not run forward: the input would stay as it was
+                unchanged = lambda: hash_items(call.context, call.tensors, self.settings.subsample_count) == keys  # noqa: E731
+                call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
                 sub_args, sub_kwargs = call.select(missing)
                 computed = fn(*sub_args, **sub_kwargs)

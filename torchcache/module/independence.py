@@ -8,8 +8,8 @@ cached from one batch and served in another, would be wrong.
 
 So the first call of each call context (the module key, the arguments but the items,
 the mode) in a process computes some of its items again in other batches (of two items,
-each alone; of more, the last and the first, in that order, then a middle one alone,
-which no sort of the batch makes its largest: other sets, sizes and orders) and compares
+each alone; of more, the last and the first, in that order, then two middle ones (one
+of three), which no sort of the batch makes its largest: other sets, sizes and orders) and compares
 their rows with the rows the call returns, cached or computed. A call of one item is
 computed again (randomness shows there), and the next call of that context with two
 items or more is checked in full. Rows that
@@ -176,9 +176,10 @@ def check_items(
         DependentItemsError: If the rows computed in the other batch differ.
     """
     batch = call.batch
-    # Other sets, sizes and orders: the last and the first, then a middle item alone, which no sort of the
-    # batch (by length, say) makes its largest (of two items, each alone); of one item: itself again.
-    checks = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], [batch // 2]]
+    # Other sets, sizes and orders: the last and the first, then middle items, which no sort of the batch
+    # (by length, say) makes its largest (two from four items on; of three, one; of two, each alone).
+    middle = [batch // 2 - 1, batch // 2] if batch > 3 else [1]
+    checks = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
     for positions in checks:
         _check_positions(name, fn, call, plan, layout, rows, positions)
 
@@ -206,7 +207,7 @@ def _check_positions(
     leaves = plan.to_items(spec, leaves)
     other = Layout.of(spec, leaves, None)
     same_shapes = [leaf.shape for leaf in other.leaves] == [leaf.shape for leaf in layout.leaves]
-    if other.spec_json != layout.spec_json or not same_shapes or any(len(t) != len(positions) for t in leaves):
+    if other.spec_json != layout.spec_json or not same_shapes or any(t.shape[:1] != (len(positions),) for t in leaves):
         raise DependentItemsError(
             f"{name}: the shape of an item's output depends on the batch (an item gave {_shapes(layout)} in a batch "
             f"of {batch} and {_shapes(other)} in a batch of {len(positions)}). {_REMEDY}"

@@ -48,6 +48,7 @@ __all__ = ["HeldValues", "VersionWatch"]
 _version = operator.attrgetter("_version")
 _training = operator.attrgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
+_grad_enabled = torch.is_grad_enabled
 _children = operator.attrgetter("_modules")
 #: Bytes of numpy arrays a key covers that :class:`HeldValues` hashes again at every call.
 ARRAY_WATCH_BYTES = 1 << 20
@@ -189,7 +190,9 @@ class VersionWatch:
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        if sum(map(len, self._children)) != self._child_count or sum(map(_requires_grad, self._held)) != self._grads:
+        if sum(map(len, self._children)) != self._child_count:
+            return True
+        if _grad_enabled() and sum(map(_requires_grad, self._held)) != self._grads:  # without grad: outputs alike
             return True
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):

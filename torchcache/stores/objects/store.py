@@ -153,9 +153,12 @@ class ObjectStore(BatchedStore):
         try:
             with self._lock:
                 self._index(keys)
-            if _fetch(self, keys, range(len(keys)), out):
+            gone = _fetch(self, keys, range(len(keys)), out)
+            if gone:
                 with self._lock:
-                    self.refresh()  # what is listed no more is forgotten; newer manifests are read
+                    listed = self.refresh()  # newer manifests are read (another writer's copies of those keys)
+                    self._known.forget(gone)  # and the gone segments left out, even where still listed
+                    self._partial = self._partial or not listed.isdisjoint(gone)
                 _fetch(self, keys, [i for i, data in enumerate(out) if data is None], out)
         except StoreError as exc:
             self.bucket.read_failed(exc)
@@ -312,8 +315,8 @@ class ObjectStore(BatchedStore):
 
 def _fetch(
     store: ObjectStore, keys: Sequence[str], positions: Sequence[int], out: list[bytes | memoryview | None]
-) -> bool:
-    """Read the entries of ``keys`` at ``positions`` into ``out``; whether a segment was gone.
+) -> set[str]:
+    """Read the entries of ``keys`` at ``positions`` into ``out``; return the segments that were gone.
 
     Raises:
         StoreError: If the bucket cannot be read.
@@ -322,7 +325,7 @@ def _fetch(
     with store._lock:
         reads = ranged_reads(asked, store._known, store.prefetch) if asked else []
     if not reads:
-        return False
+        return set()
     blobs = store.bucket.ranges([r.segment for r in reads], [r.start for r in reads], [r.end for r in reads])
     found: list[bytes | memoryview | None] = [None] * len(asked)
     taken = take_all(reads, blobs, asked, found)
@@ -339,7 +342,7 @@ def _fetch(
         if taken.damaged:  # not read again here; the index no longer holds all its manifests say
             store._known.forget(set(), taken.damaged)
             store._partial = True
-    return bool(taken.gone)
+    return taken.gone
 
 
 def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
