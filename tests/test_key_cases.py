@@ -599,6 +599,42 @@ def test_a_mapping_that_holds_its_items_in_an_attribute_is_never_written_by_the_
     assert batch["x"] is x and partial["x"] is mine
 
 
+class _Scaled(_Slotted):
+    __slots__ = ("__dict__",)
+
+    def __init__(self, items: dict[str, Any], scale: float = 1.0) -> None:
+        super().__init__(items)
+        self.scale = scale  # public configuration: keyed, and carried into smaller batches
+
+
+def _scaled_first(batch: Any) -> torch.Tensor:
+    return batch["x"] * batch.scale
+
+
+def test_a_mappings_public_attributes_are_keyed_and_carried_into_smaller_batches() -> None:
+    cached = torchcache()(_scaled_first)
+    x = torch.randn(4, 3)
+    assert torch.equal(cached(_Scaled({"x": x}, 2.0)), x * 2.0)  # the item check's batches keep scale=2
+    partial = torch.cat([x[:2], torch.randn(2, 3)])
+    assert torch.equal(cached(_Scaled({"x": partial}, 2.0)), partial * 2.0)
+    assert torch.equal(cached(_Scaled({"x": x}, 3.0)), x * 3.0)
+    shared = _PerBatch(x=x)
+    shared.weight = torch.ones(3)  # a tensor beside the items, not one of them: refused, not ignored
+    with pytest.raises(KeyingError, match="attributes"):
+        cached(shared)
+
+
+def _resized(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    x.resize_(())
+    return y
+
+
+def test_an_input_reshaped_in_place_is_refused_with_the_cause() -> None:
+    with pytest.raises(KeyingError, match="wrote an input in place"):
+        torchcache()(_resized)(torch.randn(4, 3))
+
+
 def _squeezed(x: torch.Tensor) -> torch.Tensor:
     return (x @ torch.ones(3, 1)).squeeze()  # () for one item
 

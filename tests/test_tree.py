@@ -788,6 +788,13 @@ def test_a_dataclass_with_a_cached_property_read_is_stored_and_rebuilt() -> None
     assert torch.equal(rebuilt.logits, node.logits) and torch.equal(rebuilt.probabilities, node.probabilities)
 
 
+def test_a_dataclass_whose_cached_property_was_assigned_is_refused() -> None:
+    node = _Scored(_t(2, 3))
+    node.probabilities = node.logits.sigmoid()  # not what the property makes: a rebuilt entry would differ
+    with pytest.raises(KeyingError, match="probabilities"):
+        flatten(node)
+
+
 def test_a_dataclass_holding_attributes_beyond_its_fields_is_refused() -> None:
     with pytest.raises(KeyingError, match=r"attributes beyond its fields \(\['area'\]\)"):
         flatten(_Boxes(_t(2)))

@@ -37,6 +37,8 @@ from collections import OrderedDict
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from .errors import KeyingError, TorchCacheError
 
 __all__ = [
@@ -165,10 +167,7 @@ def _dataclass_members(node: object, what: str, path: str) -> list[tuple[str, An
                 "argument (init=False), so a cached entry could not rebuild it"
             )
     values = [(field.name, getattr(node, field.name)) for field in fields]
-    cls = type(node)  # a functools.cached_property's value is made again on a rebuilt entry: not held
-    held = (
-        k for k in getattr(node, "__dict__", ()) if not isinstance(getattr(cls, k, None), functools.cached_property)
-    )
+    held = (k for k in getattr(node, "__dict__", ()) if not _lazily_made(node, k))
     extra = sorted(set(held) - {name for name, _ in values})
     if extra and not isinstance(node, dict):  # rebuilt from its fields alone, __post_init__ not run again
         raise KeyingError(
@@ -190,6 +189,20 @@ def _dataclass_members(node: object, what: str, path: str) -> list[tuple[str, An
                 "so rebuilding it from its fields would change it"
             )
     return values
+
+
+def _lazily_made(node: object, name: str) -> bool:
+    """Whether attribute ``name`` is a ``functools.cached_property``'s value as it computes it (made again on hits)."""
+    made = getattr(type(node), name, None)
+    if not isinstance(made, functools.cached_property):
+        return False
+    try:
+        again, held = made.func(node), vars(node)[name]
+        if isinstance(held, torch.Tensor):
+            return isinstance(again, torch.Tensor) and again.dtype == held.dtype and torch.equal(again, held)
+        return type(again) is type(held) and bool(again == held)
+    except Exception:  # noqa: BLE001 - not comparable: held as it is, so refused
+        return False
 
 
 def resolve(name: str) -> type:

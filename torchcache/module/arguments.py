@@ -27,7 +27,6 @@ never be confused with a parameter called ``args[0]``.
 from __future__ import annotations
 
 import collections
-import copy
 import inspect
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -40,6 +39,7 @@ from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from ..tiers.batch import index_tensor
+from .containers import MAX_DEPTH, holds_tensor, map_tensors, mapping_state
 
 __all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
 
@@ -56,7 +56,6 @@ _SHARED_REMEDY = (
 #: How the key names the type of a container of per-item tensors (built-in ones by a letter).
 _CONTAINERS: dict[type, bytes] = {tuple: b"t", list: b"l", dict: b"d", collections.OrderedDict: b"o"}
 _types: weakref.WeakKeyDictionary[type, bytes] = weakref.WeakKeyDictionary()
-_MAX_DEPTH = 16
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -103,7 +102,7 @@ class CallArguments:
         Raises:
             KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
         """
-        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not unchanged():
+        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not _holds(unchanged):
             raise KeyingError(
                 f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
                 "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
@@ -127,59 +126,18 @@ class CallArguments:
     def _map(self, value: Any, name: str, pick: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
         if name in self._shared:
             return value
-        return _map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+        return map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+
+
+def _holds(check: Callable[[], bool]) -> bool:
+    try:
+        return check()
+    except Exception:  # noqa: BLE001 - an input reshaped in place (x.resize_(())) cannot be hashed as it was
+        return False
 
 
 def _version_of(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version  # an inference tensor counts no writes
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
-    """``value`` with every tensor inside it replaced by ``fn(tensor)``, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if depth > _MAX_DEPTH or not _holds_tensor(value):
-        return value
-    if isinstance(value, tuple):
-        items = [_map_tensors(v, fn, depth + 1) for v in value]
-        return value._make(items) if hasattr(value, "_fields") else type(value)(items)  # type: ignore[attr-defined]
-    if isinstance(value, list):
-        return type(value)(_map_tensors(v, fn, depth + 1) for v in value)
-    if isinstance(value, Mapping):
-        mapped = {k: _map_tensors(v, fn, depth + 1) for k, v in value.items()}
-        return mapped if type(value) is dict else _rebuilt(value, mapped)
-    return value
-
-
-def _rebuilt(value: Mapping[Any, Any], mapped: dict[Any, Any]) -> Any:
-    """A mapping of the class of ``value``, with its attributes (a ``defaultdict``'s factory), holding ``mapped``."""
-    if isinstance(value, (dict, collections.UserDict)):  # a copy holds its own items: the caller's stay
-        try:
-            new = copy.copy(value)
-            for key, item in mapped.items():
-                new[key] = item
-            return new
-        except Exception:  # noqa: BLE001 - a mapping that cannot be copied or written: made from its items
-            pass
-    try:
-        return type(value)(mapped)  # type: ignore[call-arg]
-    except Exception as exc:  # noqa: BLE001 - any failure means the class cannot be rebuilt
-        raise KeyingError(
-            f"cannot make a {type(value).__qualname__} holding part of a batch: copy.copy and item assignment, "
-            f"and {type(value).__qualname__}(dict) fail ({type(exc).__name__}: {exc}); pass a dict"
-        ) from None
-
-
-def _holds_tensor(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth > _MAX_DEPTH:
-        return False
-    if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(v, depth + 1) for v in value)
-    if isinstance(value, Mapping):
-        return any(_holds_tensor(v, depth + 1) for v in value.values())
-    return False
 
 
 class _Splitter:
@@ -202,7 +160,7 @@ class _Splitter:
             self._walk(label, self.dims.get(name, 0), value, 0)
 
     def _add_shared(self, label: str, value: Any) -> None:
-        if _holds_tensor(value):
+        if holds_tensor(value):
             # Every tensor by its content, where it sits: (m, None) and (None, m) differ.
             self.context.add(_SHARED + KeyEncoder(_SHARED_REMEDY).encode(value, f"argument {label!r}"))
         else:
@@ -211,18 +169,18 @@ class _Splitter:
     def _walk(self, label: str, dim: int, value: Any, depth: int) -> None:
         if isinstance(value, torch.Tensor):
             self._add_tensor(label, dim, value)
-        elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)) and _holds_tensor(value):
+        elif depth < MAX_DEPTH and isinstance(value, (tuple, list)) and holds_tensor(value):
             self.context.add(b"(" + _type_key(type(value), label) + str(len(value)).encode())
             for i, item in enumerate(value):
                 self._walk(f"{label}[{i}]", dim, item, depth + 1)
-        elif depth < _MAX_DEPTH and isinstance(value, Mapping) and _holds_tensor(value):
+        elif depth < MAX_DEPTH and isinstance(value, Mapping) and holds_tensor(value):
             keys = list(value)
             if not all(isinstance(k, str) for k in keys):
                 raise KeyingError(f"argument {label!r}: a mapping that holds tensors must have str keys, got {keys!r}")
             # In their order (a forward may concatenate the values), and a subclass's own state with its class.
             self.context.add(_MAPPING + _type_key(type(value), label) + str(len(keys)).encode())
             if type(value) is not dict:
-                self.context.add(_mapping_state(value, label))
+                self.context.add(mapping_state(value, label))
             for key in keys:
                 self.context.add(key.encode())
                 self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
@@ -262,19 +220,6 @@ class _Splitter:
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
-
-
-def _mapping_state(value: Mapping[Any, Any], label: str) -> bytes:
-    """What a mapping class other than ``dict`` holds besides its items: attributes, a ``defaultdict``'s factory."""
-    # Public attributes that hold no tensor: the items, and what a library keeps per batch (a BatchEncoding's
-    # _encodings, a ModelOutput's fields), are not configuration; private ones are not keyed.
-    state = {k: v for k, v in (getattr(value, "__dict__", None) or {}).items() if k[:1] != "_" and not _holds_tensor(v)}
-    if isinstance(value, collections.UserDict):
-        state.pop("data", None)  # its items
-    factory = getattr(value, "default_factory", None)
-    if factory is not None:
-        state["<default_factory>"] = factory
-    return encode_value(state, f"argument {label!r} attributes") if state else b""
 
 
 def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
