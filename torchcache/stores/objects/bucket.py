@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
+from .manifests import MANIFEST, SEGMENT
 
 __all__ = ["META_NAME", "Bucket"]
 
@@ -111,12 +112,12 @@ class Bucket:
         Raises:
             StoreUnavailableError: If either cannot be written (nothing is visible then).
         """
-        self.put(name + ".tcs", segment, f"write {entries} entries")
+        self.put(name + SEGMENT, segment, f"write {entries} entries")
         try:
-            self.put(name + ".tcm", manifest, "write a manifest")
+            self.put(name + MANIFEST, manifest, "write a manifest")
         except StoreError:
             with contextlib.suppress(Exception):  # a segment no manifest names would count for nothing
-                self.fs.rm_file(self.path(name + ".tcs"))  # at once, whatever the backoff
+                self.fs.rm_file(self.path(name + SEGMENT))  # at once, whatever the backoff
             raise
 
     def replace(self, suffix: str, data: bytes, what: str) -> None:
