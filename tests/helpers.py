@@ -347,6 +347,22 @@ FORK_SERVER = textwrap.dedent(
 )
 
 
+def fault_under(patch: Any, root: Path, name: str, fake: Any) -> None:
+    """Patch ``os.<name>`` (with ``patch``, a ``MonkeyPatch``) to call ``fake`` on files under ``root``.
+
+    ``os`` is shared by every thread of the test process: a writer thread of an earlier test
+    may still be flushing into its own store, and its calls must neither fail nor count here.
+    """
+    real = getattr(os, name)
+
+    def call(fd: int, *args: Any) -> Any:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(root):
+            return fake(fd, *args)
+        return real(fd, *args)
+
+    patch.setattr(os, name, call)
+
+
 def pwrite_fault(kind: str) -> Any:
     """A stand-in for ``os.pwrite`` that fails as ``kind`` says: ``"EIO"``, ``"ENOSPC"``,
     ``"no progress"`` (writes nothing), or ``"short, then ENOSPC"``; its ``calls`` count them."""

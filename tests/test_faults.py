@@ -36,6 +36,7 @@ from tests.helpers import (
     assert_same,
     cached,
     entry_files,
+    fault_under,
     run_python,
     stored_entries,
 )
@@ -690,7 +691,7 @@ def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real_pwritev(fd, buffers, offset, *flags)
 
-        monkeypatch.setattr(os, "pwritev", full_after_one)
+        fault_under(monkeypatch, cache_root, "pwritev", full_after_one)
     puts = count_puts(monkeypatch, cache_root)
     model = cached(Counting, persistent=True)(4, 4096)
     plain = Counting(4, 4096)
@@ -721,7 +722,7 @@ def test_a_full_disk_warns_once_and_leaves_no_partial_entry(
     assert fresh.items == 0
 
 
-WriteFault = Callable[[pytest.MonkeyPatch, list[int]], None]
+WriteFault = Callable[[pytest.MonkeyPatch, list[int], Path], None]
 
 
 def _failing(code: int) -> Callable[..., Any]:
@@ -731,7 +732,7 @@ def _failing(code: int) -> Callable[..., Any]:
     return fail
 
 
-def _half_written(monkeypatch: pytest.MonkeyPatch, then: Callable[..., Any]) -> None:
+def _half_written(monkeypatch: pytest.MonkeyPatch, root: Path, then: Callable[..., Any]) -> None:
     """``pwritev`` writes half of what it is given and says so; ``pwrite`` (the rest) is ``then``."""
     real_pwrite = os.pwrite
 
@@ -739,29 +740,29 @@ def _half_written(monkeypatch: pytest.MonkeyPatch, then: Callable[..., Any]) -> 
         data = b"".join(bytes(b) for b in buffers)
         return real_pwrite(fd, data[: len(data) // 2], offset)
 
-    monkeypatch.setattr(os, "pwritev", half)
-    monkeypatch.setattr(os, "pwrite", then)
+    fault_under(monkeypatch, root, "pwritev", half)
+    fault_under(monkeypatch, root, "pwrite", then)
 
 
-def _no_progress(monkeypatch: pytest.MonkeyPatch, spins: list[int]) -> None:
+def _no_progress(monkeypatch: pytest.MonkeyPatch, spins: list[int], root: Path) -> None:
     def nothing(*args: Any) -> int:
         spins.append(1)
         if len(spins) > 1000:  # a loop that waits for progress would never end: stop it here
             raise RuntimeError("pwrite was called 1000 times and wrote nothing")
         return 0
 
-    _half_written(monkeypatch, nothing)
+    _half_written(monkeypatch, root, nothing)
 
 
 #: Faults of the calls that write the packed store's files (segments, and the index's lock file).
 WRITE_FAULTS: dict[str, WriteFault] = {
-    "pwritev ENOSPC": lambda mp, spins: mp.setattr(os, "pwritev", _failing(errno.ENOSPC)),
-    "pwritev EIO": lambda mp, spins: mp.setattr(os, "pwritev", _failing(errno.EIO)),
-    "short write, then ENOSPC": lambda mp, spins: _half_written(mp, _failing(errno.ENOSPC)),
-    "short write, then EIO": lambda mp, spins: _half_written(mp, _failing(errno.EIO)),
+    "pwritev ENOSPC": lambda mp, spins, root: fault_under(mp, root, "pwritev", _failing(errno.ENOSPC)),
+    "pwritev EIO": lambda mp, spins, root: fault_under(mp, root, "pwritev", _failing(errno.EIO)),
+    "short write, then ENOSPC": lambda mp, spins, root: _half_written(mp, root, _failing(errno.ENOSPC)),
+    "short write, then EIO": lambda mp, spins, root: _half_written(mp, root, _failing(errno.EIO)),
     "short write, then no progress": _no_progress,
-    "fallocate ENOSPC": lambda mp, spins: mp.setattr(os, "posix_fallocate", _failing(errno.ENOSPC)),
-    "fallocate EIO": lambda mp, spins: mp.setattr(os, "posix_fallocate", _failing(errno.EIO)),
+    "fallocate ENOSPC": lambda mp, spins, root: fault_under(mp, root, "posix_fallocate", _failing(errno.ENOSPC)),
+    "fallocate EIO": lambda mp, spins, root: fault_under(mp, root, "posix_fallocate", _failing(errno.EIO)),
 }
 
 
@@ -773,7 +774,7 @@ def test_a_failing_write_warns_computes_and_leaves_no_partial_entry(
     x, y = torch.randn(N, 4), torch.randn(N, 4)
     spins: list[int] = []
     with monkeypatch.context() as patched:
-        WRITE_FAULTS[fault](patched, spins)
+        WRITE_FAULTS[fault](patched, spins, cache_root)
         model = cached(Counting, persistent=True)(4, 256)
         with cache_warnings() as caught:
             first = model(x)

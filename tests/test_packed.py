@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import run_python
+from tests.helpers import fault_under, run_python
 from tests.store_helpers import Reports, charged, key, value
 from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
@@ -82,9 +82,8 @@ def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypa
 
     monkeypatch.setattr(index, "change", counting("change", index.change))
     monkeypatch.setattr(index, "begin", counting("begin", index.begin))
-    monkeypatch.setattr(packed_segments.os, "pwritev", counting("pwritev", os.pwritev))
-    monkeypatch.setattr(packed_segments.os, "pread", counting("pread", os.pread))
-    monkeypatch.setattr(packed_segments.os, "fstat", counting("fstat", os.fstat))
+    for name in ("pwritev", "pread", "fstat"):
+        fault_under(monkeypatch, root, name, counting(name, getattr(os, name)))
     assert store.put_many([(key(i), value(i, 3072)) for i in range(1000, 2024)]) == 1024
     assert calls["change"] == 1 and calls["pwritev"] <= 4  # 1,024 records: two or three iovec arrays, a short write
     calls.update(change=0, begin=0, pread=0, fstat=0)
@@ -382,7 +381,7 @@ def test_a_mapped_segment_that_grows_is_mapped_again(root: Path, monkeypatch: py
     assert len(segments(root)) == 1
     preads: list[int] = []
     real_pread = os.pread
-    monkeypatch.setattr(packed_segments.os, "pread", lambda *args: preads.append(1) or real_pread(*args))
+    fault_under(monkeypatch, root, "pread", lambda *args: preads.append(1) or real_pread(*args))
     got = reader.get_many([key(i) for i in range(300)])
     assert preads == []  # read from a new mapping, not record by record
     assert all(bytes(v or b"") == value(i) for i, v in enumerate(got))
@@ -693,7 +692,7 @@ def test_a_full_disk_simulated(root: Path, monkeypatch: pytest.MonkeyPatch) -> N
     def no_space(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(packed_segments.os, "pwritev", no_space)
+    fault_under(monkeypatch, root, "pwritev", no_space)
     with pytest.raises(StoreError):
         store.put_many([(key(i), value(i)) for i in range(100, 200)])
     monkeypatch.undo()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import pwrite_fault
+from tests.helpers import fault_under, pwrite_fault
 from torchcache import CachedDataset, CacheWarning
 from torchcache.datasets import tiers as sample_tiers
 from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
@@ -67,7 +67,7 @@ def test_a_failing_slot_write_warns_and_the_tier_keeps_serving(
     tier = SampleTier("memory", store, 10**6, FaultLog("full"), rows(tmp_path))
     samples = {i: encode_sample((torch.full((4,), float(i)), i)) for i in range(4)}
     tier.put_many([(store_key(i), samples[i]) for i in range(2)])
-    monkeypatch.setattr(rows_module.os, "pwrite", pwrite_fault(kind))
+    fault_under(monkeypatch, tmp_path, "pwrite", pwrite_fault(kind))
     with pytest.warns(CacheWarning):
         tier.put_many([(store_key(i), samples[i]) for i in range(2, 4)])
         tier.faults.emit()

@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from tests import zygote
-from tests.helpers import REPO, pwrite_fault
+from tests.helpers import REPO, fault_under, pwrite_fault
 from torchcache.errors import CorruptEntryError, StoreError
 from torchcache.stores.rows import Geometry, RowsFile
 from torchcache.stores.rows import file as rows_module
@@ -253,7 +253,7 @@ def test_a_failing_write_is_an_error_and_marks_nothing(
     file = make(tmp_path)
     assert file.write(np.arange(5), rows_of(list(range(5)))) == 0
     fault = pwrite_fault(kind)
-    monkeypatch.setattr(rows_module.os, "pwrite", fault)
+    fault_under(monkeypatch, tmp_path, "pwrite", fault)
     with pytest.raises(OSError) as caught:
         file.write(np.arange(5, 10), rows_of(list(range(5, 10))))
     assert caught.value.errno in (errno.ENOSPC, errno.EIO) and len(fault.calls) < 10
@@ -267,7 +267,7 @@ def test_a_file_system_without_fallocate_still_makes_the_file(tmp_path: Path, mo
     def unsupported(*args: Any) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    fault_under(monkeypatch, tmp_path, "posix_fallocate", unsupported)
     file = make(tmp_path, length=3000)
     file.write(np.asarray([2999]), rows_of([2999]))
     assert read_all(file, [2999]) == {2999: bytes(row(2999))}
