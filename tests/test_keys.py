@@ -284,6 +284,14 @@ def test_empty_batch_gives_no_keys() -> None:
     assert hash_items(CTX, [torch.empty(0, 3)]) == []
 
 
+def test_items_with_no_elements_get_a_key_each_from_their_other_tensors() -> None:
+    images, boxes = torch.randn(4, 3), torch.zeros(4, 0, 4)  # no boxes in this batch
+    keys = hash_items(CTX, [images, boxes])
+    assert len(set(keys)) == 4 and keys == hash_items(CTX, [images, torch.zeros(4, 0, 4)])
+    assert keys[1:3] == hash_items(CTX, [images[1:3], boxes[1:3]])
+    assert hash_items(CTX, [boxes]) == [hash_items(CTX, [boxes])[0]] * 4
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_any_change_to_one_element_changes_that_items_key(data: st.DataObject) -> None:

@@ -169,7 +169,7 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
             rows, subsampled = item_rows(tensor, subsample_count)
             flag = _SUBSAMPLED if subsampled else _WHOLE
         flat, width = memoryview(rows.reshape(-1)), rows.shape[1]  # type: ignore[arg-type]
-        items = [flat[at : at + width] for at in range(0, batch * width, width)]
+        items = [flat[at : at + width] for at in range(0, batch * width, width)] if width else [flat] * batch
         row_digests.append(list(map(bytes, items)) if flag == _ON_DEVICE else list(map(digest, items)))
         flags.append(flag)  # on a device: 32 bytes per item, already a digest
     prefix = context + bytes(flags)

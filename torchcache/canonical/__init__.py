@@ -13,6 +13,7 @@ from __future__ import annotations
 from .modules import MODULE_MANAGED, OBSERVER_HOOKS, module_attributes, module_hooks
 from .objects import CONFIG_UNKEYED, collecting, tensor_content_digest
 from .origins import origin_of_module
+from .pending import deferring
 from .values import KeyEncoder, encode_key_value
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "OBSERVER_HOOKS",
     "KeyEncoder",
     "collecting",
+    "deferring",
     "encode_key_value",
     "module_attributes",
     "module_hooks",

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
+from .pending import import_for_key, missing_global
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -83,6 +84,8 @@ class _Scan(NamedTuple):
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
 
 
+_Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
+_Imports = set[tuple[str, int, tuple[str, ...]]]
 _scans: weakref.WeakKeyDictionary[types.CodeType, _Scan] = weakref.WeakKeyDictionary()
 
 
@@ -90,19 +93,14 @@ def scan_code(code: types.CodeType) -> _Scan:
     """The description of a code object and of the globals it reads (cached: code never changes)."""
     found = _scans.get(code)
     if found is None:
-        chains: set[tuple[str, ...]] = set()
-        imports: set[tuple[str, int, tuple[str, ...]]] = set()
+        chains: _Chains = set()
+        imports: _Imports = set()
         described = _describe(code, chains, imports, 0)
         found = _scans[code] = _Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
     return found
 
 
-def _describe(
-    code: types.CodeType,
-    chains: set[tuple[str, ...]],
-    imports: set[tuple[str, int, tuple[str, ...]]],
-    depth: int,
-) -> bytes:
+def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: int) -> bytes:
     if depth > _MAX_CODE_DEPTH:
         raise KeyingError(f"{code.co_qualname}: functions nest more than {_MAX_CODE_DEPTH} levels deep")
     _read_globals(code, chains, imports)
@@ -157,9 +155,7 @@ def _const(value: Any) -> bytes:
     return tagged(Tag.RAW, f"{kind.__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
 
 
-def _read_globals(
-    code: types.CodeType, chains: set[tuple[str, ...]], imports: set[tuple[str, int, tuple[str, ...]]]
-) -> None:
+def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> None:
     """Collect the global names ``code`` reads, with the attributes read from each, and its imports."""
     chain: list[str] | None = None
     constants: list[Any] = []
@@ -260,16 +256,18 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
             continue
         else:
+            missing_global(encoder, f"{where}.{name}")
             parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
             continue
         parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
         if len(chain) > 3 and chain[1] == "ops" and getattr(value, "__name__", None) == "torch":
             parts.append(_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
     for module_name, level, names in scan.imports:
-        imported = _imported(module_name, level, namespace)
+        absolute = _absolute(module_name, level, namespace)
         label = f"{where}.<import {module_name}>"
-        if imported is None:
-            parts.append(tagged(Tag.GLOBAL_MISSING, f"{level}|{module_name}".encode()))
+        imported = sys.modules.get(absolute) or import_for_key(absolute, encoder, label)
+        if imported is None or isinstance(imported, str):  # not found, or installed and not imported: by version
+            parts.append(tagged(Tag.GLOBAL_MISSING, f"{absolute}|{imported}".encode()))
         elif names:
             for name in names:
                 parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))
@@ -310,13 +308,13 @@ def _kernel(registered: Any) -> Any:
     return function
 
 
-def _imported(name: str, level: int, namespace: dict[str, Any]) -> types.ModuleType | None:
-    """The module an import statement inside a function names, if this process has imported it."""
+def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
+    """The absolute name of the module an import statement inside a function names."""
     if level:
         package = namespace.get("__package__") or ""
         base = package.rsplit(".", level - 1)[0] if level > 1 else package
         name = f"{base}.{name}" if name else base
-    return sys.modules.get(name)
+    return name
 
 
 def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:

@@ -22,7 +22,7 @@ import torch
 from ..config import Settings
 from ..errors import ConfigError
 from .engine import Cache
-from .fingerprint import describe_instance, fingerprint_function, fingerprint_module
+from .fingerprint import check_instance, fingerprint_function, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
 
 __all__ = ["CachedMethod", "decorate_function", "method_caches", "weights_loaded"]
@@ -101,7 +101,7 @@ class CachedMethod:
         check_frozen(module, f"the instance of {name}")
         module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
         if settings.persistent_module_hash is None:  # else the user gave the key
-            describe_instance(module, settings.key_ignore)  # a refusal comes when the method is wrapped
+            check_instance(module, settings.key_ignore)  # a refusal comes when the method is wrapped
         return cls(module, method.__func__, settings, b"")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -148,7 +148,7 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
         inspect.signature(fn),
         lambda: fingerprint_function(fn, settings.key_settings(), settings.key_ignore),
     )
-    cache.take_key()  # now: what cannot be keyed is refused where the function is decorated
+    cache.take_key(early=True)  # now: what cannot be keyed is refused where the function is decorated
 
     @outside_compile
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ from ..config import LEGACY_OPTIONS, Settings
 from ..errors import ConfigError
 from .callables import CachedMethod, decorate_function, weights_loaded
 from .engine import Cache
-from .fingerprint import describe_init, describe_instance, fingerprint_module
+from .fingerprint import check_instance, describe_init, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
 
 __all__ = ["torchcache"]
@@ -354,7 +354,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
         if instance_settings.persistent_module_hash is None:  # else the user gave the key
             ignore = instance_settings.key_ignore
             init_digest = describe_init(args, kwargs, ignore)
-            describe_instance(self, ignore)  # a refusal comes now, not at the first call
+            check_instance(self, ignore)  # a refusal comes now, not at the first call
         _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
 
     _patch(cls, original_forward)
@@ -413,7 +413,7 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     name = f"{cls.__module__}.{cls.__qualname__}"
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key
-        describe_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
+        check_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
     binding = _Binding(settings, b"", name)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)

@@ -24,7 +24,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
-from ..canonical import collecting
+from ..canonical import collecting, deferring
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
@@ -173,8 +173,10 @@ class Cache:
         assert self._module_hash is not None
         return self._module_hash
 
-    def take_key(self) -> None:
+    def take_key(self, early: bool = False) -> None:
         """Take the key now rather than at the first call (unless ``persistent_module_hash`` gives it).
+
+        ``early`` (at decoration): a key that reads globals not defined yet is taken again at the first call.
 
         Raises:
             KeyingError: If what the key covers cannot be encoded.
@@ -183,7 +185,9 @@ class Cache:
             if self._module_hash is None:
                 if self._watch is not None:
                     self._watch.reset()  # before hashing: a write during it is seen at the next call
-                self._module_hash = self._take_key()
+                with deferring(early) as missing:
+                    key = self._take_key()
+                self._module_hash = None if missing else key
                 logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
 
     def _take_key(self) -> str:

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import xxhash
 
-from ..canonical import KeyEncoder, module_attributes, module_hooks
+from ..canonical import KeyEncoder, deferring, module_attributes, module_hooks
 from ..keys import FORMAT_VERSION, encode_value, tag, tensor_digest
 
 __all__ = [
+    "check_instance",
     "describe_hooks",
     "describe_init",
     "describe_instance",
@@ -102,6 +103,18 @@ def describe_instance(module: torch.nn.Module, ignore: Collection[str] = ()) -> 
     for prefix, sub in module.named_modules(remove_duplicate=False):
         h.update(tag(b"k", prefix.encode()) + module_attributes(encoder, sub, f"{root}.{prefix}" if prefix else root))
     return h.digest()
+
+
+def check_instance(module: torch.nn.Module, ignore: Collection[str] = ()) -> None:
+    """:func:`describe_instance` when a module is wrapped, so that a refusal comes then.
+
+    Globals not defined yet are left for the key taken at the first call.
+
+    Raises:
+        KeyingError: If an attribute cannot be encoded exactly (the message names its path).
+    """
+    with deferring():
+        describe_instance(module, ignore)
 
 
 def describe_hooks(module: torch.nn.Module, ignore: Collection[str] = (), include_root: bool = False) -> bytes:

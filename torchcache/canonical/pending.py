@@ -1,0 +1,99 @@
+"""Names code reads that do not exist yet when a key is taken: imports not yet run, globals not yet defined.
+
+A function's code may import a module of the user's inside its body (``import helpers``
+in ``forward``), or read a global defined further down its file. A key that recorded
+them as absent would stay the same whatever they turn out to be, across runs too. So a
+module imported inside a function is found without running it where it is installed code
+(keyed by its package's version) and imported where it is the user's (keyed by its code);
+one that cannot be found is keyed as absent (an ``ImportError`` there is the code's own
+fallback). A global that is not defined refuses the key, except while a key is taken
+early, where a refusal can come sooner (a function at its decoration, a module when it
+is wrapped): :func:`deferring` notes the names, and the key is taken again at the first
+call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import Protocol
+
+from ..errors import KeyingError
+from .origins import is_installed_file, origin_of_module, version_of
+
+__all__ = ["deferring", "import_for_key", "missing_global"]
+
+_local = threading.local()
+
+
+class _Refuses(Protocol):
+    def refuse(self, path: str, why: str) -> KeyingError: ...
+
+
+@contextlib.contextmanager
+def deferring(active: bool = True) -> Iterator[list[str]]:
+    """Note, rather than refuse, the globals found undefined in the block (this thread), if ``active``.
+
+    Yields:
+        The paths of the globals found undefined; a key taken with any is provisional.
+    """
+    previous = getattr(_local, "missing", None)
+    missing: list[str] = []
+    _local.missing = missing if active else None
+    try:
+        yield missing
+    finally:
+        _local.missing = previous
+
+
+def missing_global(encoder: _Refuses, path: str) -> None:
+    """A global code reads is not defined: noted inside :func:`deferring`, else refused.
+
+    Raises:
+        KeyingError: Outside :func:`deferring`.
+    """
+    missing = getattr(_local, "missing", None)
+    if missing is None:
+        raise encoder.refuse(
+            path,
+            "it is not defined when the key is taken (at the first call), so the key cannot cover what it "
+            "will be; define it before the first call",
+        )
+    missing.append(path)
+
+
+def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType | str | None:
+    """The module an import statement inside a function names, which this process has not imported yet.
+
+    Returns:
+        ``package==version`` for installed code (not imported), the module for the user's
+        own code (imported now, as the function would), or ``None`` if it cannot be found.
+
+    Raises:
+        KeyingError: If the user's module fails to import.
+    """
+    top = name.partition(".")[0]
+    try:
+        spec = sys.modules[top].__spec__ if top in sys.modules else importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if top in sys.modules and spec is None:
+        installed = origin_of_module(top) is not None
+    elif spec is None:
+        return None
+    else:
+        where = [spec.origin] if spec.origin and spec.has_location else list(spec.submodule_search_locations or ())
+        installed = spec.origin in ("built-in", "frozen") or any(is_installed_file(place) for place in where)
+    if installed:
+        return version_of(top)
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+    except Exception as exc:
+        raise encoder.refuse(path, f"importing it to key its code failed ({type(exc).__name__}: {exc})") from exc
