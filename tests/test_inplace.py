@@ -118,6 +118,18 @@ def test_a_replaced_parameter_is_seen(tmp_path: Path) -> None:
     _same(cached, plain, x)
 
 
+def test_a_submodule_put_straight_into_modules_or_swapped_there_is_seen(tmp_path: Path) -> None:
+    cached, plain = _cached(False, tmp_path)
+    x = torch.randn(5, 6)
+    _same(cached, plain, x)
+    for module in (cached, plain):  # as module-surgery utilities do: no registration hook runs
+        module._modules["2"] = nn.Tanh()
+    _same(cached, plain, x)
+    for module in (cached, plain):  # two submodules trade places: the count stays
+        module._modules["2"], module._modules["1"] = module._modules["1"], module._modules["2"]
+    _same(cached, plain, x)
+
+
 class _Graph(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -14,7 +14,8 @@ Checked before every cached call, each against its state when the key was taken:
   dicts for the length of a call; the call then takes the key of the weights it runs with.
 - **Registrations**: a parameter, buffer or submodule *replaced* through ``setattr`` goes
   through torch's registration hooks, which bump a process-wide generation; the key is
-  then taken again, classes and attributes included.
+  then taken again, classes and attributes included. A submodule put straight into a
+  ``_modules`` dict runs no hook: the dicts' values are compared by identity.
 - **Forward hooks** registered or removed on a submodule, or for all modules: torch
   numbers every hook handle, and the hook dicts' sizes are summed.
 
@@ -103,6 +104,7 @@ class VersionWatch:
     __slots__ = (
         "_calls",
         "_child_count",
+        "_child_values",
         "_children",
         "_count",
         "_digest",
@@ -157,6 +159,7 @@ class VersionWatch:
         self._submodules = submodules[1:]
         self._children = list(map(_children, submodules))  # a submodule deleted runs no registration hook
         self._child_count = sum(map(len, self._children))
+        self._child_values = list(itertools.chain.from_iterable(map(dict.values, self._children)))
         self._registries = [r for sub in submodules for r in (sub._parameters, sub._buffers)]
         self._count = sum(map(len, self._registries))
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
@@ -190,7 +193,10 @@ class VersionWatch:
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        if sum(map(len, self._children)) != self._child_count:
+        children = itertools.chain.from_iterable(map(dict.values, self._children))  # _modules[name] = new: no hook
+        if sum(map(len, self._children)) != self._child_count or not all(
+            map(operator.is_, children, self._child_values)
+        ):
             return True
         if _grad_enabled() and sum(map(_requires_grad, self._held)) != self._grads:  # without grad: outputs alike
             return True
