@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torchcache import KeyingError, torchcache
+from torchcache.canonical import origins
 
 X = torch.arange(6.0).reshape(3, 2)
 
@@ -121,3 +122,24 @@ def test_installed_code_imported_inside_a_function_is_keyed_without_importing_it
     module = _load(tmp_path / "defines_installed.py", "defines_installed", source)
     assert torch.equal(module.f(X), X * 2)
     assert "wave" not in sys.modules
+
+
+def test_installed_code_without_metadata_imported_inside_a_function_is_keyed_by_its_files(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packages = tmp_path / "site-packages"  # a package put on the path by hand: no version to key it by
+    packages.mkdir()
+    monkeypatch.syspath_prepend(str(packages))
+    modules.append("defines_vendored")
+    source = LAZY.replace("lazy_helper", "vendored_ops")
+    net = _load(tmp_path / "defines_vendored.py", "defines_vendored", source).Net
+    keys = []
+    for factor in (2, 3):
+        monkeypatch.delitem(sys.modules, "vendored_ops", raising=False)
+        monkeypatch.setattr(origins, "_versions", {})  # a new process
+        (packages / "vendored_ops.py").write_text(f"def g(x):\n    return x * {factor}\n")
+        importlib.invalidate_caches()
+        model = torchcache()(net().eval())
+        keys.append(model.cache_instance.module_hash)  # taken without importing it
+        assert "vendored_ops" not in sys.modules
+    assert keys[0] != keys[1]

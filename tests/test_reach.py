@@ -291,7 +291,7 @@ MECHANISMS: dict[str, tuple[str, str, str]] = {
             pass
         class Net(nn.Module):
             def forward(self, x):
-                return x * (3.0 if type(x) is Doubled else 2.0)
+                return (x * (3.0 if type(x) is Doubled else 2.0)).as_subclass(torch.Tensor)
         def build():
             return Net(), (X.as_subclass({v}),)
         """,

@@ -1107,8 +1107,11 @@ _LAZY_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_entry_whose_class_is_not_imported_yet_is_recomputed(tmp_path: Path) -> None:
-    (tmp_path / "typed_outputs_mod.py").write_text('import collections\nPair = collections.namedtuple("Pair", "x y")\n')
-    env = python_env(tmp_path)
+    # installed code (keyed by its version, not imported by the key), as a library's lazily imported output class
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    (packages / "typed_outputs_mod.py").write_text('import collections\nPair = collections.namedtuple("Pair", "x y")\n')
+    env = python_env(packages)
     reports = []
     for _ in range(2):
         proc = run_python(_LAZY_SCRIPT, str(tmp_path / "cache"), env=env, path=tmp_path / "lazy.py")

@@ -81,6 +81,12 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
 def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor]) -> Spec:
     """The spec of ``node``; its tensor leaves are appended to ``leaves``."""
     if isinstance(node, torch.Tensor):
+        if type(node) is not torch.Tensor:
+            raise KeyingError(
+                f"{path}: is a {describe_type(type(node))}, a subclass of torch.Tensor; a hit would return a plain "
+                "torch.Tensor without its class and attributes. Return t.as_subclass(torch.Tensor), or cache a "
+                "function that returns plain tensors"
+            )
         leaves.append(node)
         return "T"
     if node is None:

@@ -11,7 +11,9 @@ its code. torchcache's own files count as installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import site
@@ -142,9 +144,11 @@ def _built_locally(distribution: importlib.metadata.Distribution) -> str:
 
 def _files_digest(top: str) -> str:
     """The content of a package's Python files (one added to ``sys.path`` by hand, without metadata)."""
-    module = sys.modules.get(top)
-    filename = getattr(module, "__file__", None)
-    if filename is None:
+    filename = getattr(sys.modules.get(top), "__file__", None)
+    if filename is None and top not in sys.modules:  # not imported yet: found where an import would find it
+        with contextlib.suppress(ImportError, ValueError):
+            filename = getattr(importlib.util.find_spec(top), "origin", None)
+    if filename is None or not os.path.isfile(filename):
         return "unknown"
     h = xxhash.xxh3_128()
     directory = os.path.dirname(filename) if filename.endswith("__init__.py") else ""

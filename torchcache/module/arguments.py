@@ -39,7 +39,7 @@ from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from ..tiers.batch import index_tensor
-from .containers import MAX_DEPTH, holds_tensor, map_tensors, mapping_state
+from .containers import MAX_DEPTH, container_state, holds_tensor, map_tensors
 
 __all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
 
@@ -117,7 +117,10 @@ class CallArguments:
             index = indices.get(value.device)
             if index is None:
                 index = indices[value.device] = index_tensor(positions, value.device)
-            return value.index_select(dim, index)
+            picked = value.index_select(dim, index)
+            if value.__dict__:  # attributes set on the caller's tensor (keyed): the rows carry them
+                picked.__dict__.update({k: v for k, v in value.__dict__.items() if k not in picked.__dict__})
+            return picked
 
         args = tuple(self._map(value, self._names[i], pick) for i, value in enumerate(self.args))
         kwargs = {key: self._map(value, self._kw_names[key], pick) for key, value in self.kwargs.items()}
@@ -171,6 +174,8 @@ class _Splitter:
             self._add_tensor(label, dim, value)
         elif depth < MAX_DEPTH and isinstance(value, (tuple, list)) and holds_tensor(value):
             self.context.add(b"(" + _type_key(type(value), label) + str(len(value)).encode())
+            if type(value) is not tuple and type(value) is not list:
+                self.context.add(container_state(value, label))
             for i, item in enumerate(value):
                 self._walk(f"{label}[{i}]", dim, item, depth + 1)
         elif depth < MAX_DEPTH and isinstance(value, Mapping) and holds_tensor(value):
@@ -180,7 +185,7 @@ class _Splitter:
             # In their order (a forward may concatenate the values), and a subclass's own state with its class.
             self.context.add(_MAPPING + _type_key(type(value), label) + str(len(keys)).encode())
             if type(value) is not dict:
-                self.context.add(mapping_state(value, label))
+                self.context.add(container_state(value, label))
             for key in keys:
                 self.context.add(key.encode())
                 self._walk(f"{label}[{key!r}]", dim, value[key], depth + 1)
@@ -202,6 +207,8 @@ class _Splitter:
                 "add a batch dimension (x.unsqueeze(0)), pass a Python number, or name the argument in "
                 "shared_args if it is the same for the whole batch"
             )
+        if tensor.__dict__ or type(tensor) is not torch.Tensor:  # its class and attributes count
+            self.context.add(_TENSOR_TYPE + _type_key(type(tensor), label) + _tensor_state(label, dim, tensor))
         if dim:
             tensor = tensor.movedim(dim, 0)
         if self.batch < 0:
@@ -213,13 +220,26 @@ class _Splitter:
                 "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
             )
         self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
-        if type(tensor) is not torch.Tensor:  # a subclass computes its own way: its class and state count
-            state = getattr(tensor, "__dict__", None) or {}
-            encoded = encode_value(dict(state), f"argument {label!r} attributes") if state else b""
-            self.context.add(_TENSOR_TYPE + _type_key(type(tensor), label) + encoded)
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
+
+
+def _tensor_state(label: str, dim: int, tensor: torch.Tensor) -> bytes:
+    """The attributes of a per-item tensor of a subclass, or with attributes set, whose rows keep its class.
+
+    Raises:
+        KeyingError: If its rows come out of another class (its ``__torch_function__``
+            unwraps them): smaller batches of it would compute another way.
+    """
+    rows = tensor.index_select(dim, torch.zeros(0, dtype=torch.long, device=tensor.device))
+    if type(rows) is not type(tensor):
+        raise KeyingError(
+            f"argument {label!r}: rows taken from a {type(tensor).__qualname__} (index_select) are a "
+            f"{type(rows).__qualname__}, so smaller batches of it (the misses of a partly cached batch) would "
+            "compute another way; make its __torch_function__ return its own class, or pass a plain tensor"
+        )
+    return encode_value(dict(tensor.__dict__), f"argument {label!r} attributes") if tensor.__dict__ else b""
 
 
 def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:

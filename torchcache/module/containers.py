@@ -2,7 +2,8 @@
 
 A tuple, list or mapping that holds per-item tensors is rebuilt around the rows of a
 smaller batch (the item check's, a partial hit's misses) as the class it was: a
-namedtuple by ``_make``, a ``dict`` or ``UserDict`` subclass by a copy (its attributes,
+namedtuple by ``_make``, another tuple or list subclass by its constructor with the
+caller's attributes, a ``dict`` or ``UserDict`` subclass by a copy (its attributes,
 a ``defaultdict``'s factory, come along, and the caller's items stay), another mapping
 by its constructor with its public attributes carried over, or refused.
 """
@@ -19,7 +20,7 @@ import torch
 from ..errors import KeyingError
 from ..keys import encode_value
 
-__all__ = ["MAX_DEPTH", "holds_tensor", "map_tensors", "mapping_state"]
+__all__ = ["MAX_DEPTH", "container_state", "holds_tensor", "map_tensors"]
 
 #: How deep containers of tensors among the arguments are followed.
 MAX_DEPTH = 16
@@ -33,9 +34,10 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: i
         return value
     if isinstance(value, tuple):
         items = [map_tensors(v, fn, depth + 1) for v in value]
-        return value._make(items) if hasattr(value, "_fields") else type(value)(items)  # type: ignore[attr-defined]
+        made = value._make(items) if hasattr(value, "_fields") else type(value)(items)  # type: ignore[attr-defined]
+        return _with_attributes(value, made)
     if isinstance(value, list):
-        return type(value)(map_tensors(v, fn, depth + 1) for v in value)
+        return _with_attributes(value, type(value)(map_tensors(v, fn, depth + 1) for v in value))
     if isinstance(value, Mapping):
         mapped = {k: map_tensors(v, fn, depth + 1) for k, v in value.items()}
         return mapped if type(value) is dict else _rebuilt(value, mapped)
@@ -70,6 +72,20 @@ def _rebuilt(value: Mapping[Any, Any], mapped: dict[Any, Any]) -> Any:
         ) from None
 
 
+def _with_attributes(value: Any, made: Any) -> Any:
+    """``made`` (a tuple or list subclass rebuilt from its items) with the attributes ``value`` holds."""
+    state = getattr(value, "__dict__", None)
+    if state:
+        try:
+            made.__dict__.update({k: v for k, v in state.items() if k not in made.__dict__})
+        except Exception as exc:  # noqa: BLE001 - any failure means the class cannot be rebuilt
+            raise KeyingError(
+                f"cannot make a {type(value).__qualname__} holding part of a batch with the attributes of the "
+                f"caller's ({type(exc).__name__}: {exc}); pass a tuple or a list"
+            ) from None
+    return made
+
+
 def holds_tensor(value: Any, depth: int = 0) -> bool:
     """Whether a tensor is inside ``value`` (tuples, lists and mappings, to :data:`MAX_DEPTH` levels)."""
     if isinstance(value, torch.Tensor):
@@ -83,19 +99,22 @@ def holds_tensor(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _public_state(value: Mapping[Any, Any]) -> dict[str, Any]:
-    """A mapping's public attributes but its items (a ModelOutput's fields).
+def _public_state(value: Any) -> dict[str, Any]:
+    """A container's public attributes but its items (a ModelOutput's fields).
 
     What a library keeps per batch in private ones (a BatchEncoding's ``_encodings``) is
     not configuration, and is not keyed.
     """
-    items = list(value.values())
+    items = list(value.values()) if isinstance(value, Mapping) else list(value)
     state = getattr(value, "__dict__", None) or {}
     return {k: v for k, v in state.items() if k[:1] != "_" and not any(v is item for item in items)}
 
 
-def mapping_state(value: Mapping[Any, Any], label: str) -> bytes:
-    """What a mapping class other than ``dict`` holds besides its items: attributes, a ``defaultdict``'s factory."""
+def container_state(value: Any, label: str) -> bytes:
+    """What a container class other than ``dict``, ``tuple`` and ``list`` holds besides its items.
+
+    Its public attributes, and a ``defaultdict``'s factory.
+    """
     state = _public_state(value)
     if isinstance(value, collections.UserDict):
         state.pop("data", None)  # its items

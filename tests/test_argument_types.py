@@ -1,0 +1,86 @@
+"""Classes and attributes of per-item inputs and of outputs: keyed and carried into smaller batches, or refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from torchcache import KeyingError, torchcache
+
+X = torch.arange(8.0).reshape(4, 2)
+
+
+def scaled(batch: Any) -> torch.Tensor:
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return (x * batch.scale).as_subclass(torch.Tensor)
+
+
+class Batch(list):  # type: ignore[type-arg]
+    scale = 1.0
+
+
+class Pair(tuple):  # type: ignore[type-arg]
+    scale = 1.0
+
+
+class Unwrapping(torch.Tensor):
+    """A subclass whose ``__torch_function__`` returns plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class Keeping(torch.Tensor):
+    """A subclass whose rows stay of its class (torch's default ``__torch_function__``)."""
+
+
+def _with(scale: float, make: Any) -> Any:
+    value = make()
+    value.scale = scale
+    return value
+
+
+MAKERS = {
+    "list subclass": lambda x: Batch([x]),
+    "tuple subclass": lambda x: Pair((x,)),
+    "plain tensor": lambda x: x.clone(),
+    "tensor subclass": lambda x: x.clone().as_subclass(Keeping),
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("check_items", [True, False])
+def test_attributes_of_an_input_are_keyed_and_carried_into_smaller_batches(kind: str, check_items: bool) -> None:
+    cached = torchcache(check_items=check_items)(scaled)
+    make = MAKERS[kind]
+    assert torch.equal(cached(_with(2.0, lambda: make(X[:2]))), X[:2] * 2)
+    for scale in (10.0, 2.0):
+        got = cached(_with(scale, lambda: make(X)))  # at scale 2: two hits, and two misses computed
+        assert torch.equal(got, X * scale)
+    assert cached.cache_instance.stats().hits == 2
+
+
+def test_a_subclass_whose_rows_are_plain_tensors_is_refused_with_the_cause() -> None:
+    def doubled_by_class(x: torch.Tensor) -> torch.Tensor:
+        return x * (2 if isinstance(x, Unwrapping) else 1)
+
+    cached = torchcache()(doubled_by_class)
+    with pytest.raises(KeyingError, match=r"argument 'x': rows taken from a Unwrapping .* are a Tensor"):
+        cached(X.clone().as_subclass(Unwrapping))
+    assert torch.equal(cached(X), X)  # plain tensors are cached as before
+
+
+def test_an_output_of_a_tensor_subclass_is_refused_rather_than_returned_plain_on_hits() -> None:
+    def as_keeping(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).as_subclass(Keeping)
+
+    cached = torchcache()(as_keeping)
+    with pytest.raises(KeyingError, match=r"output: is a .*Keeping, a subclass of torch.Tensor; a hit would return"):
+        cached(X)
+    parameter = torchcache()(lambda x: torch.nn.Parameter(x * 2))
+    with pytest.raises(KeyingError, match=r"Parameter, a subclass of torch.Tensor"):
+        parameter(X)
