@@ -518,6 +518,31 @@ def test_an_object_with_a_to_dict_is_keyed_by_what_it_leaves_out_too(tmp_path: P
     assert torch.equal(got, expected)
 
 
+class _Summarised:
+    """A ``to_dict()`` meant for logging: it gives the weights' shape, not their values."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.weights = weights
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": f"tensor{tuple(self.weights.shape)}"}
+
+
+class _Shifted(nn.Module):
+    def __init__(self, op: _Summarised) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.op.weights.sum()
+
+
+def test_an_object_whose_to_dict_describes_an_attribute_otherwise_is_keyed_by_the_attribute(tmp_path: Path) -> None:
+    a, b = _Shifted(_Summarised(torch.zeros(3))), _Shifted(_Summarised(torch.ones(3)))
+    got, expected = _both(a, b, X, root=tmp_path)
+    assert torch.equal(got, expected)
+
+
 _ENCODER = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False).eval()
 
 

@@ -94,6 +94,16 @@ def tensor_content_digest(tensor: torch.Tensor, path: str) -> bytes:
     return h.digest()
 
 
+def _told(entries: dict[str, Any], name: str, value: Any) -> bool:
+    """Whether a ``to_dict()`` entry gives the attribute ``name`` as it is (a copy equal to it)."""
+    if name not in entries or entries[name] is value:
+        return name in entries
+    try:
+        return type(entries[name]) is type(value) and (entries[name] == value) is True
+    except Exception:  # noqa: BLE001 - values that cannot be compared (tensors within) are keyed themselves
+        return False
+
+
 def encode_plain(encoder: Encoder, value: Any, cls_encoding: bytes, path: str, depth: int) -> bytes:
     """An object that is its class and its ``__dict__``."""
     state = sorted(vars(value).items(), key=_by_name)
@@ -116,8 +126,11 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
         if type(entries) is dict:
             entries = {k: v for k, v in entries.items() if k not in CONFIG_UNKEYED}
             encoded = cls_encoding + encoder.attributes(entries.items(), path, depth)
-            # and what it leaves out (a config's _attn_implementation_internal; a logging-minded to_dict)
-            others = sorted(((k, v) for k, v in vars(value).items() if k not in entries and k not in CONFIG_UNKEYED))
+            # and what it leaves out or describes otherwise (a config's _attn_implementation_internal; a
+            # logging-minded to_dict that gives a tensor's shape)
+            others = sorted(
+                (k, v) for k, v in vars(value).items() if k not in CONFIG_UNKEYED and not _told(entries, k, v)
+            )
             return tagged(Tag.CONFIG, encoded + (encoder.attributes(others, path, depth) if others else b""))
     if _is_plain(cls) and isinstance(getattr(value, "__dict__", None), dict):
         encoder.remember_plain(cls, cls_encoding)  # later instances skip the checks above

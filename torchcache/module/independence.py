@@ -229,7 +229,9 @@ def _check_positions(
             raise DependentItemsError(
                 f"{name}: the outputs of a batch's items depend on the other items of the batch (output leaf {i} of "
                 f"items {positions} changed when they were computed in a batch of {len(positions)} instead of "
-                f"{batch}). {_REMEDY}"
+                f"{batch}). {_REMEDY}. If its rows cannot depend on the batch, the batch's stored rows are stale: "
+                "something they depend on changed without changing the key (docs: What the key cannot see); "
+                "cache_instance.clear() removes them"
             )
 
 
