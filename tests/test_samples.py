@@ -193,10 +193,10 @@ leaves = st.one_of(
         st.sampled_from([TORCH_DTYPES[n] for n in ("float32", "bfloat16", "bool", "int64", "uint8", "complex128")]),
         st.lists(st.integers(0, 4), max_size=3).map(tuple),
     ),
-    st.builds(
-        lambda code, n: np.arange(n).astype(NUMPY_DTYPES[code]),
+    st.builds(  # 0-d arrays too: they come back as arrays, not numpy scalars
+        lambda code, shape: np.arange(math.prod(shape)).astype(NUMPY_DTYPES[code]).reshape(shape),
         st.sampled_from(sorted(NUMPY_DTYPES)),
-        st.integers(0, 5),
+        st.lists(st.integers(0, 4), max_size=3).map(tuple),
     ),
 )
 samples = st.recursive(

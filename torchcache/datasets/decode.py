@@ -212,7 +212,9 @@ def _batch_leaf(spec: _Leaf, buf: Buffer, n: int, stride: int, base: int) -> Seq
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     rows = np.ndarray((n, *shape), dtype, buffer=buf, offset=at, strides=(stride, *strides))
-    return torch.from_numpy(rows).unbind(0) if kind == "n" else list(rows)
+    if kind == "n":
+        return torch.from_numpy(rows).unbind(0)
+    return list(rows) if shape else [rows[j, ...] for j in range(n)]  # 0-d arrays, not numpy scalars
 
 
 # The builders of a plan: each takes its parameters, then the buffer, this sample's
