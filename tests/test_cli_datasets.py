@@ -145,7 +145,10 @@ def test_verify_reports_an_index_lmdb_refused_and_rebuilt(tmp_path: Path, capsys
     capsys.readouterr()
     assert main(["verify", str(root)]) == 1
     out = capsys.readouterr().out
-    assert "the index is damaged" in out and "rebuilt from the segment files" in out
+    assert "the index is damaged" in out and "--fix rebuilds it from the segment files" in out
+    assert main(["verify", str(root)]) == 1  # reported, left as it is
+    assert main(["verify", str(root), "--fix"]) == 0
+    assert "rebuilt from the segment files" in capsys.readouterr().out
     assert main(["verify", str(root)]) == 0  # rebuilt: every sample is there again
     again = CachedDataset(None, root, max_memory_size=0)
     assert [int(again[i][1]) for i in range(12)] == list(range(12))

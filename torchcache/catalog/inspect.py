@@ -1,39 +1,33 @@
 """Find and describe the module caches under a cache root.
 
 A *module cache* is a directory ``<root>/<module key>`` with a valid ``torchcache.json``,
-or one that holds cache files whatever its metadata: a packed store's (``index.lmdb`` or
-``seg-*.tcs``, whatever kind of file is at those names: a FIFO there is a damaged store,
-not a foreign file) or torchcache 1.0 entry files (``<3 hex digits>/<key>.tce`` that start
-like a frame). A damaged, missing or foreign ``torchcache.json`` never hides a cache: it
-is a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything else under
-the root is not torchcache's and is never touched. Files are opened without blocking,
-only when regular, and read only as far as their prefix says. Nothing here removes
-entries (:mod:`.removal` does). Opening a packed store whose index was damaged rebuilds
-the index, as the library does; an index that is not a regular file, or is cut short, is
-not opened at all (:func:`index_problem`).
+or one that holds files that start as torchcache writes them whatever its metadata (see
+:mod:`.files`): a damaged or missing ``torchcache.json`` then never hides a cache, it is
+a problem that ``verify`` reports and ``verify --fix`` rebuilds. Anything else under the
+root is not torchcache's and is never touched. Describing a cache writes nothing: its
+index is read as it is (:func:`open_store`, which the commands that change a cache use,
+opens it as the library does, sealing what dead writers left and rebuilding a damaged
+index); an index that is not a regular file, or is cut short, is not opened at all
+(:func:`index_problem`). Nothing here removes entries (:mod:`.removal` does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import stat
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codec import MAGIC
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
-from ..stores.features.digests import DIGESTS_NAME
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
-from ..stores.files import open_regular, read_at
 from ..stores.packed.format import parse_segment_name
-from ..stores.packed.index import INDEX_NAME, cut_short
-from ..stores.packed.locks import LOCK_NAMES
+from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, cut_short, open_index
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
+from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -51,51 +45,6 @@ __all__ = [
     "read_usage",
     "resolve_cache",
 ]
-
-
-_SHARD_RE = re.compile(r"[0-9a-f]{3}")
-#: The entry files of torchcache 1.0 (``<3 hex digits>/<key>.tce``) and their writes in progress.
-ENTRY_SUFFIX, TMP_SUFFIX = ".tce", ".tmp"
-_ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
-_TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """One file of a module cache: its logical size and the bytes it takes on disk."""
-
-    path: Path
-    size: int
-    mtime: float
-    disk_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class CacheFiles:
-    """torchcache's own files in a module directory (the metadata file aside).
-
-    ``irregular`` are the things at the names of torchcache's files that are neither
-    regular files nor directories (a FIFO, a socket, a link): never opened, and unlinked
-    (never what a link points to) when the cache is removed.
-    """
-
-    entries: list[FileInfo]
-    temporaries: list[FileInfo]
-    shards: list[Path]
-    store: list[FileInfo] = field(default_factory=list)
-    irregular: list[Path] = field(default_factory=list)
-
-    @property
-    def has_store(self) -> bool:
-        """Whether the directory has a packed store index."""
-        return any(f.path.name == INDEX_NAME for f in self.store)
-
-    @property
-    def has_store_data(self) -> bool:
-        """Whether anything is at the name of a store's index, segment or features file, whatever kind of file it is."""
-        names = [f.path.name for f in self.store] + [p.name for p in self.irregular]
-        stores = (INDEX_NAME, FEATURES_NAME, LEGACY_FEATURES_NAME)
-        return any(name in stores or parse_segment_name(name) is not None for name in names)
 
 
 @dataclass(frozen=True)
@@ -145,77 +94,6 @@ class ModuleCache:
         return self.directory.name
 
 
-def _info(entry: os.DirEntry[str]) -> FileInfo:
-    st = entry.stat(follow_symlinks=False)
-    return FileInfo(Path(entry.path), st.st_size, st.st_mtime, _disk_bytes(st))
-
-
-def _disk_bytes(st: os.stat_result) -> int:
-    blocks = getattr(st, "st_blocks", None)
-    return st.st_size if blocks is None else blocks * 512
-
-
-def list_files(directory: Path) -> CacheFiles:
-    """List the entry files, temporary files and shard directories of a module directory.
-
-    Files torchcache does not write are left out, and so are symbolic links and other
-    things that are not regular files, except at the names of torchcache's own files
-    (``irregular``).
-
-    Raises:
-        OSError: If the directory cannot be listed.
-    """
-    entries: list[FileInfo] = []
-    temporaries: list[FileInfo] = []
-    shards: list[Path] = []
-    store: list[FileInfo] = []
-    irregular: list[Path] = []
-    try:
-        top = list(os.scandir(directory))
-    except FileNotFoundError:
-        top = []
-    for item in top:
-        try:
-            if item.is_dir(follow_symlinks=False):
-                if _SHARD_RE.fullmatch(item.name):
-                    shards.append(Path(item.path))
-            elif item.is_file(follow_symlinks=False):
-                if _TMP_RE.fullmatch(item.name):
-                    temporaries.append(_info(item))
-                elif _is_store_file(item.name):
-                    store.append(_info(item))
-            elif _is_store_file(item.name):
-                irregular.append(Path(item.path))
-        except FileNotFoundError:
-            continue
-    for shard in shards:
-        try:
-            children = list(os.scandir(shard))
-        except OSError:  # removed meanwhile, or not ours to read
-            continue
-        for child in children:
-            try:
-                if child.is_dir(follow_symlinks=False):
-                    continue
-                if not child.is_file(follow_symlinks=False):
-                    if _ENTRY_RE.fullmatch(child.name):
-                        irregular.append(Path(child.path))
-                elif _ENTRY_RE.fullmatch(child.name):
-                    entries.append(_info(child))
-                elif _TMP_RE.fullmatch(child.name):
-                    temporaries.append(_info(child))
-            except FileNotFoundError:  # removed meanwhile (evicted by a running process)
-                continue
-    entries.sort(key=lambda f: f.path)
-    temporaries.sort(key=lambda f: f.path)
-    return CacheFiles(entries, temporaries, sorted(shards), sorted(store, key=lambda f: f.path), sorted(irregular))
-
-
-def _is_store_file(name: str) -> bool:
-    known = (INDEX_NAME, INDEX_NAME + "-lock", *LOCK_NAMES, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
-    return name in known or parse_segment_name(name) is not None
-
-
 def _feature_rows(directory: Path) -> int:
     """Rows written in a features cache's file (0 if it has none, or it cannot be read)."""
     try:
@@ -249,7 +127,7 @@ def index_problem(directory: Path) -> str | None:
     return cut_short(os.fspath(path))
 
 
-def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | None:
+def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = False) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
 
     A directory whose index cannot be opened as it is (see :func:`index_problem`) has
@@ -259,6 +137,7 @@ def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | N
         directory: The module directory.
         max_bytes: The budget to open it with (only writes use it); default: the
             metadata's, else unlimited.
+        readonly: Read it as it is (``ls``, ``info``, ``verify`` without ``--fix``).
 
     Raises:
         StoreError: If the store cannot be opened.
@@ -268,26 +147,7 @@ def open_store(directory: Path, max_bytes: int | None = None) -> PackedStore | N
     if max_bytes is None:
         meta, _ = load_meta(directory)
         max_bytes = meta_size((meta or {}).get("max_bytes")) or 1 << 62
-    return PackedStore(directory, max(max_bytes, 1 << 16), report=lambda kind, message: None)
-
-
-def _holds_entries(entries: Sequence[FileInfo]) -> bool:
-    """Whether any of the files starts like a torchcache frame."""
-    for entry in entries:
-        try:
-            opened = open_regular(entry.path)
-        except OSError:
-            continue
-        if opened is not None:
-            fd, _ = opened
-            try:
-                if read_at(fd, len(MAGIC)) == MAGIC:
-                    return True
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-    return False
+    return PackedStore(directory, max(max_bytes, 1 << 16), report=lambda kind, message: None, readonly=readonly)
 
 
 def load_cache(directory: Path) -> ModuleCache | None:
@@ -302,11 +162,11 @@ def load_cache(directory: Path) -> ModuleCache | None:
     meta, problem = load_meta(directory)
     if meta is None and problem is None:
         problem = f"no {META_NAME}"
-    damage = index_damage(os.fspath(directory))  # before the store opens it, and rebuilds what LMDB refuses
-    usage = _store_usage(directory)  # first: opening a store may seal or rebuild it, which changes its files
     files = list_files(directory)
-    if problem is not None and not _has_cache_files(files):
+    if problem is not None and not has_cache_files(directory, files):
         return None
+    damage = index_damage(os.fspath(directory))
+    usage = _store_usage(directory)
     st, last_used = _meta_stat(directory, files)
     meta_file = st is not None and stat.S_ISREG(st.st_mode)
     own = [*files.entries, *files.temporaries, *files.store]
@@ -332,15 +192,10 @@ def load_cache(directory: Path) -> ModuleCache | None:
         reclaimable_bytes=max(0, _segment_bytes(files) - usage["records"]) if usage else 0,
         nbytes=(st.st_size if st is not None and meta_file else 0) + sum(f.size for f in own),
         temporaries=len(files.temporaries),
-        disk_bytes=(_disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
+        disk_bytes=(disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
         index_damage=damage,
     )
-
-
-def _has_cache_files(files: CacheFiles) -> bool:
-    """Whether a directory holds a packed store's files (of any kind) or 1.0 entries."""
-    return files.has_store_data or _holds_entries(files.entries)
 
 
 def _meta_stat(directory: Path, files: CacheFiles) -> tuple[os.stat_result | None, float]:
@@ -371,7 +226,7 @@ def read_usage(directory: Path) -> CacheUsage | None:
         OSError: If the directory cannot be listed.
     """
     files = list_files(directory)
-    if not _has_cache_files(files):
+    if not has_cache_files(directory, files):
         meta, problem = load_meta(directory)
         if meta is None or problem is not None:
             return None
@@ -387,15 +242,34 @@ def _segment_bytes(files: CacheFiles) -> int:
 
 
 def _store_usage(directory: Path) -> dict[str, int] | None:
-    """:meth:`PackedStore.usage` of the directory's store, or ``None`` if it cannot be read."""
+    """The entries and live record bytes the store's index counts, or ``None`` if it cannot be read.
+
+    The index is opened for reading: what a store does when it opens for writing (seal
+    what dead writers left, remove orphaned files, rebuild a damaged index) is left to
+    the library and to ``torchcache verify --fix``.
+    """
+    if not os.path.lexists(directory / INDEX_NAME) or index_problem(directory) is not None:
+        return None
     try:
-        store = open_store(directory)
-        if store is None:
-            return None
-        with store:
-            return store.usage()
+        index = open_index(os.fspath(directory), readonly=True)
+    except IndexDamageError:  # its lock file is not a regular file: read without it
+        with contextlib.suppress(Exception):
+            return _counted(Index(os.fspath(directory / INDEX_NAME), readonly=True, lock=False))
+        return None
     except Exception:  # noqa: BLE001 - an unreadable index is a problem for verify, not for ls
         return None
+    return _counted(index)
+
+
+def _counted(index: Index) -> dict[str, int] | None:
+    """The entries and live record bytes ``index`` counts (then it is closed), or ``None``."""
+    try:
+        with index.begin() as txn:
+            return {"entries": index.count(txn), "records": index.totals(txn)[b"records"]}
+    except Exception:  # noqa: BLE001 - an unreadable index is a problem for verify, not for ls
+        return None
+    finally:
+        index.close()
 
 
 def find_caches(path: Path) -> list[ModuleCache]:

@@ -101,9 +101,9 @@ def _read_payloads(directory: Path, keys: Sequence[str]) -> list[bytes]:
 def _sample_headers(directory: Path, files: CacheFiles, sample: int) -> list[Callable[[], dict[str, Any]]]:
     """Readers of the headers of at most ``sample`` entries, spread over the store, then the 1.0 files."""
     readers: list[Callable[[], dict[str, Any]]] = []
-    store = open_store(directory) if files.has_store and sample > 0 else None
+    store = open_store(directory, readonly=True) if files.has_store and sample > 0 else None
     if store is not None:
-        with store:  # opening it repairs a damaged index, as the library does
+        with store:
             keys = list(store.keys())
         n = len(keys)
         picks = [keys[i * n // sample] for i in range(sample)] if n > sample else keys

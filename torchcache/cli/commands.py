@@ -217,11 +217,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if cache.meta_problem is not None:
                 damaged[cache.directory / META_NAME] = cache
                 problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
-            if cache.index_damage is not None:  # listing the cache opened its store, which rebuilt the index
-                note = f"{cache.index_damage}; rebuilt from the segment files"
-                problems.append(Problem(cache.directory / INDEX_NAME, "store", note, 0))
+            damage = []
+            if cache.index_damage is not None:  # the fix opens the store, which rebuilds the index
+                note = f"{cache.index_damage}; {'rebuilt' if args.fix else '--fix rebuilds it'} from the segment files"
+                damage = [Problem(cache.directory / INDEX_NAME, "store", note, 0)]
+                problems.extend(damage)
             try:
                 _, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
+                removed.extend(damage if args.fix else ())
             except StoreError as exc:
                 found, fixed = [Problem(cache.directory, "store", str(exc), 0)], False
                 failures.append(f"cannot check the store of {cache.directory}: {exc}") if args.fix else None

@@ -186,7 +186,7 @@ def verify_store(
                 PackedStore(directory, UNLIMITED, report=lambda kind, message: None).close()  # rebuilds it
             except OSError as exc:
                 raise StoreError(f"cannot rebuild the index of {directory}: {exc}") from exc
-    store = open_store(directory)
+    store = open_store(directory, readonly=not fix)
     if store is None:
         return 0, problems, fix
     check = check_sample if kind == "dataset" else check_frame

@@ -20,7 +20,7 @@ import lmdb
 from ...errors import StoreError
 from ...faults import Fault
 from . import upkeep
-from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index, IndexReplacedError
+from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index, IndexReplacedError, open_index
 from .segments import SegmentFiles
 
 __all__ = ["DAMAGE", "IndexHandle"]
@@ -36,6 +36,7 @@ class IndexHandle:
         on_fork: Called in a forked child to drop state that belongs to the parent.
         map_size: The address space to map the index in (see
             :func:`~torchcache.stores.packed.index.map_size_for`).
+        readonly: Open the index as it is, for reading only (nothing sealed, removed or rebuilt).
     """
 
     def __init__(
@@ -45,8 +46,10 @@ class IndexHandle:
         report: Callable[[Fault, str, str | None], None],
         on_fork: Callable[[], None],
         map_size: int = MIN_MAP_SIZE,
+        readonly: bool = False,
     ) -> None:
         self.root = root
+        self.readonly = readonly
         self.map_size = map_size
         self.path = os.path.join(root, INDEX_NAME)
         self.files = files
@@ -107,6 +110,8 @@ class IndexHandle:
         is tried again at the next use.
         """
         try:
+            if self.readonly:
+                return open_index(self.root, readonly=True, map_size=self.map_size)
             for attempt in range(3):
                 try:
                     return upkeep.open_or_recover(

@@ -59,16 +59,16 @@ class PackedStore(BatchedStore):
     Args:
         directory: The store directory (created if missing).
         max_bytes: The budget, in bytes or as a string such as ``"2GB"``.
-        report: Called with ``(kind, message)`` for each fault, once: ``"corrupt"`` (an
-            entry failed its checks and is a miss), ``"segment"`` (a segment file is
-            missing or not a regular file), ``"index"`` (the index was damaged and
-            rebuilt), ``"read"`` (a read failed). Logged as warnings by default.
+        report: Called with ``(kind, message)`` for each fault, once: ``"corrupt"`` (an entry failed its
+            checks and is a miss), ``"segment"`` (a segment file is missing or not a regular file),
+            ``"index"`` (the index was damaged and rebuilt), ``"read"`` (a read failed). Logged by default.
         evict: ``"mru"`` (the most recently written segment goes first), ``"lru"`` (the least),
             or ``"none"``: a full store keeps what it holds and takes what fits of a write.
         segment_bytes: Seal a segment once it holds this many bytes; by default 1/64 of
             the budget, between 64 KiB and 256 MiB (1/16 of budgets under 1 MiB).
         max_entry_bytes: Larger entries are not stored, and an index row that claims a
             larger one is not read (so a lying index cannot make a read exhaust memory).
+        readonly: Read the index as it is: nothing is written, sealed, removed or rebuilt.
 
     Raises:
         ConfigError: If an argument is invalid.
@@ -94,6 +94,7 @@ class PackedStore(BatchedStore):
         evict: str = "mru",
         segment_bytes: int | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        readonly: bool = False,
     ) -> None:
         if evict not in ("mru", "lru", "none"):
             raise ConfigError(f"evict must be 'mru', 'lru' or 'none', got {evict!r}")
@@ -116,10 +117,11 @@ class PackedStore(BatchedStore):
         self._reported: set[str] = set()
         self._reader = EntryReader(self._root, self._files, int(max_entry_bytes), self._report)
         self._handle = IndexHandle(
-            self._root, self._files, self._report, self._forget_doomed, map_size_for(self.max_bytes)
+            self._root, self._files, self._report, self._forget_doomed, map_size_for(self.max_bytes), readonly
         )
         try:
-            os.makedirs(self._root, exist_ok=True)
+            if not readonly:  # else only read: a missing directory holds nothing
+                os.makedirs(self._root, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create the store directory {self._root}: {exc}") from exc
         with self._lock:

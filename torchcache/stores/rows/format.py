@@ -35,9 +35,10 @@ import xxhash
 from ...errors import CorruptEntryError
 from ..files import create_whole, read_at
 
-__all__ = ["Geometry", "Mapped", "digest", "make_file", "map_file", "open_file", "read_header", "runs"]
+__all__ = ["MAGIC", "Geometry", "Mapped", "digest", "make_file", "map_file", "open_file", "read_header", "runs"]
 
-_MAGIC = b"TCROWS01"
+#: The first bytes of every rows file.
+MAGIC = b"TCROWS01"
 _VERSION = 1
 _HEAD = struct.Struct("<8sIIQQQQ")  # magic, version, JSON length, length, row size, row offset, capacity
 _U64 = struct.Struct("<Q")
@@ -107,7 +108,7 @@ def make_file(
     text = _encode(header)
     g = Geometry.of(length, row_size, head, header)
     size = g.rows_at + capacity * g.stride
-    first = _HEAD.pack(_MAGIC, _VERSION, len(text), length, row_size, g.row_at, capacity) + text
+    first = _HEAD.pack(MAGIC, _VERSION, len(text), length, row_size, g.row_at, capacity) + text
     allocated = size if allocate_rows else g.rows_at
     mode = 0o644 if allocate_rows else 0o600
     return create_whole(path, size, first + _U64.pack(xxhash.xxh3_64_intdigest(first)), allocated, mode)
@@ -137,7 +138,7 @@ def read_header(fd: int) -> tuple[dict[str, Any], int, int, int, int]:
     if len(head) < _HEAD.size:
         raise CorruptEntryError("its header is cut short")
     magic, version, json_len, length, row_size, row_at, capacity = _HEAD.unpack(head)
-    if magic != _MAGIC or version != _VERSION:
+    if magic != MAGIC or version != _VERSION:
         raise CorruptEntryError("it is not a rows file of this version")
     if json_len > _MAX_JSON or not 0 < row_size <= MAX_ROW or row_at >= ALIGN or not capacity <= length <= MAX_LENGTH:
         raise CorruptEntryError("its header gives sizes out of range")
