@@ -5,15 +5,19 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from torchcache.stores.packed import locks
+from torchcache.errors import StoreError
+from torchcache.stores.packed import locks, opening
 from torchcache.stores.packed.index import open_index
 from torchcache.stores.packed.locks import INDEX_LOCK_NAME, LOCK_NAME, exclusive, opening_index
+from torchcache.stores.packed.store import PackedStore
 
 
 def _refusing(refuse: Callable[[int], bool]) -> Callable[..., int]:
@@ -80,3 +84,28 @@ def test_opening_goes_on_where_no_lock_file_can_be_made(tmp_path: Path, monkeypa
     with exclusive(str(tmp_path), wait=False) as taken:
         assert not taken
     assert not (tmp_path / INDEX_LOCK_NAME).exists()
+
+
+def test_a_store_whose_index_stays_locked_waits_once_then_misses_until_it_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with PackedStore(tmp_path, 1 << 20) as store:
+        store.put_many([("aa" * 16, b"kept")])
+    monkeypatch.setattr(locks, "WAIT_SECONDS", 0.05)
+    waits: list[int] = []
+    real_take = locks._take
+    monkeypatch.setattr(locks, "_take", lambda fd, mode, wait: waits.append(wait) or real_take(fd, mode, wait))
+    faults: list[str] = []
+    with exclusive(str(tmp_path), wait=False, name=INDEX_LOCK_NAME) as replacing:  # held, as by a stopped process
+        assert replacing
+        store = PackedStore(tmp_path, 1 << 20, report=lambda kind, message: faults.append(message))
+        for _ in range(5):  # each call a miss at once, not a wait of WAIT_SECONDS
+            assert store.get_many(["aa" * 16]) == [None]
+            with pytest.raises(StoreError):
+                store.put_many([("bb" * 16, b"new")])
+    assert waits.count(True) == 1 and len(faults) == 1 and "unavailable for 60 s" in faults[0]
+    assert store.get_many(["aa" * 16]) == [None]  # released, but within the 60 s
+    later = SimpleNamespace(monotonic=lambda: time.monotonic() + 61)  # as when they have passed
+    monkeypatch.setattr(opening, "time", later)
+    assert [bytes(v or b"") for v in store.get_many(["aa" * 16])] == [b"kept"]
+    store.close()

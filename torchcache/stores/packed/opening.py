@@ -13,17 +13,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Callable
 
 import lmdb
 
 from ...errors import StoreError
 from ...faults import Fault
-from . import upkeep
+from . import locks, upkeep
 from .index import DAMAGE, INDEX_NAME, MIN_MAP_SIZE, Index, IndexReplacedError, open_index
 from .segments import SegmentFiles
 
-__all__ = ["DAMAGE", "IndexHandle"]
+__all__ = ["DAMAGE", "RETRY_SECONDS", "IndexHandle"]
+
+#: How long a store whose index could not be opened stays unavailable before it is tried again.
+RETRY_SECONDS = 60.0
 
 
 class IndexHandle:
@@ -57,6 +61,7 @@ class IndexHandle:
         self.on_fork = on_fork
         self.pid = os.getpid()
         self.index: Index | None = None
+        self._retry_at = 0.0  # after an open that waited for a lock in vain: not tried again before then
 
     def forked(self) -> bool:
         """Whether this is a forked child of the process that opened the index (then start afresh)."""
@@ -89,7 +94,7 @@ class IndexHandle:
         except OSError:
             identity = None
         index = self.index
-        if index is None or identity != index.identity:
+        if (index is None or identity != index.identity) and (index is not None or time.monotonic() >= self._retry_at):
             self.drop()
             index = self.index = self._open() if os.path.isdir(self.root) else None
             if index is not None and not index.readonly:
@@ -106,9 +111,11 @@ class IndexHandle:
         """Open the index; rebuild it from the segments if it is new or was damaged.
 
         An index that cannot be opened for another reason (no memory or address space, a
-        full disk) is left as it is: the store is unavailable (reported once), and opening
-        is tried again at the next use.
+        full disk, its opening lock held) is left as it is: the store is unavailable
+        (reported once), and opening is tried again at the next use, or, after a try that
+        waited for a lock, at the first use :data:`RETRY_SECONDS` later.
         """
+        started = time.monotonic()
         try:
             if self.readonly:
                 return open_index(self.root, readonly=True, map_size=self.map_size)
@@ -122,9 +129,13 @@ class IndexHandle:
                         raise
             raise AssertionError("unreachable")  # pragma: no cover
         except (lmdb.Error, OSError) as exc:
+            waited = time.monotonic() - started >= min(1.0, locks.WAIT_SECONDS)  # a lock held: each try would wait
+            self._retry_at = time.monotonic() + RETRY_SECONDS if waited else 0.0
             self.report(
                 Fault.INDEX,
-                f"cannot open the index of {self.root} ({exc}); the store is unavailable, reads miss",
+                f"cannot open the index of {self.root} ({exc}); the store is unavailable"
+                + (f" for {RETRY_SECONDS:.0f} s" if waited else "")
+                + ", reads miss",
                 "open",
             )
             return None
