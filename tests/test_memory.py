@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import tracemalloc
 import weakref
 from typing import Any
 
@@ -11,8 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache.tiers.memory import CAPACITY_OVERHEAD, MemoryTier, Slab
+from torchcache.tiers import memory
+from torchcache.tiers.memory import CAPACITY_OVERHEAD, ENTRY_BYTES, Slab
 from torchcache.tree import Layout, flatten
+
+#: The tier with its index left out of the budget: the slab arithmetic below counts rows only.
+MemoryTier = functools.partial(memory.MemoryTier, entry_bytes=0)
 
 
 def _layout(output: Any, cache_dtype: torch.dtype | None = None) -> tuple[Layout, list[torch.Tensor]]:
@@ -438,3 +444,19 @@ def test_slab_capacity_stays_within_the_budget_under_random_use(
             stored_leaves = _stored(tier, key)
             assert stored_leaves is not None
             assert torch.equal(stored_leaves[0], torch.full((width,), fill))
+
+
+def test_the_index_of_tiny_entries_is_charged_to_the_budget() -> None:
+    tier = memory.MemoryTier(1_000_000)  # 4-byte outputs: the index is most of what an entry costs
+    x = torch.arange(20_000, dtype=torch.float32).reshape(-1, 1)
+    spec, leaves = flatten(x)
+    layout = Layout.of(spec, leaves, None)
+    tracemalloc.start()
+    try:
+        for start in range(0, len(x), 1000):  # five times what fits: entries come and go
+            tier.put([start.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(1000)], layout, [x[:1000]])
+        traced = tracemalloc.get_traced_memory()[0]  # the index, keys included (the slabs are torch's)
+    finally:
+        tracemalloc.stop()
+    assert len(tier) == 1_000_000 // (4 + ENTRY_BYTES) and tier.nbytes <= tier.max_bytes
+    assert traced + tier.allocated_bytes <= tier.max_bytes

@@ -25,6 +25,7 @@ from tests.helpers import (
 from torchcache import torchcache
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
+from torchcache.tiers.memory import ENTRY_BYTES
 
 POOL = 24
 #: What the packed store charges an entry's budget besides its frame: the record
@@ -148,7 +149,7 @@ def _epochs(model: Any, plain: Any, pool: torch.Tensor, after_batch: Any) -> flo
 def test_memory_tier_mru_hit_rate() -> None:
     plain = Counting()
     pool = torch.randn(N_ITEMS, 4)
-    item = _item_bytes(plain(pool[:1]))
+    item = _item_bytes(plain(pool[:1])) + ENTRY_BYTES  # its rows, and its index
     limit = ROOM * item
     model = cached(Counting, max_memory_cache_size=limit)()
 

@@ -2,11 +2,13 @@
 
 Unlike the byte stores, the memory tier holds tensors: items of one layout sit as rows
 of one slab per leaf, so a batch of hits is one ``index_select`` per leaf into a new
-tensor (the only copy a hit makes). ``nbytes`` counts the rows that hold entries.
+tensor (the only copy a hit makes). ``nbytes`` counts the rows that hold entries and
+their index: :data:`ENTRY_BYTES` per entry (its key, its place and its turn in the MRU
+order, measured), so that a budget holds for small outputs too.
 
 The budget bounds what the slabs allocate, not only the rows in use: the capacity of
-every slab together (:attr:`MemoryTier.allocated_bytes`) never exceeds ``max_bytes``,
-whatever the number of layouts. Slabs grow by doubling, capped by the budget that the
+every slab together (:attr:`MemoryTier.allocated_bytes`) and the index never exceed
+``max_bytes``, whatever the number of layouts. Slabs grow by doubling, capped by the budget that the
 other slabs leave; rows freed by eviction are reused; a slab whose last row goes is
 released. When a slab must grow and the others hold the room, the slabs with the most
 unused rows are compacted (their live rows move to a smaller tensor). The one overhead
@@ -35,7 +37,12 @@ from ..policy import MruPolicy
 from ..tree import Layout
 from .batch import index_tensor
 
-__all__ = ["CAPACITY_OVERHEAD", "MemoryLevel", "MemoryTier", "Slab"]
+__all__ = ["CAPACITY_OVERHEAD", "ENTRY_BYTES", "MemoryLevel", "MemoryTier", "Slab"]
+
+#: Resident bytes of one entry's index in Python, measured with tracemalloc once entries come
+#: and go (dict tables do not shrink): 312 (its key, its place, its row number, its MRU
+#: turn), and a margin for the dicts' growth steps.
+ENTRY_BYTES = 352
 
 _MIN_ROWS = 16
 #: How far, as a fraction of ``max_bytes``, the slabs' allocated capacity may exceed the
@@ -153,10 +160,12 @@ class MemoryTier:
         max_bytes: The budget for stored item bytes and for the slabs that hold them;
             0 disables the tier.
         device: Where to keep outputs; ``None`` keeps them on the device they came from.
+        entry_bytes: What one entry's index costs, charged to the budget.
     """
 
-    def __init__(self, max_bytes: int, device: torch.device | None = None) -> None:
+    def __init__(self, max_bytes: int, device: torch.device | None = None, entry_bytes: int = ENTRY_BYTES) -> None:
         self.max_bytes = int(max_bytes)
+        self.entry_bytes = entry_bytes
         self.device = device
         self._index: dict[bytes, tuple[Slab, int]] = {}
         self._policy: MruPolicy[bytes] = MruPolicy()
@@ -174,7 +183,7 @@ class MemoryTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored items."""
+        """Bytes of the stored items, and ``entry_bytes`` for each one's index."""
         return self._used
 
     @property
@@ -215,7 +224,7 @@ class MemoryTier:
             The number of items stored.
         """
         row_bytes = layout.nbytes
-        if self.max_bytes <= 0 or row_bytes > self.max_bytes:
+        if self.max_bytes <= 0 or row_bytes + self.entry_bytes > self.max_bytes:
             return 0
         index = self._index
         seen: set[bytes] = set()
@@ -224,11 +233,10 @@ class MemoryTier:
             if key not in index and key not in seen:
                 seen.add(key)
                 positions.append(i)
-        fit = self.max_bytes // row_bytes if row_bytes else len(positions)
-        positions = positions[:fit]
+        positions = positions[: self.max_bytes // (row_bytes + self.entry_bytes)]
         if not positions:
             return 0
-        need = len(positions) * row_bytes
+        need = len(positions) * (row_bytes + self.entry_bytes)
         while self._used + need > self.max_bytes:
             self._evict(self._policy.victim())
         device = self.device if self.device is not None else leaves[0].device
@@ -260,8 +268,11 @@ class MemoryTier:
         """
         row_bytes = slab.layout.nbytes
         target = max(minimum, 2 * slab.capacity, _MIN_ROWS)
-        if row_bytes:
-            limit = int(self.max_bytes * (1 + CAPACITY_OVERHEAD))
+        if row_bytes:  # the index of the entries there will be takes its share first
+            limit = (
+                int(self.max_bytes * (1 + CAPACITY_OVERHEAD))
+                - (len(self._index) + minimum - slab.live) * self.entry_bytes
+            )
             room = limit - (self._allocated - slab.nbytes)
             if room < minimum * row_bytes:
                 self._reclaim(minimum * row_bytes - room, keep=slab)
@@ -294,7 +305,7 @@ class MemoryTier:
     def _evict(self, key: bytes) -> None:
         slab, row = self._index.pop(key)
         slab.release(row)
-        self._used -= slab.layout.nbytes
+        self._used -= slab.layout.nbytes + self.entry_bytes
         if slab.live == 0:
             self._slabs.pop((slab.layout, str(slab.device)), None)
             self._allocated -= slab.nbytes
