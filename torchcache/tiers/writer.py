@@ -146,6 +146,9 @@ class _Pool:
                 writer._pending_bytes -= nbytes
                 self.offer(writer)
                 self.wake()
+                # Nor the writer, before a flush can return: its owner, let go after the flush,
+                # is freed at once (with it the store's files and their locks).
+                del writer
                 self.progress.notify_all()
         return True
 
