@@ -23,6 +23,7 @@ from tests.helpers import entry_files
 from torchcache import ConfigError, set_logger_config, torchcache
 from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
+from torchcache.tiers.memory import ENTRY_BYTES
 
 
 # Test Module
@@ -269,7 +270,7 @@ def test_cache_size(tmp_path):
         persistent=True,
         persistent_cache_dir=tmp_path,
         max_persistent_cache_size=2400,
-        max_memory_cache_size=20,
+        max_memory_cache_size=20 + ENTRY_BYTES,  # 0.6: 20; the index of an entry counts now
     )
     class CachedModule(SimpleModule):
         pass
@@ -287,12 +288,12 @@ def test_cache_size(tmp_path):
     assert len(_entry_files(tmp_path / model.cache_instance.module_hash)) == 2
 
     # Check that the persistent budget is not reached, but the memory one is: one item
-    # (12 bytes) fits in 20 bytes, two do not.
+    # (12 bytes and its index) fits, two do not.
     stats = model.cache_instance.stats()
     assert stats.disk.entries == 2
     assert stats.disk.bytes <= 2400
     assert stats.memory.entries == 1
-    assert stats.memory.bytes <= 20
+    assert stats.memory.bytes <= 20 + ENTRY_BYTES
 
     # Now pass a tensor that is bigger than the cache size
     output = model(input_tensor2)
@@ -301,7 +302,7 @@ def test_cache_size(tmp_path):
     stats = model.cache_instance.stats()
     assert stats.disk.bytes <= 2400
     assert stats.memory.entries <= 1
-    assert stats.memory.bytes <= 20
+    assert stats.memory.bytes <= 20 + ENTRY_BYTES
     assert torch.equal(model(torch.cat([input_tensor1, input_tensor2])), torch.cat([input_tensor1, input_tensor2]) * 2)
 
     # A disk budget of two and a half entries: at most two entries are kept.
