@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from torchcache import KeyingError, torchcache
+from torchcache import torchcache
 from torchcache.canonical import origins
 
 X = torch.arange(6.0).reshape(3, 2)
@@ -64,12 +64,95 @@ def test_a_function_keys_a_helper_and_a_constant_defined_below_it(tmp_path: Path
         assert again.f.cache_instance.module_hash != first.f.cache_instance.module_hash
 
 
-def test_a_global_not_defined_at_the_first_call_is_refused_by_name(tmp_path: Path, modules: list[str]) -> None:
-    modules.append("defines_missing")
-    source = "from torchcache import torchcache\n\n@torchcache()\ndef f(x):\n    return not_there_yet(x)\n"
-    module = _load(tmp_path / "defines_missing.py", "defines_missing", source)  # decorating is fine
-    with pytest.raises(KeyingError, match=r"f\.__globals__\.not_there_yet: .*not defined when the key is taken"):
-        module.f(X)
+OPTIONAL = """
+import sys
+from torchcache import torchcache
+
+try:
+    from no_such_package_here import fused
+except ImportError:
+    HAS_FUSED = False
+
+@torchcache()
+def f(x):
+    if HAS_FUSED:
+        return fused(x)
+    if sys.version_info < (3, 8):
+        return old_path(x)
+    return x + 1
+"""
+
+
+def test_names_never_defined_are_keyed_as_absent(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("defines_optional")  # an optional dependency, a branch that never runs
+    module = _load(tmp_path / "defines_optional.py", "defines_optional", OPTIONAL)
+    assert torch.equal(module.f(X), X + 1) and torch.equal(module.f(X), X + 1)
+    assert module.f.cache_instance.stats().hits == 3
+
+
+def _import_fresh(name: str, *others: str) -> ModuleType:
+    """Import ``name`` as a new process would (``others``, which it imports, not imported yet)."""
+    for gone in (name, *others):
+        sys.modules.pop(gone, None)
+    importlib.invalidate_caches()
+    return importlib.import_module(name)
+
+
+def test_a_submodule_imported_from_its_package_inside_a_function_is_keyed_by_its_code(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    package = tmp_path / "lazy_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    root = str(tmp_path / "cache")
+    (package / "model.py").write_text(
+        "from torchcache import torchcache\n\n"
+        f"@torchcache(persistent=True, persistent_cache_dir={root!r})\n"
+        "def f(x):\n    from . import helpers\n    return helpers.g(x)\n"
+    )
+    modules += ["lazy_pkg", "lazy_pkg.model", "lazy_pkg.helpers"]
+    for factor in (2, 7):
+        (package / "helpers.py").write_text(f"def g(x):\n    return x * {factor}\n")
+        model = _import_fresh("lazy_pkg.model", "lazy_pkg", "lazy_pkg.helpers")
+        assert torch.equal(model.f(X), X * factor)
+        model.f.cache_instance.flush()
+
+
+def test_a_function_that_imports_a_module_importing_its_own_is_keyed_at_its_first_call(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = str(tmp_path / "cache")
+    (tmp_path / "cycle_a.py").write_text(  # cycle_b imports cycle_a: at decoration, cycle_a is half imported
+        "from torchcache import torchcache\n\n"
+        f"@torchcache(persistent=True, persistent_cache_dir={root!r})\n"
+        "def f(x):\n    import cycle_b\n    return cycle_b.g(x) + OFFSET\n\nOFFSET = 1\n"
+    )
+    modules += ["cycle_a", "cycle_b"]
+    for factor in (2, 7):
+        (tmp_path / "cycle_b.py").write_text(f"from cycle_a import OFFSET\n\ndef g(x):\n    return x * {factor}\n")
+        module = _import_fresh("cycle_a", "cycle_b")
+        assert torch.equal(module.f(X), X * factor + 1)
+        module.f.cache_instance.flush()
+
+
+def test_a_function_that_imports_its_own_module_is_keyed_at_its_first_call(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = str(tmp_path / "cache")
+    modules.append("imports_itself")
+    for factor in (2, 7):  # at decoration, the module is half imported: g is not there yet
+        (tmp_path / "imports_itself.py").write_text(
+            "from torchcache import torchcache\n\n"
+            f"@torchcache(persistent=True, persistent_cache_dir={root!r})\n"
+            "def f(x):\n    import imports_itself\n    return imports_itself.g(x)\n\n"
+            f"def g(x):\n    return x * {factor}\n"
+        )
+        module = _import_fresh("imports_itself")
+        assert torch.equal(module.f(X), X * factor)
+        module.f.cache_instance.flush()
 
 
 LAZY = """

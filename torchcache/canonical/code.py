@@ -256,7 +256,7 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
             continue
         else:
-            missing_global(encoder, f"{where}.{name}")
+            missing_global(f"{where}.{name}")
             parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
             continue
         parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
@@ -265,11 +265,13 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
     for module_name, level, names in scan.imports:
         absolute = _absolute(module_name, level, namespace)
         label = f"{where}.<import {module_name}>"
-        imported = sys.modules.get(absolute) or import_for_key(absolute, encoder, label)
+        imported = import_for_key(absolute, encoder, label)
         if imported is None or isinstance(imported, str):  # not found, or installed and not imported: by version
             parts.append(tagged(Tag.GLOBAL_MISSING, f"{absolute}|{imported}".encode()))
         elif names:
             for name in names:
+                if name not in vars(imported) and getattr(imported, "__path__", None) is not None:
+                    import_for_key(f"{absolute}.{name}", encoder, label)  # from a package import a submodule
                 parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))
         else:
             parts.append(encoder.child(imported, label, depth))

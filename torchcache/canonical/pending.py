@@ -6,10 +6,11 @@ them as absent would stay the same whatever they turn out to be, across runs too
 module imported inside a function is found without running it where it is installed code
 (keyed by its package's version) and imported where it is the user's (keyed by its code);
 one that cannot be found is keyed as absent (an ``ImportError`` there is the code's own
-fallback). A global that is not defined refuses the key, except while a key is taken
-early, where a refusal can come sooner (a function at its decoration, a module when it
-is wrapped): :func:`deferring` notes the names, and the key is taken again at the first
-call.
+fallback, as for an optional dependency). A global that is not defined when the key is
+taken at the first call is keyed as absent (a name in a branch that never runs, an
+optional import that failed). A key taken early (a function at its decoration, a module
+when it is wrapped), while names are missing or a module is still being imported, is
+provisional: :func:`deferring` notes them, and the key is taken again at the first call.
 """
 
 from __future__ import annotations
@@ -51,32 +52,30 @@ def deferring(active: bool = True) -> Iterator[list[str]]:
         _local.missing = previous
 
 
-def missing_global(encoder: _Refuses, path: str) -> None:
-    """A global code reads is not defined: noted inside :func:`deferring`, else refused.
-
-    Raises:
-        KeyingError: Outside :func:`deferring`.
-    """
+def missing_global(path: str) -> None:
+    """A global code reads is not defined, or a module it imports is being imported: noted in :func:`deferring`."""
     missing = getattr(_local, "missing", None)
-    if missing is None:
-        raise encoder.refuse(
-            path,
-            "it is not defined when the key is taken (at the first call), so the key cannot cover what it "
-            "will be; define it before the first call",
-        )
-    missing.append(path)
+    if missing is not None:
+        missing.append(path)
 
 
 def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType | str | None:
-    """The module an import statement inside a function names, which this process has not imported yet.
+    """The module an import statement inside a function names.
 
     Returns:
-        ``package==version`` for installed code (not imported), the module for the user's
-        own code (imported now, as the function would), or ``None`` if it cannot be found.
+        The module if this process imported it (noted by :func:`deferring` if it is still
+        being imported: a cycle), else ``package==version`` for installed code (not
+        imported), the module for the user's own code (imported now, as the function
+        would), or ``None`` if it cannot be found.
 
     Raises:
         KeyingError: If the user's module fails to import.
     """
+    found = sys.modules.get(name)
+    if found is not None:
+        if getattr(getattr(found, "__spec__", None), "_initializing", False):
+            missing_global(path)  # its code has not run to its end: keyed again at the first call
+        return found
     top = name.partition(".")[0]
     try:
         spec = sys.modules[top].__spec__ if top in sys.modules else importlib.util.find_spec(top)
@@ -93,7 +92,8 @@ def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType 
         return version_of(top)
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except ImportError:  # as the function's own import would fail now; maybe not at its first call (a cycle)
+        missing_global(path)
         return None
     except Exception as exc:
         raise encoder.refuse(path, f"importing it to key its code failed ({type(exc).__name__}: {exc})") from exc
