@@ -74,6 +74,14 @@ def test_a_subclass_whose_rows_are_plain_tensors_is_refused_with_the_cause() -> 
     assert torch.equal(cached(X), X)  # plain tensors are cached as before
 
 
+def test_a_frozen_parameter_as_the_per_item_input_is_cached_as_a_tensor() -> None:
+    cached = torchcache()(lambda x: x * 2)
+    first = torch.nn.Parameter(X[:2].clone(), requires_grad=False)
+    assert torch.equal(cached(first), X[:2] * 2)
+    assert torch.equal(cached(torch.nn.Parameter(X.clone(), requires_grad=False)), X * 2)  # two hits, two computed
+    assert cached.cache_instance.stats().hits == 2
+
+
 def test_an_output_of_a_tensor_subclass_is_refused_rather_than_returned_plain_on_hits() -> None:
     def as_keeping(x: torch.Tensor) -> torch.Tensor:
         return (x * 2).as_subclass(Keeping)

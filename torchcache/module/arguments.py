@@ -57,6 +57,7 @@ _SHARED_REMEDY = (
 _CONTAINERS: dict[type, bytes] = {tuple: b"t", list: b"l", dict: b"d", collections.OrderedDict: b"o"}
 _types: weakref.WeakKeyDictionary[type, bytes] = weakref.WeakKeyDictionary()
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_PLAIN_FUNCTION = torch._C._disabled_torch_function_impl
 
 
 class UncachedInput(KeyingError):
@@ -233,7 +234,8 @@ def _tensor_state(label: str, dim: int, tensor: torch.Tensor) -> bytes:
             unwraps them): smaller batches of it would compute another way.
     """
     rows = tensor.index_select(dim, torch.zeros(0, dtype=torch.long, device=tensor.device))
-    if type(rows) is not type(tensor):
+    # nn.Parameter turns its __torch_function__ off: it computes as a plain tensor, whose rows are
+    if type(rows) is not type(tensor) and type(tensor).__torch_function__ is not _PLAIN_FUNCTION:
         raise KeyingError(
             f"argument {label!r}: rows taken from a {type(tensor).__qualname__} (index_select) are a "
             f"{type(rows).__qualname__}, so smaller batches of it (the misses of a partly cached batch) would "
