@@ -12,6 +12,7 @@ from torch import nn
 from tests.helpers import Counting, assert_same
 from tests.test_keying import ZOO
 from torchcache import CacheWarning, KeyingError, torchcache
+from torchcache.module import independence
 from torchcache.module.independence import DependentItemsError
 
 
@@ -149,3 +150,48 @@ def _mixes_the_first_dimension(name: str, kwargs: dict[str, Any]) -> bool:
     """Modules whose first dimension is not the batch with these arguments (sequence first, or ``dim=0``)."""
     sequence_first = name.startswith("Transformer") and not kwargs.get("batch_first", False)
     return sequence_first or kwargs.get("dim") == 0
+
+
+class _PoolsFromFour(nn.Module):
+    """Centres its rows on the batch's mean, from batches of four on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True) if len(x) >= 4 else x
+
+
+def test_a_batch_larger_than_any_checked_is_checked_again() -> None:
+    model = torchcache()(_PoolsFromFour().eval())
+    model(torch.randn(2, 4))  # passes: batches of two are per item
+    with pytest.raises(DependentItemsError):
+        model(torch.randn(4, 4))
+
+
+class _TrimsToTheLongest(nn.Module):
+    """Mean-pools over the positions up to the longest item of the batch (zeros pad the rest)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        longest = int((x != 0).any(0).nonzero().max()) + 1
+        return x[:, :longest].mean(1)
+
+
+@pytest.mark.parametrize("spot", [16, 10**9])
+def test_calls_that_compute_items_are_checked_again_now_and_then(spot: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(independence, "SPOT_ITEMS", spot)
+    model = torchcache()(_TrimsToTheLongest().eval())
+    for _ in range(4):  # items at full length: the first call is checked, and passes; 12 computed since
+        model(torch.rand(4, 10) + 1)
+    mixed = torch.rand(4, 10) + 1
+    mixed[[0, 3], 5:] = 0  # the first and the last item short: pooled over 10 positions here, over 5 alone
+    if spot > 16:  # never checked again: the short items' rows are cached as computed in this batch
+        assert torch.equal(model(mixed), _TrimsToTheLongest()(mixed))
+        return
+    with pytest.raises(DependentItemsError):
+        model(mixed)  # 16 computed since the check: checked again
+
+
+def test_a_value_small_beside_the_rest_of_its_row_is_compared_as_itself() -> None:
+    def scored(x: torch.Tensor) -> torch.Tensor:  # an embedding, and a score against the rest of the batch
+        return torch.cat([x * 100, torch.softmax(x.sum(1, keepdim=True), 0)], 1)
+
+    with pytest.raises(DependentItemsError):
+        torchcache()(scored)(torch.randn(5, 8))

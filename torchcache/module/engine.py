@@ -477,7 +477,7 @@ class Cache:
             if leaves:
                 self._devices[call.tensors[0].device] = leaves[0].device
             if whole:
-                if self._check_due(call, computed=True) and not self._verify_items(fn, call, layout, leaves, keys):
+                if self._check_due(call, computed=batch) and not self._verify_items(fn, call, layout, leaves, keys):
                     return computed
                 if leaves and len(missing) < batch:  # store the misses' rows only
                     rows = index_tensor(missing, leaves[0].device)
@@ -489,7 +489,7 @@ class Cache:
             parts.append((missing, leaves))
         assert layout is not None
         merged = merge_parts(parts, batch, layout, device)
-        if self._check_due(call) and not self._verify_items(fn, call, layout, merged, keys):
+        if self._check_due(call, len(missing)) and not self._verify_items(fn, call, layout, merged, keys):
             return fn(*call.args, **call.kwargs)
         try:
             output = self._outputs.rebuild(layout, merged)
@@ -523,12 +523,12 @@ class Cache:
                 ) from None
             raise
 
-    def _check_due(self, call: CallArguments, computed: bool = False) -> bool:
-        """Whether the call's items are still to be checked (one item: only when computed, to see randomness)."""
+    def _check_due(self, call: CallArguments, computed: int = 0) -> bool:
+        """Whether the call's items are to be checked (one item: only when computed, to see randomness)."""
         items, context = self._items, call.context  # ItemCheck's fields: no call on the hit path
-        if not items.enabled or context in items.passed:
-            return False
-        return call.batch > 1 or (computed and context not in items.alone)
+        if context in items.passed:  # and checked again now and then
+            return computed > 0 and items.again(context, call.batch, computed)
+        return items.enabled and (call.batch > 1 or (computed > 0 and context not in items.alone))
 
     def _verify_items(
         self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
