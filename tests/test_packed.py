@@ -986,3 +986,23 @@ def test_verify_reports_and_fixes_planted_totals(root: Path) -> None:
     report = reopened.verify()
     assert len(report.problems) == 3 and not report.ok
     assert reopened.verify(fix=True).fixed and reopened.verify().ok
+
+
+def test_a_read_only_store_writes_nothing_and_a_writer_beside_it_writes_once_it_is_closed(root: Path) -> None:
+    writer = PackedStore(root, 10**8)
+    fill(writer, range(10))
+    (orphan,) = [p for p in segments(root)]
+    stray = orphan.with_name(orphan.name.replace("0001", "0009"))
+    stray.write_bytes(orphan.read_bytes())  # a segment the index does not know
+    reader = PackedStore(root, 10**8, readonly=True)  # shares the writer's environment in this process
+    assert len(reader) == 10 and stray.exists()  # nothing sealed or removed by a reader
+    writer.close()
+    reader.close()
+    reader = PackedStore(root, 10**8, readonly=True)
+    writer = PackedStore(root, 10**8)  # finds the reader's read-only environment
+    with pytest.raises(StoreError, match="read-only"):
+        fill(writer, range(10, 20))
+    reader.close()
+    fill(writer, range(10, 20))  # opened again, for writing
+    assert len(writer) == 20
+    writer.close()

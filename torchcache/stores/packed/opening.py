@@ -94,10 +94,14 @@ class IndexHandle:
         except OSError:
             identity = None
         index = self.index
-        if (index is None or identity != index.identity) and (index is not None or time.monotonic() >= self._retry_at):
+        # a writer may have found the environment of a read-only store of this process, since closed
+        upgrade = write and index is not None and index.readonly and not self.readonly and os.access(self.root, os.W_OK)
+        if (index is None or identity != index.identity or upgrade) and (
+            index is not None or time.monotonic() >= self._retry_at
+        ):
             self.drop()
             index = self.index = self._open() if os.path.isdir(self.root) else None
-            if index is not None and not index.readonly:
+            if index is not None and not index.readonly and not self.readonly:
                 with contextlib.suppress(lmdb.Error, OSError):
                     upkeep.seal_orphans(index, self.files)  # what writers that died left
         if write:

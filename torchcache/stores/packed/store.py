@@ -114,7 +114,7 @@ class PackedStore(BatchedStore):
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
-        self._reported: set[str] = set()
+        self._reported: set[str | None] = set()
         self._reader = EntryReader(self._root, self._files, int(max_entry_bytes), self._report)
         self._handle = IndexHandle(
             self._root, self._files, self._report, self._forget_doomed, map_size_for(self.max_bytes), readonly
@@ -140,10 +140,9 @@ class PackedStore(BatchedStore):
 
     # -- opening ------------------------------------------------------------------
     def _report(self, kind: Fault, message: str, once: str | None = None) -> None:
-        if once is not None:
-            if once in self._reported:
-                return
-            self._reported.add(once)
+        if once is not None and once in self._reported:
+            return
+        self._reported.add(once)  # None too, which is never looked up
         self._report_fn(kind, message)
 
     def _forget_doomed(self) -> None:
@@ -461,7 +460,8 @@ class PackedStore(BatchedStore):
         with self._lock:
             index = self._ensure(write=fix)
             if index is None:
-                return VerifyReport(problems=[f"{self._root} is gone"])
+                problem = "the index cannot be opened" if os.path.isdir(self._root) else f"{self._root} is gone"
+                return VerifyReport(problems=[problem])
             if fix:
                 self._flush_quietly()
             try:
