@@ -364,7 +364,8 @@ def _allocated(tier: MemoryTier) -> int:
 def _assert_within_budget(tier: MemoryTier) -> None:
     allocated = _allocated(tier)
     assert allocated == tier.allocated_bytes
-    assert allocated <= tier.max_bytes * (1 + CAPACITY_OVERHEAD), (allocated, tier.max_bytes)
+    held = allocated + len(tier) * tier.entry_bytes  # the slabs, and the index
+    assert held <= tier.max_bytes * (1 + CAPACITY_OVERHEAD), (held, tier.max_bytes)
 
 
 def _shaped(n: int, width: int, start: int) -> torch.Tensor:
@@ -418,12 +419,13 @@ def test_a_slab_holding_few_live_rows_is_compacted_when_another_needs_the_room()
 @given(
     st.integers(1, 40),
     st.lists(st.tuples(st.integers(0, 4), st.integers(1, 12), st.booleans()), max_size=40),
+    st.sampled_from([0, 24]),
 )
 def test_slab_capacity_stays_within_the_budget_under_random_use(
-    budget_rows: int, ops: list[tuple[int, int, bool]]
+    budget_rows: int, ops: list[tuple[int, int, bool]], entry_bytes: int
 ) -> None:
     widths = [1, 2, 3, 5, 8]  # float32 items of 4 to 32 bytes
-    tier = MemoryTier(max_bytes=budget_rows * ROW)
+    tier = memory.MemoryTier(max_bytes=budget_rows * ROW * (1 + entry_bytes // 8), entry_bytes=entry_bytes)
     expected: dict[bytes, tuple[int, float]] = {}
     counter = 0
     for which, n, discard in ops:
@@ -433,7 +435,7 @@ def test_slab_capacity_stays_within_the_budget_under_random_use(
         else:
             keys = _keys(*range(counter, counter + n))
             stored = _put(tier, keys, _shaped(n, widths[which], counter))
-            assert stored == min(n, tier.max_bytes // (4 * widths[which]))
+            assert stored == min(n, tier.max_bytes // (4 * widths[which] + entry_bytes))
             expected.update({keys[i]: (widths[which], float(counter + i)) for i in range(n)})
             counter += n
         _assert_within_budget(tier)
@@ -460,3 +462,11 @@ def test_the_index_of_tiny_entries_is_charged_to_the_budget() -> None:
         tracemalloc.stop()
     assert len(tier) == 1_000_000 // (4 + ENTRY_BYTES) and tier.nbytes <= tier.max_bytes
     assert traced + tier.allocated_bytes <= tier.max_bytes
+
+
+def test_the_index_of_new_entries_takes_its_room_from_rows_left_unused() -> None:
+    tier = memory.MemoryTier(20_000)
+    wide, tiny = torch.zeros(5, 250), torch.zeros(5, 1)
+    for i, leaf in enumerate((wide, tiny, wide)):  # the last evicts wide rows and reuses their room in the slab
+        tier.put(_keys(*range(10 * i, 10 * i + 5)), Layout.of("T", [leaf], None), [leaf])
+        assert tier.allocated_bytes + len(tier) * ENTRY_BYTES <= tier.max_bytes

@@ -257,6 +257,9 @@ class MemoryTier:
             index[key] = (slab, row)
             self._policy.add(key)
         self._used += need
+        over = self._allocated + len(index) * self.entry_bytes - self.max_bytes
+        if over > 0:  # the new entries' index took room that unused rows held
+            self._reclaim(over, keep=None)
         return len(positions)
 
     def _grow(self, slab: Slab, minimum: int) -> None:
@@ -285,7 +288,7 @@ class MemoryTier:
         if slab.device.type == "cpu":
             release_freed(before)  # the slab's old tensors
 
-    def _reclaim(self, nbytes: int, keep: Slab) -> None:
+    def _reclaim(self, nbytes: int, keep: Slab | None) -> None:
         """Compact slabs other than ``keep``, most unused bytes first, to free ``nbytes``."""
         others = sorted(
             (s for s in self._slabs.values() if s is not keep and s.spare),
