@@ -383,6 +383,11 @@ def test_invalid_option_raises_config_error_naming_it(name: str, value: Any) -> 
     assert isinstance(info.value, ValueError)
 
 
+def test_an_argument_both_shared_and_batched_on_another_dimension_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"\['mask'\] named in both shared_args \(whole\) and batch_dims"):
+        torchcache(shared_args=("mask",), batch_dims={"mask": 1})
+
+
 def test_invalid_instance_override_raises_config_error() -> None:
     class Bad(Counting):
         def __init__(self) -> None:

@@ -88,6 +88,8 @@ class Settings:
                 "local_cache_dir keeps a local copy of a persistent tier on a Redis server, but "
                 f"persistent_cache_dir is the directory {self.persistent_cache_dir}; leave local_cache_dir out"
             )
+        if both := sorted(set(self.shared_args) & set(self.batch_dims)):
+            raise ConfigError(f"{both} named in both shared_args (whole) and batch_dims (per item): name each in one")
 
     @classmethod
     def create(cls, stacklevel: int = 3, **options: Any) -> Settings:
