@@ -218,7 +218,8 @@ def _check_positions(
     except Exception as exc:  # noqa: BLE001 - a batch of 2 computed, a batch of 1 of its items did not
         raise DependentItemsError(
             f"{name}: items {positions} computed in a batch of {len(positions)} instead of {batch} raised "
-            f"{type(exc).__name__}: {str(exc)[:200]}; its outputs depend on the batch (batch statistics?). {_REMEDY}"
+            f"{type(exc).__name__}: {str(exc)[:200]}; its outputs depend on the batch (batch statistics?), or an "
+            f"argument is declared wrongly (a per-item tensor in shared_args, a wrong batch_dims). {_REMEDY}"
         ) from None
     leaves = plan.to_items(spec, leaves)
     other = Layout.of(spec, leaves, None)
