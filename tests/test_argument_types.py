@@ -100,3 +100,15 @@ def test_a_cache_dtype_that_cannot_hold_an_outputs_values_is_refused_rather_than
         cached(X + 1)
     inf = torchcache(cache_dtype=torch.float16)(lambda x: x / 0)  # infinities already: stored as they are
     assert torch.equal(inf(X + 1), (X + 1) / 0) and torch.equal(inf(X + 1), (X + 1) / 0)
+
+
+def test_a_forward_that_writes_its_input_is_refused_also_when_only_some_items_are_computed() -> None:
+    def relu_in_place(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu_(x) * 2
+
+    cached = torchcache(check_items=False)(relu_in_place)
+    assert torch.equal(cached(X[:2].clone()), X[:2] * 2)  # no negative value: written, but unchanged
+    mixed = torch.cat([X[:2], -X[2:]])  # two hits, and two rows a write changes
+    with pytest.raises(KeyingError, match=r"its forward wrote an input in place"):
+        cached(mixed)
+    assert torch.equal(cached(X + 1), (X + 1) * 2)  # writes that change nothing pass

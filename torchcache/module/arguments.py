@@ -27,6 +27,7 @@ never be confused with a parameter called ``args[0]``.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -93,6 +94,8 @@ class CallArguments:
     context: bytes = b""
     #: The per-item tensors' version counters when the call was split.
     versions: list[int] = field(default_factory=list)
+    #: The rows :meth:`select` took last (the caller's tensor, its batch dimension, the positions, the rows).
+    picked: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def refuse_written(self, name: str, unchanged: Callable[[], bool]) -> None:
         """Raise if a per-item tensor was written in place since the call was split (by the forward of ``name``).
@@ -104,15 +107,26 @@ class CallArguments:
             KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
         """
         if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not _holds(unchanged):
-            raise KeyingError(
-                f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
-                "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
-                "outside the cached module"
-            )
+            raise _written(name)
+
+    def compute_rows(self, fn: Callable[..., Any], positions: list[int], name: str) -> Any:
+        """``fn`` called with the caller's arguments restricted to ``positions`` (:meth:`select`).
+
+        Raises:
+            KeyingError: If the forward (of ``name``) changed the rows it was given: an
+                uncached call would change the caller's input (see :meth:`refuse_written`).
+        """
+        args, kwargs = self.select(positions)
+        computed = fn(*args, **kwargs)
+        for value, dim, index, rows in self.picked:
+            if _version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):
+                raise _written(name)
+        return computed
 
     def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The caller's arguments with every per-item tensor restricted to ``positions``."""
         indices: dict[torch.device, torch.Tensor] = {}
+        self.picked = []
 
         def pick(value: torch.Tensor, dim: int) -> torch.Tensor:
             index = indices.get(value.device)
@@ -121,6 +135,7 @@ class CallArguments:
             picked = value.index_select(dim, index)
             if value.__dict__:  # attributes set on the caller's tensor (keyed): the rows carry them
                 picked.__dict__.update({k: v for k, v in value.__dict__.items() if k not in picked.__dict__})
+            self.picked.append((value, dim, index, picked))
             return picked
 
         args = tuple(self._map(value, self._names[i], pick) for i, value in enumerate(self.args))
@@ -131,6 +146,18 @@ class CallArguments:
         if name in self._shared:
             return value
         return map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+
+
+def _written(name: str) -> KeyingError:
+    return KeyingError(
+        f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
+        "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
+        "outside the cached module"
+    )
+
+
+def _kept(value: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor) -> bool:
+    return torch.equal(rows, value.index_select(dim, index))
 
 
 def _holds(check: Callable[[], bool]) -> bool:

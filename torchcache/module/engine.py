@@ -461,8 +461,7 @@ class Cache:
                 unchanged = lambda: hash_items(call.context, call.tensors, self.settings.subsample_count) == keys  # noqa: E731
                 call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
-                sub_args, sub_kwargs = call.select(missing)
-                computed = fn(*sub_args, **sub_kwargs)
+                computed = call.compute_rows(fn, missing, self.name)
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
             self._check_items(leaves, batch if whole else len(missing), call.batch)
