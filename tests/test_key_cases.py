@@ -19,6 +19,7 @@ from torch import nn
 
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
+from torchcache.keys import numerics
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -757,6 +758,25 @@ def test_flushing_subnormals_to_zero_is_keyed() -> None:
         torch.set_flush_denormal(False)
     exact = cached(tiny)
     assert torch.equal(exact, _matmul(tiny)) and exact.all()
+
+
+def test_deterministic_algorithms_and_reduced_precision_reductions_are_keyed() -> None:
+    def which(x: torch.Tensor) -> torch.Tensor:  # a forward whose kernels these settings choose
+        return x * (2.0 if torch.are_deterministic_algorithms_enabled() else 1.0)
+
+    cached, x = torchcache()(which), torch.ones(2, 3)
+    assert torch.equal(cached(x), x)
+    matmul = torch.backends.cuda.matmul
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert torch.equal(cached(x), x * 2)
+        torch.use_deterministic_algorithms(False)
+        matmul.allow_fp16_reduced_precision_reduction = False
+        assert numerics(()) == [b"reduced:False:True"] and torch.equal(cached(x), x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        matmul.allow_fp16_reduced_precision_reduction = True
+    assert cached.cache_instance.stats().hits == 0
 
 
 def test_code_under_the_interpreters_prefix_but_outside_its_libraries_is_the_users() -> None:

@@ -249,8 +249,10 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     Each autocast that is on among ``device_types`` (its dtype), torch's default dtype
     (tensors made without one, such as ``torch.arange`` in a position encoding), the
     float32 precision of each backend and operation (``torch.set_float32_matmul_precision``
-    and ``torch.backends.*.fp32_precision``) and whether this thread flushes subnormal
-    numbers to zero (``torch.set_flush_denormal``).
+    and ``torch.backends.*.fp32_precision``), whether this thread flushes subnormal
+    numbers to zero (``torch.set_flush_denormal``), deterministic algorithms
+    (``torch.use_deterministic_algorithms``) and CUDA's reduced-precision reductions of
+    half-precision matrix products.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -262,4 +264,11 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     found += _fp32_precisions()
     if _SUBNORMAL * _ONE == 0.0:
         found.append(b"flush_denormal:True")
+    if torch.are_deterministic_algorithms_enabled():  # other kernels (scatter, index_add, some convolutions)
+        found.append(b"deterministic:True")
+    matmul = torch.backends.cuda.matmul
+    if not (matmul.allow_fp16_reduced_precision_reduction and matmul.allow_bf16_reduced_precision_reduction):
+        found.append(
+            f"reduced:{matmul.allow_fp16_reduced_precision_reduction}:{matmul.allow_bf16_reduced_precision_reduction}".encode()
+        )
     return found
