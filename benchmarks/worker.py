@@ -88,12 +88,22 @@ def fresh_subclass(base: type[nn.Module]) -> type[nn.Module]:
     return Fresh
 
 
-def checked_items(side: str) -> int:
-    """Items the new torchcache computes again at a module's first call in a process (none for the old one).
+def checked_items(side: str, calls: int = 1, batch: int = 4) -> int:
+    """Items the new torchcache computes again to check that items are independent (none for the old one).
 
-    It checks that items are independent by computing the last and the first of the batch again.
+    At a module's first call in a process, it computes two pairs of the batch's items (four
+    items from batches of four on) again; and again at the first call that computes items
+    once ``SPOT_ITEMS`` were computed since the last check. ``calls`` calls of ``batch``
+    items that compute them all.
     """
-    return 2 if side == "new" else 0
+    if side != "new":
+        return 0
+    from torchcache.module.independence import SPOT_ITEMS
+
+    checks, since = 1, 0
+    for _ in range(calls - 1):
+        checks, since = (checks + 1, 0) if since + batch >= SPOT_ITEMS else (checks, since + batch)
+    return checks * min(batch, 4)
 
 
 def cached(side: str, kind: str, act: str = "relu", **kwargs: Any) -> nn.Module:
@@ -191,7 +201,7 @@ def task_mem(run: Run, _dir: Path, only: set[str]) -> None:
                 if r == 0:
                     run.check(
                         f"{w} first pass computed all",
-                        count.items == 8 * batch + checked_items(run.side),
+                        count.items == 8 * batch + checked_items(run.side, 8, batch),
                         f"computed {count.items} items",
                     )
                     verify(run, f"{w} hits equal plain", m, xs, refs)
@@ -199,7 +209,7 @@ def task_mem(run: Run, _dir: Path, only: set[str]) -> None:
                     hits = [wl.pass_times(m, xs) for _ in range(run.reps(5, 3))]
                     run.check(
                         f"{w} hit passes computed nothing",
-                        count.items == 8 * batch + checked_items(run.side),
+                        count.items == 8 * batch + checked_items(run.side, 8, batch),
                         f"computed {count.items} items; {stats_of(m)}",
                     )
                 alive.append(m)  # freeing it would leave heap holes the next repeat reuses
