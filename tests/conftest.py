@@ -8,6 +8,7 @@ import multiprocessing.popen_fork
 import multiprocessing.util
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,12 @@ def gcs_bucket(monkeypatch: pytest.MonkeyPatch) -> str:
     from tests.object_servers import new_gcs_bucket
 
     return new_gcs_bucket(monkeypatch)
+
+
+@pytest.fixture
+def modules() -> Iterator[list[str]]:
+    """Names of modules a test loads from files: removed from ``sys.modules`` afterwards."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import textwrap
 import threading
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -345,6 +347,17 @@ FORK_SERVER = textwrap.dedent(
                 say(name, "status", os.waitstatus_to_exitcode(status))
     """
 )
+
+
+def load_module(path: Path, name: str, source: str) -> ModuleType:
+    """Write ``source`` to ``path`` and import it as the module ``name`` (in ``sys.modules``)."""
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def fault_under(patch: Any, root: Path, name: str, fake: Any) -> None:

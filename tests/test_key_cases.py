@@ -9,7 +9,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import load_module
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.keys import numerics
@@ -34,25 +34,6 @@ def _both(a: Any, b: Any, *inputs: Any, root: Path) -> tuple[torch.Tensor, torch
     expected = b(*inputs)
     cb = torchcache(persistent=True, persistent_cache_dir=root)(b)
     return cb(*inputs), expected
-
-
-def _load(path: Path, name: str, source: str) -> ModuleType:
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def modules() -> Iterator[list[str]]:
-    """Names of modules a test loads from files: removed from ``sys.modules`` afterwards."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 X = torch.arange(12.0).reshape(3, 4) - 5
@@ -111,6 +92,8 @@ def test_classes_made_by_a_factory_are_keyed_by_their_closures(tmp_path: Path) -
 _VARIANTS = """
 import torch
 from torch import nn
+
+from tests.helpers import load_module
 if VARIANT:
     class Net(nn.Module):
         def forward(self, x):
@@ -124,8 +107,8 @@ else:
 
 def test_two_classes_of_one_name_in_one_file_have_their_own_keys(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_variants")
-    first = _load(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = True\n" + _VARIANTS).Net
-    second = _load(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = False\n" + _VARIANTS).Net
+    first = load_module(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = True\n" + _VARIANTS).Net
+    second = load_module(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = False\n" + _VARIANTS).Net
     got, expected = _both(_frozen(first()), _frozen(second()), X, root=tmp_path / "cache")
     assert torch.equal(got, expected)
 
@@ -138,7 +121,7 @@ def test_a_file_edited_and_reloaded_gives_a_new_key(
     modules.append("defines_edited")
     path = tmp_path / "defines_edited.py"
     source = "from torch import nn\nclass Net(nn.Module):\n    def forward(self, x):\n        return x * {}\n"
-    module = _load(path, "defines_edited", source.format(2))
+    module = load_module(path, "defines_edited", source.format(2))
     first = torchcache()(_frozen(module.Net()))
     before = first.cache_instance.module_hash
     path.write_text(source.format(3))
@@ -164,8 +147,8 @@ class _UsesHelper(nn.Module):
 
 def test_a_helper_object_is_keyed_by_its_class_code(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_helper")
-    first = _load(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(2)).Pre()
-    second = _load(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(3)).Pre()
+    first = load_module(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(2)).Pre()
+    second = load_module(tmp_path / "defines_helper.py", "defines_helper", _HELPER.format(3)).Pre()
     got, expected = _both(_frozen(_UsesHelper(first)), _frozen(_UsesHelper(second)), X, root=tmp_path / "cache")
     assert torch.equal(got, expected)
 
@@ -176,7 +159,7 @@ def test_a_dataset_transform_is_keyed_by_its_class_code(tmp_path: Path, modules:
     modules.append("defines_transform")
     keys = []
     for factor in (2, 3):
-        pre = _load(tmp_path / "defines_transform.py", "defines_transform", _HELPER.format(factor)).Pre()
+        pre = load_module(tmp_path / "defines_transform.py", "defines_transform", _HELPER.format(factor)).Pre()
         keys.append(fingerprint_dataset(_TransformedData(pre)))
     assert keys[0] != keys[1]
 
@@ -693,8 +676,8 @@ def scaled(x):
 
 def test_a_memoized_helper_is_keyed_by_the_function_it_wraps(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_memoized")
-    first = _load(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(2.0)).scaled
-    second = _load(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(3.0)).scaled
+    first = load_module(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(2.0)).scaled
+    second = load_module(tmp_path / "defines_memoized.py", "defines_memoized", _MEMOIZED.format(3.0)).scaled
     got, expected = _both(first, second, X, root=tmp_path / "cache")
     assert torch.equal(got, expected)
 
@@ -958,7 +941,7 @@ def scale(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_custom_operator_is_keyed_by_the_functions_it_is_defined_with(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_operator")
-    _load(tmp_path / "defines_operator.py", "defines_operator", _OPERATOR.format(n="", factor=2.0))
+    load_module(tmp_path / "defines_operator.py", "defines_operator", _OPERATOR.format(n="", factor=2.0))
 
     def calls(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tcases.scale(x)

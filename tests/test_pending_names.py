@@ -5,37 +5,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.helpers import load_module
 from torchcache import torchcache
 from torchcache.canonical import origins
 
 X = torch.arange(6.0).reshape(3, 2)
-
-
-def _load(path: Path, name: str, source: str) -> ModuleType:
-    path.write_text(source)
-    importlib.invalidate_caches()
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def modules() -> Iterator[list[str]]:
-    """Names of modules a test loads: removed from ``sys.modules`` afterwards."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 LATER = """
@@ -55,11 +35,11 @@ GAIN = {gain}
 def test_a_function_keys_a_helper_and_a_constant_defined_below_it(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_later")
     root = str(tmp_path / "cache")
-    first = _load(tmp_path / "defines_later.py", "defines_later", LATER.format(root=root, add=1, gain=2.0))
+    first = load_module(tmp_path / "defines_later.py", "defines_later", LATER.format(root=root, add=1, gain=2.0))
     assert torch.equal(first.f(X), (X + 1) * 2)
     first.f.cache_instance.flush()
     for add, gain in ((1, 5.0), (4, 2.0)):  # as the same file edited between runs
-        again = _load(tmp_path / "defines_later.py", "defines_later", LATER.format(root=root, add=add, gain=gain))
+        again = load_module(tmp_path / "defines_later.py", "defines_later", LATER.format(root=root, add=add, gain=gain))
         assert torch.equal(again.f(X), (X + add) * gain)
         assert again.f.cache_instance.module_hash != first.f.cache_instance.module_hash
 
@@ -85,7 +65,7 @@ def f(x):
 
 def test_names_never_defined_are_keyed_as_absent(tmp_path: Path, modules: list[str]) -> None:
     modules.append("defines_optional")  # an optional dependency, a branch that never runs
-    module = _load(tmp_path / "defines_optional.py", "defines_optional", OPTIONAL)
+    module = load_module(tmp_path / "defines_optional.py", "defines_optional", OPTIONAL)
     assert torch.equal(module.f(X), X + 1) and torch.equal(module.f(X), X + 1)
     assert module.f.cache_instance.stats().hits == 3
 
@@ -170,7 +150,7 @@ def test_a_users_module_imported_inside_forward_is_keyed_by_its_code(
 ) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     modules += ["defines_lazy", "lazy_helper"]
-    net = _load(tmp_path / "defines_lazy.py", "defines_lazy", LAZY).Net
+    net = load_module(tmp_path / "defines_lazy.py", "defines_lazy", LAZY).Net
     root = tmp_path / "cache"
     for factor in (2, 7, 2):  # the helper edited between runs, and back
         sys.modules.pop("lazy_helper", None)  # a new process: not imported until forward or the key imports it
@@ -188,7 +168,7 @@ def test_an_import_that_cannot_be_found_is_the_codes_own_fallback(tmp_path: Path
         "    try:\n        import no_such_package_here\n    except ImportError:\n        return x + 1\n"
         "    return no_such_package_here.g(x)\n"
     )
-    module = _load(tmp_path / "defines_fallback.py", "defines_fallback", source)
+    module = load_module(tmp_path / "defines_fallback.py", "defines_fallback", source)
     assert torch.equal(module.f(X), X + 1) and torch.equal(module.f(X), X + 1)
     assert module.f.cache_instance.stats().hits == 3
 
@@ -202,7 +182,7 @@ def test_installed_code_imported_inside_a_function_is_keyed_without_importing_it
         "from torchcache import torchcache\n\n@torchcache()\ndef f(x):\n"
         "    if x.shape[0] > 100:\n        import wave\n    return x * 2\n"
     )
-    module = _load(tmp_path / "defines_installed.py", "defines_installed", source)
+    module = load_module(tmp_path / "defines_installed.py", "defines_installed", source)
     assert torch.equal(module.f(X), X * 2)
     assert "wave" not in sys.modules
 
@@ -215,7 +195,7 @@ def test_installed_code_without_metadata_imported_inside_a_function_is_keyed_by_
     monkeypatch.syspath_prepend(str(packages))
     modules.append("defines_vendored")
     source = LAZY.replace("lazy_helper", "vendored_ops")
-    net = _load(tmp_path / "defines_vendored.py", "defines_vendored", source).Net
+    net = load_module(tmp_path / "defines_vendored.py", "defines_vendored", source).Net
     keys = []
     for factor in (2, 3):
         monkeypatch.delitem(sys.modules, "vendored_ops", raising=False)
