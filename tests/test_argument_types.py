@@ -112,3 +112,12 @@ def test_a_forward_that_writes_its_input_is_refused_also_when_only_some_items_ar
     with pytest.raises(KeyingError, match=r"its forward wrote an input in place"):
         cached(mixed)
     assert torch.equal(cached(X + 1), (X + 1) * 2)  # writes that change nothing pass
+
+
+def test_a_write_that_leaves_a_nan_as_it_was_is_not_refused_in_a_partly_cached_batch() -> None:
+    cached = torchcache(check_items=False)(lambda x: torch.relu_(x) * 2)
+    x = X.clone()
+    x[3, 0] = float("nan")
+    cached(x[:2].clone())
+    out = cached(x.clone())  # two hits, and two rows computed: one with a NaN that relu_ leaves as it is
+    assert torch.equal(out[:3], x[:3] * 2) and out[3, 0].isnan()

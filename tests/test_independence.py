@@ -195,3 +195,23 @@ def test_a_value_small_beside_the_rest_of_its_row_is_compared_as_itself() -> Non
 
     with pytest.raises(DependentItemsError):
         torchcache()(scored)(torch.randn(5, 8))
+
+
+def test_calls_of_one_item_are_checked_again_once_per_spot_not_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(independence, "SPOT_ITEMS", 16)
+    model = torchcache()(Counting().eval())
+    model(torch.randn(2, 4))  # checked: each item alone
+    before = model.items
+    for _ in range(40):
+        model(torch.randn(1, 4))
+    assert model.items - before <= 40 + 40 // 16 + 1  # each item once, and an item again per spot check
+
+
+def test_rows_stored_in_float16_are_compared_on_its_grid() -> None:
+    torch.manual_seed(0)
+    probabilities = nn.Sequential(nn.Linear(64, 32000), nn.Softmax(-1)).eval().requires_grad_(False)
+    model = torchcache(cache_dtype=torch.float16)(probabilities)
+    x = torch.randn(4, 64)
+    model(x[:2])  # output values near 3e-5: float16's steps there are fixed, 6e-8
+    assert model(x).shape == (4, 32000)  # a larger batch, checked again with two rows from the cache
+    assert model.cache_instance.stats().hits == 2

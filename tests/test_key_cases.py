@@ -755,7 +755,7 @@ def test_deterministic_algorithms_and_reduced_precision_reductions_are_keyed() -
         assert torch.equal(cached(x), x * 2)
         torch.use_deterministic_algorithms(False)
         matmul.allow_fp16_reduced_precision_reduction = False
-        assert numerics(()) == [b"reduced:False:True"] and torch.equal(cached(x), x)
+        assert numerics(())[0].startswith(b"reduced_precision_reduction:") and torch.equal(cached(x), x)
     finally:
         torch.use_deterministic_algorithms(False)
         matmul.allow_fp16_reduced_precision_reduction = True

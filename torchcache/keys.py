@@ -243,6 +243,15 @@ def _fp32_precisions() -> list[bytes]:
     return found
 
 
+#: Whether matrix products in half precision may reduce in it: cuBLAS float16, cuBLAS bfloat16, CPU float16.
+_REDUCED_PRECISION = tuple(
+    getter
+    for name in ("cublas_allow_fp16", "cublas_allow_bf16", "cpu_allow_fp16")
+    if (getter := getattr(torch._C, f"_get_{name}_reduced_precision_reduction", None)) is not None
+)
+_REDUCED_AT_DEFAULTS = ((True, True), (True, True), False)[: len(_REDUCED_PRECISION)]
+
+
 def numerics(device_types: Iterable[str]) -> list[bytes]:
     """What changes the values a forward computes beside its inputs and code: one line each, none at the defaults.
 
@@ -251,8 +260,9 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     float32 precision of each backend and operation (``torch.set_float32_matmul_precision``
     and ``torch.backends.*.fp32_precision``), whether this thread flushes subnormal
     numbers to zero (``torch.set_flush_denormal``), deterministic algorithms
-    (``torch.use_deterministic_algorithms``) and CUDA's reduced-precision reductions of
-    half-precision matrix products.
+    (``torch.use_deterministic_algorithms``) and whether half-precision matrix products
+    may reduce in half precision (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
+    and its bfloat16 and CPU counterparts), where they differ from torch's defaults.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -266,9 +276,7 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
         found.append(b"flush_denormal:True")
     if torch.are_deterministic_algorithms_enabled():  # other kernels (scatter, index_add, some convolutions)
         found.append(b"deterministic:True")
-    matmul = torch.backends.cuda.matmul
-    if not (matmul.allow_fp16_reduced_precision_reduction and matmul.allow_bf16_reduced_precision_reduction):
-        found.append(
-            f"reduced:{matmul.allow_fp16_reduced_precision_reduction}:{matmul.allow_bf16_reduced_precision_reduction}".encode()
-        )
+    reduced = tuple(getter() for getter in _REDUCED_PRECISION)  # C getters: the properties cost a microsecond
+    if reduced != _REDUCED_AT_DEFAULTS:
+        found.append(f"reduced_precision_reduction:{reduced}".encode())
     return found

@@ -157,7 +157,9 @@ def _written(name: str) -> KeyingError:
 
 
 def _kept(value: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor) -> bool:
-    return torch.equal(rows, value.index_select(dim, index))
+    """Whether ``rows`` still hold the bytes of the caller's (NaN as NaN, as the items' keys see them)."""
+    before = value.index_select(dim, index).contiguous().view(torch.uint8)
+    return torch.equal(rows.contiguous().view(torch.uint8), before)
 
 
 def _holds(check: Callable[[], bool]) -> bool:
