@@ -166,6 +166,15 @@ def test_a_batch_larger_than_any_checked_is_checked_again() -> None:
         model(torch.randn(4, 4))
 
 
+def test_a_larger_batch_served_from_the_cache_is_checked_in_whole() -> None:
+    model = torchcache()(_PoolsFromFour().eval())
+    x = torch.randn(4, 4)
+    model(x[:2])
+    model(x[2:])  # every item computed in batches of two, where it pools nothing
+    with pytest.raises(DependentItemsError):
+        model(x)  # all hits; an uncached batch of four pools
+
+
 class _TrimsToTheLongest(nn.Module):
     """Mean-pools over the positions up to the longest item of the batch (zeros pad the rest)."""
 

@@ -525,8 +525,9 @@ class Cache:
     def _check_due(self, call: CallArguments, computed: int = 0) -> bool:
         """Whether the call's items are to be checked (one item: only when computed, to see randomness)."""
         items, context = self._items, call.context  # ItemCheck's fields: no call on the hit path
-        if context in items.passed:  # and checked again now and then
-            return computed > 0 and items.again(context, call.batch, computed)
+        if context in items.passed:  # and checked again: in a larger batch, or after SPOT_ITEMS computed
+            due = computed > 0 or call.batch > items.passed[context][0]
+            return due and items.again(context, call.batch, computed)
         return items.enabled and (call.batch > 1 or (computed > 0 and context not in items.alone))
 
     def _verify_items(

@@ -12,9 +12,10 @@ each alone; of more, the last and the first, in that order, then two middle ones
 of three), which no sort of the batch makes its largest: other sets, sizes and orders) and compares
 their rows with the rows the call returns, cached or computed. A call of one item is
 computed again (randomness shows there), and the next call of that context with two
-items or more is checked in full. A context is checked again at a call that computes
-items in a batch larger than any checked (a module may pool across the batch only from
-some size on), and at the first call that computes items once :data:`SPOT_ITEMS` were
+items or more is checked in full. A context is checked again at a call in a batch larger
+than any checked (a module may pool across the batch only from some size on: where rows
+of it came from the cache, the whole batch is computed again), and at the first call
+that computes items once :data:`SPOT_ITEMS` were
 computed since the last check (a dependence that shows only with some batches, such
 as trimming a padded batch to its longest item): the checks cost under 1 % of the
 items computed. Rows that differ element by element beyond what floating point allows
@@ -99,11 +100,14 @@ class ItemCheck:
         self.passed: dict[bytes, tuple[int, int]] = {}
         self.alone: set[bytes] = set()  # contexts whose single items were computed twice alike (not random)
         self.uncached: set[bool | None] = set()  # training modes whose calls run without the cache
+        self.whole = False  # the next check computes the whole batch again
 
     def again(self, context: bytes, batch: int, computed: int) -> bool:
         """Whether a call of a context that passed, computing ``computed`` of its ``batch`` items, is checked again."""
         largest, since = self.passed[context]
         if batch > largest or since + computed >= SPOT_ITEMS:
+            # rows from the cache in a larger batch: only the whole batch computed shows what it would pool
+            self.whole = batch > largest and computed < batch
             return True
         self.passed[context] = (largest, since + computed)
         return False
@@ -151,9 +155,10 @@ class ItemCheck:
                 far under this key are removed.
         """
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
+            self.whole, whole = False, self.whole
             try:
                 with kept:  # the check's forward leaves no trace in batch norm's statistics
-                    check_items(self.name, fn, call, plan, layout, rows)
+                    check_items(self.name, fn, call, plan, layout, rows, whole)
             except DependentItemsError as exc:
                 if call.training:
                     self.uncached.add(True)
@@ -178,7 +183,13 @@ class ItemCheck:
 
 
 def check_items(
-    name: str, fn: Callable[..., Any], call: CallArguments, plan: OutputPlan, layout: Layout, rows: list[torch.Tensor]
+    name: str,
+    fn: Callable[..., Any],
+    call: CallArguments,
+    plan: OutputPlan,
+    layout: Layout,
+    rows: list[torch.Tensor],
+    whole: bool = False,
 ) -> None:
     """Compute some items of ``call`` in another batch and compare them with ``rows``.
 
@@ -189,6 +200,7 @@ def check_items(
         plan: Where the batch sits in each output leaf.
         layout: The layout of ``rows``.
         rows: The output leaves of the whole call, batch first, in input order.
+        whole: Compute the whole batch (its rows came from other, smaller batches).
 
     Raises:
         DependentItemsError: If the rows computed in the other batch differ.
@@ -198,6 +210,7 @@ def check_items(
     # (by length, say) makes its largest (two from four items on; of three, one; of two, each alone).
     middle = [batch // 2 - 1, batch // 2] if batch > 3 else [1]
     checks = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
+    checks = [list(range(batch))] if whole else checks
     for positions in checks:
         _check_positions(name, fn, call, plan, layout, rows, positions)
 
