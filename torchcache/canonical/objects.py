@@ -12,8 +12,7 @@ import contextlib
 import os
 import struct
 import sys
-import threading
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ import torch
 import xxhash
 
 from ..errors import KeyingError
+from .notes import Notes
 from .tags import Tag, raw, tagged, text
 
 if TYPE_CHECKING:
@@ -170,29 +170,20 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     return tagged(Tag.OBJECT, b"".join(parts))
 
 
-_collector = threading.local()
+_found = Notes()
 
 
-@contextlib.contextmanager
-def collecting() -> Iterator[list[Any]]:
+def collecting() -> contextlib.AbstractContextManager[list[Any]]:
     """Collect the tensors and numpy arrays encoded by content, and modules held as values, in the block (this thread).
 
     A key covers them as they were; whoever holds the key watches them for in-place writes.
     """
-    previous = getattr(_collector, "found", None)
-    found: list[Any] = []
-    _collector.found = found
-    try:
-        yield found
-    finally:
-        _collector.found = previous
+    return _found.block()
 
 
 def collect(value: object) -> None:
     """Note a tensor or array keyed by content, or a module held as a value, for :func:`collecting`."""
-    found = getattr(_collector, "found", None)
-    if found is not None:
-        found.append(value)
+    _found.add(value)
 
 
 def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:

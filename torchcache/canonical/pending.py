@@ -19,44 +19,34 @@ import contextlib
 import importlib
 import importlib.util
 import sys
-import threading
 import types
-from collections.abc import Iterator
 from typing import Protocol
 
 from ..errors import KeyingError
+from .notes import Notes
 from .origins import is_installed_file, origin_of_module, version_of
 
 __all__ = ["deferring", "import_for_key", "missing_global"]
 
-_local = threading.local()
+_missing = Notes()
 
 
 class _Refuses(Protocol):
     def refuse(self, path: str, why: str) -> KeyingError: ...
 
 
-@contextlib.contextmanager
-def deferring(active: bool = True) -> Iterator[list[str]]:
-    """Note, rather than refuse, the globals found undefined in the block (this thread), if ``active``.
+def deferring(active: bool = True) -> contextlib.AbstractContextManager[list[str]]:
+    """Note the globals found undefined in the block (this thread), if ``active``.
 
     Yields:
         The paths of the globals found undefined; a key taken with any is provisional.
     """
-    previous = getattr(_local, "missing", None)
-    missing: list[str] = []
-    _local.missing = missing if active else None
-    try:
-        yield missing
-    finally:
-        _local.missing = previous
+    return _missing.block(active)
 
 
 def missing_global(path: str) -> None:
     """A global code reads is not defined, or a module it imports is being imported: noted in :func:`deferring`."""
-    missing = getattr(_local, "missing", None)
-    if missing is not None:
-        missing.append(path)
+    _missing.add(path)
 
 
 def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType | str | None:

@@ -209,8 +209,8 @@ def check_items(
     # Other sets, sizes and orders: the last and the first, then middle items, which no sort of the batch
     # (by length, say) makes its largest (two from four items on; of three, one; of two, each alone).
     middle = [batch // 2 - 1, batch // 2] if batch > 3 else [1]
-    checks = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
-    checks = [list(range(batch))] if whole else checks
+    pairs = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
+    checks = [list(range(batch))] if whole else pairs
     for positions in checks:
         _check_positions(name, fn, call, plan, layout, rows, positions)
 
