@@ -349,7 +349,7 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
     ("name", "value"),
     [
         ("enabled", "yes"),
-        ("persistent", 1),
+        ("persistent", 2),
         ("persistent_cache_dir", 42),
         ("persistent_cache_dir", ""),
         ("persistent_cache_dir", "cache\0dir"),
@@ -372,7 +372,7 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("shared_args", "mask"),
         ("batch_dims", {"x": -1}),
         ("batch_dims", ["x"]),
-        ("keep_eval", 1),
+        ("keep_eval", 2),
         ("brotli_quality", 12),
         ("brotli_quality", -1),
     ],

@@ -23,6 +23,7 @@ __all__ = [
     "NUMPY_OF",
     "OUTPUT_DTYPES",
     "dtype_named",
+    "standard_strides",
 ]
 
 #: Containers nested deeper than this are neither cached nor read from a file.
@@ -110,3 +111,18 @@ def dtype_named(name: object, allowed: frozenset[torch.dtype] | None = None) -> 
     if dtype is None or (allowed is not None and dtype not in allowed):
         return None
     return dtype
+
+
+def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` with the strides torch gives a new one: a view, no copy.
+
+    Torch counts a tensor as contiguous whatever the stride of a dimension of size one
+    (``torch.arange(5.0).view(1, 5).T``), while ``view(torch.uint8)`` needs the last
+    stride to be 1.
+    """
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    wanted = tuple(reversed(strides))
+    return tensor if tensor.stride() == wanted else tensor.as_strided(tensor.shape, wanted, tensor.storage_offset())

@@ -32,6 +32,7 @@ import xxhash
 
 from .canonical import encode_key_value, tensor_content_digest
 from .device_digest import device_row_digests
+from .dtypes import standard_strides
 
 __all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "numerics", "tag", "tensor_digest"]
 
@@ -108,6 +109,8 @@ def _item_bytes(tensor: torch.Tensor) -> torch.Tensor:
     data = tensor.detach()
     flat = (data.int_repr() if data.is_quantized else data).reshape(tensor.shape[0], -1)
     flat = flat.resolve_conj().resolve_neg().contiguous()
+    if flat.shape[1] and flat.stride(1) != 1:  # items of one element may hold any stride
+        flat = standard_strides(flat)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8) if flat.shape[1] else flat.to(torch.uint8)
@@ -130,6 +133,8 @@ def item_rows(tensor: torch.Tensor, subsample_count: int | None) -> tuple[np.nda
             subsampled = True
         flat = flat.cpu()
     flat = flat.resolve_conj().resolve_neg().contiguous()
+    if flat.shape[1] and flat.stride(1) != 1:  # items of one element may hold any stride
+        flat = standard_strides(flat)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8) if flat.shape[1] else flat.to(torch.uint8)
     return flat.numpy(), subsampled

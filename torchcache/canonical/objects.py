@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..dtypes import standard_strides
 from ..errors import KeyingError
 from .notes import Notes
 from .tags import Tag, raw, tagged, text
@@ -86,7 +87,7 @@ def tensor_content_digest(tensor: torch.Tensor, path: str) -> bytes:
         return h.digest()
     elif data.layout != torch.strided:
         data = data.to_dense()
-    flat = data.resolve_conj().resolve_neg().reshape(-1).cpu().contiguous()
+    flat = standard_strides(data.resolve_conj().resolve_neg().reshape(-1).cpu().contiguous())
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if flat.numel():
@@ -138,6 +139,12 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     try:
         reduced = value.__reduce_ex__(4)
     except Exception as exc:  # noqa: BLE001 - whatever pickle's protocol raises, the value is refused
+        if isinstance(value, torch._C.ScriptModule):  # leaving its graph out of the key would be unsafe
+            raise KeyingError(
+                f"{path}: a TorchScript module's compiled graph cannot be part of the cache key; cache the Python "
+                "module instead, or wrap the scripted one in a Python module that calls it and name its key with "
+                "persistent_module_hash (changed whenever the scripted file changes)"
+            ) from None
         raise encoder.refuse(path, f"a {_qualname(cls)} has no state that can be described ({exc})") from None
     if isinstance(reduced, str):  # a global singleton, by its name
         named = text(f"{getattr(value, '__module__', '')}.{reduced}")

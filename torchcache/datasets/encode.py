@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..codec import MAX_HEADER, encode_header, seal
-from ..dtypes import ALIGN, CODE_OF, MAX_DEPTH, NAME_OF, NUMPY_DTYPES
+from ..dtypes import ALIGN, CODE_OF, MAX_DEPTH, NAME_OF, NUMPY_DTYPES, standard_strides
 from ..errors import KeyingError
 
 __all__ = ["MAGIC_1_2", "MAX_NODES", "SampleTypeError", "check_sample", "encode_sample", "is_sample_1_2"]
@@ -153,7 +153,7 @@ class _Encoder:
         name = CODE_OF.get(value.dtype) or NAME_OF.get(value.dtype)
         if name is None:
             raise SampleTypeError(f"{path}: tensors of dtype {value.dtype} cannot be cached; convert with .to(...)")
-        flat = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        flat = standard_strides(value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1))
         self.put([name, list(value.shape)], flat.view(torch.uint8).numpy().data)
 
     def array(self, value: np.ndarray[Any, Any], path: str) -> None:

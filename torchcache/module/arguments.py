@@ -1,6 +1,7 @@
 """The arguments of one call: which tensors are per item, what else is part of the key.
 
-A call is bound to the wrapped callable's signature (defaults applied) only to *name*
+A call is bound to the wrapped callable's own signature (a ``functools.wraps`` wrapper's,
+not the function it wraps; defaults applied, and keyed whole) only to *name*
 its arguments; the callable is always called back with the caller's own layout of
 positional and keyword arguments, with only the per-item tensors replaced by the rows
 to compute (decorators that add keywords, such as Hugging Face's, keep working).
@@ -27,11 +28,9 @@ never be confused with a parameter called ``args[0]``.
 from __future__ import annotations
 
 import collections
-import functools
 import inspect
 import weakref
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -39,10 +38,10 @@ import torch
 from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
-from ..tiers.batch import index_tensor
+from .call import CallArguments
 from .containers import MAX_DEPTH, container_state, holds_tensor, map_tensors
 
-__all__ = ["CallArguments", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
+__all__ = ["PASSED_ON", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
 
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
@@ -65,112 +64,17 @@ class UncachedInput(KeyingError):
     """A per-item input whose content cannot be keyed (meta, nested, sparse): the call runs uncached."""
 
 
-@dataclass
-class CallArguments:
-    """One call, split into its per-item tensors and the rest of its key.
-
-    Attributes:
-        args: The caller's positional arguments.
-        kwargs: The caller's keyword arguments.
-        tensors: Per-item tensors, each with its batch dimension first (a view).
-        batch: The batch size.
-        training: The training flag of the cached module (``None`` for a function).
-        lists_like_the_batch: Arguments that are lists of as many strings as there are
-            items: keyed whole, not per item.
-    """
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    tensors: list[torch.Tensor]
-    batch: int
-    _names: list[str]
-    _kw_names: dict[str, str]
-    _shared: Collection[str]
-    _dims: Mapping[str, int]
-    training: bool | None = None
-    #: Arguments that are lists of as many strings as there are items (texts, file names).
-    lists_like_the_batch: list[str] = field(default_factory=list)
-    #: The digest of everything but the items (module key, arguments, mode): the item check runs once per context.
-    context: bytes = b""
-    #: The per-item tensors' version counters when the call was split.
-    versions: list[int] = field(default_factory=list)
-    #: The rows :meth:`select` took last (the caller's tensor, its batch dimension, the positions, the rows).
-    picked: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def refuse_written(self, name: str, unchanged: Callable[[], bool]) -> None:
-        """Raise if a per-item tensor was written in place since the call was split (by the forward of ``name``).
-
-        ``unchanged`` (the items hashed again) tells a write that left the values as they
-        were (dropout in eval mode with ``inplace=True``) from one that changed them.
-
-        Raises:
-            KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
-        """
-        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not _holds(unchanged):
-            raise _written(name)
-
-    def compute_rows(self, fn: Callable[..., Any], positions: list[int], name: str) -> Any:
-        """``fn`` called with the caller's arguments restricted to ``positions`` (:meth:`select`).
-
-        Raises:
-            KeyingError: If the forward (of ``name``) changed the rows it was given: an
-                uncached call would change the caller's input (see :meth:`refuse_written`).
-        """
-        args, kwargs = self.select(positions)
-        computed = fn(*args, **kwargs)
-        for value, dim, index, rows in self.picked:
-            if _version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):
-                raise _written(name)
-        return computed
-
-    def select(self, positions: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The caller's arguments with every per-item tensor restricted to ``positions``."""
-        indices: dict[torch.device, torch.Tensor] = {}
-        self.picked = []
-
-        def pick(value: torch.Tensor, dim: int) -> torch.Tensor:
-            index = indices.get(value.device)
-            if index is None:
-                index = indices[value.device] = index_tensor(positions, value.device)
-            picked = value.index_select(dim, index)
-            if value.__dict__:  # attributes set on the caller's tensor (keyed): the rows carry them
-                picked.__dict__.update({k: v for k, v in value.__dict__.items() if k not in picked.__dict__})
-            self.picked.append((value, dim, index, picked))
-            return picked
-
-        args = tuple(self._map(value, self._names[i], pick) for i, value in enumerate(self.args))
-        kwargs = {key: self._map(value, self._kw_names[key], pick) for key, value in self.kwargs.items()}
-        return args, kwargs
-
-    def _map(self, value: Any, name: str, pick: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
-        if name in self._shared:
-            return value
-        return map_tensors(value, lambda t: pick(t, self._dims.get(name, 0)))
+_transformed = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _written(name: str) -> KeyingError:
-    return KeyingError(
-        f"{name}: its forward wrote an input in place; a cached call does not run forward, so its hits "
-        "would leave that input unchanged. Write to a copy (x = x.clone() first), or leave the writing "
-        "outside the cached module"
-    )
+class _PassedOn:
+    """The default of an argument a ``(*args, **kwargs)`` wrapper passes on: left out of the key."""
+
+    def __repr__(self) -> str:
+        return "<passed on>"
 
 
-def _kept(value: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether ``rows`` still hold the bytes of the caller's (NaN as NaN, as the items' keys see them)."""
-    before = value.index_select(dim, index).contiguous().view(torch.uint8)
-    return torch.equal(rows.contiguous().view(torch.uint8), before)
-
-
-def _holds(check: Callable[[], bool]) -> bool:
-    try:
-        return check()
-    except Exception:  # noqa: BLE001 - an input reshaped in place (x.resize_(())) cannot be hashed as it was
-        return False
-
-
-def _version_of(tensor: torch.Tensor) -> int:
-    return -1 if tensor.is_inference() else tensor._version  # an inference tensor counts no writes
+PASSED_ON: Any = _PassedOn()
 
 
 class _Splitter:
@@ -184,20 +88,30 @@ class _Splitter:
         self.batch = -1
         self.first_label = ""
         self.sequences: list[tuple[str, int]] = []  # non-tensor lists keyed whole, with their lengths
+        self.shared_tensors: list[torch.Tensor] = []
 
     def add(self, label: str, name: str, value: Any) -> None:
         self.context.add(label.encode())
         if name in self.shared:
-            self._add_shared(label, value)
+            self.add_shared(label, value)
         else:
             self._walk(label, self.dims.get(name, 0), value, 0)
 
-    def _add_shared(self, label: str, value: Any) -> None:
+    def add_shared(self, label: str, value: Any) -> None:
+        """Add an argument that is the same for every item: hashed whole, tensors by content where they sit."""
         if holds_tensor(value):
+            start = len(self.shared_tensors)
+            map_tensors(value, self._note_shared)  # watched for writes and grad, as inputs are
+            if any(map(_transformed, self.shared_tensors[start:])):
+                raise UncachedInput(f"argument {label!r} is inside a torch.func transform (vmap): it has no storage")
             # Every tensor by its content, where it sits: (m, None) and (None, m) differ.
             self.context.add(_SHARED + KeyEncoder(_SHARED_REMEDY).encode(value, f"argument {label!r}"))
         else:
             self.context.add(encode_value(value, f"argument {label!r}"))
+
+    def _note_shared(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.shared_tensors.append(tensor)
+        return tensor
 
     def _walk(self, label: str, dim: int, value: Any, depth: int) -> None:
         if isinstance(value, torch.Tensor):
@@ -227,6 +141,8 @@ class _Splitter:
     def _add_tensor(self, label: str, dim: int, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             raise UncachedInput(f"argument {label!r} is on the meta device: it has no content to key items by")
+        if _transformed(tensor):
+            raise UncachedInput(f"argument {label!r} is inside a torch.func transform (vmap): it has no storage to key")
         if getattr(tensor, "is_nested", False) or tensor.layout != torch.strided:
             kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
             raise UncachedInput(f"argument {label!r} is a {kind} tensor, which cannot be keyed per item")
@@ -354,10 +270,12 @@ class CallSplitter:
                 call has no per-item tensor.
         """
         positional = self._positional
+        passed: set[str] | None = None
         if self._simple and not kwargs and len(args) == len(positional):
             arguments: Mapping[str, Any] = dict(zip(positional, args))
         else:
             bound = self.signature.bind(*args, **kwargs)
+            passed = set(bound.arguments)
             bound.apply_defaults()
             arguments = bound.arguments
         splitter = _Splitter(context, self.shared, self.dims)
@@ -370,6 +288,11 @@ class CallSplitter:
                 splitter.context.add(_KEYWORDS)  # in the caller's order, which **kwargs keeps
                 for key in value:
                     splitter.add(f"**{key}", key, value[key])
+            elif passed is not None and name not in passed:  # a default (a tensor in it is one for the batch)
+                if value is PASSED_ON:  # a wrapper's: what it passes on is its own
+                    continue
+                splitter.context.add(name.encode())
+                splitter.add_shared(name, value)
             else:
                 splitter.add(name, name, value)
         if not splitter.tensors:
@@ -390,7 +313,7 @@ class CallSplitter:
             _shared=self.shared,
             _dims=self.dims,
             lists_like_the_batch=[label for label, length in splitter.sequences if length == splitter.batch],
-            versions=list(map(_version_of, splitter.tensors)),
+            shared=splitter.shared_tensors,
         )
 
 

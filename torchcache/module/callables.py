@@ -21,6 +21,7 @@ import torch
 
 from ..config import Settings
 from ..errors import ConfigError
+from .arguments import PASSED_ON
 from .engine import Cache
 from .fingerprint import check_instance, fingerprint_function, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
@@ -73,10 +74,9 @@ class CachedMethod:
             check_frozen(owner, f"the instance of {name}")
             return fingerprint_module(owner, init, key_settings, method=func.__name__, ignore=settings.key_ignore)
 
-        signature = inspect.signature(func)
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        signature = without_self(func)
         self.cache_instance = Cache(settings, self._name, "module", signature, fingerprint)
-        self.cache_instance.watch_weights(module)
+        self.cache_instance.watch_weights(module, root_hooks=func.__name__ != "forward")  # self(x) runs them
         _method_caches.setdefault(module, []).append(weakref.ref(self.cache_instance))
         self._conversion: tuple[Any, ...] | None = None
         self._call = outside_compile(self._call_cached)
@@ -128,6 +128,47 @@ class CachedMethod:
         return f"<cached method {self._name} {self.cache_instance!r}>"
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def without_self(method: Callable[..., Any]) -> inspect.Signature:
+    """The signature a method's calls are bound to, ``self`` left out (:func:`call_signature`)."""
+    return call_signature(method, method=True)
+
+
+def call_signature(fn: Callable[..., Any], method: bool = False) -> inspect.Signature:
+    """The signature calls of ``fn`` are bound to (without ``self`` for a ``method``), only to name arguments.
+
+    A ``functools.wraps`` wrapper's own: its defaults are what its callers get (a wrapper
+    taking ``scale=None`` may pass its own value on). A wrapper that only passes
+    ``(*args, **kwargs)`` on names them as the function it wraps does, without that
+    function's defaults (the wrapper may fill them otherwise) and taking any other
+    argument too (a keyword it renames).
+    """
+    signature = inspect.signature(fn, follow_wrapped=False)
+    params = list(signature.parameters.values())
+    if method and params and params[0].kind in _POSITIONAL:
+        params = params[1:]  # a wrapper taking (*args, **kwargs) passes self in args
+    if params and all(p.kind in _VARIADIC for p in params) and inspect.unwrap(fn) is not fn:
+        inner = call_signature(inspect.unwrap(fn), method)
+        named = [p.replace(default=PASSED_ON) if p.kind not in _VARIADIC else p for p in inner.parameters.values()]
+        kinds, taken = {p.kind for p in named}, {p.name for p in named}
+        if inspect.Parameter.VAR_POSITIONAL not in kinds:
+            at = sum(p.kind in _POSITIONAL for p in named)
+            named.insert(at, inspect.Parameter(_free("args", taken), inspect.Parameter.VAR_POSITIONAL))
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            named.append(inspect.Parameter(_free("kwargs", taken), inspect.Parameter.VAR_KEYWORD))
+        params = named
+    return signature.replace(parameters=params)
+
+
+def _free(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name = "_" + name
+    return name
+
+
 def _alive(ref: weakref.ref[torch.nn.Module], name: str) -> torch.nn.Module:
     module = ref()
     if module is None:
@@ -145,7 +186,7 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
         settings,
         name,
         "function",
-        inspect.signature(fn),
+        call_signature(fn),
         lambda: fingerprint_function(fn, settings.key_settings(), settings.key_ignore),
     )
     cache.take_key(early=True)  # now: what cannot be keyed is refused where the function is decorated

@@ -36,7 +36,7 @@ import torch
 from ..codec import DEFAULT_QUALITY
 from ..config import LEGACY_OPTIONS, Settings
 from ..errors import ConfigError
-from .callables import CachedMethod, decorate_function, weights_loaded
+from .callables import CachedMethod, decorate_function, weights_loaded, without_self
 from .engine import Cache
 from .fingerprint import check_instance, describe_init, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
@@ -47,6 +47,8 @@ T = TypeVar("T")
 _PREFIX = "torchcache_"
 _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
 _BINDING = "_torchcache_binding"
+#: The settings each class was decorated with (in place: a second decoration with others is refused).
+_decorated: weakref.WeakKeyDictionary[type, Settings] = weakref.WeakKeyDictionary()
 _initializing = threading.local()
 _subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
@@ -239,8 +241,7 @@ class _Binding:
 
 @functools.cache
 def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
-    signature = inspect.signature(forward)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
+    return without_self(forward)
 
 
 def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
@@ -320,6 +321,16 @@ def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
+    decorated = _decorated.get(cls)
+    if decorated is not None:  # the class is decorated in place: both names would be one class
+        if decorated == settings:
+            return cls
+        raise ConfigError(
+            f"{cls.__qualname__} is already decorated by torchcache with other settings, and a class is "
+            f"decorated in place; for a second configuration, decorate a subclass (class Other({cls.__name__}): "
+            "pass) or wrap instances (torchcache(...)(instance))"
+        )
+    _decorated[cls] = settings  # not a class attribute: it would be part of the module key
     original_init = cls.__init__
     original_forward = cls.forward
     name = f"{cls.__module__}.{cls.__qualname__}"
@@ -398,6 +409,12 @@ def _rebuild_plain(cls: type[torch.nn.Module], state: dict[str, Any]) -> torch.n
     return module
 
 
+_SCRIPTED = (
+    "wrap it in a Python module that calls it, and name that module's key with persistent_module_hash "
+    "(changed whenever the scripted file changes): torchcache(persistent_module_hash='v1')(Wrapper(scripted))"
+)
+
+
 def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Module:
     existing = module.__dict__.get("cache_instance")
     if isinstance(existing, Cache):
@@ -410,6 +427,8 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
             )
         return module
     cls = type(module)
+    if isinstance(module, torch.jit.ScriptModule):
+        raise ConfigError(f"a TorchScript module cannot be cached itself: {_SCRIPTED}")
     name = f"{cls.__module__}.{cls.__qualname__}"
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key

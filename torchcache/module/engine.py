@@ -37,7 +37,8 @@ from ..tiers.memory import MemoryLevel, MemoryTier
 from ..tiers.persistent import DiskLevel, PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
-from .arguments import CallArguments, CallSplitter, ShapeHint, UncachedInput, list_hint
+from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
+from .call import CallArguments
 from .independence import ItemCheck
 from .outputs import OutputPlan, UnbatchedOutputError
 from .versions import HeldValues, VersionWatch
@@ -45,8 +46,7 @@ from .versions import HeldValues, VersionWatch
 __all__ = ["Cache"]
 
 _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
-#: Calls after which a low hit rate with varying input shapes is pointed out.
-SHAPE_HINT_CALLS = 64
+SHAPE_HINT_CALLS = 64  #: calls after which a low hit rate with varying input shapes is pointed out
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -126,10 +126,10 @@ class Cache:
         self._owner = weakref.ref(owner)
         self._rebind = rebind
 
-    def watch_weights(self, module: torch.nn.Module) -> None:
-        """Take the key again at the first call after ``module``'s weights change in place."""
+    def watch_weights(self, module: torch.nn.Module, root_hooks: bool = False) -> None:
+        """Take the key again at the first call after ``module``'s weights or hooks (``root_hooks``: its own) change."""
         if self.settings.persistent_module_hash is None:
-            self._watch = VersionWatch(module, self.settings.verify_weights)
+            self._watch = VersionWatch(module, self.settings.verify_weights, root_hooks)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Cache:
         """A new cache for the copy of the owner (same settings, its own memory tier).
@@ -271,8 +271,7 @@ class Cache:
             "settings": {k: str(v) for k, v in self.settings.key_settings().items()},
         }
         settings = self.settings
-        # Kept while this cache uses the tier: other caches of this key share it.
-        self._shared, self._disk = open_shared_tier(
+        self._shared, self._disk = open_shared_tier(  # kept while this cache uses it: caches of this key share it
             location,
             key,
             settings.max_persistent_cache_size,
@@ -339,8 +338,7 @@ class Cache:
     ) -> Any:
         """Call ``fn(*args, **kwargs)`` through the cache.
 
-        ``fn`` is called back with the caller's own layout of positional and keyword
-        arguments, with only the per-item tensors replaced by the rows to compute.
+        ``fn`` is called back with the caller's own layout of arguments, per-item tensors replaced by rows.
         """
         watch, held = self._watch, self._held
         if (
@@ -364,7 +362,7 @@ class Cache:
         if training in self._items.uncached:  # items that depend on each other in this mode
             return fn(*args, **kwargs)
         tensors = call.tensors
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *call.shared)):
             self.faults.warn(Fault.GRAD, "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
         self.faults.emit()
@@ -457,11 +455,14 @@ class Cache:
             # exact_batches: a batch with any miss is computed whole, as an uncached call computes it.
             whole = len(missing) == batch or self.settings.exact_batches
             if whole:
-                computed = fn(*call.args, **call.kwargs)
+                computed = call.compute(fn)
                 unchanged = lambda: hash_items(call.context, call.tensors, self.settings.subsample_count) == keys  # noqa: E731
                 call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
                 computed = call.compute_rows(fn, missing, self.name)
+            written = self._watch.written(self.name) if self._watch is not None else None  # its own tensors
+            if written is not None and self._items.refuse_state(written, call.training):
+                return computed if whole else fn(*call.args, **call.kwargs)
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
             self._check_items(leaves, batch if whole else len(missing), call.batch)
@@ -508,9 +509,8 @@ class Cache:
     def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
         """Refuse leaves that are not per item.
 
-        A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n``
-        shaped ``(num_layers, batch, hidden)`` with ``num_layers == batch``) was stored
-        per item in earlier calls: those entries may be wrong, so they are removed.
+        A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n`` with
+        ``num_layers == batch``) was stored per item in earlier calls: those entries are removed.
         """
         try:
             self._outputs.check(leaves, computed, batch)

@@ -18,6 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..faults import Fault
 from .engine import Cache
+from .fingerprint import tensor_attributes
 
 __all__ = ["check_frozen", "outside_compile", "warn_if_training"]
 
@@ -30,18 +31,22 @@ _COMPILE_REASON = (
 
 
 def check_frozen(module: torch.nn.Module, name: str) -> None:
-    """Refuse a module with parameters that require grad: cached outputs carry no gradient.
+    """Refuse a module with tensors that require grad: cached outputs carry no gradient.
+
+    Parameters, buffers and tensors kept as plain attributes (a learned temperature) count.
 
     Raises:
-        ConfigError: If a parameter of ``module`` (called ``name`` in the message) requires grad.
+        ConfigError: If a tensor of ``module`` (called ``name`` in the message) requires grad.
     """
-    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    held = [*module.named_parameters(), *module.named_buffers(), *tensor_attributes(module)]
+    trainable = [n.lstrip(".") for n, p in held if p.requires_grad]
     if trainable:
         shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
         raise ConfigError(
-            f"{name} has parameters that require grad ({shown}): cached outputs carry no gradient, "
+            f"{name} has tensors that require grad ({shown}): cached outputs carry no gradient, "
             "so training them through the cache would silently stop. Freeze the module, e.g. "
-            "call requires_grad_(False) on it (at the end of __init__ for a decorated class), or "
+            "call requires_grad_(False) on it (at the end of __init__ for a decorated class; a tensor kept as a "
+            "plain attribute: store it detached), or "
             "set self.torchcache_enabled = False for a trainable instance"
         )
 

@@ -40,7 +40,7 @@ import torch
 from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
-from .arguments import CallArguments
+from .call import CallArguments
 from .outputs import OutputPlan
 
 __all__ = ["DependentItemsError", "ItemCheck", "check_items", "forget_checks", "is_checked", "mark_checked"]
@@ -111,6 +111,24 @@ class ItemCheck:
             return True
         self.passed[context] = (largest, since + computed)
         return False
+
+    def refuse_state(self, error: KeyingError, training: bool | None) -> bool:
+        """Take a forward that wrote the module's own tensors: ``True`` in training mode, else raise ``error``.
+
+        In training mode (batch norm's statistics) calls run uncached from now on.
+
+        Raises:
+            KeyingError: ``error``, outside training mode.
+        """
+        if not training:
+            raise error
+        self.uncached.add(True)
+        self.faults.warn(
+            Fault.TRAIN,
+            f"in training mode: {str(error).partition(': ')[2]} Calls in training mode "
+            "run without the cache; call .eval() on the module (keep_eval=True keeps it in eval mode)",
+        )
+        return True
 
     def reset(self) -> None:
         """Check again at the next call (the module key changed)."""

@@ -41,6 +41,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import KeyingError
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes
 
@@ -72,16 +73,17 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_Generation.bum
 torch.nn.modules.module.register_module_module_registration_hook(_Generation.bump)
 
 
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return named + tensor_attributes(module)
+
+
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = [p for _, p in module.named_parameters(remove_duplicate=False)]
-    tensors += [b for _, b in module.named_buffers(remove_duplicate=False)]
-    tensors += [t for _, t in tensor_attributes(module)]
-    return tensors
+    return [tensor for _, tensor in _named_tensors(module)]
 
 
 def _weights_digest(module: torch.nn.Module) -> str:
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    return tensor_digest(named + tensor_attributes(module))
+    return tensor_digest(_named_tensors(module))
 
 
 def _module_ids(module: torch.nn.Module) -> list[int]:
@@ -99,6 +101,8 @@ class VersionWatch:
         module: The cached module (held weakly).
         verify_every: Also hash the weights every this many calls (``None``: never), for
             writes that bypass the version counters.
+        root_hooks: Watch the module's own forward hooks too (a cached method other than
+            ``forward``, which may call ``self(x)``).
     """
 
     __slots__ = (
@@ -121,19 +125,23 @@ class VersionWatch:
         "_ptrs",
         "_registries",
         "_registries_held",
+        "_root_hooks",
         "_submodules",
         "_tensors",
         "_total",
         "_values",
         "_verify_every",
         "_versioned",
+        "_versions",
     )
 
-    def __init__(self, module: torch.nn.Module, verify_every: int | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, verify_every: int | None = None, root_hooks: bool = False) -> None:
         self._module: Callable[[], torch.nn.Module | None] = weakref.ref(module)
+        self._root_hooks = root_hooks
         self._verify_every = verify_every
         self._tensors: list[torch.Tensor] = []
         self._versioned: list[torch.Tensor] = []
+        self._versions: dict[int, int] = {}
         self._registries: list[dict[str, torch.Tensor | None]] = []
         self._registries_held: list[dict[str, torch.Tensor | None]] = []
         self._hook_dicts: list[dict[int, Any]] = []
@@ -165,15 +173,17 @@ class VersionWatch:
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
-        self._grads = sum(map(_requires_grad, self._held))  # unfrozen later: the key is taken again, and refused
         held = list(_tensors(module))
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
         self._modules = _module_ids(module)
         self._versioned = [t for t in held if not t.is_inference()]  # sparse ones count their writes too
+        self._versions = {id(t): t._version for t in self._versioned}
         self._total = sum(map(_version, self._versioned))
+        self._grads = sum(map(_requires_grad, self._versioned))  # unfrozen later: the key is taken again, and refused
         self._ptrs = list(map(_data_ptr, self._tensors))
-        self._hook_dicts = [h for sub in self._submodules for h in (sub._forward_pre_hooks, sub._forward_hooks)]
+        hooked = submodules if self._root_hooks else self._submodules  # a method's key covers its module's own hooks
+        self._hook_dicts = [h for sub in hooked for h in (sub._forward_pre_hooks, sub._forward_hooks)]
         self._hook_dicts += _GLOBAL_HOOKS
         self._hooks = _hook_ids(self._hook_dicts)
         self._hook_count = len(self._hooks)
@@ -198,7 +208,7 @@ class VersionWatch:
             map(operator.is_, children, self._child_values)
         ):
             return True
-        if _grad_enabled() and sum(map(_requires_grad, self._held)) != self._grads:  # without grad: outputs alike
+        if _grad_enabled() and sum(map(_requires_grad, self._versioned)) != self._grads:  # without grad: outputs alike
             return True
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
@@ -214,6 +224,25 @@ class VersionWatch:
                 module = self._module()
                 return module is not None and _weights_digest(module) != self._digest
         return False
+
+    def written(self, name: str) -> KeyingError | None:
+        """The error to raise if a forward that just ran wrote the module's tensors in place (a running mean).
+
+        A hit does not run forward, so it would not write them, and every later output
+        would differ from the uncached ones; the error names them.
+        """
+        if sum(map(_version, self._versioned)) == self._total:
+            return None
+        module = self._module()
+        named = _named_tensors(module) if module is not None else []
+        was = self._versions
+        written = [label for label, t in named if not t.is_inference() and t._version != was.get(id(t), t._version)]
+        return KeyingError(
+            f"{name}: its forward wrote {', '.join(written[:3]) or 'its tensors'} in place; a cached call does not "
+            "run forward, so hits would leave them as they were and later outputs would differ from uncached "
+            "ones. Keep such state outside the cached module, or call it without the cache "
+            "(torchcache_enabled = False)"
+        )
 
     @contextlib.contextmanager
     def buffers_kept(self) -> Iterator[None]:

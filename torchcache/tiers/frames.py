@@ -36,7 +36,7 @@ from ..codec import (
     unelide_rows,
     word_size,
 )
-from ..dtypes import ALIGN
+from ..dtypes import ALIGN, standard_strides
 from ..errors import CorruptEntryError
 from ..tree import Layout
 
@@ -53,10 +53,10 @@ _RETRY_JOBS = 16  # once zero elision stopped paying: one job in 16 tries it aga
 def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.ndarray:
     """The ``(rows, layout.row_bytes)`` uint8 rows of ``leaves`` (CPU tensors), one per item."""
     if len(leaves) == 1 and layout.row_bytes == layout.nbytes:
-        return leaves[0].reshape(rows, -1).view(torch.uint8).numpy()
+        return standard_strides(leaves[0].reshape(rows, -1)).view(torch.uint8).numpy()
     packed = np.zeros((rows, layout.row_bytes), dtype=np.uint8)
     for leaf, off, spec in zip(leaves, layout.offsets, layout.leaves):
-        packed[:, off : off + spec.nbytes] = leaf.reshape(rows, -1).view(torch.uint8).numpy()
+        packed[:, off : off + spec.nbytes] = standard_strides(leaf.reshape(rows, -1)).view(torch.uint8).numpy()
     return packed
 
 

@@ -214,6 +214,7 @@ class MemoryTier:
                 order[key] = None
         return found
 
+    @torch.inference_mode(False)  # slabs are plain tensors, written whatever mode the call runs in
     def put(self, keys: Sequence[bytes], layout: Layout, leaves: Sequence[torch.Tensor]) -> int:
         """Store items ``keys[i]`` whose outputs are ``leaf[i]`` for each leaf.
 

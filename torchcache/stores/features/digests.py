@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ...dtypes import standard_strides
 from ..files import create_whole, pwrite_all, read_at
 from ..rows import runs
 
@@ -66,7 +67,7 @@ def batch_digests(batch: object, count: int) -> list[bytes | None]:
     ):
         return [None] * count
     try:
-        raw = batch.detach().contiguous().reshape(count, -1).view(torch.uint8).numpy()
+        raw = standard_strides(batch.detach().contiguous().reshape(count, -1)).view(torch.uint8).numpy()
     except (RuntimeError, TypeError):
         return [None] * count
     size = raw.shape[1]

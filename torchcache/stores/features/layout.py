@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...dtypes import ALIGN, CODE_OF, NAME_OF, NUMPY_OF, OUTPUT_DTYPES, dtype_named
+from ...dtypes import ALIGN, CODE_OF, NAME_OF, NUMPY_OF, OUTPUT_DTYPES, dtype_named, standard_strides
 from ...errors import ConfigError, CorruptEntryError
 from ...tree import leaf_kinds
 
@@ -240,7 +240,7 @@ class SampleLayout:
                 f"but {first.dtype} outputs of shape {first.shape} for the first one: a features cache needs outputs "
                 "of one shape"
             )
-        flat = features.detach().to("cpu").contiguous().reshape(count, -1)
+        flat = standard_strides(features.detach().to("cpu").contiguous().reshape(count, -1))
         raw = flat.view(torch.uint8).numpy() if first.nbytes else np.zeros((count, 0), np.uint8)
         rows[:, first.offset : first.offset + first.nbytes] = raw.reshape(count, first.nbytes)
         for j, f in enumerate(self.fields[1:]):
@@ -264,7 +264,7 @@ class SampleLayout:
                 f"{f.shape} in the first sample: a features cache needs every field in one kind and shape"
             )
         if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            return standard_strides(value.detach().to("cpu").contiguous().reshape(-1)).view(torch.uint8).numpy()
         try:
             return np.ascontiguousarray(np.asarray(value, f.numpy_dtype)).reshape(-1).view(np.uint8)
         except OverflowError:

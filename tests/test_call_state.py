@@ -1,0 +1,280 @@
+"""What a call reaches beyond its per-item inputs: wrapper signatures, defaults, state a forward writes, grad, modes."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchcache import CacheWarning, ConfigError, KeyingError, torchcache
+
+X = torch.randn(3, 4)
+
+
+def _linear(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval().requires_grad_(False)
+
+
+# -- signatures: a functools.wraps wrapper's own, not the function it wraps ----------------------------------
+def _config_scale(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def wrapper(self: Any, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return forward(self, x, 2.0 if scale is None else scale)  # None: the configured scale
+
+    return wrapper
+
+
+class WrappedForward(nn.Module):
+    @_config_scale
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+
+def test_a_wrappers_default_is_what_its_callers_get() -> None:
+    model = torchcache()(WrappedForward())
+    assert torch.equal(model(X), X * 2.0)
+    assert torch.equal(model(X, 1.0), X)  # the inner default, passed: another key
+
+
+def test_a_wrapped_functions_default_is_the_wrappers() -> None:
+    @torchcache()
+    @_config_scale_function
+    def scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+    assert torch.equal(scaled(X), X * 2.0)
+    assert torch.equal(scaled(X, scale=1.0), X)
+
+
+def _config_scale_function(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.setdefault("scale", 2.0)  # a pass-through wrapper that fills a default of its own
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _renamed(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if "factor" in kwargs:  # a deprecated name, passed on under the new one
+            kwargs["scale"] = kwargs.pop("factor")
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class RenamedKeyword(nn.Module):
+    @_renamed
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+
+def test_a_keyword_only_a_wrapper_takes_is_keyed_and_passed_on() -> None:
+    model = torchcache()(RenamedKeyword())
+    assert torch.equal(model(X, factor=3.0), X * 3.0)
+    assert torch.equal(model(X, factor=4.0), X * 4.0)
+    assert torch.equal(model(x=X, scale=3.0), X * 3.0)
+    assert torch.equal(model(X), X)
+
+
+def test_a_pass_through_wrapper_names_arguments_as_the_wrapped_forward_does() -> None:
+    model = torchcache()(RenamedKeyword())
+    model(x=X)
+    model(X)  # positional or keyword: one key
+    stats = model.cache_instance.stats()
+    assert (stats.hits, stats.misses) == (3, 3)
+
+
+# -- defaults and partials: one value for the whole batch --------------------------------------------------
+class TensorDefault(nn.Module):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor = torch.ones(4)) -> torch.Tensor:  # noqa: B008
+        return x + bias
+
+
+def test_a_tensor_default_is_one_for_the_batch() -> None:
+    model = torchcache()(TensorDefault())
+    assert torch.equal(model(X), X + 1)
+    assert torch.equal(model(X, torch.zeros(3, 4)), X)  # passed: per item
+
+
+def test_a_tensor_bound_by_a_partial_is_one_for_the_batch() -> None:
+    weight = torch.randn(4, 2)
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    cached = torchcache()(functools.partial(project, w=weight))
+    assert torch.equal(cached(X), X @ weight)
+    assert torch.equal(cached(X), X @ weight)
+    assert cached.cache_instance.stats().hits == 3
+
+
+# -- state a forward writes: a hit would not write it --------------------------------------------------------
+class RunningMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_forward_that_writes_its_own_buffer_is_refused_naming_it(persistent: bool, tmp_path: Path) -> None:
+    model = torchcache(persistent=persistent, persistent_cache_dir=tmp_path)(RunningMean().eval())
+    with pytest.raises(KeyingError, match="wrote mean in place"):
+        model(X)
+    assert len(model.cache_instance.memory) == 0
+
+
+def test_batch_norm_in_training_mode_runs_uncached_with_its_statistics_updated_once() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).requires_grad_(False)
+    cached = torchcache(check_items=False)(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).requires_grad_(False))
+    cached.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheWarning)
+        for _ in range(2):
+            assert torch.equal(cached(x), plain(x))
+    assert torch.equal(cached[1].running_mean, plain[1].running_mean)
+    assert any("training mode" in str(w.message) for w in caught)
+    stats = cached.cache_instance.stats()
+    assert (stats.hits, stats.memory.entries) == (0, 0)
+
+
+class SharedAccumulator(nn.Module):
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total += x.sum()
+        return x * 2
+
+
+def test_a_forward_that_writes_a_shared_argument_is_refused() -> None:
+    model = torchcache(shared_args=("total",))(SharedAccumulator())
+    with pytest.raises(KeyingError, match="wrote an input in place"):
+        model(X, torch.zeros(()))
+
+
+# -- gradients: a hit carries none ----------------------------------------------------------------------------
+class Temperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.tensor(2.0, requires_grad=True)  # a plain attribute, not a parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.temperature
+
+
+def test_a_tensor_attribute_that_requires_grad_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"require grad \(temperature\)"):
+        torchcache()(Temperature())
+
+
+def test_a_shared_argument_that_requires_grad_runs_uncached_with_its_gradient() -> None:
+    prompt = torch.randn(4, requires_grad=True)
+    model = torchcache(shared_args=("prompt",))(_Prompted())
+    with pytest.warns(CacheWarning, match="requires grad"):
+        (model(X, prompt).sum() + model(X, prompt).sum()).backward()
+    assert prompt.grad is not None
+    assert torch.allclose(prompt.grad, torch.full((4,), 6.0))
+    assert model.cache_instance.stats().hits == 0
+
+
+class _Prompted(nn.Module):
+    def forward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+        return x + prompt
+
+
+# -- modes and transforms ----------------------------------------------------------------------------------------
+def test_a_first_call_under_inference_mode_leaves_later_calls_working() -> None:
+    model, plain = torchcache()(_linear()), _linear()
+    first, second = torch.randn(3, 4), torch.randn(5, 4)
+    with torch.inference_mode():
+        model(first)
+    with torch.no_grad():
+        assert torch.equal(model(second), plain(second))
+        assert torch.equal(model(first), plain(first))
+
+
+def test_a_call_under_vmap_runs_uncached() -> None:
+    model, plain = torchcache()(_linear()), _linear()
+    x = torch.randn(2, 3, 4)
+    with pytest.warns(CacheWarning, match="vmap"):
+        assert torch.equal(torch.func.vmap(model)(x), torch.func.vmap(plain)(x))
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) * 2
+
+
+def test_a_hook_added_to_the_module_of_a_cached_method_is_seen() -> None:
+    module = Embedder().eval().requires_grad_(False)
+    embed = torchcache()(module.embed)
+    before = embed(X)
+    handle = module.register_forward_hook(lambda m, args, out: out + 1)
+    assert torch.equal(embed(X), before + 2)
+    handle.remove()
+    assert torch.equal(embed(X), before)
+
+
+def test_a_torchscript_module_is_refused_naming_the_way_out() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script's own
+        scripted = torch.jit.script(_linear())
+    with pytest.raises(ConfigError, match="persistent_module_hash"):
+        torchcache()(scripted)
+
+    class Calling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = scripted
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    with pytest.raises(KeyingError, match="TorchScript"):
+        torchcache()(Calling())(X)
+    named = torchcache(persistent_module_hash="scripted-v1")(Calling())
+    assert torch.equal(named(X), scripted(X))
+    assert torch.equal(named(X), scripted(X))
+
+
+# -- tensors torch counts as contiguous whatever the stride of a dimension of size one ---------------------------
+class OddStrides(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.arange(4.0).view(1, 4).T)  # (4, 1), strides (1, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.offset.sum()).sum(1, keepdim=True).view(1, -1).T  # (B, 1), strides (1, B)
+
+
+def test_items_outputs_and_buffers_of_one_element_with_any_stride_are_keyed_and_stored(tmp_path: Path) -> None:
+    x = torch.arange(5.0).view(1, 5).T  # (5, 1), strides (1, 5)
+    options = {"persistent": True, "persistent_cache_dir": tmp_path, "max_memory_cache_size": 0}
+    model = torchcache(**options)(OddStrides())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)  # a write that fails would warn
+        want = OddStrides()(x)
+        assert torch.equal(model(x), want)
+        model.cache_instance.flush()
+        again = torchcache(**options)(OddStrides())
+        assert torch.equal(again(x), want)
+    assert again.cache_instance.stats().disk.hits == 5
