@@ -16,6 +16,7 @@ from tests.helpers import Counting, cached
 from tests.object_servers import s3_endpoint
 from tests.store_helpers import Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError, WindowSampler
+from torchcache import torchcache as torchcache_decorator
 from torchcache.errors import StoreUnavailableError
 from torchcache.faults import Fault
 from torchcache.stores.objects import ObjectStore
@@ -712,3 +713,104 @@ def test_the_decorators_local_copy_of_a_bucket_keeps_its_own_budget(bucket: str,
     (directory,) = {index.parent for index in (tmp_path / "copy").rglob("index.lmdb")}
     with PackedStore(directory, 1 << 40) as copy:
         assert 0 < copy.nbytes <= budget and len(copy) < 512
+
+
+# -- what a listing, a fault or another URL must not do ----------------------------------------------------------
+def test_a_manifest_claiming_a_huge_segment_counts_its_real_bytes_and_a_reader_removes_nothing(
+    bucket: str, s3fs_of: Any
+) -> None:
+    store = _store(bucket, max_bytes=50_000)
+    for batch in range(4):
+        store.put_many([(key(batch), value(batch, 1000))])
+    body = json.dumps({"format": "torchcache-objects", "version": 2, "bytes": (1 << 62) - 1, "entries": []})
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/09000000000000000000-0123456789abcdef.tcm", body.encode())
+    reader = _store(bucket, max_bytes=50_000)
+    assert bytes(reader.get(key(0)) or b"") == value(0, 1000)
+    assert reader.disk_bytes == 4_000  # what the bucket holds, not what the manifest claims
+    reader.close()
+    assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 4
+
+
+def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.stores.objects.bucket import Bucket
+
+    store = _store(bucket)
+    for batch in range(2):
+        store.put_many([(key(batch * 4 + i), value(batch * 4 + i)) for i in range(4)])
+    ranges = Bucket.ranges
+
+    def throttled(self: Bucket, names: Any, starts: Any, ends: Any) -> list[object]:
+        blobs = ranges(self, names, starts, ends)
+        return [OSError("503 SlowDown"), *blobs[1:]]  # one range out of retries, as s3fs returns it
+
+    monkeypatch.setattr(Bucket, "ranges", throttled)
+    report = _store(bucket, reports=Reports()).verify(fix=True)
+    assert report.bad == [] and not report.fixed and any("could not be read" in p for p in report.problems)
+    monkeypatch.setattr(Bucket, "ranges", ranges)
+    reader = _store(bucket)
+    assert all(reader.get_many([key(i) for i in range(8)]))
+
+
+def test_caches_of_one_name_at_two_urls_keep_separate_local_copies(bucket: str, tmp_path: Path) -> None:
+    def model(prefix: str, scale: float) -> Any:
+        @torchcache_decorator(
+            persistent=True, persistent_cache_dir=f"{bucket}/{prefix}", local_cache_dir=str(tmp_path),
+            persistent_module_hash="encoder", max_memory_cache_size=0,
+        )  # fmt: skip
+        class Scaled(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * scale
+
+        return Scaled()
+
+    x = torch.arange(4.0).reshape(4, 1)
+    first = model("project-a", 1.0)
+    assert torch.equal(first(x), x)
+    first.cache_instance.flush()
+    second = model("project-b", 100.0)
+    assert torch.equal(second(x), x * 100)
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_a_prune_whose_removal_fails_keeps_counting_those_segments_and_removes_them_later(
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.stores.objects.bucket import Bucket
+
+    reports = Reports()
+    store = _store(bucket, max_bytes=6_000, reports=reports)
+    for batch in range(6):
+        store.put_many([(key(batch), value(batch, 1000))])
+    remove, failed = Bucket.remove, []
+
+    def refusing(self: Bucket, names: Any) -> None:
+        if not failed:
+            failed.append(names)
+            raise StoreUnavailableError("cannot remove objects: 503 SlowDown")
+        remove(self, names)
+
+    monkeypatch.setattr(Bucket, "remove", refusing)
+    assert store.put_many([(key(6), value(6, 1000))]) == 1  # visible: the failed prune is one report, not an error
+    assert failed and Fault.BUDGET in reports.kinds()
+    assert store.disk_bytes == 7_000  # still counted
+    store.put_many([(key(7), value(7, 1000))])
+    segments = [name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs")]
+    assert sum(s3fs_of.size(f"{store.bucket.prefix}/{name}") for name in segments) <= 6_000
+
+
+@pytest.mark.parametrize("call", ["extract_features", "open"])
+def test_a_features_cache_in_a_bucket_is_refused_naming_the_argument(bucket: str, call: str) -> None:
+    from torchcache import FeatureDataset, extract_features
+
+    with pytest.raises(ConfigError, match="must be a local directory"):
+        if call == "open":
+            FeatureDataset.open(f"{bucket}/features")
+        else:
+            extract_features(torch.nn.Identity(), [(torch.zeros(2), 0)], cache_dir=f"{bucket}/features")
+
+
+def test_a_bucket_url_with_a_query_is_refused(bucket: str) -> None:
+    with pytest.raises(ConfigError, match="without a query"):
+        CachedDataset(Images(), f"{bucket}/cache?versionId=1")

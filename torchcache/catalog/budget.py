@@ -30,6 +30,7 @@ from ..meta import is_disk_wide
 from ..policy import format_size, parse_size
 from ..stores.files import open_regular
 from ..stores.packed.format import parse_segment_name
+from ..stores.remote import local_copy_dir
 from .inspect import (
     CacheUsage,
     read_usage,
@@ -361,7 +362,7 @@ def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path
 
     Args:
         location: The cache root, or a Redis URL (then ``local`` is the root, if any).
-        key: The module key (the directory under the root).
+        key: The module key (the directory under the root; with a URL, its local copy's).
         warn: Called with a kind and a message to warn about (a cache's
             :meth:`~torchcache.faults.FaultLog.warn`).
         local: With a Redis URL, the root of the local copies of its entries.
@@ -373,7 +374,7 @@ def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path
     root = local if isinstance(location, str) else location
     if root is None:
         return None
-    claim = claim_directory(root / key)
+    claim = claim_directory(local_copy_dir(root, key, location) if isinstance(location, str) else root / key)
     keep_root_budget(root, warn)
     return claim
 

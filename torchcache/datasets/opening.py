@@ -101,14 +101,16 @@ def resolve_places(
         places.url = check_url(str(cache_dir), "cache_dir") if places.max_disk_size else None
         local = resolve_local_dir(check_local_dir(local_cache_dir), default=is_object_url(cache_dir))
         if local is not None and places.url is not None:
-            places.local_directory = local / dirname
+            from ..stores.remote import local_copy_dir
+
+            places.local_directory = local_copy_dir(local, dirname, places.url)
     elif local_cache_dir is not None:
         raise ConfigError(
             "local_cache_dir keeps a local copy of a disk tier on a Redis server, but cache_dir is "
             f"{'not given' if cache_dir is None else 'a directory'}; leave local_cache_dir out"
         )
     elif places.max_disk_size:
-        root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+        root = resolve_root(check_local_dir(cache_dir, "cache_dir"))
         places.directory = root / dirname
     if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
         try:

@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from ..faults import Report
 from .batched import BatchedStore
 from .objects import OBJECT_SCHEMES, ObjectStore
 
-__all__ = ["open_remote_store"]
+__all__ = ["local_copy_dir", "open_remote_store"]
+
+
+def local_copy_dir(local: Path, name: str, url: str) -> Path:
+    """Where the local copy of cache ``name`` at ``url`` lives under ``local``: one folder per cache and URL.
+
+    Caches of one name at two URLs (two buckets or prefixes, two servers) never share a
+    copy: each would serve the other's entries.
+
+    Example:
+        >>> local_copy_dir(Path("/copies"), "a" * 32, "s3://b/x").name != local_copy_dir(Path("/c"), "a" * 32, "s3://b/y").name
+        True
+    """
+    scheme, sep, rest = url.partition("://")
+    where = scheme.lower() + sep + rest.rstrip("/")  # s3://b/x/ is s3://b/x
+    return local / f"{name}-{xxhash.xxh3_64_hexdigest(where.encode())[:12]}"
 
 
 def open_remote_store(

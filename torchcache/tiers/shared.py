@@ -129,22 +129,23 @@ def open_remote_tier(
 ) -> PersistentTier:
     """The persistent tier of a module on a Redis server or cluster, or in a bucket (nothing is sent yet).
 
-    With ``local``, a packed store at ``local / namespace`` keeps a copy of the entries
-    read and written (:class:`~torchcache.tiers.layered.LayeredStore`); if it cannot be
+    With ``local``, a packed store in a folder of ``local`` for this cache and URL
+    (:func:`~torchcache.stores.remote.local_copy_dir`) keeps a copy of the entries read
+    and written (:class:`~torchcache.tiers.layered.LayeredStore`); if it cannot be
     opened, ``report`` is told and the server is used alone.
 
     Raises:
         ConfigError: If the URL is invalid or the redis package is missing.
     """
     from ..stores.redis.url import redact_url
-    from ..stores.remote import open_remote_store
+    from ..stores.remote import local_copy_dir, open_remote_store
     from .layered import LayeredStore
 
     where = f"{redact_url(url)} (namespace {namespace})"
     store: BatchedStore = open_remote_store(url, namespace, max_bytes, report, storage_options=storage_options)
     touch = None
     if local is not None:
-        directory = local / namespace
+        directory = local_copy_dir(local, namespace, url)
         try:
             budget = max_bytes if local_bytes is None else local_bytes
             near = open_local_store(directory, budget, {**(meta or {}), "copy_of": redact_url(url)}, report)

@@ -37,6 +37,8 @@ class Bucket:
         self.url = url
         self.requests = 0
         self.received = 0
+        #: Each object's size in bytes, as the last listing gave it.
+        self.sizes: dict[str, int] = {}
         self._report = report
         self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
         self._last_stamp = 0
@@ -77,16 +79,18 @@ class Bucket:
         return f"{self.prefix}/{name}"
 
     def names(self) -> set[str]:
-        """The names of the objects there now (a fresh listing)."""
+        """The names of the objects there now (a fresh listing; their sizes go to :attr:`sizes`)."""
 
-        def ls() -> list[str]:
+        def ls() -> list[dict[str, Any]]:
             try:
                 self.fs.invalidate_cache(self.prefix)
-                return list(self.fs.ls(self.prefix, detail=False))
+                return list(self.fs.ls(self.prefix, detail=True))
             except FileNotFoundError:
                 return []
 
-        return {path.rsplit("/", 1)[-1] for path in self.call(ls, "list")}
+        listed = self.call(ls, "list")
+        self.sizes = {str(item["name"]).rsplit("/", 1)[-1]: int(item.get("size") or 0) for item in listed}
+        return set(self.sizes)
 
     def cat(self, names: Sequence[str]) -> dict[str, object]:
         """Each object's bytes, or the exception its read raised (``FileNotFoundError``: gone)."""

@@ -235,6 +235,11 @@ class Index:
             self._columns = _Columns(*(column[keep] for column in columns))
             self._by_segment = None
 
+    def sized(self, sizes: dict[str, int]) -> None:
+        """Count each segment at the size a listing gave its object (0: not listed), not what its manifest claims."""
+        for segment in self.segments:
+            self.segments[segment] = sizes.get(segment, 0)
+
     def drop_gone(self, listed: set[str]) -> None:
         """Forget the segments whose manifest a listing no longer shows (pruned by another writer)."""
         self.seen &= listed

@@ -102,8 +102,9 @@ class ObjectStore(BatchedStore):
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
-        #: Entries were left out of the index for faults of this process's reads: it uploads no checkpoint.
-        self._partial = False
+        self._partial = False  # entries left out for faults of this process's reads: it uploads no checkpoint
+        self._wrote = False  # it uploaded entries: it keeps the budget (and sweeps) when it closes
+        self._damaged: list[str] | None = None  # keys whose bytes fail their digest, while verify() collects them
 
     def __repr__(self) -> str:
         namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known)
@@ -123,6 +124,7 @@ class ObjectStore(BatchedStore):
                     if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
                         self._apply(name, body)
             self._known.drop_gone(names)
+            self._known.sized(self.bucket.sizes)  # a manifest may claim any size: the budget counts real bytes
             self._listed_at = time.monotonic()
             return names
 
@@ -220,13 +222,17 @@ class ObjectStore(BatchedStore):
             self._index(stale=True)  # other writers' segments count against the budget
         name, (segment, body) = self.bucket.new_name(), pack(todo)
         self.bucket.upload(name, segment, body, len(todo))
+        self._wrote = True
         with self._lock:
             self._apply(name + MANIFEST, body)
         if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
             self.bucket.describe(self._meta)
             self._meta = None
         if self.disk_bytes > self.max_bytes:
-            self.prune(self.max_bytes)  # and the uploads killed writers left an hour ago or more
+            try:
+                self.prune(self.max_bytes)  # and the uploads killed writers left an hour ago or more
+            except StoreError as exc:  # the entries are visible: the budget is kept at the next write
+                self._report(Fault.BUDGET, f"cannot keep the budget of {self.bucket.prefix} ({exc}); tried again later")
         with self._lock:
             checkpoint = self._known.checkpoint() if self._known.checkpoint_due() and not self._partial else None
         with contextlib.suppress(StoreError):  # the entries are visible without it
@@ -272,9 +278,10 @@ class ObjectStore(BatchedStore):
             names = self.refresh()
             oldest = self._known.oldest_over(max_bytes)
             left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
-            self._known.forget(set(oldest))
         self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])  # first: no entry without its segment
         self.bucket.remove(oldest + left)
+        with self._lock:  # once removed: a failed removal leaves them counted, and removed at the next prune
+            self._known.forget(set(oldest))
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
@@ -291,26 +298,39 @@ class ObjectStore(BatchedStore):
         """Nothing to do: every write is visible when ``put_many`` returns."""
 
     def close(self) -> None:
-        """Keep the budget over a fresh listing (DataLoader workers and other writers wrote too); forget the index."""
+        """Keep the budget over a fresh listing (workers wrote too; a reader: only if over it); forget the index."""
         with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
-            self.prune(self.max_bytes)
+            if self._wrote or (self.refresh() is not None and self.disk_bytes > self.max_bytes):
+                self.prune(self.max_bytes)
         with self._lock:
             self._known.clear()
             self._listed_at = float("-inf")
 
     def verify(self, fix: bool = False) -> VerifyReport:
-        """Read every entry and check it; with ``fix``, hide the bad ones behind a tombstone.
+        """Read and check every entry; ``fix`` hides those failing their digest (not those unread) behind a tombstone.
 
         Raises:
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
-        self.refresh()
-        keys = self._known.keys()
-        bad = [key for key, data in zip(keys, self.get_many(keys)) if data is None]
-        problems = [f"{len(bad)} entries fail their checksum or cannot be read"] if bad else []
-        if fix and bad:
-            self.delete_many(bad)
-        return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
+        return _verify(self, fix)
+
+
+def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
+    store.refresh()
+    keys = store._known.keys()
+    store._damaged = []
+    try:
+        read = store.get_many(keys)
+        bad = sorted(set(store._damaged))  # their bytes fail the digest: only those are hidden by a fix
+    finally:
+        store._damaged = None
+    unread = sum(1 for data in read if data is None) - len(bad)
+    problems = [f"{len(bad)} entries fail their checksum"] if bad else []
+    if unread > 0:  # nothing is known of them, and a fix leaves them
+        problems.append(f"{unread} entries could not be read (the bucket refused or was away); verify again")
+    if fix and bad:
+        store.delete_many(bad)
+    return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
 
 
 def _fetch(
@@ -335,6 +355,8 @@ def _fetch(
     if taken.unreadable:
         store.bucket.read_failed(StoreUnavailableError(f"cannot read {store.bucket.path(taken.unreadable)}"))
     if taken.damaged:
+        if store._damaged is not None:
+            store._damaged.extend(taken.damaged)
         n = len(taken.damaged)
         store._report(Fault.CORRUPT, f"{n} entries in {store.bucket.prefix} fail their checksum: not used")
     with store._lock:
