@@ -859,3 +859,33 @@ def test_set_logger_config(tmp_path, monkeypatch, torchcache_logger):
 
     assert root.handlers == root_handlers
     assert root.level == root_level
+
+
+def test_0_6_flags_and_sizes_given_as_ints_or_numpy_numbers_are_taken():
+    import numpy as np
+
+    model = torchcache(persistent=0, enabled=1, max_memory_cache_size=np.int64(1_000_000))(
+        nn.Linear(2, 2).requires_grad_(False)
+    )
+    x = torch.randn(3, 2)
+    assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 3
+    with pytest.raises(ConfigError, match="persistent must be True or False"):
+        torchcache(persistent=2)
+
+
+def test_a_class_decorated_again_with_other_settings_is_refused(tmp_path):
+    class Base(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    first = torchcache(persistent=True, persistent_cache_dir=tmp_path / "one")(Base)
+    assert torchcache(persistent=True, persistent_cache_dir=tmp_path / "one")(Base) is first
+    with pytest.raises(ConfigError, match="already decorated"):
+        torchcache(persistent=True, persistent_cache_dir=tmp_path / "two")(Base)
+
+    class Other(Base):
+        pass
+
+    second = torchcache(persistent=True, persistent_cache_dir=tmp_path / "two")(Other)
+    assert second().cache_instance.settings.persistent_cache_dir == tmp_path / "two"
+    assert first().cache_instance.settings.persistent_cache_dir == tmp_path / "one"

@@ -798,3 +798,44 @@ def test_each_tier_stores_in_segments_of_a_sixteenth_of_its_budget(tmp_path: Pat
     assert sizes == {"memory": 64 * 10**6 // 16, "disk": 2 * 10**9 // 16}
     assert segment_bytes(10**12) == 1 << 28  # the largest a segment gets
     cache.close()
+
+
+def test_bad_arguments_of_a_dataset_cache_are_refused_naming_them(tmp_path: Path) -> None:
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+        def __len__(self) -> int:
+            return 3
+
+    with pytest.raises(TypeError, match="map-style"):
+        CachedDataset(Stream(), tmp_path)
+    with pytest.raises(TypeError, match="transform must be a callable"):
+        CachedDataset(Numbers(4, tmp_path / "log"), tmp_path, transform=5)  # type: ignore[arg-type]
+    for bad in ("", 123):
+        with pytest.raises(ConfigError, match="cache_dir"):
+            CachedDataset(Numbers(4, tmp_path / "log"), bad)  # type: ignore[arg-type]
+    cache = CachedDataset(Numbers(4, tmp_path / "log"), tmp_path, max_memory_size=0)
+    with pytest.raises(TypeError, match="num_workers must be an int"):
+        cache.warmup(num_workers="2")  # type: ignore[arg-type]
+    cache.close()
+
+
+class OneElementViews(Dataset[Any]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.arange(8.0).view(4, 2)
+        return table[i : i + 1, 0], torch.arange(4.0)[::2][:1] + i  # one element, strides 2
+
+
+def test_samples_of_one_element_with_any_stride_are_cached(tmp_path: Path) -> None:
+    cache = CachedDataset(OneElementViews(), tmp_path, max_memory_size=0)
+    for _ in range(2):
+        for i in range(4):
+            a, b = cache[i]
+            want_a, want_b = OneElementViews()[i]
+            assert torch.equal(a, want_a) and torch.equal(b, want_b)
+    assert cache.stats().hits == 4
+    cache.close()

@@ -857,3 +857,32 @@ def test_a_features_layout_is_written_in_the_language_of_every_cached_value() ->
         "input": 0,
         "stride": 32,
     }
+
+
+class Targets(Dataset[Any]):
+    """Samples whose target is NaN (a missing regression target) or a one-element view with any stride."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.images = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        if self.kind == "nan":
+            return self.images[i], float("nan") if i % 2 else float(i)
+        return self.images[i], torch.arange(24.0).view(12, 2)[i : i + 1, 0]  # stride 2, one element
+
+
+@pytest.mark.parametrize("kind", ["nan", "strided"])
+def test_nan_targets_and_strided_one_element_targets_are_kept(cache_root: Path, kind: str) -> None:
+    dataset = Targets(kind)
+    features = extract(torch.nn.Identity(), dataset)
+    for i in (0, 1, 5):
+        _, target = features[i]
+        want = dataset[i][1]
+        if kind == "nan":
+            assert (target != target and want != want) or target == want
+        else:
+            assert torch.equal(target, want)

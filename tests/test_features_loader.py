@@ -120,3 +120,29 @@ def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
         features.batch([10])
     with pytest.raises(TypeError, match="must be integers"):
         features.batch([True])
+
+
+def test_a_seeded_loader_leaves_the_global_rng_as_it_was(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=20))
+    state = torch.get_rng_state()
+    assert sum(len(x) for x, _ in features.loader(8, shuffle=True, generator=torch.Generator().manual_seed(1))) == 20
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("index", [2.7, "3", np.float64(4.9), torch.tensor(4.6), None])
+def test_an_index_that_is_not_an_integer_is_refused_not_cut(cache_root: Path, index: Any) -> None:
+    features = extract(Net(), Images(n=10))
+    with pytest.raises(TypeError, match="must be integers"):
+        features[index]
+    with pytest.raises(TypeError, match="must be integers"):
+        features.batch([1, index])
+    assert torch.equal(features[np.int64(3)][0], features[torch.tensor(3)][0])
+
+
+def test_an_index_out_of_range_is_named_as_given_and_an_empty_batch_is_empty(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=10))
+    with pytest.raises(IndexError, match="index -11 is out of range"):
+        features[-11]
+    assert features.__getitems__([]) == []
+    with pytest.raises(ValueError, match="at least one index"):
+        features.batch([])

@@ -282,3 +282,23 @@ def test_set_logger_config_with_a_file_logs_to_the_stream_too(logger: logging.Lo
     assert len([line for line in path.read_text().splitlines() if "both-key" in line]) == 1
     set_logger_config(level="WARNING", stream=io.StringIO())  # replaces both handlers
     assert not any(isinstance(h, logging.FileHandler) for h in logger.handlers)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TORCHCACHE_LOG_FMT", "%(message"), ("TORCHCACHE_LOG_FMT", "%(bogus)s"), ("TORCHCACHE_LOG_FILE", "/proc/no/log")],
+)
+def test_an_unusable_variable_warns_naming_it_and_logging_goes_on(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    stream = io.StringIO()
+    with pytest.warns(RuntimeWarning, match=name):
+        set_logger_config(stream=stream)
+    logger.warning("still logged")
+    assert "still logged" in stream.getvalue()
+
+
+def test_an_unusable_format_passed_as_an_argument_raises(logger: logging.Logger) -> None:
+    with pytest.raises(ValueError):
+        set_logger_config(fmt="%(message")

@@ -89,10 +89,14 @@ def set_logger_config(
     """
     env = _read_env()
     level = level if level is not None else env.get("TORCHCACHE_LOG_LEVEL")
-    formatter = logging.Formatter(
-        fmt or env.get("TORCHCACHE_LOG_FMT") or DEFAULT_FMT,
-        datefmt or env.get("TORCHCACHE_LOG_DATEFMT") or DEFAULT_DATEFMT,
-    )
+    formatter = logging.Formatter(fmt or DEFAULT_FMT, datefmt or env.get("TORCHCACHE_LOG_DATEFMT") or DEFAULT_DATEFMT)
+    if fmt is None and "TORCHCACHE_LOG_FMT" in env:
+        try:  # a bad variable warns, where a bad argument raises
+            formatter = logging.Formatter(env["TORCHCACHE_LOG_FMT"], formatter.datefmt, validate=True)
+            formatter.format(logging.LogRecord("torchcache", logging.INFO, "", 0, "a message", None, None))
+        except (ValueError, TypeError, KeyError) as exc:
+            _bad_variable("TORCHCACHE_LOG_FMT", exc)
+            formatter = logging.Formatter(DEFAULT_FMT, formatter.datefmt)
     filename = filename if filename is not None else env.get("TORCHCACHE_LOG_FILE")
     for handler in list(logger.handlers):
         if getattr(handler, _OWN_HANDLER_ATTR, False) or isinstance(handler, logging.NullHandler):
@@ -100,7 +104,12 @@ def set_logger_config(
             handler.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(stream if stream is not None else sys.stderr)]
     if filename is not None:
-        handlers.append(logging.FileHandler(os.fspath(filename), encoding="utf-8"))
+        try:
+            handlers.append(logging.FileHandler(os.fspath(filename), encoding="utf-8"))
+        except OSError as exc:
+            if "TORCHCACHE_LOG_FILE" not in env or filename != env["TORCHCACHE_LOG_FILE"]:
+                raise
+            _bad_variable("TORCHCACHE_LOG_FILE", exc)
     for handler in handlers:
         handler.setFormatter(formatter)
         setattr(handler, _OWN_HANDLER_ATTR, True)
@@ -108,6 +117,14 @@ def set_logger_config(
     logger.setLevel(_parse_level(level))
     logger.propagate = False
     return logger
+
+
+def _bad_variable(name: str, exc: Exception) -> None:
+    warnings.warn(
+        f"torchcache: {name}={os.environ.get(name)!r} cannot be used ({type(exc).__name__}: {exc}); it is ignored",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _read_env() -> dict[str, str]:

@@ -140,6 +140,8 @@ class Settings:
 
 
 def _bool(name: str, value: object) -> bool:
+    if type(value) is int and value in (0, 1):  # 0.6 took persistent=1
+        return bool(value)
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
@@ -252,8 +254,8 @@ def check_url(value: str, name: str = "persistent_cache_dir") -> str:
     if not is_object_url(value):
         return check_redis_url(value)
     scheme, _, path = value.partition("://")
-    if not path.strip("/") or path.startswith("/"):
-        raise ConfigError(f"{name} must be {scheme}://bucket/prefix, got {value!r}")
+    if not path.strip("/") or path.startswith("/") or "?" in path:  # s3fs reads ?versionId=: one object
+        raise ConfigError(f"{name} must be {scheme}://bucket/prefix without a query, got {value!r}")
     package = _OBJECT_PACKAGES.get(scheme.lower())
     for module in ("fsspec", package):
         if module is not None and importlib.util.find_spec(module) is None:
@@ -281,15 +283,15 @@ def _cache_dir(value: object, name: str = "persistent_cache_dir") -> Path | str 
     return Path(text).expanduser()
 
 
-def check_local_dir(value: object) -> Path | None:
-    """``local_cache_dir`` as a path (``None`` stays ``None``).
+def check_local_dir(value: object, name: str = "local_cache_dir") -> Path | None:
+    """``value`` (the option ``name``) as a local path (``None`` stays ``None``).
 
     Raises:
-        ConfigError: Naming ``local_cache_dir``, if it is a Redis URL or not a usable path.
+        ConfigError: Naming ``name``, if it is a URL or not a usable path.
     """
     if is_url(value):
-        raise ConfigError(f"local_cache_dir must be a local directory, got the Redis URL {redact_url(value)}")  # type: ignore[arg-type]
-    return _cache_dir(value, "local_cache_dir")  # type: ignore[return-value]
+        raise ConfigError(f"{name} must be a local directory here, got the URL {redact_url(value)}")  # type: ignore[arg-type]
+    return _cache_dir(value, name)  # type: ignore[return-value]
 
 
 def check_storage_options(value: object) -> dict[str, Any] | None:

@@ -15,6 +15,8 @@ from collections.abc import Hashable, Iterator
 from decimal import Decimal, DecimalException
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from .errors import ConfigError
 
 __all__ = ["MAX_SIZE", "LruPolicy", "MruPolicy", "format_size", "parse_size"]
@@ -61,8 +63,10 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
         >>> parse_size("2GB"), parse_size("500MiB"), parse_size(1e9)
         (2000000000, 524288000, 1000000000)
     """
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise ConfigError(f"{name} must be a byte count such as 1e9 or '2GB', got {value!r}")
+    if isinstance(value, (np.integer, np.floating)):  # a size computed with numpy
+        value = value.item()
     if isinstance(value, int):
         number = Decimal(value)
         unit = 1

@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ..config import is_object_url, module_dir_name, resolve_root
+from ..config import check_local_dir, is_object_url, module_dir_name, resolve_root
 from ..errors import ConfigError, StoreError, TorchCacheError
 from ..meta import read_meta
 from ..stats import CacheStats
@@ -157,6 +157,8 @@ class CachedDataset(Dataset[Any]):
         max_local_size: int | float | str | None = None,
     ) -> None:
         self.dataset = dataset
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be a callable or None, got {transform!r}")
         self.transform = transform
         if dataset is None:
             if version is not None:
@@ -165,7 +167,7 @@ class CachedDataset(Dataset[Any]):
                 name, meta = _find_bucket_cache(str(cache_dir), storage_options)
                 where: str | Path = str(cache_dir)
             else:
-                root = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+                root = resolve_root(check_local_dir(cache_dir, "cache_dir"))
                 directory = _find_cache(root)
                 name, meta, where = directory.name, read_meta(directory) or {}, directory.parent
             length = meta.get("length")
@@ -184,6 +186,8 @@ class CachedDataset(Dataset[Any]):
                 max_local_size=max_local_size,
             )
         else:
+            if isinstance(dataset, IterableDataset):
+                raise TypeError(f"CachedDataset needs a map-style dataset (indexed by position), got {dataset!r}")
             try:
                 length = len(dataset)
             except TypeError:
@@ -266,6 +270,9 @@ class CachedDataset(Dataset[Any]):
         Returns:
             The cache statistics afterwards.
         """
+        for name, value, least in (("num_workers", num_workers, 0), ("batch_size", batch_size, 1)):
+            if value is not None and (type(value) is not int or value < least):
+                raise TypeError(f"warmup(): {name} must be an int >= {least}, got {value!r}")
         tier = "disk" if self.cache.directory is not None else "memory"
         todo = [int(i) for i in self.cache.missing(range(self.length), tier)]
         if todo and self.dataset is not None:

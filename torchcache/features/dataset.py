@@ -12,6 +12,7 @@ of the file's bytes, never views of the map.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..catalog.budget import CacheClaim, claim_directory
-from ..config import resolve_root
+from ..config import check_local_dir, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
@@ -41,7 +42,7 @@ def find_features(location: str | os.PathLike[str] | None) -> Path:
     Raises:
         ConfigError: If there is none there, or several.
     """
-    path = resolve_root(None if location is None else Path(os.fspath(location)).expanduser())
+    path = resolve_root(check_local_dir(location, "path"))
     if path.is_file():
         return path
     if not path.is_dir():
@@ -108,7 +109,7 @@ class FeatureDataset(Dataset[Any]):
             ConfigError: If there is no features cache at ``path``, or several, or it is
                 not a valid features file (the message says why).
         """
-        directory = resolve_root(None if path is None else Path(os.fspath(path)).expanduser())
+        directory = resolve_root(check_local_dir(path, "path"))  # features in a bucket: not yet
         if directory.is_dir() and is_variable_cache(directory):
             return cls(WholeSamples.open(directory))
         found = find_features(directory)
@@ -185,6 +186,8 @@ class FeatureDataset(Dataset[Any]):
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
         wanted = self._indices(indices)
+        if not len(wanted):
+            return []
         if isinstance(self.file, WholeSamples):
             return self.file.read(wanted.tolist(), self._compute_whole)
         assert self.layout is not None
@@ -202,9 +205,12 @@ class FeatureDataset(Dataset[Any]):
             TypeError: If an index is not an integer.
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
+        wanted = self._indices(indices)
+        if not len(wanted):
+            raise ValueError("FeatureDataset.batch() needs at least one index, got none")
         if self.layout is None:
             return default_collate(self.__getitems__(indices))  # type: ignore[no-untyped-call]
-        return self.layout.collate(self._rows(self._indices(indices)))
+        return self.layout.collate(self._rows(wanted))
 
     def loader(self, batch_size: int, **options: Any) -> DataLoader[Any]:
         """A ``DataLoader`` of whole batches, each read with one gather and decoded once (:meth:`batch`).
@@ -232,19 +238,7 @@ class FeatureDataset(Dataset[Any]):
         return make_loader(self, batch_size, **options)
 
     def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """``indices`` as an array, negative ones counted from the end, checked."""
-        if bool in map(type, indices):  # (bool cannot be subclassed: its type is the test)
-            raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
-        try:
-            wanted = np.fromiter(indices, np.int64, len(indices))
-        except (TypeError, ValueError, OverflowError):
-            raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}") from None
-        if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.length):
-            wanted = np.where(wanted < 0, wanted + self.length, wanted)
-            outside = wanted[(wanted < 0) | (wanted >= self.length)]
-            if len(outside):
-                raise IndexError(f"index {int(outside[0])} is out of range for {self.length} samples")
-        return wanted
+        return _checked_indices(indices, self.length)
 
     def _rows(self, wanted: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, Any]:
         """The checked rows of ``wanted`` (in range), those missing or damaged computed again."""
@@ -304,3 +298,31 @@ class FeatureDataset(Dataset[Any]):
         self.file.close()
         if self._claim is not None:
             self._claim.release()
+
+
+def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``indices`` as an array, negative ones counted from the end, checked against ``length``.
+
+    Raises:
+        TypeError: If an index is not an integer (``2.7``, ``"3"``, a float tensor, a bool).
+        IndexError: If one is out of range, naming it as given.
+    """
+    kinds = set(map(type, indices))
+    if bool in kinds:  # (bool cannot be subclassed: its type is the test)
+        raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
+    try:
+        if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array
+            given = indices.astype(np.int64).reshape(-1)
+        elif kinds <= {int}:  # a batch sampler's list
+            given = np.fromiter(indices, np.int64, len(indices))
+        else:  # operator.index: 2.7, "3" and a float tensor are refused, not cut to an int
+            given = np.array([operator.index(i) for i in indices], np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}") from None
+    wanted = given
+    if len(given) and (given.min() < 0 or given.max() >= length):
+        wanted = np.where(given < 0, given + length, given)
+        outside = (wanted < 0) | (wanted >= length)
+        if outside.any():
+            raise IndexError(f"index {int(given[outside][0])} is out of range for {length} samples")
+    return wanted

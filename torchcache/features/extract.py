@@ -36,8 +36,9 @@ from torch.utils.data import DataLoader
 from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
-from ..config import resolve_root
+from ..config import check_local_dir, resolve_root
 from ..datasets.keys import fingerprint_dataset
+from ..dtypes import standard_strides
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
 from ..keys import numerics, tag
@@ -175,7 +176,7 @@ def _extract_features(
     dataset_key = fingerprint_dataset(dataset, version)
     h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))
-    directory = resolve_root(None if cache_dir is None else Path(os.fspath(cache_dir)).expanduser())
+    directory = resolve_root(check_local_dir(cache_dir, "cache_dir"))  # features in a bucket: not yet
     directory /= f"features-{h.hexdigest()}"
     header = {
         "format": 1,
@@ -280,13 +281,13 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     try:
-        return bool(a == b) and type(a) is type(b)
+        return type(a) is type(b) and (bool(a == b) or bool(a != a and b != b))  # a NaN target is as it was
     except (TypeError, ValueError, RuntimeError):
         return False
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return standard_strides(tensor.detach().cpu().contiguous().reshape(-1)).view(torch.uint8)
 
 
 def _check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:

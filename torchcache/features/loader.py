@@ -76,6 +76,11 @@ def make_loader(
         raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")
     order = RandomSampler(features, generator=generator) if shuffle else SequentialSampler(features)
     batches = BatchSampler(order, batch_size, drop_last)
-    return DataLoader(
-        Batches(features, collate_fn), batch_size=None, sampler=batches, collate_fn=_as_fetched, **loader_options
+    return DataLoader(  # the generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn
+        Batches(features, collate_fn),
+        batch_size=None,
+        sampler=batches,
+        collate_fn=_as_fetched,
+        generator=generator,
+        **loader_options,
     )
