@@ -59,13 +59,15 @@ class ReferenceStore(BatchedStore):
             encode_key(k)
         with self._lock:
             stored = []
+            held = sum(map(len, self._data.values()))  # once per batch: counting at every eviction is quadratic
             for k, data in items:
-                self._data.pop(k, None)
+                held -= len(self._data.pop(k, b""))
                 if len(data) > self.max_bytes:
                     continue
-                while sum(map(len, self._data.values())) + len(data) > self.max_bytes:
-                    self._data.pop(next(reversed(self._data)))
+                while held + len(data) > self.max_bytes:
+                    held -= len(self._data.pop(next(reversed(self._data))))
                 self._data[k] = bytes(data)
+                held += len(data)
                 stored.append(k)
             return sum(1 for k in set(stored) if k in self._data)
 
