@@ -254,6 +254,15 @@ def render_compare(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
         "W5 counts every file of the packed store for 512 items, its LMDB index and lock file included "
         "(a part mostly fixed, about 200 bytes per item at this size), against targets set for one file per item."
     )
+    w2, w2_old, w2_floor = med("new", "W2/hit"), med("old", "W2/hit"), med("ref", "W6/W2")
+    if w2 and w2_old and w2_floor:
+        note += (
+            f" W2 hits take {w2 / w2_old:.1f}x 0.6.0's time ({fmt(w2)} against {fmt(w2_old)} ms), and the reason is "
+            f"the key: every byte of the 64 inputs of (197,768) float32 (39 MB a batch) is hashed with xxh3, which "
+            f"alone with the dict lookup and the gather is the W6 floor, {fmt(w2_floor)} ms ({w2 / w2_floor:.2f}x "
+            "of it here). 0.6.0 keys an item by a weighted sum of a subsample of its elements: it reads a fraction "
+            "of the bytes, and can return another input's output."
+        )
     return [*lines, *table(target_rows(checks)), "", note, ""]
 
 
