@@ -278,3 +278,100 @@ def test_items_outputs_and_buffers_of_one_element_with_any_stride_are_keyed_and_
         again = torchcache(**options)(OddStrides())
         assert torch.equal(again(x), want)
     assert again.cache_instance.stats().disk.hits == 5
+
+
+class Memo(nn.Module):
+    """A table filled on first use, as rotary embeddings do: a memo, not state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(8), persistent=False)
+        self.register_buffer("filled", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if int(self.filled) < n:
+            self.table[:n] = torch.arange(n, dtype=torch.float32).sin()
+            self.filled.fill_(n)
+        return x * self.table[:n]
+
+
+def test_a_table_a_forward_fills_on_first_use_is_a_memo_and_cached() -> None:
+    model, plain = torchcache()(Memo().eval()), Memo().eval()
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        assert torch.equal(model(x), plain(x))
+    assert model.cache_instance.stats().hits >= 3
+
+
+class Toggle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags = [torch.ones(1)]  # state in a list: what a HeldValues watch sees
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flags[0].mul_(-1)
+        return x * self.flags[0]
+
+
+def test_a_forward_that_writes_a_tensor_held_in_a_list_is_refused() -> None:
+    model = torchcache(check_items=False)(Toggle().eval())
+    with pytest.raises(KeyingError, match="holds in a list"):
+        model(X)
+
+
+def test_a_frozen_model_with_classic_weight_norm_is_cached() -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's notice that weight_norm has a newer form
+            return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 4))).eval().requires_grad_(False)
+
+    with torch.no_grad():
+        want = build()(X)
+    fresh = build()
+    assert fresh[0].weight.requires_grad  # computed when weight_norm was applied, before any forward
+    model = torchcache()(fresh)
+    with torch.no_grad():
+        assert torch.equal(model(X), want) and torch.equal(model(X), want)
+    assert model.cache_instance.stats().hits == 3
+
+
+class Masked(nn.Module):
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask.sum()
+
+
+def test_a_misspelled_shared_arg_of_a_wrapped_forward_is_refused() -> None:
+    with pytest.raises(ConfigError, match="msk"):
+        torchcache(shared_args=("msk",))(Masked())
+
+
+class Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.linear(x)
+
+
+def test_a_training_forward_that_writes_state_in_a_partial_batch_writes_it_once() -> None:
+    model = torchcache(check_items=False)(Counted().requires_grad_(False))
+    model.eval()
+    model.calls.zero_()
+    seen = X[:2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        with pytest.raises(KeyingError, match="calls"):
+            model(seen)  # outside training mode: refused
+    model.train()
+    model.calls.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        model(seen)
+        model(torch.cat([seen, X[2:]]))
+    assert int(model.calls) == 2  # once a call, as without the cache

@@ -129,7 +129,7 @@ def test_a_seeded_loader_leaves_the_global_rng_as_it_was(cache_root: Path) -> No
     assert torch.equal(torch.get_rng_state(), state)
 
 
-@pytest.mark.parametrize("index", [2.7, "3", np.float64(4.9), torch.tensor(4.6), None])
+@pytest.mark.parametrize("index", [2.7, "3", np.float64(4.9), torch.tensor(4.6), torch.tensor(True), None])
 def test_an_index_that_is_not_an_integer_is_refused_not_cut(cache_root: Path, index: Any) -> None:
     features = extract(Net(), Images(n=10))
     with pytest.raises(TypeError, match="must be integers"):
@@ -143,6 +143,10 @@ def test_an_index_out_of_range_is_named_as_given_and_an_empty_batch_is_empty(cac
     features = extract(Net(), Images(n=10))
     with pytest.raises(IndexError, match="index -11 is out of range"):
         features[-11]
+    with pytest.raises(IndexError, match=f"index {2**64 - 1} is out of range"):
+        features.batch(np.array([2**64 - 1], np.uint64))  # not wrapped to -1, the last sample
+    with pytest.raises(TypeError, match="must be integers"):
+        features.batch(torch.arange(10) < 5)  # a mask
     assert features.__getitems__([]) == []
     with pytest.raises(ValueError, match="at least one index"):
         features.batch([])

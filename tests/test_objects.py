@@ -729,10 +729,14 @@ def test_a_manifest_claiming_a_huge_segment_counts_its_real_bytes_and_a_reader_r
     assert reader.disk_bytes == 4_000  # what the bucket holds, not what the manifest claims
     reader.close()
     assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 4
+    inspector = _store(bucket, max_bytes=1_000, prune_on_close=False)  # torchcache ls: over its budget, it reads
+    assert len(inspector) == 4
+    inspector.close()
+    assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 4
 
 
 def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
-    bucket: str, monkeypatch: pytest.MonkeyPatch
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torchcache.stores.objects.bucket import Bucket
 
@@ -751,6 +755,13 @@ def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
     monkeypatch.setattr(Bucket, "ranges", ranges)
     reader = _store(bucket)
     assert all(reader.get_many([key(i) for i in range(8)]))
+    (first,) = [name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs")][:1]
+    path = f"{store.bucket.prefix}/{first}"
+    s3fs_of.pipe_file(path, b"\xff" + s3fs_of.cat_file(path)[1:])  # the first entry's first byte flipped
+    fixed = _store(bucket, reports=Reports()).verify(fix=True)
+    assert len(fixed.bad) == 1 and fixed.fixed
+    again = _store(bucket, reports=Reports()).verify()
+    assert again.bad == [] and again.problems == [] and again.entries == 7  # hidden behind a tombstone
 
 
 def test_caches_of_one_name_at_two_urls_keep_separate_local_copies(bucket: str, tmp_path: Path) -> None:
@@ -774,8 +785,9 @@ def test_caches_of_one_name_at_two_urls_keep_separate_local_copies(bucket: str, 
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
 
 
+@pytest.mark.parametrize("fail_at", [1, 2])  # the manifests' removal, or the segments' after it
 def test_a_prune_whose_removal_fails_keeps_counting_those_segments_and_removes_them_later(
-    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch, fail_at: int
 ) -> None:
     from torchcache.stores.objects.bucket import Bucket
 
@@ -783,17 +795,17 @@ def test_a_prune_whose_removal_fails_keeps_counting_those_segments_and_removes_t
     store = _store(bucket, max_bytes=6_000, reports=reports)
     for batch in range(6):
         store.put_many([(key(batch), value(batch, 1000))])
-    remove, failed = Bucket.remove, []
+    remove, calls = Bucket.remove, []
 
     def refusing(self: Bucket, names: Any) -> None:
-        if not failed:
-            failed.append(names)
+        calls.append(names)
+        if len(calls) == fail_at:
             raise StoreUnavailableError("cannot remove objects: 503 SlowDown")
         remove(self, names)
 
     monkeypatch.setattr(Bucket, "remove", refusing)
     assert store.put_many([(key(6), value(6, 1000))]) == 1  # visible: the failed prune is one report, not an error
-    assert failed and Fault.BUDGET in reports.kinds()
+    assert len(calls) == fail_at and Fault.BUDGET in reports.kinds()
     assert store.disk_bytes == 7_000  # still counted
     store.put_many([(key(7), value(7, 1000))])
     segments = [name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs")]
@@ -809,6 +821,15 @@ def test_a_features_cache_in_a_bucket_is_refused_naming_the_argument(bucket: str
             FeatureDataset.open(f"{bucket}/features")
         else:
             extract_features(torch.nn.Identity(), [(torch.zeros(2), 0)], cache_dir=f"{bucket}/features")
+
+
+def test_a_local_copy_is_named_by_its_url_without_its_password() -> None:
+    from torchcache.stores.remote import local_copy_dir
+
+    root, name = Path("/copies"), "a" * 32
+    assert local_copy_dir(root, name, "redis://:old@db:6379/0") == local_copy_dir(root, name, "redis://:new@db:6379/0")
+    assert local_copy_dir(root, name, "s3://b/x/") == local_copy_dir(root, name, "S3://b/x")
+    assert local_copy_dir(root, name, "s3://b/x") != local_copy_dir(root, name, "s3://b/y")
 
 
 def test_a_bucket_url_with_a_query_is_refused(bucket: str) -> None:

@@ -36,8 +36,12 @@ _UNLIMITED = 1 << 62
 
 
 def open_remote(url: str, namespace: str) -> BatchedStore:
-    """The store of one namespace on a server or in a bucket, opened without a budget of its own."""
-    return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None)
+    """The store of one namespace on a server or in a bucket, opened without a budget of its own, to inspect.
+
+    Its ``close`` removes nothing: ``torchcache ls`` and ``info`` write nothing, and
+    ``prune`` removes what it is asked to.
+    """
+    return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None, prune_on_close=False)
 
 
 def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:

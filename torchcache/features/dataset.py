@@ -308,10 +308,13 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         IndexError: If one is out of range, naming it as given.
     """
     kinds = set(map(type, indices))
-    if bool in kinds:  # (bool cannot be subclassed: its type is the test)
+    masks = torch.Tensor in kinds and any(getattr(i, "dtype", None) is torch.bool for i in indices)
+    if bool in kinds or masks or getattr(indices, "dtype", None) in (torch.bool, np.bool_):  # a mask is no positions
         raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
     try:
         if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array
+            if len(indices) and indices.max() >= length:  # before a uint64 wraps to a negative int64
+                raise IndexError(f"index {indices.max()} is out of range for {length} samples")
             given = indices.astype(np.int64).reshape(-1)
         elif kinds <= {int}:  # a batch sampler's list
             given = np.fromiter(indices, np.int64, len(indices))

@@ -242,8 +242,8 @@ class CallSplitter:
 
     def _check_names(self, params: list[inspect.Parameter]) -> None:
         """Names in ``shared_args`` and ``batch_dims`` must be arguments (a typo would slice silently)."""
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return  # any keyword may come
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD and p.annotation is not PASSED_ON for p in params):
+            return  # any keyword may come (not only to a wrapper that passes them on: those are the names)
         known = {p.name for p in params}
         for option, names in (("shared_args", self.shared), ("batch_dims", self.dims)):
             unknown = sorted(n for n in names if n not in known and not n.startswith("output"))

@@ -158,7 +158,7 @@ def call_signature(fn: Callable[..., Any], method: bool = False) -> inspect.Sign
             at = sum(p.kind in _POSITIONAL for p in named)
             named.insert(at, inspect.Parameter(_free("args", taken), inspect.Parameter.VAR_POSITIONAL))
         if inspect.Parameter.VAR_KEYWORD not in kinds:
-            named.append(inspect.Parameter(_free("kwargs", taken), inspect.Parameter.VAR_KEYWORD))
+            named.append(inspect.Parameter(_free("kwargs", taken), inspect.Parameter.VAR_KEYWORD, annotation=PASSED_ON))
         params = named
     return signature.replace(parameters=params)
 

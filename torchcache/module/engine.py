@@ -69,8 +69,7 @@ class Cache:
         name: Qualified name of the class or function (for metadata and logs).
         kind: ``"module"`` or ``"function"``.
         signature: The signature calls are bound to (without ``self``).
-        fingerprint: Computes the module key; called once, at the first call (or the first
-            access of :attr:`module_hash`), unless ``persistent_module_hash`` is set.
+        fingerprint: Computes the module key at the first call (or :attr:`module_hash`), if no persistent_module_hash.
     """
 
     def __init__(
@@ -451,18 +450,18 @@ class Cache:
                 parts.append((part.positions, part.values[1]))
             missing = found.missing
 
+        fresh = True  # False: the forward wrote state, its rows are returned and not stored
         if missing:
-            # exact_batches: a batch with any miss is computed whole, as an uncached call computes it.
-            whole = len(missing) == batch or self.settings.exact_batches
+            whole = len(missing) == batch or self.settings.exact_batches  # exact_batches: computed as uncached
             if whole:
                 computed = call.compute(fn)
                 unchanged = lambda: hash_items(call.context, call.tensors, self.settings.subsample_count) == keys  # noqa: E731
                 call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
                 computed = call.compute_rows(fn, missing, self.name)
-            written = self._watch.written(self.name) if self._watch is not None else None  # its own tensors
-            if written is not None and self._items.refuse_state(written, call.training):
-                return computed if whole else fn(*call.args, **call.kwargs)
+            fresh = self._items.state_kept(self.name, (self._watch, self._held), call.training, lambda: call.again(fn))
+            if not fresh and whole:
+                return computed
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
             self._check_items(leaves, batch if whole else len(missing), call.batch)
@@ -485,11 +484,12 @@ class Cache:
                 self._store(keys, missing, layout, leaves)
                 self._count(misses=batch)
                 return computed
-            self._store(keys, missing, layout, leaves)
+            if fresh:
+                self._store(keys, missing, layout, leaves)
             parts.append((missing, leaves))
         assert layout is not None
         merged = merge_parts(parts, batch, layout, device)
-        if self._check_due(call, len(missing)) and not self._verify_items(fn, call, layout, merged, keys):
+        if fresh and self._check_due(call, len(missing)) and not self._verify_items(fn, call, layout, merged, keys):
             return fn(*call.args, **call.kwargs)
         try:
             output = self._outputs.rebuild(layout, merged)

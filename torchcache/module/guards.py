@@ -33,13 +33,15 @@ _COMPILE_REASON = (
 def check_frozen(module: torch.nn.Module, name: str) -> None:
     """Refuse a module with tensors that require grad: cached outputs carry no gradient.
 
-    Parameters, buffers and tensors kept as plain attributes (a learned temperature) count.
+    Parameters, buffers and tensors kept as plain attributes (a learned temperature) count;
+    a tensor computed from others (``nn.utils.weight_norm``'s ``weight``) follows those.
 
     Raises:
         ConfigError: If a tensor of ``module`` (called ``name`` in the message) requires grad.
     """
     held = [*module.named_parameters(), *module.named_buffers(), *tensor_attributes(module)]
-    trainable = [n.lstrip(".") for n, p in held if p.requires_grad]
+    # a leaf: trained state; a non-leaf attribute was computed from others (weight_norm's weight) and follows them
+    trainable = [n.lstrip(".") for n, p in held if p.requires_grad and p.is_leaf]
     if trainable:
         shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
         raise ConfigError(

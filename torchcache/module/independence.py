@@ -112,14 +112,23 @@ class ItemCheck:
         self.passed[context] = (largest, since + computed)
         return False
 
-    def refuse_state(self, error: KeyingError, training: bool | None) -> bool:
-        """Take a forward that wrote the module's own tensors: ``True`` in training mode, else raise ``error``.
+    def state_kept(
+        self, name: str, watches: tuple[Any, Any], training: bool | None, rerun: Callable[[], object]
+    ) -> bool:
+        """Whether a forward that just ran left the state it reads as it was (or wrote only a memo).
 
-        In training mode (batch norm's statistics) calls run uncached from now on.
+        ``watches`` are the module's :class:`~.versions.VersionWatch` and the
+        :class:`~.versions.HeldValues` of its key (either may be ``None``); ``rerun`` runs
+        the forward again. A forward that wrote state in training mode (batch norm's
+        statistics) gives ``False``, and calls in training mode run uncached from then on.
 
         Raises:
-            KeyingError: ``error``, outside training mode.
+            KeyingError: Naming what it wrote, outside training mode.
         """
+        errors = (watch.written(name, rerun) for watch in watches if watch is not None)
+        error = next((e for e in errors if e is not None), None)
+        if error is None:
+            return True
         if not training:
             raise error
         self.uncached.add(True)
@@ -128,7 +137,7 @@ class ItemCheck:
             f"in training mode: {str(error).partition(': ')[2]} Calls in training mode "
             "run without the cache; call .eval() on the module (keep_eval=True keeps it in eval mode)",
         )
-        return True
+        return False
 
     def reset(self) -> None:
         """Check again at the next call (the module key changed)."""

@@ -41,6 +41,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
+from ..dtypes import standard_strides
 from ..errors import KeyingError
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes
@@ -225,15 +226,21 @@ class VersionWatch:
                 return module is not None and _weights_digest(module) != self._digest
         return False
 
-    def written(self, name: str) -> KeyingError | None:
+    def written(self, name: str, rerun: Callable[[], object]) -> KeyingError | None:
         """The error to raise if a forward that just ran wrote the module's tensors in place (a running mean).
 
         A hit does not run forward, so it would not write them, and every later output
-        would differ from the uncached ones; the error names them.
+        would differ from the uncached ones; the error names them. ``rerun`` runs that
+        forward again, to tell a memo from state (:func:`settled`).
         """
         if sum(map(_version, self._versioned)) == self._total:
             return None
         module = self._module()
+        moved = [t for t in self._versioned if t._version != self._versions.get(id(t))]
+        # and every buffer: batch norm's kernel writes its running statistics without counting a version
+        buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
+        if settled(list({id(t): t for t in [*moved, *buffers]}.values()), rerun):
+            return None  # a table filled on first use: a second forward leaves it as the first did
         named = _named_tensors(module) if module is not None else []
         was = self._versions
         written = [label for label, t in named if not t.is_inference() and t._version != was.get(id(t), t._version)]
@@ -266,6 +273,29 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
+def settled(written: list[torch.Tensor], rerun: Callable[[], object]) -> bool:
+    """Whether what a forward wrote in place is a memo: ``rerun`` (that forward again) leaves it as it is.
+
+    A table filled on first use (rotary frequencies) is written the same again; a
+    running mean or a counter moves again, and is then put back as one forward left it.
+    """
+    saved = [t.detach().clone() for t in written if t.layout == torch.strided]
+    if len(saved) != len(written):
+        return False
+    try:
+        rerun()
+    finally:
+        moved = [(t, s) for t, s in zip(written, saved) if not torch.equal(_bits(t), _bits(s))]
+        with torch.no_grad():
+            for tensor, before in moved:
+                tensor.copy_(before)
+    return not moved
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return standard_strides(tensor.detach().contiguous().reshape(-1)).view(torch.uint8)  # NaN as NaN
+
+
 class HeldValues:
     """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
@@ -275,13 +305,14 @@ class HeldValues:
     in all, by hashing them again) means the key must be taken again.
     """
 
-    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned")
+    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned", "_versions")
 
     def __init__(self, values: list[Any]) -> None:
         unique = list({id(value): value for value in values}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
         self._versioned = [t for t in tensors if not t.is_inference()]
+        self._versions = {id(t): t._version for t in self._versioned}
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
@@ -303,6 +334,17 @@ class HeldValues:
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
         return any(_array_digest(array) != digest for array, digest in self._arrays)
+
+    def written(self, name: str, rerun: Callable[[], object]) -> KeyingError | None:
+        """As :meth:`VersionWatch.written`, for tensors held in containers or read as globals."""
+        moved = [t for t in self._versioned if t._version != self._versions.get(id(t))]
+        if not moved or settled(moved, rerun):
+            return None
+        return KeyingError(
+            f"{name}: its forward wrote in place a tensor it holds in a list, a dict or an object, or reads as a "
+            "global; a cached call does not run forward, so hits would leave it as it was and later outputs would "
+            "differ from uncached ones. Keep such state outside the cached module"
+        )
 
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:

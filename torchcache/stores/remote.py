@@ -25,7 +25,9 @@ def local_copy_dir(local: Path, name: str, url: str) -> Path:
         >>> local_copy_dir(Path("/copies"), "a" * 32, "s3://b/x").name != local_copy_dir(Path("/c"), "a" * 32, "s3://b/y").name
         True
     """
-    scheme, sep, rest = url.partition("://")
+    from .redis.url import redact_url
+
+    scheme, sep, rest = redact_url(url).partition("://")  # a password changed is the same server
     where = scheme.lower() + sep + rest.rstrip("/")  # s3://b/x/ is s3://b/x
     return local / f"{name}-{xxhash.xxh3_64_hexdigest(where.encode())[:12]}"
 
@@ -37,18 +39,28 @@ def open_remote_store(
     report: Report,
     meta: dict[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    prune_on_close: bool = True,
 ) -> BatchedStore:
     """The store at ``url`` for the cache ``namespace`` (nothing is sent yet).
 
     Object store URLs (``s3://``, ``gs://``...) take fsspec ``storage_options``, over those
     of ``$TORCHCACHE_STORAGE_OPTIONS`` (a JSON object), beside the filesystem's own chain;
-    ``meta`` is what their ``torchcache.json`` records (Redis stores keep none).
+    ``meta`` is what their ``torchcache.json`` records (Redis stores keep none);
+    ``prune_on_close=False`` opens a bucket's store for inspection: its ``close`` removes nothing.
 
     Raises:
         ConfigError: If the URL is invalid or its package is missing.
     """
     if url.lower().startswith(OBJECT_SCHEMES):
-        return ObjectStore(url, namespace, max_bytes, storage_options=storage_options, report=report, meta=meta)
+        return ObjectStore(
+            url,
+            namespace,
+            max_bytes,
+            storage_options=storage_options,
+            report=report,
+            meta=meta,
+            prune_on_close=prune_on_close,
+        )
     from .redis.store import RedisStore
 
     return RedisStore(url, namespace, max_bytes, report=report)

@@ -74,6 +74,8 @@ class ObjectStore(BatchedStore):
         report: Called with ``(kind, message)`` for faults.
         refresh_seconds: A miss lists the manifests again at most this often.
         meta: What the namespace's ``torchcache.json`` records, written with the first entries.
+        prune_on_close: Keep the budget and sweep leftovers at :meth:`close` (``False``:
+            an inspector that writes nothing, ``torchcache ls``).
 
     Raises:
         ConfigError: If the URL is invalid or a package is missing.
@@ -91,6 +93,7 @@ class ObjectStore(BatchedStore):
         report: Report | None = None,
         refresh_seconds: float = 30.0,
         meta: Mapping[str, Any] | None = None,
+        prune_on_close: bool = True,
     ) -> None:
         fs, root = open_filesystem(url, storage_options)
         self.url = url
@@ -103,7 +106,8 @@ class ObjectStore(BatchedStore):
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
         self._partial = False  # entries left out for faults of this process's reads: it uploads no checkpoint
-        self._wrote = False  # it uploaded entries: it keeps the budget (and sweeps) when it closes
+        self._prune_on_close = prune_on_close
+        self._removing: list[str] = []  # segments whose manifests went but whose own removal failed
         self._damaged: list[str] | None = None  # keys whose bytes fail their digest, while verify() collects them
 
     def __repr__(self) -> str:
@@ -204,8 +208,8 @@ class ObjectStore(BatchedStore):
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes of the segments in the bucket (0: nothing is on this machine's disk)."""
-        return sum(list(self._known.segments.values()))
+        """Bytes of the segments in the bucket (0: nothing is on this machine's disk), those left to remove too."""
+        return sum(list(self._known.segments.values())) + sum(self.bucket.sizes.get(n, 0) for n in self._removing)
 
     # -- writes -------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
@@ -222,17 +226,13 @@ class ObjectStore(BatchedStore):
             self._index(stale=True)  # other writers' segments count against the budget
         name, (segment, body) = self.bucket.new_name(), pack(todo)
         self.bucket.upload(name, segment, body, len(todo))
-        self._wrote = True
         with self._lock:
             self._apply(name + MANIFEST, body)
         if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
             self.bucket.describe(self._meta)
             self._meta = None
         if self.disk_bytes > self.max_bytes:
-            try:
-                self.prune(self.max_bytes)  # and the uploads killed writers left an hour ago or more
-            except StoreError as exc:  # the entries are visible: the budget is kept at the next write
-                self._report(Fault.BUDGET, f"cannot keep the budget of {self.bucket.prefix} ({exc}); tried again later")
+            _keep_budget(self)
         with self._lock:
             checkpoint = self._known.checkpoint() if self._known.checkpoint_due() and not self._partial else None
         with contextlib.suppress(StoreError):  # the entries are visible without it
@@ -252,13 +252,8 @@ class ObjectStore(BatchedStore):
             self._index()
             asked = list(dict.fromkeys(keys))
             present = [key for key, entry in zip(asked, self._known.find(asked)) if entry is not None]
-        if not present:
-            return 0
-        name = self.bucket.new_name() + TOMBSTONE
-        body = tombstone(present)
-        self.bucket.put(name, body, "write a tombstone")
-        with self._lock:
-            self._apply(name, body)
+        if present:
+            _hide(self, present)
         return len(present)
 
     def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS) -> int:
@@ -278,10 +273,14 @@ class ObjectStore(BatchedStore):
             names = self.refresh()
             oldest = self._known.oldest_over(max_bytes)
             left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
+            left += [name for name in self._removing if name in names and name not in left]
         self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])  # first: no entry without its segment
-        self.bucket.remove(oldest + left)
-        with self._lock:  # once removed: a failed removal leaves them counted, and removed at the next prune
+        with self._lock:  # their entries are gone; the segments must go at this prune or the next
             self._known.forget(set(oldest))
+            self._removing = sorted(set(self._removing) | set(oldest))
+        self.bucket.remove(oldest + left)
+        with self._lock:
+            self._removing = [name for name in self._removing if name not in oldest and name not in left]
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
@@ -298,9 +297,9 @@ class ObjectStore(BatchedStore):
         """Nothing to do: every write is visible when ``put_many`` returns."""
 
     def close(self) -> None:
-        """Keep the budget over a fresh listing (workers wrote too; a reader: only if over it); forget the index."""
+        """Keep the budget over a fresh listing (DataLoader workers and other writers wrote too); forget the index."""
         with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
-            if self._wrote or (self.refresh() is not None and self.disk_bytes > self.max_bytes):
+            if self._prune_on_close:
                 self.prune(self.max_bytes)
         with self._lock:
             self._known.clear()
@@ -313,6 +312,27 @@ class ObjectStore(BatchedStore):
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
         return _verify(self, fix)
+
+
+def _hide(store: ObjectStore, keys: list[str]) -> None:
+    """Upload a tombstone of ``keys`` and apply it.
+
+    Raises:
+        StoreUnavailableError: If the bucket cannot be written.
+    """
+    name = store.bucket.new_name() + TOMBSTONE
+    body = tombstone(keys)
+    store.bucket.put(name, body, "write a tombstone")
+    with store._lock:
+        store._apply(name, body)
+
+
+def _keep_budget(store: ObjectStore) -> None:
+    """Prune to the budget after a write (and sweep what killed writers left an hour ago or more)."""
+    try:
+        store.prune(store.max_bytes)
+    except StoreError as exc:  # the entries are visible: the budget is kept at the next write
+        store._report(Fault.BUDGET, f"cannot keep the budget of {store.bucket.prefix} ({exc}); tried again later")
 
 
 def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
@@ -328,8 +348,8 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     problems = [f"{len(bad)} entries fail their checksum"] if bad else []
     if unread > 0:  # nothing is known of them, and a fix leaves them
         problems.append(f"{unread} entries could not be read (the bucket refused or was away); verify again")
-    if fix and bad:
-        store.delete_many(bad)
+    if fix and bad:  # damaged keys left the index as they were read: hidden whatever it says
+        _hide(store, bad)
     return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
 
 
