@@ -284,12 +284,14 @@ def settled(written: list[torch.Tensor], rerun: Callable[[], object]) -> bool:
         return False
     try:
         rerun()
-    finally:
-        moved = [(t, s) for t, s in zip(written, saved) if not torch.equal(_bits(t), _bits(s))]
-        with torch.no_grad():
-            for tensor, before in moved:
-                tensor.copy_(before)
-    return not moved
+        failed = False
+    except Exception:  # noqa: BLE001 - a forward that cannot run twice is not a memo: refused, not raised here
+        failed = True
+    moved = [(t, s) for t, s in zip(written, saved) if not torch.equal(_bits(t), _bits(s))]
+    with torch.no_grad():
+        for tensor, before in moved:
+            tensor.copy_(before)
+    return not moved and not failed
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
