@@ -55,8 +55,6 @@ class CallArguments:
     shared_versions: list[int] = field(default_factory=list)
     #: The rows :meth:`select` took last (the caller's tensor, its batch dimension, the positions, the rows).
     picked: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    #: The arguments the forward was last called with (:meth:`again`).
-    last: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
 
     def refuse_written(self, name: str, unchanged: Callable[[], bool]) -> None:
         """Raise if a per-item tensor was written in place since the call was split (by the forward of ``name``).
@@ -83,12 +81,7 @@ class CallArguments:
     def compute(self, fn: Callable[..., Any]) -> Any:
         """``fn`` called with the caller's arguments, their version counters noted first (:meth:`refuse_written`)."""
         self._note_versions()
-        self.last = (self.args, self.kwargs)
         return fn(*self.args, **self.kwargs)
-
-    def again(self, fn: Callable[..., Any]) -> Any:
-        """``fn`` called again with the arguments :meth:`compute` or :meth:`compute_rows` last gave it."""
-        return fn(*self.last[0], **self.last[1])
 
     def _note_versions(self) -> None:  # on the paths that compute: a hit runs no forward, and needs none
         self.versions = list(map(version_of, self.tensors))
@@ -103,7 +96,6 @@ class CallArguments:
         """
         args, kwargs = self.select(positions)
         self._note_versions()
-        self.last = (args, kwargs)
         computed = fn(*args, **kwargs)
         for value, dim, index, rows in self.picked:
             if version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):

@@ -128,7 +128,7 @@ class Cache:
     def watch_weights(self, module: torch.nn.Module, root_hooks: bool = False) -> None:
         """Take the key again at the first call after ``module``'s weights or hooks (``root_hooks``: its own) change."""
         if self.settings.persistent_module_hash is None:
-            self._watch = VersionWatch(module, self.settings.verify_weights, root_hooks)
+            self._watch = VersionWatch(module, self.settings.verify_weights, root_hooks, self.settings.key_ignore)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Cache:
         """A new cache for the copy of the owner (same settings, its own memory tier).
@@ -459,7 +459,7 @@ class Cache:
                 call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
                 computed = call.compute_rows(fn, missing, self.name)
-            fresh = self._items.state_kept(self.name, (self._watch, self._held), call.training, lambda: call.again(fn))
+            fresh = self._items.state_kept(self.name, (self._watch, self._held), call.training)
             if not fresh and whole:
                 return computed
             spec, leaves = flatten(computed)

@@ -158,6 +158,13 @@ def _always_called(registry: Any, name: str) -> dict[int, Any]:
     return getattr(registry, "_global_forward_hooks_always_call", {}) if name == "_global_forward_hooks" else {}
 
 
+def unignored(named: list[tuple[str, torch.Tensor]], ignore: Collection[str]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` tensors without those ``key_ignore`` names, by dotted path or last name (a memo table)."""
+    if not ignore:
+        return named
+    return [(n, t) for n, t in named if n.lstrip(".") not in ignore and n.rsplit(".", 1)[-1] not in ignore]
+
+
 def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Tensors kept as plain attributes (neither parameters nor buffers), by dotted name."""
     found = []
@@ -201,8 +208,8 @@ def fingerprint_module(
     h.update(tag(b"h", describe_hooks(module, ignore, include_root=method != "forward")))
     named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     named += list(module.named_buffers(remove_duplicate=False))
-    h.update(tag(b"w", tensor_digest(named).encode()))
-    attributes = tensor_attributes(module)
+    h.update(tag(b"w", tensor_digest(unignored(named, ignore)).encode()))
+    attributes = unignored(tensor_attributes(module), ignore)
     if attributes:
         h.update(tag(b"t", tensor_digest(attributes).encode()))
     h.update(_settings_bytes(settings))

@@ -112,20 +112,18 @@ class ItemCheck:
         self.passed[context] = (largest, since + computed)
         return False
 
-    def state_kept(
-        self, name: str, watches: tuple[Any, Any], training: bool | None, rerun: Callable[[], object]
-    ) -> bool:
-        """Whether a forward that just ran left the state it reads as it was (or wrote only a memo).
+    def state_kept(self, name: str, watches: tuple[Any, Any], training: bool | None) -> bool:
+        """Whether a forward that just ran left the state its key covers as it was.
 
         ``watches`` are the module's :class:`~.versions.VersionWatch` and the
-        :class:`~.versions.HeldValues` of its key (either may be ``None``); ``rerun`` runs
-        the forward again. A forward that wrote state in training mode (batch norm's
-        statistics) gives ``False``, and calls in training mode run uncached from then on.
+        :class:`~.versions.HeldValues` of its key (either may be ``None``). A forward that
+        wrote state in training mode (batch norm's statistics) gives ``False``, and calls
+        in training mode run uncached from then on.
 
         Raises:
             KeyingError: Naming what it wrote, outside training mode.
         """
-        errors = (watch.written(name, rerun) for watch in watches if watch is not None)
+        errors = (watch.written(name) for watch in watches if watch is not None)
         error = next((e for e in errors if e is not None), None)
         if error is None:
             return True

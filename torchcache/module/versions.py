@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,10 +41,9 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
-from ..dtypes import standard_strides
 from ..errors import KeyingError
 from ..keys import tensor_digest
-from .fingerprint import tensor_attributes
+from .fingerprint import tensor_attributes, unignored
 
 __all__ = ["HeldValues", "VersionWatch"]
 
@@ -74,17 +73,17 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_Generation.bum
 torch.nn.modules.module.register_module_module_registration_hook(_Generation.bump)
 
 
-def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _named_tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> list[tuple[str, torch.Tensor]]:
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    return named + tensor_attributes(module)
+    return unignored(named + tensor_attributes(module), ignore)
 
 
-def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [tensor for _, tensor in _named_tensors(module)]
+def _tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> list[torch.Tensor]:
+    return [tensor for _, tensor in _named_tensors(module, ignore)]
 
 
-def _weights_digest(module: torch.nn.Module) -> str:
-    return tensor_digest(_named_tensors(module))
+def _weights_digest(module: torch.nn.Module, ignore: Collection[str] = ()) -> str:
+    return tensor_digest(_named_tensors(module, ignore))
 
 
 def _module_ids(module: torch.nn.Module) -> list[int]:
@@ -104,6 +103,7 @@ class VersionWatch:
             writes that bypass the version counters.
         root_hooks: Watch the module's own forward hooks too (a cached method other than
             ``forward``, which may call ``self(x)``).
+        ignore: ``key_ignore``: tensors of these names (memos) are neither keyed nor watched.
     """
 
     __slots__ = (
@@ -121,6 +121,7 @@ class VersionWatch:
         "_hook_dicts",
         "_hooks",
         "_ids",
+        "_ignore",
         "_module",
         "_modules",
         "_ptrs",
@@ -136,9 +137,16 @@ class VersionWatch:
         "_versions",
     )
 
-    def __init__(self, module: torch.nn.Module, verify_every: int | None = None, root_hooks: bool = False) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        verify_every: int | None = None,
+        root_hooks: bool = False,
+        ignore: Collection[str] = (),
+    ) -> None:
         self._module: Callable[[], torch.nn.Module | None] = weakref.ref(module)
         self._root_hooks = root_hooks
+        self._ignore = ignore
         self._verify_every = verify_every
         self._tensors: list[torch.Tensor] = []
         self._versioned: list[torch.Tensor] = []
@@ -174,7 +182,7 @@ class VersionWatch:
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
-        held = list(_tensors(module))
+        held = list(_tensors(module, self._ignore))
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
         self._modules = _module_ids(module)
@@ -191,7 +199,7 @@ class VersionWatch:
         self._handle = RemovableHandle.next_id
         self._calls = 0
         if self._verify_every is not None:
-            self._digest = _weights_digest(module)
+            self._digest = _weights_digest(module, self._ignore)
 
     def changed(self) -> bool:
         """Whether a weight was written, replaced or swapped, or a forward hook came or went, since :meth:`reset`."""
@@ -199,7 +207,7 @@ class VersionWatch:
             module = self._module()
             if module is None:
                 return False
-            if [id(t) for t in _tensors(module)] != self._ids or _module_ids(module) != self._modules:
+            if [id(t) for t in _tensors(module, self._ignore)] != self._ids or _module_ids(module) != self._modules:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
@@ -223,32 +231,29 @@ class VersionWatch:
             if self._calls >= self._verify_every:
                 self._calls = 0
                 module = self._module()
-                return module is not None and _weights_digest(module) != self._digest
+                return module is not None and _weights_digest(module, self._ignore) != self._digest
         return False
 
-    def written(self, name: str, rerun: Callable[[], object]) -> KeyingError | None:
+    def written(self, name: str) -> KeyingError | None:
         """The error to raise if a forward that just ran wrote the module's tensors in place (a running mean).
 
         A hit does not run forward, so it would not write them, and every later output
-        would differ from the uncached ones; the error names them. ``rerun`` runs that
-        forward again, to tell a memo from state (:func:`settled`).
+        would differ from the uncached ones; the error names them. Tensors named in
+        ``key_ignore`` (a table filled on first use, which outputs do not depend on) are
+        not watched.
         """
         if sum(map(_version, self._versioned)) == self._total:
             return None
         module = self._module()
-        moved = [t for t in self._versioned if t._version != self._versions.get(id(t))]
-        # and every buffer: batch norm's kernel writes its running statistics without counting a version
-        buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
-        if settled(list({id(t): t for t in [*moved, *buffers]}.values()), rerun):
-            return None  # a table filled on first use: a second forward leaves it as the first did
-        named = _named_tensors(module) if module is not None else []
+        named = _named_tensors(module, self._ignore) if module is not None else []
         was = self._versions
         written = [label for label, t in named if not t.is_inference() and t._version != was.get(id(t), t._version)]
         return KeyingError(
             f"{name}: its forward wrote {', '.join(written[:3]) or 'its tensors'} in place; a cached call does not "
             "run forward, so hits would leave them as they were and later outputs would differ from uncached "
-            "ones. Keep such state outside the cached module, or call it without the cache "
-            "(torchcache_enabled = False)"
+            f"ones. Keep such state outside the cached module, call it without the cache (torchcache_enabled = "
+            f"False), or, if it is a memo that outputs do not depend on (a table filled on first use), name it in "
+            f"key_ignore (key_ignore=({(written or ['name'])[0].rsplit('.', 1)[-1]!r},))"
         )
 
     @contextlib.contextmanager
@@ -273,31 +278,6 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
-def settled(written: list[torch.Tensor], rerun: Callable[[], object]) -> bool:
-    """Whether what a forward wrote in place is a memo: ``rerun`` (that forward again) leaves it as it is.
-
-    A table filled on first use (rotary frequencies) is written the same again; a
-    running mean or a counter moves again, and is then put back as one forward left it.
-    """
-    saved = [t.detach().clone() for t in written if t.layout == torch.strided]
-    if len(saved) != len(written):
-        return False
-    try:
-        rerun()
-        failed = False
-    except Exception:  # noqa: BLE001 - a forward that cannot run twice is not a memo: refused, not raised here
-        failed = True
-    moved = [(t, s) for t, s in zip(written, saved) if not torch.equal(_bits(t), _bits(s))]
-    with torch.no_grad():
-        for tensor, before in moved:
-            tensor.copy_(before)
-    return not moved and not failed
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return standard_strides(tensor.detach().contiguous().reshape(-1)).view(torch.uint8)  # NaN as NaN
-
-
 class HeldValues:
     """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
@@ -307,14 +287,13 @@ class HeldValues:
     in all, by hashing them again) means the key must be taken again.
     """
 
-    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned", "_versions")
+    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned")
 
     def __init__(self, values: list[Any]) -> None:
         unique = list({id(value): value for value in values}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
         self._versioned = [t for t in tensors if not t.is_inference()]
-        self._versions = {id(t): t._version for t in self._versioned}
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
@@ -337,10 +316,9 @@ class HeldValues:
             return True
         return any(_array_digest(array) != digest for array, digest in self._arrays)
 
-    def written(self, name: str, rerun: Callable[[], object]) -> KeyingError | None:
+    def written(self, name: str) -> KeyingError | None:
         """As :meth:`VersionWatch.written`, for tensors held in containers or read as globals."""
-        moved = [t for t in self._versioned if t._version != self._versions.get(id(t))]
-        if not moved or settled(moved, rerun):
+        if sum(map(_version, self._versioned)) == self._total:
             return None
         return KeyingError(
             f"{name}: its forward wrote in place a tensor it holds in a list, a dict or an object, or reads as a "
