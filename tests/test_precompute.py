@@ -4,6 +4,7 @@ import io
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -175,9 +176,10 @@ def test_wrong_target_says_how_to_fix_it(target: object, match: str) -> None:
         precompute(target, [torch.randn(2, 4)], progress=False)  # type: ignore[arg-type]
 
 
-def test_one_tensor_is_not_an_iterable_of_batches() -> None:
-    with pytest.raises(TypeError, match=r"got one tensor; pass a list of batches \(\[x\]\) or split it"):
-        precompute(Encoder(), torch.randn(8, 4), progress=False)
+@pytest.mark.parametrize("batches", [torch.randn(8, 4), {"x": torch.randn(8, 4)}, b"ab", 3])
+def test_one_batch_is_not_an_iterable_of_batches(batches: Any) -> None:
+    with pytest.raises(TypeError, match=r"takes an iterable of batches, got \w+; pass a list of batches"):
+        precompute(Encoder(), batches, progress=False)
 
 
 def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -591,3 +591,28 @@ def test_with_the_server_away_the_count_is_the_last_one_read(reports: Reports) -
         redis_server.kill()
         assert (len(store), store.nbytes) == (30, 30_000)  # not 0: the server did not lose them
         assert "unavailable" in repr(store) and reports.kinds() == ["unavailable"]
+
+
+def test_a_foreign_key_shaped_like_bookkeeping_is_not_taken_for_a_namespace(server: RedisServer) -> None:
+    store = RedisStore(server.url, "mine", "10MB")
+    store.put(key(1), b"x")
+    with server.client() as client:
+        client.hset("tc:{sessions:eu}:stats", "n", 1)  # another program's key
+    assert RedisStore.namespaces(server.url) == ["mine"]
+
+
+def test_verify_counts_an_entry_evicted_between_its_scan_and_its_read_as_a_miss_not_damage(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.stores.redis.verify as verify
+
+    store = RedisStore(server.url, "evicting", "10MB")
+    store.put_many([(key(i), value(i)) for i in range(4)])
+    fetch = verify.fetch_on_node
+
+    def evicted(node: Any, names: Any, cluster: bool) -> list[Any]:
+        return [None, *fetch(node, names, cluster)[1:]]  # the first gone, as under maxmemory allkeys-lru
+
+    monkeypatch.setattr(verify, "fetch_on_node", evicted)
+    report = store.verify()
+    assert report.bad == [] and report.entries == 3

@@ -43,7 +43,7 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
 
     Raises:
         TypeError: If ``module_or_fn`` is not decorated with ``@torchcache()`` (or has
-            caching turned off), or ``batches`` is a single tensor.
+            caching turned off), or ``batches`` is one batch (a tensor, a dict) or no iterable.
         KeyboardInterrupt: Re-raised once the entries of the finished batches are on disk.
 
     Example:
@@ -58,10 +58,10 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
         12
     """
     cache = _cache_of(module_or_fn)
-    if isinstance(batches, torch.Tensor):
+    if isinstance(batches, (torch.Tensor, Mapping, str, bytes)) or not isinstance(batches, Iterable):
         raise TypeError(
-            "precompute() takes an iterable of batches, got one tensor; pass a list of batches ([x]) "
-            "or split it into batches (x.split(256))"
+            f"precompute() takes an iterable of batches, got {type(batches).__name__}; pass a list of batches "
+            "([x], [{'x': x}]) or split a tensor into batches (x.split(256))"
         )
     bar = _progress_bar(_total_items(batches)) if progress and _interactive() else None
     start = cache.stats() if bar is not None else None
