@@ -616,3 +616,16 @@ def test_verify_counts_an_entry_evicted_between_its_scan_and_its_read_as_a_miss_
     monkeypatch.setattr(verify, "fetch_on_node", evicted)
     report = store.verify()
     assert report.bad == [] and report.entries == 3
+
+
+def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behind(server: RedisServer) -> None:
+    store = RedisStore(server.url, "replaced", "10MB")
+    store.put(key(0), value(0))
+    with server.client() as client:
+        client.delete("tc:{replaced}:stats")
+        client.set("tc:{replaced}:stats", "not a hash")  # the transaction's script fails while it runs
+    with pytest.raises(StoreError):
+        store.put_many([(key(i), value(i)) for i in range(1, 20)])
+    with server.client() as client:
+        entries = client.keys("tc:replaced:*")  # entries are named tc:<namespace>:<key>, bookkeeping tc:{...}:...
+    assert len(entries) == 1  # the SETs applied before the script failed are removed again

@@ -113,17 +113,16 @@ class Namespace:
         for (key, _, _), (head, data) in zip(batch, records):
             pipe.set(space.name(key), head + data)
         self._eval(client, pipe, PUT, *self._put_args([(key, len(data)) for key, _, data in batch]))
-        if not cluster:
-            self.link.count(1)
-            return {_text(v) for v in pipe.execute()[-1]}
         names = [space.name(key) for key, _, _ in batch]
-        self.link.count(self.nodes_of(client, [*names, space.meta[0]]))
+        self.link.count(1 if not cluster else self.nodes_of(client, [*names, space.meta[0]]))
         results = pipe.execute(raise_on_error=False)
         errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:  # undo what was written, if the server lets us
-            with contextlib.suppress(*self.link.errors):
+        if errors:  # undo what was written, if the server lets us: a transaction that failed while it ran
+            with contextlib.suppress(*self.link.errors):  # (bookkeeping another client replaced) keeps its SETs
                 self.remove(client, [key for key, _, _ in batch])
             raise errors[0]
+        if not cluster:
+            return {_text(v) for v in results[-1]}
         return self._unlink(client, results[-1])
 
     def account(self, client: Client, sizes: list[tuple[str, int]]) -> set[str]:
