@@ -618,7 +618,9 @@ def test_verify_counts_an_entry_evicted_between_its_scan_and_its_read_as_a_miss_
     assert report.bad == [] and report.entries == 3
 
 
-def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behind(server: RedisServer) -> None:
+def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behind_and_verify_rebuilds_it(
+    server: RedisServer,
+) -> None:
     store = RedisStore(server.url, "replaced", "10MB")
     store.put(key(0), value(0))
     with server.client() as client:
@@ -629,3 +631,9 @@ def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behin
     with server.client() as client:
         entries = client.keys("tc:replaced:*")  # entries are named tc:<namespace>:<key>, bookkeeping tc:{...}:...
     assert len(entries) == 1  # the SETs applied before the script failed are removed again
+    report = store.verify()
+    assert any("tc:{replaced}:stats" in problem for problem in report.problems) and not report.fixed
+    assert store.verify(fix=True).fixed
+    assert store.verify().ok
+    store.put_many([(key(i), value(i)) for i in range(1, 20)])
+    assert len(store) == 20 and store.get(key(0)) == value(0)

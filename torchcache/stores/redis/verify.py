@@ -68,6 +68,18 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
                         found[key] = payload
             if cursor == 0:
                 break
+    link.count(1)
+    types = client.pipeline(transaction=False)
+    for meta_name in space.meta:
+        types.type(meta_name)
+    kinds = [_text_of(kind) for kind in types.execute()]
+    wanted = ("zset", "hash", "hash")
+    replaced = [meta for meta, want, got in zip(space.meta, wanted, kinds) if got not in (want, "none")]
+    if replaced:  # another client's values under the bookkeeping's names: unreadable until removed
+        result.problems.append(f"bookkeeping keys of another kind than torchcache writes: {', '.join(replaced)}")
+        if not fix:
+            return result
+        client.delete(*replaced)  # rebuilt below from the entries found
     sizes = _sizes(client, namespace)
     link.count(1)
     pipe = client.pipeline(transaction=False)
@@ -107,6 +119,10 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
         client.eval(REBUILD, 3, *space.meta, len(space.prefix))
         result.fixed = True
     return result
+
+
+def _text_of(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _shown(value: object) -> str:
