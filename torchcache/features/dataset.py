@@ -185,7 +185,7 @@ class FeatureDataset(Dataset[Any]):
             TypeError: If an index is not an integer.
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
-        wanted = self._indices(indices)
+        wanted = _checked_indices(indices, self.length)
         if not len(wanted):
             return []
         if isinstance(self.file, WholeSamples):
@@ -205,7 +205,7 @@ class FeatureDataset(Dataset[Any]):
             TypeError: If an index is not an integer.
             MissingFeatureError: If a row is damaged and there is no backbone to compute it.
         """
-        wanted = self._indices(indices)
+        wanted = _checked_indices(indices, self.length)
         if not len(wanted):
             raise ValueError("FeatureDataset.batch() needs at least one index, got none")
         if self.layout is None:
@@ -236,9 +236,6 @@ class FeatureDataset(Dataset[Any]):
         from .loader import make_loader
 
         return make_loader(self, batch_size, **options)
-
-    def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        return _checked_indices(indices, self.length)
 
     def _rows(self, wanted: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, Any]:
         """The checked rows of ``wanted`` (in range), those missing or damaged computed again."""

@@ -18,7 +18,7 @@ from ..errors import KeyingError
 from ..tiers.batch import index_tensor
 from .containers import map_tensors
 
-__all__ = ["CallArguments", "version_of"]
+__all__ = ["CallArguments"]
 
 
 @dataclass
@@ -65,7 +65,7 @@ class CallArguments:
         Raises:
             KeyingError: If one was: a cached call does not run forward, so its hits would not write it.
         """
-        if any(version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not _holds(unchanged):
+        if any(_version_of(t) != v for t, v in zip(self.tensors, self.versions)) and not _holds(unchanged):
             raise _written(name)
         self.refuse_shared_written(name)
 
@@ -75,7 +75,7 @@ class CallArguments:
         Raises:
             KeyingError: If one was (a hit would not write it).
         """
-        if any(version_of(t) != v for t, v in zip(self.shared, self.shared_versions)):
+        if any(_version_of(t) != v for t, v in zip(self.shared, self.shared_versions)):
             raise _written(name)
 
     def compute(self, fn: Callable[..., Any]) -> Any:
@@ -84,8 +84,8 @@ class CallArguments:
         return fn(*self.args, **self.kwargs)
 
     def _note_versions(self) -> None:  # on the paths that compute: a hit runs no forward, and needs none
-        self.versions = list(map(version_of, self.tensors))
-        self.shared_versions = list(map(version_of, self.shared))
+        self.versions = list(map(_version_of, self.tensors))
+        self.shared_versions = list(map(_version_of, self.shared))
 
     def compute_rows(self, fn: Callable[..., Any], positions: list[int], name: str) -> Any:
         """``fn`` called with the caller's arguments restricted to ``positions`` (:meth:`select`).
@@ -98,7 +98,7 @@ class CallArguments:
         self._note_versions()
         computed = fn(*args, **kwargs)
         for value, dim, index, rows in self.picked:
-            if version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):
+            if _version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):
                 raise _written(name)
         self.refuse_shared_written(name)
         return computed
@@ -149,6 +149,6 @@ def _holds(check: Callable[[], bool]) -> bool:
         return False
 
 
-def version_of(tensor: torch.Tensor) -> int:
+def _version_of(tensor: torch.Tensor) -> int:
     """A tensor's version counter (-1 for an inference tensor, which counts no writes)."""
     return -1 if tensor.is_inference() else tensor._version
