@@ -16,6 +16,8 @@ import sys
 import tempfile
 import textwrap
 import threading
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +30,7 @@ from torchcache import torchcache
 from torchcache.codec import decode_frame
 from torchcache.stores.packed.index import INDEX_NAME
 from torchcache.stores.packed.store import PackedStore
+from torchcache.tiers.writer import flush_all
 
 
 def _weights(*shape: int, seed: int) -> torch.Tensor:
@@ -395,3 +398,19 @@ def pwrite_fault(kind: str) -> Any:
 
     pwrite.calls = calls  # type: ignore[attr-defined]
     return pwrite
+
+
+@contextlib.contextmanager
+def traced_memory() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Trace Python allocations in the block; yields ``tracemalloc.get_traced_memory``.
+
+    Tracing stops only once torchcache's background writers are idle: CPython 3.11's
+    ``tracemalloc.stop()`` can crash the process when another thread reports a numpy
+    allocation at that moment (python/cpython#128679, fixed in 3.12.9 and 3.13.2).
+    """
+    tracemalloc.start()
+    try:
+        yield tracemalloc.get_traced_memory
+    finally:
+        flush_all()
+        tracemalloc.stop()

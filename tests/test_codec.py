@@ -10,7 +10,6 @@ import os
 import pickle
 import random
 import struct
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import traced_memory
 from torchcache.codec import (
     CODEC_BROTLI,
     CODEC_RAW,
@@ -361,13 +361,9 @@ def _sealed(codec: int, header: bytes, stored: bytes, raw_len: int) -> bytes:
 
 
 def _peak_bytes(fn: Callable[[], object]) -> int:
-    tracemalloc.start()
-    try:
-        with contextlib.suppress(CorruptEntryError):
-            fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    with traced_memory() as traced, contextlib.suppress(CorruptEntryError):
+        fn()
+    return traced()[1]
 
 
 def test_a_decompression_bomb_stops_at_its_declared_size() -> None:

@@ -22,7 +22,6 @@ import shutil
 import stat
 import struct
 import threading
-import tracemalloc
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -35,7 +34,7 @@ import pytest
 import torch
 import xxhash
 
-from tests.helpers import Counting, assert_same, cached, run_python
+from tests.helpers import Counting, assert_same, cached, run_python, traced_memory
 from torchcache import CacheWarning
 from torchcache.cli.main import main
 from torchcache.codec import CODEC_BROTLI, MAGIC, encode_header
@@ -362,14 +361,11 @@ def _bounded(fn: Callable[[], Any]) -> Any:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
             errors.append(exc)
 
-    tracemalloc.start()
-    try:
+    with traced_memory() as traced:
         thread = threading.Thread(target=target, daemon=True)
         thread.start()
         thread.join(DEADLINE)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+        peak = traced()[1]
     if thread.is_alive():
         pytest.fail(f"the call did not return within {DEADLINE} s")
     if errors:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import tracemalloc
 import weakref
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import traced_memory
 from torchcache.tiers import memory
 from torchcache.tiers.memory import CAPACITY_OVERHEAD, ENTRY_BYTES, Slab
 from torchcache.tree import Layout, flatten
@@ -453,13 +453,10 @@ def test_the_index_of_tiny_entries_is_charged_to_the_budget() -> None:
     x = torch.arange(20_000, dtype=torch.float32).reshape(-1, 1)
     spec, leaves = flatten(x)
     layout = Layout.of(spec, leaves, None)
-    tracemalloc.start()
-    try:
+    with traced_memory() as traced_now:
         for start in range(0, len(x), 1000):  # five times what fits: entries come and go
             tier.put([start.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(1000)], layout, [x[:1000]])
-        traced = tracemalloc.get_traced_memory()[0]  # the index, keys included (the slabs are torch's)
-    finally:
-        tracemalloc.stop()
+        traced = traced_now()[0]  # the index, keys included (the slabs are torch's)
     assert len(tier) == 1_000_000 // (4 + ENTRY_BYTES) and tier.nbytes <= tier.max_bytes
     assert traced + tier.allocated_bytes <= tier.max_bytes
 

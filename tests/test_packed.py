@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import time
-import tracemalloc
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import fault_under, run_python
+from tests.helpers import fault_under, run_python, traced_memory
 from tests.store_helpers import Reports, charged, key, value
 from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
@@ -446,10 +445,9 @@ def test_an_index_that_lies_is_bounds_checked(root: Path, reports: Reports) -> N
             txn.put(bytes.fromhex(key(i)), ENTRY.pack(*row), db=index.entries)
         txn.put(bytes.fromhex(key(6)), b"short", db=index.entries)
     os.truncate(root / segment_name(seg), 1 << 40)  # and a giant sparse segment
-    tracemalloc.start()
-    got = store.get_many([key(i) for i in range(10)])
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    with traced_memory() as traced:
+        got = store.get_many([key(i) for i in range(10)])
+        peak = traced()[1]
     assert peak < 10 << 20
     assert [i for i, v in enumerate(got) if v is None] == [2, 3, 4, 5, 6]
     assert all(bytes(got[i] or b"") == value(i) for i in (0, 1, 7, 8, 9))
