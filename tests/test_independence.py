@@ -87,6 +87,20 @@ def test_dropout_in_training_mode_runs_without_the_cache_with_one_warning() -> N
     assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 8
 
 
+def test_dropout_switched_on_in_an_eval_model_runs_without_the_cache_as_in_training_mode() -> None:
+    model = torchcache()(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False)).eval()
+    model[1].train()  # Monte Carlo dropout: the model in eval mode, its dropout on
+    x = torch.randn(8, 4)
+    with pytest.warns(CacheWarning, match="training mode"):
+        first = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        second = model(x)
+    assert not torch.equal(first, second) and len(model.cache_instance.memory) == 0
+    model[1].eval()
+    assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 8
+
+
 def test_the_check_leaves_batch_norm_statistics_as_a_plain_call_would() -> None:
     cached = torchcache()(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).requires_grad_(False))
     plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).requires_grad_(False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib.util
 import sys
@@ -111,6 +112,29 @@ def test_two_classes_of_one_name_in_one_file_have_their_own_keys(tmp_path: Path,
     second = load_module(tmp_path / "defines_variants.py", "defines_variants", "VARIANT = False\n" + _VARIANTS).Net
     got, expected = _both(_frozen(first()), _frozen(second()), X, root=tmp_path / "cache")
     assert torch.equal(got, expected)
+
+
+_BOUND_IN_MAIN = """
+import torch
+from torchcache import torchcache
+
+model = None  # bound by main(), after the function below is decorated
+
+@torchcache(persistent=True, persistent_cache_dir={root!r})
+def embed(x):
+    return model(x)
+"""
+
+
+def test_a_global_bound_after_decoration_and_before_the_first_call_is_keyed(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("binds_in_main")
+    outputs = []
+    for scale in (2.0, 3.0):  # two runs of one script, each with its own checkpoint
+        script = load_module(tmp_path / "binds_in_main.py", "binds_in_main", _BOUND_IN_MAIN.format(root=str(tmp_path)))
+        script.model = lambda x, scale=scale: x * scale
+        outputs.append(script.embed(X))
+        script.embed.cache_instance.flush()
+    assert torch.equal(outputs[0], X * 2) and torch.equal(outputs[1], X * 3)
 
 
 # 5 -------------------------------------------------------------------------------------------------
@@ -328,7 +352,7 @@ def test_a_submodule_switched_to_training_mode_alone_is_keyed() -> None:
     net = torchcache()(_frozen(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))))
     evaluated = net(X)
     net[1].train()
-    with pytest.raises(KeyingError, match="not deterministic"):  # another context, checked: dropout runs
+    with pytest.warns(CacheWarning, match="training mode"):  # dropout runs: calls run uncached, as in training
         net(X)
     net[1].eval()
     assert torch.equal(net(X), evaluated)
@@ -557,6 +581,42 @@ def test_the_training_flag_of_a_module_held_as_a_value_is_keyed_and_watched(hold
     assert torch.equal(cached(X), encoder(X))
 
 
+@pytest.mark.parametrize("holder", ["function", "module"])
+@pytest.mark.parametrize("change", ["parameter", "submodule"])
+def test_a_module_held_as_a_value_whose_parameter_or_submodule_is_replaced_is_seen(holder: str, change: str) -> None:
+    encoder = _ENCODER if holder == "function" else nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    cached = torchcache()(_through_global_encoder if holder == "function" else _HoldsUnregistered(encoder).eval())
+    weight, dropout = encoder[0].weight, encoder[1]
+    cached(X)
+    try:
+        if change == "parameter":
+            encoder[0].weight = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        else:
+            encoder[1] = nn.Tanh()
+        assert torch.equal(cached(X), encoder(X))
+    finally:
+        encoder[0].weight, encoder[1] = weight, dropout
+    assert torch.equal(cached(X), encoder(X))
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = torch.ones(4)  # a plain attribute: neither a parameter nor a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask
+
+
+def test_a_tensor_attribute_rebound_after_the_first_call_is_seen() -> None:
+    cached = torchcache()(_Masked())
+    assert torch.equal(cached(X), X)
+    cached.mask = torch.zeros(4)
+    assert torch.equal(cached(X), X * 0)
+    cached.mask = torch.ones(4)
+    assert torch.equal(cached(X), X)
+
+
 class _PerBatch(dict):  # type: ignore[type-arg]
     """A library's batch: its fields as attributes too (as a ModelOutput), and private per-batch data."""
 
@@ -762,6 +822,28 @@ def test_deterministic_algorithms_and_reduced_precision_reductions_are_keyed() -
     assert cached.cache_instance.stats().hits == 0
 
 
+@contextlib.contextmanager
+def _switched(name: str) -> Iterator[None]:
+    was = getattr(torch._C, f"_get_{name}")()
+    getattr(torch._C, f"_set_{name}")(not was)
+    try:
+        yield
+    finally:
+        getattr(torch._C, f"_set_{name}")(was)
+
+
+@pytest.mark.parametrize("name", ["mkldnn_enabled", "nnpack_enabled", "cudnn_enabled", "cudnn_deterministic"])
+def test_backend_switches_that_choose_other_kernels_are_keyed(name: str) -> None:
+    conv = _frozen(nn.Conv2d(3, 8, 3))
+    cached, x = torchcache()(_frozen(nn.Conv2d(3, 8, 3))), torch.randn(4, 3, 16, 16)
+    cached.load_state_dict(conv.state_dict())
+    cached(x)
+    with _switched(name):
+        assert numerics(()) == [f"{name}:{getattr(torch._C, f'_get_{name}')()}".encode()]
+        assert torch.equal(cached(x), conv(x))
+    assert cached.cache_instance.stats().hits == 0
+
+
 def test_code_under_the_interpreters_prefix_but_outside_its_libraries_is_the_users() -> None:
     from torchcache.canonical.origins import is_installed_file
 
@@ -877,7 +959,32 @@ def _imports_by_name(x: torch.Tensor) -> torch.Tensor:
     return importlib.import_module("math").pi * x
 
 
-@pytest.mark.parametrize(("fn", "named"), [(_by_name, "globals"), (_imports_by_name, "importlib")])
+def _module_by_name(x: torch.Tensor) -> torch.Tensor:
+    return sys.modules["math"].pi * x
+
+
+def _module_by_name_imported(x: torch.Tensor) -> torch.Tensor:
+    from sys import modules
+
+    return modules["math"].pi * x
+
+
+def _imports_by_name_imported(x: torch.Tensor) -> torch.Tensor:
+    from importlib import import_module
+
+    return import_module("math").pi * x
+
+
+@pytest.mark.parametrize(
+    ("fn", "named"),
+    [
+        (_by_name, "globals"),
+        (_imports_by_name, "importlib"),
+        (_module_by_name, "sys.modules"),
+        (_module_by_name_imported, "sys.modules"),
+        (_imports_by_name_imported, "importlib"),
+    ],
+)
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
     with pytest.raises(KeyingError, match=f"{named}.*known only when it runs"):
         torchcache()(fn)(X)

@@ -255,6 +255,27 @@ _REDUCED_PRECISION = tuple(
     if (getter := getattr(torch._C, f"_get_{name}_reduced_precision_reduction", None)) is not None
 )
 _REDUCED_AT_DEFAULTS = ((True, True), (True, True), False)[: len(_REDUCED_PRECISION)]
+#: Backend switches that choose other kernels (``torch.backends.mkldnn.enabled``, cuDNN's, the
+#: attention backends): the values differ in their last bits. Each with torch's default.
+_SWITCHES = tuple(
+    (name, getter, default)
+    for name, default in (
+        ("mkldnn_enabled", True),
+        ("mkldnn_deterministic", False),
+        ("nnpack_enabled", True),
+        ("cudnn_enabled", True),
+        ("cudnn_deterministic", False),
+        ("flash_sdp_enabled", True),
+        ("mem_efficient_sdp_enabled", True),
+        ("math_sdp_enabled", True),
+        ("cudnn_sdp_enabled", True),
+        ("overrideable_sdp_enabled", True),
+        ("math_sdp_allow_fp16_bf16_reduction", False),
+    )
+    if (getter := getattr(torch._C, f"_get_{name}", None)) is not None
+)
+_SWITCH_GETTERS = tuple(getter for _, getter, _ in _SWITCHES)
+_SWITCHES_AT_DEFAULTS = tuple(default for _, _, default in _SWITCHES)
 
 
 def numerics(device_types: Iterable[str]) -> list[bytes]:
@@ -267,7 +288,9 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     numbers to zero (``torch.set_flush_denormal``), deterministic algorithms
     (``torch.use_deterministic_algorithms``) and whether half-precision matrix products
     may reduce in half precision (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
-    and its bfloat16 and CPU counterparts), where they differ from torch's defaults.
+    and its bfloat16 and CPU counterparts), and the backend switches that choose other kernels
+    (``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled`` and ``.deterministic``,
+    the attention backends), where they differ from torch's defaults.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -284,4 +307,7 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     reduced = tuple(getter() for getter in _REDUCED_PRECISION)  # C getters: the properties cost a microsecond
     if reduced != _REDUCED_AT_DEFAULTS:
         found.append(f"reduced_precision_reduction:{reduced}".encode())
+    switches = tuple(getter() for getter in _SWITCH_GETTERS)
+    if switches != _SWITCHES_AT_DEFAULTS:
+        found += [f"{name}:{now}".encode() for (name, _, was), now in zip(_SWITCHES, switches) if now != was]
     return found

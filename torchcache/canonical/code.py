@@ -13,7 +13,6 @@ functions are still followed, since they hold the user's values.
 from __future__ import annotations
 
 import dis
-import importlib
 import os
 import struct
 import sys
@@ -23,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
-from .pending import import_for_key, missing_global
+from .pending import import_for_key, missing_global, names_modules
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -114,10 +113,8 @@ def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: i
         _const((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
     ]
     for const in consts:
-        if isinstance(const, types.CodeType):
-            parts.append(_describe(const, chains, imports, depth + 1))
-        else:
-            parts.append(_const(const))
+        code_object = isinstance(const, types.CodeType)
+        parts.append(_describe(const, chains, imports, depth + 1) if code_object else _const(const))
     return tagged(Tag.CODE, b"".join(parts))
 
 
@@ -248,8 +245,8 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             continue
         if name in namespace:
             value = namespace[name]
-            if value is importlib.import_module or (value is importlib and chain[1:2] == ("import_module",)):
-                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what="imports a module named at run time"))
+            if what := names_modules(value, chain[1:2]):
+                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
@@ -270,6 +267,8 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             parts.append(tagged(Tag.GLOBAL_MISSING, f"{absolute}|{imported}".encode()))
         elif names:
             for name in names:
+                if what := names_modules(imported, (name,)):
+                    raise encoder.refuse(label, _DYNAMIC.format(what=what))
                 if name not in vars(imported) and getattr(imported, "__path__", None) is not None:
                     import_for_key(f"{absolute}.{name}", encoder, label)  # from a package import a submodule
                 parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))

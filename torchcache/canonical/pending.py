@@ -26,7 +26,7 @@ from ..errors import KeyingError
 from .notes import Notes
 from .origins import is_installed_file, origin_of_module, version_of
 
-__all__ = ["deferring", "import_for_key", "missing_global"]
+__all__ = ["deferring", "import_for_key", "missing_global", "names_modules"]
 
 _missing = Notes()
 
@@ -87,3 +87,12 @@ def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType 
         return None
     except Exception as exc:
         raise encoder.refuse(path, f"importing it to key its code failed ({type(exc).__name__}: {exc})") from exc
+
+
+def names_modules(value: object, attribute: tuple[str, ...]) -> str | None:
+    """How ``value`` (with ``attribute`` read from it) reaches modules named at run time, if it does."""
+    if value is importlib.import_module or (value is importlib and attribute == ("import_module",)):
+        return "imports a module named at run time"
+    if value is sys.modules or (value is sys and attribute == ("modules",)):
+        return "reads modules from sys.modules"
+    return None

@@ -24,7 +24,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
-from ..canonical import collecting, deferring
+from ..canonical import collecting
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
 from ..errors import ConfigError, StoreError
@@ -175,7 +175,8 @@ class Cache:
     def take_key(self, early: bool = False) -> None:
         """Take the key now rather than at the first call (unless ``persistent_module_hash`` gives it).
 
-        ``early`` (at decoration): a key that reads globals not defined yet is taken again at the first call.
+        ``early`` (at decoration): a check only, and the key is taken again at the first call (a
+        script binds the globals a function reads, ``model = load()``, after decorating it).
 
         Raises:
             KeyingError: If what the key covers cannot be encoded.
@@ -184,10 +185,9 @@ class Cache:
             if self._module_hash is None:
                 if self._watch is not None:
                     self._watch.reset()  # before hashing: a write during it is seen at the next call
-                with deferring(early) as missing:
-                    key = self._take_key()
-                self._module_hash = None if missing else key
-                logger.info("torchcache: %s has module key %s", self.name, self._module_hash)
+                key = self._take_key()
+                self._module_hash = None if early else key
+                logger.info("torchcache: %s has module key %s", self.name, key)
 
     def _take_key(self) -> str:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
@@ -358,7 +358,7 @@ class Cache:
                 "run without the cache until it can",
             )
             return fn(*args, **kwargs)
-        if training in self._items.uncached:  # items that depend on each other in this mode
+        if call.training in self._items.uncached:  # items that depend on each other in this mode
             return fn(*args, **kwargs)
         tensors = call.tensors
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *call.shared)):
@@ -416,8 +416,8 @@ class Cache:
             pattern = self._watch.training_pattern(training) if self._watch is not None else b""
             if pattern:
                 context.add(b"submodules:" + pattern)
-        # Autocast, the default dtype and the matmul precision change the values of outputs:
-        # part of the key, and nothing is added at their defaults, so keys made without them stay.
+                call.training = training or 1 in pattern  # dropout on in an eval model (MC dropout): training
+        # Settings that change the values of outputs (autocast, precisions): none added at torch's defaults.
         for line in numerics((*_AUTOCAST_DEVICES, call.tensors[0].device.type)):
             context.add(line)
         call.context = context.digest()

@@ -124,6 +124,7 @@ class VersionWatch:
         "_ignore",
         "_module",
         "_modules",
+        "_plain",
         "_ptrs",
         "_registries",
         "_registries_held",
@@ -163,6 +164,7 @@ class VersionWatch:
         self._hooks: list[int] = []
         self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
         self._held: list[torch.Tensor] = []
+        self._plain: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self._generation = -1
         self._digest = ""
 
@@ -183,6 +185,13 @@ class VersionWatch:
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
         held = list(_tensors(module, self._ignore))
+        plain = {name for name, _ in unignored(tensor_attributes(module), self._ignore)}
+        self._plain = [  # rebound with a plain setattr, which no registration hook sees
+            (vars(sub), name, value)
+            for prefix, sub in module.named_modules(remove_duplicate=False)
+            for name, value in vars(sub).items()
+            if f"{prefix}.{name}" in plain
+        ]
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
         self._modules = _module_ids(module)
@@ -210,6 +219,8 @@ class VersionWatch:
             if [id(t) for t in _tensors(module, self._ignore)] != self._ids or _module_ids(module) != self._modules:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
+        if self._plain and not all(namespace.get(name) is value for namespace, name, value in self._plain):
+            return True
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
         children = itertools.chain.from_iterable(map(dict.values, self._children))  # _modules[name] = new: no hook
@@ -287,7 +298,17 @@ class HeldValues:
     in all, by hashing them again) means the key must be taken again.
     """
 
-    __slots__ = ("_arrays", "_flags", "_modules", "_ptrs", "_tensors", "_total", "_versioned")
+    __slots__ = (
+        "_arrays",
+        "_flags",
+        "_generation",
+        "_members",
+        "_modules",
+        "_ptrs",
+        "_tensors",
+        "_total",
+        "_versioned",
+    )
 
     def __init__(self, values: list[Any]) -> None:
         unique = list({id(value): value for value in values}.values())
@@ -298,6 +319,8 @@ class HeldValues:
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
         self._flags = bytes(map(_training, self._modules))
+        self._generation = _Generation.value
+        self._members = self._held_members()
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
         room = ARRAY_WATCH_BYTES
         for array in (v for v in unique if isinstance(v, np.ndarray) and not v.dtype.hasobject):
@@ -308,12 +331,20 @@ class HeldValues:
     def __bool__(self) -> bool:
         return bool(self._tensors or self._arrays or self._modules)
 
+    def _held_members(self) -> list[int]:
+        """The submodules and tensors of the modules held as values, by identity."""
+        return [ident for held in self._modules for ident in (*_module_ids(held), *map(id, _tensors(held)))]
+
     def changed(self) -> bool:
         """Whether one of them was written in place (or given new storage) since they were collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
+        if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
+            if self._held_members() != self._members:
+                return True
+            self._generation = _Generation.value
         return any(_array_digest(array) != digest for array, digest in self._arrays)
 
     def written(self, name: str) -> KeyingError | None:
