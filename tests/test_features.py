@@ -261,6 +261,20 @@ def test_changed_weights_dataset_or_version_compute_afresh(cache_root: Path) -> 
     assert len(feature_dirs(cache_root)) == 4
 
 
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_the_backbones_own_hooks_are_keyed_since_rows_hold_what_they_did(cache_root: Path, kind: str) -> None:
+    net, data = Scale(), torch.utils.data.TensorDataset(torch.randn(10, 6))
+    if kind == "forward":
+        handle = net.register_forward_hook(lambda module, args, output: output * 100)
+    else:
+        handle = net.register_forward_pre_hook(lambda module, args: (args[0] * 100,))
+    hooked = extract(net, data)
+    assert torch.equal(hooked[3][0], net(data[3][0]))
+    handle.remove()
+    plain = extract(net, data)
+    assert plain.path != hooked.path and torch.equal(plain[3][0], net(data[3][0]))
+
+
 def test_train_mode_is_keyed_and_stochastic_layers_are_refused(cache_root: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(10, 6))
     net = Scale().eval()

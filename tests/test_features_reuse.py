@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import Tally
 from tests.test_features import Images, Net, Scale, extract, feature_dirs
 from torchcache.stores.features.digests import DIGESTS_NAME, DigestFile, bindings, input_digest
 
@@ -43,18 +44,24 @@ def test_a_changed_dataset_runs_the_backbone_only_on_the_inputs_it_has_not_seen(
     assert all(torch.equal(after[i][0], before[i][0]) for i in unchanged)  # the very rows taken
 
 
+def _counted(net: torch.nn.Module) -> tuple[torch.nn.Module, Tally]:
+    """``net`` with a forward hook that counts the samples it computes (a hook is part of the key)."""
+    calls = Tally(samples=0)
+    net.register_forward_hook(lambda module, args, out: calls.__setitem__("samples", calls["samples"] + len(args[0])))
+    return net, calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])  # the first cache's digests hashed in the writer's thread, in workers
 def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path, workers: int) -> None:
-    net = Scale(width=6)
+    net, calls = _counted(Scale(width=6))
     base = torch.utils.data.TensorDataset(torch.randn(30, 6), torch.arange(30))
     before = extract(net, base, num_workers=workers)
     order = torch.randperm(30)
     shuffled = torch.utils.data.TensorDataset(base.tensors[0][order], base.tensors[1][order])
-    calls = [0]
-    net.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + len(args[0])))
+    calls["samples"] = 0
     after = extract(net, shuffled)
-    assert calls[0] == 0
+    assert calls["samples"] == 0
     for i in range(30):
         x, y = after[i]
         assert int(y) == int(order[i]) and torch.equal(x, before[int(order[i])][0])
@@ -177,7 +184,7 @@ def test_a_digest_file_of_another_length_or_header_is_not_used(tmp_path: Path) -
 
 
 def test_several_older_caches_serve_one_batch_and_stand_in_for_each_others_damage(cache_root: Path) -> None:
-    net = Scale(width=6)
+    net, calls = _counted(Scale(width=6))
     pool = torch.randn(30, 6)
     first = extract(net, torch.utils.data.TensorDataset(pool[:20]))  # inputs 0-19
     second = extract(net, torch.utils.data.TensorDataset(pool[10:]))  # inputs 10-29, the newer cache
@@ -188,9 +195,8 @@ def test_several_older_caches_serve_one_batch_and_stand_in_for_each_others_damag
         byte = raw.read(1)
         raw.seek(-1, os.SEEK_CUR)
         raw.write(bytes([byte[0] ^ 0x01]))
-    calls = [0]
-    net.register_forward_hook(lambda module, args, output: calls.__setitem__(0, calls[0] + len(args[0])))
+    calls["samples"] = 0
     both = extract(net, torch.utils.data.TensorDataset(pool))
-    assert calls[0] == 0  # every input is in one cache or the other; input 12 from the older one
+    assert calls["samples"] == 0  # every input is in one cache or the other; input 12 from the older one
     assert torch.equal(both[12][0], first[12][0])
     assert all(torch.equal(both[i][0], (pool[i] * net.w).detach()) for i in range(30))

@@ -172,7 +172,7 @@ def _extract_features(
     lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
     if lines:  # in the module key: rows are reused only from caches computed the same way
         settings["numerics"] = b"|".join(lines).decode()
-    module_key = fingerprint_module(backbone, b"", settings)
+    module_key = fingerprint_module(backbone, b"", settings, root_hooks=True)  # rows hold what its hooks did
     dataset_key = fingerprint_dataset(dataset, version)
     h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))

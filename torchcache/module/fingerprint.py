@@ -181,6 +181,7 @@ def fingerprint_module(
     settings: Mapping[str, object],
     method: str = "forward",
     ignore: Collection[str] = (),
+    root_hooks: bool = False,
 ) -> str:
     """The module key: classes, init arguments and attributes, hooks, weights, format and settings.
 
@@ -191,6 +192,8 @@ def fingerprint_module(
         settings: Settings that change what is stored (``cache_dtype``, ``subsample_count``).
         method: The name of the method whose outputs are cached.
         ignore: ``key_ignore``: hooks registered on modules of these names are left out.
+        root_hooks: Key the module's own forward hooks too, as for a method other than
+            ``forward``: stored outputs include what they did (extracted features).
 
     Returns:
         32 hex digits.
@@ -205,7 +208,7 @@ def fingerprint_module(
         h.update(tag(b"m", method.encode()))
     h.update(tag(b"a", init_digest))
     h.update(tag(b"i", describe_instance(module, ignore)))
-    h.update(tag(b"h", describe_hooks(module, ignore, include_root=method != "forward")))
+    h.update(tag(b"h", describe_hooks(module, ignore, include_root=root_hooks or method != "forward")))
     named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     named += list(module.named_buffers(remove_duplicate=False))
     h.update(tag(b"w", tensor_digest(unignored(named, ignore)).encode()))
