@@ -470,3 +470,53 @@ def test_a_fork_while_another_thread_is_inside_lmdb_never_hangs_the_child(tmp_pa
     result = run_python(IN_FLIGHT, str(tmp_path), timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"child": 0, "parent": "x"}, result.stderr
+
+
+WRITE_IN_FLIGHT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, threading
+    from torchcache.stores.packed.index import INDEX_NAME, TRANSACTIONS, open_index
+    from torchcache.stores.packed.store import PackedStore
+
+    root = sys.argv[1]
+    store = PackedStore(root, max_bytes=10**6)
+    store.put_many([("a" * 32, b"x" * 100)])
+    store.flush()
+    index = open_index(root, readonly=False)  # the store's environment, shared
+    holder = subprocess.Popen(  # another process holds the write lock until told to let go
+        [sys.executable, "-c", "import lmdb, sys; env = lmdb.open(sys.argv[1], subdir=False, max_dbs=3); "
+         "txn = env.begin(write=True); print('held', flush=True); sys.stdin.readline(); txn.abort()",
+         os.path.join(root, INDEX_NAME)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline() == "held\\n"
+    writer = threading.Thread(target=lambda: index.change().abort())  # a background write, waiting inside LMDB
+    writer.start()
+    task = f"/proc/self/task/{writer.native_id}/wchan"
+    while not os.path.exists(task) or "futex" not in open(task).read():
+        pass
+
+    def let_go() -> None:  # once the fork has begun
+        while not TRANSACTIONS._forking:
+            pass
+        holder.communicate("\\n")
+
+    threading.Thread(target=let_go).start()
+    pid = os.fork()  # a DataLoader worker, forked while the parent writes
+    if pid == 0:
+        child = PackedStore(root, max_bytes=10**6)
+        child.put_many([("b" * 32, b"y" * 100)])
+        child.flush()
+        os._exit(0 if child.get("b" * 32) == b"y" * 100 and child.get("a" * 32) == b"x" * 100 else 3)
+    _, status = os.waitpid(pid, 0)
+    writer.join()
+    print(json.dumps({"child": os.waitstatus_to_exitcode(status), "parent": bytes(store.get("b" * 32))[:1].decode()}))
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to see a thread wait")
+def test_a_child_forked_during_a_write_transaction_keeps_its_disk_store(tmp_path: Path) -> None:
+    result = run_python(WRITE_IN_FLIGHT, str(tmp_path), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"child": 0, "parent": "y"}, result.stderr

@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["after_fork", "renew_lock_after_fork"]
+__all__ = ["ForkGate", "after_fork", "renew_lock_after_fork"]
 
 _locks: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
 
@@ -22,6 +22,50 @@ def after_fork(reset: Callable[[], None]) -> None:
     """Run ``reset`` in every child forked from now on (no-op where there is no fork)."""
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=reset)
+
+
+class ForkGate:
+    """Work that a fork must not cut in half, such as an LMDB transaction of another thread.
+
+    Each piece runs between :meth:`enter` and :meth:`leave`. A fork waits until none is in
+    flight (at most ``timeout`` seconds) and holds new ones back until it is done: a child
+    never inherits a transaction that no thread of its own will end.
+    """
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        self._timeout = timeout
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=self._before, after_in_parent=self._after, after_in_child=self._reset)
+
+    def enter(self) -> None:
+        """Begin a piece of work (waits while a fork is being made)."""
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._busy += 1
+
+    def leave(self) -> None:
+        """End a piece of work begun with :meth:`enter`."""
+        with self._cond:
+            self._busy -= 1
+            if not self._busy:
+                self._cond.notify_all()
+
+    def _before(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        self._cond.wait_for(lambda: self._busy <= 0, self._timeout)
+
+    def _after(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._busy = 0
+        self._forking = False
 
 
 def renew_lock_after_fork(owner: object, attribute: str) -> None:

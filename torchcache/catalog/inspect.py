@@ -24,7 +24,8 @@ from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.packed.format import parse_segment_name
-from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, cut_short, open_index
+from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_index
+from ..stores.packed.mappable import cut_short
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
 from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from ..._fork import after_fork
+from ..._fork import ForkGate, after_fork
 from ...errors import StoreError
 from .format import HEADER, record_size
 from .locks import opening_index
@@ -42,7 +42,6 @@ __all__ = [
     "IndexDamageError",
     "IndexReplacedError",
     "Segment",
-    "cut_short",
     "map_size_for",
     "open_index",
     "unpack_entry",
@@ -83,6 +82,9 @@ _BLOCK = 4096
 _shared: dict[tuple[int, int], Index] = {}  # open environments of this process, by file identity
 _shared_lock = threading.RLock()  # reentrant: a store the collector drops inside an open closes its use
 _inherited: list[Index] = []  # environments inherited over fork: never used, closed before the next open
+#: Transactions in flight in this process: a fork waits for them (a child that inherits one
+#: cannot close its environment, and loses the store).
+TRANSACTIONS = ForkGate()
 
 
 class Entry(NamedTuple):
@@ -191,36 +193,6 @@ def open_index(root: str, readonly: bool, map_size: int = MIN_MAP_SIZE) -> Index
                 index = Index(path, readonly=True, lock=False, map_size=map_size)  # no lock file to write
         _shared[index.identity] = index
         return index
-
-
-def cut_short(path: str) -> str | None:
-    """Why the index file at ``path`` cannot be mapped safely, or ``None``.
-
-    LMDB maps the index into memory, and a process that touches a page beyond the end of
-    a file cut short dies of ``SIGBUS``. So, before it is opened, the file's length is
-    checked against what its header (read with ``pread``, not mapped) says it holds. A
-    file LMDB cannot read at all is not reported here: opening it fails and it is rebuilt.
-    """
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return None  # not a file LMDB can map (opening it fails, and it is replaced)
-    except OSError:
-        return None
-    try:  # read-only and without the lock file: nothing is written, no other use is disturbed
-        env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=3)
-    except lmdb.Error:
-        return None  # unreadable (opening it fails as damaged), or open in this process already
-    try:
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    except lmdb.Error:
-        return None
-    finally:
-        env.close()
-    try:  # measured after the header: a writer grows the file before it commits a header
-        size = os.stat(path).st_size
-    except OSError:
-        return None
-    return f"cut short: {size:,} bytes, its header describes {needed:,}" if size < needed else None
 
 
 def _forget_shared() -> None:
@@ -339,8 +311,9 @@ class Index:
                 del _shared[self.identity]
         self.env.close()
 
-    def begin(self) -> lmdb.Transaction[bytes]:
-        """A read transaction: a consistent snapshot, without a lock.
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[lmdb.Transaction[bytes]]:
+        """A read transaction for the block: a consistent snapshot, without a lock.
 
         Its default table is ``entries`` (``txn.get(kb)`` reads an entry; py-lmdb parses
         a ``db=`` argument on every call).
@@ -348,11 +321,17 @@ class Index:
         Raises:
             lmdb.Error: If it cannot begin.
         """
+        TRANSACTIONS.enter()
         try:
-            return self.env.begin(db=self.entries)
-        except lmdb.MapResizedError:  # another process grew the map past this one's
-            self.env.set_mapsize(0)
-            return self.env.begin(db=self.entries)
+            try:
+                txn = self.env.begin(db=self.entries)
+            except lmdb.MapResizedError:  # another process grew the map past this one's
+                self.env.set_mapsize(0)
+                txn = self.env.begin(db=self.entries)
+            with txn:
+                yield txn
+        finally:
+            TRANSACTIONS.leave()
 
     def change(self) -> Change:
         """Begin a write transaction (the store's one cross-process lock).
@@ -365,15 +344,20 @@ class Index:
             IndexReplacedError: If the index file was replaced: open it again.
             lmdb.Error: If it cannot begin.
         """
+        TRANSACTIONS.enter()
         try:
-            txn = self.env.begin(write=True)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)
-            txn = self.env.begin(write=True)
-        if self.replaced():
-            txn.abort()
-            raise IndexReplacedError(f"{self.path} was replaced since it was opened")
-        return Change(self, txn)
+            try:
+                txn = self.env.begin(write=True)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+                txn = self.env.begin(write=True)
+            if self.replaced():
+                txn.abort()
+                raise IndexReplacedError(f"{self.path} was replaced since it was opened")
+            return Change(self, txn)
+        except BaseException:
+            TRANSACTIONS.leave()
+            raise
 
     def replaced(self) -> bool:
         """Whether the index file at :attr:`path` is no longer the one this environment opened."""
@@ -501,6 +485,13 @@ class Change:
         self.count = index.count(txn)
         self._segs: dict[int, list[int]] = {}
         self._dropped: set[int] = set()
+        self._open = True  # in TRANSACTIONS until committed, aborted or dropped
+
+    def _end(self) -> None:
+        if self.__dict__.pop("_open", False):
+            TRANSACTIONS.leave()
+
+    __del__ = _end
 
     # -- segments -----------------------------------------------------------------
     def segment(self, seg: int) -> list[int]:
@@ -643,10 +634,15 @@ class Change:
         except BaseException:
             self.txn.abort()
             raise
+        finally:
+            self._end()
 
     def abort(self) -> None:
         """Drop every change of this transaction."""
-        self.txn.abort()
+        try:
+            self.txn.abort()
+        finally:
+            self._end()
 
     def clear(self) -> None:
         """Remove every entry and segment row (the clock keeps going)."""

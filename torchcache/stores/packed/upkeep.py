@@ -32,10 +32,10 @@ from .index import (
     Entry,
     Index,
     IndexDamageError,
-    cut_short,
     open_index,
 )
 from .locks import INDEX_LOCK_NAME, LOCK_NAMES, exclusive
+from .mappable import cut_short
 from .segments import TMP_PREFIX, SegmentFiles
 
 __all__ = [
@@ -97,7 +97,7 @@ def compact_index(index: Index, root: str, report: Report) -> None:
 
 def _copy_compact(index: Index, path: str, failed: list[BaseException]) -> None:
     try:
-        with index.env.begin() as txn:
+        with index.begin() as txn:
             index.env.copy(path, compact=True, txn=txn)
     except BaseException as exc:  # noqa: BLE001 (handed to the thread that waits for it)
         failed.append(exc)
@@ -406,7 +406,7 @@ def index_damage(root: str) -> str | None:
     """Why LMDB refuses the index of a store directory as it is, if it does (opening the store rebuilds it).
 
     It is read without its lock file and without writing anything. An index cut short is
-    left to :func:`~torchcache.stores.packed.index.cut_short`, and errors that are not
+    left to :func:`~torchcache.stores.packed.mappable.cut_short`, and errors that are not
     damage (no memory, no access) are not reported.
     """
     path = os.path.join(root, INDEX_NAME)
