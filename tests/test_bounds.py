@@ -21,6 +21,7 @@ from torch import nn
 
 from torchcache import torchcache
 from torchcache.module.engine import Cache
+from torchcache.tiers.memory import ENTRY_BYTES
 from torchcache.tree import flatten, leaf_paths, unflatten
 
 BUDGET = 20_000_000
@@ -97,6 +98,29 @@ def test_outputs_are_freed_without_the_cyclic_collector(no_cyclic_gc: None) -> N
     assert grown <= BUDGET + OVERHEAD, f"resident memory grew by {grown / 1e6:.1f} MB"
     for x in inputs:  # the cache still serves what it kept
         assert torch.equal(module(x)["wide"][:, :16], x)
+
+
+@pytest.mark.slow
+def test_the_budget_holds_in_resident_memory_for_outputs_of_four_bytes() -> None:
+    budget = 100_000_000  # entries of 4-byte outputs: the index is nearly all an entry costs
+
+    @torchcache(max_memory_cache_size=budget, check_items=False)
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1, keepdim=True)
+
+    generator = torch.Generator().manual_seed(0)
+    total(torch.randn(4096, 2, generator=generator))
+    gc.collect()
+    before = _rss()
+    for _ in range(2 * budget // ENTRY_BYTES // 4096):  # twice what fits: entries come and go
+        total(torch.randn(4096, 2, generator=generator))
+    gc.collect()
+    grown = _rss() - before
+    tier = total.cache_instance.memory
+    assert tier.nbytes <= budget and len(tier) > budget // (2 * ENTRY_BYTES)
+    assert grown <= budget * 1.05 + 10_000_000, (
+        f"resident memory grew by {grown / 1e6:.1f} MB for {len(tier):,} entries"
+    )
 
 
 def test_hits_are_freed_without_the_cyclic_collector(no_cyclic_gc: None) -> None:
