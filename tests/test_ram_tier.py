@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +309,43 @@ def test_a_rows_file_not_of_this_dataset_is_left_alone_with_one_report(tmp_path:
     assert slots.file is None and len(tier) == 3 and len(reports) == 1  # in the packed store, reported once
     assert tier.get_many([store_key(1)]) == [encode_sample((torch.zeros(4), 1))]
     tier.close()
+
+
+class _Vectors(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int, seed: int) -> None:
+        self.x = torch.randn(n, 1024, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.x[i], i
+
+
+def test_ram_tiers_of_default_budgets_leave_a_quarter_of_their_file_system_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm, total = tmp_path / "shm", 8 << 20  # an 8 MiB /dev/shm, as small as Docker's
+    shm.mkdir()
+    monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(shm))
+    statvfs = os.statvfs
+
+    def used() -> int:
+        return sum(p.stat().st_blocks * 512 for p in shm.rglob("*") if p.is_file())
+
+    def small(path: Any) -> os.statvfs_result:
+        if not str(path).startswith(str(shm)):
+            return statvfs(path)
+        free = max(0, total - used()) // 4096
+        return os.statvfs_result((4096, 4096, total // 4096, free, free, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", small)
+    train, val = CachedDataset(_Vectors(900, 1), version="train"), CachedDataset(_Vectors(900, 2), version="val")
+    for data, source in ((train, _Vectors(900, 1)), (val, _Vectors(900, 2))):  # each budget: half of 8 MiB
+        for start in range(0, 900, 50):
+            batch = data.__getitems__(list(range(start, start + 50)))
+            assert all(torch.equal(x, source[start + j][0]) for j, (x, _) in enumerate(batch))
+    assert used() <= total * 3 // 4 + 50 * 4200  # a batch's samples may be the last to go in
+    assert train.stats().memory.entries > 0 and val.stats().memory.entries > 0
+    train.close()
+    val.close()

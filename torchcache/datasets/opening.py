@@ -189,7 +189,8 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
                     "cache its own RAM tier with another version=",
                     "memory",
                 )
-        tiers.append(SampleTier(name, store, size, faults, slots))
+        reserve_in = location if name == "memory" and isinstance(location, Path) else None
+        tiers.append(SampleTier(name, store, size, faults, slots, reserve_in))
     return tiers
 
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.context
 import multiprocessing.sharedctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -95,6 +97,9 @@ class SampleTier:
             index's share) plus the rows file's bytes.
         faults: Where faults are warned about.
         slots: The rows file for the samples of a dataset (keys that are indices), if any.
+        reserve_in: For a RAM tier, its directory: the tier takes no more samples once they
+            would leave less than a quarter of that file system free (DataLoader workers
+            pass batches through ``/dev/shm``, and other caches share it).
     """
 
     def __init__(
@@ -104,8 +109,10 @@ class SampleTier:
         budget: int,
         faults: FaultLog,
         slots: SampleRows | None = None,
+        reserve_in: Path | None = None,
     ) -> None:
         self.name = name
+        self.reserve_in = reserve_in
         self._store: BatchedStore | None = None
         self._opener: Callable[[], BatchedStore] | None = None
         if callable(store):
@@ -233,6 +240,14 @@ class SampleTier:
         """Write the items; once the store keeps fewer than it was given, take no more."""
         if not items or not self.accepting:
             return
+        if not self._leaves_room(sum(len(frame) for _, frame in items)):
+            self.full = True
+            logger.info(
+                "the %s tier would leave less than a quarter of %s free: later samples are not cached there",
+                self.name,
+                self.reserve_in,
+            )
+            return
         try:
             if self.slots is not None and self.slots.usable:
                 items = self._put_rows(self.slots, items)
@@ -252,6 +267,16 @@ class SampleTier:
             self.writable = retried  # a server that is away may come back; a disk that failed does not
             later = "retried later" if retried else "samples are computed, not cached there, from now on"
             self.faults.warn(Fault.WRITE, f"cannot write to the {self.name} tier ({exc}); {later}", self.name)
+
+    def _leaves_room(self, nbytes: int) -> bool:
+        """Whether writing ``nbytes`` more leaves a quarter of the tier's file system free."""
+        if self.reserve_in is None:
+            return True
+        try:
+            vfs = os.statvfs(self.reserve_in)
+        except OSError:
+            return True  # a write says what is wrong
+        return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= vfs.f_blocks * vfs.f_frsize
 
     def _put_rows(
         self, slots: SampleRows, items: Sequence[tuple[str, bytes | memoryview]]
