@@ -615,6 +615,18 @@ def test_sample_cache_keys_batches_and_stats(tmp_path: Path) -> None:
     nothing.close()
 
 
+def test_sample_caches_of_one_name_over_other_directories_keep_their_own_ram_tiers(tmp_path: Path) -> None:
+    train = SampleCache("clips", tmp_path / "train", max_memory_size="1MB", max_disk_size="1MB")
+    val = SampleCache("clips", tmp_path / "val", max_memory_size="1MB", max_disk_size="1MB")
+    assert train.get("0001.npy", lambda key: "train") == "train"
+    assert val.get("0001.npy", lambda key: "val") == "val"
+    assert train.memory_dir != val.memory_dir
+    again = SampleCache("clips", tmp_path / "train", max_memory_size="1MB", max_disk_size="1MB")
+    assert again.memory_dir == train.memory_dir and again.get("0001.npy", fail) == "train"
+    for cache in (train, val, again):
+        cache.close()
+
+
 def test_disk_hits_are_copied_up_to_ram(tmp_path: Path, log: Path) -> None:
     data = CachedDataset(Numbers(4, log), tmp_path / "cache", max_memory_size=0)
     data.warmup(num_workers=0, progress=False)

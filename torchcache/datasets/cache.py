@@ -45,7 +45,7 @@ class SampleCache:
 
     Args:
         name: The cache's name: a dataset fingerprint, or any string (mapped to a safe
-            directory name). Caches of one name share their entries.
+            directory name). Caches of one name over one ``cache_dir`` share their entries.
         cache_dir: The directory of disk tiers; ``None`` for ``$TORCHCACHE_DIR`` or the
             user cache directory, used only when ``max_disk_size`` is given.
         max_memory_size: The RAM tier's budget (bytes, or a string such as ``"8GB"``);
@@ -189,7 +189,7 @@ class SampleCache:
             self._root_claim = claim_module_cache(self.directory.parent, self.directory.name, self._faults.warn)
         if self.job_dir is not None and self._held_pid != os.getpid():
             try:
-                hold_memory(self.job_dir, self.dirname)
+                hold_memory(self.job_dir, self._places.memory_name or self.dirname)
                 self._held_pid = os.getpid()
             except StoreError as exc:
                 self._faults.warn(Fault.OPEN, f"cannot open the memory tier ({exc}); it is left out", "memory")
@@ -330,7 +330,7 @@ class SampleCache:
             self._tiers, self._pid, self._root_claim = [], None, None
             if self.job_dir is not None and self._held_pid == os.getpid():
                 self._held_pid = None
-                shm.release(self.job_dir / self.dirname)  # removed unless another cache uses it
+                shm.release(self.job_dir / (self._places.memory_name or self.dirname))  # unless another cache uses it
                 shm.release(self.job_dir)
 
 

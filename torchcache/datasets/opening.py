@@ -67,11 +67,14 @@ class Places:
     storage_options: dict[str, Any] | None = None
     #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
     info: dict[str, Any] = field(default_factory=dict)
+    #: The RAM tier's name in the job: ``dirname``, and a digest of where the disk tier is
+    #: (caches of one name over other disk tiers hold other entries).
+    memory_name: str = ""
 
     @property
     def memory_dir(self) -> Path | None:
         """The RAM tier's directory (``None`` without a RAM tier)."""
-        return None if self.job_dir is None else self.job_dir / self.dirname
+        return None if self.job_dir is None else self.job_dir / (self.memory_name or self.dirname)
 
 
 def resolve_places(
@@ -112,10 +115,16 @@ def resolve_places(
     elif places.max_disk_size:
         root = resolve_root(check_local_dir(cache_dir, "cache_dir"))
         places.directory = root / dirname
+    disk = places.directory or places.url
+    if disk is not None:
+        from ..stores.redis.url import redact_url
+
+        where = os.fspath(disk) if isinstance(disk, Path) else redact_url(disk)
+        places.memory_name = f"{dirname}-{xxhash.xxh3_64_hexdigest(where.encode())[:8]}"
     if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
         try:
             job_dir = shm.new_job_dir()
-            hold_memory(job_dir, dirname, held_job=True)
+            hold_memory(job_dir, places.memory_name or dirname, held_job=True)
         except StoreError as exc:
             faults.warn(Fault.OPEN, f"no RAM tier ({exc})", "memory")
         else:
