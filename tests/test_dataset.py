@@ -627,6 +627,19 @@ def test_sample_caches_of_one_name_over_other_directories_keep_their_own_ram_tie
         cache.close()
 
 
+def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(200, log, (32, 32)), tmp_path, max_memory_size=0, max_disk_size="1MB")
+    data.warmup(num_workers=0, progress=False)
+    assert data.stats().disk.entries == 200  # type: ignore[union-attr]
+    data.close()
+    smaller = CachedDataset(Numbers(200, log, (32, 32)), tmp_path, max_memory_size=0, max_disk_size="100kB")
+    stats = smaller.stats().disk
+    assert stats is not None and 0 < stats.entries < 200 and stats.bytes <= 100_000
+    assert smaller.cache.directory is not None and smaller.cache.metadata()["complete"] is False  # type: ignore[index]
+    assert all(torch.equal(smaller[i][0], expected(i, (32, 32))) for i in range(200))
+    smaller.close()
+
+
 def test_disk_hits_are_copied_up_to_ram(tmp_path: Path, log: Path) -> None:
     data = CachedDataset(Numbers(4, log), tmp_path / "cache", max_memory_size=0)
     data.warmup(num_workers=0, progress=False)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -220,6 +221,19 @@ def test_stats_disk_tier(cache_root: Path) -> None:
     assert (stats.hits, stats.misses) == (6, 0)
     assert stats.disk is not None and stats.disk.hits == 6
     assert stats.memory.hits == 0
+
+
+def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(cache_root: Path) -> None:
+    model, plain = pair(persistent=True, max_memory_cache_size=0, max_persistent_cache_size="4MB")
+    x = torch.randn(4000, 4)  # 4,000 entries of 16 floats: about 400 kB
+    model(x)
+    model.cache_instance.flush()
+    smaller = cached(Counting, persistent=True, max_memory_cache_size=0, max_persistent_cache_size="100kB")()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)  # the index, sized for 4 MB, is compacted: said once
+        assert_same(smaller(x[:1]), plain(x[:1]))  # one call: a hit or a miss, nothing else written
+    disk = smaller.cache_instance.stats().disk
+    assert disk is not None and 0 < disk.entries < 4000 and disk.bytes <= 100_000
 
 
 @pytest.mark.parametrize("base", [Counting, MultiOut])

@@ -171,14 +171,7 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
             if isinstance(location, str):  # a Redis or bucket URL: the namespace is the cache's name
                 store = _remote_store(places, location, size, faults)
             else:
-                store = functools.partial(
-                    PackedStore,
-                    location,
-                    size,
-                    evict="none",
-                    segment_bytes=segment_bytes(size),
-                    report=_reporter(faults, name),
-                )
+                store = functools.partial(_open_store, location, size, name, faults)
                 if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
                     store = store()
         except (StoreError, ConfigError) as exc:
@@ -201,6 +194,18 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
         reserve_in = location if name == "memory" and isinstance(location, Path) else None
         tiers.append(SampleTier(name, store, size, faults, slots, reserve_in))
     return tiers
+
+
+def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> PackedStore:
+    """A tier's packed store, within its budget (a later run may give it a smaller one)."""
+    from ..tiers.local import trimmed
+
+    report = _reporter(faults, name)
+    store = PackedStore(location, size, evict="none", segment_bytes=segment_bytes(size), report=report)
+    held = len(store)
+    if name == "disk" and len(trimmed(store, report)) < held:  # samples went: no longer every sample
+        write_dataset_meta(location, {"complete": False}, size, create=False, faults=faults)
+    return store
 
 
 def write_dataset_meta(

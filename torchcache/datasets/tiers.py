@@ -240,7 +240,7 @@ class SampleTier:
         """Write the items; once the store keeps fewer than it was given, take no more."""
         if not items or not self.accepting:
             return
-        if not self._leaves_room(sum(len(frame) for _, frame in items)):
+        if self.reserve_in is not None and not _leaves_room(self.reserve_in, sum(len(f) for _, f in items)):
             self.full = True
             logger.info(
                 "the %s tier would leave less than a quarter of %s free: later samples are not cached there",
@@ -267,16 +267,6 @@ class SampleTier:
             self.writable = retried  # a server that is away may come back; a disk that failed does not
             later = "retried later" if retried else "samples are computed, not cached there, from now on"
             self.faults.warn(Fault.WRITE, f"cannot write to the {self.name} tier ({exc}); {later}", self.name)
-
-    def _leaves_room(self, nbytes: int) -> bool:
-        """Whether writing ``nbytes`` more leaves a quarter of the tier's file system free."""
-        if self.reserve_in is None:
-            return True
-        try:
-            vfs = os.statvfs(self.reserve_in)
-        except OSError:
-            return True  # a write says what is wrong
-        return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= vfs.f_blocks * vfs.f_frsize
 
     def _put_rows(
         self, slots: SampleRows, items: Sequence[tuple[str, bytes | memoryview]]
@@ -412,6 +402,15 @@ def segment_bytes(budget: int) -> int:
     store whose budget shrank on a later run evicts in steps of one segment.
     """
     return min(budget // 16, 1 << 28)
+
+
+def _leaves_room(directory: Path, nbytes: int) -> bool:
+    """Whether writing ``nbytes`` more leaves a quarter of the file system of ``directory`` free."""
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return True  # a write says what is wrong
+    return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= vfs.f_blocks * vfs.f_frsize
 
 
 def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:

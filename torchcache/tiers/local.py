@@ -16,13 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from ..errors import StoreError
 from ..faults import Fault, Report
 from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
 from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
 
-__all__ = ["has_legacy_entries", "meta_toucher", "open_local_store", "open_local_tier"]
+__all__ = ["has_legacy_entries", "meta_toucher", "open_local_store", "open_local_tier", "trimmed"]
 
 _UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
 _HEX = frozenset("0123456789abcdef")
@@ -83,7 +85,21 @@ def open_local_store(directory: Path, max_bytes: int, meta: dict[str, Any], repo
     except OSError as exc:
         raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
     _ensure_meta(directory, {**meta, "created": time.time(), "max_bytes": max_bytes}, report)
-    return PackedStore(directory, max_bytes, report=report)
+    return trimmed(PackedStore(directory, max_bytes, report=report), report)
+
+
+def trimmed(store: PackedStore, report: Report) -> PackedStore:
+    """``store``, brought within its budget now if it holds more (a budget lowered since the last run).
+
+    Otherwise only a write would: a warm cache that computes nothing would stay over it.
+    """
+    try:
+        usage = store.usage()
+        if usage["records"] + usage["index"] > store.max_bytes or usage["files"] > store.max_bytes * 1.1:
+            store.trim()
+    except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
+        report(Fault.WRITE, f"cannot bring {store.directory} within its budget of {store.max_bytes:,} bytes: {exc}")
+    return store
 
 
 def open_local_tier(
