@@ -410,6 +410,7 @@ def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: P
     assert net.seen[0] == seen and label2 is None and torch.equal(x2, features[2][0])  # found, not computed
     opened = FeatureDataset.open(features.path)
     assert opened.info["layout"] == "variable" and opened[1][1] == "dog" and opened.shape == (5,)
+    assert features.path is not None and FeatureDataset.open(features.path.parent)[1][1] == "dog"  # the root
     loader = DataLoader(opened, batch_size=8, num_workers=2, collate_fn=list)
     assert [label for batch in loader for _, label in batch] == [named[i][1] for i in range(len(named))]
 
@@ -425,6 +426,17 @@ def test_samples_that_vary_in_shape_or_hold_strings_are_kept_whole(cache_root: P
         assert [tuple(ragged[i].shape) for i in range(6)] == [(2,), (2,), (3,), (3,), (3,), (3,)]
         assert all(torch.equal(ragged[i], Ragged()[i]) for i in range(6))
     assert feature_dirs(cache_root) and not any((d / FEATURES_NAME).exists() for d in feature_dirs(cache_root))
+
+
+class _Conjugated(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x, -x).conj()  # a conjugate view, and its negative bit
+
+
+def test_a_backbone_returning_a_conjugate_view_stores_its_values(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(9, 4))
+    features = extract(_Conjugated(), data)
+    assert all(torch.equal(features[i][0], torch.complex(data[i][0], data[i][0])) for i in range(9))
 
 
 def test_a_backbone_that_does_not_return_one_tensor_is_refused(cache_root: Path) -> None:

@@ -53,7 +53,7 @@ def run_backbone(backbone: torch.nn.Module, inputs: Any, count: int) -> torch.Te
             "row per input (wrap a model that returns a tuple or a dict in a module that returns the tensor wanted, "
             "e.g. its pooled output)"
         )
-    return output.detach().to("cpu")
+    return output.detach().to("cpu").resolve_conj().resolve_neg()  # conjugate views: their values, stored
 
 
 def compute_rows(

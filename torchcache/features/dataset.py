@@ -39,6 +39,8 @@ __all__ = ["FeatureDataset", "MissingFeatureError"]
 def find_features(location: str | os.PathLike[str] | None) -> Path:
     """The features file at ``location``: the file, its cache directory, or a root holding one cache.
 
+    A cache of features that vary in shape has no features file: its directory is returned.
+
     Raises:
         ConfigError: If there is none there, or several.
     """
@@ -49,16 +51,22 @@ def find_features(location: str | os.PathLike[str] | None) -> Path:
         raise ConfigError(f"there is no features cache at {path}")
     if (path / FEATURES_NAME).is_file():
         return path / FEATURES_NAME
+    if is_variable_cache(path):
+        return path
     if (path / LEGACY_FEATURES_NAME).is_file():
         raise ConfigError(
             f"{path} holds a features cache of torchcache 1.2; run `torchcache migrate {path.parent}` to read it here"
         )
     try:
-        found = sorted(p / FEATURES_NAME for p in path.iterdir() if (p / FEATURES_NAME).is_file())
+        found = sorted(
+            p / FEATURES_NAME if (p / FEATURES_NAME).is_file() else p
+            for p in path.iterdir()
+            if (p / FEATURES_NAME).is_file() or (p.name.startswith("features-") and is_variable_cache(p))
+        )
     except OSError as exc:
         raise ConfigError(f"cannot read the cache directory {path}: {exc.strerror or exc}") from None
     if len(found) != 1:
-        listed = "; ".join(str(p.parent) for p in found)
+        listed = "; ".join(str(p if p.is_dir() else p.parent) for p in found)
         what = f"{len(found)} features caches ({listed}); pass one of them" if found else "no features cache"
         raise ConfigError(f"{path} holds {what}")
     return found[0]
@@ -109,10 +117,9 @@ class FeatureDataset(Dataset[Any]):
             ConfigError: If there is no features cache at ``path``, or several, or it is
                 not a valid features file (the message says why).
         """
-        directory = resolve_root(check_local_dir(path, "path"))  # features in a bucket: not yet
-        if directory.is_dir() and is_variable_cache(directory):
-            return cls(WholeSamples.open(directory))
-        found = find_features(directory)
+        found = find_features(path)  # features in a bucket: not yet
+        if found.is_dir():
+            return cls(WholeSamples.open(found))
         try:
             return cls(open_features(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
