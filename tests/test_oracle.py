@@ -69,7 +69,7 @@ def test_outputs_equal_the_plain_module(config: str, module: str, cache_root: Pa
     options = dict(CONFIGS[config])
     for name in ("max_memory_cache_size", "max_persistent_cache_size"):
         if options.get(name) == "small":  # room for about a third of the pool
-            options[name] = item * POOL // 3 if name == "max_memory_cache_size" else (item + 400) * POOL // 3
+            options[name] = (item + (ENTRY_BYTES if name == "max_memory_cache_size" else 400)) * POOL // 3
     model = cached(base, **options)()
     rng = random.Random(f"{config}-{module}")
     for step in range(30):
@@ -195,7 +195,8 @@ def test_threads_calling_one_cached_module_get_the_plain_outputs(config: str, ca
     item = 16 * 4  # Counting returns 16 float32 per item
     for name in ("max_memory_cache_size", "max_persistent_cache_size"):
         if options.get(name) == "small":
-            options[name] = 10 * item  # far fewer than the pool: constant eviction
+            index = ENTRY_BYTES if name == "max_memory_cache_size" else 0
+            options[name] = 10 * (item + index)  # far fewer than the pool: constant eviction
     model = cached(Counting, **options)()
     plain = Counting()
     pool = torch.randn(POOL, 4)
