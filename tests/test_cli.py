@@ -690,6 +690,11 @@ def test_prune_max_size_with_a_unit_it_cannot_read_says_how_to_write_it(
     )
     code, _, err = run(capsys, "prune", "--max-size", "20gigs")
     assert code == 2 and "write a number and its unit as one word: 20GB, 500MiB" in err.splitlines()[-1]
+    for size in ("-1", "nan"):  # a unit would not help
+        code, _, err = run(capsys, "prune", "--max-size", size)
+        assert code == 2 and "byte count" in err and "one word" not in err
+    code, _, err = run(capsys, "ls", "ftp://host/cache")
+    assert code == 1 and "must be a local directory, a Redis URL" in err
 
 
 def test_caches_of_one_name_are_told_apart_by_their_short_keys(

@@ -640,6 +640,12 @@ def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(tmp
     smaller.close()
 
 
+@pytest.mark.parametrize("name", ["", 5, None])
+def test_a_sample_cache_without_a_usable_name_is_refused_naming_it(name: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^name must be a non-empty string"):
+        SampleCache(name)
+
+
 def test_disk_hits_are_copied_up_to_ram(tmp_path: Path, log: Path) -> None:
     data = CachedDataset(Numbers(4, log), tmp_path / "cache", max_memory_size=0)
     data.warmup(num_workers=0, progress=False)
@@ -799,7 +805,7 @@ def test_the_users_ram_root_is_removed_with_its_last_job(shm_root: Path, log: Pa
     again.close()
 
 
-def test_a_dataset_cache_logs_its_summary_while_it_ischarged(
+def test_a_dataset_cache_logs_its_summary_while_it_is_used(
     log: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torchcache_logger: Any
 ) -> None:
     import torchcache.stats as stats
@@ -807,12 +813,12 @@ def test_a_dataset_cache_logs_its_summary_while_it_ischarged(
     torchcache_logger.propagate = True
     data = CachedDataset(Numbers(8, log), max_memory_size="1MB")
     data[0]
-    assert "hits" not in caplog.text  # not before a minute has passed
+    assert "hit rate" not in caplog.text  # not before a minute has passed
     monkeypatch.setattr(stats, "SUMMARY_INTERVAL", 0.0)
     with caplog.at_level(logging.INFO, logger="torchcache"):
         data[0]
-    line = next(r.getMessage() for r in caplog.records if "hits" in r.getMessage())
-    assert f"dataset {data.cache.name}" in line and "1 hits, 1 misses" in line and "memory 1 entries" in line
+    line = next(r.getMessage() for r in caplog.records if "hit rate" in r.getMessage())
+    assert f"dataset {data.cache.name}" in line and "1 hit, 1 miss," in line and "memory 1 entry " in line
     data.close()
 
 

@@ -367,6 +367,8 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("persistent_cache_dir", 42),
         ("persistent_cache_dir", ""),
         ("persistent_cache_dir", "cache\0dir"),
+        ("persistent_cache_dir", "https://host/cache"),
+        ("persistent_cache_dir", "file:///tmp/cache"),
         ("persistent_module_hash", ""),
         ("persistent_module_hash", 3),
         ("max_memory_cache_size", -1),
@@ -384,6 +386,8 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("cache_dtype", "float16"),
         ("cache_dtype", torch.float8_e4m3fn),
         ("shared_args", "mask"),
+        ("shared_args", None),
+        ("key_ignore", None),
         ("batch_dims", {"x": -1}),
         ("batch_dims", ["x"]),
         ("keep_eval", 2),
@@ -402,6 +406,19 @@ def test_an_argument_both_shared_and_batched_on_another_dimension_is_refused() -
         torchcache(shared_args=("mask",), batch_dims={"mask": 1})
 
 
+@pytest.mark.parametrize("value", ["redis://", "https://host/cache"])
+def test_a_torchcache_dir_that_cannot_be_used_is_one_warning_and_calls_stay_in_memory(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHCACHE_DIR", value)
+    model, plain = pair(persistent=True)
+    x = torch.randn(3, 4)
+    with pytest.warns(CacheWarning, match="TORCHCACHE_DIR"):
+        assert_same(model(x), plain(x))
+    assert_same(model(x), plain(x))
+    assert model.cache_instance.cache_dir is None and model.cache_instance.stats().memory.hits == 3
+
+
 def test_invalid_instance_override_raises_config_error() -> None:
     class Bad(Counting):
         def __init__(self) -> None:
@@ -409,7 +426,7 @@ def test_invalid_instance_override_raises_config_error() -> None:
             self.torchcache_brotli_quality = 42
 
     decorated = torchcache()(Bad)
-    with pytest.raises(ConfigError, match="brotli_quality"):
+    with pytest.raises(ConfigError, match=r"Bad\.torchcache_brotli_quality: brotli_quality must be"):
         decorated()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchcache import CachedDataset, WindowSampler
+from torchcache import CachedDataset, ConfigError, WindowSampler
 from torchcache.datasets.sampler import window_order
 
 
@@ -97,10 +97,27 @@ def test_a_data_loader_with_the_sampler_serves_every_sample(tmp_path: Path) -> N
     cached.close()
 
 
-@pytest.mark.parametrize("window_bytes", [0, -1, 1.5, "64MB"])
-def test_a_window_that_is_not_a_positive_int_is_refused_naming_the_argument(window_bytes: Any, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="window_bytes"):
+@pytest.mark.parametrize("window_bytes", [0, -1, "lots", "0.1B"])
+def test_a_window_that_is_not_a_positive_size_is_refused_naming_the_argument(window_bytes: Any, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="window_bytes"):
         WindowSampler(CachedDataset(Numbers(), tmp_path, max_memory_size=0), window_bytes=window_bytes)
+
+
+def test_a_window_takes_a_size_as_the_other_sizes_do() -> None:
+    assert WindowSampler(_Segments(), window_bytes="32MB").window_bytes == 32_000_000
+
+
+@pytest.mark.parametrize(
+    ("dataset", "options", "named"),
+    [
+        (torch.utils.data.TensorDataset(torch.zeros(4)), {}, "dataset"),
+        (5, {}, "dataset"),
+        (None, {"seed": "x"}, "seed"),
+    ],
+)
+def test_what_is_not_a_cached_dataset_or_a_seed_is_refused_naming_it(dataset: Any, options: Any, named: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{named} must be"):
+        WindowSampler(dataset if dataset is not None else _Segments(), **options)
 
 
 class _Segments:

@@ -85,7 +85,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
             raise ConfigError(
-                "local_cache_dir keeps a local copy of a persistent tier on a Redis server, but "
+                "local_cache_dir keeps a local copy of a persistent tier on a Redis server or in a bucket, but "
                 f"persistent_cache_dir is the directory {self.persistent_cache_dir}; leave local_cache_dir out"
             )
         if both := sorted(set(self.shared_args) & set(self.batch_dims)):
@@ -182,7 +182,7 @@ def _validate(name: str, value: Any) -> Any:
             raise ConfigError(f"brotli_quality must be an int from 0 to 11, got {value!r}")
         return value
     if name == "shared_args":
-        if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"shared_args must be a list of argument names such as ['mask'], got {value!r}")
         return frozenset(value)
     if name == "batch_dims":
@@ -197,7 +197,7 @@ def _validate(name: str, value: Any) -> Any:
             )
         return value
     if name == "key_ignore":
-        if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(
                 f"key_ignore must be a list of attribute names or dotted paths such as ['fn', 'head.scales'], "
                 f"got {value!r}"
@@ -209,16 +209,10 @@ def _validate(name: str, value: Any) -> Any:
 #: URL schemes that make the persistent tier a Redis server or cluster.
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
 #: The package each object store URL scheme needs (with fsspec).
-_OBJECT_PACKAGES = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "oss": "ossfs",
-}
+_OBJECT_PACKAGES = {"oss": "ossfs"} | dict.fromkeys(("s3", "s3a"), "s3fs") | dict.fromkeys(("gs", "gcs"), "gcsfs")
+_OBJECT_PACKAGES |= dict.fromkeys(("az", "abfs", "abfss"), "adlfs")
+#: Any other ``scheme://``: a URL torchcache does not read (not a local directory named ``https:``).
+_OTHER_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def is_url(location: object) -> bool:
@@ -231,17 +225,15 @@ def is_object_url(location: object) -> bool:
     return isinstance(location, str) and location.lower().startswith(OBJECT_SCHEMES)
 
 
-def check_redis_url(value: str) -> str:
+def check_redis_url(value: str, name: str = "persistent_cache_dir") -> str:
     """``value``, a Redis URL, once it parses and the redis package is there.
 
     Raises:
-        ConfigError: Naming ``persistent_cache_dir``, if it is malformed or redis is missing.
+        ConfigError: Naming ``name``, if it is malformed or redis is missing.
     """
     if importlib.util.find_spec("redis") is None:
-        raise ConfigError(
-            "persistent_cache_dir is a Redis URL, which needs the redis package: pip install 'torchcache[redis]'"
-        )
-    parse_url(value, "persistent_cache_dir")  # a ConfigError naming the option; never shows the password
+        raise ConfigError(f"{name} is a Redis URL, which needs the redis package: pip install 'torchcache[redis]'")
+    parse_url(value, name)  # a ConfigError naming the option; never shows the password
     return value
 
 
@@ -252,7 +244,7 @@ def check_url(value: str, name: str = "persistent_cache_dir") -> str:
         ConfigError: Naming ``name``, if the URL is malformed or a package is missing.
     """
     if not is_object_url(value):
-        return check_redis_url(value)
+        return check_redis_url(value, name)
     scheme, _, path = value.partition("://")
     if not path.strip("/") or path.startswith("/") or "?" in path:  # s3fs reads ?versionId=: one object
         raise ConfigError(f"{name} must be {scheme}://bucket/prefix without a query, got {value!r}")
@@ -272,6 +264,11 @@ def _cache_dir(value: object, name: str = "persistent_cache_dir") -> Path | str 
         return check_url(value, name)  # type: ignore[arg-type]
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
+    if isinstance(value, str) and _OTHER_URL.match(value):
+        raise ConfigError(
+            f"{name} must be a local directory, a Redis URL (redis://, rediss://) or an object store URL "
+            f"({', '.join(OBJECT_SCHEMES)}), got {redact_url(value)}"
+        )
     text = os.fspath(value)
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(
@@ -377,16 +374,13 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
         A directory, or a Redis or object store URL (a ``str``, see :func:`is_url`).
 
     Raises:
-        ConfigError: If ``$TORCHCACHE_DIR`` is a Redis URL that is not valid.
+        ConfigError: If ``$TORCHCACHE_DIR`` is a URL that is not valid, or of another scheme.
     """
     if persistent_cache_dir is not None:
         return persistent_cache_dir
     env = os.environ.get("TORCHCACHE_DIR")
-    if env and is_url(env):
-        return check_url(env, "TORCHCACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(platformdirs.user_cache_path("torchcache"))
+    found = _cache_dir(env, "TORCHCACHE_DIR") if env and env.strip() else None
+    return found if found is not None else Path(platformdirs.user_cache_path("torchcache"))
 
 
 def resolve_local_dir(local_cache_dir: Path | None, default: bool = False) -> Path | None:

@@ -18,7 +18,7 @@ from ..catalog.budget import cache_in_use, remove_unused_cache, root_budget, sca
 from ..catalog.inspect import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache
 from ..catalog.layouts import summarize_layouts
 from ..catalog.removal import remove_cache, remove_file, select_for_prune
-from ..config import is_url, resolve_root
+from ..config import check_local_dir, is_url, resolve_root
 from ..errors import ConfigError, StoreError
 from ..meta import META_NAME
 from ..policy import format_size
@@ -48,7 +48,8 @@ def command_root(arg: str | None) -> Path:
     """The root a command works on: the argument, else the decorator's default root."""
     if arg is None:
         return resolve_root(None)
-    path = Path(arg).expanduser()
+    path = check_local_dir(arg, "the cache root")  # another scheme's URL is refused, not taken as a path
+    assert path is not None
     if not path.exists():
         raise CacheLookupError(f"{path} does not exist")
     if not path.is_dir():

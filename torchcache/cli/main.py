@@ -91,7 +91,9 @@ def _size(text: str) -> int:
     try:
         return parse_size(text, "--max-size")
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (write a number and its unit as one word: 20GB, 500MiB)") from None
+        unit = re.fullmatch(r"\s*[-+]?[\d.]+\s*[A-Za-z]+\s*", text) and text.strip().lower() not in ("nan", "inf")
+        hint = " (write a number and its unit as one word: 20GB, 500MiB)" if unit else ""
+        raise argparse.ArgumentTypeError(f"{exc}{hint}") from None
 
 
 def _duration(text: str) -> float:

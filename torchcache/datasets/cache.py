@@ -89,9 +89,10 @@ class SampleCache:
         storage_options: Mapping[str, Any] | None = None,
         max_local_size: int | float | str | None = None,
     ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name must be a non-empty string (the cache's name), got {name!r}")
         dirname = module_dir_name(name)
-        if dirname is None:
-            raise ConfigError("a SampleCache needs a name")
+        assert dirname is not None
         self.name = name
         self.dirname = dirname
         self._summaries = PeriodicSummary()

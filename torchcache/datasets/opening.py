@@ -109,7 +109,7 @@ def resolve_places(
             places.local_directory = local_copy_dir(local, dirname, places.url)
     elif local_cache_dir is not None:
         raise ConfigError(
-            "local_cache_dir keeps a local copy of a disk tier on a Redis server, but cache_dir is "
+            "local_cache_dir keeps a local copy of a disk tier on a Redis server or in a bucket, but cache_dir is "
             f"{'not given' if cache_dir is None else 'a directory'}; leave local_cache_dir out"
         )
     elif places.max_disk_size:

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..errors import ConfigError
+from ..policy import parse_size
 from ..tiers.layered import STASH_BYTES
 
 __all__ = ["WindowSampler", "window_order"]
@@ -94,7 +96,7 @@ class WindowSampler(Sampler[int]):
         seed: The seed of the orders; ``None`` draws one from torch's global generator
             (seeded by ``torch.manual_seed``), or is 0 with several replicas (every rank
             needs the same orders).
-        window_bytes: The bytes of segments in a window; default the stash's,
+        window_bytes: The bytes of segments in a window (bytes or a size such as ``"32MB"``); default the stash's,
             :data:`~torchcache.tiers.layered.STASH_BYTES` (64 MiB). Smaller windows mix less.
         num_replicas: The processes sharing each epoch; default the world size of
             ``torch.distributed`` when it is initialized, else 1.
@@ -103,8 +105,9 @@ class WindowSampler(Sampler[int]):
             a share (``False``: wrap around to the first ones).
 
     Raises:
-        ValueError: If ``window_bytes`` or ``num_replicas`` is not a positive int, or
-            ``rank`` is not in ``[0, num_replicas)``.
+        ConfigError: (a ``ValueError``) If ``dataset`` is not a cached dataset, ``seed`` not an
+            int, ``window_bytes`` not a size (``"64MB"`` or bytes) or ``num_replicas`` not a
+            positive int, or ``rank`` is not in ``[0, num_replicas)``.
 
     Example:
         >>> import tempfile
@@ -136,11 +139,16 @@ class WindowSampler(Sampler[int]):
             num_replicas = torch.distributed.get_world_size() if distributed else 1
         if rank is None:
             rank = torch.distributed.get_rank() if distributed else 0
+        if not hasattr(dataset, "cache") or not hasattr(dataset, "__len__"):
+            raise ConfigError(f"dataset must be a CachedDataset (WindowSampler orders its cache), got {dataset!r}")
+        window_bytes = parse_size(window_bytes, "window_bytes")
         for name, value in (("window_bytes", window_bytes), ("num_replicas", num_replicas)):
             if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if type(rank) is not int or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be an int in [0, {num_replicas}) (num_replicas), got {rank!r}")
+            raise ConfigError(f"rank must be an int in [0, {num_replicas}) (num_replicas), got {rank!r}")
+        if seed is not None and type(seed) is not int:
+            raise ConfigError(f"seed must be an int or None, got {seed!r}")
         self.dataset = dataset
         if seed is None:
             seed = 0 if num_replicas > 1 else int(torch.empty((), dtype=torch.int64).random_().item())

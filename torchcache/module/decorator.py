@@ -357,7 +357,11 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
                 stacklevel=2,
             )
         overrides = {n: getattr(self, _PREFIX + n) for n in _OPTION_NAMES if hasattr(self, _PREFIX + n)}
-        instance_settings = settings.override(**overrides)
+        try:
+            instance_settings = settings.override(**overrides)
+        except ConfigError as exc:  # a torchcache_<option> attribute, of the class or set in __init__
+            named = next((n for n in overrides if str(exc).startswith(n)), "<option>")
+            raise ConfigError(f"{type(self).__qualname__}.{_PREFIX}{named}: {exc}") from None
         if not instance_settings.enabled:
             self.__dict__["cache_instance"] = None
             return

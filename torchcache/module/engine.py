@@ -94,7 +94,7 @@ class Cache:
         self._stale = False
         if self._module_hash is not None:
             logger.warning(
-                "torchcache: %s uses persistent_module_hash=%r: changes to its code, init arguments "
+                "%s uses persistent_module_hash=%r: changes to its code, init arguments "
                 "or weights will not invalidate its cache",
                 name,
                 self._module_hash,
@@ -187,7 +187,8 @@ class Cache:
                     self._watch.reset()  # before hashing: a write during it is seen at the next call
                 key = self._take_key()
                 self._module_hash = None if early else key
-                logger.info("torchcache: %s has module key %s", self.name, key)
+                if not early:
+                    logger.info("%s has module key %s", self.name, key)
 
     def _take_key(self) -> str:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
@@ -219,7 +220,7 @@ class Cache:
             self._stale = False
             if key == self._module_hash:
                 return
-            logger.info("torchcache: %s changed its weights; new module key %s", self.name, key)
+            logger.info("%s changed its weights; new module key %s", self.name, key)
             if self._disk is not None:
                 self._disk.flush()
             self._module_hash = key
@@ -234,9 +235,10 @@ class Cache:
     @property
     def cache_dir(self) -> Path | None:
         """Directory of this module's entries, or ``None`` when not persistent (or on a Redis server)."""
-        if not self.settings.persistent:
+        try:
+            location = resolve_location(self.settings.persistent_cache_dir) if self.settings.persistent else ""
+        except ConfigError:  # a bad $TORCHCACHE_DIR: the calls warned once and stay in memory
             return None
-        location = resolve_location(self.settings.persistent_cache_dir)
         return None if isinstance(location, str) else location / self.module_hash
 
     def _disk_tier(self) -> PersistentTier | None:
@@ -251,12 +253,9 @@ class Cache:
         key = self._freeze_key()
         try:
             location = resolve_location(self.settings.persistent_cache_dir)
-            local = (
-                resolve_local_dir(self.settings.local_cache_dir, default=is_object_url(location))
-                if isinstance(location, str)
-                else None
-            )
-        except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad Redis URL
+            default = is_object_url(location)
+            local = resolve_local_dir(self.settings.local_cache_dir, default) if isinstance(location, str) else None
+        except ConfigError as exc:  # $TORCHCACHE_DIR holds a bad URL
             self.faults.warn(Fault.WRITE, f"{exc}; caching in memory only")
             self._disk_ready = True
             return
