@@ -853,7 +853,7 @@ def test_set_logger_config(tmp_path, monkeypatch, torchcache_logger):
     assert log.handlers[1].baseFilename.endswith("test.log")
     # Test invalid log level
     monkeypatch.setenv("TORCHCACHE_LOG_LEVEL", "INVALID")
-    with pytest.warns(RuntimeWarning, match="INVALID"):
+    with pytest.warns(RuntimeWarning, match="TORCHCACHE_LOG_LEVEL='INVALID'"):
         set_logger_config()
     assert log.level == logging.WARN
 

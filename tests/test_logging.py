@@ -212,7 +212,7 @@ def test_set_logger_config_with_an_invalid_level_warns_once_and_uses_the_default
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         set_logger_config(level="LOUD", stream=io.StringIO())
-    assert len([w for w in caught if "LOUD" in str(w.message)]) == 1
+    assert len([w for w in caught if "level='LOUD'" in str(w.message)]) == 1
     assert logger.level == logging.WARNING
 
 
@@ -299,6 +299,12 @@ def test_an_unusable_variable_warns_naming_it_and_logging_goes_on(
     assert "still logged" in stream.getvalue()
 
 
-def test_an_unusable_format_passed_as_an_argument_raises(logger: logging.Logger) -> None:
-    with pytest.raises(ValueError):
-        set_logger_config(fmt="%(message")
+@pytest.mark.parametrize("fmt", ["%(message", "%(bogus)s", "%(message)d"])
+def test_an_unusable_format_passed_as_an_argument_raises_naming_it(logger: logging.Logger, fmt: str) -> None:
+    with pytest.raises(ValueError, match=r"^fmt must be a logging format string"):
+        set_logger_config(fmt=fmt)
+
+
+def test_a_stream_that_cannot_be_written_is_refused_naming_it(logger: logging.Logger) -> None:
+    with pytest.raises(TypeError, match=r"^stream must be a text stream"):
+        set_logger_config(stream=5)  # type: ignore[arg-type]

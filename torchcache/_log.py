@@ -30,9 +30,10 @@ DEFAULT_DATEFMT = "%Y-%m-%d %H:%M:%S"
 DEFAULT_LEVEL = logging.WARNING
 _ENV_VARS = ("TORCHCACHE_LOG_LEVEL", "TORCHCACHE_LOG_FMT", "TORCHCACHE_LOG_DATEFMT", "TORCHCACHE_LOG_FILE")
 _OWN_HANDLER_ATTR = "_torchcache_handler"
+_SAMPLE_RECORD = logging.LogRecord("torchcache", logging.INFO, "", 0, "a message", None, None)
 
 
-def _parse_level(level: int | str | None) -> int:
+def _parse_level(level: int | str | None, source: str = "level") -> int:
     """Turn a level name or number into a logging level; warn once and use WARNING if invalid."""
     if level is None:
         return DEFAULT_LEVEL
@@ -46,7 +47,7 @@ def _parse_level(level: int | str | None) -> int:
         if isinstance(value, int):
             return value
     warnings.warn(
-        f"torchcache: invalid log level {level!r}; expected one of DEBUG, INFO, WARNING, ERROR, "
+        f"torchcache: invalid log level {source}={level!r}; expected one of DEBUG, INFO, WARNING, ERROR, "
         "CRITICAL or a number. Using WARNING.",
         RuntimeWarning,
         stacklevel=3,
@@ -70,9 +71,9 @@ def set_logger_config(
 
     Args:
         level: A level name (``"INFO"``) or number. Invalid values warn and use WARNING.
-        fmt: A :mod:`logging` format string.
+        fmt: A :mod:`logging` format string (``%``-style); one that cannot format a record raises ``ValueError``.
         datefmt: A :func:`time.strftime` format for ``%(asctime)s``.
-        stream: The stream to write to.
+        stream: The text stream to write to (``TypeError`` if it has no ``write``).
         filename: A file to append to, besides the stream.
 
     Returns:
@@ -88,12 +89,20 @@ def set_logger_config(
         >>> _ = set_logger_config()
     """
     env = _read_env()
+    source = "level" if level is not None else "TORCHCACHE_LOG_LEVEL"
     level = level if level is not None else env.get("TORCHCACHE_LOG_LEVEL")
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise TypeError(f"stream must be a text stream with a write() method, got {stream!r}")
+    if fmt is not None:
+        try:
+            logging.Formatter(fmt, validate=True).format(_SAMPLE_RECORD)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"fmt must be a logging format string, got {fmt!r} ({exc})") from None
     formatter = logging.Formatter(fmt or DEFAULT_FMT, datefmt or env.get("TORCHCACHE_LOG_DATEFMT") or DEFAULT_DATEFMT)
     if fmt is None and "TORCHCACHE_LOG_FMT" in env:
         try:  # a bad variable warns, where a bad argument raises
             formatter = logging.Formatter(env["TORCHCACHE_LOG_FMT"], formatter.datefmt, validate=True)
-            formatter.format(logging.LogRecord("torchcache", logging.INFO, "", 0, "a message", None, None))
+            formatter.format(_SAMPLE_RECORD)
         except (ValueError, TypeError, KeyError) as exc:
             _bad_variable("TORCHCACHE_LOG_FMT", exc)
             formatter = logging.Formatter(DEFAULT_FMT, formatter.datefmt)
@@ -114,7 +123,7 @@ def set_logger_config(
         handler.setFormatter(formatter)
         setattr(handler, _OWN_HANDLER_ATTR, True)
         logger.addHandler(handler)
-    logger.setLevel(_parse_level(level))
+    logger.setLevel(_parse_level(level, source))
     logger.propagate = False
     return logger
 

@@ -47,13 +47,18 @@ def format_summary(name: str, key: str | None, stats: CacheStats) -> str:
     if stats.disk is not None:
         tiers.append(f"disk {_tier(stats.disk)}")
     return (
-        f"torchcache {name} [{key or '-'}]: {stats.hits} hits, {stats.misses} misses, "
+        f"torchcache {name} [{key or '-'}]: {_count(stats.hits, 'hit')}, {_count(stats.misses, 'miss')}, "
         f"hit rate {stats.hit_rate:.1%}; {'; '.join(tiers)}"
     )
 
 
+def _count(n: int, noun: str) -> str:
+    plural = {"entry": "entries", "miss": "misses"}.get(noun, noun + "s")
+    return f"{n:,} {noun if n == 1 else plural}"
+
+
 def _tier(tier: TierStats) -> str:
-    return f"{tier.entries} entries {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
+    return f"{_count(tier.entries, 'entry')} {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
 
 
 class PeriodicSummary:

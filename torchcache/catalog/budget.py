@@ -394,6 +394,4 @@ def keep_root_budget(root: Path, warn: Report) -> None:
     else:
         if removed:
             freed = format_size(sum(c.nbytes for c in removed))
-            logger.info(
-                "torchcache: removed %d module cache(s) (%s) from %s to keep its budget", len(removed), freed, root
-            )
+            logger.info("removed %d module cache(s) (%s) from %s to keep its budget", len(removed), freed, root)

@@ -228,7 +228,7 @@ def _extract_features(
                     if donors is not None:
                         donors.close()
             except VariableLayoutError as exc:  # samples of several shapes: kept whole instead
-                logger.info("torchcache: %s; the features are kept whole, sample by sample, in %s", exc, directory)
+                logger.info("%s; the features are kept whole, sample by sample, in %s", exc, directory)
                 if file is not None:
                     file.close()
                 remove_features(directory / FEATURES_NAME)

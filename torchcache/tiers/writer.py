@@ -234,7 +234,7 @@ class BackgroundWriter:
             try:
                 self._on_error(exc)
             except Exception:  # noqa: BLE001 # pragma: no cover - last resort
-                logger.exception("torchcache: error while reporting a write failure")
+                logger.exception("error while reporting a write failure")
 
 
 def _base_priority() -> int | None:
