@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import sys
@@ -366,6 +367,16 @@ def test_hits_come_back_in_the_memory_format_a_real_call_returns() -> None:
     miss, hit = net(x), net(x)
     assert miss.is_contiguous(memory_format=torch.channels_last) and not miss.is_contiguous()
     assert hit.is_contiguous(memory_format=torch.channels_last) and torch.equal(hit, miss)
+
+
+def test_inputs_in_a_channels_last_layout_are_keyed_apart_from_contiguous_ones() -> None:
+    conv = _frozen(nn.Conv2d(3, 4, 3))
+    net, x = torchcache()(copy.deepcopy(conv)), torch.randn(2, 3, 8, 8)
+    net(x)
+    last = x.to(memory_format=torch.channels_last)
+    miss, hit = net(last), net(last)
+    assert net.cache_instance.stats().hits == 2 and torch.equal(miss, conv(last)) and torch.equal(hit, miss)
+    assert miss.stride() == hit.stride() == conv(last).stride() and net(x).stride() == conv(x).stride()
 
 
 class _Mapping(collections.abc.Mapping):  # type: ignore[type-arg]

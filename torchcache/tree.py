@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import reprlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Union
 
@@ -225,14 +225,14 @@ class LeafSpec:
 
     ``channels_last``: the forward returned the batch in ``torch.channels_last`` (4-D) or
     ``torch.channels_last_3d`` (5-D) memory format, and hits are returned in it too. It is
-    not part of a layout's equality: items stored either way share slabs, and a batch with
-    misses is returned as the forward returned them.
+    part of a layout's equality: items stored either way keep to slabs of their own, so
+    that each hit comes back in the format its forward returned.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     out_dtype: torch.dtype
-    channels_last: bool = field(default=False, compare=False)  # how it is returned, not what is stored
+    channels_last: bool = False
 
     @property
     def memory_format(self) -> torch.memory_format:

@@ -46,6 +46,8 @@ __all__ = ["PASSED_ON", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
 _TENSOR_TYPE = b"\x00C"
+#: Inputs in a channels-last layout: the kernels that run, and the layout of the outputs, follow it.
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 #: A mapping of tensors, its items in order (with ``_KEYWORDS``: apart from keys of 1.2, which sorted them).
 _MAPPING = b"{="
 _KEYWORDS = b"\x00K"
@@ -166,6 +168,9 @@ class _Splitter:
                 "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
             )
         self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
+        layout = _CHANNELS_LAST.get(tensor.dim())
+        if layout is not None and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=layout):
+            self.context.add(b"channels_last")
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))
         self.tensors.append(tensor)
