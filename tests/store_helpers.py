@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from torchcache.stores.batched import BatchedStore, VerifyReport
 from torchcache.stores.packed.format import encode_key
@@ -25,6 +26,20 @@ def charged(store: PackedStore) -> int:
     """The bytes a packed store's budget counts: its records and the index's share."""
     usage = store.usage()
     return usage["records"] + usage["index"]
+
+
+def poison_index_leaves(index: Path) -> None:
+    """Give the first entry of every leaf of 16-byte keys (live or free) a 2 GiB value: a reader goes past the map."""
+    data, poisoned = bytearray(index.read_bytes()), 0
+    for base in range(2 * 4096, len(data), 4096):
+        flags, lower = (int.from_bytes(data[base + at : base + at + 2], "little") for at in (10, 12))
+        if flags & 0x02 and lower > 16:  # a leaf page with nodes
+            node = base + int.from_bytes(data[base + 16 : base + 18], "little")
+            if int.from_bytes(data[node + 6 : node + 8], "little") == 16:
+                data[node : node + 4] = b"\xff\xff\xff\x7f"  # the value's size
+                poisoned += 1
+    assert poisoned, "no leaf of 16-byte keys in the index"
+    index.write_bytes(bytes(data))
 
 
 class Reports:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tests.helpers import stored_entries
+from tests.store_helpers import poison_index_leaves
 from torchcache import CacheWarning, torchcache
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
@@ -31,6 +32,7 @@ from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
 from torchcache.policy import format_size
 from torchcache.stores.packed.format import encode_key, record_size
+from torchcache.stores.packed.index import INDEX_NAME
 from torchcache.stores.packed.store import PackedStore
 from torchcache.tree import Layout, flatten
 
@@ -234,6 +236,19 @@ def test_verify_clean_cache(capsys: pytest.CaptureFixture[str], cache_root: Path
     assert out == f"checked 7 entries in 2 module caches under {cache_root}\nno problems found\n"
     code, out, _ = run(capsys, "verify", str(other))
     assert code == 0 and out.startswith("checked 3 entries in 1 module cache under")
+
+
+def test_verify_finds_an_index_whose_pages_point_outside_it_and_fix_rebuilds_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = make_dir(items=400)
+    poison_index_leaves(directory / INDEX_NAME)
+    code, out, _ = run(capsys, "verify", str(directory))
+    assert code == 1 and "has a value outside it; the index must be rebuilt from the segment files" in out
+    code, out, _ = run(capsys, "verify", "--fix", str(directory))
+    assert code == 0 and len(stored_keys(directory)) == 400
+    code, out, _ = run(capsys, "verify", str(directory))
+    assert code == 0 and "no problems found" in out
 
 
 def stored_keys(directory: Path) -> list[str]:

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import fault_under, run_python, traced_memory
-from tests.store_helpers import Reports, charged, key, value
+from tests.store_helpers import Reports, charged, key, poison_index_leaves, value
 from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
@@ -455,6 +455,17 @@ def test_an_index_that_lies_is_bounds_checked(root: Path, reports: Reports) -> N
 
 
 # -- hostile files ------------------------------------------------------------------------
+def test_an_index_whose_pages_point_outside_it_is_rebuilt_when_it_opens(root: Path, reports: Reports) -> None:
+    store = PackedStore(root, 10**7)
+    fill(store, range(400), 100)
+    store.close()
+    poison_index_leaves(root / INDEX_NAME)  # reading them would kill the process (SIGBUS, SIGSEGV)
+    reopened = PackedStore(root, 10**7, report=reports)
+    got = reopened.get_many([key(i) for i in range(400)])
+    assert all(v is not None and bytes(v) == value(i, 100) for i, v in enumerate(got))
+    assert [kind for kind, message in reports.seen if "damaged" in message and "outside" in message] == ["index"]
+
+
 def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:
     store = PackedStore(root, 10**8, report=reports)
     fill(store, range(20))

@@ -34,6 +34,7 @@ from ..stores.batched import BatchedStore
 from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.index import INDEX_NAME
+from ..stores.packed.mappable import unsound_pages
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import discard_index
 from ..tree import Layout
@@ -176,16 +177,19 @@ def verify_store(
     if kind == "features":
         return verify_features(directory, fix, tick)
     problems: list[Problem] = []
+    index = directory / INDEX_NAME
     broken = index_problem(directory)
+    if broken is None and index.is_file():  # damaged pages can kill the process that reads them (SIGBUS)
+        broken = unsound_pages(os.fspath(index))
     if broken is not None:
-        index = directory / INDEX_NAME
         problems.append(Problem(index, "store", f"{broken}; the index must be rebuilt from the segment files", 0))
-        if fix:
-            try:
-                discard_index(os.fspath(directory), None)
-                PackedStore(directory, UNLIMITED, report=lambda kind, message: None).close()  # rebuilds it
-            except OSError as exc:
-                raise StoreError(f"cannot rebuild the index of {directory}: {exc}") from exc
+        if not fix:
+            return 0, problems, fix
+        try:
+            discard_index(os.fspath(directory), None)
+            PackedStore(directory, UNLIMITED, report=lambda kind, message: None).close()  # rebuilds it
+        except OSError as exc:
+            raise StoreError(f"cannot rebuild the index of {directory}: {exc}") from exc
     store = open_store(directory, readonly=not fix)
     if store is None:
         return 0, problems, fix

@@ -35,7 +35,7 @@ from .index import (
     open_index,
 )
 from .locks import INDEX_LOCK_NAME, LOCK_NAMES, exclusive
-from .mappable import cut_short
+from .mappable import cut_short, unsound_pages
 from .segments import TMP_PREFIX, SegmentFiles
 
 __all__ = [
@@ -156,6 +156,11 @@ def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> 
         discard_index(root, None)
     try:
         index = open_index(root, readonly=False, map_size=map_size)
+        with index.begin() as txn:  # pages LMDB would follow outside the file: reading them kills the process
+            problem = unsound_pages(index.path, txn.id())
+        if problem is not None:
+            index.close()
+            raise IndexDamageError(errno.EINVAL, problem)
     except (*DAMAGE, IndexDamageError) as exc:
         report(Fault.INDEX, f"the index of {root} is damaged ({exc}); rebuilding it from the segment files")
         discard_index(root, None)
