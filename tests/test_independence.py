@@ -73,8 +73,11 @@ def test_a_random_function_is_refused_as_not_deterministic() -> None:
     assert info.value.random
 
 
-def test_dropout_in_training_mode_runs_without_the_cache_with_one_warning() -> None:
+@pytest.mark.parametrize("how", ["training mode", "dropout alone"])  # dropout alone: Monte Carlo dropout
+def test_dropout_in_training_mode_runs_without_the_cache_with_one_warning(how: str) -> None:
     model = torchcache()(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False))
+    if how == "dropout alone":
+        model.eval()[1].train()  # the model in eval mode, its dropout on
     x = torch.randn(8, 4)
     with pytest.warns(CacheWarning, match="training mode"):
         first = model(x)
@@ -84,20 +87,6 @@ def test_dropout_in_training_mode_runs_without_the_cache_with_one_warning() -> N
     assert not torch.equal(first, second)  # each call draws its own masks, as without the cache
     assert len(model.cache_instance.memory) == 0  # nothing computed in training mode was kept
     model.eval()
-    assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 8
-
-
-def test_dropout_switched_on_in_an_eval_model_runs_without_the_cache_as_in_training_mode() -> None:
-    model = torchcache()(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False)).eval()
-    model[1].train()  # Monte Carlo dropout: the model in eval mode, its dropout on
-    x = torch.randn(8, 4)
-    with pytest.warns(CacheWarning, match="training mode"):
-        first = model(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CacheWarning)
-        second = model(x)
-    assert not torch.equal(first, second) and len(model.cache_instance.memory) == 0
-    model[1].eval()
     assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 8
 
 
