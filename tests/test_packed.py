@@ -29,6 +29,7 @@ from torchcache.stores.packed import upkeep as packed_upkeep
 from torchcache.stores.packed.evict import INDEX_BASE_BYTES
 from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, parse_segment_name, segment_name
 from torchcache.stores.packed.index import ENTRY, INDEX_NAME
+from torchcache.stores.packed.mappable import unsound_pages
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES, PackedStore
 
 FORK = multiprocessing.get_context("fork")
@@ -464,6 +465,27 @@ def test_an_index_whose_pages_point_outside_it_is_rebuilt_when_it_opens(root: Pa
     got = reopened.get_many([key(i) for i in range(400)])
     assert all(v is not None and bytes(v) == value(i, 100) for i, v in enumerate(got))
     assert [kind for kind, message in reports.seen if "damaged" in message and "outside" in message] == ["index"]
+
+
+def test_an_index_of_larger_pages_is_walked_at_its_own_page_size(root: Path) -> None:
+    store = PackedStore(root, 10**7)
+    fill(store, range(600), 100)
+    store.close()
+    path, page = root / INDEX_NAME, 16384  # what LMDB writes where the system's pages are 16 KiB
+    small = path.read_bytes()
+    large = bytearray(len(small) // 4096 * page)
+    for i in range(len(small) // 4096):
+        large[i * page : i * page + 4096] = small[i * 4096 : (i + 1) * 4096]
+    newest = max((0, 1), key=lambda m: struct.unpack_from("<Q", large, m * page + 16 + 128)[0])
+    large[0:4096] = large[newest * page : newest * page + 4096]  # the newest meta first
+    for m in (0, 1):
+        struct.pack_into("<I", large, m * page + 16 + 24, page)  # the page size, in the free tree's md_pad
+    path.write_bytes(bytes(large))
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=3)
+    with env.begin(db=env.open_db(b"entries", create=False)) as txn:
+        assert env.stat()["psize"] == page and txn.stat()["entries"] == 600
+    env.close()
+    assert unsound_pages(str(path)) is None
 
 
 def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:

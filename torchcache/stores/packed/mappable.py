@@ -66,8 +66,13 @@ def unsound_pages(path: str, txnid: int | None = None) -> str | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        metas = [os.pread(fd, 16 + _META.size, at) for at in (0, 4096)]
-        psize = 4096
+        first = os.pread(fd, 16 + _META.size, 0)
+        if len(first) < 16 + _META.size:
+            return None
+        psize = struct.unpack_from("<I", first, 16 + 24)[0]  # the page size, in the free tree's md_pad
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            return None  # not a page size: opening it fails, and it is rebuilt
+        metas = [first, os.pread(fd, 16 + _META.size, psize)]
         found = [_META.unpack_from(m, 16) for m in metas if len(m) == 16 + _META.size]
         found = [m for m in found if m[0] == _MAGIC]
         if not found:
