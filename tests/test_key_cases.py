@@ -379,6 +379,21 @@ def test_inputs_in_a_channels_last_layout_are_keyed_apart_from_contiguous_ones()
     assert miss.stride() == hit.stride() == conv(last).stride() and net(x).stride() == conv(x).stride()
 
 
+class _FormatByBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # as kernel heuristics may: the layout follows the batch
+        y = x * 2 + 1
+        return y.contiguous(memory_format=torch.channels_last) if len(x) >= 4 else y.contiguous()
+
+
+def test_hits_and_misses_computed_in_other_memory_formats_merge_without_recomputing() -> None:
+    net, x = torchcache()(_FormatByBatch()), torch.randn(8, 3, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        for rows in (slice(0, 4), slice(2, 5), slice(0, 6)):
+            assert torch.equal(net(x[rows]), x[rows] * 2 + 1)
+    assert net.cache_instance.stats().hits == 2 + 4  # item 4, kept in the other format, is computed again
+
+
 class _Mapping(collections.abc.Mapping):  # type: ignore[type-arg]
     def __init__(self, data: dict[str, torch.Tensor]) -> None:
         self.data = data

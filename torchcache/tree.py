@@ -1,9 +1,8 @@
 """Output structures: flatten nested outputs of tensors into a spec and leaves, and rebuild them.
 
-A *layout* describes one item of a batched output: the structure and, per tensor leaf,
-its per-item shape, the dtype it is stored at and the dtype it is returned in. Items
-with equal layouts can be stored side by side in one slab and gathered with one copy.
-The layout serializes to canonical JSON, which is also the header of a stored entry.
+A *layout* is one item of a batched output: its structure and each tensor leaf's shape,
+stored and returned dtypes and memory format. Items of one layout share a slab, gathered
+with one copy; its canonical JSON is the header of a stored entry.
 
 The structure spec is JSON: ``"T"`` is a tensor leaf, ``"N"`` a ``None`` (it stores
 nothing), ``["tuple", [...]]``, ``["list", [...]]`` and ``["dict", [[key, ...], ...]]``
@@ -261,6 +260,11 @@ class Layout:
 
     spec_json: str
     leaves: tuple[LeafSpec, ...]
+
+    def same_rows(self, other: Layout) -> bool:
+        """Whether items of ``other`` have this layout's structure and rows, whatever their memory format."""
+        rows = [(a.shape, a.dtype, a.out_dtype) for a in self.leaves]
+        return self.spec_json == other.spec_json and rows == [(b.shape, b.dtype, b.out_dtype) for b in other.leaves]
 
     @cached_property
     def nbytes(self) -> int:

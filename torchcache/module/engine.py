@@ -465,7 +465,7 @@ class Cache:
             leaves = self._outputs.to_items(spec, leaves)
             self._check_items(leaves, batch if whole else len(missing), call.batch)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
-            if layout is not None and new_layout != layout:
+            if layout is not None and not new_layout.same_rows(layout):  # a memory format of its own is fine
                 self.faults.warn(
                     Fault.LAYOUT, "cached outputs do not match the shapes just computed; computing the whole batch"
                 )
