@@ -119,7 +119,7 @@ def resolve_places(
     if disk is not None:
         from ..stores.redis.url import redact_url
 
-        where = os.fspath(disk) if isinstance(disk, Path) else redact_url(disk)
+        where = os.path.realpath(disk) if isinstance(disk, Path) else redact_url(disk)  # one name per directory
         places.memory_name = f"{dirname}-{xxhash.xxh3_64_hexdigest(where.encode())[:8]}"
     if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
         try:
