@@ -772,15 +772,10 @@ def test_opening_reads_no_segment_at_200k_entries(root: Path, monkeypatch: pytes
         return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", watch)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        again = PackedStore(root, 10**12)
-        assert again.get_many([key(i) for i in range(10**6, 10**6 + 1024)]) == [None] * 1024
-        best = min(best, time.perf_counter() - start)
-        again.close()
-    assert not [path for path in opened if path.endswith(".tcs")]
-    assert best < 0.5
+    again = PackedStore(root, 10**12)  # its opening time is measured in benchmarks/disk_tier.py
+    assert again.get_many([key(i) for i in range(10**6, 10**6 + 1024)]) == [None] * 1024
+    again.close()
+    assert opened and not [path for path in opened if path.endswith(".tcs")]
 
 
 @pytest.mark.slow
