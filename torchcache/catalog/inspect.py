@@ -25,7 +25,7 @@ from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.packed.format import parse_segment_name
 from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_index
-from ..stores.packed.mappable import cut_short
+from ..stores.packed.mappable import cut_short, unsound_pages
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
 from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
@@ -131,8 +131,9 @@ def index_problem(directory: Path) -> str | None:
 def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = False) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
 
-    A directory whose index cannot be opened as it is (see :func:`index_problem`) has
-    none either, until ``torchcache verify --fix`` rebuilds its index.
+    A directory whose index cannot be opened as it is (see :func:`index_problem`), or
+    whose pages point outside its file, has none either, until ``torchcache verify --fix``
+    rebuilds its index.
 
     Args:
         directory: The module directory.
@@ -144,6 +145,8 @@ def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = F
         StoreError: If the store cannot be opened.
     """
     if not os.path.lexists(directory / INDEX_NAME) or index_problem(directory) is not None:
+        return None
+    if unsound_pages(os.fspath(directory / INDEX_NAME)) is not None:  # reading it could kill this process
         return None
     if max_bytes is None:
         meta, _ = load_meta(directory)
