@@ -111,13 +111,14 @@ def index_problem(directory: Path) -> str | None:
     """What keeps the packed store's index of a module directory from being opened as it is, if anything.
 
     LMDB maps the index into memory, and a process that touches a page beyond the end of
-    a file cut short dies of ``SIGBUS``: so the file's length is checked against what its
-    header (read with ``pread``) says it holds before anything opens it. An index that is
-    not an LMDB file at all is not a problem here: opening the store rebuilds it.
+    its file dies of ``SIGBUS``: so the file's length is checked against what its header
+    says it holds, and its trees are walked (both with ``pread``), before anything opens
+    it. An index that is not an LMDB file at all is not a problem here: opening the store
+    rebuilds it.
 
     Returns:
-        Why the index cannot be opened (not a regular file, cut short), or ``None``
-        (sound, absent, or rebuilt when opened).
+        Why the index cannot be opened (not a regular file, cut short, pages pointing
+        outside it), or ``None`` (sound, absent, or rebuilt when opened).
     """
     path = directory / INDEX_NAME
     try:
@@ -125,15 +126,14 @@ def index_problem(directory: Path) -> str | None:
             return "not a regular file"
     except OSError:
         return None
-    return cut_short(os.fspath(path))
+    return cut_short(os.fspath(path)) or unsound_pages(os.fspath(path))
 
 
 def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = False) -> PackedStore | None:
     """The packed store of a module directory, or ``None`` if it has none (nothing is created).
 
-    A directory whose index cannot be opened as it is (see :func:`index_problem`), or
-    whose pages point outside its file, has none either, until ``torchcache verify --fix``
-    rebuilds its index.
+    A directory whose index cannot be opened as it is (see :func:`index_problem`) has
+    none either, until ``torchcache verify --fix`` rebuilds its index.
 
     Args:
         directory: The module directory.
@@ -145,8 +145,6 @@ def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = F
         StoreError: If the store cannot be opened.
     """
     if not os.path.lexists(directory / INDEX_NAME) or index_problem(directory) is not None:
-        return None
-    if unsound_pages(os.fspath(directory / INDEX_NAME)) is not None:  # reading it could kill this process
         return None
     if max_bytes is None:
         meta, _ = load_meta(directory)

@@ -34,7 +34,6 @@ from ..stores.batched import BatchedStore
 from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.index import INDEX_NAME
-from ..stores.packed.mappable import unsound_pages
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import discard_index
 from ..tree import Layout
@@ -179,8 +178,6 @@ def verify_store(
     problems: list[Problem] = []
     index = directory / INDEX_NAME
     broken = index_problem(directory)
-    if broken is None and index.is_file():  # damaged pages can kill the process that reads them (SIGBUS)
-        broken = unsound_pages(os.fspath(index))
     if broken is not None:
         problems.append(Problem(index, "store", f"{broken}; the index must be rebuilt from the segment files", 0))
         if not fix:

@@ -121,9 +121,8 @@ def _walk(fd: int, psize: int, npages: int, roots: list[int]) -> str | None:
                 if data + 8 > psize:
                     return f"page {pgno} has a value outside it"
                 first = struct.unpack_from("<Q", page, data)[0]
-                count = _HEADER.unpack(os.pread(fd, 16, first * psize))[3] if 2 <= first < npages else 0
                 if not 2 <= first < npages or first + (-(-(dsize + 16) // psize)) > npages:
-                    return f"page {pgno} has a value in pages outside the file ({count})"
+                    return f"page {pgno} has a value in pages outside the file"
             elif data + dsize > psize:
                 return f"page {pgno} has a value outside it"
             elif nflags & _F_SUBDATA and dsize >= _DB_ROOT_AT + 8:

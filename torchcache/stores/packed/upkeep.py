@@ -156,8 +156,10 @@ def open_or_recover(root: str, report: Report, map_size: int = MIN_MAP_SIZE) -> 
         discard_index(root, None)
     try:
         index = open_index(root, readonly=False, map_size=map_size)
-        with index.begin() as txn:  # pages LMDB would follow outside the file: reading them kills the process
-            problem = unsound_pages(index.path, txn.id())
+        problem = None
+        if index.users == 1:  # first opened in this process (a shared one was walked then)
+            with index.begin() as txn:  # pages LMDB would follow outside the file: reading them kills the process
+                problem = unsound_pages(index.path, txn.id())
         if problem is not None:
             index.close()
             raise IndexDamageError(errno.EINVAL, problem)
