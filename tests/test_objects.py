@@ -812,17 +812,6 @@ def test_a_prune_whose_removal_fails_keeps_counting_those_segments_and_removes_t
     assert sum(s3fs_of.size(f"{store.bucket.prefix}/{name}") for name in segments) <= 6_000
 
 
-@pytest.mark.parametrize("call", ["extract_features", "open"])
-def test_a_features_cache_in_a_bucket_is_refused_naming_the_argument(bucket: str, call: str) -> None:
-    from torchcache import FeatureDataset, extract_features
-
-    with pytest.raises(ConfigError, match="must be a local directory"):
-        if call == "open":
-            FeatureDataset.open(f"{bucket}/features")
-        else:
-            extract_features(torch.nn.Identity(), [(torch.zeros(2), 0)], cache_dir=f"{bucket}/features")
-
-
 def test_a_local_copy_is_named_by_its_url_without_its_password() -> None:
     from torchcache.stores.remote import local_copy_dir
 

@@ -36,6 +36,7 @@ __all__ = [
     "ROOT_BUDGET_ENV",
     "Settings",
     "check_local_dir",
+    "check_location",
     "check_redis_url",
     "check_storage_options",
     "check_url",
@@ -151,7 +152,7 @@ def _validate(name: str, value: Any) -> Any:
     if name in ("enabled", "persistent", "keep_eval", "exact_batches", "check_items"):
         return _bool(name, value)
     if name == "persistent_cache_dir":
-        return _cache_dir(value)
+        return check_location(value)
     if name == "local_cache_dir":
         return check_local_dir(value)
     if name == "storage_options":
@@ -257,7 +258,8 @@ def check_url(value: str, name: str = "persistent_cache_dir") -> str:
     return value
 
 
-def _cache_dir(value: object, name: str = "persistent_cache_dir") -> Path | str | None:
+def check_location(value: object, name: str = "persistent_cache_dir") -> Path | str | None:
+    """``value`` as a directory or a checked URL (``None`` stays ``None``); a ConfigError naming ``name`` otherwise."""
     if value is None:
         return None
     if is_url(value):
@@ -288,7 +290,7 @@ def check_local_dir(value: object, name: str = "local_cache_dir") -> Path | None
     """
     if is_url(value):
         raise ConfigError(f"{name} must be a local directory here, got the URL {redact_url(value)}")  # type: ignore[arg-type]
-    return _cache_dir(value, name)  # type: ignore[return-value]
+    return check_location(value, name)  # type: ignore[return-value]
 
 
 def check_storage_options(value: object) -> dict[str, Any] | None:
@@ -379,7 +381,7 @@ def resolve_location(persistent_cache_dir: Path | str | None) -> Path | str:
     if persistent_cache_dir is not None:
         return persistent_cache_dir
     env = os.environ.get("TORCHCACHE_DIR")
-    found = _cache_dir(env, "TORCHCACHE_DIR") if env and env.strip() else None
+    found = check_location(env, "TORCHCACHE_DIR") if env and env.strip() else None
     return found if found is not None else Path(platformdirs.user_cache_path("torchcache"))
 
 

@@ -164,10 +164,10 @@ def remote_clear(url: str, args: argparse.Namespace) -> int:
 
 
 def _holds_module_outputs(store: BatchedStore) -> bool:
-    """Whether a namespace's entries are output frames (a bucket's dataset caches hold samples)."""
+    """Whether a namespace's entries are output frames (a bucket's dataset caches hold samples, features caches files)."""
     if not isinstance(store, ObjectStore):
         return True
-    return store.bucket.description().get("kind") != "dataset"
+    return store.bucket.description().get("kind") not in ("dataset", "features")
 
 
 def remote_prune(url: str, args: argparse.Namespace) -> int:

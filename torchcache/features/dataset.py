@@ -24,13 +24,14 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..catalog.budget import CacheClaim, claim_directory
-from ..config import check_local_dir, resolve_root
+from ..config import check_local_dir, check_location, resolve_location, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError, compute_rows, device_of
+from .remote import from_bucket
 from .variable import WholeSamples, is_variable_cache, run_samples
 
 __all__ = ["FeatureDataset", "MissingFeatureError"]
@@ -105,19 +106,35 @@ class FeatureDataset(Dataset[Any]):
         self._first: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str] | None = None) -> FeatureDataset:
+    def open(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        local_cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> FeatureDataset:
         """Open a features cache made earlier, without its backbone or dataset.
 
         Args:
             path: The cache's directory, its ``features.tcrows`` file, or a cache root
                 that holds one features cache; ``None`` for ``$TORCHCACHE_DIR`` or the user
-                cache directory.
+                cache directory. A bucket URL (``s3://bucket/prefix``, or its
+                ``.../features-<key>`` folder) reads the file into a local copy first.
+            local_cache_dir: With a bucket URL: where this machine keeps its copy.
+            storage_options: With a bucket URL: fsspec options, over those of
+                ``$TORCHCACHE_STORAGE_OPTIONS``.
 
         Raises:
             ConfigError: If there is no features cache at ``path``, or several, or it is
                 not a valid features file (the message says why).
         """
-        found = find_features(path)  # features in a bucket: not yet
+        location = resolve_location(check_location(path, "path"))
+        if isinstance(location, str):
+            found = from_bucket(location, local_cache_dir, storage_options)
+        elif local_cache_dir is not None:
+            raise ConfigError("local_cache_dir keeps a local copy of features in a bucket, but path is not one")
+        else:
+            found = find_features(location)
         if found.is_dir():
             return cls(WholeSamples.open(found))
         try:

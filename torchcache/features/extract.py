@@ -36,9 +36,8 @@ from torch.utils.data import DataLoader
 from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
-from ..config import check_local_dir, resolve_root
+from ..config import check_location, resolve_location
 from ..datasets.keys import fingerprint_dataset
-from ..dtypes import standard_strides
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
 from ..keys import numerics, tag
@@ -59,6 +58,8 @@ from ..stores.features.layout import SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError
 from .dataset import FeatureDataset
+from .probe import check_deterministic
+from .remote import FeaturesBucket
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
 from .writer import Batch, BatchWriter
@@ -67,12 +68,6 @@ __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
 
 _FORMAT = b"torchcache-features-1"
 _STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
-_RANDOM = (
-    "dataset[{index}] returned a different {what} on two reads: the dataset applies random augmentation "
-    "(RandomResizedCrop, RandomHorizontalFlip, ...) before the backbone, and outputs of random inputs cannot be "
-    "cached. Give extract_features the dataset with deterministic transforms only (e.g. Resize and CenterCrop) "
-    "and augment the features, or cache the decoded samples with CachedDataset and augment after it"
-)
 
 
 def extract_features(
@@ -85,6 +80,8 @@ def extract_features(
     version: object = None,
     input: int | str = 0,
     progress: bool = True,
+    local_cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> FeatureDataset:
     """Run a frozen backbone over a dataset once and return its outputs as a dataset, by index.
 
@@ -107,7 +104,9 @@ def extract_features(
         num_workers: DataLoader workers that read the dataset while extracting.
         cache_dir: The root of caches (default ``$TORCHCACHE_DIR``, else the user cache
             directory); each backbone and dataset get a ``features-<key>`` directory in it.
-            With ``backbone=None``, the cache's own directory or a root holding one.
+            With ``backbone=None``, the cache's own directory or a root holding one. A
+            bucket URL (``s3://bucket/prefix``, ``gs://...``) keeps the features there
+            for other machines (:mod:`torchcache.features.remote`).
         version: Part of the dataset's key: change it when the data changed in a way
             the dataset's attributes do not show (files edited on disk).
         input: The field of a sample that goes through the backbone: its position in a
@@ -115,6 +114,10 @@ def extract_features(
             features and returned as they were.
         progress: Show a progress bar while extracting, when tqdm is installed and
             stderr is a terminal (or in a notebook).
+        local_cache_dir: With a bucket URL: where this machine keeps its copy of the
+            features (default ``$TORCHCACHE_LOCAL_DIR``, else ``copies`` under the cache root).
+        storage_options: With a bucket URL: fsspec options (``endpoint_url``,
+            credentials...), over those of ``$TORCHCACHE_STORAGE_OPTIONS``.
 
     Returns:
         A map-style dataset of ``len(dataset)`` samples: each the dataset's sample with
@@ -142,10 +145,11 @@ def extract_features(
     if backbone is None:
         if dataset is not None:
             raise ConfigError("extract_features(None, dataset): pass the backbone, or dataset=None to open a cache")
-        return FeatureDataset.open(cache_dir)
+        return FeatureDataset.open(cache_dir, local_cache_dir=local_cache_dir, storage_options=storage_options)
+    where = (cache_dir, local_cache_dir, storage_options)
     cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
-        return _extract_features(backbone, dataset, batch_size, num_workers, cache_dir, version, input, progress)
+        return _extract_features(backbone, dataset, batch_size, num_workers, where, version, input, progress)
 
 
 def _extract_features(
@@ -153,12 +157,15 @@ def _extract_features(
     dataset: Any,
     batch_size: int,
     num_workers: int,
-    cache_dir: str | os.PathLike[str] | None,
+    where: tuple[Any, Any, Any],
     version: object,
     input: int | str,
     progress: bool,
 ) -> FeatureDataset:
-    """:func:`extract_features` with a backbone, once the global generators are forked."""
+    """:func:`extract_features` with a backbone, once the global generators are forked.
+
+    ``where``: ``cache_dir``, ``local_cache_dir`` and ``storage_options``.
+    """
     _check_arguments(backbone, batch_size, num_workers, input)
     try:
         length = len(dataset)
@@ -167,6 +174,11 @@ def _extract_features(
     if length == 0:
         raise ConfigError("extract_features: the dataset is empty")
     faults = FaultLog(type(backbone).__qualname__)
+    cache_dir, local_cache_dir, storage_options = where
+    location = resolve_location(check_location(cache_dir, "cache_dir"))
+    remote = None if isinstance(location, Path) else FeaturesBucket(location, local_cache_dir, storage_options, faults)
+    if remote is None and local_cache_dir is not None:
+        raise ConfigError("local_cache_dir keeps a local copy of features in a bucket, but cache_dir is not one")
     settings: dict[str, object] = {"features": backbone.training}
     device = next(iter(backbone.parameters()), torch.empty(0)).device.type
     lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
@@ -176,8 +188,8 @@ def _extract_features(
     dataset_key = fingerprint_dataset(dataset, version)
     h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))
-    directory = resolve_root(check_local_dir(cache_dir, "cache_dir"))  # features in a bucket: not yet
-    directory /= f"features-{h.hexdigest()}"
+    folder = f"features-{h.hexdigest()}"
+    directory = remote.local_dir(folder) if remote is not None else Path(location) / folder
     header = {
         "format": 1,
         "length": length,
@@ -193,7 +205,7 @@ def _extract_features(
         """Samples kept whole in a dataset cache (they vary in shape): the missing ones computed."""
         bar = _progress_bar(length, None) if progress else None
         try:
-            check = functools.partial(_check_deterministic, dataset)
+            check = functools.partial(check_deterministic, dataset)
             update = None if bar is None else bar.update
             whole = extract_variable(backbone, dataset, directory, header, batch_size, num_workers, check, update)
             return FeatureDataset(whole, backbone, dataset)
@@ -201,14 +213,20 @@ def _extract_features(
             if bar is not None:
                 bar.close()
 
-    if is_variable_cache(directory):
+    if is_variable_cache(directory) and remote is None:
         return variable()
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
         file = open_existing(directory / FEATURES_NAME, header, faults.warn)
         todo = np.arange(length, dtype=np.int64) if file is None else missing_or_damaged(file, faults.warn)
+        fetched = bool(len(todo)) and remote is not None and remote.fetch(folder, directory / FEATURES_NAME)
+        if fetched:  # the local copy now holds the bucket's file
+            if file is not None:
+                file.close()
+            file = open_existing(directory / FEATURES_NAME, header, faults.warn)
+            todo = np.arange(length, dtype=np.int64) if file is None else missing_or_damaged(file, faults.warn)
         if len(todo):
-            probe = _check_deterministic(dataset, todo)
+            probe = check_deterministic(dataset, todo)
             try:
                 layout = SampleLayout.of_sample(probe, input)
                 donors = Donors.find(directory.parent, directory.name, module_key, input)
@@ -228,6 +246,11 @@ def _extract_features(
                     if donors is not None:
                         donors.close()
             except VariableLayoutError as exc:  # samples of several shapes: kept whole instead
+                if remote is not None:
+                    raise ConfigError(
+                        f"{exc}: features that vary in shape are kept whole, in a local cache only; pass a local "
+                        "cache_dir, or make the backbone's outputs one shape (pool or pad them)"
+                    ) from None
                 logger.info("%s; the features are kept whole, sample by sample, in %s", exc, directory)
                 if file is not None:
                     file.close()
@@ -245,6 +268,8 @@ def _extract_features(
         if claim is not None:
             claim.release()  # the dataset cache takes its own
         return variable()
+    if remote is not None and file.path is not None and file.count() == length:
+        remote.upload(folder, file.path, _meta(file.header, file.size), replace=fetched and bool(len(todo)))
     return FeatureDataset(file, backbone, dataset, claim)
 
 
@@ -266,48 +291,6 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
             "the backbone is in training mode and holds dropout or batch-norm layers: its outputs would be random "
             "(dropout) or would move its batch-norm statistics while it runs. Call backbone.eval() first"
         )
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two samples are equal, byte for byte where they are tensors or arrays (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        return bool(torch.equal(_bytes_of(a), _bytes_of(b)))
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    try:
-        return type(a) is type(b) and (bool(a == b) or bool(a != a and b != b))  # a NaN target is as it was
-    except (TypeError, ValueError, RuntimeError):
-        return False
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return standard_strides(tensor.detach().cpu().contiguous().reshape(-1)).view(torch.uint8)
-
-
-def _check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:
-    """The first sample to compute, once three reads of each of four samples agreed.
-
-    A flip with probability 0.5 passes one sample's three reads a quarter of the time, and
-    four samples' about once in 250 runs.
-
-    Raises:
-        ConfigError: If a sample differs between reads (random augmentation).
-    """
-    probes = sorted({int(todo[len(todo) * k // 4]) for k in range(4)})
-    first = None
-    for index in probes:
-        sample = dataset[index]
-        if not (_same(sample, dataset[index]) and _same(sample, dataset[index])):
-            raise ConfigError(_RANDOM.format(index=index, what="sample"))
-        if first is None:
-            first = sample
-    return first
 
 
 class _Collate:
@@ -392,7 +375,14 @@ def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> RowsFi
     if file.header != header:  # another process made one for the same key with another layout
         file.close()
         raise ConfigError(f"{directory} holds features of another layout than the backbone's outputs; remove it")
-    meta = {
+    with contextlib.suppress(OSError):
+        write_json_atomic(directory / META_NAME, _meta(header, file.size))
+    return file
+
+
+def _meta(header: dict[str, Any], size: int) -> dict[str, Any]:
+    """What a features cache's ``torchcache.json`` records."""
+    return {
         "torchcache_version": __version__,
         "kind": "features",
         "created": time.time(),
@@ -400,11 +390,8 @@ def _create(directory: Path, header: dict[str, Any], faults: FaultLog) -> RowsFi
         "dataset": header["dataset"],
         "length": header["length"],
         "version": header["version"],
-        "max_bytes": file.size,
+        "max_bytes": size,
     }
-    with contextlib.suppress(OSError):
-        write_json_atomic(directory / META_NAME, meta)
-    return file
 
 
 def _progress_bar(total: int, file: RowsFile | None) -> Any:

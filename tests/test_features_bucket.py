@@ -1,0 +1,179 @@
+"""Features caches in a bucket (torchcache/features/remote.py), against a local S3 server (tests/object_servers.py)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_features import Images, Net
+from torchcache import CacheWarning, ConfigError, FeatureDataset, extract_features
+from torchcache.cli.main import main
+from torchcache.faults import FaultLog
+from torchcache.features import remote
+
+
+def _features(data: FeatureDataset) -> torch.Tensor:
+    return torch.stack([data[i][0] for i in range(len(data))])
+
+
+def _expected(net: Net, images: Images) -> torch.Tensor:
+    with torch.no_grad():
+        return net(images.images)
+
+
+def _objects(fs: Any, bucket: str) -> list[str]:
+    return [p for p in fs.find(bucket.removeprefix("s3://"))]
+
+
+def test_features_extracted_into_a_bucket_serve_a_fresh_machine_without_the_backbone(
+    bucket: str, tmp_path: Path
+) -> None:
+    url, net, images = f"{bucket}/probe", Net(), Images()
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    assert net.seen[0] == len(images)
+    assert torch.allclose(_features(first), _expected(net, images), atol=1e-6)
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")  # no backbone, no dataset
+    assert torch.equal(_features(served), _features(first))
+    assert [served[i][1] for i in range(len(images))] == images.labels
+    assert served.path is not None and served.path.is_relative_to(tmp_path / "m2")
+    again = Net()
+    again.load_state_dict(net.state_dict())
+    third = extract_features(again, Images(), cache_dir=url, local_cache_dir=tmp_path / "m3", progress=False)
+    assert again.seen[0] == 0 and torch.equal(_features(third), _features(first))
+
+
+def test_a_file_of_many_pieces_is_put_back_whole(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3fs_of: Any
+) -> None:
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 1000)
+    url, net, images = f"{bucket}/pieces", Net(), Images(n=200)
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    assert first.path is not None and first.path.stat().st_size > 5000  # several pieces
+    segments = [p for p in _objects(s3fs_of, bucket) if p.endswith(".tcs")]
+    assert len(segments) == -(-first.path.stat().st_size // 1000) + 1  # the pieces and the head
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert served.path is not None and served.path.read_bytes() == first.path.read_bytes()
+
+
+def test_an_upload_without_its_head_is_not_read_and_the_next_machine_uploads_again(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, images = f"{bucket}/cut", Images()
+    real = remote.Head.encode
+
+    def killed(self: remote.Head) -> bytes:
+        raise OSError("killed before the head")
+
+    monkeypatch.setattr(remote.Head, "encode", killed)
+    first_net = Net()
+    with pytest.warns(CacheWarning, match="cannot upload"):
+        first = extract_features(first_net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    assert len(first) == len(images)  # kept locally
+    monkeypatch.setattr(remote.Head, "encode", real)
+    with pytest.raises(ConfigError, match="no whole features file"):
+        FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    net = Net()
+    net.load_state_dict(first_net.state_dict())
+    second = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
+    assert net.seen[0] == len(images)  # computed: nothing whole was there
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m3")
+    assert torch.equal(_features(served), _features(second))
+
+
+@pytest.mark.parametrize("damage", ["piece", "head"])
+def test_a_damaged_file_in_the_bucket_is_computed_again_and_replaced(
+    bucket: str, tmp_path: Path, s3fs_of: Any, damage: str
+) -> None:
+    url, images = f"{bucket}/damaged", Images()
+    net = Net()
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    good = _features(first)
+    segments = sorted(p for p in _objects(s3fs_of, bucket) if p.endswith(".tcs"))
+    piece, _ = segments  # the piece went first, its head last
+    if damage == "piece":
+        data = bytearray(s3fs_of.cat_file(piece))
+        data[len(data) // 2] ^= 0xFF
+        s3fs_of.pipe_file(piece, bytes(data))
+    else:  # a head that lies about the file's digest, its entry's own check passing
+        assert first.path is not None
+        folder = first.path.parent.name.rsplit("-", 1)[0]
+        store = remote.FeaturesBucket(url, tmp_path / "x", None, FaultLog("t"))._store(folder, {"kind": "features"})
+        body = json.loads(bytes(store.get(remote._HEAD_KEY) or b""))
+        body["digest"] = "0" * 32
+        store.put_many([(remote._HEAD_KEY, json.dumps(body).encode())])
+        store.close()
+    again = Net()
+    again.load_state_dict(net.state_dict())
+    with pytest.warns(CacheWarning):
+        second = extract_features(again, Images(), cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
+    assert again.seen[0] == len(images) and torch.equal(_features(second), good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the replaced file is whole
+        served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m3")
+    assert torch.equal(_features(served), good)
+
+
+def test_a_bucket_that_is_away_leaves_features_right_and_a_local_copy_serves_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.object_servers import CREDENTIALS, _free_port, require_s3
+
+    require_s3()
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+    url, net, images = "s3://nowhere/feats", Net(), Images()
+    local = tmp_path / "m1"
+    with pytest.warns(CacheWarning, match="nowhere"):
+        data = extract_features(net, images, cache_dir=url, local_cache_dir=local, storage_options=away, progress=False)
+    assert torch.allclose(_features(data), _expected(net, images), atol=1e-6)
+    with pytest.warns(CacheWarning, match="reading the local copy"):
+        served = FeatureDataset.open(url, local_cache_dir=local, storage_options=away)
+    assert torch.equal(_features(served), _features(data))
+    with pytest.raises(ConfigError, match="cannot list"):
+        FeatureDataset.open(url, local_cache_dir=tmp_path / "empty", storage_options=away)
+
+
+def test_opening_a_root_of_two_caches_names_them_and_a_folder_url_opens_one(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/two"
+    one = extract_features(Net(), Images(seed=1), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    extract_features(Net(), Images(seed=2), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    with pytest.raises(ConfigError, match="2 features caches"):
+        FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert one.path is not None
+    folder = one.path.parent.name.rsplit("-", 1)[0]  # features-<key>, without the digest of the URL
+    served = FeatureDataset.open(f"{url}/{folder}", local_cache_dir=tmp_path / "m2")
+    assert torch.equal(_features(served), _features(one))
+    with pytest.raises(ConfigError, match="no features cache"):
+        FeatureDataset.open(f"{bucket}/nothing", local_cache_dir=tmp_path / "m2")
+
+
+def test_a_features_cache_on_a_redis_server_or_of_varying_shapes_in_a_bucket_is_refused(
+    bucket: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="cache_dir: a features cache is a file"):
+        extract_features(Net(), Images(), cache_dir="redis://127.0.0.1:1/0", progress=False)
+    ragged = [(torch.randn(3, 8 + i % 2, 8), i) for i in range(6)]
+    with pytest.raises(ConfigError, match="vary in shape"):
+        extract_features(Net(), ragged, batch_size=2, cache_dir=f"{bucket}/r", local_cache_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="local_cache_dir"):
+        extract_features(Net(), Images(), cache_dir=tmp_path / "a", local_cache_dir=tmp_path / "b", progress=False)
+
+
+def test_the_command_line_lists_and_verifies_a_features_cache_in_a_bucket(
+    bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"{bucket}/cli"
+    extract_features(Net(), Images(), cache_dir=url, local_cache_dir=tmp_path, progress=False)
+    assert main(["ls", url]) == 0
+    assert "features-" in capsys.readouterr().out
+    assert main(["verify", url]) == 0  # its entries are pieces of a file, not output frames
+    assert "no problems found" in capsys.readouterr().out
+    assert main(["prune", url, "--max-size", "0"]) == 0
+    with pytest.raises(ConfigError, match="no whole features file"):
+        FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")

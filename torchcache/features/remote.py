@@ -1,0 +1,297 @@
+"""Features caches in a bucket: the features file uploaded in chunks, read through a local copy.
+
+``extract_features(..., cache_dir="s3://bucket/prefix")`` makes the cache in a local copy
+(``local_cache_dir``, default ``copies`` under the cache root) as a local cache is made,
+then uploads the finished features file into the folder ``features-<key>`` under the URL,
+as entries of the object store (:mod:`torchcache.stores.objects`): the file in chunks of
+64 MiB, each a segment of its own, then a *head* entry naming the file's size, its
+chunks and its xxh3-128. A machine whose local copy lacks the file reads the head, then
+the chunks, into a temporary file that takes the file's place once its size and digest
+are right; the rows are then checked one by one as a local cache's are.
+
+An upload cut short leaves no head, so nothing a reader uses (``torchcache prune``
+sweeps its chunks). The chunks of each upload have keys of their own, so two machines
+that upload one cache at once never mix their files: the newest head wins, whole.
+Faults of the bucket are warnings: the features are computed and kept in the local
+copy, and a later call uploads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import xxhash
+
+from .._log import logger
+from ..config import check_local_dir, check_storage_options, check_url, is_object_url, resolve_local_dir
+from ..errors import ConfigError, StoreError, TorchCacheError
+from ..faults import Fault, FaultLog
+from ..stores.features.file import FEATURES_NAME, open_features
+from ..stores.objects import ObjectStore, bucket_namespaces
+from ..stores.redis.url import redact_url
+from ..stores.remote import local_copy_dir
+
+__all__ = ["CHUNK_BYTES", "FeaturesBucket", "from_bucket", "split_url"]
+
+#: The size of each uploaded piece of a features file (the last is shorter).
+CHUNK_BYTES = 64 << 20
+_HEAD_KEY = xxhash.xxh3_128_hexdigest(b"torchcache-features-head")
+_FORMAT = "torchcache-features-bucket"
+_UNLIMITED = 1 << 62  # a folder holds one file: the bucket's budget is `torchcache prune URL --max-size`
+
+
+class Head(NamedTuple):
+    """What a head entry says of the uploaded file."""
+
+    size: int
+    chunks: int
+    upload: str  #: the upload's id, in each chunk's key
+    digest: str  #: xxh3-128 of the whole file
+
+    def chunk_key(self, i: int) -> str:
+        """The key of chunk ``i``."""
+        return _chunk_key(self.upload, i)
+
+    def encode(self) -> bytes:
+        """The head entry's bytes (JSON)."""
+        body = {"format": _FORMAT, "version": 1, **self._asdict()}
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview | None) -> Head | None:
+        """The head in ``data``, or ``None`` if there is none or it is not valid."""
+        if data is None or len(data) > 4096:
+            return None
+        try:
+            body = json.loads(bytes(data))
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("version") != 1:
+            return None
+        size, chunks, upload, digest = (body.get(k) for k in cls._fields)
+        if type(size) is not int or type(chunks) is not int or size < 0 or chunks != -(-size // CHUNK_BYTES):
+            return None
+        if not (isinstance(upload, str) and len(upload) == 32 and isinstance(digest, str) and len(digest) == 32):
+            return None
+        if not all(c in "0123456789abcdef" for c in upload + digest):
+            return None
+        return cls(size, chunks, upload, digest)
+
+
+def _chunk_key(upload: str, i: int) -> str:
+    return xxhash.xxh3_128_hexdigest(f"{upload}:{i}".encode())
+
+
+def split_url(url: str) -> tuple[str, str | None]:
+    """A features URL as ``(root, folder)``: the folder if the URL names one (``.../features-<key>``), else ``None``."""
+    root, _, last = url.rstrip("/").rpartition("/")
+    if last.startswith("features-") and "://" in root and root.split("://", 1)[1]:
+        return root, last
+    return url.rstrip("/"), None
+
+
+class FeaturesBucket:
+    """The features caches under a bucket URL, and their local copies on this machine.
+
+    Args:
+        url: ``scheme://bucket/prefix``, the root of the caches.
+        local_cache_dir: The root of local copies (default ``$TORCHCACHE_LOCAL_DIR``,
+            else ``copies`` under the cache root).
+        storage_options: Passed to the fsspec filesystem (over ``$TORCHCACHE_STORAGE_OPTIONS``).
+        faults: Where faults of the bucket are warned about.
+        name: The argument the URL came from, for errors.
+
+    Raises:
+        ConfigError: If the URL is not a valid object store URL (a Redis URL is refused:
+            features caches are files) or an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        local_cache_dir: str | os.PathLike[str] | None,
+        storage_options: Mapping[str, Any] | None,
+        faults: FaultLog,
+        name: str = "cache_dir",
+    ) -> None:
+        if not is_object_url(url):
+            raise ConfigError(
+                f"{name}: a features cache is a file, kept in a local directory or in a bucket (s3://, gs://...), "
+                f"not on a Redis server; got {redact_url(url)}"
+            )
+        self.url = check_url(url, name).rstrip("/")
+        local = resolve_local_dir(check_local_dir(local_cache_dir), default=True)
+        assert local is not None
+        self.local_root = local
+        self.storage_options = check_storage_options(storage_options)
+        self.faults = faults
+        #: Folders whose file in the bucket failed its checks here: :meth:`upload` replaces it.
+        self.damaged: set[str] = set()
+
+    def local_dir(self, folder: str) -> Path:
+        """The local copy of the cache in ``folder`` (``features-<key>``)."""
+        return local_copy_dir(self.local_root, folder, self.url)
+
+    def _store(self, folder: str, meta: Mapping[str, Any] | None = None) -> ObjectStore:
+        return ObjectStore(
+            self.url,
+            folder,
+            _UNLIMITED,
+            storage_options=self.storage_options,
+            report=lambda kind, message: self.faults.warn(kind, message, "bucket"),
+            meta=meta,
+            prune_on_close=meta is not None,  # a writer sweeps what killed uploads left
+        )
+
+    def folders(self) -> list[str]:
+        """The features caches under the URL.
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be listed.
+        """
+        return [n for n in bucket_namespaces(self.url, self.storage_options) if n.startswith("features-")]
+
+    def local_copies(self) -> list[Path]:
+        """The local copies of this URL's caches that hold a features file."""
+        suffix = self.local_dir("x").name[1:]  # "-<digest of the URL>"
+        with contextlib.suppress(OSError):
+            return sorted(
+                p
+                for p in self.local_root.iterdir()
+                if p.name.startswith("features-") and p.name.endswith(suffix) and (p / FEATURES_NAME).is_file()
+            )
+        return []
+
+    def fetch(self, folder: str, path: Path) -> bool:
+        """Download the features file of ``folder`` to ``path``; whether a whole one was there.
+
+        Faults (the bucket away, a damaged or missing chunk, a local disk that cannot
+        take the file) are warnings, and ``False``; ``path`` is then as it was.
+        """
+        store = self._store(folder)
+        part = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
+        try:
+            head = Head.decode(store.get(_HEAD_KEY))
+            if head is None:
+                return False
+            path.parent.mkdir(parents=True, exist_ok=True)
+            digest, size = xxhash.xxh3_128(), 0
+            with open(part, "wb") as out:
+                for i in range(head.chunks):
+                    data = store.get(head.chunk_key(i))
+                    if data is None or len(data) != min(CHUNK_BYTES, head.size - size):
+                        self.damaged.add(folder)
+                        self.faults.warn(
+                            Fault.CORRUPT,
+                            f"the features file in {redact_url(self.url)}/{folder} is missing a piece: computed again",
+                            "bucket",
+                        )
+                        return False
+                    digest.update(data)
+                    out.write(data)
+                    size += len(data)
+            if digest.hexdigest() != head.digest:
+                self.damaged.add(folder)
+                self.faults.warn(
+                    Fault.CORRUPT,
+                    f"the features file in {redact_url(self.url)}/{folder} fails its digest: computed again",
+                    "bucket",
+                )
+                return False
+            os.replace(part, path)
+            logger.info("read the features file of %s/%s (%d bytes)", redact_url(self.url), folder, size)
+            return True
+        except OSError as exc:
+            self.faults.warn(Fault.WRITE, f"cannot write the local copy {path} ({exc}): computed again", "local")
+            return False
+        finally:
+            store.close()
+            with contextlib.suppress(OSError):
+                part.unlink()
+
+    def upload(self, folder: str, path: Path, meta: Mapping[str, Any], replace: bool = False) -> None:
+        """Upload the features file at ``path`` into ``folder``, unless the bucket holds one whole already.
+
+        ``replace``: upload it even then (the one there was read, and its rows failed
+        their checks here; one that failed :meth:`fetch`'s checks is replaced too). Faults are warnings: the file stays in the local copy, and a later call
+        uploads it.
+        """
+        store = self._store(folder, meta)
+        try:
+            head = None if replace or folder in self.damaged else Head.decode(store.get(_HEAD_KEY))
+            if head is not None and all(head.chunk_key(i) in store for i in range(head.chunks)):
+                return
+            upload, digest, size, i = uuid.uuid4().hex, xxhash.xxh3_128(), 0, 0
+            with open(path, "rb") as file:
+                while chunk := file.read(CHUNK_BYTES):
+                    digest.update(chunk)
+                    store.put_many([(_chunk_key(upload, i), chunk)])
+                    size, i = size + len(chunk), i + 1
+            store.put_many([(_HEAD_KEY, Head(size, i, upload, digest.hexdigest()).encode())])
+            logger.info("uploaded the features file %s to %s/%s (%d bytes)", path, redact_url(self.url), folder, size)
+        except (StoreError, OSError) as exc:
+            self.faults.warn(
+                Fault.UNAVAILABLE,
+                f"cannot upload the features to {redact_url(self.url)}/{folder} ({exc}); they are kept in the local "
+                f"copy {path.parent}, and the next call uploads them",
+                "bucket",
+            )
+        finally:
+            store.close()
+
+
+def from_bucket(
+    url: str, local_cache_dir: str | os.PathLike[str] | None, storage_options: Mapping[str, Any] | None
+) -> Path:
+    """The local copy of the features file of the one features cache at ``url``, read from the bucket if needed.
+
+    ``url`` is a root holding one features cache, or the cache's folder. A bucket that
+    cannot be listed, with one local copy of this root's caches here, is a warning and
+    that copy.
+
+    Raises:
+        ConfigError: If there is no features cache at ``url``, or several, or it cannot
+            be read and this machine has no whole copy of it.
+    """
+    root, folder = split_url(url)
+    remote = FeaturesBucket(root, local_cache_dir, storage_options, FaultLog("features"), "path")
+    shown = redact_url(url)
+    try:
+        folders = [folder] if folder is not None else remote.folders()
+    except StoreError as exc:
+        copies = remote.local_copies()
+        if len(copies) != 1:
+            raise ConfigError(
+                f"cannot list {shown} ({exc}), and this machine holds {len(copies)} copies of its features caches"
+            ) from None
+        remote.faults.warn(Fault.UNAVAILABLE, f"cannot list {shown} ({exc}): reading the local copy {copies[0]}")
+        return copies[0] / FEATURES_NAME
+    if len(folders) != 1:
+        listed = ", ".join(folders[:5])
+        what = f"{len(folders)} features caches ({listed}); pass one's URL" if folders else "no features cache"
+        raise ConfigError(f"{shown} holds {what}")
+    path = remote.local_dir(folders[0]) / FEATURES_NAME
+    if not _whole(path) and not remote.fetch(folders[0], path):
+        raise ConfigError(
+            f"{redact_url(root)}/{folders[0]} holds no whole features file (see the warnings), and this machine "
+            "has no copy of it"
+        )
+    return path
+
+
+def _whole(path: Path) -> bool:
+    """Whether ``path`` is a features file whose rows are all written."""
+    try:
+        file = open_features(path)
+    except (OSError, ValueError, TorchCacheError):
+        return False
+    try:
+        return file.count() == file.length
+    finally:
+        file.close()
