@@ -15,6 +15,7 @@ from torchcache import CacheWarning, ConfigError, FeatureDataset, extract_featur
 from torchcache.cli.main import main
 from torchcache.faults import FaultLog
 from torchcache.features import remote
+from torchcache.stores.features.file import FEATURES_NAME
 
 
 def _features(data: FeatureDataset) -> torch.Tensor:
@@ -177,3 +178,54 @@ def test_the_command_line_lists_and_verifies_a_features_cache_in_a_bucket(
     assert main(["prune", url, "--max-size", "0"]) == 0
     with pytest.raises(ConfigError, match="no whole features file"):
         FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+
+
+@pytest.mark.slow  # the GCS emulator is a process of its own
+def test_features_in_a_gcs_bucket_serve_a_fresh_machine(gcs_bucket: str, tmp_path: Path) -> None:
+    url, net, images = f"{gcs_bucket}/probe", Net(), Images()
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert torch.equal(_features(served), _features(first))
+    assert torch.allclose(_features(served), _expected(net, images), atol=1e-6)
+
+
+_READER = """
+import os, signal, sys
+import torchcache.features.remote as remote
+from torchcache import FeatureDataset
+
+remote.CHUNK_BYTES = 1000
+real_get = remote.ObjectStore.get
+got = [0]
+
+
+def get(self, key):  # killed as the fourth piece is read
+    got[0] += 1
+    if got[0] == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_get(self, key)
+
+
+remote.ObjectStore.get = get
+FeatureDataset.open(sys.argv[1], local_cache_dir=sys.argv[2])
+"""
+
+
+@pytest.mark.slow  # a reader process, killed mid-download
+def test_a_reader_killed_mid_download_leaves_a_local_copy_the_next_one_reads_whole(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 1000)
+    url, images = f"{bucket}/killed", Images(n=300)
+    first = extract_features(Net(), images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    local = tmp_path / "m2"
+    done = subprocess.run([sys.executable, "-c", _READER, url, str(local)], env=dict(os.environ), timeout=120)
+    assert done.returncode == -9
+    assert list(local.rglob("*.part")) and not list(local.rglob(FEATURES_NAME))  # no reader takes a part file
+    served = FeatureDataset.open(url, local_cache_dir=local)
+    assert torch.equal(_features(served), _features(first))
+    assert not list(local.rglob("*.part"))  # the killed reader's, swept

@@ -19,6 +19,7 @@ copy, and a later call uploads them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import uuid
@@ -86,6 +87,14 @@ class Head(NamedTuple):
 
 def _chunk_key(upload: str, i: int) -> str:
     return xxhash.xxh3_128_hexdigest(f"{upload}:{i}".encode())
+
+
+def _sweep_parts(path: Path) -> None:
+    """Remove the temporary files of downloads to ``path`` that a killed process left (none holds their lock)."""
+    for part in path.parent.glob(f".{path.name}.*.part"):
+        with contextlib.suppress(OSError), open(part, "rb") as file:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            part.unlink()
 
 
 def split_url(url: str) -> tuple[str, str | None]:
@@ -181,8 +190,10 @@ class FeaturesBucket:
             if head is None:
                 return False
             path.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_parts(path)
             digest, size = xxhash.xxh3_128(), 0
             with open(part, "wb") as out:
+                fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # held while written: a sweep leaves it alone
                 for i in range(head.chunks):
                     data = store.get(head.chunk_key(i))
                     if data is None or len(data) != min(CHUNK_BYTES, head.size - size):
@@ -219,8 +230,8 @@ class FeaturesBucket:
         """Upload the features file at ``path`` into ``folder``, unless the bucket holds one whole already.
 
         ``replace``: upload it even then (the one there was read, and its rows failed
-        their checks here; one that failed :meth:`fetch`'s checks is replaced too). Faults are warnings: the file stays in the local copy, and a later call
-        uploads it.
+        their checks here; one that failed :meth:`fetch`'s checks is replaced too).
+        Faults are warnings: the file stays in the local copy, and a later call uploads it.
         """
         store = self._store(folder, meta)
         try:
