@@ -73,4 +73,4 @@ class PeriodicSummary:
         if now - self._last >= SUMMARY_INTERVAL:
             self._last = now
             if logger.isEnabledFor(logging.INFO):
-                logger.info(summary())
+                logger.info(summary().removeprefix("torchcache "))  # the logger's name says it

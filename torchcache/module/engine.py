@@ -583,7 +583,7 @@ def _summarize_at_exit() -> None:
                     "(the server was away or full); they are computed again when next needed",
                 )
             if logger.isEnabledFor(logging.INFO):
-                logger.info(cache.summary())
+                logger.info(cache.summary().removeprefix("torchcache "))  # the logger's name says it
 
 
 atexit.register(_summarize_at_exit)
