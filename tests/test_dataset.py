@@ -45,6 +45,7 @@ from torchcache.stores.rows import Geometry, RowsFile
 def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own root of RAM tiers."""
     root = tmp_path / "shm"
+    root.mkdir()
     monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(root))
     for name in ("TORCHCACHE_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -872,3 +873,16 @@ def test_samples_of_one_element_with_any_stride_are_cached(tmp_path: Path) -> No
             assert torch.equal(a, want_a) and torch.equal(b, want_b)
     assert cache.stats().hits == 4
     cache.close()
+
+
+def test_a_shm_directory_that_does_not_exist_is_not_made_and_the_ram_tier_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-such-shm"
+    monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(missing))
+    with pytest.warns(CacheWarning, match="TORCHCACHE_SHM_DIR"):
+        data = CachedDataset(Numbers(4, tmp_path / "log"), max_memory_size="1MB")
+    samples = [data[i] for i in range(4)]
+    assert all(torch.equal(x, expected(i, (3, 4, 4))) and label == i for i, (x, label) in enumerate(samples))
+    assert data.stats().memory.entries == 0 and not missing.exists()
+    data.close()

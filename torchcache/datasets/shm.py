@@ -84,9 +84,12 @@ def ram_root() -> Path:
             if not _noted:
                 _noted = True
                 logger.warning("no writable /dev/shm: RAM tiers of datasets are kept in %s", base)
+    elif not os.path.isdir(base):  # a typo would make a RAM tier on disk, where the path was made
+        raise StoreError(f"TORCHCACHE_SHM_DIR is {base}, which is not a directory; point it to a RAM-backed one")
     root = Path(base) / f"torchcache-{os.getuid()}"
     try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, mode=0o700)
         st = os.lstat(root)
     except OSError as exc:
         raise StoreError(f"cannot create the RAM tier directory {root}: {exc}") from exc
