@@ -247,3 +247,27 @@ def test_in_place_changes_across_processes_reuse_the_entries_of_each_state(tmp_p
         assert done.returncode == 0, done.stderr
         runs.append(done.stdout.split("\n")[-2])
     assert runs == ["[0, 0]", "[5, 10]"]
+
+
+@torchcache()
+class Resizes(nn.Module):
+    """Keeps its last input's first row in a buffer that it resizes to the row's width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last.resize_(x.shape[1]).copy_(x[0])
+        return x * 2
+
+
+def test_a_buffer_that_forward_resizes_stays_resizable_after_its_key() -> None:
+    model = Resizes()
+    for width in (3, 5):
+        x = torch.randn(4, width)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)  # the buffer changes at every call: rekeyed
+            assert torch.equal(model(x), x * 2)
+        assert torch.equal(model.last, x[0])
+    assert model.last.untyped_storage().resizable()

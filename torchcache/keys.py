@@ -31,6 +31,7 @@ import torch
 import xxhash
 
 from .canonical import encode_key_value, tensor_content_digest
+from .canonical.objects import host_bytes
 from .device_digest import device_row_digests
 from .dtypes import standard_strides
 
@@ -122,6 +123,12 @@ def item_rows(tensor: torch.Tensor, subsample_count: int | None) -> tuple[np.nda
     Returns:
         The array, and whether the rows are a subsample.
     """
+    rows, subsampled = _row_bytes(tensor, subsample_count)
+    return rows.numpy(), subsampled
+
+
+def _row_bytes(tensor: torch.Tensor, subsample_count: int | None) -> tuple[torch.Tensor, bool]:
+    """:func:`item_rows` as a contiguous CPU uint8 tensor."""
     batch = tensor.shape[0]
     data = tensor.detach()
     flat = (data.int_repr() if data.is_quantized else data).reshape(batch, -1)
@@ -137,7 +144,7 @@ def item_rows(tensor: torch.Tensor, subsample_count: int | None) -> tuple[np.nda
         flat = standard_strides(flat)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8) if flat.shape[1] else flat.to(torch.uint8)
-    return flat.numpy(), subsampled
+    return flat, subsampled
 
 
 def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count: int | None = None) -> list[bytes]:
@@ -196,9 +203,8 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         data = tensor.detach()
         if data.is_sparse or data.layout != torch.strided:
             data = data.to_dense()
-        data = data.reshape(1, -1) if data.numel() else data.reshape(1, 0)
-        rows, _ = item_rows(data, None)
-        h.update(memoryview(rows.reshape(-1)))  # type: ignore[arg-type]
+        if data.numel():  # not through numpy: Tensor.numpy() would make a buffer's storage unresizable
+            h.update(host_bytes(_row_bytes(data.reshape(1, -1), None)[0].reshape(-1)))
     return h.hexdigest()
 
 

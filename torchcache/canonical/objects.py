@@ -91,8 +91,30 @@ def tensor_content_digest(tensor: torch.Tensor, path: str) -> bytes:
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if flat.numel():
-        h.update(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        h.update(host_bytes(flat.view(torch.uint8)))
     return h.digest()
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 ``tensor``, read-only; the view keeps the tensor alive.
+
+    Not through ``Tensor.numpy()``, which makes the tensor's storage unresizable for
+    good: a module's buffer that its ``forward`` resizes would then fail after a key.
+    """
+    return memoryview(np.asarray(_Exposed(tensor)))  # type: ignore[arg-type]
+
+
+class _Exposed:
+    """A contiguous CPU uint8 tensor as numpy reads it (``__array_interface__``); an array of it holds it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (tensor.numel(),),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), True),
+        }
 
 
 def _told(entries: dict[str, Any], name: str, value: Any) -> bool:

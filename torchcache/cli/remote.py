@@ -164,7 +164,7 @@ def remote_clear(url: str, args: argparse.Namespace) -> int:
 
 
 def _holds_module_outputs(store: BatchedStore) -> bool:
-    """Whether a namespace's entries are output frames (a bucket's dataset caches hold samples, features caches files)."""
+    """Whether a namespace's entries are output frames (a bucket's dataset and features caches hold others)."""
     if not isinstance(store, ObjectStore):
         return True
     return store.bucket.description().get("kind") not in ("dataset", "features")
