@@ -119,7 +119,7 @@ def test_a_damaged_file_in_the_bucket_is_computed_again_and_replaced(
     assert torch.equal(_features(served), good)
 
 
-def test_a_bucket_that_is_away_leaves_features_right_and_a_local_copy_serves_later(
+def test_a_bucket_that_is_away_leaves_features_right_and_a_whole_copy_of_a_folder_serves_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.object_servers import CREDENTIALS, _free_port, require_s3
@@ -133,11 +133,16 @@ def test_a_bucket_that_is_away_leaves_features_right_and_a_local_copy_serves_lat
     with pytest.warns(CacheWarning, match="nowhere"):
         data = extract_features(net, images, cache_dir=url, local_cache_dir=local, storage_options=away, progress=False)
     assert torch.allclose(_features(data), _expected(net, images), atol=1e-6)
-    with pytest.warns(CacheWarning, match="reading the local copy"):
-        served = FeatureDataset.open(url, local_cache_dir=local, storage_options=away)
+    assert data.path is not None
+    folder = data.path.parent.name.rsplit("-", 1)[0]
+    with pytest.raises(ConfigError, match=f"cannot list.*copies of {folder}"):  # the root may hold another by now
+        FeatureDataset.open(url, local_cache_dir=local, storage_options=away)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a whole copy of the folder is read without the bucket
+        served = FeatureDataset.open(f"{url}/{folder}", local_cache_dir=local, storage_options=away)
     assert torch.equal(_features(served), _features(data))
-    with pytest.raises(ConfigError, match="cannot list"):
-        FeatureDataset.open(url, local_cache_dir=tmp_path / "empty", storage_options=away)
+    with pytest.warns(CacheWarning, match="nowhere"), pytest.raises(ConfigError, match="no whole copy"):
+        FeatureDataset.open(f"{url}/{folder}", local_cache_dir=tmp_path / "empty", storage_options=away)
 
 
 def test_opening_a_root_of_two_caches_names_them_and_a_folder_url_opens_one(bucket: str, tmp_path: Path) -> None:
@@ -164,6 +169,8 @@ def test_a_features_cache_on_a_redis_server_or_of_varying_shapes_in_a_bucket_is_
         extract_features(Net(), ragged, batch_size=2, cache_dir=f"{bucket}/r", local_cache_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="local_cache_dir"):
         extract_features(Net(), Images(), cache_dir=tmp_path / "a", local_cache_dir=tmp_path / "b", progress=False)
+    with pytest.raises(ConfigError, match="storage_options"):
+        FeatureDataset.open(tmp_path / "a", storage_options={"endpoint_url": "http://x"})
 
 
 def test_the_command_line_lists_and_verifies_a_features_cache_in_a_bucket(
@@ -229,3 +236,100 @@ def test_a_reader_killed_mid_download_leaves_a_local_copy_the_next_one_reads_who
     served = FeatureDataset.open(url, local_cache_dir=local)
     assert torch.equal(_features(served), _features(first))
     assert not list(local.rglob("*.part"))  # the killed reader's, swept
+
+
+def _folder(data: FeatureDataset) -> str:
+    assert data.path is not None
+    return data.path.parent.name.rsplit("-", 1)[0]  # features-<key>, without the digest of the URL
+
+
+def test_a_local_copy_with_a_damaged_row_is_read_again_from_the_bucket(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/rows"
+    first = extract_features(Net(), Images(), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert served.path is not None
+    served.close()
+    with open(served.path, "r+b") as file:  # a byte of the last row
+        file.seek(-3, 2)
+        byte = file.read(1)
+        file.seek(-3, 2)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(CacheWarning, match="1 rows are damaged"):
+        again = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert torch.equal(_features(again), _features(first))
+
+
+def test_a_folder_holding_another_caches_file_is_not_served(bucket: str, tmp_path: Path, s3fs_of: Any) -> None:
+    url = f"{bucket}/swap"
+    a = extract_features(Net(), Images(seed=1), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    b = extract_features(Net(), Images(seed=2), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    prefix = url.removeprefix("s3://")
+    s3fs_of.rm(f"{prefix}/{_folder(b)}", recursive=True)
+    s3fs_of.copy(f"{prefix}/{_folder(a)}", f"{prefix}/{_folder(b)}", recursive=True)  # b's folder holds a's file
+    with pytest.warns(CacheWarning, match="made for another key"), pytest.raises(ConfigError, match="no whole copy"):
+        FeatureDataset.open(f"{url}/{_folder(b)}", local_cache_dir=tmp_path / "m2")
+
+
+def test_a_replaced_file_leaves_one_file_in_its_folder(bucket: str, tmp_path: Path, s3fs_of: Any) -> None:
+    url, images = f"{bucket}/once", Images(n=300)
+    net = Net()
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    assert first.path is not None
+    prefix = f"{url.removeprefix('s3://')}/{_folder(first)}"
+    piece = sorted(p for p in s3fs_of.find(prefix) if p.endswith(".tcs"))[0]
+    data = bytearray(s3fs_of.cat_file(piece))
+    data[len(data) // 2] ^= 0xFF
+    s3fs_of.pipe_file(piece, bytes(data))
+    again = Net()
+    again.load_state_dict(net.state_dict())
+    with pytest.warns(CacheWarning, match="not used"):
+        extract_features(again, Images(n=300), cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
+    assert again.seen[0] == len(images)  # computed, then uploaded in place of the damaged file
+    segments = sum(s3fs_of.size(p) for p in s3fs_of.find(prefix) if p.endswith(".tcs"))
+    assert first.path.stat().st_size <= segments <= first.path.stat().st_size + 4096
+
+
+def test_a_root_named_like_a_folder_is_a_root(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/features-run1"
+    first = extract_features(Net(), Images(), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert torch.equal(_features(served), _features(first))
+
+
+def test_copies_read_from_a_bucket_keep_the_local_roots_budget(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/budget"
+    made = [
+        extract_features(Net(), Images(seed=s), cache_dir=f"{url}/{s}", local_cache_dir=tmp_path / "m1", progress=False)
+        for s in range(3)
+    ]
+    assert made[0].path is not None
+    one = made[0].path.stat().st_blocks * 512  # on disk
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", str(int(1.5 * one)))
+    local = tmp_path / "m2"
+    for s in range(3):
+        FeatureDataset.open(f"{url}/{s}", local_cache_dir=local).close()
+    used = sum(p.stat().st_blocks * 512 for p in local.rglob("*") if p.is_file())
+    assert one <= used <= 1.5 * one, (used, one)  # the newest copy, and none of those read before it
+
+
+def test_verify_fix_lets_the_machine_that_holds_the_features_upload_a_damaged_file_again(
+    bucket: str, tmp_path: Path, s3fs_of: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, net, images = f"{bucket}/repair", Net(), Images()
+    first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    prefix = f"{url.removeprefix('s3://')}/{_folder(first)}"
+    piece = sorted(p for p in s3fs_of.find(prefix) if p.endswith(".tcs"))[0]
+    data = bytearray(s3fs_of.cat_file(piece))
+    data[len(data) // 2] ^= 0xFF
+    s3fs_of.pipe_file(piece, bytes(data))
+    assert main(["verify", url]) == 1  # found
+    assert main(["verify", url, "--fix"]) == 0
+    capsys.readouterr()
+    extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
+    assert net.seen[0] == len(images)  # not computed again: its whole copy is uploaded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")
+    assert torch.equal(_features(served), _features(first))

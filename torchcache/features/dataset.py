@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..catalog.budget import CacheClaim, claim_directory
+from ..catalog.budget import CacheClaim, claim_directory, keep_root_budget
 from ..config import check_local_dir, check_location, resolve_location, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
@@ -131,16 +131,21 @@ class FeatureDataset(Dataset[Any]):
         location = resolve_location(check_location(path, "path"))
         if isinstance(location, str):
             found = from_bucket(location, local_cache_dir, storage_options)
-        elif local_cache_dir is not None:
-            raise ConfigError("local_cache_dir keeps a local copy of features in a bucket, but path is not one")
+        elif local_cache_dir is not None or storage_options is not None:
+            raise ConfigError(
+                "local_cache_dir and storage_options are for features in a bucket, but path is not one; leave them out"
+            )
         else:
             found = find_features(location)
         if found.is_dir():
             return cls(WholeSamples.open(found))
         try:
-            return cls(open_features(found), claim=claim_directory(found.parent))
+            opened = cls(open_features(found), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
+        if isinstance(location, str):  # a local copy: its root may have grown by it
+            keep_root_budget(found.parent.parent, opened._faults.warn)
+        return opened
 
     @property
     def _module(self) -> str:

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from torch.utils.data import DataLoader
 
 from .._log import logger
@@ -40,7 +39,7 @@ from ..config import check_location, resolve_location
 from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
-from ..keys import numerics, tag
+from ..keys import numerics
 from ..meta import META_NAME, write_json_atomic
 from ..module.fingerprint import fingerprint_module
 from ..module.guards import check_frozen
@@ -59,14 +58,13 @@ from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError
 from .dataset import FeatureDataset
 from .probe import check_deterministic
-from .remote import FeaturesBucket
+from .remote import FeaturesBucket, folder_of
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
 from .writer import Batch, BatchWriter
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
 
-_FORMAT = b"torchcache-features-1"
 _STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
 
 
@@ -177,8 +175,10 @@ def _extract_features(
     cache_dir, local_cache_dir, storage_options = where
     location = resolve_location(check_location(cache_dir, "cache_dir"))
     remote = None if isinstance(location, Path) else FeaturesBucket(location, local_cache_dir, storage_options, faults)
-    if remote is None and local_cache_dir is not None:
-        raise ConfigError("local_cache_dir keeps a local copy of features in a bucket, but cache_dir is not one")
+    if remote is None and (local_cache_dir is not None or storage_options is not None):
+        raise ConfigError(
+            "local_cache_dir and storage_options are for features in a bucket, but cache_dir is not one; leave them out"
+        )
     settings: dict[str, object] = {"features": backbone.training}
     device = next(iter(backbone.parameters()), torch.empty(0)).device.type
     lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
@@ -186,9 +186,7 @@ def _extract_features(
         settings["numerics"] = b"|".join(lines).decode()
     module_key = fingerprint_module(backbone, b"", settings, root_hooks=True)  # rows hold what its hooks did
     dataset_key = fingerprint_dataset(dataset, version)
-    h = xxhash.xxh3_128(tag(b"q", _FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
-    h.update(tag(b"i", repr(input).encode()))
-    folder = f"features-{h.hexdigest()}"
+    folder = folder_of(module_key, dataset_key, input)
     directory = remote.local_dir(folder) if remote is not None else Path(location) / folder
     header = {
         "format": 1,
@@ -221,6 +219,7 @@ def _extract_features(
         todo = np.arange(length, dtype=np.int64) if file is None else missing_or_damaged(file, faults.warn)
         fetched = bool(len(todo)) and remote is not None and remote.fetch(folder, directory / FEATURES_NAME)
         if fetched:  # the local copy now holds the bucket's file
+            keep_root_budget(directory.parent, faults.warn)  # the root has grown by it
             if file is not None:
                 file.close()
             file = open_existing(directory / FEATURES_NAME, header, faults.warn)

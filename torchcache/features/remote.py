@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ from .._log import logger
 from ..config import check_local_dir, check_storage_options, check_url, is_object_url, resolve_local_dir
 from ..errors import ConfigError, StoreError, TorchCacheError
 from ..faults import Fault, FaultLog
+from ..keys import tag
 from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.objects import ObjectStore, bucket_namespaces
 from ..stores.redis.url import redact_url
@@ -44,7 +46,10 @@ __all__ = ["CHUNK_BYTES", "FeaturesBucket", "from_bucket", "split_url"]
 CHUNK_BYTES = 64 << 20
 _HEAD_KEY = xxhash.xxh3_128_hexdigest(b"torchcache-features-head")
 _FORMAT = "torchcache-features-bucket"
-_UNLIMITED = 1 << 62  # a folder holds one file: the bucket's budget is `torchcache prune URL --max-size`
+#: Bytes a folder holds beside its file: its head.
+_SLACK = 4096
+_KEY_FORMAT = b"torchcache-features-1"
+_FOLDER = re.compile(r"features-[0-9a-f]{32}")
 
 
 class Head(NamedTuple):
@@ -97,10 +102,17 @@ def _sweep_parts(path: Path) -> None:
             part.unlink()
 
 
+def folder_of(module_key: str, dataset_key: str, input: object) -> str:
+    """The folder (``features-<key>``) of the features of a backbone, a dataset and an input field."""
+    h = xxhash.xxh3_128(tag(b"q", _KEY_FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
+    h.update(tag(b"i", repr(input).encode()))
+    return f"features-{h.hexdigest()}"
+
+
 def split_url(url: str) -> tuple[str, str | None]:
-    """A features URL as ``(root, folder)``: the folder if the URL names one (``.../features-<key>``), else ``None``."""
+    """A features URL as ``(root, folder)``: the folder if the URL names one (``.../features-<32 hex>``)."""
     root, _, last = url.rstrip("/").rpartition("/")
-    if last.startswith("features-") and "://" in root and root.split("://", 1)[1]:
+    if _FOLDER.fullmatch(last) and "://" in root and root.split("://", 1)[1]:
         return root, last
     return url.rstrip("/"), None
 
@@ -142,21 +154,28 @@ class FeaturesBucket:
         self.faults = faults
         #: Folders whose file in the bucket failed its checks here: :meth:`upload` replaces it.
         self.damaged: set[str] = set()
+        #: Kinds of faults the bucket's store reported.
+        self.reported: set[Fault] = set()
 
     def local_dir(self, folder: str) -> Path:
         """The local copy of the cache in ``folder`` (``features-<key>``)."""
         return local_copy_dir(self.local_root, folder, self.url)
 
-    def _store(self, folder: str, meta: Mapping[str, Any] | None = None) -> ObjectStore:
+    def _store(self, folder: str, meta: Mapping[str, Any] | None = None, size: int = 0) -> ObjectStore:
+        """The folder's store; a writer's (``meta``) keeps one file of ``size`` bytes, the oldest pieces out first."""
         return ObjectStore(
             self.url,
             folder,
-            _UNLIMITED,
+            size + _SLACK if meta is not None else 1 << 62,
             storage_options=self.storage_options,
-            report=lambda kind, message: self.faults.warn(kind, message, "bucket"),
+            report=self._reported,
             meta=meta,
             prune_on_close=meta is not None,  # a writer sweeps what killed uploads left
         )
+
+    def _reported(self, kind: Fault, message: str) -> None:
+        self.reported.add(kind)
+        self.faults.warn(kind, message, "bucket")
 
     def folders(self) -> list[str]:
         """The features caches under the URL.
@@ -166,16 +185,48 @@ class FeaturesBucket:
         """
         return [n for n in bucket_namespaces(self.url, self.storage_options) if n.startswith("features-")]
 
-    def local_copies(self) -> list[Path]:
-        """The local copies of this URL's caches that hold a features file."""
+    def local_copies(self) -> list[str]:
+        """The folders of this URL whose local copy here holds a features file."""
         suffix = self.local_dir("x").name[1:]  # "-<digest of the URL>"
         with contextlib.suppress(OSError):
             return sorted(
-                p
+                p.name.removesuffix(suffix)
                 for p in self.local_root.iterdir()
-                if p.name.startswith("features-") and p.name.endswith(suffix) and (p / FEATURES_NAME).is_file()
+                if p.name.endswith(suffix)
+                and _FOLDER.fullmatch(p.name.removesuffix(suffix))
+                and (p / FEATURES_NAME).is_file()
             )
         return []
+
+    def usable(self, folder: str, path: Path) -> bool:
+        """Whether ``path`` holds the whole features file of ``folder``, every row passing its check.
+
+        A file that exists but is not (made for another key, rows damaged or missing) is a warning.
+        """
+        try:
+            file = open_features(path)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, TorchCacheError) as exc:
+            self.faults.warn(Fault.CORRUPT, f"the local copy {path} cannot be read ({exc}): not used", "local")
+            return False
+        try:
+            header = file.header
+            problem = (
+                "it was made for another key"
+                if folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input"))
+                != folder
+                else f"{file.length - file.count()} rows are missing"
+                if file.count() != file.length
+                else f"{len(damaged)} rows are damaged"
+                if len(damaged := file.damaged())
+                else None
+            )
+        finally:
+            file.close()
+        if problem is not None:
+            self.faults.warn(Fault.CORRUPT, f"the features file {path} is not used: {problem}", "local")
+        return problem is None
 
     def fetch(self, folder: str, path: Path) -> bool:
         """Download the features file of ``folder`` to ``path``; whether a whole one was there.
@@ -185,6 +236,7 @@ class FeaturesBucket:
         """
         store = self._store(folder)
         part = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
+        self.reported.clear()
         try:
             head = Head.decode(store.get(_HEAD_KEY))
             if head is None:
@@ -196,11 +248,13 @@ class FeaturesBucket:
                 fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # held while written: a sweep leaves it alone
                 for i in range(head.chunks):
                     data = store.get(head.chunk_key(i))
+                    if data is None and Fault.UNAVAILABLE in self.reported:
+                        return False  # the bucket did not answer (warned): nothing known of the file
                     if data is None or len(data) != min(CHUNK_BYTES, head.size - size):
                         self.damaged.add(folder)
                         self.faults.warn(
                             Fault.CORRUPT,
-                            f"the features file in {redact_url(self.url)}/{folder} is missing a piece: computed again",
+                            f"the features file in {redact_url(self.url)}/{folder} is missing a piece: not used",
                             "bucket",
                         )
                         return False
@@ -211,7 +265,7 @@ class FeaturesBucket:
                 self.damaged.add(folder)
                 self.faults.warn(
                     Fault.CORRUPT,
-                    f"the features file in {redact_url(self.url)}/{folder} fails its digest: computed again",
+                    f"the features file in {redact_url(self.url)}/{folder} fails its digest: not used",
                     "bucket",
                 )
                 return False
@@ -219,7 +273,7 @@ class FeaturesBucket:
             logger.info("read the features file of %s/%s (%d bytes)", redact_url(self.url), folder, size)
             return True
         except OSError as exc:
-            self.faults.warn(Fault.WRITE, f"cannot write the local copy {path} ({exc}): computed again", "local")
+            self.faults.warn(Fault.WRITE, f"cannot write the local copy {path} ({exc})", "local")
             return False
         finally:
             store.close()
@@ -233,7 +287,11 @@ class FeaturesBucket:
         their checks here; one that failed :meth:`fetch`'s checks is replaced too).
         Faults are warnings: the file stays in the local copy, and a later call uploads it.
         """
-        store = self._store(folder, meta)
+        try:
+            store = self._store(folder, meta, path.stat().st_size)
+        except OSError as exc:
+            self.faults.warn(Fault.OPEN, f"cannot read the features file {path} to upload it ({exc})", "local")
+            return
         try:
             head = None if replace or folder in self.damaged else Head.decode(store.get(_HEAD_KEY))
             if head is not None and all(head.chunk_key(i) in store for i in range(head.chunks)):
@@ -262,47 +320,38 @@ def from_bucket(
 ) -> Path:
     """The local copy of the features file of the one features cache at ``url``, read from the bucket if needed.
 
-    ``url`` is a root holding one features cache, or the cache's folder. A bucket that
-    cannot be listed, with one local copy of this root's caches here, is a warning and
-    that copy.
+    ``url`` is a root holding one features cache, or the cache's folder
+    (``.../features-<key>``): a whole copy of that folder here is read without the bucket.
 
     Raises:
-        ConfigError: If there is no features cache at ``url``, or several, or it cannot
-            be read and this machine has no whole copy of it.
+        ConfigError: If there is no features cache at ``url``, or several, or the root
+            cannot be listed, or the cache cannot be read whole and this machine has no
+            whole copy of it.
     """
     root, folder = split_url(url)
     remote = FeaturesBucket(root, local_cache_dir, storage_options, FaultLog("features"), "path")
     shown = redact_url(url)
-    try:
-        folders = [folder] if folder is not None else remote.folders()
-    except StoreError as exc:
-        copies = remote.local_copies()
-        if len(copies) != 1:
+    if folder is None:
+        try:
+            folders = remote.folders()
+        except StoreError as exc:
+            copies = remote.local_copies()
+            held = f" (this machine holds copies of {', '.join(copies)})" if copies else ""
             raise ConfigError(
-                f"cannot list {shown} ({exc}), and this machine holds {len(copies)} copies of its features caches"
+                f"cannot list {shown} ({exc}); open a cache by its folder, {shown}/features-<key>, to read this "
+                f"machine's copy of it{held}"
             ) from None
-        remote.faults.warn(Fault.UNAVAILABLE, f"cannot list {shown} ({exc}): reading the local copy {copies[0]}")
-        return copies[0] / FEATURES_NAME
-    if len(folders) != 1:
-        listed = ", ".join(folders[:5])
-        what = f"{len(folders)} features caches ({listed}); pass one's URL" if folders else "no features cache"
-        raise ConfigError(f"{shown} holds {what}")
-    path = remote.local_dir(folders[0]) / FEATURES_NAME
-    if not _whole(path) and not remote.fetch(folders[0], path):
+        if len(folders) != 1:
+            listed = ", ".join(folders[:5])
+            what = f"{len(folders)} features caches ({listed}); pass one's URL" if folders else "no features cache"
+            raise ConfigError(
+                f"{shown} holds {what} (or its bucket does not exist)" if not folders else f"{shown} holds {what}"
+            )
+        folder = folders[0]
+    path = remote.local_dir(folder) / FEATURES_NAME
+    if not remote.usable(folder, path) and not (remote.fetch(folder, path) and remote.usable(folder, path)):
         raise ConfigError(
-            f"{redact_url(root)}/{folders[0]} holds no whole features file (see the warnings), and this machine "
-            "has no copy of it"
+            f"{redact_url(root)}/{folder} holds no whole features file of that key that this machine could read, "
+            "and this machine has no whole copy of it"
         )
     return path
-
-
-def _whole(path: Path) -> bool:
-    """Whether ``path`` is a features file whose rows are all written."""
-    try:
-        file = open_features(path)
-    except (OSError, ValueError, TorchCacheError):
-        return False
-    try:
-        return file.count() == file.length
-    finally:
-        file.close()
