@@ -31,7 +31,7 @@ from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_d
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError, compute_rows, device_of
-from .remote import from_bucket
+from .remote import from_bucket, refuse_options
 from .variable import WholeSamples, is_variable_cache, run_samples
 
 __all__ = ["FeatureDataset", "MissingFeatureError"]
@@ -131,11 +131,8 @@ class FeatureDataset(Dataset[Any]):
         location = resolve_location(check_location(path, "path"))
         if isinstance(location, str):
             found = from_bucket(location, local_cache_dir, storage_options)
-        elif local_cache_dir is not None or storage_options is not None:
-            raise ConfigError(
-                "local_cache_dir and storage_options are for features in a bucket, but path is not one; leave them out"
-            )
         else:
+            refuse_options(local_cache_dir, storage_options, "path")
             found = find_features(location)
         if found.is_dir():
             return cls(WholeSamples.open(found))

@@ -58,7 +58,7 @@ from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError
 from .dataset import FeatureDataset
 from .probe import check_deterministic
-from .remote import FeaturesBucket, folder_of
+from .remote import FeaturesBucket, folder_of, refuse_options
 from .reuse import Donors, outputs
 from .variable import extract_variable, is_variable_cache
 from .writer import Batch, BatchWriter
@@ -175,10 +175,8 @@ def _extract_features(
     cache_dir, local_cache_dir, storage_options = where
     location = resolve_location(check_location(cache_dir, "cache_dir"))
     remote = None if isinstance(location, Path) else FeaturesBucket(location, local_cache_dir, storage_options, faults)
-    if remote is None and (local_cache_dir is not None or storage_options is not None):
-        raise ConfigError(
-            "local_cache_dir and storage_options are for features in a bucket, but cache_dir is not one; leave them out"
-        )
+    if remote is None:
+        refuse_options(local_cache_dir, storage_options, "cache_dir")
     settings: dict[str, object] = {"features": backbone.training}
     device = next(iter(backbone.parameters()), torch.empty(0)).device.type
     lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults

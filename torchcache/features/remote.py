@@ -40,7 +40,7 @@ from ..stores.objects import ObjectStore, bucket_namespaces
 from ..stores.redis.url import redact_url
 from ..stores.remote import local_copy_dir
 
-__all__ = ["CHUNK_BYTES", "FeaturesBucket", "from_bucket", "split_url"]
+__all__ = ["CHUNK_BYTES", "FeaturesBucket", "folder_of", "from_bucket", "refuse_options", "split_url"]
 
 #: The size of each uploaded piece of a features file (the last is shorter).
 CHUNK_BYTES = 64 << 20
@@ -107,6 +107,18 @@ def folder_of(module_key: str, dataset_key: str, input: object) -> str:
     h = xxhash.xxh3_128(tag(b"q", _KEY_FORMAT) + tag(b"m", module_key.encode()) + tag(b"d", dataset_key.encode()))
     h.update(tag(b"i", repr(input).encode()))
     return f"features-{h.hexdigest()}"
+
+
+def refuse_options(local_cache_dir: object, storage_options: object, name: str) -> None:
+    """Refuse the options of features in a bucket where the location ``name`` is a local one.
+
+    Raises:
+        ConfigError: If either is given.
+    """
+    if local_cache_dir is not None or storage_options is not None:
+        raise ConfigError(
+            f"local_cache_dir and storage_options are for features in a bucket, but {name} is not one; leave them out"
+        )
 
 
 def split_url(url: str) -> tuple[str, str | None]:
