@@ -296,7 +296,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     may reduce in half precision (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
     and its bfloat16 and CPU counterparts), and the backend switches that choose other kernels
     (``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled`` and ``.deterministic``,
-    the attention backends), where they differ from torch's defaults.
+    the attention backends, ``torch.backends.mha.set_fastpath_enabled``), and the default device
+    new tensors are made on, where they differ from torch's defaults.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -316,4 +317,10 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     switches = tuple(getter() for getter in _SWITCH_GETTERS)
     if switches != _SWITCHES_AT_DEFAULTS:
         found += [f"{name}:{now}".encode() for (name, _, was), now in zip(_SWITCHES, switches) if now != was]
+    if not getattr(torch.backends.mha, "_is_fastpath_enabled", True):  # the fused encoder and attention kernels
+        found.append(b"mha_fastpath:False")
+    if torch._C._len_torch_function_stack():  # `with torch.device(...)`, set_default_device: where tensors are made
+        device = torch.get_default_device()
+        if device.type != "cpu":
+            found.append(f"default_device:{device}".encode())
     return found

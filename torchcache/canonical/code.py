@@ -21,6 +21,8 @@ import weakref
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
+from .objects import Binding, collect
+from .operators import encode_operator
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
 from .pending import import_for_key, missing_global, names_modules
 from .tags import Tag, raw, tagged, text
@@ -57,7 +59,6 @@ _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
 _DYNAMIC = "it {what}, so what it reads is known only when it runs"
 #: Namespaces of operators torch itself defines (some of their kernels are registered from Python).
-_TORCH_OPERATORS = frozenset({"aten", "prims", "prim", "_native", "quantized", "_quantized", "profiler", "inductor"})
 _HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
 
 
@@ -247,6 +248,7 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             value = namespace[name]
             if what := names_modules(value, chain[1:2]):
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
+            collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
@@ -258,7 +260,7 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             continue
         parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
         if len(chain) > 3 and chain[1] == "ops" and getattr(value, "__name__", None) == "torch":
-            parts.append(_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
+            parts.append(encode_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
     for module_name, level, names in scan.imports:
         absolute = _absolute(module_name, level, namespace)
         label = f"{where}.<import {module_name}>"
@@ -275,38 +277,6 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         else:
             parts.append(encoder.child(imported, label, depth))
     return tagged(Tag.GLOBALS, b"".join(parts))
-
-
-def _operator(encoder: Encoder, namespace: str, name: str, path: str, depth: int) -> bytes:
-    """An operator called as ``torch.ops.<namespace>.<name>``: the functions a ``custom_op`` defines it with.
-
-    Raises:
-        KeyingError: If Python code registered it in another way (``torch.library.Library``),
-            whose functions cannot be found.
-    """
-    import torch
-
-    definition = getattr(torch._library.custom_ops, "OPDEFS", {}).get(f"{namespace}::{name}")
-    if definition is not None:
-        kernels = sorted((str(device), _kernel(f)) for device, f in definition._backend_fns.items())
-        if not all(isinstance(f, types.FunctionType) for _, f in kernels):
-            raise encoder.refuse(path, "the kernels of this custom operator could not be found")
-        return encoder.child([definition._init_fn, kernels], path, depth)
-    registered = getattr(torch.library, "_impls", ())
-    if namespace not in _TORCH_OPERATORS and any(entry.startswith(f"{namespace}/{name}/") for entry in registered):
-        raise encoder.refuse(path, "an operator registered from Python with torch.library.Library is not followed")
-    return b""
-
-
-def _kernel(registered: Any) -> Any:
-    """The function a ``custom_op`` kernel was registered with: torch keeps it in a closure cell ``fn``."""
-    import inspect
-
-    function = inspect.unwrap(registered)
-    code = getattr(function, "__code__", None)
-    if code is not None and "fn" in code.co_freevars and function.__closure__:
-        return function.__closure__[code.co_freevars.index("fn")].cell_contents
-    return function
 
 
 def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
@@ -329,8 +299,8 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
             for name in attributes[i:]:  # through its submodules (torch.nn.functional.gelu); no module code runs
                 scope = vars(member) if isinstance(member, types.ModuleType) else {}
                 member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
-            user = isinstance(member, (types.FunctionType, type)) and is_users_object(member)
-            return encoder.child(value, path, depth) + (encoder.child(member, f"{path}.<put>", depth) if user else b"")
+            put = _put_there(member, attributes[-1])
+            return encoder.child(value, path, depth) + (encoder.child(member, f"{path}.<put>", depth) if put else b"")
         if attribute not in namespace:
             if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
                 value = sys.modules[f"{value.__name__}.{attribute}"]
@@ -338,6 +308,7 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 continue
             return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
         value = namespace[attribute]
+        collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
         path = f"{path}.{attribute}"
     return encoder.child(value, path, depth)
 
@@ -369,8 +340,21 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
     return b"".join(parts)
 
 
+def _put_there(member: object, name: str) -> bool:
+    """Whether ``member``, read as ``name`` from an installed module, was put there by other code.
+
+    The user's functions and classes, and any callable not named ``name`` (``F.gelu =
+    F.silu``, ``torch.tanh = torch.sigmoid``, ``F.gelu = functools.partial(...)``): keyed
+    in full. An installed callable that is an alias under another name is keyed too, by
+    its name and version, which changes nothing.
+    """
+    if isinstance(member, (types.FunctionType, type)) and is_users_object(member):
+        return True
+    return callable(member) and not isinstance(member, types.ModuleType) and getattr(member, "__name__", None) != name
+
+
 def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
-    """The methods of an installed class that code of another package replaced (``nn.ReLU.forward = f``).
+    """The methods of an installed class that other code replaced (``nn.ReLU.forward = f``, ``= nn.SiLU.forward``).
 
     A replaced method overrides one of a base class (``forward``, ``extra_repr``); a
     method another package only added (transformers adds ``nn.Module.smart_apply``) is
@@ -381,8 +365,11 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
     parts = []
     for member, value in sorted(vars(klass).items()):
         func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-        if not isinstance(func, types.FunctionType) or (func.__module__ or "").partition(".")[0] == top:
+        if not isinstance(func, types.FunctionType):
             continue
+        own = func.__qualname__ in (f"{klass.__qualname__}.{member}", f"{klass.__qualname__}.{func.__name__}")
+        if (func.__module__ or "").partition(".")[0] == top and (own or "." not in func.__qualname__):
+            continue  # its package's own (nn.GELU.forward = nn.SiLU.forward is not)
         if member == "forward" or any(member in base for base in bases):
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
     return b"".join(parts)

@@ -14,7 +14,7 @@ import struct
 import sys
 from collections.abc import Collection, Iterable
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_UNKEYED",
+    "Binding",
     "collect",
     "collecting",
     "encode_array",
@@ -211,8 +212,16 @@ def collecting() -> contextlib.AbstractContextManager[list[Any]]:
 
 
 def collect(value: object) -> None:
-    """Note a tensor or array keyed by content, or a module held as a value, for :func:`collecting`."""
+    """Note a tensor or array keyed by content, a module held as a value or a :class:`Binding` (:func:`collecting`)."""
     _found.add(value)
+
+
+class Binding(NamedTuple):
+    """A global that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
+
+    namespace: dict[str, Any]
+    name: str
+    value: object
 
 
 def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:

@@ -34,6 +34,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
@@ -66,7 +67,31 @@ class UncachedInput(KeyingError):
     """A per-item input whose content cannot be keyed (meta, nested, sparse): the call runs uncached."""
 
 
+def _refuse_modes() -> None:
+    """Refuse a call under a torch function or dispatch mode, which may change what any operation computes.
+
+    ``with torch.device(...)`` and ``torch.set_default_device`` are function modes that
+    only choose where new tensors go: they are keyed (:func:`~torchcache.keys.numerics`).
+
+    Raises:
+        UncachedInput: Naming the mode.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]  # type: ignore[no-untyped-call]
+    modes += _get_current_dispatch_mode_stack()
+    if modes:
+        raise UncachedInput(f"a {type(modes[0]).__qualname__} (a torch function or dispatch mode) is active")
+
+
 _transformed = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _dual(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries a forward-mode AD tangent (inside ``forward_ad.dual_level``)."""
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(tensor).tangent is not None  # type: ignore[no-untyped-call]
 
 
 class _PassedOn:
@@ -112,6 +137,8 @@ class _Splitter:
             self.context.add(encode_value(value, f"argument {label!r}"))
 
     def _note_shared(self, tensor: torch.Tensor) -> torch.Tensor:
+        if _dual(tensor):
+            raise UncachedInput("a shared argument carries a forward-mode AD tangent, which a hit would drop")
         self.shared_tensors.append(tensor)
         return tensor
 
@@ -145,6 +172,8 @@ class _Splitter:
             raise UncachedInput(f"argument {label!r} is on the meta device: it has no content to key items by")
         if _transformed(tensor):
             raise UncachedInput(f"argument {label!r} is inside a torch.func transform (vmap): it has no storage to key")
+        if _dual(tensor):
+            raise UncachedInput(f"argument {label!r} carries a forward-mode AD tangent, which a hit would drop")
         if getattr(tensor, "is_nested", False) or tensor.layout != torch.strided:
             kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
             raise UncachedInput(f"argument {label!r} is a {kind} tensor, which cannot be keyed per item")
@@ -274,6 +303,8 @@ class CallSplitter:
             KeyingError: If an argument cannot be keyed, batch sizes disagree, or the
                 call has no per-item tensor.
         """
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+            _refuse_modes()
         positional = self._positional
         passed: set[str] | None = None
         if self._simple and not kwargs and len(args) == len(positional):

@@ -316,7 +316,8 @@ class Cache:
         self.faults.emit()
 
     def clear(self) -> None:
-        """Remove this module's entries from memory and from disk, and set the counters of :meth:`stats` to zero."""
+        """Remove this module's entries from memory and disk, zero :meth:`stats`; the next call takes the key again."""
+        self.weights_changed()  # what it did not see (a global rebound) is in the new key, not under the old
         with self._lock:
             with self.memory.lock:
                 self._hits = self._misses = self._memory_hits = 0

@@ -41,6 +41,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
+from ..canonical.objects import Binding
 from ..errors import KeyingError
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes, unignored
@@ -289,6 +290,9 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
+_UNBOUND = object()
+
+
 class HeldValues:
     """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
@@ -300,6 +304,7 @@ class HeldValues:
 
     __slots__ = (
         "_arrays",
+        "_bindings",
         "_flags",
         "_generation",
         "_members",
@@ -311,7 +316,9 @@ class HeldValues:
     )
 
     def __init__(self, values: list[Any]) -> None:
-        unique = list({id(value): value for value in values}.values())
+        bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
+        self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
+        unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
         self._versioned = [t for t in tensors if not t.is_inference()]
@@ -329,15 +336,17 @@ class HeldValues:
                 self._arrays.append((array, _array_digest(array)))
 
     def __bool__(self) -> bool:
-        return bool(self._tensors or self._arrays or self._modules)
+        return bool(self._tensors or self._arrays or self._modules or self._bindings)
 
     def _held_members(self) -> list[int]:
         """The submodules and tensors of the modules held as values, by identity."""
         return [ident for held in self._modules for ident in (*_module_ids(held), *map(id, _tensors(held)))]
 
     def changed(self) -> bool:
-        """Whether one of them was written in place (or given new storage) since they were collected."""
+        """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        if any(b.namespace.get(b.name, _UNBOUND) is not b.value for b in self._bindings):
             return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True

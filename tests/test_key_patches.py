@@ -1,0 +1,173 @@
+"""State around a module's own code that reaches ``forward``: patched functions, modes, switches, rebinding."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import forward_ad
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchcache import CacheWarning, torchcache
+
+SCALE = 2.0
+
+
+class Gelu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x) + torch.tanh(x)
+
+
+class Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * SCALE
+
+
+def _fresh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x) + torch.tanh(x)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "replacement"),
+    [
+        (F, "gelu", functools.partial(F.gelu, approximate="tanh")),
+        (F, "gelu", F.silu),
+        (torch, "tanh", torch.sigmoid),
+    ],
+    ids=["partial", "another-function", "builtin"],
+)
+def test_an_installed_function_replaced_under_its_name_is_keyed_by_the_replacement(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, replacement: Any, tmp_path: Path
+) -> None:
+    x = torch.randn(4, 6)
+    before = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Gelu())
+    before(x)
+    before.cache_instance.flush()
+    monkeypatch.setattr(owner, name, replacement)
+    after = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Gelu())
+    assert after.cache_instance.module_hash != before.cache_instance.module_hash
+    assert torch.equal(after(x), _fresh_gelu(x))  # computed with the replacement, not read from disk
+
+
+class UsesGeluModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x)
+
+
+def test_an_installed_method_replaced_by_another_of_its_package_is_keyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4, 6)
+    before = torchcache()(UsesGeluModule())
+    before(x)
+    monkeypatch.setattr(nn.GELU, "forward", nn.Tanh.forward)
+    after = torchcache()(UsesGeluModule())
+    assert after.cache_instance.module_hash != before.cache_instance.module_hash
+    assert torch.equal(after(x), torch.tanh(x))
+
+
+class Doubling(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.ops.aten.mul.Tensor else out
+
+
+class Negating(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return -out if func is torch.Tensor.mul else out
+
+
+@pytest.mark.parametrize("mode", [Doubling, Negating])
+def test_a_call_under_a_torch_mode_runs_uncached_with_a_warning(mode: type) -> None:
+    model, x = torchcache()(Scaled()), torch.randn(4, 3)
+    model(x)  # cached without the mode
+    with pytest.warns(CacheWarning, match=mode.__qualname__), mode():
+        under = model(x)
+    with mode():
+        expected = x * SCALE
+    assert torch.equal(under, expected)
+    assert model.cache_instance.stats().hits == 0
+
+
+def test_a_default_device_context_is_keyed_not_refused() -> None:
+    model, x = torchcache()(Scaled()), torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.device("cpu"):
+            model(x)
+            assert torch.equal(model(x), x * SCALE)
+    assert model.cache_instance.stats().hits == len(x)
+
+
+def test_the_attention_fast_path_switch_is_keyed() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True).eval().requires_grad_(False)
+    model = torchcache(subsample_count=None)(layer)
+    x = torch.randn(3, 5, 8)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[:, -2:] = True
+    kwargs = {"src_key_padding_mask": mask}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        fast = model(x, **kwargs)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            slow = model(x, **kwargs)
+            expected = layer(x, **kwargs)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert torch.equal(slow, expected) and not torch.equal(fast, slow)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
+def test_inputs_carrying_a_forward_mode_tangent_run_uncached() -> None:
+    model, x, v = torchcache()(Scaled()), torch.randn(4, 3), torch.randn(4, 3)
+    model(x)
+    with forward_ad.dual_level(), pytest.warns(CacheWarning, match="forward-mode AD tangent"):
+        out = model(forward_ad.make_dual(x, v))
+        tangent = forward_ad.unpack_dual(out).tangent
+    assert tangent is not None and torch.equal(tangent, v * SCALE)
+
+
+def test_a_global_rebound_after_the_key_is_seen_in_later_processes_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(4, 3)
+    writer = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Scaled())
+    writer(x)
+    monkeypatch.setattr(f"{__name__}.SCALE", 3.0)
+    assert torch.equal(writer(x), x * 3.0)  # the key is taken again, with SCALE = 3
+    writer.cache_instance.flush()
+    monkeypatch.setattr(f"{__name__}.SCALE", 2.0)
+    reader = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Scaled())
+    assert torch.equal(reader(x), x * 2.0)
+
+
+class ListScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = [2.0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scales[0]
+
+
+def test_clear_takes_the_key_again(tmp_path: Path) -> None:
+    model = torchcache(persistent=True, persistent_cache_dir=tmp_path)(ListScaled())
+    model(torch.randn(4, 3))
+    first = model.cache_instance.module_hash
+    model.scales[0] = 5.0  # an item set in place: not seen until the key is taken again
+    model.cache_instance.clear()
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), x * 5.0)
+    model.cache_instance.flush()
+    assert model.cache_instance.module_hash != first  # not stored under the key of scales [2.0]
