@@ -171,3 +171,35 @@ def test_clear_takes_the_key_again(tmp_path: Path) -> None:
     assert torch.equal(model(x), x * 5.0)
     model.cache_instance.flush()
     assert model.cache_instance.module_hash != first  # not stored under the key of scales [2.0]
+
+
+CALLS = 0
+STEP = 0
+
+
+class Counting(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global CALLS
+        CALLS += 1
+        return x * 2
+
+
+class Stepped(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * STEP
+
+
+def test_a_global_that_forward_keeps_itself_does_not_take_the_key_again() -> None:
+    model, x = torchcache()(Counting()), torch.randn(4, 3)
+    for _ in range(3):
+        assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.stats().hits == 2 * len(x)
+
+
+def test_a_global_rebound_at_every_call_is_followed_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = torchcache()(Stepped()), torch.randn(4, 3)
+    with pytest.warns(CacheWarning, match="'STEP'.*key_ignore") as caught:
+        for step in range(6):
+            monkeypatch.setattr(f"{__name__}.STEP", step)
+            assert torch.equal(model(x), x * step)
+    assert len([w for w in caught if "rebound" in str(w.message)]) == 1

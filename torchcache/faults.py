@@ -22,7 +22,7 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from .errors import CacheWarning
 
-__all__ = ["Fault", "FaultLog", "Report"]
+__all__ = ["Fault", "FaultLog", "Report", "user_stacklevel"]
 
 _LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
 
@@ -93,7 +93,7 @@ class FaultLog:
             return
         self._warned.add((kind, where))
         logger.warning(text)
-        warnings.warn(text, CacheWarning, stacklevel=_user_stacklevel())
+        warnings.warn(text, CacheWarning, stacklevel=user_stacklevel())
 
     def emit(self) -> None:
         """Warn about the faults reported since the last call."""
@@ -104,7 +104,7 @@ class FaultLog:
                 self.warn(kind, message, where)
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside torchcache and torch."""
     frame = sys._getframe(2)  # the caller of the function that warns
     level = 2

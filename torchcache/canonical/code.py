@@ -13,6 +13,7 @@ functions are still followed, since they hold the user's values.
 from __future__ import annotations
 
 import dis
+import functools
 import os
 import struct
 import sys
@@ -184,6 +185,21 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
         imports.add((*pending_import, tuple(taken)))
 
 
+def _stored_globals(code: types.CodeType) -> frozenset[str]:
+    """The globals ``code`` (nested code included) assigns or deletes (``global CALLS; CALLS += 1``)."""
+    found = _stores.get(code)
+    if found is None:
+        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= _stored_globals(const)
+        found = _stores[code] = frozenset(names)
+    return found
+
+
+_stores: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
 # -- functions -----------------------------------------------------------------------------------------
 def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
     """A Python function: its code and what it reads, or its package's version for installed code.
@@ -248,7 +264,8 @@ def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             value = namespace[name]
             if what := names_modules(value, chain[1:2]):
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
-            collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
+            if name not in _stored_globals(fn.__code__):  # a counter it keeps itself is keyed as it first was
+                collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
@@ -383,17 +400,11 @@ def _class_member(encoder: Encoder, value: object, path: str, depth: int) -> byt
     if isinstance(value, property):
         inner = b"".join(encoder.child(f, path, depth) for f in (value.fget, value.fset, value.fdel))
         return tagged(Tag.DESCRIPTOR, text("property") + inner)
-    if _is_cached_property(value):
+    if isinstance(value, functools.cached_property):
         return tagged(Tag.DESCRIPTOR, text("cached_property") + encoder.child(value.func, path, depth))  # type: ignore[attr-defined]
     if isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
         return tagged(Tag.DESCRIPTOR, text(f"{type(value).__name__}:{value.__name__}"))
     return encoder.child(value, path, depth)
-
-
-def _is_cached_property(value: object) -> bool:
-    import functools
-
-    return isinstance(value, functools.cached_property)
 
 
 def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, depth: int) -> bytes:

@@ -29,9 +29,11 @@ inference tensors (made under ``torch.inference_mode()``, which have no version 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import operator
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -42,7 +44,8 @@ import xxhash
 from torch.utils.hooks import RemovableHandle
 
 from ..canonical.objects import Binding
-from ..errors import KeyingError
+from ..errors import CacheWarning, KeyingError
+from ..faults import user_stacklevel
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes, unignored
 
@@ -291,6 +294,22 @@ class VersionWatch:
 
 
 _UNBOUND = object()
+_rebound: collections.Counter[tuple[int, str]] = collections.Counter()
+#: Rebinding a global this often takes the key as often: a warning says so, once.
+REBOUND_WARN = 3
+
+
+def _note_rebound(binding: Binding) -> None:
+    where = (id(binding.namespace), binding.name)
+    _rebound[where] += 1
+    if _rebound[where] == REBOUND_WARN:
+        warnings.warn(
+            f"torchcache: the global {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
+            "each time the module key is taken again (its weights hashed) and earlier entries no longer match. If "
+            f"outputs do not depend on it, name it in key_ignore ({binding.name!r})",
+            CacheWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 class HeldValues:
@@ -346,8 +365,10 @@ class HeldValues:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        if any(b.namespace.get(b.name, _UNBOUND) is not b.value for b in self._bindings):
-            return True
+        for binding in self._bindings:
+            if binding.namespace.get(binding.name, _UNBOUND) is not binding.value:
+                _note_rebound(binding)
+                return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
