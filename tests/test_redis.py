@@ -22,6 +22,7 @@ import pytest
 from tests.helpers import run_python
 from tests.redis_servers import RedisClusterServers, RedisServer, own_server, require_redis, shared
 from tests.store_helpers import Reports, key, value
+from torchcache.cli.main import main
 from torchcache.errors import ConfigError, KeyingError, StoreError, StoreUnavailableError
 from torchcache.stores.packed.format import encode_key, encode_record
 from torchcache.stores.redis.link import BACKOFF_MAX, BACKOFF_START
@@ -489,15 +490,18 @@ def test_verify_finds_and_fixes_damage(target: RedisServer | RedisClusterServers
         client.delete(name(key(5)))  # gone behind the bookkeeping's back
         client.hset("tc:{verify}:stats", "payload", 1)
     report = store.verify()
-    assert report.entries == 21 and sorted(report.bad) == sorted([key(0), "not-a-key"])
+    assert report.entries == 20 and report.bad == [key(0)]  # a name that is no key is another program's
     assert len(report.problems) == 3 and not report.fixed
     fixed = store.verify(fix=True)
     assert fixed.fixed and sorted(fixed.bad) == sorted(report.bad)
     after = store.verify()
     assert after.ok and after.entries == 19 and len(store) == 19 and store.nbytes == 18 * 1000 + len(b"stray")
-    # The damaged and the vanished entries are gone; the intact stray one was adopted.
+    # The damaged and the vanished entries are gone; the intact stray one was adopted; the other name stays.
     assert sorted(store.keys()) == sorted([key(50)] + [key(i) for i in range(20) if i not in (0, 5)])
     assert store.get(key(50)) == b"stray"
+    store.clear()
+    with target.client() as client:
+        assert client.get("tc:verify:not-a-key") == b"planted"
     assert not reports.seen  # verify returns what it finds; it does not report
 
 
@@ -598,7 +602,28 @@ def test_a_foreign_key_shaped_like_bookkeeping_is_not_taken_for_a_namespace(serv
     store.put(key(1), b"x")
     with server.client() as client:
         client.hset("tc:{sessions:eu}:stats", "n", 1)  # another program's key
+        client.set("tc:{app}:stats", b"hits=3")  # of a namespace's shape, but not totals torchcache keeps
+        client.hset("tc:{apps}:stats", "clock", 1)
+        client.set("tc:app:1234abcd", b"user data")
     assert RedisStore.namespaces(server.url) == ["mine"]
+    assert main(["clear", "--all", "--yes", "--root", server.url]) == 0
+    with server.client() as client:
+        left = {name.decode() for name in client.keys("*")}
+    assert left == {"tc:{sessions:eu}:stats", "tc:{app}:stats", "tc:{apps}:stats", "tc:app:1234abcd"}
+
+
+def test_a_connection_failure_leaves_the_client_other_threads_use_open(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    store = RedisStore(server.url, "shared-client", "10MB")
+    store.put(key(1), b"x")
+    client, closed = store._link.client(), []
+    monkeypatch.setattr(client, "close", lambda: closed.append(True))
+    store._link.failure(redis.exceptions.ConnectionError("reset"), "read entries")
+    # Closing it in place cut off threads sending on it (errors no store error names: writes turned off).
+    assert not closed and store._link.client() is not client
 
 
 def test_verify_counts_an_entry_evicted_between_its_scan_and_its_read_as_a_miss_not_damage(

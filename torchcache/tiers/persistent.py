@@ -385,7 +385,7 @@ class PersistentTier:
     def _not_stored(self, job: _WriteJob, kind: Fault, exc: StoreError) -> None:
         with self._pending_lock:
             self.unstored += len(job.keys)
-        self._report(kind, f"{exc}; {len(job.keys)} entries were not stored, later ones will be")
+        self._report(kind, f"{exc}; {len(job.keys)} entries were not stored (later writes try again)")
 
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False

@@ -241,12 +241,8 @@ class RedisLink:
         with self._lock:
             self._delay = BACKOFF_START if self._delay == 0 else min(self._delay * 2, BACKOFF_MAX)
             self._retry_at = self._clock() + self._delay
-            client, self._client = self._client, None
-            forked = self._pid != os.getpid()
+            self._client = None  # the next call connects again; not closed here: other threads may be sending on it
             delay = self._delay
-        if client is not None and not forked:
-            with contextlib.suppress(*self.errors):
-                client.close()
         return StoreUnavailableError(
             f"cannot {what}: the Redis server {where} is unreachable ({detail}); next try in {delay:.1f} s"
         )

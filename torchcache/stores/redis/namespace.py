@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..packed.format import encode_records
+from ..packed.format import encode_records, is_key
 from .keys import FORGET, PUT, Keyspace, parse_count
 from .link import Client, RedisLink, node_clients
 
@@ -154,6 +154,8 @@ class Namespace:
 
         The bookkeeping goes first: a write racing with the clear then leaves counts for
         an entry that is gone (reconciled by a verify), never an entry nobody counts.
+        Only names that are entries (a key of hex digits after the prefix) are removed:
+        another program's names under the same prefix stay.
         """
         self.link.count(1)
         client.delete(*self.space.meta)
@@ -161,6 +163,7 @@ class Namespace:
             cursor = 0
             while True:
                 cursor, names = self.scan(node, cursor)
+                names = [n for n in names if is_key(self.space.key_of(n) or "")]  # others: not ours
                 if names:
                     pipe = node.pipeline(transaction=False)
                     for name in names:

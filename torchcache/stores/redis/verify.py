@@ -38,8 +38,8 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
         fix: Whether to repair.
 
     Returns:
-        What was found; ``bad`` holds the keys (or, for names that are no key, the rest of
-        the name after the namespace's prefix) of damaged values.
+        What was found; ``bad`` holds the keys of damaged values. Names under the
+        namespace's prefix that are no key are another program's: left alone.
 
     Raises:
         redis.exceptions.RedisError: If the server fails; the caller turns it into a store error.
@@ -56,12 +56,12 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
                 link.count(1)
                 values = fetch_on_node(node, names, link.cluster)
                 for name, value in zip(names, values):
-                    if value is None:  # evicted (or removed) since the scan: a miss, not damage
+                    key = space.key_of(name) or ""
+                    if value is None or not is_key(key):  # evicted since the scan; another program's name
                         continue
                     result.entries += 1
-                    key = space.key_of(name) or ""
                     payload = _payload(key, value)
-                    if payload is None:
+                    if payload is None:  # damaged or planted: a read deletes it too
                         bad_names.append(name)
                         result.bad.append(key)
                     else:
@@ -186,10 +186,16 @@ def list_namespaces(address: RedisAddress, timeout: float) -> list[str]:
             while True:
                 link.count(1)
                 cursor, page = node.scan(cursor, match=STATS_PATTERN, count=_PAGE)
+                fields = node.pipeline(transaction=False)
                 for raw in page:
+                    fields.hmget(raw, "bytes", "payload", "clock")
+                link.count(1)
+                for raw, found in zip(page, fields.execute(raise_on_error=False) if page else []):
+                    if not isinstance(found, list) or None in found:
+                        continue  # not the totals torchcache keeps: another program's key of that shape
                     text = raw.decode("utf-8", "replace")
                     name = text[len("tc:{") : -len("}:stats")]
-                    with contextlib.suppress(ConfigError):  # another program's key of that shape: none of ours
+                    with contextlib.suppress(ConfigError):
                         names.add(check_namespace(name))
                 if int(cursor) == 0:
                     break
