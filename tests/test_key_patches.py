@@ -132,7 +132,7 @@ def test_the_attention_fast_path_switch_is_keyed() -> None:
 def test_inputs_carrying_a_forward_mode_tangent_run_uncached() -> None:
     model, x, v = torchcache()(Scaled()), torch.randn(4, 3), torch.randn(4, 3)
     model(x)
-    with forward_ad.dual_level(), pytest.warns(CacheWarning, match="forward-mode AD tangent"):
+    with forward_ad.dual_level(), pytest.warns(CacheWarning, match="forward-mode AD"):
         out = model(forward_ad.make_dual(x, v))
         tangent = forward_ad.unpack_dual(out).tangent
     assert tangent is not None and torch.equal(tangent, v * SCALE)
@@ -203,3 +203,86 @@ def test_a_global_rebound_at_every_call_is_followed_and_said_once(monkeypatch: p
             monkeypatch.setattr(f"{__name__}.STEP", step)
             assert torch.equal(model(x), x * step)
     assert len([w for w in caught if "rebound" in str(w.message)]) == 1
+
+
+def test_an_installed_function_replaced_after_the_key_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = torchcache()(Gelu()), torch.randn(4, 6)
+    model(x)
+    monkeypatch.setattr(F, "gelu", F.silu)
+    assert torch.equal(model(x), F.silu(x) + torch.tanh(x))
+    monkeypatch.setattr(nn.GELU, "forward", nn.Tanh.forward)
+    uses = torchcache()(UsesGeluModule())
+    uses(x)
+    monkeypatch.setattr(nn.GELU, "forward", nn.Sigmoid.forward)
+    assert torch.equal(uses(x), torch.sigmoid(x))
+
+
+class Patcher:
+    def __init__(self, approximate: str) -> None:
+        self.approximate = approximate
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._C._nn.gelu(x, approximate=self.approximate)
+
+
+def test_a_bound_method_put_in_place_of_a_function_of_the_same_name_is_keyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = []
+    for approximate in ("none", "tanh"):
+        monkeypatch.setattr(F, "gelu", Patcher(approximate).gelu)
+        model = torchcache()(Gelu())
+        keys.append(model.cache_instance.module_hash)
+    assert keys[0] != keys[1]
+
+
+class WithClassState(nn.Module):
+    K = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.K
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def test_class_members_rebound_after_the_key_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = torchcache()(WithClassState()), torch.randn(4, 3)
+    model(x)
+    monkeypatch.setattr(WithClassState, "K", 3.0)
+    assert torch.equal(model(x), (x + 1) * 3.0)
+    monkeypatch.setattr(WithClassState, "inner", lambda self, x: x - 1)
+    assert torch.equal(model(x), (x - 1) * 3.0)
+
+
+def test_a_module_of_yours_read_as_a_whole_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    helpers = types.ModuleType("tc_test_helpers")
+    helpers.OFFSET = 1.0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tc_test_helpers", helpers)
+
+    class ReadsModule(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            import tc_test_helpers as h  # type: ignore[import-not-found]
+
+            return x + h.OFFSET
+
+    model, x = torchcache()(ReadsModule()), torch.randn(4, 3)
+    model(x)
+    monkeypatch.setattr(helpers, "OFFSET", 5.0)
+    assert torch.equal(model(x), x + 5.0)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
+def test_a_torch_func_transform_over_swapped_weights_runs_uncached() -> None:
+    plain = nn.Linear(4, 4).requires_grad_(False)
+    model = torchcache()(nn.Linear(4, 4).requires_grad_(False))
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4)
+    model(x)
+    params = dict(plain.named_parameters())
+    tangents = {k: torch.randn_like(v) for k, v in params.items()}
+    expected = torch.func.jvp(lambda p: torch.func.functional_call(plain, p, (x,)), (params,), (tangents,))
+    with pytest.warns(CacheWarning):
+        got = torch.func.jvp(lambda p: torch.func.functional_call(model, p, (x,)), (params,), (tangents,))
+    assert torch.allclose(got[0], expected[0]) and torch.allclose(got[1], expected[1])

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 import xxhash
+from torch.overrides import _get_current_function_mode_stack as _function_modes
+from torch.utils._device import DeviceContext as _DeviceContext
 
 from .canonical import encode_key_value, tensor_content_digest
 from .canonical.objects import host_bytes
@@ -320,7 +322,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     if not getattr(torch.backends.mha, "_is_fastpath_enabled", True):  # the fused encoder and attention kernels
         found.append(b"mha_fastpath:False")
     if torch._C._len_torch_function_stack():  # `with torch.device(...)`, set_default_device: where tensors are made
-        device = torch.get_default_device()
-        if device.type != "cpu":
+        modes = _function_modes()  # type: ignore[no-untyped-call]
+        device = next((mode.device for mode in reversed(modes) if isinstance(mode, _DeviceContext)), None)
+        if device is not None and torch.device(device).type != "cpu":
             found.append(f"default_device:{device}".encode())
     return found

@@ -22,10 +22,9 @@ import weakref
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
+from .globals import encode_globals
 from .objects import Binding, collect
-from .operators import encode_operator
-from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
-from .pending import import_for_key, missing_global, names_modules
+from .origins import OWN_PACKAGE, extension_digest, is_installed_file, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -57,8 +56,6 @@ _CLASS_METADATA = frozenset(
 _LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 #: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
-_DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
-_DYNAMIC = "it {what}, so what it reads is known only when it runs"
 #: Namespaces of operators torch itself defines (some of their kernels are registered from Python).
 _HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
 
@@ -77,7 +74,7 @@ class Encoder(Protocol):
 
 
 # -- code objects ----------------------------------------------------------------------------------------
-class _Scan(NamedTuple):
+class Scan(NamedTuple):
     """What one code object says about itself, nested code included."""
 
     described: bytes
@@ -87,17 +84,17 @@ class _Scan(NamedTuple):
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
 _Imports = set[tuple[str, int, tuple[str, ...]]]
-_scans: weakref.WeakKeyDictionary[types.CodeType, _Scan] = weakref.WeakKeyDictionary()
+_scans: weakref.WeakKeyDictionary[types.CodeType, Scan] = weakref.WeakKeyDictionary()
 
 
-def scan_code(code: types.CodeType) -> _Scan:
+def scan_code(code: types.CodeType) -> Scan:
     """The description of a code object and of the globals it reads (cached: code never changes)."""
     found = _scans.get(code)
     if found is None:
         chains: _Chains = set()
         imports: _Imports = set()
         described = _describe(code, chains, imports, 0)
-        found = _scans[code] = _Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
     return found
 
 
@@ -185,21 +182,6 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
         imports.add((*pending_import, tuple(taken)))
 
 
-def _stored_globals(code: types.CodeType) -> frozenset[str]:
-    """The globals ``code`` (nested code included) assigns or deletes (``global CALLS; CALLS += 1``)."""
-    found = _stores.get(code)
-    if found is None:
-        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                names |= _stored_globals(const)
-        found = _stores[code] = frozenset(names)
-    return found
-
-
-_stores: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
-
-
 # -- functions -----------------------------------------------------------------------------------------
 def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
     """A Python function: its code and what it reads, or its package's version for installed code.
@@ -235,7 +217,7 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
     if attributes:
         parts.append(_attributes(encoder, attributes, path, depth))
     if not installed:
-        parts.append(_encode_globals(encoder, fn, path, depth))
+        parts.append(encode_globals(encoder, fn, scan_code(fn.__code__), path, depth))
     return tagged(Tag.INSTALLED_FUNCTION if installed else Tag.FUNCTION, b"".join(parts))
 
 
@@ -245,89 +227,6 @@ def _attributes(encoder: Encoder, items: dict[str, Any], path: str, depth: int) 
         if not encoder.ignored(path, name):
             parts.append(text(name) + encoder.child(value, f"{path}.{name}", depth))
     return tagged(Tag.ATTRIBUTES, b"".join(parts))
-
-
-def _encode_globals(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
-    """The globals a function's code reads, each once, followed through user modules."""
-    scan = scan_code(fn.__code__)
-    namespace = fn.__globals__
-    builtins = namespace.get("__builtins__", {})
-    if isinstance(builtins, types.ModuleType):
-        builtins = vars(builtins)
-    parts = []
-    where = f"{path}.__globals__"
-    for chain in scan.chains:
-        name = chain[0]
-        if encoder.ignored(where, name):
-            continue
-        if name in namespace:
-            value = namespace[name]
-            if what := names_modules(value, chain[1:2]):
-                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
-            if name not in _stored_globals(fn.__code__):  # a counter it keeps itself is keyed as it first was
-                collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
-        elif name in builtins:
-            if name in _DYNAMIC_BUILTINS:
-                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
-            parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
-            continue
-        else:
-            missing_global(f"{where}.{name}")
-            parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
-            continue
-        parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
-        if len(chain) > 3 and chain[1] == "ops" and getattr(value, "__name__", None) == "torch":
-            parts.append(encode_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
-    for module_name, level, names in scan.imports:
-        absolute = _absolute(module_name, level, namespace)
-        label = f"{where}.<import {module_name}>"
-        imported = import_for_key(absolute, encoder, label)
-        if imported is None or isinstance(imported, str):  # not found, or installed and not imported: by version
-            parts.append(tagged(Tag.GLOBAL_MISSING, f"{absolute}|{imported}".encode()))
-        elif names:
-            for name in names:
-                if what := names_modules(imported, (name,)):
-                    raise encoder.refuse(label, _DYNAMIC.format(what=what))
-                if name not in vars(imported) and getattr(imported, "__path__", None) is not None:
-                    import_for_key(f"{absolute}.{name}", encoder, label)  # from a package import a submodule
-                parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))
-        else:
-            parts.append(encoder.child(imported, label, depth))
-    return tagged(Tag.GLOBALS, b"".join(parts))
-
-
-def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
-    """The absolute name of the module an import statement inside a function names."""
-    if level:
-        package = namespace.get("__package__") or ""
-        base = package.rsplit(".", level - 1)[0] if level > 1 else package
-        name = f"{base}.{name}" if name else base
-    return name
-
-
-def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:
-    """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
-    for i, attribute in enumerate(attributes):
-        if not isinstance(value, types.ModuleType):
-            break
-        namespace = vars(value)
-        if origin_of_module(value.__name__) is not None:  # installed: by version, unless what is read was put there
-            member: object = value
-            for name in attributes[i:]:  # through its submodules (torch.nn.functional.gelu); no module code runs
-                scope = vars(member) if isinstance(member, types.ModuleType) else {}
-                member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
-            put = _put_there(member, attributes[-1])
-            return encoder.child(value, path, depth) + (encoder.child(member, f"{path}.<put>", depth) if put else b"")
-        if attribute not in namespace:
-            if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
-                value = sys.modules[f"{value.__name__}.{attribute}"]
-                path = f"{path}.{attribute}"
-                continue
-            return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
-        value = namespace[attribute]
-        collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
-        path = f"{path}.{attribute}"
-    return encoder.child(value, path, depth)
 
 
 # -- classes and modules ---------------------------------------------------------------------------------
@@ -344,6 +243,8 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
         name = f"{klass.__module__}.{klass.__qualname__}"
         origin = origin_of_module(klass.__module__)
         if origin is not None:
+            if "forward" in vars(klass):  # nn.GELU.forward = nn.Tanh.forward later: a new key
+                collect(Binding(vars(klass), "forward", vars(klass)["forward"]))
             patched = _patched_members(encoder, klass, f"{path}.<class {klass.__qualname__}>", depth)
             parts.append(tagged(Tag.INSTALLED_CLASS, text(name) + text(origin) + patched))
             continue
@@ -353,21 +254,9 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             if member in _CLASS_METADATA or encoder.ignored(where, member):
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
+            collect(Binding(vars(klass), member, value))  # Net.K = 3 or a method replaced later: a new key
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     return b"".join(parts)
-
-
-def _put_there(member: object, name: str) -> bool:
-    """Whether ``member``, read as ``name`` from an installed module, was put there by other code.
-
-    The user's functions and classes, and any callable not named ``name`` (``F.gelu =
-    F.silu``, ``torch.tanh = torch.sigmoid``, ``F.gelu = functools.partial(...)``): keyed
-    in full. An installed callable that is an alias under another name is keyed too, by
-    its name and version, which changes nothing.
-    """
-    if isinstance(member, (types.FunctionType, type)) and is_users_object(member):
-        return True
-    return callable(member) and not isinstance(member, types.ModuleType) and getattr(member, "__name__", None) != name
 
 
 def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
@@ -429,6 +318,7 @@ def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, 
         if encoder.ignored(path, member):
             continue
         parts.append(text(member) + encoder.child(value, f"{path}.{member}", depth))
+        collect(Binding(vars(module), member, value))  # rebound later: the key is taken again
     return tagged(Tag.PYTHON_MODULE, b"".join(parts))
 
 

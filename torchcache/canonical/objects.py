@@ -12,7 +12,7 @@ import contextlib
 import os
 import struct
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -219,7 +219,7 @@ def collect(value: object) -> None:
 class Binding(NamedTuple):
     """A global that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
 
-    namespace: dict[str, Any]
+    namespace: Mapping[str, Any]  #: a module's globals, or a class's ``__dict__``
     name: str
     value: object
 

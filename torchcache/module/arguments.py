@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 from torch.autograd import forward_ad
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..canonical import KeyEncoder
 from ..errors import ConfigError, KeyingError
@@ -76,10 +79,6 @@ def _refuse_modes() -> None:
     Raises:
         UncachedInput: Naming the mode.
     """
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     modes = [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]  # type: ignore[no-untyped-call]
     modes += _get_current_dispatch_mode_stack()
     if modes:
@@ -89,9 +88,7 @@ def _refuse_modes() -> None:
 _transformed = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _dual(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` carries a forward-mode AD tangent (inside ``forward_ad.dual_level``)."""
-    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(tensor).tangent is not None  # type: ignore[no-untyped-call]
+_in_transform = torch._C._functorch.peek_interpreter_stack
 
 
 class _PassedOn:
@@ -137,8 +134,6 @@ class _Splitter:
             self.context.add(encode_value(value, f"argument {label!r}"))
 
     def _note_shared(self, tensor: torch.Tensor) -> torch.Tensor:
-        if _dual(tensor):
-            raise UncachedInput("a shared argument carries a forward-mode AD tangent, which a hit would drop")
         self.shared_tensors.append(tensor)
         return tensor
 
@@ -172,8 +167,6 @@ class _Splitter:
             raise UncachedInput(f"argument {label!r} is on the meta device: it has no content to key items by")
         if _transformed(tensor):
             raise UncachedInput(f"argument {label!r} is inside a torch.func transform (vmap): it has no storage to key")
-        if _dual(tensor):
-            raise UncachedInput(f"argument {label!r} carries a forward-mode AD tangent, which a hit would drop")
         if getattr(tensor, "is_nested", False) or tensor.layout != torch.strided:
             kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
             raise UncachedInput(f"argument {label!r} is a {kind} tensor, which cannot be keyed per item")
@@ -305,6 +298,10 @@ class CallSplitter:
         """
         if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
             _refuse_modes()
+        if forward_ad._current_level >= 0:  # weights swapped in by functional_call may carry tangents too
+            raise UncachedInput("forward-mode AD is active (forward_ad.dual_level): a hit would drop tangents")
+        if _in_transform() is not None:
+            raise UncachedInput("a torch.func transform (vmap, grad, jvp) is active: its tensors have no storage")
         positional = self._positional
         passed: set[str] | None = None
         if self._simple and not kwargs and len(args) == len(positional):

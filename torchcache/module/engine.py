@@ -211,9 +211,9 @@ class Cache:
 
     def _rekey(self) -> None:
         with self._lock:
-            if self._watch is not None:
-                self._watch.reset()  # before hashing: a write during it is seen at the next call
             try:
+                if self._watch is not None:
+                    self._watch.reset()  # before hashing: a write during it is seen at the next call
                 key = self._take_key()
             except Exception as exc:
                 raise _KeyRetakeError(f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,160 @@
+"""The globals a function's code reads: each followed through user modules, installed ones by version.
+
+Each global read (and each attribute of a user module read through one) is noted as a
+:class:`~.objects.Binding`, so that rebinding it later (``SCALE = 3``, ``F.gelu = F.silu``)
+makes whoever holds the key take it again; a global the function assigns itself (a call
+counter) is keyed as it first was.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import types
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..errors import KeyingError
+from .objects import Binding, collect
+from .operators import encode_operator
+from .origins import is_users_object, origin_of_module
+from .pending import import_for_key, missing_global, names_modules
+from .tags import Tag, tagged, text
+
+if TYPE_CHECKING:
+    from .code import Encoder, Scan
+
+__all__ = ["encode_globals"]
+
+_DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
+_DYNAMIC = "it {what}, so what it reads is known only when it runs"
+
+
+def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: str, depth: int) -> bytes:
+    """The globals a function reads (``scan``: what :func:`~.code.scan_code` found), followed through user modules."""
+    namespace = fn.__globals__
+    builtins = namespace.get("__builtins__", {})
+    if isinstance(builtins, types.ModuleType):
+        builtins = vars(builtins)
+    parts = []
+    where = f"{path}.__globals__"
+    for chain in scan.chains:
+        name = chain[0]
+        if encoder.ignored(where, name):
+            continue
+        if name in namespace:
+            value = namespace[name]
+            if what := names_modules(value, chain[1:2]):
+                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
+            if name not in _stored_globals(fn.__code__):  # a counter it keeps itself is keyed as it first was
+                collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
+        elif name in builtins:
+            if name in _DYNAMIC_BUILTINS:
+                raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
+            parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
+            continue
+        else:
+            missing_global(f"{where}.{name}")
+            parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
+            continue
+        parts.append(text(name) + _follow(encoder, value, chain[1:], f"{where}.{name}", depth))
+        if len(chain) > 3 and chain[1] == "ops" and getattr(value, "__name__", None) == "torch":
+            parts.append(encode_operator(encoder, chain[2], chain[3], f"{where}.{'.'.join(chain[:4])}", depth))
+    for module_name, level, names in scan.imports:
+        absolute = _absolute(module_name, level, namespace)
+        label = f"{where}.<import {module_name}>"
+        imported = import_for_key(absolute, encoder, label)
+        if imported is None or isinstance(imported, str):  # not found, or installed and not imported: by version
+            parts.append(tagged(Tag.GLOBAL_MISSING, f"{absolute}|{imported}".encode()))
+        elif names:
+            for name in names:
+                if what := names_modules(imported, (name,)):
+                    raise encoder.refuse(label, _DYNAMIC.format(what=what))
+                if name not in vars(imported) and getattr(imported, "__path__", None) is not None:
+                    import_for_key(f"{absolute}.{name}", encoder, label)  # from a package import a submodule
+                parts.append(text(name) + _follow(encoder, imported, (name,), label, depth))
+        else:
+            parts.append(encoder.child(imported, label, depth))
+    return tagged(Tag.GLOBALS, b"".join(parts))
+
+
+def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
+    """The absolute name of the module an import statement inside a function names."""
+    if level:
+        package = namespace.get("__package__") or ""
+        base = package.rsplit(".", level - 1)[0] if level > 1 else package
+        name = f"{base}.{name}" if name else base
+    return name
+
+
+def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:
+    """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
+    for i, attribute in enumerate(attributes):
+        if not isinstance(value, types.ModuleType):
+            break
+        namespace = vars(value)
+        if origin_of_module(value.__name__) is not None:  # installed: by version, unless what is read was put there
+            member: object = value
+            scope: dict[str, Any] = {}
+            for name in attributes[i:]:  # through its submodules (torch.nn.functional.gelu); no module code runs
+                scope = vars(member) if isinstance(member, types.ModuleType) else {}
+                member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
+            if attributes[-1] in scope:  # F.gelu = F.silu after the key was taken: the key is taken again
+                collect(Binding(scope, attributes[-1], member))
+            put = _put_there(member, attributes[-1], str(scope.get("__name__", "")))
+            return encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
+        if attribute not in namespace:
+            if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
+                value = sys.modules[f"{value.__name__}.{attribute}"]
+                path = f"{path}.{attribute}"
+                continue
+            return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
+        value = namespace[attribute]
+        collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
+        path = f"{path}.{attribute}"
+    return encoder.child(value, path, depth)
+
+
+def _stored_globals(code: types.CodeType) -> frozenset[str]:
+    """The globals ``code`` (nested code included) assigns or deletes (``global CALLS; CALLS += 1``)."""
+    found = _stores.get(code)
+    if found is None:
+        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= _stored_globals(const)
+        found = _stores[code] = frozenset(names)
+    return found
+
+
+_stores: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _put_there(member: object, name: str, module: str) -> bool:
+    """Whether ``member``, read as ``name`` from the installed ``module``, may have been put there by other code.
+
+    The user's functions and classes, and any callable that is not a plain function,
+    builtin or class named ``name`` of ``module``'s package (``F.gelu = F.silu``,
+    ``torch.tanh = torch.sigmoid``, a partial, a bound method): keyed in full. An
+    installed callable that is an alias under another name is keyed too, by its name and
+    version, which changes nothing.
+    """
+    if isinstance(member, (types.FunctionType, type)) and is_users_object(member):
+        return True
+    if not callable(member) or isinstance(member, types.ModuleType):
+        return False
+    owner = getattr(member, "__self__", None)  # a builtin bound to an object (not a module or class): a method
+    plain = isinstance(member, (types.FunctionType, type)) or (
+        isinstance(member, types.BuiltinFunctionType) and (owner is None or isinstance(owner, (types.ModuleType, type)))
+    )
+    package = str(getattr(member, "__module__", None) or "").partition(".")[0]
+    return not plain or getattr(member, "__name__", None) != name or package != module.partition(".")[0]
+
+
+def _put(encoder: Encoder, member: object, path: str, depth: int) -> bytes:
+    """A member that may have been put in an installed module: in full, else by its type and name."""
+    try:
+        return encoder.child(member, path, depth)
+    except KeyingError:  # an installed object the encoder does not follow: which one it is
+        named = f"{type(member).__module__}.{type(member).__qualname__}|{getattr(member, '__qualname__', '?')}"
+        return tagged(Tag.INSTALLED_CLASS, text(named))
