@@ -286,3 +286,26 @@ def test_a_torch_func_transform_over_swapped_weights_runs_uncached() -> None:
     with pytest.warns(CacheWarning):
         got = torch.func.jvp(lambda p: torch.func.functional_call(model, p, (x,)), (params,), (tangents,))
     assert torch.allclose(got[0], expected[0]) and torch.allclose(got[1], expected[1])
+
+
+def _using(helper: Any) -> nn.Module:
+    class UsesHelper(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return helper(x)
+
+    return torchcache()(UsesHelper())
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's imports (torch.jit)
+def test_a_compiled_helper_is_keyed_by_what_it_compiles() -> None:
+    first, second = (_using(torch.compile(_double)) for _ in range(2))  # each wrapper holds an id of its own
+    assert first.cache_instance.module_hash == second.cache_instance.module_hash
+    assert _using(torch.compile(_triple)).cache_instance.module_hash != first.cache_instance.module_hash

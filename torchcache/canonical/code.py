@@ -192,6 +192,9 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
     Raises:
         KeyingError: If a default, a captured value or a global it reads cannot be encoded.
     """
+    compiled = fn.__dict__.get("_torchdynamo_orig_callable")
+    if compiled is not None:  # torch.compile's wrapper holds ids that differ per process: what it compiles
+        return tagged(Tag.WRAPPER, text("torch.compile") + encoder.child(compiled, f"{path}.<compiled>", depth))
     code = fn.__code__
     module = fn.__module__ or ""
     if os.path.abspath(code.co_filename).startswith(OWN_PACKAGE):  # functools.wraps gave it its wrapped's name
