@@ -202,9 +202,10 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         inner = encoder.child(wrapped, f"{path}.__wrapped__", depth) if wrapped is not None else b""
         return tagged(Tag.WRAPPER, text(code.co_name) + inner)
     parts = [text(f"{module}.{fn.__qualname__}")]
-    installed = module != "__main__" and is_installed_file(code.co_filename)  # a script run is the user's
+    home = str(fn.__globals__.get("__name__") or module)  # where it was defined (functools.wraps copies __module__)
+    installed = home != "__main__" and is_installed_file(code.co_filename)  # a script run is the user's
     if installed:
-        parts.append(text(version_of(module.partition(".")[0]) if module else code.co_filename))
+        parts.append(text(version_of(home.partition(".")[0]) if home else code.co_filename))
     else:
         parts.append(scan_code(code).described)
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
