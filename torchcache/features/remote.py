@@ -263,24 +263,12 @@ class FeaturesBucket:
                     if data is None and Fault.UNAVAILABLE in self.reported:
                         return False  # the bucket did not answer (warned): nothing known of the file
                     if data is None or len(data) != min(CHUNK_BYTES, head.size - size):
-                        self.damaged.add(folder)
-                        self.faults.warn(
-                            Fault.CORRUPT,
-                            f"the features file in {redact_url(self.url)}/{folder} is missing a piece: not used",
-                            "bucket",
-                        )
-                        return False
+                        return self._damaged(folder, "is missing a piece")
                     digest.update(data)
                     out.write(data)
                     size += len(data)
             if digest.hexdigest() != head.digest:
-                self.damaged.add(folder)
-                self.faults.warn(
-                    Fault.CORRUPT,
-                    f"the features file in {redact_url(self.url)}/{folder} fails its digest: not used",
-                    "bucket",
-                )
-                return False
+                return self._damaged(folder, "fails its digest")
             os.replace(part, path)
             logger.info("read the features file of %s/%s (%d bytes)", redact_url(self.url), folder, size)
             return True
@@ -291,6 +279,14 @@ class FeaturesBucket:
             store.close()
             with contextlib.suppress(OSError):
                 part.unlink()
+
+    def _damaged(self, folder: str, what: str) -> bool:
+        """Note that the file in ``folder`` failed its checks (:meth:`upload` replaces it); ``False``."""
+        self.damaged.add(folder)
+        self.faults.warn(
+            Fault.CORRUPT, f"the features file in {redact_url(self.url)}/{folder} {what}: not used", "bucket"
+        )
+        return False
 
     def upload(self, folder: str, path: Path, meta: Mapping[str, Any], replace: bool = False) -> None:
         """Upload the features file at ``path`` into ``folder``, unless the bucket holds one whole already.
