@@ -37,7 +37,8 @@ ABOUT = {
     "1,024 random hits",
     "object_store": "a CachedDataset of 3x64x64 uint8 images in a bucket on a local S3 server (moto, its own "
     "process): warm, then serve it without the dataset on a fresh machine, against a local disk cache served "
-    "the same way (both with the page cache warm; RAM tier off)",
+    "the same way (both with the page cache warm; RAM tier off); features extracted into the bucket and opened on "
+    "a fresh machine",
     "packed_store": "the packed disk store through its own API: fill, bytes, open, batch reads against a memmap",
     "memory_rss": "the memory tier: resident memory growth against what stats() reports, for 1 GB of entries",
     "memory_bounds": "resident memory growth under a 50 MB budget with the cyclic collector off: outputs of "
