@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 from pathlib import Path
 from typing import Any
@@ -244,13 +245,45 @@ class WithClassState(nn.Module):
         return x + 1
 
 
-def test_class_members_rebound_after_the_key_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_method_of_a_class_of_yours_replaced_after_the_key_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = torchcache()(WithClassState()), torch.randn(4, 3)
     model(x)
-    monkeypatch.setattr(WithClassState, "K", 3.0)
-    assert torch.equal(model(x), (x + 1) * 3.0)
     monkeypatch.setattr(WithClassState, "inner", lambda self, x: x - 1)
-    assert torch.equal(model(x), (x - 1) * 3.0)
+    assert torch.equal(model(x), (x - 1) * 2.0)
+
+
+class Rotary(nn.Module):
+    """Keeps a class-level table that forward grows on demand (as rotary embeddings do)."""
+
+    table = torch.zeros(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(Rotary.table) < x.shape[1]:
+            Rotary.table = torch.arange(float(x.shape[1]))
+        return x + Rotary.table[: x.shape[1]]
+
+
+def test_a_class_level_table_that_forward_grows_does_not_take_the_key_again() -> None:
+    model = torchcache()(Rotary())
+    batches = [torch.randn(4, width) for width in (3, 5, 7)]
+    for x in batches:
+        model(x)
+    for x in batches:
+        assert torch.equal(model(x), x + torch.arange(float(x.shape[1])))
+    assert model.cache_instance.stats().hits == 12
+
+
+class Jitter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + 0 * random.random())
+
+
+def test_a_function_bound_to_a_packages_own_object_is_keyed_by_name_not_state() -> None:
+    model = torchcache()(Jitter())
+    first = model.cache_instance.module_hash
+    random.seed(1234)  # the state of random's hidden instance differs in every process
+    again = torchcache()(Jitter())
+    assert again.cache_instance.module_hash == first
 
 
 def test_a_module_of_yours_read_as_a_whole_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -258,7 +258,9 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             if member in _CLASS_METADATA or encoder.ignored(where, member):
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
-            collect(Binding(vars(klass), member, value))  # Net.K = 3 or a method replaced later: a new key
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
+                collect(Binding(vars(klass), member, value))  # a method replaced later: a new key (not values:
+                # a class-level table or memo that forward grows would take the key at every growth)
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     return b"".join(parts)
 

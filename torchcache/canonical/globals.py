@@ -143,12 +143,21 @@ def _put_there(member: object, name: str, module: str) -> bool:
         return True
     if not callable(member) or isinstance(member, types.ModuleType):
         return False
-    owner = getattr(member, "__self__", None)  # a builtin bound to an object (not a module or class): a method
+    top = module.partition(".")[0]
+    owner = getattr(member, "__self__", None)  # a method bound to an object: the module's own (random.random)?
+    own_owner = owner is None or isinstance(owner, (types.ModuleType, type)) or _top(type(owner)) == top
     plain = isinstance(member, (types.FunctionType, type)) or (
-        isinstance(member, types.BuiltinFunctionType) and (owner is None or isinstance(owner, (types.ModuleType, type)))
+        isinstance(member, (types.BuiltinFunctionType, types.MethodType)) and own_owner
     )
-    package = str(getattr(member, "__module__", None) or "").partition(".")[0]
-    return not plain or getattr(member, "__name__", None) != name or package != module.partition(".")[0]
+    if owner is None or isinstance(owner, types.ModuleType):
+        package = _top(member)
+    else:  # a method: of the package its object's class comes from
+        package = _top(owner if isinstance(owner, type) else type(owner))
+    return not plain or getattr(member, "__name__", None) != name or package != top
+
+
+def _top(thing: object) -> str:
+    return str(getattr(thing, "__module__", None) or "").partition(".")[0]
 
 
 def _put(encoder: Encoder, member: object, path: str, depth: int) -> bytes:

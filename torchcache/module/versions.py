@@ -326,6 +326,7 @@ class HeldValues:
         "_bindings",
         "_flags",
         "_generation",
+        "_lookups",
         "_members",
         "_modules",
         "_ptrs",
@@ -337,6 +338,11 @@ class HeldValues:
     def __init__(self, values: list[Any]) -> None:
         bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
         self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
+        self._lookups = (  # each checked in C: a model reads hundreds
+            tuple(b.namespace.get for b in self._bindings),
+            tuple(b.name for b in self._bindings),
+            tuple(b.value for b in self._bindings),
+        )
         unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
@@ -365,10 +371,10 @@ class HeldValues:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        for binding in self._bindings:
-            if binding.namespace.get(binding.name, _UNBOUND) is not binding.value:
-                _note_rebound(binding)
-                return True
+        gets, names, values = self._lookups
+        if any(map(operator.is_not, map(operator.call, gets, names), values)):
+            _note_rebound(next(b for b in self._bindings if b.namespace.get(b.name, _UNBOUND) is not b.value))
+            return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
