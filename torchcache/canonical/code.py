@@ -55,8 +55,6 @@ _CLASS_METADATA = frozenset(
 )
 _LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
-#: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
-#: Namespaces of operators torch itself defines (some of their kernels are registered from Python).
 _HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
 
 
@@ -80,6 +78,7 @@ class Scan(NamedTuple):
     described: bytes
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
+    stored: frozenset[str]  # globals it assigns or deletes (`global CALLS; CALLS += 1`)
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -93,15 +92,16 @@ def scan_code(code: types.CodeType) -> Scan:
     if found is None:
         chains: _Chains = set()
         imports: _Imports = set()
-        described = _describe(code, chains, imports, 0)
-        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
+        stored: set[str] = set()
+        described = _describe(code, chains, imports, stored, 0)
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), frozenset(stored))
     return found
 
 
-def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: int) -> bytes:
+def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, stored: set[str], depth: int) -> bytes:
     if depth > _MAX_CODE_DEPTH:
         raise KeyingError(f"{code.co_qualname}: functions nest more than {_MAX_CODE_DEPTH} levels deep")
-    _read_globals(code, chains, imports)
+    _read_globals(code, chains, imports, stored)
     consts = code.co_consts
     if consts and _has_docstring(code):
         consts = consts[1:]  # a docstring documents; it computes nothing
@@ -113,7 +113,7 @@ def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: i
     ]
     for const in consts:
         code_object = isinstance(const, types.CodeType)
-        parts.append(_describe(const, chains, imports, depth + 1) if code_object else _const(const))
+        parts.append(_describe(const, chains, imports, stored, depth + 1) if code_object else _const(const))
     return tagged(Tag.CODE, b"".join(parts))
 
 
@@ -151,8 +151,8 @@ def _const(value: Any) -> bytes:
     return tagged(Tag.RAW, f"{kind.__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
 
 
-def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> None:
-    """Collect the global names ``code`` reads, with the attributes read from each, and its imports."""
+def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports, stored: set[str]) -> None:
+    """Collect the globals ``code`` reads (with the attributes read from each), its imports, and those it assigns."""
     chain: list[str] | None = None
     constants: list[Any] = []
     pending_import: tuple[str, int] | None = None
@@ -167,6 +167,8 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
             chain = None
         if name in _LOADS_GLOBAL:
             chain = [instruction.argval]
+            if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                stored.add(instruction.argval)
         elif name == "LOAD_CONST":
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":

@@ -8,10 +8,8 @@ counter) is keyed as it first was.
 
 from __future__ import annotations
 
-import dis
 import sys
 import types
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KeyingError
@@ -26,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["encode_globals"]
 
+#: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
 _DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
 _DYNAMIC = "it {what}, so what it reads is known only when it runs"
 
@@ -46,7 +45,7 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
             value = namespace[name]
             if what := names_modules(value, chain[1:2]):
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
-            if name not in _stored_globals(fn.__code__):  # a counter it keeps itself is keyed as it first was
+            if name not in scan.stored:  # a counter it keeps itself is keyed as it first was
                 collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
@@ -113,21 +112,6 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
         collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
         path = f"{path}.{attribute}"
     return encoder.child(value, path, depth)
-
-
-def _stored_globals(code: types.CodeType) -> frozenset[str]:
-    """The globals ``code`` (nested code included) assigns or deletes (``global CALLS; CALLS += 1``)."""
-    found = _stores.get(code)
-    if found is None:
-        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                names |= _stored_globals(const)
-        found = _stores[code] = frozenset(names)
-    return found
-
-
-_stores: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _put_there(member: object, name: str, module: str) -> bool:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
 __all__ = ["encode_operator"]
 
+#: Namespaces of operators torch itself defines (some of their kernels are registered from Python).
 _TORCH_OPERATORS = frozenset({"aten", "prims", "prim", "_native", "quantized", "_quantized", "profiler", "inductor"})
 
 
