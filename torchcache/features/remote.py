@@ -39,6 +39,7 @@ from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.objects import ObjectStore, bucket_namespaces
 from ..stores.redis.url import redact_url
 from ..stores.remote import local_copy_dir
+from ..stores.rows import RowsFile
 
 __all__ = ["CHUNK_BYTES", "FeaturesBucket", "folder_of", "from_bucket", "refuse_options", "split_url"]
 
@@ -121,6 +122,17 @@ def refuse_options(local_cache_dir: object, storage_options: object, name: str) 
         )
 
 
+def _problem(file: RowsFile, folder: str) -> str | None:
+    """What keeps ``file`` from being the whole features file of ``folder``, if anything."""
+    header = file.header
+    if folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input")) != folder:
+        return "it was made for another key"
+    if file.count() != file.length:
+        return f"{file.length - file.count()} rows are missing"
+    damaged = len(file.damaged())
+    return f"{damaged} rows are damaged" if damaged else None
+
+
 def split_url(url: str) -> tuple[str, str | None]:
     """A features URL as ``(root, folder)``: the folder if the URL names one (``.../features-<32 hex>``)."""
     root, _, last = url.rstrip("/").rpartition("/")
@@ -195,7 +207,7 @@ class FeaturesBucket:
         Raises:
             StoreUnavailableError: If the bucket cannot be listed.
         """
-        return [n for n in bucket_namespaces(self.url, self.storage_options) if n.startswith("features-")]
+        return [n for n in bucket_namespaces(self.url, self.storage_options) if _FOLDER.fullmatch(n)]
 
     def local_copies(self) -> list[str]:
         """The folders of this URL whose local copy here holds a features file."""
@@ -223,17 +235,7 @@ class FeaturesBucket:
             self.faults.warn(Fault.CORRUPT, f"the local copy {path} cannot be read ({exc}): not used", "local")
             return False
         try:
-            header = file.header
-            problem = (
-                "it was made for another key"
-                if folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input"))
-                != folder
-                else f"{file.length - file.count()} rows are missing"
-                if file.count() != file.length
-                else f"{len(damaged)} rows are damaged"
-                if len(damaged := file.damaged())
-                else None
-            )
+            problem = _problem(file, folder)
         finally:
             file.close()
         if problem is not None:
