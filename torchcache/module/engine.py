@@ -10,7 +10,6 @@ and a recompute; they never break the call.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import inspect
 import logging
 import threading
@@ -41,7 +40,7 @@ from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .independence import ItemCheck
 from .outputs import OutputPlan, UnbatchedOutputError
-from .versions import HeldValues, VersionWatch
+from .versions import HeldValues, VersionWatch, forward_kept
 
 __all__ = ["Cache"]
 
@@ -534,7 +533,7 @@ class Cache:
         self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
-        kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
+        kept = forward_kept(self._watch, self._held)
         return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
