@@ -383,6 +383,29 @@ def test_a_warmed_bucket_serves_a_machine_without_the_dataset(bucket: str, tmp_p
     served.close()
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["budget-recorded", "made-before-budgets-were-recorded"])
+def test_serving_a_bucket_without_a_dataset_keeps_the_writers_budget(
+    recorded: bool, bucket: str, s3fs_of: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/budget"
+    warm = CachedDataset(Images(40), url, max_memory_size=0, max_disk_size="10MB", local_cache_dir=tmp_path / "w")
+    for start in range(0, 40, 8):
+        warm.__getitems__(list(range(start, start + 8)))
+    warm.close()
+    objects = s3fs_of.find(url.removeprefix("s3://"))
+    if not recorded:
+        (meta,) = [p for p in objects if p.endswith("torchcache.json")]
+        fields = json.loads(s3fs_of.cat(meta))
+        s3fs_of.pipe(meta, json.dumps({k: v for k, v in fields.items() if k != "max_bytes"}).encode())
+    segments = sum(s3fs_of.size(p) for p in objects if p.endswith(".tcs"))
+    monkeypatch.setattr("torchcache.datasets.dataset.DEFAULT_DISK_SIZE", "1KB")  # a default below the cache's size
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert [label for _, label in served.__getitems__(list(range(40)))] == list(range(40))
+    served.close()  # it wrote nothing: the bucket keeps every segment
+    s3fs_of.invalidate_cache()
+    assert sum(s3fs_of.size(p) for p in s3fs_of.find(url.removeprefix("s3://")) if p.endswith(".tcs")) == segments
+
+
 def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
     with pytest.raises(ConfigError, match="holds none"):
         CachedDataset(None, f"{bucket}/empty")

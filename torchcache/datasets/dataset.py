@@ -32,6 +32,8 @@ from .keys import fingerprint_dataset
 
 __all__ = ["CachedDataset", "MissingSampleError"]
 
+_UNKNOWN_BUDGET = 1 << 62  # bytes: no budget
+
 
 class MissingSampleError(TorchCacheError, LookupError):
     """A sample is not in a cache served without its dataset."""
@@ -175,6 +177,9 @@ class CachedDataset(Dataset[Any]):
                 raise ConfigError(f"{name} in {where} is not a usable dataset cache (its length or name is invalid)")
             self.fingerprint = name
             size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size
+            if isinstance(where, str) and max_disk_size is None and not meta.get("max_bytes"):
+                size = _UNKNOWN_BUDGET  # a bucket cache made before its budget was recorded: nothing is removed
+                max_local_size = DEFAULT_DISK_SIZE if max_local_size is None else max_local_size
             self.cache = SampleCache(
                 name,
                 where,

@@ -244,6 +244,7 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")
     meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
+    meta["max_bytes"] = max_bytes  # CachedDataset(None, url) keeps the writer's budget
     store = open_remote_store(url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options)
     if places.local_directory is None:
         return store
