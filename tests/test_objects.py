@@ -406,6 +406,34 @@ def test_serving_a_bucket_without_a_dataset_keeps_the_writers_budget(
     assert sum(s3fs_of.size(p) for p in s3fs_of.find(url.removeprefix("s3://")) if p.endswith(".tcs")) == segments
 
 
+@pytest.mark.parametrize("memory", [0, "1MB"], ids=["no-ram-tier", "ram-tier"])
+def test_warmup_uploads_what_the_bucket_missed_while_it_was_away(
+    memory: int | str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, away, images = f"{bucket}/outage", [True], Images(32)
+    cached = CachedDataset(images, url, max_memory_size=memory, local_cache_dir=tmp_path / "copy")
+    far = next(tier for tier in cached.cache._open() if tier.name == "disk").store.far
+    put_many = far.put_many
+
+    def flaky(items: Any) -> int:
+        if away[0]:
+            raise StoreUnavailableError("the bucket is away")
+        return int(put_many(items))
+
+    monkeypatch.setattr(far, "put_many", flaky)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        cached.__getitems__(list(range(16)))  # kept locally (and in RAM), not in the bucket
+        away[0] = False
+        cached.__getitems__(list(range(16, 32)))
+        cached.warmup(num_workers=0, progress=False)
+    assert images.calls == 32  # sent from the local copy, not computed again
+    cached.close()
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert [label for _, label in served.__getitems__(list(range(32)))] == list(range(32))
+    served.close()
+
+
 def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
     with pytest.raises(ConfigError, match="holds none"):
         CachedDataset(None, f"{bucket}/empty")

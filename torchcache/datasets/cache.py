@@ -35,7 +35,7 @@ from . import shm
 from .encode import check_sample, encode_sample
 from .keys import store_key
 from .opening import DEFAULT_DISK_SIZE, hold_memory, open_tiers, resolve_places, write_dataset_meta
-from .tiers import HitCounters, SampleTier, placement, samples_from_slots
+from .tiers import HitCounters, SampleTier, fill_tier, placement, samples_from_slots
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
 
@@ -98,17 +98,11 @@ class SampleCache:
         self._summaries = PeriodicSummary()
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
         self._info = dict(info or {})
+        sizes = (max_memory_size, max_disk_size)
         self._places = places = resolve_places(
-            dirname,
-            cache_dir,
-            max_memory_size,
-            max_disk_size,
-            local_cache_dir,
-            self._faults,
-            storage_options=storage_options,
-            max_local_size=max_local_size,
-            info=self._info,
-        )
+            dirname, cache_dir, *sizes, local_cache_dir, self._faults, storage_options=storage_options,
+            max_local_size=max_local_size, info=self._info,
+        )  # fmt: skip
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
@@ -257,6 +251,12 @@ class SampleCache:
         self._faults.emit()
         self._summaries.tick(self.summary)
         return results
+
+    def fill(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> None:
+        """Put the samples of ``keys`` that the disk tier lacks into it (a warm-up), whatever the RAM tier holds."""
+        for disk in [tier for tier in self._open() if tier.name == "disk"]:
+            self._counters.add(0, 0, fill_tier(disk, keys, compute_many, _encode, self._faults))
+        self._faults.emit()
 
     def __contains__(self, key: object) -> bool:
         try:

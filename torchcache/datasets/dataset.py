@@ -278,13 +278,13 @@ class CachedDataset(Dataset[Any]):
         for name, value, least in (("num_workers", num_workers, 0), ("batch_size", batch_size, 1)):
             if value is not None and (type(value) is not int or value < least):
                 raise TypeError(f"warmup(): {name} must be an int >= {least}, got {value!r}")
-        tier = "disk" if self.cache.directory is not None else "memory"
+        tier = "disk" if self.cache.directory is not None or self.cache.url is not None else "memory"
         todo = [int(i) for i in self.cache.missing(range(self.length), tier)]
         if todo and self.dataset is not None:
             if num_workers is None:
                 num_workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
             loader = DataLoader(
-                _Filler(self), batch_size=batch_size, sampler=todo, num_workers=num_workers, collate_fn=_count
+                _Filler(self, tier), batch_size=batch_size, sampler=todo, num_workers=num_workers, collate_fn=_count
             )
             bar = _Progress(len(todo), progress)
             try:
@@ -308,14 +308,17 @@ class CachedDataset(Dataset[Any]):
 class _Filler(Dataset[int]):
     """Fills the cache of a dataset; a batch gives back its size, not its samples."""
 
-    def __init__(self, cached: CachedDataset) -> None:
-        self.cached = cached
+    def __init__(self, cached: CachedDataset, tier: str) -> None:
+        self.cached, self.tier = cached, tier
 
     def __getitem__(self, index: int) -> int:
         return len(self.__getitems__([index]))
 
     def __getitems__(self, indices: list[int]) -> list[None]:
-        self.cached.cache.get_many(indices, self.cached._compute)
+        if self.tier == "disk":  # samples the RAM tier holds are written to disk too
+            self.cached.cache.fill(indices, self.cached._compute)
+        else:
+            self.cached.cache.get_many(indices, self.cached._compute)
         return [None] * len(indices)
 
 

@@ -34,12 +34,13 @@ import numpy as np
 import torch.utils.data
 
 from .._log import logger
-from ..errors import ConfigError, CorruptEntryError, StoreUnavailableError
+from ..errors import ConfigError, CorruptEntryError, StoreError, StoreUnavailableError
 from ..faults import Fault, FaultLog
 from ..stores.batched import BatchedStore
 from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.store import PackedStore
 from ..stores.rows import RowsFile
+from ..tiers.layered import LayeredStore
 from .decode import decode_rows, decode_samples, frame_head
 from .encode import is_sample_1_2
 from .keys import store_key
@@ -374,6 +375,32 @@ def samples_from_slots(
             results[i] = sample
             hit.add(i)
     return hit
+
+
+def fill_tier(
+    disk: SampleTier,
+    keys: Sequence[int | str],
+    compute_many: Callable[[list[Any]], Sequence[Any]],
+    encode: Callable[[object, object], bytes],
+    faults: FaultLog,
+) -> int:
+    """Put the samples of ``keys`` that ``disk`` lacks into it; return how many were computed.
+
+    What the disk tier's local copy holds and its shared store lacks (written while the
+    server was away) is sent from the copy; the rest is computed.
+    """
+    skeys = [store_key(key) for key in keys]
+    lacking = [i for i, skey in enumerate(skeys) if skey not in disk]
+    if lacking and isinstance(disk.store, LayeredStore):
+        try:
+            disk.store.send_up([skeys[i] for i in lacking])
+        except StoreError as exc:
+            faults.warn(Fault.UNAVAILABLE, f"cannot upload the local copy's samples ({exc})", "disk")
+        lacking = [i for i in lacking if skeys[i] not in disk]
+    if lacking:
+        computed = compute_many([keys[i] for i in lacking])
+        disk.put_many([(skeys[i], encode(sample, keys[i])) for i, sample in zip(lacking, computed)])
+    return len(lacking)
 
 
 def placement(tiers: Sequence[SampleTier], keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:

@@ -147,6 +147,20 @@ class LayeredStore(BatchedStore):
                 self._near_failed(exc, "write")
         return self.far.put_many(items)
 
+    def send_up(self, keys: Sequence[str]) -> int:
+        """Upload what the local copy holds of ``keys`` and the shared store lacks (its write failed); return how many.
+
+        Raises:
+            StoreError: As the shared store's ``put_many``.
+        """
+        lacking = [key for key in keys if key not in self.far and self._near_on and key in self.near]
+        sent = 0
+        for start in range(0, len(lacking), 256):
+            chunk = lacking[start : start + 256]
+            items = [(key, data) for key, data in zip(chunk, self.near.get_many(chunk)) if data is not None]
+            sent += self.far.put_many(items)
+        return sent
+
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove entries from both; return how many the shared store had.
 
