@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .objects import Binding, Members, collect
+from .objects import Binding, collect
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
@@ -256,13 +256,13 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             continue
         members = []
         where = f"{path}.<class {klass.__qualname__}>" if klass is not cls else f"{path}.<class>"
-        namespace = vars(klass)
-        collect(Members(namespace))  # a method set later on a subclass that inherited it: a new key
-        for member, value in sorted(namespace.items()):
+        for member, value in sorted(vars(klass).items()):
             if member in _CLASS_METADATA or encoder.ignored(where, member):
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
-            collect(Binding(namespace, member, value, member=True))  # Net.K = 3 later: a new key
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
+                collect(Binding(vars(klass), member, value))  # a method replaced later: a new key (not values:
+                # a class-level table or memo that forward grows would take the key at every growth)
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     return b"".join(parts)
 

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_UNKEYED",
     "Binding",
-    "Members",
     "collect",
     "collecting",
     "encode_array",
@@ -213,27 +212,16 @@ def collecting() -> contextlib.AbstractContextManager[list[Any]]:
 
 
 def collect(value: object) -> None:
-    """Note a tensor or array keyed by content, a module held as a value, a :class:`Binding` or :class:`Members`."""
+    """Note a tensor or array keyed by content, a module held as a value or a :class:`Binding` (:func:`collecting`)."""
     _found.add(value)
 
 
 class Binding(NamedTuple):
-    """A name that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
+    """A global that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
 
-    namespace: Mapping[str, Any]  #: a module's globals, a class's ``__dict__`` or a module instance's
+    namespace: Mapping[str, Any]  #: a module's globals, or a class's ``__dict__``
     name: str
     value: object
-    member: bool = False  #: an attribute of a module instance or of a class of yours, not a global
-
-
-class Members(NamedTuple):
-    """The ``__dict__`` of a module instance or of a class of yours that a key read whole.
-
-    A name added to it later (``model.K = 3`` over a class value, a method set on a
-    subclass that inherited it) changes what attribute lookups find.
-    """
-
-    namespace: Mapping[str, Any]
 
 
 def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:

@@ -10,6 +10,7 @@ and a recompute; they never break the call.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import threading
@@ -40,7 +41,7 @@ from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .independence import ItemCheck
 from .outputs import OutputPlan, UnbatchedOutputError
-from .versions import HeldValues, VersionWatch, forward_kept
+from .versions import HeldValues, VersionWatch
 
 __all__ = ["Cache"]
 
@@ -533,7 +534,7 @@ class Cache:
         self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
-        kept = forward_kept(self._watch, self._held)
+        kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
         return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:

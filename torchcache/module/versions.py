@@ -1,11 +1,30 @@
 """Seeing what a module's key covers change between calls, at a cost of a few C-level passes per call.
 
-:class:`VersionWatch` watches the module's own tensors (version counters, data pointers,
-the registries' contents), submodules and forward hooks; :class:`HeldValues` what else
-the key read (names rebound, tensors and arrays held elsewhere written in place). Either
-saying "changed" takes the key again. docs/how-it-works.md ("What the key covers
-changed") lists what is seen and what is not; ``verify_weights=N`` hashes the weights
-every N calls for writes that bypass the version counters.
+Checked before every cached call, each against its state when the key was taken:
+
+- **In-place writes**: every tensor has a version counter that in-place operations bump
+  (``copy_``, ``mul_``, ``lerp_``, ``_foreach_*``, optimizer steps, batch norm's running
+  statistics); a ``detach()`` view shares it. Counters only grow, so their sum over the
+  module's parameters, buffers and plain tensor attributes changes exactly when one of
+  them was written in place.
+- **Storage replaced**: ``p.data = new`` and ``nn.utils.vector_to_parameters`` give a
+  tensor new storage without bumping its counter; its data pointer changes.
+- **Tensors swapped in the registries**: ``torch.func.functional_call`` and
+  ``torch.nn.utils.stateless`` put other tensors in the modules' parameter and buffer
+  dicts for the length of a call; the call then takes the key of the weights it runs with.
+- **Registrations**: a parameter, buffer or submodule *replaced* through ``setattr`` goes
+  through torch's registration hooks, which bump a process-wide generation; the key is
+  then taken again, classes and attributes included. A submodule put straight into a
+  ``_modules`` dict runs no hook: the dicts' values are compared by identity.
+- **Forward hooks** registered or removed on a submodule, or for all modules: torch
+  numbers every hook handle, and the hook dicts' sizes are summed.
+
+Submodules switched to training or eval mode on their own do not change the key: the
+pattern of their flags is part of each call's key (:meth:`VersionWatch.training_pattern`).
+
+What none of this sees: writes through a ``numpy()`` view and in-place writes to
+inference tensors (made under ``torch.inference_mode()``, which have no version counter).
+``verify_weights=N`` hashes the weights every N calls to see those too.
 """
 
 from __future__ import annotations
@@ -14,7 +33,6 @@ import collections
 import contextlib
 import itertools
 import operator
-import struct
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -25,13 +43,13 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
-from ..canonical.objects import Binding, Members
+from ..canonical.objects import Binding
 from ..errors import CacheWarning, KeyingError
 from ..faults import user_stacklevel
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes, unignored
 
-__all__ = ["HeldValues", "VersionWatch", "forward_kept"]
+__all__ = ["HeldValues", "VersionWatch"]
 
 _version = operator.attrgetter("_version")
 _training = operator.attrgetter("training")
@@ -44,20 +62,19 @@ _data_ptr = torch.Tensor.data_ptr
 _GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
 
 
-class Generation:
+class _Generation:
     """A count of parameter, buffer and submodule registrations in this process."""
 
     value = 0
 
     @classmethod
     def bump(cls, *args: object) -> None:
-        """Count one registration (a registration hook of torch's)."""
         cls.value += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(Generation.bump)
-torch.nn.modules.module.register_module_buffer_registration_hook(Generation.bump)
-torch.nn.modules.module.register_module_module_registration_hook(Generation.bump)
+torch.nn.modules.module.register_module_parameter_registration_hook(_Generation.bump)
+torch.nn.modules.module.register_module_buffer_registration_hook(_Generation.bump)
+torch.nn.modules.module.register_module_module_registration_hook(_Generation.bump)
 
 
 def _named_tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> list[tuple[str, torch.Tensor]]:
@@ -65,8 +82,7 @@ def _named_tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> lis
     return unignored(named + tensor_attributes(module), ignore)
 
 
-def module_tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> list[torch.Tensor]:
-    """The parameters, buffers and plain tensor attributes of ``module`` and its submodules."""
+def _tensors(module: torch.nn.Module, ignore: Collection[str] = ()) -> list[torch.Tensor]:
     return [tensor for _, tensor in _named_tensors(module, ignore)]
 
 
@@ -74,8 +90,7 @@ def _weights_digest(module: torch.nn.Module, ignore: Collection[str] = ()) -> st
     return tensor_digest(_named_tensors(module, ignore))
 
 
-def module_ids(module: torch.nn.Module) -> list[int]:
-    """The identities of ``module`` and its submodules."""
+def _module_ids(module: torch.nn.Module) -> list[int]:
     return [id(sub) for _, sub in module.named_modules(remove_duplicate=False)]
 
 
@@ -162,7 +177,7 @@ class VersionWatch:
         module = self._module()
         if module is None:
             return
-        self._generation = Generation.value
+        self._generation = _Generation.value
         submodules = [sub for _, sub in module.named_modules(remove_duplicate=False)]
         self._submodules = submodules[1:]
         self._children = list(map(_children, submodules))  # a submodule deleted runs no registration hook
@@ -173,7 +188,7 @@ class VersionWatch:
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
-        held = list(module_tensors(module, self._ignore))
+        held = list(_tensors(module, self._ignore))
         plain = {name for name, _ in unignored(tensor_attributes(module), self._ignore)}
         self._plain = [  # rebound with a plain setattr, which no registration hook sees
             (vars(sub), name, value)
@@ -183,7 +198,7 @@ class VersionWatch:
         ]
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
-        self._modules = module_ids(module)
+        self._modules = _module_ids(module)
         self._versioned = [t for t in held if not t.is_inference()]  # sparse ones count their writes too
         self._versions = {id(t): t._version for t in self._versioned}
         self._total = sum(map(_version, self._versioned))
@@ -201,15 +216,13 @@ class VersionWatch:
 
     def changed(self) -> bool:
         """Whether a weight was written, replaced or swapped, or a forward hook came or went, since :meth:`reset`."""
-        if Generation.value != self._generation:
+        if _Generation.value != self._generation:
             module = self._module()
             if module is None:
                 return False
-            if [id(t) for t in module_tensors(module, self._ignore)] != self._ids or module_ids(
-                module
-            ) != self._modules:
+            if [id(t) for t in _tensors(module, self._ignore)] != self._ids or _module_ids(module) != self._modules:
                 return True
-            self._generation = Generation.value  # registrations elsewhere: nothing changed here
+            self._generation = _Generation.value  # registrations elsewhere: nothing changed here
         if self._plain and not all(namespace.get(name) is value for namespace, name, value in self._plain):
             return True
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
@@ -235,11 +248,6 @@ class VersionWatch:
                 module = self._module()
                 return module is not None and _weights_digest(module, self._ignore) != self._digest
         return False
-
-    def after_forward(self) -> None:
-        """Take plain tensor attributes that a forward just run rebound (a table grown on demand) as they are now."""
-        if self._plain and not all(namespace.get(name) is value for namespace, name, value in self._plain):
-            self.reset()
 
     def written(self, name: str) -> KeyingError | None:
         """The error to raise if a forward that just ran wrote the module's tensors in place (a running mean).
@@ -285,28 +293,18 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
-def forward_kept(watch: VersionWatch | None, held: HeldValues | None) -> contextlib.ExitStack[bool | None]:
-    """A block that runs forward again for a check: buffers restored, names forward rebinds taken after it."""
-    stack = contextlib.ExitStack()
-    for after in [w.after_forward for w in (watch, held) if w is not None]:
-        stack.callback(after)
-    if watch is not None:
-        stack.enter_context(watch.buffers_kept())  # restored first
-    return stack
-
-
 _UNBOUND = object()
 _rebound: collections.Counter[tuple[int, str]] = collections.Counter()
-REBOUND_WARN = 3  #: rebinding a name this often takes the key as often: a warning says so, once
+#: Rebinding a global this often takes the key as often: a warning says so, once.
+REBOUND_WARN = 3
 
 
 def _note_rebound(binding: Binding) -> None:
     where = (id(binding.namespace), binding.name)
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
-        kind = "attribute" if binding.member else "global"
         warnings.warn(
-            f"torchcache: the {kind} {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
+            f"torchcache: the global {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
             "each time the module key is taken again (its weights hashed) and earlier entries no longer match. If "
             f"outputs do not depend on it, name it in key_ignore ({binding.name!r})",
             CacheWarning,
@@ -315,10 +313,12 @@ def _note_rebound(binding: Binding) -> None:
 
 
 class HeldValues:
-    """What a key read beyond the module's own tensors: names (globals, attributes, class members), and values.
+    """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
-    Values are tensors, numpy arrays (up to :data:`ARRAY_WATCH_BYTES` in all, hashed
-    again) and modules held in containers or read as globals, watched for writes in place.
+    Tensors in lists, dicts or other objects among the attributes, and those a function
+    reads from its globals: the key was taken from their content, so an in-place write
+    (seen by the version counter, or for numpy arrays, up to :data:`ARRAY_WATCH_BYTES`
+    in all, by hashing them again) means the key must be taken again.
     """
 
     __slots__ = (
@@ -330,8 +330,6 @@ class HeldValues:
         "_members",
         "_modules",
         "_ptrs",
-        "_sizes",
-        "_spaces",
         "_tensors",
         "_total",
         "_versioned",
@@ -339,11 +337,13 @@ class HeldValues:
 
     def __init__(self, values: list[Any]) -> None:
         bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
-        self._bind(list(bindings.values()))  # names the key read: rebinding one (SCALE = 3) is a change
-        spaces = {id(v.namespace): v.namespace for v in values if isinstance(v, Members)}
-        self._spaces = list(spaces.values())  # instance and class dicts: a name added to one is a change
-        self._sizes = sum(map(len, self._spaces))
-        unique = list({id(value): value for value in values if not isinstance(value, (Binding, Members))}.values())
+        self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
+        self._lookups = (  # each checked in C: a model reads hundreds
+            tuple(b.namespace.get for b in self._bindings),
+            tuple(b.name for b in self._bindings),
+            tuple(b.value for b in self._bindings),
+        )
+        unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
         self._versioned = [t for t in tensors if not t.is_inference()]
@@ -351,7 +351,7 @@ class HeldValues:
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
         self._flags = bytes(map(_training, self._modules))
-        self._generation = Generation.value
+        self._generation = _Generation.value
         self._members = self._held_members()
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
         room = ARRAY_WATCH_BYTES
@@ -361,59 +361,26 @@ class HeldValues:
                 self._arrays.append((array, _array_digest(array)))
 
     def __bool__(self) -> bool:
-        return bool(self._tensors or self._arrays or self._modules or self._bindings or self._spaces)
-
-    def _bind(self, bindings: list[Binding]) -> None:
-        self._bindings = bindings
-        self._lookups = (  # each checked in C: a model reads hundreds
-            tuple(b.namespace.get for b in bindings),
-            tuple(b.name for b in bindings),
-            tuple(b.value for b in bindings),
-        )
-
-    def _rebound(self) -> bool:
-        """Whether a name is bound to another value than the key read (an equal number or string set again is not)."""
-        bindings = []
-        for binding in self._bindings:
-            now = binding.namespace.get(binding.name, _UNBOUND)
-            if now is not binding.value:
-                if not _same_plain(now, binding.value):
-                    _note_rebound(binding)
-                    return True
-                binding = binding._replace(value=now)
-            bindings.append(binding)
-        self._bind(bindings)
-        return False
-
-    def after_forward(self) -> None:
-        """Take the names that a forward just run rebound or added as they are now.
-
-        What a forward keeps for itself (a table grown on demand, a counter, a lazily built
-        helper) changes whether or not calls are cached, and the key was taken before it
-        ran; what changes between calls, outside forward, takes the key again.
-        """
-        self._bind([b._replace(value=b.namespace.get(b.name, _UNBOUND)) for b in self._bindings])
-        self._sizes = sum(map(len, self._spaces))
+        return bool(self._tensors or self._arrays or self._modules or self._bindings)
 
     def _held_members(self) -> list[int]:
         """The submodules and tensors of the modules held as values, by identity."""
-        return [ident for held in self._modules for ident in (*module_ids(held), *map(id, module_tensors(held)))]
+        return [ident for held in self._modules for ident in (*_module_ids(held), *map(id, _tensors(held)))]
 
     def changed(self) -> bool:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
         gets, names, values = self._lookups
-        if any(map(operator.is_not, map(operator.call, gets, names), values)) and self._rebound():
-            return True
-        if self._spaces and sum(map(len, self._spaces)) != self._sizes:
+        if any(map(operator.is_not, map(operator.call, gets, names), values)):
+            _note_rebound(next(b for b in self._bindings if b.namespace.get(b.name, _UNBOUND) is not b.value))
             return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
-        if self._modules and Generation.value != self._generation:  # a parameter or submodule registered
+        if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
             if self._held_members() != self._members:
                 return True
-            self._generation = Generation.value
+            self._generation = _Generation.value
         return any(_array_digest(array) != digest for array, digest in self._arrays)
 
     def written(self, name: str) -> KeyingError | None:
@@ -425,25 +392,6 @@ class HeldValues:
             "global; a cached call does not run forward, so hits would leave it as it was and later outputs would "
             "differ from uncached ones. Keep such state outside the cached module"
         )
-
-
-_PLAIN = (bool, int, str, bytes, type(None))
-_pack_double = struct.Struct("<d").pack
-
-
-def _same_plain(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are numbers, strings or tuples of them that a key would encode alike."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, _PLAIN):
-        return bool(a == b)
-    if isinstance(a, float):
-        return _pack_double(a) == _pack_double(b)  # as keys encode them: -0.0 and NaN payloads apart
-    if isinstance(a, complex):
-        return _same_plain(a.real, b.real) and _same_plain(a.imag, b.imag)
-    if isinstance(a, tuple) and len(a) == len(b) and len(a) <= 16:
-        return all(map(_same_plain, a, b))
-    return False
 
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:
