@@ -69,6 +69,21 @@ def test_verify_checks_samples_and_fix_removes_only_the_damaged_one(
     assert encode_sample(Squares()[0]) == good  # what stayed is what the dataset gives
 
 
+def test_verify_fix_keeps_the_samples_of_a_dataset_cache_whose_metadata_is_damaged(
+    dataset_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with PackedStore(dataset_dir, 1 << 30) as store:
+        keys = sorted(store.keys())
+    (dataset_dir / "torchcache.json").write_text("{not json")
+    status, report = _json(capsys, "verify", str(dataset_dir.parent))
+    assert status == 1 and [p["kind"] for p in report["problems"]] == ["metadata"]  # the samples are intact
+    assert main(["verify", "--fix", str(dataset_dir.parent)]) == 0
+    capsys.readouterr()
+    with PackedStore(dataset_dir, 1 << 30) as store:
+        assert sorted(store.keys()) == keys
+    assert json.loads((dataset_dir / "torchcache.json").read_text())["kind"] == "dataset"
+
+
 def test_clear_removes_a_dataset_cache(dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["clear", "--all", "--yes", "--root", str(dataset_dir.parent)]) == 0
     assert not dataset_dir.exists()

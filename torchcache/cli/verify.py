@@ -157,6 +157,24 @@ def check_sample(data: bytes | memoryview) -> str | None:
     return None
 
 
+def _check_either(data: bytes | memoryview) -> str | None:
+    """:func:`check_frame`, or :func:`check_sample` for a cache whose metadata no longer says which it holds."""
+    problem = check_frame(data)
+    return None if problem is None or check_sample(data) is None else problem
+
+
+def _stored_kind(directory: Path) -> str | None:
+    """``"dataset"`` if the first entry of the store at ``directory`` is a sample and not a frame."""
+    store = open_store(directory, readonly=True)
+    if store is None:
+        return None
+    with store:
+        key = next(iter(store.keys()), None)
+        data = store.get_many([key])[0] if key is not None else None
+    intact_sample = data is not None and check_frame(data) is not None and check_sample(data) is None
+    return "dataset" if intact_sample else None
+
+
 def verify_store(
     directory: Path, fix: bool, tick: Callable[[int], None] | None = None, kind: object = None
 ) -> tuple[int, list[Problem], bool]:
@@ -190,7 +208,7 @@ def verify_store(
     store = open_store(directory, readonly=not fix)
     if store is None:
         return 0, problems, fix
-    check = check_sample if kind == "dataset" else check_frame
+    check = check_sample if kind == "dataset" else check_frame if kind in ("module", "function") else _check_either
     with store:
         report = store.verify(fix)
         problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)
@@ -307,6 +325,8 @@ def rebuild_meta(cache: ModuleCache) -> None:
     for field in ("name", "kind"):
         if isinstance(cache.meta.get(field), str):
             meta[field] = cache.meta[field]
+    if "kind" not in meta and (kind := _stored_kind(cache.directory)) is not None:
+        meta["kind"] = kind  # a dataset cache stays one
     write_json_atomic(cache.directory / META_NAME, meta)
     with contextlib.suppress(OSError):
         os.utime(cache.directory / META_NAME, (cache.last_used, cache.last_used))
