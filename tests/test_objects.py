@@ -434,6 +434,32 @@ def test_warmup_uploads_what_the_bucket_missed_while_it_was_away(
     served.close()
 
 
+def test_a_bucket_that_refuses_writes_is_still_read(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/readonly"
+    warm = CachedDataset(Images(32), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    for start in range(0, 32, 8):
+        warm.__getitems__(list(range(start, start + 8, 2)))  # the even samples, a segment for each batch below
+    warm.close()
+    images = Images(32)
+    cached = CachedDataset(images, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    bucket_of = next(tier for tier in cached.cache._open() if tier.name == "disk").store.far.bucket
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError("403 AccessDenied")
+
+    monkeypatch.setattr(bucket_of.fs, "pipe_file", refused)  # read-only credentials
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        for start in range(0, 32, 8):  # each batch's upload is refused; the next batch still reads
+            assert [label for _, label in cached.__getitems__(list(range(start, start + 8)))] == list(
+                range(start, start + 8)
+            )
+    assert images.calls == 16  # only the odd ones computed
+    cached.close()
+
+
 def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
     with pytest.raises(ConfigError, match="holds none"):
         CachedDataset(None, f"{bucket}/empty")

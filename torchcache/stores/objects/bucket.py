@@ -28,7 +28,8 @@ class Bucket:
     A request that fails (the server away, 403, 404 on the bucket, throttling after the
     library's own retries) raises :class:`~torchcache.errors.StoreUnavailableError` and
     starts a backoff (0.5 s doubling to 30 s) during which requests fail at once; a
-    success ends it. ``requests`` counts the requests sent, ``received`` the bytes of entries read.
+    success ends it. Reads and writes back off apart: a bucket that refuses writes (read-only
+    credentials) is still read. ``requests`` counts the requests sent, ``received`` the bytes of entries read.
     """
 
     def __init__(self, fs: Any, prefix: str, url: str, report: Report) -> None:
@@ -40,7 +41,8 @@ class Bucket:
         #: Each object's size in bytes, as the last listing gave it.
         self.sizes: dict[str, int] = {}
         self._report = report
-        self._retry_at, self._delay, self._troubled = float("-inf"), 0.0, False
+        self._retry_at, self._delay = [float("-inf")] * 2, [0.0] * 2  # reads, writes
+        self._troubled = False
         self._last_stamp = 0
         self._stamp_lock = threading.Lock()
         self._replaced: list[str] = []  # see replace()
@@ -51,9 +53,9 @@ class Bucket:
             stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         return f"{stamp:020d}-{uuid.uuid4().hex[:16]}"
 
-    def call(self, op: Callable[[], T], what: str, requests: int = 1) -> T:
+    def call(self, op: Callable[[], T], what: str, requests: int = 1, write: bool = False) -> T:
         """Run ``op``, which sends ``requests`` requests (``FileNotFoundError`` passes through: an object gone)."""
-        wait = self._retry_at - time.monotonic()
+        wait = self._retry_at[write] - time.monotonic()
         if wait > 0:
             raise StoreUnavailableError(f"cannot {what}: {self.url} was unreachable; next try in {wait:.1f} s")
         self.requests += requests
@@ -62,10 +64,10 @@ class Bucket:
         except FileNotFoundError:
             raise
         except Exception as exc:  # noqa: BLE001 - any fault of the bucket is a store fault
-            self._delay = min(30.0, max(0.5, self._delay * 2))
-            self._retry_at = time.monotonic() + self._delay
+            self._delay[write] = min(30.0, max(0.5, self._delay[write] * 2))
+            self._retry_at[write] = time.monotonic() + self._delay[write]
             raise StoreUnavailableError(f"cannot {what} in {self.url}: {type(exc).__name__}: {exc}") from None
-        self._delay, self._retry_at, self._troubled = 0.0, float("-inf"), False
+        self._delay[write], self._retry_at[write], self._troubled = 0.0, float("-inf"), False
         return result
 
     def read_failed(self, exc: StoreError) -> None:
@@ -108,7 +110,7 @@ class Bucket:
 
     def put(self, name: str, data: bytes, what: str) -> None:
         """Upload one object (a new name: objects are never overwritten)."""
-        self.call(lambda: self.fs.pipe_file(self.path(name), data), what)
+        self.call(lambda: self.fs.pipe_file(self.path(name), data), what, write=True)
 
     def upload(self, name: str, segment: bytes, manifest: bytes, entries: int) -> None:
         """Upload a segment, then its manifest; a segment whose manifest failed is removed (best effort).
@@ -164,11 +166,12 @@ class Bucket:
         for at in range(0, len(paths), 1000):
             chunk = paths[at : at + 1000]
             try:
-                self.call(lambda chunk=chunk: self.fs.rm(chunk), "remove objects", -(-len(chunk) // 1000))  # type: ignore[misc]
+                op = lambda chunk=chunk: self.fs.rm(chunk)  # type: ignore[misc]  # noqa: E731
+                self.call(op, "remove objects", -(-len(chunk) // 1000), write=True)
             except FileNotFoundError:  # some were gone: the others one by one
                 for path in chunk:
                     with contextlib.suppress(FileNotFoundError):
-                        self.call(lambda path=path: self.fs.rm_file(path), "remove an object")  # type: ignore[misc]
+                        self.call(lambda path=path: self.fs.rm_file(path), "remove an object", write=True)  # type: ignore[misc]
 
     def remove_all(self) -> None:
         """Remove every object under the prefix."""
@@ -177,4 +180,4 @@ class Bucket:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.prefix, recursive=True)
 
-        self.call(rm, "clear")
+        self.call(rm, "clear", write=True)
