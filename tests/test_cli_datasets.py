@@ -182,3 +182,21 @@ def test_verify_checks_the_samples_of_features_kept_whole(tmp_path: Path, capsys
     status, report = _json(capsys, "verify", str(root))
     assert status == 1 and [Path(p["path"]).name for p in report["problems"]] == [keys[1]]
     assert main(["verify", "--fix", str(root)]) == 0
+
+
+def test_verify_fix_removes_a_planted_link_and_leaves_a_directory_in_features_caches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    for name, plant in (("a" * 32, "link"), ("b" * 32, "directory")):
+        (root / name).mkdir(parents=True)
+        (root / name / "torchcache.json").write_text(json.dumps({"torchcache_version": "1.3.0", "kind": "features"}))
+        if plant == "link":
+            (root / name / "features.tcrows").symlink_to("/dev/zero")
+        else:
+            (root / name / "features.tcrows").mkdir()
+    assert main(["verify", "--fix", str(root)]) == 1  # the directory is left, named; the run goes on
+    captured = capsys.readouterr()
+    assert "cannot fix" in captured.err and "verify --fix` to fix" not in captured.err
+    assert not (root / ("a" * 32) / "features.tcrows").is_symlink()
+    assert (root / ("b" * 32) / "features.tcrows").is_dir()

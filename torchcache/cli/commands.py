@@ -295,7 +295,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for failure in failures:
         error(failure)
     if left:
-        if not failures:
+        if not failures and args.fix:
+            error(f"{plural(left, 'problem')} left that --fix cannot fix (see the list above)")
+        elif not failures:
             error(f"{plural(left, 'problem')} found; run `torchcache verify --fix` to fix them")
         return 1
     return 0

@@ -9,6 +9,7 @@ whole module cache removes them regardless.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,10 +92,17 @@ def verify_features(
         file = open_features(path)
     except FileNotFoundError:
         return 0, [], fix
-    except (CorruptEntryError, OSError) as exc:
+    except CorruptEntryError as exc:
+        problem = Problem(path, "corrupt", f"the features file is not usable: {exc}", 0)
         if fix:
-            remove_file(path)
-        return 0, [Problem(path, "corrupt", f"the features file is not usable: {exc}", 0)], fix
+            try:
+                remove_file(path)
+            except OSError as err:  # a directory at its path: listed as left, the other caches still fixed
+                raise StoreError(f"cannot remove the damaged {path}: {err.strerror or err}") from None
+        return 0, [problem], fix
+    except OSError as exc:  # a link is removed with --fix; unreadable now (permissions, I/O) or a directory: left
+        kind = "corrupt" if exc.errno == errno.ELOOP else "store"
+        return 0, [Problem(path, kind, f"the features file cannot be read: {exc.strerror or exc}", 0)], False
     problems: list[Problem] = []
     checked = 0
     try:
