@@ -208,6 +208,15 @@ def test_migrate_twice_is_a_no_op(legacy: Legacy) -> None:
     assert sorted(p.name for p in legacy.directory.iterdir()) == files
 
 
+def test_a_1_0_file_whose_name_is_no_key_is_left_as_damaged_and_the_others_migrated(legacy: Legacy) -> None:
+    frame = next(iter(legacy.frames.values()))
+    long = write_legacy_entry(legacy.directory, "ab" * 33, frame)  # 66 hex digits: no store key
+    code, _, err = cli("migrate", str(legacy.root))
+    assert code == 1 and "left 1 damaged file" in err
+    assert legacy.files() == [long] and set(packed(legacy.directory)) == set(legacy.frames)
+    assert cli("verify", "--fix", str(legacy.root))[0] == 0 and not long.exists()
+
+
 def test_migrate_leaves_a_damaged_file_names_it_and_verify_fix_removes_it(legacy: Legacy) -> None:
     bad = legacy.files()[7]
     flip_last_byte(bad)

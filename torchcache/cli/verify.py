@@ -20,6 +20,7 @@ import numpy as np
 
 from .._version import __version__
 from ..catalog.inspect import (
+    ENTRY_SUFFIX,
     CacheFiles,
     FileInfo,
     ModuleCache,
@@ -271,6 +272,8 @@ def check_entry(path: Path) -> str | None:
     Returns:
         Why the entry is corrupt, or ``None`` if it is sound (or was removed meanwhile).
     """
+    if len(path.name) - len(ENTRY_SUFFIX) > 64:
+        return "its name is not a key of at most 64 hex digits"
     try:
         opened = open_regular(path)
         if opened is None:
