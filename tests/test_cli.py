@@ -124,6 +124,9 @@ def test_usage_errors_are_one_line_with_status_2(capsys: pytest.CaptureFixture[s
     assert err.splitlines()[-1].startswith("torchcache: error: argument --older-than: invalid duration '3x'")
     code, _, err = run(capsys, "prune", "--keep", "1", "--max-size", "1GB")
     assert code == 2 and "not allowed with argument" in err
+    for option, value in (("--older-than", "-3d"), ("--keep", "-1"), ("--max", "-5")):  # a negative value, named
+        code, _, err = run(capsys, "prune", option, value)
+        assert code == 2 and f"{value}'" in err.splitlines()[-1] and "expected one argument" not in err
 
 
 def test_parse_duration() -> None:

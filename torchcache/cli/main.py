@@ -54,6 +54,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
+_VALUED = ("--max-size", "--older-than", "--keep")
+
+
 def join_sizes(argv: Sequence[str]) -> list[str]:
     """The arguments with a ``--max-size`` number and the unit after it joined: ``20 GB`` reads as ``20GB``.
 
@@ -69,6 +72,10 @@ def join_sizes(argv: Sequence[str]) -> list[str]:
     i = 0
     while i < len(args):
         option, equals, number = args[i].partition("=")
+        negative = not equals and i + 1 < len(args) and args[i + 1][:1] == "-" and args[i + 1][1:2].isdigit()
+        if negative and len(option) > 3 and any(name.startswith(option) for name in _VALUED):
+            args[i : i + 2] = [f"{option}={args[i + 1]}"]  # argparse takes -3d for an option: its message would mislead
+            continue
         at = i if equals else i + 1  # the word that holds the number
         if len(option) > 3 and "--max-size".startswith(option) and at + 1 < len(args):
             number = number if equals else args[at]
