@@ -460,6 +460,32 @@ def test_a_bucket_that_refuses_writes_is_still_read(
     cached.close()
 
 
+def test_serving_without_a_dataset_waits_out_a_short_outage_of_the_bucket(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/outage-served"
+    warm = CachedDataset(Images(16), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    warm.__getitems__(list(range(16)))
+    warm.close()
+    monkeypatch.setattr("torchcache.datasets.dataset._RETRY_EVERY", 0.01)
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    fs = next(tier for tier in served.cache._open() if tier.name == "disk").store.far.bucket.fs
+    real, failures = fs.cat_ranges, [1]  # the bucket then backs off for 0.5 s
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("the bucket is away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_ranges", flaky)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        assert [label for _, label in served.__getitems__(list(range(16)))] == list(range(16))
+    assert failures == [0]
+    served.close()
+
+
 def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) -> None:
     with pytest.raises(ConfigError, match="holds none"):
         CachedDataset(None, f"{bucket}/empty")

@@ -252,6 +252,10 @@ class SampleCache:
         self._summaries.tick(self.summary)
         return results
 
+    def reads_failing(self) -> bool:
+        """Whether the last read of the disk tier's server or bucket failed (its misses may be there)."""
+        return any(tier.store is not None and tier.store.reads_failing() for tier in self._open())
+
     def fill(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> None:
         """Put the samples of ``keys`` that the disk tier lacks into it (a warm-up), whatever the RAM tier holds."""
         for disk in [tier for tier in self._open() if tier.name == "disk"]:

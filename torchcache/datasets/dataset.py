@@ -23,7 +23,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..config import check_local_dir, is_object_url, module_dir_name, resolve_root
-from ..errors import ConfigError, StoreError, TorchCacheError
+from ..errors import ConfigError, StoreError, StoreUnavailableError, TorchCacheError
 from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
@@ -33,6 +33,17 @@ from .keys import fingerprint_dataset
 __all__ = ["CachedDataset", "MissingSampleError"]
 
 _UNKNOWN_BUDGET = 1 << 62  # bytes: no budget
+#: Seconds that a cache served without its dataset waits for its bucket to answer again.
+SERVE_WAIT = 60.0
+_RETRY_EVERY = 1.0
+
+
+class _StillMissing(Exception):
+    """Samples still not found while a bucket is read again."""
+
+
+def _still_missing(indices: list[Any]) -> Sequence[Any]:
+    raise _StillMissing
 
 
 class MissingSampleError(TorchCacheError, LookupError):
@@ -231,14 +242,31 @@ class CachedDataset(Dataset[Any]):
 
     def _compute(self, indices: list[Any]) -> Sequence[Any]:
         if self.dataset is None:
-            raise MissingSampleError(
-                f"sample {indices[0]} is not in the cache at {self.cache.directory} and there is no dataset to "
-                "compute it; warm the cache up completely (CachedDataset(dataset, cache_dir).warmup()) first"
-            )
+            return self._when_back(indices)
         batched = getattr(self.dataset, "__getitems__", None)
         if batched:
             return list(batched(indices))
         return [self.dataset[i] for i in indices]
+
+    def _when_back(self, indices: list[Any]) -> Sequence[Any]:
+        """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""
+        deadline = time.monotonic() + SERVE_WAIT
+        while self.cache.reads_failing() and time.monotonic() < deadline:
+            time.sleep(_RETRY_EVERY)
+            try:
+                return self.cache.get_many(indices, _still_missing)
+            except _StillMissing:
+                continue
+        where = self.cache.directory or redact_url(self.cache.url or "")
+        if self.cache.reads_failing():
+            raise StoreUnavailableError(
+                f"sample {indices[0]} cannot be read: {where} has not answered for {SERVE_WAIT:.0f} s, and there is "
+                "no dataset to compute it"
+            )
+        raise MissingSampleError(
+            f"sample {indices[0]} is not in the cache at {where} and there is no dataset to compute it; warm the "
+            "cache up completely (CachedDataset(dataset, cache_dir).warmup()) first"
+        )
 
     def __getitem__(self, index: int) -> Any:
         """The sample at ``index`` (negative indices count from the end), transformed.
@@ -246,6 +274,8 @@ class CachedDataset(Dataset[Any]):
         Raises:
             IndexError: If the index is out of range.
             MissingSampleError: If the sample is not cached and there is no dataset.
+            StoreUnavailableError: If there is no dataset and the bucket did not answer for
+                :data:`SERVE_WAIT` seconds.
             SampleTypeError: If the sample holds a value that cannot be cached.
         """
         sample = self.cache.get_many([self._index(index)], self._compute)[0]

@@ -183,6 +183,10 @@ class BatchedStore(ABC):
         """
         return [None] * len(keys)
 
+    def reads_failing(self) -> bool:
+        """Whether the last read of a remote store failed (the server away): its misses may be there."""
+        return False
+
     # -- helpers written once -----------------------------------------------------
     def get(self, key: str) -> bytes | memoryview | None:
         """The stored bytes of one key, or ``None``."""

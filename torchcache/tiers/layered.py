@@ -111,6 +111,10 @@ class LayeredStore(BatchedStore):
     def __contains__(self, key: object) -> bool:
         return key in self.far
 
+    def reads_failing(self) -> bool:
+        """Whether the last read of the shared store failed."""
+        return self.far.reads_failing()
+
     def keys(self) -> Iterator[str]:
         """The shared store's keys."""
         return self.far.keys()

@@ -70,6 +70,11 @@ class Bucket:
         self._delay[write], self._retry_at[write], self._troubled = 0.0, float("-inf"), False
         return result
 
+    @property
+    def reads_failing(self) -> bool:
+        """Whether the last read failed (a backoff is on, or ends with the next read that succeeds)."""
+        return self._delay[False] > 0
+
     def read_failed(self, exc: StoreError) -> None:
         """Report a failed read, once until a request succeeds again."""
         if not self._troubled:

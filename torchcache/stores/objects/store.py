@@ -211,6 +211,10 @@ class ObjectStore(BatchedStore):
         """Bytes of the segments in the bucket (0: nothing is on this machine's disk), those left to remove too."""
         return sum(list(self._known.segments.values())) + sum(self.bucket.sizes.get(n, 0) for n in self._removing)
 
+    def reads_failing(self) -> bool:
+        """Whether the last read of the bucket failed."""
+        return self.bucket.reads_failing
+
     # -- writes -------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         """Upload the entries as one segment, then its manifest; then keep the budget.
