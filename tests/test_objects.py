@@ -68,6 +68,29 @@ def test_an_upload_without_its_manifest_is_invisible_and_prune_sweeps_it(bucket:
     assert bytes(_store(bucket).get(key(1)) or b"") == value(1)
 
 
+def test_prune_aborts_a_large_upload_that_a_killed_writer_left(bucket: str) -> None:
+    import boto3
+
+    from tests.object_servers import _boto_credentials
+
+    name = bucket.removeprefix("s3://")
+    client = boto3.client("s3", endpoint_url=s3_endpoint(), **_boto_credentials())
+    try:
+        for path in ("cache/ns/01-segment.tcs", "elsewhere/01-segment.tcs"):  # a part stored, never completed
+            upload = client.create_multipart_upload(Bucket=name, Key=path)["UploadId"]
+            client.upload_part(Bucket=name, Key=path, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+        store = _store(bucket)
+        store.put_many([(key(1), value(1))])
+        store.prune(10**7, sweep_seconds=None)  # no sweep
+        assert len(client.list_multipart_uploads(Bucket=name).get("Uploads", [])) == 2
+        store.prune(10**7)  # moto dates every upload in 2010: over an hour old
+        left = [u["Key"] for u in client.list_multipart_uploads(Bucket=name).get("Uploads", [])]
+        assert left == ["elsewhere/01-segment.tcs"]  # another prefix's upload is not this cache's
+        assert store.get(key(1)) == value(1)
+    finally:
+        client.close()
+
+
 def test_damaged_segment_bytes_are_misses_never_wrong_bytes(bucket: str, s3fs_of: Any) -> None:
     _store(bucket).put_many([(key(i), value(i)) for i in range(4)])
     segment = next(p for p in s3fs_of.find(bucket.removeprefix("s3://")) if p.endswith(".tcs"))

@@ -178,6 +178,34 @@ class Bucket:
                     with contextlib.suppress(FileNotFoundError):
                         self.call(lambda path=path: self.fs.rm_file(path), "remove an object", write=True)  # type: ignore[misc]
 
+    def abort_stale_uploads(self, before: float) -> int:
+        """Abort the multipart uploads under the prefix begun before ``before`` (seconds since the epoch); how many.
+
+        A writer killed while it uploaded a large segment leaves parts that no listing
+        shows and that the store bills. Only S3 has such uploads to list.
+
+        Raises:
+            StoreUnavailableError: If they cannot be listed or aborted.
+        """
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return 0
+        bucket, _, key_prefix = self.prefix.partition("/")
+        list_uploads = lambda: self.fs.list_multipart_uploads(bucket)  # noqa: E731
+        try:
+            uploads = self.call(list_uploads, "list unfinished uploads", write=True)  # upkeep: reads never wait on it
+        except FileNotFoundError:  # no such bucket
+            return 0
+        stale = [
+            upload
+            for upload in uploads
+            if str(upload.get("Key", "")).startswith(key_prefix + "/")
+            and getattr(upload.get("Initiated"), "timestamp", lambda: before)() < before
+        ]
+        for upload in stale:
+            abort = {"Bucket": bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
+            self.call(lambda abort=abort: self.fs.call_s3("abort_multipart_upload", **abort), "abort", write=True)  # type: ignore[misc]
+        return len(stale)
+
     def remove_all(self) -> None:
         """Remove every object under the prefix."""
 

@@ -285,6 +285,9 @@ class ObjectStore(BatchedStore):
         self.bucket.remove(oldest + left)
         with self._lock:
             self._removing = [name for name in self._removing if name not in oldest and name not in left]
+        if sweep_seconds is not None:  # the parts of a large segment whose writer was killed
+            with contextlib.suppress(StoreError):  # a server without multipart listings: nothing to sweep there
+                self.bucket.abort_stale_uploads(time.time() - sweep_seconds)
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
