@@ -93,8 +93,7 @@ class SampleCache:
             raise ConfigError(f"name must be a non-empty string (the cache's name), got {name!r}")
         dirname = module_dir_name(name)
         assert dirname is not None
-        self.name = name
-        self.dirname = dirname
+        self.name, self.dirname = name, dirname
         self._summaries = PeriodicSummary()
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
         self._info = dict(info or {})
@@ -254,7 +253,7 @@ class SampleCache:
 
     def reads_failing(self) -> bool:
         """Whether the last read of the disk tier's server or bucket failed (its misses may be there)."""
-        return any(tier.store is not None and tier.store.reads_failing() for tier in self._open())
+        return any(tier.store.reads_failing() for tier in self._open() if tier.store is not None)
 
     def fill(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> None:
         """Put the samples of ``keys`` that the disk tier lacks into it (a warm-up), whatever the RAM tier holds."""
@@ -319,10 +318,7 @@ class SampleCache:
             tier.flush()
 
     def close(self) -> None:
-        """Close the stores and let go of the RAM tier; it is removed if no other process uses it.
-
-        The cache reopens if used again (with a new, empty RAM tier if this one was removed).
-        """
+        """Close the stores and let go of the RAM tier (removed if no other process uses it); reopened at next use."""
         with self._lock:
             if self.url and self._pid != os.getpid():  # opened to keep the bucket's budget over workers' writes
                 with contextlib.suppress(StoreError, ConfigError):

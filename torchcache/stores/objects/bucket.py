@@ -184,8 +184,7 @@ class Bucket:
         A writer killed while it uploaded a large segment leaves parts that no listing
         shows and that the store bills. Only S3 has such uploads to list.
 
-        Raises:
-            StoreUnavailableError: If they cannot be listed or aborted.
+        A server that cannot list them (or abort them) leaves them: nothing is raised.
         """
         if not hasattr(self.fs, "list_multipart_uploads"):
             return 0
@@ -193,7 +192,7 @@ class Bucket:
         list_uploads = lambda: self.fs.list_multipart_uploads(bucket)  # noqa: E731
         try:
             uploads = self.call(list_uploads, "list unfinished uploads", write=True)  # upkeep: reads never wait on it
-        except FileNotFoundError:  # no such bucket
+        except (FileNotFoundError, StoreError):  # no such bucket, or no listing of uploads there
             return 0
         stale = [
             upload
@@ -203,7 +202,8 @@ class Bucket:
         ]
         for upload in stale:
             abort = {"Bucket": bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
-            self.call(lambda abort=abort: self.fs.call_s3("abort_multipart_upload", **abort), "abort", write=True)  # type: ignore[misc]
+            with contextlib.suppress(FileNotFoundError, StoreError):  # aborted by another writer meanwhile
+                self.call(lambda abort=abort: self.fs.call_s3("abort_multipart_upload", **abort), "abort", write=True)  # type: ignore[misc]
         return len(stale)
 
     def remove_all(self) -> None:

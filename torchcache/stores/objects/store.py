@@ -96,12 +96,10 @@ class ObjectStore(BatchedStore):
         prune_on_close: bool = True,
     ) -> None:
         fs, root = open_filesystem(url, storage_options)
-        self.url = url
-        self.max_bytes, self.refresh_seconds = max_bytes, refresh_seconds
+        self.url, self.max_bytes, self.refresh_seconds = url, max_bytes, refresh_seconds
         self._report = report or (lambda kind, message: logger.warning("%s", message))
         self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report)
-        self._lock = threading.RLock()
-        self._known = Index()
+        self._lock, self._known = threading.RLock(), Index()
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
@@ -147,9 +145,8 @@ class ObjectStore(BatchedStore):
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored bytes of each key, ``None`` for a miss: a few ranged reads per segment (:func:`ranged_reads`).
 
-        A segment gone since the listing (another writer pruned it, maybe after copying
-        its entries into a newer one) makes the bucket be listed again and its keys read
-        once more. A bucket that cannot be read gives misses (reported once per outage).
+        A segment gone since the listing (pruned by another writer) makes the bucket be listed
+        again and its keys read once more. A bucket that cannot be read gives misses.
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
@@ -159,8 +156,7 @@ class ObjectStore(BatchedStore):
         try:
             with self._lock:
                 self._index(keys)
-            gone = _fetch(self, keys, range(len(keys)), out)
-            if gone:
+            if gone := _fetch(self, keys, range(len(keys)), out):
                 with self._lock:
                     listed = self.refresh()  # newer manifests are read (another writer's copies of those keys)
                     self._known.forget(gone)  # and the gone segments left out, even where still listed
@@ -263,9 +259,8 @@ class ObjectStore(BatchedStore):
     def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS) -> int:
         """Remove the oldest segments until the rest fit ``max_bytes``; sweep unfinished uploads.
 
-        A segment without a manifest older than ``sweep_seconds`` (a writer killed
-        mid-upload) is removed too (``None``: no sweep), and so is every checkpoint but
-        the newest.
+        Uploads older than ``sweep_seconds`` that never got their manifest (a writer killed
+        mid-upload) go too (``None``: no sweep), and every checkpoint but the newest.
 
         Returns:
             How many segments were removed.
@@ -286,8 +281,7 @@ class ObjectStore(BatchedStore):
         with self._lock:
             self._removing = [name for name in self._removing if name not in oldest and name not in left]
         if sweep_seconds is not None:  # the parts of a large segment whose writer was killed
-            with contextlib.suppress(StoreError):  # a server without multipart listings: nothing to sweep there
-                self.bucket.abort_stale_uploads(time.time() - sweep_seconds)
+            self.bucket.abort_stale_uploads(time.time() - sweep_seconds)
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
