@@ -412,8 +412,7 @@ def test_serving_a_bucket_without_a_dataset_keeps_the_writers_budget(
 ) -> None:
     url = f"{bucket}/budget"
     warm = CachedDataset(Images(40), url, max_memory_size=0, max_disk_size="10MB", local_cache_dir=tmp_path / "w")
-    for start in range(0, 40, 8):
-        warm.__getitems__(list(range(start, start + 8)))
+    warm.__getitems__(list(range(40)))
     warm.close()
     objects = s3fs_of.find(url.removeprefix("s3://"))
     if not recorded:
@@ -429,13 +428,26 @@ def test_serving_a_bucket_without_a_dataset_keeps_the_writers_budget(
     assert sum(s3fs_of.size(p) for p in s3fs_of.find(url.removeprefix("s3://")) if p.endswith(".tcs")) == segments
 
 
+def _far(cached: CachedDataset) -> Any:
+    """The bucket's store behind a dataset cache's local copy."""
+    return next(tier for tier in cached.cache._open() if tier.name == "disk").store.far
+
+
+def _warmed(url: str, n: int, batches: list[list[int]], local: Path) -> None:
+    """Warm the bucket cache at ``url`` of ``Images(n)`` with ``batches``, one segment each."""
+    warm = CachedDataset(Images(n), url, max_memory_size=0, local_cache_dir=local)
+    for batch in batches:
+        warm.__getitems__(batch)
+    warm.close()
+
+
 @pytest.mark.parametrize("memory", [0, "1MB"], ids=["no-ram-tier", "ram-tier"])
 def test_warmup_uploads_what_the_bucket_missed_while_it_was_away(
     memory: int | str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, away, images = f"{bucket}/outage", [True], Images(32)
     cached = CachedDataset(images, url, max_memory_size=memory, local_cache_dir=tmp_path / "copy")
-    far = next(tier for tier in cached.cache._open() if tier.name == "disk").store.far
+    far = _far(cached)
     put_many = far.put_many
 
     def flaky(items: Any) -> int:
@@ -461,13 +473,10 @@ def test_a_bucket_that_refuses_writes_is_still_read(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"{bucket}/readonly"
-    warm = CachedDataset(Images(32), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
-    for start in range(0, 32, 8):
-        warm.__getitems__(list(range(start, start + 8, 2)))  # the even samples, a segment for each batch below
-    warm.close()
+    _warmed(url, 32, [list(range(start, start + 8, 2)) for start in range(0, 32, 8)], tmp_path / "warm")  # evens
     images = Images(32)
     cached = CachedDataset(images, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
-    bucket_of = next(tier for tier in cached.cache._open() if tier.name == "disk").store.far.bucket
+    bucket_of = _far(cached).bucket
 
     def refused(*args: Any, **kwargs: Any) -> None:
         raise PermissionError("403 AccessDenied")
@@ -487,12 +496,10 @@ def test_serving_without_a_dataset_waits_out_a_short_outage_of_the_bucket(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"{bucket}/outage-served"
-    warm = CachedDataset(Images(16), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
-    warm.__getitems__(list(range(16)))
-    warm.close()
+    _warmed(url, 16, [list(range(16))], tmp_path / "warm")
     monkeypatch.setattr("torchcache.datasets.dataset._RETRY_EVERY", 0.01)
     served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
-    fs = next(tier for tier in served.cache._open() if tier.name == "disk").store.far.bucket.fs
+    fs = _far(served).bucket.fs
     real, failures = fs.cat_ranges, [1]  # the bucket then backs off for 0.5 s
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
