@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dis
 import functools
-import inspect
 import os
 import struct
 import sys
@@ -24,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .objects import Binding, collect, is_setting
+from .objects import Binding, collect
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
@@ -54,7 +53,6 @@ _CLASS_METADATA = frozenset(
         "__torchcache_subclass__",
     }
 )
-_DESCRIPTORS = (staticmethod, classmethod, property, functools.cached_property)
 _LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _HAS_DOCSTRING = 0x4000000  # CO_HAS_DOCSTRING, Python 3.14 and later
@@ -81,7 +79,6 @@ class Scan(NamedTuple):
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
     stored: frozenset[str]  # globals it assigns or deletes (`global CALLS; CALLS += 1`)
-    set_attributes: frozenset[str]  # attribute names it assigns or deletes (`self.calls += 1`)
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -97,45 +94,8 @@ def scan_code(code: types.CodeType) -> Scan:
         imports: _Imports = set()
         stored: set[str] = set()
         described = _describe(code, chains, imports, stored, 0)
-        names = frozenset(n[1:] for n in stored if n[0] == ".")
-        found = Scan(
-            described,
-            tuple(sorted(chains)),
-            tuple(sorted(imports)),
-            frozenset(stored) - {"." + n for n in names},
-            names,
-        )
-        _scans[code] = found
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), frozenset(stored))
     return found
-
-
-def set_attributes(cls: type, method: str = "forward") -> frozenset[str]:
-    """The attribute names that ``cls.<method>`` and the methods of ``cls`` it names, in turn, assign.
-
-    What a forward keeps on its module (``self.calls += 1``, a memo) changes whether or not
-    calls are cached; a method forward does not name (``set_scale``) is not followed. A
-    wrapper (the cache's own forward) is followed to what it wraps; installed code is not read.
-    """
-    names: set[str] = set()
-    todo, seen = [method], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        member = inspect.getattr_static(cls, name, None)
-        code = getattr(inspect.unwrap(getattr(member, "__func__", member)), "__code__", None)
-        if not isinstance(code, types.CodeType) or is_installed_file(code.co_filename):
-            continue
-        names |= scan_code(code).set_attributes
-        todo.extend(_named(code))
-    return frozenset(names)
-
-
-def _named(code: types.CodeType) -> list[str]:
-    """The names ``code`` and the code nested in it use (globals and attributes alike)."""
-    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return [*code.co_names, *(name for inner in nested for name in _named(inner))]
 
 
 def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, stored: set[str], depth: int) -> bytes:
@@ -209,8 +169,6 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports, stor
             chain = [instruction.argval]
             if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
                 stored.add(instruction.argval)
-        elif name in ("STORE_ATTR", "DELETE_ATTR"):
-            stored.add("." + instruction.argval)  # an attribute: told apart by its dot
         elif name == "LOAD_CONST":
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":
@@ -302,9 +260,9 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             if member in _CLASS_METADATA or encoder.ignored(where, member):
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
-            if is_setting(value) or callable(value) or isinstance(value, _DESCRIPTORS):
-                collect(Binding(vars(klass), member, value, member=True))  # Net.K = 3 or a method replaced later:
-                # a new key (not containers and tables: forward may grow a class-level memo)
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
+                collect(Binding(vars(klass), member, value))  # a method replaced later: a new key (not values:
+                # a class-level table or memo that forward grows would take the key at every growth)
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     return b"".join(parts)
 

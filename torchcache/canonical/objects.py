@@ -9,12 +9,9 @@ its ``to_dict()``.
 from __future__ import annotations
 
 import contextlib
-import enum
-import functools
 import os
 import struct
 import sys
-import types
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -34,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_UNKEYED",
     "Binding",
-    "SetAttributes",
     "collect",
     "collecting",
     "encode_array",
@@ -45,7 +41,6 @@ __all__ = [
     "encode_state",
     "encode_tensor",
     "extra_state",
-    "is_setting",
     "pandas_digest",
     "slot_values",
     "tensor_content_digest",
@@ -222,34 +217,11 @@ def collect(value: object) -> None:
 
 
 class Binding(NamedTuple):
-    """A name that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
+    """A global that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
 
-    namespace: Mapping[str, Any]  #: a module's globals, a class's ``__dict__`` or a module instance's
+    namespace: Mapping[str, Any]  #: a module's globals, or a class's ``__dict__``
     name: str
     value: object
-    member: bool = False  #: an attribute of a module instance, not a global or a class member
-
-
-_SETTINGS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
-_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
-
-
-def is_setting(value: object) -> bool:
-    """Whether ``value`` is a setting whose rebinding a key watches: a number, string, flag, tuple of them, function.
-
-    Containers and other objects are left out: code keeps state in them (a hook that
-    stores outputs on its module), and their contents are not watched either.
-    """
-    kind = type(value)
-    if kind in _SETTINGS or isinstance(value, (enum.Enum, bool, int, float, complex, str, bytes, *_FUNCTIONS)):
-        return True
-    return isinstance(value, tuple) and kind is tuple and len(value) <= 16 and all(map(is_setting, value))
-
-
-class SetAttributes(NamedTuple):
-    """Attribute names that code a key read assigns (``self.calls += 1``): such attributes are not watched."""
-
-    names: frozenset[str]
 
 
 def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:

@@ -194,7 +194,7 @@ class Cache:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
-        held = HeldValues(found, self._watch) if self.settings.persistent_module_hash is None else None
+        held = HeldValues(found) if self.settings.persistent_module_hash is None else None
         self._held = held if held else None
         return key
 

@@ -20,7 +20,6 @@ files a module reads at call time; ``persistent_module_hash`` or a
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -28,8 +27,6 @@ import torch
 import xxhash
 
 from ..canonical import KeyEncoder, deferring, module_attributes, module_hooks
-from ..canonical.code import scan_code, set_attributes
-from ..canonical.objects import SetAttributes, collect
 from ..keys import FORMAT_VERSION, encode_value, tag, tensor_digest
 
 __all__ = [
@@ -139,12 +136,6 @@ def describe_hooks(module: torch.nn.Module, ignore: Collection[str] = (), includ
             hooks = module_hooks(encoder, sub, f"{root}.{prefix}" if prefix else root)
             if hooks:
                 parts.append(tag(b"k", prefix.encode()) + hooks)
-    for sub in module.modules():  # what hooks keep on modules (m.calls += 1) is not watched for rebinding
-        for hook in [*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()]:
-            target = getattr(hook, "__func__", hook)
-            target = getattr(target, "func", target)  # a functools.partial
-            if isinstance(getattr(target, "__code__", None), types.CodeType):
-                collect(SetAttributes(scan_code(target.__code__).set_attributes))
     parts.append(global_hooks(encoder))
     return b"".join(parts)
 
@@ -217,8 +208,6 @@ def fingerprint_module(
         h.update(tag(b"m", method.encode()))
     h.update(tag(b"a", init_digest))
     h.update(tag(b"i", describe_instance(module, ignore)))
-    for prefix, sub in module.named_modules(remove_duplicate=False):  # what forward keeps on self: not watched
-        collect(SetAttributes(set_attributes(type(sub), method if not prefix else "forward")))
     h.update(tag(b"h", describe_hooks(module, ignore, include_root=root_hooks or method != "forward")))
     named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     named += list(module.named_buffers(remove_duplicate=False))

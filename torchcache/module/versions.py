@@ -1,11 +1,30 @@
 """Seeing what a module's key covers change between calls, at a cost of a few C-level passes per call.
 
-:class:`VersionWatch` watches the module's own tensors (version counters, data pointers,
-the registries' contents), submodules and forward hooks; :class:`HeldValues` what else
-the key read: names rebound (globals, settings among the attributes, members of the
-user's classes) and tensors and arrays held elsewhere written in place. Either saying
-"changed" takes the key again. docs/how-it-works.md ("What the key covers changed")
-lists what is seen and what is not.
+Checked before every cached call, each against its state when the key was taken:
+
+- **In-place writes**: every tensor has a version counter that in-place operations bump
+  (``copy_``, ``mul_``, ``lerp_``, ``_foreach_*``, optimizer steps, batch norm's running
+  statistics); a ``detach()`` view shares it. Counters only grow, so their sum over the
+  module's parameters, buffers and plain tensor attributes changes exactly when one of
+  them was written in place.
+- **Storage replaced**: ``p.data = new`` and ``nn.utils.vector_to_parameters`` give a
+  tensor new storage without bumping its counter; its data pointer changes.
+- **Tensors swapped in the registries**: ``torch.func.functional_call`` and
+  ``torch.nn.utils.stateless`` put other tensors in the modules' parameter and buffer
+  dicts for the length of a call; the call then takes the key of the weights it runs with.
+- **Registrations**: a parameter, buffer or submodule *replaced* through ``setattr`` goes
+  through torch's registration hooks, which bump a process-wide generation; the key is
+  then taken again, classes and attributes included. A submodule put straight into a
+  ``_modules`` dict runs no hook: the dicts' values are compared by identity.
+- **Forward hooks** registered or removed on a submodule, or for all modules: torch
+  numbers every hook handle, and the hook dicts' sizes are summed.
+
+Submodules switched to training or eval mode on their own do not change the key: the
+pattern of their flags is part of each call's key (:meth:`VersionWatch.training_pattern`).
+
+What none of this sees: writes through a ``numpy()`` view and in-place writes to
+inference tensors (made under ``torch.inference_mode()``, which have no version counter).
+``verify_weights=N`` hashes the weights every N calls to see those too.
 """
 
 from __future__ import annotations
@@ -14,11 +33,9 @@ import collections
 import contextlib
 import itertools
 import operator
-import struct
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,7 +43,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
-from ..canonical.objects import Binding, SetAttributes
+from ..canonical.objects import Binding
 from ..errors import CacheWarning, KeyingError
 from ..faults import user_stacklevel
 from ..keys import tensor_digest
@@ -151,14 +168,9 @@ class VersionWatch:
         self._hooks: list[int] = []
         self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
         self._held: list[torch.Tensor] = []
-        self._plain: list[tuple[Mapping[str, Any], str, torch.Tensor]] = []
+        self._plain: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self._generation = -1
         self._digest = ""
-
-    @property
-    def owner(self) -> torch.nn.Module | None:
-        """The module watched (``None`` once it is gone)."""
-        return self._module()
 
     def reset(self) -> None:
         """Take the current state as the one the module key was taken from (call before fingerprinting)."""
@@ -179,7 +191,7 @@ class VersionWatch:
         held = list(_tensors(module, self._ignore))
         plain = {name for name, _ in unignored(tensor_attributes(module), self._ignore)}
         self._plain = [  # rebound with a plain setattr, which no registration hook sees
-            (_OwnerVars(self._module) if sub is module else vars(sub), name, value)  # no cycle through the root
+            (vars(sub), name, value)
             for prefix, sub in module.named_modules(remove_duplicate=False)
             for name, value in vars(sub).items()
             if f"{prefix}.{name}" in plain
@@ -282,19 +294,17 @@ class VersionWatch:
 
 
 _UNBOUND = object()
-_rebound: collections.Counter[tuple[int, str]] = collections.Counter()  # (namespace, name)
-REBOUND_WARN = 3  #: rebinding a name this often takes the key as often: a warning says so, once
+_rebound: collections.Counter[tuple[int, str]] = collections.Counter()
+#: Rebinding a global this often takes the key as often: a warning says so, once.
+REBOUND_WARN = 3
 
 
 def _note_rebound(binding: Binding) -> None:
-    space = binding.namespace  # a class's view is made anew with each key: counted by name
-    ident = space.ident if isinstance(space, _OwnerVars) else -1 if isinstance(space, MappingProxyType) else id(space)
-    where = (ident, binding.name)
+    where = (id(binding.namespace), binding.name)
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
-        kind = "attribute" if binding.member else "global"
         warnings.warn(
-            f"torchcache: the {kind} {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
+            f"torchcache: the global {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
             "each time the module key is taken again (its weights hashed) and earlier entries no longer match. If "
             f"outputs do not depend on it, name it in key_ignore ({binding.name!r})",
             CacheWarning,
@@ -303,7 +313,13 @@ def _note_rebound(binding: Binding) -> None:
 
 
 class HeldValues:
-    """What a key read beyond the module's own tensors: names, and values held (:data:`ARRAY_WATCH_BYTES`)."""
+    """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
+
+    Tensors in lists, dicts or other objects among the attributes, and those a function
+    reads from its globals: the key was taken from their content, so an in-place write
+    (seen by the version counter, or for numpy arrays, up to :data:`ARRAY_WATCH_BYTES`
+    in all, by hashing them again) means the key must be taken again.
+    """
 
     __slots__ = (
         "_arrays",
@@ -319,17 +335,13 @@ class HeldValues:
         "_versioned",
     )
 
-    def __init__(self, values: list[Any], watch: VersionWatch | None = None) -> None:
-        owner = watch.owner if watch is not None else None  # the cached module
-        kept = set().union(*(v.names for v in values if isinstance(v, SetAttributes)))  # self.calls += 1: its own
+    def __init__(self, values: list[Any]) -> None:
         bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
-        root = vars(owner) if owner is not None else None  # held weakly: a cycle through cache_instance otherwise
-        self._bind(
-            [
-                b._replace(namespace=_OwnerVars(weakref.ref(owner))) if b.namespace is root and owner else b
-                for b in bindings.values()
-                if not (b.member and b.name in kept)
-            ]
+        self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
+        self._lookups = (  # each checked in C: a model reads hundreds
+            tuple(b.namespace.get for b in self._bindings),
+            tuple(b.name for b in self._bindings),
+            tuple(b.value for b in self._bindings),
         )
         unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
@@ -351,28 +363,6 @@ class HeldValues:
     def __bool__(self) -> bool:
         return bool(self._tensors or self._arrays or self._modules or self._bindings)
 
-    def _bind(self, bindings: list[Binding]) -> None:
-        self._bindings = bindings  # names the key read: rebinding one (SCALE = 3, model.scale = 3) is a change
-        self._lookups = (  # each checked in C: a model reads hundreds
-            tuple(b.namespace.get for b in bindings),
-            tuple(b.name for b in bindings),
-            tuple(b.value for b in bindings),
-        )
-
-    def _rebound(self) -> bool:
-        """Whether a name is bound to another value than the key read (an equal number or string set again is not)."""
-        bindings = []
-        for binding in self._bindings:
-            now = binding.namespace.get(binding.name, _UNBOUND)
-            if now is not binding.value:
-                if not _same_setting(now, binding.value):
-                    _note_rebound(binding)
-                    return True
-                binding = binding._replace(value=now)
-            bindings.append(binding)
-        self._bind(bindings)
-        return False
-
     def _held_members(self) -> list[int]:
         """The submodules and tensors of the modules held as values, by identity."""
         return [ident for held in self._modules for ident in (*_module_ids(held), *map(id, _tensors(held)))]
@@ -382,7 +372,8 @@ class HeldValues:
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
         gets, names, values = self._lookups
-        if any(map(operator.is_not, map(operator.call, gets, names), values)) and self._rebound():
+        if any(map(operator.is_not, map(operator.call, gets, names), values)):
+            _note_rebound(next(b for b in self._bindings if b.namespace.get(b.name, _UNBOUND) is not b.value))
             return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
@@ -405,43 +396,3 @@ class HeldValues:
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-
-
-class _OwnerVars(Mapping[str, Any]):
-    """The ``__dict__`` of a module, read through a weak reference (empty once it is gone)."""
-
-    def __init__(self, ref: Callable[[], torch.nn.Module | None]) -> None:
-        self._ref, self.ident = ref, id(ref())  # the module's identity, as long as it lives
-
-    def _vars(self) -> dict[str, Any]:
-        return {} if (module := self._ref()) is None else vars(module)
-
-    def get(self, name: str, default: Any = None) -> Any:  # the per-call check calls it: no ABC in between
-        """``vars(module).get(name, default)``."""
-        return self._vars().get(name, default)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._vars()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._vars())
-
-    def __len__(self) -> int:
-        return len(self._vars())
-
-
-_EXACT = frozenset({bool, int, str, bytes, type(None), torch.dtype, torch.device})
-
-
-def _same_setting(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are settings that a key encodes alike (exact types: no ``__eq__`` of a subclass runs)."""
-    kind = type(a)
-    if kind is not type(b):
-        return False
-    if kind in _EXACT:
-        return bool(a == b)
-    if kind is float:
-        return struct.pack("<d", a) == struct.pack("<d", b)  # -0.0 and NaN payloads apart, as keys encode them
-    if kind is complex:
-        return _same_setting(a.real, b.real) and _same_setting(a.imag, b.imag)
-    return kind is tuple and len(a) == len(b) and all(map(_same_setting, a, b))
