@@ -271,3 +271,19 @@ def test_a_buffer_that_forward_resizes_stays_resizable_after_its_key() -> None:
             assert torch.equal(model(x), x * 2)
         assert torch.equal(model.last, x[0])
     assert model.last.untyped_storage().resizable()
+
+
+def test_a_deleted_model_with_a_plain_tensor_attribute_is_freed_without_a_collection() -> None:
+    import gc
+    import weakref
+
+    model = torchcache()(nn.Sequential(nn.Linear(3, 3)).requires_grad_(False))
+    model.mask = torch.ones(3)  # watched for rebinding: held without a cycle through the model
+    model(torch.randn(4, 3))
+    layer = weakref.ref(model[0])
+    gc.disable()
+    try:
+        del model
+        assert layer() is None
+    finally:
+        gc.enable()

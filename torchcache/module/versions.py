@@ -35,7 +35,7 @@ import itertools
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -168,7 +168,7 @@ class VersionWatch:
         self._hooks: list[int] = []
         self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
         self._held: list[torch.Tensor] = []
-        self._plain: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        self._plain: list[tuple[Mapping[str, Any], str, torch.Tensor]] = []
         self._generation = -1
         self._digest = ""
 
@@ -191,7 +191,7 @@ class VersionWatch:
         held = list(_tensors(module, self._ignore))
         plain = {name for name, _ in unignored(tensor_attributes(module), self._ignore)}
         self._plain = [  # rebound with a plain setattr, which no registration hook sees
-            (vars(sub), name, value)
+            (_OwnerVars(self._module) if sub is module else vars(sub), name, value)  # no cycle through the root
             for prefix, sub in module.named_modules(remove_duplicate=False)
             for name, value in vars(sub).items()
             if f"{prefix}.{name}" in plain
@@ -396,3 +396,30 @@ class HeldValues:
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+class _OwnerVars(Mapping[str, Any]):
+    """The ``__dict__`` of the cached module, read through a weak reference (empty once it is gone).
+
+    The watch lives on the module (``cache_instance``): holding its ``__dict__`` would
+    keep a deleted model's weights until a garbage collection.
+    """
+
+    def __init__(self, ref: Callable[[], torch.nn.Module | None]) -> None:
+        self._ref = ref
+
+    def _vars(self) -> dict[str, Any]:
+        return {} if (module := self._ref()) is None else vars(module)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """``vars(module).get(name, default)``."""
+        return self._vars().get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._vars()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._vars())
+
+    def __len__(self) -> int:
+        return len(self._vars())
