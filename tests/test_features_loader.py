@@ -116,6 +116,8 @@ def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
         features.loader(0)
     with pytest.raises(TypeError, match="sets sampler itself"):
         features.loader(4, sampler=[0, 1])
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator or None, got int"):
+        features.loader(4, shuffle=True, generator=5)  # type: ignore[arg-type]
     with pytest.raises(IndexError, match="index 10 is out of range for 10 samples"):
         features.batch([10])
     with pytest.raises(TypeError, match="must be integers"):

@@ -102,9 +102,10 @@ def test_slots_stop_at_the_capacity_and_at_a_smaller_limit(tmp_path: Path) -> No
     file.close()
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["room-left", "every-slot-claimed"])
 @pytest.mark.parametrize("damage", ["row", "check", "slot-swap", "slot-past-the-end"])
-def test_damage_is_a_miss_never_a_wrong_row(tmp_path: Path, damage: str) -> None:
-    file = make(tmp_path)
+def test_damage_is_a_miss_never_a_wrong_row(tmp_path: Path, damage: str, full: bool) -> None:
+    file = make(tmp_path, length=10 if full else 50)  # full: the row is written again into a slot no index names
     file.write(np.arange(10), rows_of(list(range(10))))
     at = file.row_offset(3)
     assert at is not None and file.path is not None

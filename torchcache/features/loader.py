@@ -68,9 +68,12 @@ def make_loader(
 
     Raises:
         ValueError: If ``batch_size`` is not a positive int.
-        TypeError: If ``loader_options`` name ``batch_size``, ``sampler`` or ``batch_sampler``.
+        TypeError: If ``loader_options`` name ``batch_size``, ``sampler`` or ``batch_sampler``, or
+            ``generator`` is not a ``torch.Generator``.
     """
     _check_positive("batch_size", batch_size)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle"} & set(loader_options))
     if taken:
         raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")

@@ -294,11 +294,12 @@ class RowsFile:
             new = np.flatnonzero(slots < 0)
             first = int(mapped.claimed[0])
             limit = self.capacity if max_bytes is None else self.geometry.capacity(max_bytes, self.capacity)
+            if len(new) > limit - first:  # no room: slots that no index names (a damaged table) are reused
+                new = new[_reuse_slots(self, mapped.slots, targets, slots, new, min(first, limit)) :]
             granted = max(0, min(len(new), limit - first))
             unstored = len(new) - granted
             if unstored:  # no room for the last new ones: they are left out
-                keep = np.ones(len(todo), np.bool_)
-                keep[new[granted:]] = False
+                keep = np.isin(np.arange(len(todo)), new[granted:], invert=True)
                 todo, targets, slots, new = todo[keep], targets[keep], slots[keep], new[:granted]
             if granted:  # the next slots, named in the table before anything is written to them
                 slots[new] = np.arange(first, first + granted)
@@ -323,17 +324,15 @@ class RowsFile:
         Raises:
             OSError: If the file cannot be written.
         """
-        targets = np.asarray(indices, np.int64)
-        if len(targets):
+        if len(targets := np.asarray(indices, np.int64)):
             with self._locked():
                 self._write_column(self.geometry.checks_at, 8, targets, np.zeros(len(targets), "<u8"))
 
     def _write_column(self, at: int, width: int, indices: np.ndarray[Any, Any], values: np.ndarray[Any, Any]) -> None:
         """Write one table entry of ``width`` bytes per index, a run of consecutive indices at a time."""
         order = np.argsort(indices, kind="stable")
-        indices, values = indices[order], values[order]
-        for start, stop in runs(indices):
-            self._write_at(at + width * int(indices[start]), values[start:stop])
+        for start, stop in runs(indices := indices[order]):
+            self._write_at(at + width * int(indices[start]), values[order[start:stop]])
 
     def _write_at(self, offset: int, data: np.ndarray[Any, Any]) -> None:
         raw = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]
@@ -376,3 +375,23 @@ def _failing(
     rows = [view[start : start + size] for start in starts.tolist()]  # one call per row, nothing else per row
     got = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, indices.tolist()), np.uint64, len(rows))
     return np.flatnonzero((got | np.uint64(1)) != checks).tolist()  # type: ignore[no-any-return]
+
+
+def _reuse_slots(
+    file: RowsFile,
+    table: np.ndarray[Any, Any],
+    targets: np.ndarray[Any, Any],
+    slots: np.ndarray[Any, Any],
+    new: np.ndarray[Any, Any],
+    upto: int,
+) -> int:
+    """Give the rows ``new`` the slots below ``upto`` that no index names in ``table``; return how many got one.
+
+    Two indices named one slot (a damaged table): one of them is written again, and the
+    slot it named before is free, though every slot was claimed.
+    """
+    free = np.setdiff1d(np.arange(upto), table[table > 0].astype(np.int64) - 1)[: len(new)]
+    reused = new[: len(free)]
+    slots[reused] = free
+    file._write_column(file.geometry.slots_at, 4, targets[reused], (free + 1).astype("<u4"))
+    return len(reused)
