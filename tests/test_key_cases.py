@@ -1097,3 +1097,13 @@ def test_a_method_another_package_only_adds_to_an_installed_class_keeps_keys(mon
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") == before
     monkeypatch.setattr(nn.Linear, "extra_repr", lambda self: "patched")  # overrides nn.Module's: keyed
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before
+
+
+class AttrDict(dict):  # type: ignore[type-arg]
+    __getattr__ = dict.__getitem__  # a missing attribute raises KeyError, not AttributeError
+
+
+def test_a_dict_whose_attributes_are_its_items_is_keyed_by_its_items() -> None:
+    first, again, other = AttrDict(k=2.0), AttrDict(k=2.0), AttrDict(k=3.0)
+    encode = KeyEncoder("remedy").encode
+    assert encode(first, "cfg") == encode(again, "cfg") != encode(other, "cfg")

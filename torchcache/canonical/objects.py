@@ -136,12 +136,13 @@ def encode_plain(encoder: Encoder, value: Any, cls_encoding: bytes, path: str, d
 
 def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int) -> bytes:
     """Objects without a rule: a ``__torchcache_key__()``, a config's entries (and what they omit), or pickle state."""
-    own_key = getattr(value, "__torchcache_key__", None)
+    # looked up on the class first: an instance's __getattr__ may raise anything (dict.__getitem__: KeyError)
+    own_key = getattr(value, "__torchcache_key__", None) if hasattr(cls, "__torchcache_key__") else None
     if callable(own_key):
         named = text(f"{cls.__module__}.{cls.__qualname__}")
         return tagged(Tag.OWN_KEY, named + encoder.child(own_key(), f"{path}.__torchcache_key__()", depth))
     cls_encoding = encoder.child(cls, f"{path}.<class>", depth)
-    to_dict = getattr(value, "to_dict", None)
+    to_dict = getattr(value, "to_dict", None) if hasattr(cls, "to_dict") else None
     if callable(to_dict) and hasattr(value, "__dict__"):
         try:
             entries = to_dict()
