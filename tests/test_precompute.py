@@ -220,3 +220,19 @@ def test_precompute_is_exported_as_a_function() -> None:
 
     assert torchcache.precompute is precompute
     assert "precompute" in torchcache.__all__
+
+
+class WithMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3).requires_grad_(False)
+
+    @torchcache()
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_a_method_decorated_in_its_class_is_precomputed_on_its_instance() -> None:
+    net, x = WithMethod(), torch.randn(8, 4)
+    assert precompute(net.embed, [x[:4], x[4:]], progress=False).misses == 8
+    assert torch.equal(net.embed(x), net.proj(x)) and net.embed.cache_instance.stats().hits == 8

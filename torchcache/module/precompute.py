@@ -69,7 +69,7 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
         with torch.no_grad():
             for number, batch in enumerate(batches):
                 if number == 0:
-                    _check_batch(cache, batch)
+                    _check_batch(cache, batch, getattr(module_or_fn, "__self__", None))
                 _call(module_or_fn, batch)
                 if bar is not None and start is not None:
                     now = cache.stats()
@@ -113,13 +113,17 @@ def _cache_of(obj: object) -> Cache:
     )
 
 
-def _check_batch(cache: Cache, batch: Any) -> None:
-    """Say clearly when a batch does not fit the call (``[index, images]`` from a loader)."""
-    args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else (tuple(batch), {})
-    if not isinstance(batch, (Mapping, tuple, list)):
-        args = (batch,)
+def _check_batch(cache: Cache, batch: Any, owner: object = None) -> None:
+    """Say clearly when a batch does not fit the call (``[index, images]`` from a loader).
+
+    ``owner`` is the instance of a method decorated in its class body (its signature names ``self``).
+    """
+    args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch,), {})
+    if isinstance(batch, (tuple, list)):
+        args = tuple(batch)
+    bound = (owner, *args) if owner is not None and next(iter(cache._signature.parameters), "") == "self" else args
     try:
-        cache._signature.bind(*args, **kwargs)
+        cache._signature.bind(*bound, **kwargs)
     except TypeError as exc:
         kinds = ", ".join(type(v).__name__ for v in (kwargs.values() if kwargs else args))
         shape = f"a mapping with keys {sorted(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
