@@ -333,6 +333,15 @@ def test_warmup_fills_in_parallel_and_resumes(tmp_path: Path, log: Path) -> None
     data.close()
 
 
+def test_warmup_fills_the_ram_tier_and_the_disk_tier(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(20, log), tmp_path / "cache", max_memory_size="10MB")
+    data[3]  # in both tiers already
+    stats = data.warmup(num_workers=0, progress=False)
+    assert stats.memory is not None and stats.disk is not None
+    assert (stats.memory.entries, stats.disk.entries) == (20, 20) and sorted(calls(log)) == list(range(20))
+    data.close()
+
+
 def test_warmup_shows_progress_with_or_without_tqdm(
     tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import importlib.util
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -1106,4 +1107,26 @@ class AttrDict(dict):  # type: ignore[type-arg]
 def test_a_dict_whose_attributes_are_its_items_is_keyed_by_its_items() -> None:
     first, again, other = AttrDict(k=2.0), AttrDict(k=2.0), AttrDict(k=3.0)
     encode = KeyEncoder("remedy").encode
+    assert encode(first, "cfg") == encode(again, "cfg") != encode(other, "cfg")
+
+
+class Keyed:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __torchcache_key__(self) -> float:
+        return self.scale
+
+
+class Delegating:  # a view that hands attribute lookups to the object it wraps, and holds a lock of its own
+    def __init__(self, inner: Keyed) -> None:
+        self._inner, self._lock = inner, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_an_object_that_delegates_its_attributes_is_keyed_by_the_key_it_delegates_to() -> None:
+    encode = KeyEncoder("remedy").encode
+    first, again, other = Delegating(Keyed(2.0)), Delegating(Keyed(2.0)), Delegating(Keyed(3.0))
     assert encode(first, "cfg") == encode(again, "cfg") != encode(other, "cfg")

@@ -134,15 +134,22 @@ def encode_plain(encoder: Encoder, value: Any, cls_encoding: bytes, path: str, d
     return tagged(Tag.OBJECT, cls_encoding + tagged(Tag.TUPLE, b"") + encoder.attributes(state, path, depth))
 
 
+def _lookup(value: Any, name: str) -> Any:
+    """``getattr(value, name, None)``, or ``None`` where ``__getattr__`` raises (``dict.__getitem__``: KeyError)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:  # noqa: BLE001 - a proxy or attribute dict of the user's: then its state describes it
+        return None
+
+
 def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int) -> bytes:
     """Objects without a rule: a ``__torchcache_key__()``, a config's entries (and what they omit), or pickle state."""
-    # looked up on the class first: an instance's __getattr__ may raise anything (dict.__getitem__: KeyError)
-    own_key = getattr(value, "__torchcache_key__", None) if hasattr(cls, "__torchcache_key__") else None
+    own_key = _lookup(value, "__torchcache_key__")
     if callable(own_key):
         named = text(f"{cls.__module__}.{cls.__qualname__}")
         return tagged(Tag.OWN_KEY, named + encoder.child(own_key(), f"{path}.__torchcache_key__()", depth))
     cls_encoding = encoder.child(cls, f"{path}.<class>", depth)
-    to_dict = getattr(value, "to_dict", None) if hasattr(cls, "to_dict") else None
+    to_dict = _lookup(value, "to_dict")
     if callable(to_dict) and hasattr(value, "__dict__"):
         try:
             entries = to_dict()

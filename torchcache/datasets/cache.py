@@ -61,6 +61,7 @@ class SampleCache:
             bucket. Not for a local ``cache_dir``.
         storage_options: With a bucket URL, as for :class:`~torchcache.CachedDataset`.
         max_local_size: The local copy's budget, as for :class:`~torchcache.CachedDataset`.
+        keep_budget: Keep a bucket's budget when closed (``False``: a reader leaves it to the writers).
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -88,6 +89,7 @@ class SampleCache:
         local_cache_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         max_local_size: int | float | str | None = None,
+        keep_budget: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty string (the cache's name), got {name!r}")
@@ -100,7 +102,7 @@ class SampleCache:
         sizes = (max_memory_size, max_disk_size)
         self._places = places = resolve_places(
             dirname, cache_dir, *sizes, local_cache_dir, self._faults, storage_options=storage_options,
-            max_local_size=max_local_size, info=self._info,
+            max_local_size=max_local_size, info=self._info, keep_budget=keep_budget,
         )  # fmt: skip
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         length = self._info.get("length")
@@ -251,9 +253,9 @@ class SampleCache:
         self._summaries.tick(self.summary)
         return results
 
-    def reads_failing(self) -> bool:
-        """Whether the last read of the disk tier's server or bucket failed (its misses may be there)."""
-        return any(tier.store.reads_failing() for tier in self._open() if tier.store is not None)
+    def reads_failing(self, retry: bool = False) -> bool:
+        """Whether the last read of the disk tier's server or bucket failed (``retry``: send the next at once)."""
+        return any(tier.store.reads_failing(retry) for tier in self._open() if tier.store is not None)
 
     def fill(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> None:
         """Put the samples of ``keys`` that the disk tier lacks into it (a warm-up), whatever the RAM tier holds."""

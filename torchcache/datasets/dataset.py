@@ -32,7 +32,6 @@ from .keys import fingerprint_dataset
 
 __all__ = ["CachedDataset", "MissingSampleError"]
 
-_UNKNOWN_BUDGET = 1 << 62  # bytes: no budget
 #: Seconds that a cache served without its dataset waits for its bucket to answer again.
 SERVE_WAIT = 60.0
 _RETRY_EVERY = 1.0
@@ -188,9 +187,6 @@ class CachedDataset(Dataset[Any]):
                 raise ConfigError(f"{name} in {where} is not a usable dataset cache (its length or name is invalid)")
             self.fingerprint = name
             size = (meta.get("max_bytes") or DEFAULT_DISK_SIZE) if max_disk_size is None else max_disk_size
-            if isinstance(where, str) and max_disk_size is None and not meta.get("max_bytes"):
-                size = _UNKNOWN_BUDGET  # a bucket cache made before its budget was recorded: nothing is removed
-                max_local_size = DEFAULT_DISK_SIZE if max_local_size is None else max_local_size
             self.cache = SampleCache(
                 name,
                 where,
@@ -200,6 +196,7 @@ class CachedDataset(Dataset[Any]):
                 local_cache_dir=local_cache_dir if isinstance(where, str) else None,
                 storage_options=storage_options,
                 max_local_size=max_local_size,
+                keep_budget=False,  # it only reads: the writers' budgets hold (a reader's could be smaller)
             )
         else:
             if isinstance(dataset, IterableDataset):
@@ -251,12 +248,13 @@ class CachedDataset(Dataset[Any]):
     def _when_back(self, indices: list[Any]) -> Sequence[Any]:
         """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""
         deadline = time.monotonic() + SERVE_WAIT
-        while self.cache.reads_failing() and time.monotonic() < deadline:
-            time.sleep(_RETRY_EVERY)
+        while self.cache.reads_failing(retry=True):  # a read every _RETRY_EVERY s, whatever the backoff
             try:
                 return self.cache.get_many(indices, _still_missing)
             except _StillMissing:
-                continue
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(_RETRY_EVERY)
         where = self.cache.directory or redact_url(self.cache.url or "")
         if self.cache.reads_failing():
             raise StoreUnavailableError(
@@ -345,10 +343,11 @@ class _Filler(Dataset[int]):
         return len(self.__getitems__([index]))
 
     def __getitems__(self, indices: list[int]) -> list[None]:
+        cache = self.cached.cache
         if self.tier == "disk":  # samples the RAM tier holds are written to disk too
-            self.cached.cache.fill(indices, self.cached._compute)
-        else:
-            self.cached.cache.get_many(indices, self.cached._compute)
+            cache.fill(indices, self.cached._compute)
+        if self.tier == "memory" or cache.memory_dir is not None:  # and the RAM tier filled (from disk)
+            cache.get_many(indices, self.cached._compute)
         return [None] * len(indices)
 
 

@@ -65,6 +65,8 @@ class Places:
     max_local_size: int | None = None
     #: Options for the filesystem of a bucket URL (``None``: from the environment).
     storage_options: dict[str, Any] | None = None
+    #: Whether a bucket's store keeps its budget when closed (``False``: a process that only reads).
+    keep_budget: bool = True
     #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
     info: dict[str, Any] = field(default_factory=dict)
     #: The RAM tier's name in the job: ``dirname``, and a digest of where the disk tier is
@@ -88,6 +90,7 @@ def resolve_places(
     storage_options: Mapping[str, Any] | None = None,
     max_local_size: int | float | str | None = None,
     info: dict[str, Any] | None = None,
+    keep_budget: bool = True,
 ) -> Places:
     """The places of a sample cache's tiers; the RAM tier's directories are held on return.
 
@@ -97,6 +100,7 @@ def resolve_places(
     if max_disk_size is None:
         max_disk_size = 0 if cache_dir is None else DEFAULT_DISK_SIZE
     places = Places(dirname, parse_size(max_disk_size, "max_disk_size"), info=info if info is not None else {})
+    places.keep_budget = keep_budget
     places.storage_options = check_storage_options(storage_options)
     if max_local_size is not None:
         places.max_local_size = parse_size(max_local_size, "max_local_size")
@@ -245,7 +249,10 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     report = _reporter(faults, "disk")
     meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
     meta["max_bytes"] = max_bytes  # CachedDataset(None, url) keeps the writer's budget
-    store = open_remote_store(url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options)
+    store = open_remote_store(
+        url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options,
+        prune_on_close=places.keep_budget,
+    )  # fmt: skip
     if places.local_directory is None:
         return store
     try:

@@ -183,8 +183,11 @@ class BatchedStore(ABC):
         """
         return [None] * len(keys)
 
-    def reads_failing(self) -> bool:
-        """Whether the last read of a remote store failed (the server away): its misses may be there."""
+    def reads_failing(self, retry: bool = False) -> bool:
+        """Whether the last read of a remote store failed (the server away): its misses may be there.
+
+        ``retry`` lifts a backoff of reads, so that the next read is sent (a reader that waits).
+        """
         return False
 
     # -- helpers written once -----------------------------------------------------

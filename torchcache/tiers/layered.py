@@ -111,9 +111,9 @@ class LayeredStore(BatchedStore):
     def __contains__(self, key: object) -> bool:
         return key in self.far
 
-    def reads_failing(self) -> bool:
-        """Whether the last read of the shared store failed."""
-        return self.far.reads_failing()
+    def reads_failing(self, retry: bool = False) -> bool:
+        """Whether the last read of the shared store failed (``retry``: send its next read at once)."""
+        return self.far.reads_failing(retry)
 
     def keys(self) -> Iterator[str]:
         """The shared store's keys."""

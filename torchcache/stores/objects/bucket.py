@@ -43,6 +43,7 @@ class Bucket:
         self._report = report
         self._retry_at, self._delay = [float("-inf")] * 2, [0.0] * 2  # reads, writes
         self._troubled = False
+        self._next_sweep = float("-inf")  # see abort_stale_uploads
         self._last_stamp = 0
         self._stamp_lock = threading.Lock()
         self._replaced: list[str] = []  # see replace()
@@ -70,10 +71,12 @@ class Bucket:
         self._delay[write], self._retry_at[write], self._troubled = 0.0, float("-inf"), False
         return result
 
-    @property
-    def reads_failing(self) -> bool:
-        """Whether the last read failed (a backoff is on, or ends with the next read that succeeds)."""
-        return self._delay[False] > 0
+    def reads_failing(self, retry: bool = False) -> bool:
+        """Whether the last read failed; ``retry`` ends the read backoff, so that the next read is sent."""
+        failing = self._delay[False] > 0
+        if retry:
+            self._retry_at[False] = float("-inf")
+        return failing
 
     def read_failed(self, exc: StoreError) -> None:
         """Report a failed read, once until a request succeeds again."""
@@ -182,28 +185,28 @@ class Bucket:
         """Abort the multipart uploads under the prefix begun before ``before`` (seconds since the epoch); how many.
 
         A writer killed while it uploaded a large segment leaves parts that no listing
-        shows and that the store bills. Only S3 has such uploads to list.
-
-        A server that cannot list them (or abort them) leaves them: nothing is raised.
+        shows and that the store bills. Only S3 has such uploads to list. At most once an
+        hour per process, outside the backoff (a refusal here must not stop the writes): a
+        server that cannot list or abort them (no permission, no such call) leaves them.
         """
-        if not hasattr(self.fs, "list_multipart_uploads"):
+        now = time.monotonic()
+        if not hasattr(self.fs, "call_s3") or now < self._next_sweep:
             return 0
+        self._next_sweep = now + 3600.0
         bucket, _, key_prefix = self.prefix.partition("/")
-        list_uploads = lambda: self.fs.list_multipart_uploads(bucket)  # noqa: E731
         try:
-            uploads = self.call(list_uploads, "list unfinished uploads", write=True)  # upkeep: reads never wait on it
-        except (FileNotFoundError, StoreError):  # no such bucket, or no listing of uploads there
+            listed = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix + "/")
+        except Exception:  # noqa: BLE001 - any refusal: nothing swept, nothing else changed
             return 0
         stale = [
             upload
-            for upload in uploads
+            for upload in listed.get("Uploads", [])
             if str(upload.get("Key", "")).startswith(key_prefix + "/")
             and getattr(upload.get("Initiated"), "timestamp", lambda: before)() < before
         ]
         for upload in stale:
-            abort = {"Bucket": bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
-            with contextlib.suppress(FileNotFoundError, StoreError):  # aborted by another writer meanwhile
-                self.call(lambda abort=abort: self.fs.call_s3("abort_multipart_upload", **abort), "abort", write=True)  # type: ignore[misc]
+            with contextlib.suppress(Exception):  # aborted by another writer meanwhile, or refused
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         return len(stale)
 
     def remove_all(self) -> None:

@@ -207,9 +207,9 @@ class ObjectStore(BatchedStore):
         """Bytes of the segments in the bucket (0: nothing is on this machine's disk), those left to remove too."""
         return sum(list(self._known.segments.values())) + sum(self.bucket.sizes.get(n, 0) for n in self._removing)
 
-    def reads_failing(self) -> bool:
-        """Whether the last read of the bucket failed."""
-        return self.bucket.reads_failing
+    def reads_failing(self, retry: bool = False) -> bool:
+        """Whether the last read of the bucket failed (``retry``: send the next read whatever the backoff)."""
+        return self.bucket.reads_failing(retry)
 
     # -- writes -------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
