@@ -1130,3 +1130,14 @@ def test_an_object_that_delegates_its_attributes_is_keyed_by_the_key_it_delegate
     encode = KeyEncoder("remedy").encode
     first, again, other = Delegating(Keyed(2.0)), Delegating(Keyed(2.0)), Delegating(Keyed(3.0))
     assert encode(first, "cfg") == encode(again, "cfg") != encode(other, "cfg")
+
+
+class BrokenKey:
+    @property
+    def __torchcache_key__(self) -> Any:
+        raise RuntimeError("the key's source is gone")
+
+
+def test_a_key_method_that_fails_is_an_error_not_a_key_of_the_state() -> None:
+    with pytest.raises(RuntimeError, match="source is gone"):
+        KeyEncoder("remedy").encode(BrokenKey(), "cfg")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,7 @@ def test_a_bucket_that_refuses_to_list_uploads_still_takes_writes(bucket: str, m
     for i in range(6):
         assert store.put_many([(key(i), value(i))]) == 1
     assert store.get(key(5)) == value(5)
+    assert store.bucket._next_sweep - time.monotonic() < 120  # tried again soon, not in an hour
 
 
 def test_damaged_segment_bytes_are_misses_never_wrong_bytes(bucket: str, s3fs_of: Any) -> None:

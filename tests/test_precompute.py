@@ -231,8 +231,13 @@ class WithMethod(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
 
+    @torchcache()
+    def scaled(this, x: torch.Tensor) -> torch.Tensor:  # its first parameter has another name than self
+        return this.proj(x) * 2
+
 
 def test_a_method_decorated_in_its_class_is_precomputed_on_its_instance() -> None:
     net, x = WithMethod(), torch.randn(8, 4)
     assert precompute(net.embed, [x[:4], x[4:]], progress=False).misses == 8
     assert torch.equal(net.embed(x), net.proj(x)) and net.embed.cache_instance.stats().hits == 8
+    assert precompute(net.scaled, [x], progress=False).misses == 8

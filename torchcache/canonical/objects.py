@@ -138,7 +138,7 @@ def _lookup(value: Any, name: str) -> Any:
     """``getattr(value, name, None)``, or ``None`` where ``__getattr__`` raises (``dict.__getitem__``: KeyError)."""
     try:
         return getattr(value, name, None)
-    except Exception:  # noqa: BLE001 - a proxy or attribute dict of the user's: then its state describes it
+    except LookupError:  # an attribute dict's __getattr__ (dict.__getitem__): then its state describes it
         return None
 
 

@@ -258,9 +258,8 @@ class SampleCache:
         return any(tier.store.reads_failing(retry) for tier in self._open() if tier.store is not None)
 
     def fill(self, keys: Sequence[int | str], compute_many: Callable[[list[Any]], Sequence[Any]]) -> None:
-        """Put the samples of ``keys`` that the disk tier lacks into it (a warm-up), whatever the RAM tier holds."""
-        for disk in [tier for tier in self._open() if tier.name == "disk"]:
-            self._counters.add(0, 0, fill_tier(disk, keys, compute_many, _encode, self._faults))
+        """Put the samples of ``keys`` that the disk tier lacks into it, and those computed in RAM too (a warm-up)."""
+        self._counters.add(0, 0, fill_tier(self._open(), keys, compute_many, _encode, self._faults))
         self._faults.emit()
 
     def __contains__(self, key: object) -> bool:

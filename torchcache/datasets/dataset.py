@@ -343,11 +343,10 @@ class _Filler(Dataset[int]):
         return len(self.__getitems__([index]))
 
     def __getitems__(self, indices: list[int]) -> list[None]:
-        cache = self.cached.cache
         if self.tier == "disk":  # samples the RAM tier holds are written to disk too
-            cache.fill(indices, self.cached._compute)
-        if self.tier == "memory" or cache.memory_dir is not None:  # and the RAM tier filled (from disk)
-            cache.get_many(indices, self.cached._compute)
+            self.cached.cache.fill(indices, self.cached._compute)
+        else:
+            self.cached.cache.get_many(indices, self.cached._compute)
         return [None] * len(indices)
 
 

@@ -378,17 +378,20 @@ def samples_from_slots(
 
 
 def fill_tier(
-    disk: SampleTier,
+    tiers: Sequence[SampleTier],
     keys: Sequence[int | str],
     compute_many: Callable[[list[Any]], Sequence[Any]],
     encode: Callable[[object, object], bytes],
     faults: FaultLog,
 ) -> int:
-    """Put the samples of ``keys`` that ``disk`` lacks into it; return how many were computed.
+    """Put the samples of ``keys`` that the disk tier lacks into it; return how many were computed.
 
     What the disk tier's local copy holds and its shared store lacks (written while the
-    server was away) is sent from the copy; the rest is computed.
+    server was away) is sent from the copy; the rest is computed, and put in RAM too.
     """
+    disk = next((tier for tier in tiers if tier.name == "disk"), None)
+    if disk is None:
+        return 0
     skeys = [store_key(key) for key in keys]
     lacking = [i for i, skey in enumerate(skeys) if skey not in disk]
     if lacking and isinstance(disk.store, LayeredStore):
@@ -399,7 +402,9 @@ def fill_tier(
         lacking = [i for i in lacking if skeys[i] not in disk]
     if lacking:
         computed = compute_many([keys[i] for i in lacking])
-        disk.put_many([(skeys[i], encode(sample, keys[i])) for i, sample in zip(lacking, computed)])
+        items = [(skeys[i], encode(sample, keys[i])) for i, sample in zip(lacking, computed)]
+        for tier in [tier for tier in tiers if tier.accepting]:
+            tier.put_many(items)
     return len(lacking)
 
 

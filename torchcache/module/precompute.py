@@ -10,6 +10,7 @@ interrupt too, waits for the entries of the batches already computed.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -69,7 +70,7 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
         with torch.no_grad():
             for number, batch in enumerate(batches):
                 if number == 0:
-                    _check_batch(cache, batch, getattr(module_or_fn, "__self__", None))
+                    _check_batch(cache, batch, module_or_fn)
                 _call(module_or_fn, batch)
                 if bar is not None and start is not None:
                     now = cache.stats()
@@ -113,15 +114,16 @@ def _cache_of(obj: object) -> Cache:
     )
 
 
-def _check_batch(cache: Cache, batch: Any, owner: object = None) -> None:
+def _check_batch(cache: Cache, batch: Any, fn: Any) -> None:
     """Say clearly when a batch does not fit the call (``[index, images]`` from a loader).
 
-    ``owner`` is the instance of a method decorated in its class body (its signature names ``self``).
+    A method decorated in its class body is called bound: its instance comes first.
     """
     args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch,), {})
     if isinstance(batch, (tuple, list)):
         args = tuple(batch)
-    bound = (owner, *args) if owner is not None and next(iter(cache._signature.parameters), "") == "self" else args
+    with_self = inspect.ismethod(fn) and len(cache._signature.parameters) > len(inspect.signature(fn).parameters)
+    bound = (fn.__self__, *args) if with_self else args
     try:
         cache._signature.bind(*bound, **kwargs)
     except TypeError as exc:

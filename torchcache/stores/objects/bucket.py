@@ -192,12 +192,13 @@ class Bucket:
         now = time.monotonic()
         if not hasattr(self.fs, "call_s3") or now < self._next_sweep:
             return 0
-        self._next_sweep = now + 3600.0
         bucket, _, key_prefix = self.prefix.partition("/")
         try:
             listed = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix + "/")
-        except Exception:  # noqa: BLE001 - any refusal: nothing swept, nothing else changed
+        except Exception:  # noqa: BLE001 - any refusal: nothing swept, tried again in a minute
+            self._next_sweep = now + 60.0
             return 0
+        self._next_sweep = now + 3600.0
         stale = [
             upload
             for upload in listed.get("Uploads", [])
