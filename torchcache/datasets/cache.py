@@ -99,10 +99,9 @@ class SampleCache:
         self._summaries = PeriodicSummary()
         self._faults = FaultLog(str(info.get("name", name)) if info else name)
         self._info = dict(info or {})
-        sizes = (max_memory_size, max_disk_size)
         self._places = places = resolve_places(
-            dirname, cache_dir, *sizes, local_cache_dir, self._faults, storage_options=storage_options,
-            max_local_size=max_local_size, info=self._info, keep_budget=keep_budget,
+            dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults,
+            storage_options=storage_options, max_local_size=max_local_size, info=self._info, keep_budget=keep_budget,
         )  # fmt: skip
         self._held_pid: int | None = None if places.job_dir is None else os.getpid()
         length = self._info.get("length")

@@ -248,7 +248,7 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     namespace = xxhash.xxh3_128_hexdigest(places.dirname.encode())
     report = _reporter(faults, "disk")
     meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
-    meta["max_bytes"] = max_bytes  # CachedDataset(None, url) keeps the writer's budget
+    meta["max_bytes"] = max_bytes  # CachedDataset(None, url): the default budget of its local copy
     store = open_remote_store(
         url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options,
         prune_on_close=places.keep_budget,

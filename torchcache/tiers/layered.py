@@ -157,7 +157,7 @@ class LayeredStore(BatchedStore):
         Raises:
             StoreError: As the shared store's ``put_many``.
         """
-        lacking = [key for key in keys if key not in self.far and self._near_on and key in self.near]
+        lacking = [key for key in keys if key not in self.far and key in self.near] if self._near_on else []
         sent = 0
         for start in range(0, len(lacking), 256):
             chunk = lacking[start : start + 256]
