@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 from collections.abc import Iterator
@@ -42,14 +43,23 @@ from torchcache.stores.rows import Geometry, RowsFile
 
 
 @pytest.fixture(autouse=True)
-def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own root of RAM tiers."""
-    root = tmp_path / "shm"
-    root.mkdir()
+def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own root of RAM tiers, in RAM where it can be.
+
+    A root on the disk of the test's temporary directory would make the RAM tier's
+    reserve (a quarter of its file system kept free) depend on how full that disk is.
+    """
+    ram = Path("/dev/shm")
+    if ram.is_dir() and os.access(ram, os.W_OK | os.X_OK):
+        root = Path(tempfile.mkdtemp(prefix="torchcache-test-", dir=ram))
+    else:
+        root = tmp_path / "shm"
+        root.mkdir()
     monkeypatch.setenv("TORCHCACHE_SHM_DIR", str(root))
     for name in ("TORCHCACHE_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

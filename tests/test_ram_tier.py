@@ -311,6 +311,26 @@ def test_a_rows_file_not_of_this_dataset_is_left_alone_with_one_report(tmp_path:
     tier.close()
 
 
+@pytest.mark.parametrize(("bfree", "bavail", "kept"), [(80_000, 20_000, True), (80_000, 5_000, False)])
+def test_the_free_quarter_of_a_ram_tier_counts_only_what_this_user_can_have(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bfree: int, bavail: int, kept: bool
+) -> None:
+    # 100,000 blocks, of which the host holds back bfree - bavail: 20,000 free of 40,000 usable
+    # leaves more than a quarter, 5,000 of 25,000 does not; neither is a quarter of all blocks.
+    statvfs = os.statvfs
+
+    def held_back(path: Any) -> os.statvfs_result:
+        if not str(path).startswith(str(tmp_path)):
+            return statvfs(path)
+        return os.statvfs_result((4096, 4096, 100_000, bfree, bavail, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", held_back)
+    tier = SampleTier("memory", PackedStore(tmp_path, 10**6), 10**6, FaultLog("held back"), reserve_in=tmp_path)
+    tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(3)])
+    assert (len(tier), tier.full) == ((3, False) if kept else (0, True))
+    tier.close()
+
+
 class _Vectors(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __init__(self, n: int, seed: int) -> None:
         self.x = torch.randn(n, 1024, generator=torch.Generator().manual_seed(seed))

@@ -243,11 +243,8 @@ class SampleTier:
             return
         if self.reserve_in is not None and not _leaves_room(self.reserve_in, sum(len(f) for _, f in items)):
             self.full = True
-            logger.info(
-                "the %s tier would leave less than a quarter of %s free: later samples are not cached there",
-                self.name,
-                self.reserve_in,
-            )
+            where = self.reserve_in
+            logger.info("the %s tier would leave less than a quarter of %s free: samples go uncached", self.name, where)
             return
         try:
             if self.slots is not None and self.slots.usable:
@@ -442,7 +439,8 @@ def _leaves_room(directory: Path, nbytes: int) -> bool:
         vfs = os.statvfs(directory)
     except OSError:
         return True  # a write says what is wrong
-    return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= vfs.f_blocks * vfs.f_frsize
+    usable = (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize  # blocks reserved for root never are
+    return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable
 
 
 def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:
