@@ -149,6 +149,9 @@ class EntryReader:
         heads = np.empty(m, f"V{span}")
         body = np.empty(m, f"V{rest}")
         checks = np.empty(m, np.uint64)
+        found = kbs if m == n else [kbs[i] for i in positions.tolist()]
+        seeds = [_digest(kb, length) for kb in found]  # each check's key part
+        by_row = np.array(seeds, np.uint64) if not one else None
         where: slice | np.ndarray
         for (_, rows, at), view in zip(groups, views):
             # One element starting at every byte of the mapping: a gather by offsets copies records.
@@ -157,15 +160,14 @@ class EntryReader:
                 heads = np.ndarray((size - span + 1,), f"V{span}", view, 0, (1,))[at]
                 body = np.ndarray((size - rest + 1,), f"V{rest}", view, 0, (1,))[at + span]
                 where = slice(None)
-                mine = kbs if len(positions) == n else [kbs[i] for i in positions.tolist()]
             else:
                 where = rows
                 heads[rows] = np.ndarray((size - span + 1,), f"V{span}", view, 0, (1,))[at]
                 body[rows] = np.ndarray((size - rest + 1,), f"V{rest}", view, 0, (1,))[at + span]
-                mine = [kbs[i] for i in positions[rows].tolist()]
             # The record's checksum over its whole payload, read where it lies.
             checks[where] = [
-                _digest(view[s : s + length], _digest(kb, length)) for s, kb in zip((at + skip).tolist(), mine)
+                _digest(view[s : s + length], seed)
+                for s, seed in zip((at + skip).tolist(), seeds if by_row is None else by_row[rows].tolist())
             ]
         head_rows = heads.view(np.uint8).reshape(m, span)
         stored = head_rows[:, : HEADER.size]
