@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import stat
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from torchcache.cli.main import main
 from torchcache.errors import StoreError
 from torchcache.meta import load_meta
 from torchcache.stores.packed.store import PackedStore
+from torchcache.tiers import layered as layered_module
 from torchcache.tiers.layered import LayeredStore
 
 
@@ -299,6 +301,9 @@ class _WholeReads(ReferenceStore):
         extras, self._extras = self._extras, []
         return extras
 
+    def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
+        return [("the-one-segment", 100) if k in self._data else None for k in keys]
+
 
 def test_entries_read_beyond_a_batch_wait_in_a_bounded_stash_while_the_local_copy_is_full() -> None:
     far = _WholeReads(10**6)
@@ -315,3 +320,89 @@ def test_entries_read_beyond_a_batch_wait_in_a_bounded_stash_while_the_local_cop
     assert layered.get_many([key(8)]) == [None] and far.reads == 4
     layered.clear()
     assert layered.stash.nbytes == 0 and layered.get_many([key(7)]) == [None]
+
+
+class _SlowCopy(ReferenceStore):
+    """A local copy whose background writes wait for ``gate`` (a slow disk); ``fail`` makes them raise."""
+
+    def __init__(self, max_bytes: int, fail: Exception | None = None) -> None:
+        super().__init__(max_bytes)
+        self.gate, self.writing, self.fail = threading.Event(), threading.Event(), fail
+        self.log: list[str] = []
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        if threading.current_thread().name == "torchcache-local-copy":
+            self.writing.set()
+            assert self.gate.wait(30)
+            if self.fail is not None:
+                raise self.fail
+            self.log.append("written")
+        return super().put_many(items)
+
+
+def test_entries_read_beyond_a_batch_are_served_from_ram_while_the_local_copy_writes_them() -> None:
+    far, near = _WholeReads(10**6), _SlowCopy(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, Reports())
+    assert layered.get_many([key(0)]) == [value(0)] and far.reads == 1  # returns with the writer held up
+    assert near.writing.wait(30) and key(5) not in near
+    assert layered.get_many([key(5), key(6)]) == [value(5), value(6)] and far.reads == 1  # from RAM
+    assert layered.served == [2, 1] and layered.placement([key(5)]) == [None]  # local: no request for it
+    near.gate.set()
+    layered.flush()  # waits for the writer
+    assert all(key(i) in near for i in range(10)) and layered.pending.nbytes == 0
+    assert layered.get_many([key(7)]) == [value(7)] and far.reads == 1
+
+
+@pytest.mark.parametrize("fault", [StoreError("disk gone"), RuntimeError("a bug of the disk's driver")])
+def test_a_background_write_that_fails_turns_the_local_copy_off_once_and_nothing_waits(fault: Exception) -> None:
+    far, near, reports = _WholeReads(10**6), _SlowCopy(10**6, fail=fault), Reports()
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, reports)
+    near.gate.set()
+    assert layered.get_many([key(0)]) == [value(0)]
+    layered.close()  # waits for the writer, which failed
+    assert reports.kinds() == ["local"] and str(fault) in reports.seen[0][1] and not layered.near_enabled
+    assert layered.get_many([key(3)]) == [value(3)] and far.reads == 2  # the shared store serves
+
+
+def test_a_read_that_fetches_more_waits_while_too_much_waits_to_be_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layered_module, "PENDING_BYTES", 1)
+    far, near = _WholeReads(10**6), _SlowCopy(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, Reports())
+    layered.get_many([key(0)])  # nine entries handed to the writer, which is held up
+    waiting = threading.Event()
+
+    class Watched(threading.Condition):
+        def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+            if not predicate():
+                waiting.set()
+            return super().wait_for(predicate, timeout)
+
+    layered.pending._cond = Watched(threading.Lock())
+    reader = threading.Thread(target=lambda: (layered.get_many([key(99)]), near.log.append("added")))
+    reader.start()
+    assert waiting.wait(30) and near.log == []  # the second read waits for the writer
+    near.gate.set()
+    reader.join(30)
+    assert near.log[0] == "written" and near.log[-1] == "added"
+    layered.close()
+
+
+@pytest.mark.slow
+def test_a_forked_child_starts_with_nothing_waiting_to_be_written() -> None:
+    far, near = _WholeReads(10**6), _SlowCopy(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, Reports())
+    layered.get_many([key(0)])
+    assert near.writing.wait(30) and key(5) in layered.pending
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's writer is not here, nor what it writes
+        ok = key(5) not in layered.pending and layered.pending.nbytes == 0
+        layered.pending.drain()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    near.gate.set()
+    layered.close()
+    assert os.waitstatus_to_exitcode(status) == 0 and key(5) in near

@@ -15,7 +15,10 @@ A shared store may read more than a batch asks for (a bucket's whole segments): 
 copy keeps the rest while it has room. Once it is full, the rest waits in a small
 *stash* in RAM (:data:`STASH_BYTES`, oldest out first), where the next batches of a
 windowed order (:class:`~torchcache.datasets.sampler.WindowSampler`) find it: each
-segment is then fetched once per epoch, not once per batch.
+segment is then fetched once per epoch, not once per batch. While the local copy has
+room, those entries are written to it by a background thread, and the next batches find
+them in RAM until they are: the reads that fetched them never wait on the local disk
+(unless :data:`PENDING_BYTES` are still waiting to be written).
 
 Faults of the local copy (a full or read-only disk, a damaged file) are reported once
 under the kind ``"local"`` and turn the copy off for this process; the shared store
@@ -25,8 +28,9 @@ copy, while local hits keep being served.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
 from .._gc import collector_paused
@@ -35,11 +39,15 @@ from ..faults import Fault, Report
 from ..stores.batched import BatchedStore, VerifyReport
 from .lookup import hits_of, look_up
 
-__all__ = ["STASH_BYTES", "LayeredStore"]
+__all__ = ["PENDING_BYTES", "STASH_BYTES", "LayeredStore"]
 
 #: Bytes of entries a layered store holds in RAM, read with a batch's segments but not
 #: asked for, while its local copy is full.
 STASH_BYTES = 64 << 20
+#: Bytes of such entries waiting to be written to the local copy before a read that
+#: fetched more waits for the writer.
+PENDING_BYTES = 256 << 20
+_PIECE_BYTES = 16 << 20
 
 
 class LayeredStore(BatchedStore):
@@ -61,6 +69,7 @@ class LayeredStore(BatchedStore):
         self._near_on = True
         self._lock = threading.Lock()
         self.stash = _Stash(stash_bytes)
+        self.pending = _Pending(self)
         #: Hits served by the local copy and by the shared store, in this process.
         self.served = [0, 0]
 
@@ -85,13 +94,14 @@ class LayeredStore(BatchedStore):
         found: list[bytes | memoryview | None] = [None] * len(keys)
         near = _Near(self)
         with collector_paused():  # whole segments fetched and copied: a burst of short-lived objects
-            for tier, positions, datas in look_up((near, self.stash, _Far(self)), keys).parts:
-                self.served[min(tier, 1)] += len(positions)  # the stash's hits came from the shared store
+            # What waits to be written first: the local copy's reads would wait for its writer.
+            for tier, positions, datas in look_up((self.pending, near, self.stash, _Far(self)), keys).parts:
+                self.served[int(tier > 1)] += len(positions)  # the stash's hits came from the shared store
                 for i, data in zip(positions, datas):
                     found[i] = data
             extras = self.far.take_extras()  # the rest of whole segments the shared store read
-            if extras and self.far.prefetch:  # the local copy had room
-                near.keep([key for key, _ in extras], [data for _, data in extras])
+            if extras and self.far.prefetch:  # the local copy had room: written in the background
+                self.pending.add(extras)
             elif extras:
                 self.stash.add(extras)
         return found
@@ -102,7 +112,7 @@ class LayeredStore(BatchedStore):
         With ``shared``, of every key: the local copy is left out.
         """
         near = self.near if self._near_on and not shared else None
-        lacking = [i for i, key in enumerate(keys) if near is None or key not in near]
+        lacking = [i for i, key in enumerate(keys) if near is None or (key not in near and key not in self.pending)]
         out: list[tuple[str, int] | None] = [None] * len(keys)
         for i, place in zip(lacking, self.far.placement([keys[i] for i in lacking])):
             out[i] = place
@@ -172,6 +182,7 @@ class LayeredStore(BatchedStore):
             StoreError: If either store cannot be written (the entry is then not trusted).
         """
         self.stash.drop(keys)
+        self.pending.drain()
         self.near.delete_many(keys)
         return self.far.delete_many(keys)
 
@@ -182,17 +193,20 @@ class LayeredStore(BatchedStore):
             StoreError: If either store cannot be written.
         """
         self.stash.drop(None)
+        self.pending.drain()
         self.near.clear()
         self.far.clear()
 
     def flush(self) -> None:
-        """Make both stores' writes visible to other processes."""
+        """Make both stores' writes visible to other processes (the local copy's background writes first)."""
+        self.pending.drain()
         self.near.flush()
         self.far.flush()
 
     def close(self) -> None:
-        """Close both (and empty the stash); they reopen if used again."""
+        """Close both (the local copy's background writes done first, the stash emptied); they reopen if used again."""
         self.stash.drop(None)
+        self.pending.drain()
         try:
             self.near.close()
         finally:
@@ -204,6 +218,7 @@ class LayeredStore(BatchedStore):
         Raises:
             StoreError: If ``fix`` is set and either store cannot be written.
         """
+        self.pending.drain()
         far = self.far.verify(fix)
         near = self.near.verify(fix)
         bad = list(dict.fromkeys(far.bad + near.bad))
@@ -279,6 +294,99 @@ class _Stash:
         """Entries the shared store served are served: nothing to keep."""
 
 
+class _Pending:
+    """Entries on their way into the local copy, written by one background thread; found here until they are.
+
+    A read that hands over more while :data:`PENDING_BYTES` wait waits for the writer. A
+    forked child starts with nothing pending (its parent writes what it fetched).
+    """
+
+    def __init__(self, layered: LayeredStore) -> None:
+        self.layered = layered
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self.nbytes = 0
+        self._entries: dict[str, bytes | memoryview] = {}
+        self._queue: deque[Sequence[tuple[str, bytes | memoryview]]] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._writing = False
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's writer is not here
+            self._reset()
+
+    def __contains__(self, key: object) -> bool:
+        self._mine()
+        return key in self._entries
+
+    def add(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Hand ``items`` to the writer (waiting while too many bytes wait already)."""
+        self._mine()
+        with self._cond:
+            self._cond.wait_for(lambda: self.nbytes <= PENDING_BYTES or not self._writing)
+            for key, data in items:
+                old = self._entries.get(key)
+                self._entries[key] = data
+                self.nbytes += len(data) - (0 if old is None else len(old))
+            self._queue.append(items)
+            if not self._writing:
+                self._writing = True
+                # Not a daemon: the interpreter waits for it at exit, so what was fetched is kept.
+                threading.Thread(target=self._write, name="torchcache-local-copy", daemon=False).start()
+
+    def _write(self) -> None:
+        """Write what is queued, in pieces of :data:`_PIECE_BYTES` (the store's lock is let go between).
+
+        Entries stay here until the queue is empty, so reads find them in RAM and not
+        behind the writer on the local copy's lock.
+        """
+        near = _Near(self.layered)
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._entries.clear()
+                    self.nbytes = 0
+                    self._writing = False
+                    self._cond.notify_all()
+                    return
+                items = self._queue.popleft()
+            for piece in _pieces(items):
+                try:
+                    near.keep([key for key, _ in piece], [data for _, data in piece])  # a fault turns the copy off
+                except Exception as exc:  # noqa: BLE001 - whatever it is, the copy is off and nothing waits forever
+                    self.layered._near_failed(StoreError(f"{type(exc).__name__}: {exc}"), "write")
+
+    def drain(self) -> None:
+        """Wait until everything handed over is written (or the local copy failed)."""
+        self._mine()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+
+    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
+        self._mine()
+        if not self._entries:
+            return []
+        with self._cond:
+            return hits_of([self._entries.get(key) for key in keys])
+
+    def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
+        """Entries the shared store served are served: nothing to keep."""
+
+
+def _pieces(items: Sequence[tuple[str, bytes | memoryview]]) -> Iterator[Sequence[tuple[str, bytes | memoryview]]]:
+    """``items`` in runs of about :data:`_PIECE_BYTES`."""
+    start, size = 0, 0
+    for i, (_, data) in enumerate(items):
+        size += len(data)
+        if size >= _PIECE_BYTES:
+            yield items[start : i + 1]
+            start, size = i + 1, 0
+    if start < len(items):
+        yield items[start:]
+
+
 class _Far:
     """The shared store as a tier: its faults reach the caller.
 
@@ -293,7 +401,8 @@ class _Far:
 
     def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
         near, far = self.layered.near, self.layered.far
-        half = near.max_bytes // 2  # payload bytes first: counted in the index, where disk bytes take a listing
+        half = near.max_bytes // 2 - self.layered.pending.nbytes  # what waits to be written counts too
+        # Payload bytes first: counted in the index, where disk bytes take a listing.
         far.prefetch = self.layered.near_enabled and near.nbytes < half and near.disk_bytes < half
         return hits_of(far.get_many(keys))
 
