@@ -406,3 +406,16 @@ def test_a_forked_child_starts_with_nothing_waiting_to_be_written() -> None:
     near.gate.set()
     layered.close()
     assert os.waitstatus_to_exitcode(status) == 0 and key(5) in near
+
+
+def test_without_a_thread_for_the_writer_the_read_writes_the_local_copy_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    far, near = _WholeReads(10**6), ReferenceStore(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, Reports())
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    assert layered.get_many([key(0)]) == [value(0)]
+    assert all(key(i) in near for i in range(10)) and layered.pending.nbytes == 0
+    layered.close()  # nothing to wait for

@@ -331,10 +331,17 @@ class _Pending:
                 self._entries[key] = data
                 self.nbytes += len(data) - (0 if old is None else len(old))
             self._queue.append(items)
-            if not self._writing:
-                self._writing = True
-                # Not a daemon: the interpreter waits for it at exit, so what was fetched is kept.
+            if self._writing:
+                return
+            self._writing = True
+            try:  # not a daemon: the interpreter waits for it at exit, so what was fetched is kept
                 threading.Thread(target=self._write, name="torchcache-local-copy", daemon=False).start()
+                return
+            except RuntimeError:  # no thread to be had (too many, or the interpreter is exiting)
+                self._queue.clear()
+                self._entries.clear()
+                self.nbytes, self._writing = 0, False
+        _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])  # written here, then
 
     def _write(self) -> None:
         """Write what is queued, in pieces of :data:`_PIECE_BYTES` (the store's lock is let go between).
