@@ -419,3 +419,14 @@ def test_without_a_thread_for_the_writer_the_read_writes_the_local_copy_itself(m
     assert layered.get_many([key(0)]) == [value(0)]
     assert all(key(i) in near for i in range(10)) and layered.pending.nbytes == 0
     layered.close()  # nothing to wait for
+
+
+def test_a_dataloader_worker_writes_the_local_copy_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker is terminated a few seconds after its last batch: no writer may outlive it.
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    far, near = _WholeReads(10**6), _SlowCopy(10**6)
+    far.put_many([(key(i), value(i)) for i in range(10)])
+    layered = LayeredStore(near, far, Reports())
+    assert layered.get_many([key(0)]) == [value(0)]
+    assert all(key(i) in near for i in range(10)) and layered.pending.nbytes == 0 and not near.writing.is_set()
+    layered.close()

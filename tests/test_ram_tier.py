@@ -19,6 +19,7 @@ from torchcache.datasets.decode import decode_rows, decode_samples, frame_head
 from torchcache.datasets.encode import encode_sample
 from torchcache.datasets.keys import store_key
 from torchcache.datasets.rows import ROWS_NAME, SampleRows
+from torchcache.datasets.shm import default_memory_size
 from torchcache.datasets.tiers import SampleTier
 from torchcache.errors import StoreError
 from torchcache.faults import FaultLog
@@ -311,24 +312,33 @@ def test_a_rows_file_not_of_this_dataset_is_left_alone_with_one_report(tmp_path:
     tier.close()
 
 
-@pytest.mark.parametrize(("bfree", "bavail", "kept"), [(80_000, 20_000, True), (80_000, 5_000, False)])
+@pytest.mark.parametrize(
+    ("blocks", "bfree", "bavail", "kept"),
+    [(100_000, 80_000, 20_000, True), (100_000, 80_000, 5_000, False), (0, 0, 0, True)],
+    ids=["held-back-room", "held-back-full", "no-size"],
+)
 def test_the_free_quarter_of_a_ram_tier_counts_only_what_this_user_can_have(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bfree: int, bavail: int, kept: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: int, bfree: int, bavail: int, kept: bool
 ) -> None:
     # 100,000 blocks, of which the host holds back bfree - bavail: 20,000 free of 40,000 usable
     # leaves more than a quarter, 5,000 of 25,000 does not; neither is a quarter of all blocks.
+    # A file system of no blocks has no size (ramfs, tmpfs with size=0): no reserve to keep.
     statvfs = os.statvfs
 
     def held_back(path: Any) -> os.statvfs_result:
         if not str(path).startswith(str(tmp_path)):
             return statvfs(path)
-        return os.statvfs_result((4096, 4096, 100_000, bfree, bavail, 0, 0, 0, 0, 255))
+        return os.statvfs_result((4096, 4096, blocks, bfree, bavail, 0, 0, 0, 0, 255))
 
     monkeypatch.setattr(os, "statvfs", held_back)
     tier = SampleTier("memory", PackedStore(tmp_path, 10**6), 10**6, FaultLog("held back"), reserve_in=tmp_path)
     tier.put_many([(store_key(i), encode_sample((torch.zeros(4), i))) for i in range(3)])
     assert (len(tier), tier.full) == ((3, False) if kept else (0, True))
     tier.close()
+    expected = min(32 * 10**9, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    if blocks:
+        expected = min(expected, (blocks - bfree + bavail) * 4096 // 2)
+    assert default_memory_size(tmp_path) == expected
 
 
 class _Vectors(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -287,5 +287,6 @@ def default_memory_size(directory: Path | None = None) -> int:
         candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
     with contextlib.suppress(OSError, StoreError):
         vfs = os.statvfs(directory if directory is not None else ram_root())
-        candidates.append((vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize // 2)  # what this user can have
+        if vfs.f_blocks:  # none: a file system without a size (ramfs, tmpfs with size=0)
+            candidates.append((vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize // 2)  # what the user can have
     return max(min(candidates), 0)

@@ -440,7 +440,7 @@ def _leaves_room(directory: Path, nbytes: int) -> bool:
     except OSError:
         return True  # a write says what is wrong
     usable = (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize  # blocks reserved for root never are
-    return (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable
+    return not vfs.f_blocks or (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable  # 0: no limit (ramfs)
 
 
 def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:

@@ -33,6 +33,8 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
+import torch.utils.data
+
 from .._gc import collector_paused
 from ..errors import StoreError
 from ..faults import Fault, Report
@@ -322,8 +324,15 @@ class _Pending:
         return key in self._entries
 
     def add(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        """Hand ``items`` to the writer (waiting while too many bytes wait already)."""
+        """Hand ``items`` to the writer (waiting while too many bytes wait already).
+
+        A DataLoader worker writes them itself: it is terminated a few seconds after its
+        last batch, and a writer still at work would lose what it had not written.
+        """
         self._mine()
+        if torch.utils.data.get_worker_info() is not None:
+            _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])
+            return
         with self._cond:
             self._cond.wait_for(lambda: self.nbytes <= PENDING_BYTES or not self._writing)
             for key, data in items:
