@@ -177,12 +177,18 @@ class SampleLayout:
                 container, its fields in order): each sample is then kept whole.
         """
         kind = {"tensor": torch.Tensor, "tuple": tuple, "list": list, "dict": Mapping}[self.container]
-        for sample in samples:
-            if not isinstance(sample, kind) or (kind is not torch.Tensor and _names(sample) != self.names):
-                raise VariableLayoutError(
-                    f"a sample is not of the first one's structure ({self.container} of {list(self.names)}): "
-                    "a features cache needs samples of one structure"
-                )
+        if kind is torch.Tensor:
+            alike = all(isinstance(sample, kind) for sample in samples)
+        elif kind is Mapping:
+            alike = all(isinstance(sample, kind) and tuple(sample) == self.names for sample in samples)
+        else:  # the names of a tuple's or list's fields are its positions: its length says them
+            width = len(self.names)
+            alike = all(isinstance(sample, kind) for sample in samples) and all(len(s) == width for s in samples)
+        if not alike:
+            raise VariableLayoutError(
+                f"a sample is not of the first one's structure ({self.container} of {list(self.names)}): "
+                "a features cache needs samples of one structure"
+            )
         if self.container == "tensor":
             return list(samples), []
         key, others = self._keys
@@ -418,8 +424,3 @@ def _column(f: Field, rows: np.ndarray[Any, Any], count: int) -> list[Any]:
         return list(values.reshape(count))
     arrays = values.reshape(count, *f.shape)
     return list(arrays) if f.shape else [np.array(value) for value in arrays]  # 0-d arrays stay arrays
-
-
-def _names(sample: Any) -> tuple[str, ...]:
-    """The fields of a tuple, list or mapping sample, as a layout names them."""
-    return tuple(sample) if isinstance(sample, Mapping) else tuple(str(i) for i in range(len(sample)))
