@@ -37,6 +37,7 @@ from .output import (
     relative,
     table,
     totals,
+    visible,
     when,
 )
 from .verify import Problem, rebuild_meta, verify_files, verify_store
@@ -145,7 +146,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items(), key=str)) or "-"))
     width = max(len(label) for label, _ in fields)
     for label, value in fields:
-        print(f"{label:<{width}}  {value}")
+        print(f"{label:<{width}}  {visible(value)}")
     if layouts:
         print(f"\nlayouts (headers of {plural(sampled, 'entry', 'entries')}):")
         rows = [

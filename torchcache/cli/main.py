@@ -9,6 +9,7 @@ as argparse does).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import sys
@@ -217,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success, 1 on failure or unfixed problems, 2 on a usage error,
         130 when interrupted.
     """
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is shown escaped, not a crash
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(join_sizes(sys.argv[1:] if argv is None else argv))

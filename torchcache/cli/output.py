@@ -37,6 +37,7 @@ __all__ = [
     "short_keys",
     "table",
     "totals",
+    "visible",
     "when",
 ]
 
@@ -128,8 +129,20 @@ def relative(path: Path, root: Path) -> str:
         return str(path)
 
 
+def visible(text: str) -> str:
+    """``text`` with what a terminal would act on or cannot show escaped (control characters, lone surrogates).
+
+    Names and versions come from metadata files, which anyone who can write the cache
+    directory can edit: printed raw, an escape sequence would reach the terminal.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
     """A plain-text table: columns as wide as their widest cell, those in ``right`` aligned right."""
+    rows = [[visible(cell) for cell in row] for row in rows]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     lines = []
     for row in (headers, *rows):
