@@ -65,7 +65,7 @@ LONG_UNITS = {
     "torchcache.stores.packed.store": 470,
     "torchcache.stores.packed.store.PackedStore": 415,
     "torchcache.stores.redis.store.RedisStore": 280,
-    "torchcache.stores.rows.file.RowsFile": 315,
+    "torchcache.stores.rows.file.RowsFile": 325,
     "torchcache.tiers.persistent.PersistentTier": 335,
 }
 

@@ -282,6 +282,30 @@ def test_a_file_made_for_a_budget_allocates_its_tables_not_its_rows(tmp_path: Pa
     file.close()
 
 
+def test_the_holes_of_a_sparse_file_are_not_read_to_count_or_list_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A planted file that claims 2**28 rows in a table of holes (2 GiB of checks on 3 blocks):
+    # counting and listing its rows costs what it holds, not what it claims.
+    from torchcache.stores import files
+
+    monkeypatch.setattr(files, "allocate", lambda fd, size: None)
+    length, picked = 1 << 28, [5, 1 << 27, (1 << 28) - 1]
+    file = RowsFile.create(tmp_path / "rows.tcrows", HEADER, length, SIZE, capacity=4)
+    assert os.stat(tmp_path / "rows.tcrows").st_blocks * 512 < 1 << 20  # sparse
+    file.write(np.asarray(picked), rows_of(picked))
+    scanned: list[int] = []  # checks read by numpy's scans
+
+    def spy(scan: Any) -> Any:
+        return lambda a, *args, **kwargs: (scanned.append(np.size(a)), scan(a, *args, **kwargs))[1]
+
+    monkeypatch.setattr(np, "count_nonzero", spy(np.count_nonzero))
+    monkeypatch.setattr(np, "flatnonzero", spy(np.flatnonzero))
+    assert file.count() == 3 and file.written().tolist() == picked and file.damaged().tolist() == []
+    assert 0 < sum(scanned) < 1 << 20  # the blocks written, not 2**28 checks
+    file.close()
+
+
 def _writer(directory: str, worker: int, rounds: int, queue: Any) -> None:
     file = RowsFile.create(Path(directory) / "rows.tcrows", HEADER, 400, SIZE, capacity=300)
     rng = np.random.default_rng(worker)

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .._version import __version__
 from ..catalog.inspect import (
     ENTRY_SUFFIX,
@@ -107,7 +105,7 @@ def verify_features(
     problems: list[Problem] = []
     checked = 0
     try:
-        written = np.setdiff1d(np.arange(file.length), file.missing())
+        written = file.written()
         damaged: list[int] = []
         for start in range(0, len(written), _FEATURE_CHUNK):
             chunk = written[start : start + _FEATURE_CHUNK]

@@ -139,7 +139,7 @@ class BatchWriter:
 def keep_in_memory(file: RowsFile) -> RowsFile:
     """A features file in memory holding the rows of ``file`` that read back whole; ``file`` is closed."""
     memory = features_in_memory(file.header)
-    written = np.flatnonzero(np.isin(np.arange(file.length), file.missing(), invert=True))
+    written = file.written()
     for start in range(0, len(written), 4096):
         part = written[start : start + 4096]
         found, rows, _, _ = file.read(part)

@@ -28,7 +28,7 @@ import xxhash
 
 from ...errors import CorruptEntryError, StoreError
 from ..files import pwrite_all
-from .format import Geometry, Mapped, digest, make_file, map_file, open_file, read_header, runs
+from .format import Geometry, Mapped, data_spans, digest, make_file, map_file, open_file, read_header, runs
 
 __all__ = ["RowsFile", "RowsRead"]
 
@@ -170,8 +170,15 @@ class RowsFile:
 
     # -- reads ------------------------------------------------------------------------
     def count(self) -> int:
-        """Rows written."""
-        return 0 if self._mapped is None else int(np.count_nonzero(self._mapped.checks))
+        """Rows written (the holes of a sparse file are not read: they hold no check)."""
+        mapped, spans = self._mapped, data_spans(self._fd, self.geometry.checks_at, self.length)
+        return 0 if mapped is None else sum(int(np.count_nonzero(mapped.checks[a:b])) for a, b in spans)
+
+    def written(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The indices of the rows written, ascending (the holes of a sparse file are not read)."""
+        mapped, spans = self._mapped, data_spans(self._fd, self.geometry.checks_at, self.length)
+        parts = [] if mapped is None else [np.flatnonzero(mapped.checks[a:b]) + a for a, b in spans]
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
     __len__ = count
 
@@ -245,7 +252,7 @@ class RowsFile:
             StoreError: If the file is closed, or was cut short since it was opened.
         """
         mapped = self._views()
-        written = np.flatnonzero(mapped.checks)
+        written = self.written()
         slots = mapped.slots[written].astype(np.int64) - 1
         outside = (slots < 0) | (slots >= self.capacity)
         starts = np.where(outside, 0, slots) * self.stride + self.row_at

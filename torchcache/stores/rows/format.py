@@ -192,6 +192,32 @@ def map_file(fd: int, path: Path | None, g: Geometry, length: int, capacity: int
     )
 
 
+def data_spans(fd: int, at: int, length: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges of the ``length`` 8-byte checks at ``at`` in file ``fd`` that hold data.
+
+    The holes of a sparse file read as zeros (rows not written) and are skipped without
+    being read: a planted file claiming 2**40 rows costs what it really holds. Every check
+    is in one range where the file system cannot tell (``fd`` -1: memory).
+    """
+    whole, end = [(0, length)], at + 8 * length
+    if fd < 0 or not hasattr(os, "SEEK_DATA"):
+        return whole
+    spans, pos = [], at
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data after pos
+                break
+            return whole
+        if data >= end:
+            break
+        spans.append(((data - at) // 8, min(length, -(-(hole - at) // 8))))
+        pos = hole
+    return spans
+
+
 def digest(row: Any, index: int) -> int:
     """The check of a row: its xxh3_64 seeded by its index, lowest bit set (0 means "not written")."""
     return xxhash.xxh3_64_intdigest(row, index) | 1
