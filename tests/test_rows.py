@@ -292,7 +292,9 @@ def test_the_holes_of_a_sparse_file_are_not_read_to_count_or_list_its_rows(
     monkeypatch.setattr(files, "allocate", lambda fd, size: None)
     length, picked = 1 << 28, [5, 1 << 27, (1 << 28) - 1]
     file = RowsFile.create(tmp_path / "rows.tcrows", HEADER, length, SIZE, capacity=4)
-    assert os.stat(tmp_path / "rows.tcrows").st_blocks * 512 < 1 << 20  # sparse
+    if os.stat(tmp_path / "rows.tcrows").st_blocks * 512 > 1 << 20:
+        file.close()
+        pytest.skip("the temporary directory's file system keeps no holes")
     file.write(np.asarray(picked), rows_of(picked))
     scanned: list[int] = []  # checks read by numpy's scans
 
