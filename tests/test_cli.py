@@ -215,19 +215,29 @@ def test_info_by_prefix_directory_and_json(capsys: pytest.CaptureFixture[str], c
     assert data["layouts"] == [{"layout": "float32[3]", "entries": 3, "item_bytes": 12}]
 
 
-@pytest.mark.parametrize("command", ["ls", "info", "prune"])
+@pytest.mark.parametrize("command", ["ls", "info", "prune", "clear", "clear-asked"])
 def test_names_from_metadata_reach_the_terminal_escaped(
-    capsys: pytest.CaptureFixture[str], cache_root: Path, command: str
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cache_root: Path, command: str
 ) -> None:
     _, _, directory = make_cache()
     meta = json.loads((directory / META_NAME).read_text())
     planted = "\x1b]0;pwned\x07\x1b[2J\ud800"  # a window title, a cleared screen, a lone surrogate
     meta.update(name=planted, torchcache_version=planted)
     (directory / META_NAME).write_text(json.dumps(meta))  # ASCII JSON: the escapes are valid there
-    args = {"ls": [str(cache_root)], "info": [str(directory)], "prune": [str(cache_root), "--keep", "0", "--dry-run"]}
-    code, out, _ = run(capsys, command, *args[command])
-    assert code == 0 and "\\x1b]0;pwned\\x07" in out and "\\ud800" in out
-    assert not any(ch in out for ch in "\x1b\x07\ud800")
+    if command == "clear-asked":
+        monkeypatch.setattr(sys, "stdin", FakeTty("n\n"))
+    args = {
+        "ls": ["ls", str(cache_root)],
+        "info": ["info", str(directory)],
+        "prune": ["prune", str(cache_root), "--keep", "0", "--dry-run"],
+    }
+    errors = sys.stdout.errors, sys.stderr.errors
+    code, out, err = run(capsys, *args.get(command, ["clear", str(directory)]))
+    shown = err if command.startswith("clear") else out
+    assert code == (1 if command.startswith("clear") else 0) and directory.exists()
+    assert "\\x1b]0;pwned\\x07" in shown and "\\ud800" in shown
+    assert not any(ch in out + err for ch in "\x1b\x07\ud800")
+    assert (sys.stdout.errors, sys.stderr.errors) == errors  # the streams are put back
 
 
 def test_info_lookup_errors(capsys: pytest.CaptureFixture[str], cache_root: Path) -> None:

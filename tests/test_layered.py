@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import stat
@@ -421,9 +422,9 @@ def test_without_a_thread_for_the_writer_the_read_writes_the_local_copy_itself(m
     layered.close()  # nothing to wait for
 
 
-def test_a_dataloader_worker_writes_the_local_copy_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A worker is terminated a few seconds after its last batch: no writer may outlive it.
-    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+def test_a_child_process_writes_the_local_copy_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A DataLoader or Pool worker is terminated soon after its last task: no writer may outlive it.
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
     far, near = _WholeReads(10**6), _SlowCopy(10**6)
     far.put_many([(key(i), value(i)) for i in range(10)])
     layered = LayeredStore(near, far, Reports())

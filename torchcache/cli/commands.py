@@ -421,8 +421,9 @@ def cmd_clear(args: argparse.Namespace) -> int:
         return 0
     size = format_size(sum(c.nbytes for c in targets))
     single = len(targets) == 1 and not args.all
+    first = targets[0]
     what = (
-        f"{product(targets[0])} cache {targets[0].key} ({targets[0].name}, {size}) in {targets[0].directory.parent}"
+        f"{product(first)} cache {first.key} ({visible(first.name)}, {size}) in {first.directory.parent}"
         if single
         else f"{count_caches(targets)} ({size}) under {root}"
     )

@@ -9,6 +9,7 @@ as argparse does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import re
@@ -218,9 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success, 1 on failure or unfixed problems, 2 on a usage error,
         130 when interrupted.
     """
-    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is shown escaped, not a crash
-        if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="backslashreplace")
+    # A file name that is not UTF-8 is shown escaped, not a crash; the streams are put back after.
+    streams = [(s, s.errors) for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper)]
+    for stream, _ in streams:
+        stream.reconfigure(errors="backslashreplace")
+    try:
+        return _run(argv)
+    finally:
+        for stream, errors in streams:
+            with contextlib.suppress(ValueError):  # closed meanwhile
+                stream.reconfigure(errors=errors)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(join_sizes(sys.argv[1:] if argv is None else argv))

@@ -28,12 +28,11 @@ copy, while local hits keep being served.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-
-import torch.utils.data
 
 from .._gc import collector_paused
 from ..errors import StoreError
@@ -326,11 +325,12 @@ class _Pending:
     def add(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Hand ``items`` to the writer (waiting while too many bytes wait already).
 
-        A DataLoader worker writes them itself: it is terminated a few seconds after its
-        last batch, and a writer still at work would lose what it had not written.
+        A child process (a DataLoader or ``multiprocessing.Pool`` worker) writes them
+        itself: it is terminated soon after its last task, and a writer still at work
+        would lose what it had not written.
         """
         self._mine()
-        if torch.utils.data.get_worker_info() is not None:
+        if multiprocessing.parent_process() is not None:
             _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])
             return
         with self._cond:
