@@ -932,3 +932,23 @@ def test_raw_rows_of_one_layout_are_one_contiguous_array_and_others_are_refused(
     mixed = rows_of([*frames[:3], bytes(other), *frames[4:]], codec.raw_head)
     assert mixed is not None and codec.raw_layout(mixed.heads) is None
     assert rows_of([*frames[:3], frames[3][:-4], *frames[4:]], codec.raw_head) is None  # another length
+
+
+def test_the_headers_a_codec_keeps_parsed_are_bounded_in_number_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.tiers.frames as frames_module
+    from torchcache.tiers.frames import FrameCodec
+    from torchcache.tree import Layout, flatten
+
+    monkeypatch.setattr(frames_module, "_LAYOUTS_KEPT", 4)
+    codec = FrameCodec(quality=5)
+
+    def written(value: Any) -> bytes:
+        return encode_header(Layout.of(*flatten(value), None).to_header())  # as another process wrote it
+
+    headers = [written(torch.zeros(1, width)) for width in range(1, 8)]
+    for header in headers:
+        codec.layout_of(header)
+        assert len(codec._layouts) <= 4  # the oldest go once it holds four
+    big = written(tuple(torch.zeros(1, 1) for _ in range(5000)))
+    assert len(big) > frames_module._LAYOUT_HEADER_BYTES  # a header of thousands of leaves (a planted one)
+    assert len(codec.layout_of(big).leaves) == 5000 and big not in codec._layouts  # parsed, not kept

@@ -929,3 +929,16 @@ def test_torchcache_works_without_parentheses_on_classes_instances_methods_and_f
     method(x)
     method(x)
     assert owner.seen == [3, 2, 1]
+
+
+def test_an_output_of_zero_bytes_per_item_is_a_disk_hit(tmp_path: Path) -> None:
+    @torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)
+    def empty(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], 0)
+
+    x = torch.arange(8.0).reshape(2, 4)
+    empty(x)
+    empty.cache_instance.flush()
+    out = empty(x)  # read from disk: rows of no bytes, viewed as nothing
+    disk = empty.cache_instance.stats().disk
+    assert out.shape == (2, 0) and out.dtype == torch.float32 and disk is not None and disk.hits == 2

@@ -505,3 +505,14 @@ def test_a_sample_of_nearly_max_nodes_numbers_round_trips() -> None:
     assert decode_sample(encode_sample(sample)) == sample
     with pytest.raises(SampleTypeError, match="more than 100000 values"):
         encode_sample(list(range(MAX_NODES)))
+
+
+def test_a_sample_header_too_large_to_keep_is_parsed_again_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchcache.datasets import decode
+
+    monkeypatch.setattr(decode, "_plans", {})
+    small, big = (torch.zeros(2), 1), tuple(float(i) for i in range(20_000))  # a header of 20,000 leaves
+    for sample in (small, big, big):
+        got = decode.decode_sample(encode_sample(sample))
+        assert got[1] == 1 if sample is small else got == big
+    assert len(decode._plans) == 1  # the small one's plan; the big one's would hold 20,000 leaves

@@ -276,6 +276,7 @@ def _shape(value: object, itemsize: int) -> tuple[int, ...]:
 
 
 _plans: dict[bytes, _Plan] = {}
+_PLAN_HEADER_BYTES = 1 << 16
 
 
 def _plan(header: bytes) -> _Plan:
@@ -287,7 +288,8 @@ def _plan(header: bytes) -> _Plan:
             plan = _Plan(parse_header(header))
         except (ValueError, TypeError, RecursionError) as exc:  # CorruptEntryError is a ValueError
             raise CorruptEntryError(f"invalid sample header: {str(exc)[:200]}") from None
-        _plans[header] = plan
+        if len(header) <= _PLAN_HEADER_BYTES:  # a huge header (a planted one) is parsed again, not kept
+            _plans[header] = plan
     return plan
 
 

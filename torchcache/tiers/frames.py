@@ -48,6 +48,8 @@ Frame = tuple[bytes, bytes | memoryview]
 _RETRY_EVERY = 256  # once brotli stopped paying: one row in 256 tries it again
 _GIVE_UP_AFTER = 8  # rows that brotli, or jobs that zero elision, did not pay for
 _RETRY_JOBS = 16  # once zero elision stopped paying: one job in 16 tries it again
+_LAYOUTS_KEPT = 4096  # parsed headers kept (outputs of many shapes: the oldest all go at once)
+_LAYOUT_HEADER_BYTES = 1 << 16
 
 
 def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.ndarray:
@@ -91,7 +93,10 @@ class FrameCodec:
                 raise CorruptEntryError(f"invalid header: {exc}") from None
             except RecursionError:
                 raise CorruptEntryError("invalid header: nested too deeply") from None
-            self._layouts[header_bytes] = layout
+            if len(header_bytes) <= _LAYOUT_HEADER_BYTES:  # a huge header (a planted one) is parsed again, not kept
+                if len(self._layouts) >= _LAYOUTS_KEPT:
+                    self._layouts.clear()
+                self._layouts[header_bytes] = layout
         return layout
 
     def header_of(self, layout: Layout) -> bytes:

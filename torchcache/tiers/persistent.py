@@ -308,6 +308,8 @@ class PersistentTier:
         table = torch.from_numpy(rows)
         leaves = [
             table[:, off : off + leaf.nbytes].view(leaf.dtype).reshape(len(positions), *leaf.shape)
+            if leaf.nbytes
+            else torch.empty((len(positions), *leaf.shape), dtype=leaf.dtype)  # no bytes to view
             for leaf, off in zip(layout.leaves, layout.offsets)
         ]
         self.hits += len(positions)
