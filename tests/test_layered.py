@@ -387,7 +387,7 @@ def test_a_read_that_fetches_more_waits_while_too_much_waits_to_be_written(monke
     assert waiting.wait(30) and near.log == []  # the second read waits for the writer
     near.gate.set()
     reader.join(30)
-    assert near.log[0] == "written" and near.log[-1] == "added"
+    assert near.log[0] == "written" and "added" in near.log  # added once the first writes were done
     layered.close()
 
 

@@ -335,10 +335,9 @@ class _Pending:
             return
         with self._cond:
             self._cond.wait_for(lambda: self.nbytes <= PENDING_BYTES or not self._writing)
-            for key, data in items:
-                old = self._entries.get(key)
+            for key, data in items:  # every byte queued counts, an entry queued twice too
                 self._entries[key] = data
-                self.nbytes += len(data) - (0 if old is None else len(old))
+                self.nbytes += len(data)
             self._queue.append(items)
             if self._writing:
                 return
@@ -350,7 +349,7 @@ class _Pending:
                 self._queue.clear()
                 self._entries.clear()
                 self.nbytes, self._writing = 0, False
-        _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])  # written here, then
+        _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])  # no writer: written here
 
     def _write(self) -> None:
         """Write what is queued, in pieces of :data:`_PIECE_BYTES` (the store's lock is let go between).
