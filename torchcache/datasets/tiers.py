@@ -189,7 +189,9 @@ class SampleTier:
     def slots_ready(self) -> RowsFile | None:
         """The rows file, if it exists now (another process of the job may have made it)."""
         slots = self.slots
-        return None if slots is None else slots.file or slots.attach()  # once attached, no call
+        if slots is None:
+            return None
+        return slots.file if slots.file is not None else slots.attach()  # not `or`: a file's truth counts its rows
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored frames of ``keys`` (``None`` for a miss; all misses if the store fails)."""
