@@ -940,6 +940,7 @@ def test_the_headers_a_codec_keeps_parsed_are_bounded_in_number_and_size(monkeyp
     from torchcache.tree import Layout, flatten
 
     monkeypatch.setattr(frames_module, "_LAYOUTS_KEPT", 4)
+    monkeypatch.setattr(frames_module, "_LAYOUT_HEADER_BYTES", 1 << 16)
     codec = FrameCodec(quality=5)
 
     def written(value: Any) -> bytes:
@@ -952,3 +953,11 @@ def test_the_headers_a_codec_keeps_parsed_are_bounded_in_number_and_size(monkeyp
     big = written(tuple(torch.zeros(1, 1) for _ in range(5000)))
     assert len(big) > frames_module._LAYOUT_HEADER_BYTES  # a header of thousands of leaves (a planted one)
     assert len(codec.layout_of(big).leaves) == 5000 and big not in codec._layouts  # parsed, not kept
+    large = written(tuple(torch.zeros(1, 1) for _ in range(900)))  # over a quarter of the bytes kept
+    for _ in range(5):
+        codec.layout_of(large)
+        codec.layout_of(written(torch.zeros(1, 9)))
+    assert large in codec._layouts and codec._kept <= frames_module._LAYOUT_HEADER_BYTES  # kept, and bounded
+    codec.layout_of(written(tuple(torch.zeros(1, 1) for _ in range(2000))))
+    codec.layout_of(written(tuple(torch.zeros(1, 1) for _ in range(2200))))
+    assert codec._kept <= frames_module._LAYOUT_HEADER_BYTES and large not in codec._layouts  # went to make room

@@ -511,8 +511,15 @@ def test_a_sample_header_too_large_to_keep_is_parsed_again_not_kept(monkeypatch:
     from torchcache.datasets import decode
 
     monkeypatch.setattr(decode, "_plans", {})
+    monkeypatch.setattr(decode, "_plan_bytes", 0)
+    monkeypatch.setattr(decode, "_PLAN_HEADER_BYTES", 1 << 16)
     small, big = (torch.zeros(2), 1), tuple(float(i) for i in range(20_000))  # a header of 20,000 leaves
     for sample in (small, big, big):
         got = decode.decode_sample(encode_sample(sample))
         assert got[1] == 1 if sample is small else got == big
     assert len(decode._plans) == 1  # the small one's plan; the big one's would hold 20,000 leaves
+    large = tuple(float(i) for i in range(2_000))  # a header of over a tenth of the bytes kept: kept
+    assert decode.decode_sample(encode_sample(large)) == large and len(decode._plans) == 2
+    for n in range(3_000, 12_000, 1_000):  # more of them: the oldest go, the bytes kept stay bounded
+        decode.decode_sample(encode_sample(tuple(float(i) for i in range(n))))
+        assert decode._plan_bytes <= decode._PLAN_HEADER_BYTES

@@ -422,8 +422,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
     size = format_size(sum(c.nbytes for c in targets))
     single = len(targets) == 1 and not args.all
     first = targets[0]
-    what = (
-        f"{product(first)} cache {first.key} ({visible(first.name)}, {size}) in {first.directory.parent}"
+    what = visible(  # names, keys and paths as a terminal can show them
+        f"{product(first)} cache {first.key} ({first.name}, {size}) in {first.directory.parent}"
         if single
         else f"{count_caches(targets)} ({size}) under {root}"
     )

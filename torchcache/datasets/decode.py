@@ -276,20 +276,24 @@ def _shape(value: object, itemsize: int) -> tuple[int, ...]:
 
 
 _plans: dict[bytes, _Plan] = {}
-_PLAN_HEADER_BYTES = 1 << 16
+_PLAN_HEADER_BYTES = 1 << 20  # bytes of the headers of the plans kept (a plan takes about 40 times its header's)
+_plan_bytes = 0
 
 
 def _plan(header: bytes) -> _Plan:
+    global _plan_bytes
     plan = _plans.get(header)
     if plan is None:
-        if len(_plans) >= _PLAN_CACHE_SIZE:
-            _plans.clear()
         try:
             plan = _Plan(parse_header(header))
         except (ValueError, TypeError, RecursionError) as exc:  # CorruptEntryError is a ValueError
             raise CorruptEntryError(f"invalid sample header: {str(exc)[:200]}") from None
-        if len(header) <= _PLAN_HEADER_BYTES:  # a huge header (a planted one) is parsed again, not kept
+        if len(header) <= _PLAN_HEADER_BYTES:  # one larger than all kept (a planted one): parsed again
+            if len(_plans) >= _PLAN_CACHE_SIZE or _plan_bytes + len(header) > _PLAN_HEADER_BYTES:
+                _plans.clear()  # the oldest all go at once
+                _plan_bytes = 0
             _plans[header] = plan
+            _plan_bytes += len(header)
     return plan
 
 

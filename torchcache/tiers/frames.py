@@ -49,7 +49,7 @@ _RETRY_EVERY = 256  # once brotli stopped paying: one row in 256 tries it again
 _GIVE_UP_AFTER = 8  # rows that brotli, or jobs that zero elision, did not pay for
 _RETRY_JOBS = 16  # once zero elision stopped paying: one job in 16 tries it again
 _LAYOUTS_KEPT = 4096  # parsed headers kept (outputs of many shapes: the oldest all go at once)
-_LAYOUT_HEADER_BYTES = 1 << 16
+_LAYOUT_HEADER_BYTES = 4 << 20  # and their bytes (a layout takes about 15 times its header's)
 
 
 def pack_rows(layout: Layout, leaves: Sequence[torch.Tensor], rows: int) -> np.ndarray:
@@ -72,6 +72,7 @@ class FrameCodec:
     def __init__(self, quality: int) -> None:
         self.quality = quality
         self._layouts: dict[bytes, Layout] = {}
+        self._kept = 0  # bytes of the headers of the layouts kept
         self._headers: dict[Layout, bytes] = {}
         self._streak: dict[Layout, int] = {}
         self._dense: dict[Layout, int] = {}  # jobs in a row where no row was zero-elided
@@ -93,10 +94,12 @@ class FrameCodec:
                 raise CorruptEntryError(f"invalid header: {exc}") from None
             except RecursionError:
                 raise CorruptEntryError("invalid header: nested too deeply") from None
-            if len(header_bytes) <= _LAYOUT_HEADER_BYTES:  # a huge header (a planted one) is parsed again, not kept
-                if len(self._layouts) >= _LAYOUTS_KEPT:
-                    self._layouts.clear()
+            if len(header_bytes) <= _LAYOUT_HEADER_BYTES:  # one larger than all kept (a planted one): parsed again
+                if len(self._layouts) >= _LAYOUTS_KEPT or self._kept + len(header_bytes) > _LAYOUT_HEADER_BYTES:
+                    self._layouts.clear()  # the oldest all go at once
+                    self._kept = 0
                 self._layouts[header_bytes] = layout
+                self._kept += len(header_bytes)
         return layout
 
     def header_of(self, layout: Layout) -> bytes:
