@@ -41,7 +41,17 @@ from .._fork import after_fork
 from .._log import logger
 from ..errors import StoreError
 
-__all__ = ["LOCK_NAME", "default_memory_size", "hold", "job_id", "new_job_dir", "ram_root", "release", "sweep"]
+__all__ = [
+    "LOCK_NAME",
+    "default_memory_size",
+    "hold",
+    "job_id",
+    "new_job_dir",
+    "ram_root",
+    "release",
+    "sweep",
+    "usable_bytes",
+]
 
 LOCK_NAME = "job.lock"
 _TRASH = ".trash-"
@@ -273,6 +283,11 @@ def _register_exit_hook() -> None:
         multiprocessing.util.Finalize(None, _release_all, exitpriority=-10)
 
 
+def usable_bytes(vfs: os.statvfs_result) -> int:
+    """The bytes of a file system this user can have: used plus available (blocks reserved for root never are)."""
+    return (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize
+
+
 def default_memory_size(directory: Path | None = None) -> int:
     """The default RAM tier budget: a quarter of the RAM, at most half the RAM file system, at most 32 GB.
 
@@ -288,5 +303,5 @@ def default_memory_size(directory: Path | None = None) -> int:
     with contextlib.suppress(OSError, StoreError):
         vfs = os.statvfs(directory if directory is not None else ram_root())
         if vfs.f_blocks:  # none: a file system without a size (ramfs, tmpfs with size=0)
-            candidates.append((vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize // 2)  # what the user can have
+            candidates.append(usable_bytes(vfs) // 2)
     return max(min(candidates), 0)

@@ -45,6 +45,7 @@ from .decode import decode_rows, decode_samples, frame_head
 from .encode import is_sample_1_2
 from .keys import store_key
 from .rows import SampleRows
+from .shm import usable_bytes
 
 __all__ = ["HitCounters", "SampleTier", "placement", "samples_from_slots", "segment_bytes"]
 
@@ -441,8 +442,7 @@ def _leaves_room(directory: Path, nbytes: int) -> bool:
         vfs = os.statvfs(directory)
     except OSError:
         return True  # a write says what is wrong
-    usable = (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail) * vfs.f_frsize  # blocks reserved for root never are
-    return not vfs.f_blocks or (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable  # 0: no limit (ramfs)
+    return not vfs.f_blocks or (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable_bytes(vfs)  # 0: no limit
 
 
 def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:

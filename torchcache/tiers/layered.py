@@ -331,7 +331,7 @@ class _Pending:
         """
         self._mine()
         if multiprocessing.parent_process() is not None:
-            _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])
+            self._keep(items)
             return
         with self._cond:
             self._cond.wait_for(lambda: self.nbytes <= PENDING_BYTES or not self._writing)
@@ -349,7 +349,11 @@ class _Pending:
                 self._queue.clear()
                 self._entries.clear()
                 self.nbytes, self._writing = 0, False
-        _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])  # no writer: written here
+        self._keep(items)  # no writer: written here
+
+    def _keep(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Write ``items`` to the local copy now (a fault of the copy turns it off)."""
+        _Near(self.layered).keep([key for key, _ in items], [data for _, data in items])
 
     def _write(self) -> None:
         """Write what is queued, in pieces of :data:`_PIECE_BYTES` (the store's lock is let go between).
@@ -357,7 +361,6 @@ class _Pending:
         Entries stay here until the queue is empty, so reads find them in RAM and not
         behind the writer on the local copy's lock.
         """
-        near = _Near(self.layered)
         while True:
             with self._cond:
                 if not self._queue:
@@ -369,7 +372,7 @@ class _Pending:
                 items = self._queue.popleft()
             for piece in _pieces(items):
                 try:
-                    near.keep([key for key, _ in piece], [data for _, data in piece])  # a fault turns the copy off
+                    self._keep(piece)
                 except Exception as exc:  # noqa: BLE001 - whatever it is, the copy is off and nothing waits forever
                     self.layered._near_failed(StoreError(f"{type(exc).__name__}: {exc}"), "write")
 
