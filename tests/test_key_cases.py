@@ -644,6 +644,48 @@ def test_a_tensor_attribute_rebound_after_the_first_call_is_seen() -> None:
     assert torch.equal(cached(X), X)
 
 
+class _Rescaled(nn.Module):
+    factor = 1.0  # a class value
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.act = nn.GELU()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # state that forward rebinds itself: not a change of the key
+        return self.act(x) * self.scale * type(self).factor
+
+
+@pytest.mark.parametrize("where", ["instance", "submodule", "class"])
+def test_a_plain_attribute_rebound_after_the_first_call_is_seen(where: str) -> None:
+    class Rescaled(_Rescaled):  # a class of its own: its value is rebound below
+        factor = 1.0
+
+    cached = torchcache()(Rescaled())
+    assert torch.equal(cached(X), nn.functional.gelu(X))
+    if where == "instance":
+        cached.scale = 3.0
+    elif where == "submodule":
+        cached.act.approximate = "tanh"
+    else:
+        Rescaled.factor = 3.0
+    assert torch.equal(cached(X), _Rescaled.forward(cached, X))
+
+
+def test_a_value_rebound_to_an_equal_one_or_by_forward_itself_keeps_the_entries() -> None:
+    cached = torchcache()(_Rescaled())
+    cached(X)
+    cached.scale = float("1.0")  # another object, the same value
+    cached.act.approximate = "".join(["no", "ne"])
+    cached(X)
+    assert cached.cache_instance.stats().hits == len(X)
+    cached.scale = 1  # equal, but an int: another key
+    cached(X)
+    assert cached.cache_instance.stats().hits == len(X)
+
+
 class _PerBatch(dict):  # type: ignore[type-arg]
     """A library's batch: its fields as attributes too (as a ModelOutput), and private per-batch data."""
 

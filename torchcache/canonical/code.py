@@ -260,9 +260,7 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             if member in _CLASS_METADATA or encoder.ignored(where, member):
                 continue
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
-            if callable(value) or isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
-                collect(Binding(vars(klass), member, value))  # a method replaced later: a new key (not values:
-                # a class-level table or memo that forward grows would take the key at every growth)
+            collect(Binding(vars(klass), member, value))  # a method or a value rebound later (Net.K = 3): a new key
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     return b"".join(parts)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .objects import CONFIG_UNKEYED, collect, slot_values, tensor_content_digest
+from .objects import CONFIG_UNKEYED, Binding, collect, slot_values, tensor_content_digest
 from .tags import Tag, raw, tagged, text
 
 if TYPE_CHECKING:
@@ -50,8 +50,12 @@ def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, dept
     own_key = getattr(module, "__torchcache_key__", None)
     if callable(own_key):
         return tagged(Tag.OWN_KEY, encoder.child(own_key(), f"{path}.__torchcache_key__()", depth))
-    items = [(k, v) for k, v in sorted(vars(module).items()) if k not in MODULE_MANAGED]
+    state = vars(module)
+    items = [(k, v) for k, v in sorted(state.items()) if k not in MODULE_MANAGED]
     parts = [encoder.child(type(module), f"{path}.<class>", depth), encoder.attributes(items, path, depth)]
+    for name, value in items:  # rebound later (model.scale = 3.0): the key is taken again
+        if not isinstance(value, torch.Tensor) and not encoder.ignored(path, name):  # tensors: watched on their own
+            collect(Binding(state, name, value))
     slots = slot_values(module)
     if slots:
         parts.append(tagged(Tag.SLOTS, encoder.items(slots, path, depth, attributes=True)))

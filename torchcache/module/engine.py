@@ -39,9 +39,9 @@ from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
 from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
-from .independence import ItemCheck
+from .independence import ItemCheck, buffers_kept
 from .outputs import OutputPlan, UnbatchedOutputError
-from .versions import HeldValues, VersionWatch
+from .versions import HeldValues, VersionWatch, settling
 
 __all__ = ["Cache"]
 
@@ -194,7 +194,8 @@ class Cache:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
-        held = HeldValues(found) if self.settings.persistent_module_hash is None else None
+        owner = self._watch.module() if self._watch is not None else None
+        held = HeldValues(found, owner) if self.settings.persistent_module_hash is None else None
         self._held = held if held else None
         return key
 
@@ -335,10 +336,7 @@ class Cache:
     def __call__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None = None
     ) -> Any:
-        """Call ``fn(*args, **kwargs)`` through the cache.
-
-        ``fn`` is called back with the caller's own layout of arguments, per-item tensors replaced by rows.
-        """
+        """Call ``fn(*args, **kwargs)`` through the cache (called back with per-item tensors replaced by rows)."""
         watch, held = self._watch, self._held
         if (
             self._module_hash is not None
@@ -346,6 +344,7 @@ class Cache:
             and ((watch is not None and watch.changed()) or (held is not None and held.changed()))
         ):
             self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
+        fn = settling(fn, self) if self.settings.persistent_module_hash is None else fn  # forward's own memos
         try:
             call, context = self._split(args, kwargs, training)
         except UncachedInput as exc:
@@ -534,7 +533,7 @@ class Cache:
         self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
-        kept = self._watch.buffers_kept() if self._watch is not None else contextlib.nullcontext()
+        kept = buffers_kept(self._watch.module()) if self._watch is not None else contextlib.nullcontext()
         return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:

@@ -31,7 +31,8 @@ them off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -43,7 +44,15 @@ from ..tree import Layout, flatten
 from .call import CallArguments
 from .outputs import OutputPlan
 
-__all__ = ["DependentItemsError", "ItemCheck", "check_items", "forget_checks", "is_checked", "mark_checked"]
+__all__ = [
+    "DependentItemsError",
+    "ItemCheck",
+    "buffers_kept",
+    "check_items",
+    "forget_checks",
+    "is_checked",
+    "mark_checked",
+]
 
 #: Call contexts (module key, arguments but the items, mode) whose items were seen to be independent here.
 _checked: set[bytes] = set()
@@ -322,3 +331,19 @@ def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> 
     floor = 0.1 * float(magnitude.square().mean().sqrt()) + torch.finfo(torch.float64).tiny
     spacing = 2 * info.smallest_normal * info.eps  # a step of the stored dtype's subnormals, where steps are fixed
     return bool(((a - b).abs() <= tolerance * magnitude.clamp_min(floor) + spacing).all())
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
+    """Restore the module's buffers when the block ends (an extra forward in training mode updates them)."""
+    buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
+    saved = [(b.detach().clone(), b._version) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, (value, version) in zip(buffers, saved):
+                # torch.equal takes strided tensors only; a sparse buffer is restored if it was written
+                strided = buffer.layout == torch.strided
+                if (strided and not torch.equal(buffer, value)) or (not strided and buffer._version != version):
+                    buffer.copy_(value)

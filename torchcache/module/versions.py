@@ -1,37 +1,27 @@
 """Seeing what a module's key covers change between calls, at a cost of a few C-level passes per call.
 
-Checked before every cached call, each against its state when the key was taken:
+Checked before every cached call, against the state the key was taken from: in-place
+writes (the sum of the version counters of the parameters, buffers and tensor
+attributes, which optimizer steps, ``copy_`` and batch norm bump); storage replaced
+(``p.data = new``: data pointers); tensors swapped in the registries
+(``torch.func.functional_call``); parameters, buffers and submodules registered or
+replaced (torch's registration hooks bump a generation; ``_modules`` dicts compared by
+identity); forward hooks registered or removed (handle numbers, dict sizes); and
+(:class:`HeldValues`) the plain attributes, class values and globals the key read,
+rebound to another value (``model.scale = 3.0``, ``Net.K = 3``, ``SCALE = 3``), and the
+tensors and small arrays it read inside containers, written in place. Any change takes
+the key again. Submodules switched to training or eval mode on their own are part of
+each call's key instead (:meth:`VersionWatch.training_pattern`).
 
-- **In-place writes**: every tensor has a version counter that in-place operations bump
-  (``copy_``, ``mul_``, ``lerp_``, ``_foreach_*``, optimizer steps, batch norm's running
-  statistics); a ``detach()`` view shares it. Counters only grow, so their sum over the
-  module's parameters, buffers and plain tensor attributes changes exactly when one of
-  them was written in place.
-- **Storage replaced**: ``p.data = new`` and ``nn.utils.vector_to_parameters`` give a
-  tensor new storage without bumping its counter; its data pointer changes.
-- **Tensors swapped in the registries**: ``torch.func.functional_call`` and
-  ``torch.nn.utils.stateless`` put other tensors in the modules' parameter and buffer
-  dicts for the length of a call; the call then takes the key of the weights it runs with.
-- **Registrations**: a parameter, buffer or submodule *replaced* through ``setattr`` goes
-  through torch's registration hooks, which bump a process-wide generation; the key is
-  then taken again, classes and attributes included. A submodule put straight into a
-  ``_modules`` dict runs no hook: the dicts' values are compared by identity.
-- **Forward hooks** registered or removed on a submodule, or for all modules: torch
-  numbers every hook handle, and the hook dicts' sizes are summed.
-
-Submodules switched to training or eval mode on their own do not change the key: the
-pattern of their flags is part of each call's key (:meth:`VersionWatch.training_pattern`).
-
-What none of this sees: writes through a ``numpy()`` view and in-place writes to
-inference tensors (made under ``torch.inference_mode()``, which have no version counter).
-``verify_weights=N`` hashes the weights every N calls to see those too.
+Not seen: writes through a ``numpy()`` view and in-place writes to inference tensors;
+``verify_weights=N`` hashes the weights every N calls for those.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
+import math
 import operator
 import warnings
 import weakref
@@ -49,7 +39,7 @@ from ..faults import user_stacklevel
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes, unignored
 
-__all__ = ["HeldValues", "VersionWatch"]
+__all__ = ["HeldValues", "VersionWatch", "settling"]
 
 _version = operator.attrgetter("_version")
 _training = operator.attrgetter("training")
@@ -172,6 +162,10 @@ class VersionWatch:
         self._generation = -1
         self._digest = ""
 
+    def module(self) -> torch.nn.Module | None:
+        """The watched module, ``None`` once it is gone."""
+        return self._module()
+
     def reset(self) -> None:
         """Take the current state as the one the module key was taken from (call before fingerprinting)."""
         module = self._module()
@@ -271,40 +265,52 @@ class VersionWatch:
             f"key_ignore (key_ignore=({(written or ['name'])[0].rsplit('.', 1)[-1]!r},))"
         )
 
-    @contextlib.contextmanager
-    def buffers_kept(self) -> Iterator[None]:
-        """Restore the module's buffers when the block ends (an extra forward in training mode updates them)."""
-        module = self._module()
-        buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
-        saved = [(b.detach().clone(), b._version) for b in buffers]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, (value, version) in zip(buffers, saved):
-                    # torch.equal takes strided tensors only; a sparse buffer is restored if it was written
-                    strided = buffer.layout == torch.strided
-                    if (strided and not torch.equal(buffer, value)) or (not strided and buffer._version != version):
-                        buffer.copy_(value)
-
     def training_pattern(self, training: bool) -> bytes:
         """The training flags of the submodules, or ``b""`` when they all follow the module's own."""
         flags = bytes(map(_training, self._submodules))
         return b"" if flags.count(training) == len(flags) else flags
 
 
-_UNBOUND = object()
 _rebound: collections.Counter[tuple[int, str]] = collections.Counter()
 #: Rebinding a global this often takes the key as often: a warning says so, once.
 REBOUND_WARN = 3
+
+
+#: Immutable types whose equal values are encoded alike: rebinding one to an equal value changes no key.
+_ALIKE = frozenset({type(None), bool, int, complex, str, bytes, torch.dtype, torch.device})
+
+
+def _alike(was: Any, now: Any) -> bool:
+    """Whether ``now`` is a value equal to ``was`` and of its type, which a key encodes alike (``-0.0`` apart)."""
+    if type(was) is not type(now):
+        return False
+    if isinstance(was, tuple):
+        return len(was) == len(now) and all(map(_alike, was, now))
+    if isinstance(was, float):
+        return bool(was == now and math.copysign(1.0, was) == math.copysign(1.0, now))
+    return type(was) in _ALIKE and bool(was == now)
+
+
+def settling(fn: Callable[..., Any], cache: Any) -> Callable[..., Any]:
+    """``fn``, after which what it rebound itself (a memo, a counter) is taken as it is by ``cache._held``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if cache._held is not None:
+                cache._held.settle()
+
+    return run
 
 
 def _note_rebound(binding: Binding) -> None:
     where = (id(binding.namespace), binding.name)
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
+        kind = "global" if "__builtins__" in binding.namespace else "attribute"
         warnings.warn(
-            f"torchcache: the global {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
+            f"torchcache: the {kind} {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
             "each time the module key is taken again (its weights hashed) and earlier entries no longer match. If "
             f"outputs do not depend on it, name it in key_ignore ({binding.name!r})",
             CacheWarning,
@@ -335,8 +341,11 @@ class HeldValues:
         "_versioned",
     )
 
-    def __init__(self, values: list[Any]) -> None:
+    def __init__(self, values: list[Any], owner: torch.nn.Module | None = None) -> None:
         bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
+        if owner is not None:  # the cached module's own attributes, read through a weak reference: no cycle
+            own, weak = vars(owner), _OwnerVars(weakref.ref(owner))
+            bindings = {k: (Binding(weak, *b[1:]) if b.namespace is own else b) for k, b in bindings.items()}
         self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
         self._lookups = (  # each checked in C: a model reads hundreds
             tuple(b.namespace.get for b in self._bindings),
@@ -372,8 +381,7 @@ class HeldValues:
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
         gets, names, values = self._lookups
-        if any(map(operator.is_not, map(operator.call, gets, names), values)):
-            _note_rebound(next(b for b in self._bindings if b.namespace.get(b.name, _UNBOUND) is not b.value))
+        if any(map(operator.is_not, map(operator.call, gets, names), values)) and self._rebound():
             return True
         if self._modules and bytes(map(_training, self._modules)) != self._flags:
             return True
@@ -382,6 +390,23 @@ class HeldValues:
                 return True
             self._generation = _Generation.value
         return any(_array_digest(array) != digest for array, digest in self._arrays)
+
+    def _rebound(self) -> bool:
+        """Whether a binding now holds another value; those rebound to an equal one are taken as they are."""
+        now = tuple(map(operator.call, *self._lookups[:2]))
+        changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not _alike(b.value, value)]
+        if changed:
+            _note_rebound(changed[0])
+            return True
+        self.settle()
+        return False
+
+    def settle(self) -> None:
+        """Take the values bound now as those the key read (what a forward that just ran rebound itself: a memo)."""
+        now = tuple(map(operator.call, *self._lookups[:2]))
+        if any(map(operator.is_not, now, self._lookups[2])):
+            self._bindings = [b._replace(value=value) for b, value in zip(self._bindings, now)]
+            self._lookups = (*self._lookups[:2], now)
 
     def written(self, name: str) -> KeyingError | None:
         """As :meth:`VersionWatch.written`, for tensors held in containers or read as globals."""
