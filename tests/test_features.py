@@ -287,6 +287,40 @@ def test_train_mode_is_keyed_and_stochastic_layers_are_refused(cache_root: Path)
     assert len(extract(dropout.eval(), data)) == 10
 
 
+class _DropPath(torch.nn.Module):
+    """Stochastic depth: a whole sample's branch dropped at random in training mode (no dropout module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (torch.rand(len(x), 1) > 0.5).float() if self.training else 1.0
+        return x + self.fc(x) * keep
+
+
+class _FunctionalDropout(_DropPath):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.fc(x), 0.5, self.training)
+
+
+@pytest.mark.parametrize("random", ["stochastic depth", "rrelu", "functional dropout"])
+def test_a_backbone_random_in_training_mode_without_a_dropout_layer_is_refused(cache_root: Path, random: str) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    if random == "stochastic depth":
+        net: torch.nn.Module = _DropPath()
+    elif random == "rrelu":
+        net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.RReLU())
+    else:
+        net = _FunctionalDropout()
+    net.requires_grad_(False).train()
+    state = torch.random.get_rng_state()
+    with pytest.raises(ConfigError, match=r"random.*eval\(\)"):
+        extract(net, data)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe too keeps the caller's random state
+    assert len(extract(net.eval(), data)) == 10
+
+
 def test_cache_dir_and_torchcache_dir(cache_root: Path, tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(10, 6))
     default = extract(Scale(), data)
@@ -477,7 +511,7 @@ class Net(torch.nn.Module):
         return x * self.w
 
 root, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-net, data = Net(), Images(n)
+net, data = Net().eval(), Images(n)
 features = extract_features(net, data, batch_size=batch, cache_dir=root, progress=False)
 digest = hashlib.sha256()
 for i in range(n):
@@ -632,6 +666,49 @@ def test_a_damaged_row_without_backbone_is_an_error(cache_root: Path) -> None:
     assert opened[1][1] == features[1][1]
     with pytest.warns(CacheWarning), pytest.raises(MissingFeatureError, match="extract_features"):
         opened[2]
+
+
+@pytest.mark.parametrize("change", ["weights", "data"])
+def test_a_row_damaged_after_the_backbone_or_dataset_changed_is_an_error_not_a_row_of_theirs(
+    cache_root: Path, change: str
+) -> None:
+    net, data = Net(), Images()
+    features, original = extract(net, data), Net()
+    original.load_state_dict(net.state_dict())
+    expected, other = features[3][0], features[4][0]
+    if change == "weights":
+        with torch.no_grad():
+            next(net.parameters()).add_(1.0)  # fine-tuning starts, with the extracted features in hand
+    else:
+        data.images[3] += 1.0
+    _flip_row(features, 3)
+    with pytest.warns(CacheWarning, match="damaged"), pytest.raises(MissingFeatureError, match="changed"):
+        features[3]
+    assert torch.equal(features[4][0], other)  # the others are still served
+    again = extract(original, Images())  # the backbone and data it was made from: the row computed again
+    assert torch.allclose(again[3][0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["rows", "variable"])
+def test_a_cache_folder_holding_another_caches_files_is_not_served(cache_root: Path, layout: str) -> None:
+    class Named(Images):
+        def __getitem__(self, i: int) -> Any:
+            return self.images[i], ["cat", "dog", None][i % 3]
+
+    data = Named() if layout == "variable" else Images()
+    a, b = Net(), Net()
+    ours, theirs = extract(a, data), extract(b, data)
+    assert ours.path is not None and theirs.path is not None
+    folder, planted = (ours.path, theirs.path) if layout == "variable" else (ours.path.parent, theirs.path.parent)
+    expected, other = ours[0][0], theirs[0][0]
+    ours.close(), theirs.close()
+    shutil.rmtree(folder)
+    shutil.copytree(planted, folder)  # b's cache under a's key
+    with pytest.raises(ConfigError, match="made for other keys"):
+        FeatureDataset.open(folder)
+    with pytest.warns(CacheWarning, match="made for other keys"):
+        again = extract(a, data)
+    assert torch.allclose(again[0][0], expected, atol=1e-6) and not torch.allclose(again[0][0], other)
 
 
 def _flip_row(features: FeatureDataset, index: int) -> None:

@@ -122,6 +122,8 @@ def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
         features.batch([10])
     with pytest.raises(TypeError, match="must be integers"):
         features.batch([True])
+    with pytest.raises(TypeError, match=r"one list of integers, got shape \(2, 2\)"):
+        features.batch(np.array([[1, 2], [3, 4]]))
 
 
 def test_a_seeded_loader_leaves_the_global_rng_as_it_was(cache_root: Path) -> None:

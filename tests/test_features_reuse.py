@@ -54,7 +54,7 @@ def _counted(net: torch.nn.Module) -> tuple[torch.nn.Module, Tally]:
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])  # the first cache's digests hashed in the writer's thread, in workers
 def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_root: Path, workers: int) -> None:
-    net, calls = _counted(Scale(width=6))
+    net, calls = _counted(Scale(width=6).eval())
     base = torch.utils.data.TensorDataset(torch.randn(30, 6), torch.arange(30))
     before = extract(net, base, num_workers=workers)
     order = torch.randperm(30)
@@ -184,7 +184,7 @@ def test_a_digest_file_of_another_length_or_header_is_not_used(tmp_path: Path) -
 
 
 def test_several_older_caches_serve_one_batch_and_stand_in_for_each_others_damage(cache_root: Path) -> None:
-    net, calls = _counted(Scale(width=6))
+    net, calls = _counted(Scale(width=6).eval())
     pool = torch.randn(30, 6)
     first = extract(net, torch.utils.data.TensorDataset(pool[:20]))  # inputs 0-19
     second = extract(net, torch.utils.data.TensorDataset(pool[10:]))  # inputs 10-29, the newer cache

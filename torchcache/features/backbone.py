@@ -9,14 +9,32 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate
 
+from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, TorchCacheError
+from ..keys import numerics
+from ..module.fingerprint import fingerprint_module
 from ..stores.features.layout import SampleLayout
 
-__all__ = ["MissingFeatureError", "compute_rows", "device_of", "run_backbone"]
+__all__ = ["MissingFeatureError", "compute_rows", "device_of", "run_backbone", "source_keys"]
 
 
 class MissingFeatureError(TorchCacheError, LookupError):
     """A row of a features cache opened without its backbone is not written or is damaged."""
+
+
+def source_keys(backbone: torch.nn.Module, dataset: Any, version: object) -> tuple[str, str]:
+    """The module key and the dataset key of a features cache: what its rows are the features of.
+
+    Raises:
+        KeyingError: If the backbone or the dataset cannot be keyed.
+    """
+    settings: dict[str, object] = {"features": backbone.training}
+    device = next(iter(backbone.parameters()), torch.empty(0)).device.type
+    lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
+    if lines:  # in the module key: rows are reused only from caches computed the same way
+        settings["numerics"] = b"|".join(lines).decode()
+    module_key = fingerprint_module(backbone, b"", settings, root_hooks=True)  # rows hold what its hooks did
+    return module_key, fingerprint_dataset(dataset, version)
 
 
 def device_of(module: torch.nn.Module) -> torch.device:

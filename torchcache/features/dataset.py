@@ -16,7 +16,7 @@ import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,11 +30,13 @@ from ..faults import Fault, FaultLog
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
-from .backbone import MissingFeatureError, compute_rows, device_of
-from .remote import from_bucket, refuse_options
+from .backbone import MissingFeatureError, compute_rows, device_of, source_keys
+from .remote import folder_of, from_bucket, refuse_options
 from .variable import WholeSamples, is_variable_cache, run_samples
 
 __all__ = ["FeatureDataset", "MissingFeatureError"]
+
+_File = TypeVar("_File", RowsFile, WholeSamples)
 
 
 def find_features(location: str | os.PathLike[str] | None) -> Path:
@@ -95,8 +97,10 @@ class FeatureDataset(Dataset[Any]):
         backbone: torch.nn.Module | None = None,
         dataset: Any = None,
         claim: CacheClaim | None = None,
+        version: object = None,
     ) -> None:
         self.file = file
+        self._version = version  # extract_features' version: rows computed again must be of the same keys
         self.layout: SampleLayout | None = layout_of(file) if isinstance(file, RowsFile) else None
         self.backbone = backbone
         self.dataset = dataset
@@ -135,9 +139,9 @@ class FeatureDataset(Dataset[Any]):
             refuse_options(local_cache_dir, storage_options, "path")
             found = find_features(location)
         if found.is_dir():
-            return cls(WholeSamples.open(found))
+            return cls(_made_here(WholeSamples.open(found), found))
         try:
-            opened = cls(open_features(found), claim=claim_directory(found.parent))
+            opened = cls(_made_here(open_features(found), found.parent), claim=claim_directory(found.parent))
         except (TorchCacheError, ValueError) as exc:
             raise ConfigError(f"{found} is not a usable features cache: {exc}") from None
         if isinstance(location, str):  # a local copy: its root may have grown by it
@@ -283,8 +287,8 @@ class FeatureDataset(Dataset[Any]):
     def _compute_whole(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices`` computed again (features that vary in shape)."""
         assert isinstance(self.file, WholeSamples)
-        if self.backbone is None or self.dataset is None:
-            raise self._no_backbone(indices[0], "damaged or not computed")
+        _same_sources(self, indices[0], "damaged or not computed")
+        assert self.backbone is not None
         return run_samples(self.backbone, [self.dataset[i] for i in indices], self.file.header["input"])
 
     def _repair(
@@ -295,8 +299,8 @@ class FeatureDataset(Dataset[Any]):
         if bad:
             forget_damaged(self.file, sorted({int(wanted[j]) for j in bad}), self._faults.warn)
         positions = sorted(set(missing) | set(bad))
-        if self.backbone is None or self.dataset is None:
-            raise self._no_backbone(int(wanted[positions[0]]), "damaged" if bad else "not computed")
+        _same_sources(self, int(wanted[positions[0]]), "damaged" if bad else "not computed")
+        assert self.backbone is not None and self.dataset is not None
         if device_of(self.backbone).type == "cuda" and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
             raise MissingFeatureError(
                 f"{len(positions)} rows of {self.path} were damaged since extract_features checked them, and this "
@@ -323,6 +327,33 @@ class FeatureDataset(Dataset[Any]):
             self._claim.release()
 
 
+def _same_sources(data: FeatureDataset, index: int, what: str) -> None:
+    """Raise unless the backbone and the dataset are still those the cache's rows are the features of."""
+    if data.backbone is None or data.dataset is None:
+        raise data._no_backbone(index, what)
+    header = data.file.header
+    if source_keys(data.backbone, data.dataset, data._version) != (header["module_key"], header["dataset_key"]):
+        raise MissingFeatureError(
+            f"the features of sample {index} in {data.path} are {what}, and the backbone or the dataset changed "
+            "since they were extracted (weights, code or data): rows computed now would not be the features "
+            "this cache holds; run torchcache.extract_features(backbone, dataset) again"
+        )
+
+
+def _made_here(file: _File, folder: Path) -> _File:
+    """``file``, unless ``folder`` is named for other keys than its header's (a copy of a bucket's adds a suffix).
+
+    Raises:
+        ConfigError: If it is.
+    """
+    header = file.header
+    made = folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input"))
+    if folder.name.startswith("features-") and folder.name != made and not folder.name.startswith(made + "-"):
+        file.close()
+        raise ConfigError(f"{folder} holds features made for other keys (those of {made}); not used")
+    return file
+
+
 def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
     """``indices`` as an array, negative ones counted from the end, checked against ``length``.
 
@@ -330,6 +361,8 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         TypeError: If an index is not an integer (``2.7``, ``"3"``, a float tensor, a bool).
         IndexError: If one is out of range, naming it as given.
     """
+    if getattr(indices, "ndim", 1) != 1:  # a 2-D array or tensor is not a batch of positions
+        raise TypeError(f"FeatureDataset indices must be one list of integers, got shape {np.shape(indices)}")
     kinds = set(map(type, indices))
     masks = torch.Tensor in kinds and any(getattr(i, "dtype", None) is torch.bool for i in indices)
     if bool in kinds or masks or getattr(indices, "dtype", None) in (torch.bool, np.bool_):  # a mask is no positions

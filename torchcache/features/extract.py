@@ -31,17 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
 
 from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
+from ..catalog.removal import remove_cache
 from ..config import check_location, resolve_location
-from ..datasets.keys import fingerprint_dataset
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
-from ..keys import numerics
 from ..meta import META_NAME, write_json_atomic
-from ..module.fingerprint import fingerprint_module
 from ..module.guards import check_frozen
 from ..stores.features.digests import batch_digests
 from ..stores.features.file import (
@@ -55,12 +54,12 @@ from ..stores.features.file import (
 )
 from ..stores.features.layout import SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
-from .backbone import MissingFeatureError
+from .backbone import MissingFeatureError, run_backbone, source_keys
 from .dataset import FeatureDataset
 from .probe import check_deterministic
 from .remote import FeaturesBucket, folder_of, refuse_options
 from .reuse import Donors, outputs
-from .variable import extract_variable, is_variable_cache
+from .variable import extract_variable, made_for
 from .writer import Batch, BatchWriter
 
 __all__ = ["FeatureDataset", "MissingFeatureError", "extract_features"]
@@ -177,13 +176,7 @@ def _extract_features(
     remote = None if isinstance(location, Path) else FeaturesBucket(location, local_cache_dir, storage_options, faults)
     if remote is None:
         refuse_options(local_cache_dir, storage_options, "cache_dir")
-    settings: dict[str, object] = {"features": backbone.training}
-    device = next(iter(backbone.parameters()), torch.empty(0)).device.type
-    lines = numerics(("cpu", "cuda", device))  # autocast, the default dtype: nothing at their defaults
-    if lines:  # in the module key: rows are reused only from caches computed the same way
-        settings["numerics"] = b"|".join(lines).decode()
-    module_key = fingerprint_module(backbone, b"", settings, root_hooks=True)  # rows hold what its hooks did
-    dataset_key = fingerprint_dataset(dataset, version)
+    module_key, dataset_key = source_keys(backbone, dataset, version)
     folder = folder_of(module_key, dataset_key, input)
     directory = remote.local_dir(folder) if remote is not None else Path(location) / folder
     header = {
@@ -204,12 +197,20 @@ def _extract_features(
             check = functools.partial(check_deterministic, dataset)
             update = None if bar is None else bar.update
             whole = extract_variable(backbone, dataset, directory, header, batch_size, num_workers, check, update)
-            return FeatureDataset(whole, backbone, dataset)
+            return FeatureDataset(whole, backbone, dataset, version=version)
         finally:
             if bar is not None:
                 bar.close()
 
-    if is_variable_cache(directory) and remote is None:
+    stored = made_for(directory) if remote is None else None
+    if stored is not None:
+        if {k: stored.get(k) for k in header} != header:  # a folder copied or planted under this key
+            faults.warn(Fault.CORRUPT, f"the features in {directory} were made for other keys: computed again")
+            try:
+                remove_cache(directory)
+            except OSError as exc:
+                raise ConfigError(f"{directory} holds features made for other keys and cannot be removed ({exc}); "
+                                  "remove it") from None  # fmt: skip
         return variable()
     claim = claim_module_cache(directory.parent, directory.name, faults.warn)  # the root's budget keeps it
     try:
@@ -226,6 +227,8 @@ def _extract_features(
             probe = check_deterministic(dataset, todo)
             try:
                 layout = SampleLayout.of_sample(probe, input)
+                if backbone.training:
+                    _refuse_random(backbone, layout, probe)
                 donors = Donors.find(directory.parent, directory.name, module_key, input)
                 try:
                     loader = DataLoader(
@@ -267,7 +270,7 @@ def _extract_features(
         return variable()
     if remote is not None and file.path is not None and file.count() == length:
         remote.upload(folder, file.path, _meta(file.header, file.size), replace=fetched and bool(len(todo)))
-    return FeatureDataset(file, backbone, dataset, claim)
+    return FeatureDataset(file, backbone, dataset, claim, version=version)
 
 
 def _check_arguments(backbone: object, batch_size: object, num_workers: object, input: object) -> None:
@@ -290,6 +293,23 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
         )
 
 
+def _refuse_random(backbone: torch.nn.Module, layout: SampleLayout, sample: Any) -> None:
+    """Refuse a backbone in training mode whose outputs for one input differ (stochastic depth, RReLU, F.dropout).
+
+    One input twice in a batch, twice over (the caller's random state is kept by extract_features).
+
+    Raises:
+        ConfigError: If the four rows are not all equal.
+    """
+    inputs, _ = layout.split([sample, sample])
+    runs = [run_backbone(backbone, default_collate(inputs), 2) for _ in range(2)]  # type: ignore[no-untyped-call]
+    if not all(torch.equal(row, runs[0][0]) for run in runs for row in run):
+        raise ConfigError(
+            "the backbone is in training mode and its outputs are random (one input gave other features at each "
+            "run: stochastic depth, RReLU or dropout called as a function). Call backbone.eval() first"
+        )
+
+
 class _Collate:
     """A DataLoader's collate function: the inputs collated, the other fields as they are.
 
@@ -303,8 +323,6 @@ class _Collate:
         self.hash_inputs = hash_inputs
 
     def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None] | None]:
-        from torch.utils.data._utils.collate import default_collate
-
         inputs, columns = self.layout.split(samples)
         try:
             batch = default_collate(inputs)  # type: ignore[no-untyped-call]

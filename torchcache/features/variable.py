@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..meta import load_meta
 from .backbone import run_backbone
 
-__all__ = ["WholeSamples", "extract_variable", "is_variable_cache", "run_samples"]
+__all__ = ["WholeSamples", "extract_variable", "is_variable_cache", "made_for", "run_samples"]
 
 #: The field of ``torchcache.json`` that marks a dataset cache as variable features.
 MARK = "features_of"
@@ -89,8 +89,14 @@ def _pick(by_index: dict[Any, Any], indices: list[Any]) -> list[Any]:
 
 def is_variable_cache(directory: Path) -> bool:
     """Whether ``directory`` holds features kept whole in a dataset cache."""
+    return made_for(directory) is not None
+
+
+def made_for(directory: Path) -> dict[str, Any] | None:
+    """The header of the features kept whole in ``directory`` (``None``: it holds none)."""
     meta, problem = load_meta(directory)
-    return problem is None and meta is not None and meta.get("kind") == "dataset" and MARK in meta
+    header = meta.get(MARK) if problem is None and meta is not None and meta.get("kind") == "dataset" else None
+    return header if isinstance(header, dict) else None
 
 
 def _open_cache(directory: Path, header: dict[str, Any] | None) -> SampleCache:
