@@ -532,6 +532,43 @@ def test_fingerprints_follow_class_attributes_length_and_version(tmp_path: Path,
         each.close()
 
 
+class FromFolder(Dataset[Any]):
+    """Reads its samples from files in a folder it holds as a ``Path``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.load(self.root / "part" / f"{i}.npy"))
+
+
+def test_a_folder_attribute_is_keyed_by_every_file_in_it_and_a_huge_one_asks_for_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "data"
+    (folder / "part").mkdir(parents=True)
+    for i in range(3):
+        np.save(folder / "part" / f"{i}.npy", np.full(2, float(i)))
+    data = CachedDataset(FromFolder(folder), tmp_path / "cache", max_memory_size=0)
+    assert data[0].tolist() == [0.0, 0.0]
+    data.close()
+    np.save(folder / "part" / "0.npy", np.full(2, 7.0))  # rewritten in place: the folders' own times stay
+    again = CachedDataset(FromFolder(folder), tmp_path / "cache", max_memory_size=0)
+    assert again[0].tolist() == [7.0, 7.0]
+    again.close()
+    for run in range(2):  # a cache kept inside the folder is not part of its key
+        inside = CachedDataset(FromFolder(folder), folder / "cache", max_memory_size=0)
+        assert inside[1].tolist() == [1.0, 1.0] and inside.stats().hits == run
+        inside.close()
+    monkeypatch.setattr("torchcache.canonical.objects.DIRECTORY_ENTRIES", 3)
+    with pytest.raises(KeyingError, match=r"FromFolder\.root.*more than 3 files and folders.*version="):
+        CachedDataset(FromFolder(folder), tmp_path / "cache")
+    assert fingerprint_dataset(FromFolder(folder), version=1) != fingerprint_dataset(FromFolder(folder), version=2)
+
+
 def test_a_list_or_a_tensor_is_a_dataset_keyed_by_its_values(tmp_path: Path) -> None:
     assert fingerprint_dataset([1, 2, 3]) == fingerprint_dataset([1, 2, 3])
     assert fingerprint_dataset([1, 2, 3]) != fingerprint_dataset([1, 2, 4])
@@ -799,11 +836,14 @@ def test_a_second_cache_with_a_larger_ram_budget_is_told_it_shares_the_smaller_t
     head = frame_head(frame)
     assert head is not None
     geometry = Geometry.of(64, len(frame), head, {"kind": "samples"})
-    first = CachedDataset(Numbers(64, log), max_memory_size=geometry.rows_at + 20 * geometry.stride)  # 20 rows
+    budget = geometry.rows_at + 20 * geometry.stride
+    first = CachedDataset(Numbers(64, log), max_memory_size=budget)  # 20 rows
     [first[i] for i in range(64)]
     with pytest.warns(CacheWarning, match="was made for .* samples by an earlier cache of this dataset"):
         second = CachedDataset(Numbers(64, log), max_memory_size="10MB")
         [second[i] for i in range(64)]
+    assert second.stats().memory.max_bytes <= budget  # it keeps the tier's budget, as the warning says
+    assert first.stats().memory.bytes <= budget and second.stats().memory.bytes <= budget
     own = CachedDataset(Numbers(64, log), max_memory_size="10MB", version="own")
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)

@@ -672,6 +672,13 @@ def test_storage_options_that_are_not_a_dict_are_refused_naming_the_argument(opt
         cached(Counting, persistent=True, persistent_cache_dir="s3://bucket/prefix", storage_options=options)
 
 
+@pytest.mark.parametrize("where", ["a directory", "a Redis URL", None])
+def test_storage_options_without_a_bucket_are_refused(where: str | None, tmp_path: Path) -> None:
+    cache_dir = {"a directory": tmp_path, "a Redis URL": "redis://127.0.0.1:1/0", None: None}[where]
+    with pytest.raises(ConfigError, match="storage_options are the fsspec options of a bucket URL"):
+        CachedDataset(Images(), cache_dir, storage_options={"anon": True})
+
+
 def test_a_local_copy_of_half_the_cache_keeps_a_stable_half_over_shuffled_epochs(bucket: str, tmp_path: Path) -> None:
     url = f"{bucket}/half"
     n = 400

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from torchcache.codec import PREFIX_SIZE, seal
 from torchcache.datasets.decode import decode_sample, decode_samples
-from torchcache.datasets.encode import MAX_NODES, SampleTypeError, check_sample, encode_sample
+from torchcache.datasets.encode import MAX_INT_BITS, MAX_NODES, SampleTypeError, check_sample, encode_sample
 from torchcache.dtypes import DTYPES as TORCH_DTYPES
 from torchcache.dtypes import MAX_DEPTH, NUMPY_DTYPES
 from torchcache.errors import CorruptEntryError, KeyingError
@@ -390,6 +390,14 @@ def test_nesting_deeper_than_the_limit_is_refused() -> None:
     round_trip(sample)
     with pytest.raises(SampleTypeError, match="more than 32 deep"):
         encode_sample([sample])
+
+
+def test_an_int_too_large_for_a_header_is_refused_naming_where_it_is() -> None:
+    big = 2**MAX_INT_BITS
+    round_trip({"id": big - 1, big - 2: "key"})
+    for sample, where in (({"id": big}, r"sample\['id'\]"), ({big: 1}, "sample")):
+        with pytest.raises(SampleTypeError, match=f"{where}: an int of {MAX_INT_BITS + 1} bits.*str"):
+            encode_sample(sample)
 
 
 # -- hostile frames ----------------------------------------------------------------

@@ -14,6 +14,7 @@ import struct
 import sys
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import PurePath
+from stat import S_ISDIR
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -279,17 +280,50 @@ def _place_in_mapping(array: np.memmap[Any, Any]) -> str | None:
     return f"{array.ctypes.data - base}|{array.strides}"
 
 
-def encode_path(encoder: Encoder, value: PurePath) -> bytes:
-    """A path by its text (for datasets, with its file's size and modification time)."""
+#: Entries (files and folders) of the directories one dataset key may walk: more are refused.
+DIRECTORY_ENTRIES = 20_000
+_META = "torchcache.json"  # in each cache's folder (torchcache.meta.META_NAME)
+
+
+def encode_path(encoder: Encoder, value: PurePath, path: str) -> bytes:
+    """A path by its text; for datasets, with its file's size and modification time, a directory's of every file.
+
+    Raises:
+        KeyingError: If directories of more than :data:`DIRECTORY_ENTRIES` entries in all are to be walked.
+    """
     where = f"{type(value).__name__}|{value}"
-    if encoder.files:
-        try:
-            stat = os.stat(value)
-        except OSError:
-            where += "|missing"
-        else:
-            where += f"|{stat.st_size}|{stat.st_mtime_ns}"
-    return tagged(Tag.PATH, text(where))
+    if not encoder.files:
+        return tagged(Tag.PATH, text(where))
+    try:
+        stat = os.stat(value)
+    except OSError:
+        return tagged(Tag.PATH, text(where + "|missing"))
+    if not S_ISDIR(stat.st_mode):
+        return tagged(Tag.PATH, text(where + f"|{stat.st_size}|{stat.st_mtime_ns}"))
+    # A file rewritten in place changes neither the directory's size nor its time: its own do.
+    # Folders of torchcache's own caches are left out (their files change as they are used).
+    entries: list[str] = []
+    for folder, dirs, files in os.walk(value, onerror=lambda exc: entries.append(f"|unreadable {exc.errno}")):
+        if _META in files and folder != os.fspath(value):
+            dirs.clear()
+            continue
+        dirs.sort()
+        encoder.walked += len(dirs) + len(files)
+        if encoder.walked > DIRECTORY_ENTRIES:
+            raise encoder.refuse(
+                path,
+                f"the directory {str(value)[:200]!r} (with the others of this key) holds more than "
+                f"{DIRECTORY_ENTRIES:,} files and folders: too many to key each by its size and modification "
+                "time, and its own entry does not change when a file in it is rewritten",
+            )
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except OSError:
+                entries.append(f"|{os.path.relpath(folder, value)}/{name}|missing")
+            else:
+                entries.append(f"|{os.path.relpath(folder, value)}/{name}|{st.st_size}|{st.st_mtime_ns}")
+    return tagged(Tag.PATH, text(where + "|dir" + "".join(entries)))
 
 
 def _qualname(cls: type) -> str:

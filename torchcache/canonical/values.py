@@ -86,6 +86,7 @@ class KeyEncoder:
         self._nodes = 0
         self._streaming = 0
         self._root = root
+        self.walked = 0  #: entries of directories keyed by their files so far (``files``)
 
     # -- the entry points ---------------------------------------------------------------------------
     def encode(self, value: object, path: str) -> bytes:
@@ -213,7 +214,7 @@ class KeyEncoder:
         if isinstance(value, weakref.ref):
             return tagged(Tag.WEAKREF, self.child(value(), f"{path}()", depth))
         if isinstance(value, PurePath):
-            return objects.encode_path(self, value)
+            return objects.encode_path(self, value, path)
         if isinstance(value, (bytearray, memoryview)):
             return tagged(Tag.BYTE_BUFFER, text(cls.__qualname__) + raw(bytes(value)))
         if isinstance(value, range):

@@ -352,4 +352,5 @@ def _tier_stats(tier: SampleTier | None, hits: int, max_bytes: int) -> TierStats
         entries, nbytes = (len(tier), tier.nbytes) if tier is not None else (0, 0)
     except StoreError:
         entries = nbytes = 0
-    return TierStats(entries=entries, bytes=nbytes, max_bytes=max_bytes, hits=hits)
+    budget = min(max_bytes, tier.budget) if tier is not None else max_bytes  # a shared tier keeps its own
+    return TierStats(entries=entries, bytes=nbytes, max_bytes=budget, hits=hits)

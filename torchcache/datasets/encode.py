@@ -61,6 +61,19 @@ _HINT = (
 )
 
 
+#: Bits of the largest int a sample holds outside int64 (written in its header as decimal text).
+MAX_INT_BITS = 8192
+
+
+def _header_int(value: int, path: str) -> int:
+    if value.bit_length() > MAX_INT_BITS:
+        raise SampleTypeError(
+            f"{path}: an int of {value.bit_length()} bits is larger than a cached sample holds ({MAX_INT_BITS}); "
+            "keep it as a str or as bytes"
+        )
+    return value
+
+
 def _refuse(value: object, path: str) -> SampleTypeError:
     cls = type(value)
     name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
@@ -105,7 +118,7 @@ class _Encoder:
             if INT64_RANGE[0] <= value <= INT64_RANGE[1]:  # type: ignore[operator]
                 self.put(["i8", []], I64.pack(value))
                 return "i"
-            return ["I", value]
+            return ["I", _header_int(value, path)]  # type: ignore[arg-type]
         if cls is float:
             self.put(["f8", []], F64.pack(value))
             return "f"
@@ -139,6 +152,8 @@ class _Encoder:
             for key in mapping:
                 if type(key) is not str and type(key) is not int:
                     raise SampleTypeError(f"{path}: dict keys must be str or int to be cached, got {key!r}")
+                if type(key) is int:
+                    _header_int(key, path)
             return ["dict", [[k, self.node(v, f"{path}[{k!r}]", depth + 1)] for k, v in mapping.items()]]
         raise _refuse(value, path)
 

@@ -102,6 +102,11 @@ def resolve_places(
     places = Places(dirname, parse_size(max_disk_size, "max_disk_size"), info=info if info is not None else {})
     places.keep_budget = keep_budget
     places.storage_options = check_storage_options(storage_options)
+    if storage_options is not None and not is_object_url(cache_dir):
+        raise ConfigError(
+            "storage_options are the fsspec options of a bucket URL (s3://, gs://), but cache_dir is "
+            f"{'not given' if cache_dir is None else 'not one'}; leave storage_options out"
+        )
     if max_local_size is not None:
         places.max_local_size = parse_size(max_local_size, "max_local_size")
     if is_url(cache_dir):
@@ -190,11 +195,13 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
                 faults.report(
                     Fault.SIZE,
                     f"the RAM tier's rows file {slots.path} was made for {slots.file.capacity:,} samples by an "
-                    "earlier cache of this dataset in this job, with a smaller budget; it is shared, so it "
-                    "keeps its size and this cache's larger max_memory_size does not take effect. Give this "
+                    "earlier cache of this dataset in this job, with a smaller budget; the tier is shared, so it "
+                    "keeps that budget and this cache's larger max_memory_size does not take effect. Give this "
                     "cache its own RAM tier with another version=",
                     "memory",
                 )
+                size = slots.max_bytes = min(size, slots.file.size)  # the samples its store takes too
+                store = functools.partial(_open_store, location, size, name, faults)
         reserve_in = location if name == "memory" and isinstance(location, Path) else None
         tiers.append(SampleTier(name, store, size, faults, slots, reserve_in))
     return tiers
