@@ -24,6 +24,7 @@ from torch import nn
 from tests.helpers import stored_entries
 from tests.store_helpers import poison_index_leaves
 from torchcache import CacheWarning, torchcache
+from torchcache import meta as meta_module
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
 from torchcache.cli.output import short_keys
@@ -672,6 +673,30 @@ def test_the_library_rewrites_metadata_the_cli_would_report(
     caches = json.loads(run(capsys, "ls", "--json")[1])["caches"]
     assert [(c["key"], c["metadata_problem"]) for c in caches] == [(directory.name, None)]
     assert caches[0]["name"] == f"{Tiny.__module__}.Tiny"
+
+
+def test_metadata_that_cannot_be_read_is_left_as_it_is_by_the_library_and_by_verify_fix(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x, directory = make_cache(items=3)
+    path = directory / META_NAME
+    before = path.read_bytes()
+    reader, want = twin(model), model.linear(x)
+    del model
+    gc.collect()
+    real = meta_module.read_bounded
+
+    def refusing(where: Path, limit: int) -> bytes | None:  # as for a file of mode 000 (root reads any)
+        if Path(where) == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(where))
+        return real(where, limit)
+
+    monkeypatch.setattr(meta_module, "read_bounded", refusing)
+    with pytest.warns(CacheWarning, match="cannot read torchcache.json: Permission denied; it is left as it is"):
+        torch.testing.assert_close(reader(x), want)
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code != 0 and "Permission denied" in out
+    assert path.read_bytes() == before  # neither replaced nor rebuilt
 
 
 @pytest.mark.parametrize("command", ["clear", "info"])

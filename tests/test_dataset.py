@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -28,6 +29,7 @@ from tests import zygote
 from tests.helpers import REPO, python_env, run_python
 from tests.store_helpers import charged
 from torchcache import CachedDataset, CacheWarning, SampleCache
+from torchcache import meta as meta_module
 from torchcache.datasets.dataset import MissingSampleError
 from torchcache.datasets.decode import decode_sample, frame_head
 from torchcache.datasets.encode import SampleTypeError, encode_sample
@@ -567,6 +569,29 @@ def test_a_folder_attribute_is_keyed_by_every_file_in_it_and_a_huge_one_asks_for
     with pytest.raises(KeyingError, match=r"FromFolder\.root.*more than 3 files and folders.*version="):
         CachedDataset(FromFolder(folder), tmp_path / "cache")
     assert fingerprint_dataset(FromFolder(folder), version=1) != fingerprint_dataset(FromFolder(folder), version=2)
+
+
+def test_a_disk_tiers_metadata_that_cannot_be_read_is_left_as_it_is(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = CachedDataset(Numbers(4, log), tmp_path, max_memory_size=0)
+    data[0]
+    path = data.cache.directory / "torchcache.json"
+    data.close()
+    before = path.read_bytes()
+    real = meta_module.read_bounded
+
+    def refusing(where: Path, limit: int) -> bytes | None:  # as for a file of mode 000 (root reads any)
+        if Path(where) == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(where))
+        return real(where, limit)
+
+    monkeypatch.setattr(meta_module, "read_bounded", refusing)
+    with pytest.warns(CacheWarning, match="Permission denied; left as it is"):
+        again = CachedDataset(Numbers(4, log), tmp_path, max_memory_size=0)
+        assert again[0][1] == 0 and again[3][1] == 3
+    again.close()
+    assert path.read_bytes() == before
 
 
 def test_a_list_or_a_tensor_is_a_dataset_keyed_by_its_values(tmp_path: Path) -> None:

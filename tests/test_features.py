@@ -711,6 +711,24 @@ def test_a_cache_folder_holding_another_caches_files_is_not_served(cache_root: P
     assert torch.allclose(again[0][0], expected, atol=1e-6) and not torch.allclose(again[0][0], other)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_features_cache_of_another_user_is_read_and_never_taken_for_damage(cache_root: Path) -> None:
+    net, data = Net(), Images()
+    features = extract(net, data)
+    assert features.path is not None
+    expected, path = features[5][0], features.path
+    features.close()
+    for file in path.parent.iterdir():
+        os.chown(file, 12345, -1)
+    opened = FeatureDataset.open(path.parent)
+    assert torch.equal(opened[5][0], expected)
+    opened.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        again = extract(net, data)
+    assert torch.equal(again[5][0], expected) and path.stat().st_uid == 12345  # found, not replaced
+
+
 def _flip_row(features: FeatureDataset, index: int) -> None:
     assert features.path is not None
     file = open_features(features.path)

@@ -99,7 +99,7 @@ def load_meta(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
     except ValueError as exc:
         return None, f"{META_NAME} is too large ({exc})"
     except OSError as exc:
-        return None, f"cannot read {META_NAME}: {exc.strerror or exc}"
+        return None, f"{UNREADABLE} {META_NAME}: {exc.strerror or exc}"
     if data is None:
         return None, f"{META_NAME} is not a regular file" if os.path.lexists(path) else None
     try:
@@ -113,6 +113,15 @@ def load_meta(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
         shown = meta if isinstance(meta, dict) and not nested_deeper_than(meta, _MAX_META_DEPTH) else None
         return shown, f"{META_NAME}: {problem}"
     return meta, None
+
+
+#: How a problem of :func:`load_meta` starts when the file could not be read (permissions, I/O): not damage.
+UNREADABLE = "cannot read"
+
+
+def unreadable(problem: str | None) -> bool:
+    """Whether a problem of :func:`load_meta` is a file that could not be read, which is left as it is."""
+    return problem is not None and problem.startswith(UNREADABLE)
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:

@@ -336,13 +336,17 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
             try:
                 if remove_unused_cache(victim.directory) is not None:
                     removed.append(victim)
-            except OSError as exc:
-                failure = failure or exc
+            except OSError as exc:  # that cache's fault (another user's, say), which no store of this one reports
+                failure = failure or _RemovalError(exc.errno, f"cannot remove {victim.directory}: {exc}")
         if failure is not None:
             raise failure
         return removed
     finally:
         os.close(fd)
+
+
+class _RemovalError(OSError):
+    """A cache of the root could not be removed (a fault of its own directory, not of this cache's disk)."""
 
 
 def _warn_once(root: Path, kind: str, message: str, warn: Report) -> None:
@@ -386,8 +390,8 @@ def keep_root_budget(root: Path, warn: Report) -> None:
     """
     try:
         removed = enforce_root_budget(root)
-    except OSError as exc:
-        if not is_disk_wide(exc):  # a read-only or full disk: the store reports it
+    except OSError as exc:  # a read-only or full disk as a whole: the store reports it
+        if isinstance(exc, _RemovalError) or not is_disk_wide(exc):
             _warn_once(root, "remove", f"cannot keep the cache root {root} under its budget: {exc}", warn)
     except Exception as exc:  # noqa: BLE001 - never into the forward pass
         _warn_once(root, type(exc).__name__, f"{exc}; the cache root {root} is not kept under a budget", warn)

@@ -20,7 +20,7 @@ from ..catalog.layouts import summarize_layouts
 from ..catalog.removal import remove_cache, remove_file, select_for_prune
 from ..config import check_local_dir, is_url, resolve_root
 from ..errors import ConfigError, StoreError
-from ..meta import META_NAME
+from ..meta import META_NAME, unreadable
 from ..policy import format_size
 from ..stores.packed.index import INDEX_NAME
 from .output import (
@@ -217,7 +217,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         for cache, files in listed:
             if cache.meta_problem is not None:
-                damaged[cache.directory / META_NAME] = cache
+                if not unreadable(cache.meta_problem):  # one that cannot be read is not rebuilt over
+                    damaged[cache.directory / META_NAME] = cache
                 problems.append(Problem(cache.directory / META_NAME, "metadata", cache.meta_problem, 0))
             damage = []
             if cache.index_damage is not None:  # the fix opens the store, which rebuilds the index
@@ -247,6 +248,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 if problem.path in damaged:
                     rebuild_meta(damaged[problem.path])
+                elif problem.kind == "metadata":  # unreadable: its mode or the disk is to be fixed, not the file
+                    failures.append(f"cannot fix {problem.path}: {problem.reason}")
+                    continue
                 else:
                     remove_file(problem.path)
                     files_removed.append(problem)

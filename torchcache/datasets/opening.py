@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
-from ..meta import META_NAME, load_meta, write_json_atomic
+from ..meta import META_NAME, load_meta, unreadable, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
@@ -228,6 +228,9 @@ def write_dataset_meta(
     alone. A write that fails is one warning.
     """
     old, problem = load_meta(directory)
+    if unreadable(problem):  # permissions or I/O, not damage: left as it is
+        faults.warn(Fault.META, f"{directory / META_NAME}: {problem}; left as it is", "disk")
+        return False
     if problem is not None:
         old = None
     if old is None or old.get("kind") != "dataset":

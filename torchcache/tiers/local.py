@@ -20,7 +20,7 @@ import lmdb
 
 from ..errors import StoreError
 from ..faults import Fault, Report
-from ..meta import META_NAME, is_disk_wide, load_meta, write_json_atomic
+from ..meta import META_NAME, is_disk_wide, load_meta, unreadable, write_json_atomic
 from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
 
@@ -53,6 +53,9 @@ def _ensure_meta(directory: Path, meta: dict[str, Any], report: Report) -> None:
     if current is not None and problem is None:
         return
     path = directory / META_NAME
+    if unreadable(problem):  # permissions or I/O, not damage: it may be read again once they are fixed
+        report(Fault.META, f"{problem}; it is left as it is, and entries are still read and written")
+        return
     try:
         write_json_atomic(path, meta)
     except OSError as exc:

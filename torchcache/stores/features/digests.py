@@ -144,7 +144,9 @@ class DigestFile:
             fd = os.open(path, _O_OPEN)
         except FileNotFoundError:
             fd = -1
-        except OSError:  # a read-only file or directory: it still gives its digests
+        except OSError:  # a read-only file or directory: it still gives its digests, but takes none
+            if create:
+                return None
             try:
                 fd = os.open(path, (_O_OPEN & ~os.O_RDWR) | os.O_RDONLY)
             except OSError:
