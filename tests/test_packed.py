@@ -732,6 +732,23 @@ def test_a_full_disk_simulated(root: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert len(store) == 200 and store.verify().ok
 
 
+def test_a_write_that_fails_in_a_new_segment_leaves_no_file_behind(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PackedStore(root, 10**9, segment_bytes=8192)
+    fill(store, range(10))
+    before = sorted(p.name for p in root.glob("seg-*"))
+
+    def no_space(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fault_under(monkeypatch, root, "pwritev", no_space)
+    with pytest.raises(StoreError):
+        store.put_many([(key(i), value(i, 3000)) for i in range(100, 110)])  # new segments, none written
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.glob("seg-*")) == before and store.verify().ok
+    fill(store, range(100, 110))
+    assert len(store) == 20
+
+
 @pytest.mark.slow
 def test_a_read_only_directory(tmp_path: Path, mount_point: Path) -> None:
     source = tmp_path / "source"

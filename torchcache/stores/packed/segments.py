@@ -323,13 +323,15 @@ class SegmentFiles:
         self.writer = last
 
     def aborted(self) -> None:
-        """The last :meth:`append` was not committed: give its bytes back, drop new files' locks."""
+        """The last :meth:`append` was not committed: give its bytes back, remove the files it made."""
         batch, self._batch = self._batch, []
         for writer in batch:
             with contextlib.suppress(OSError):
                 os.ftruncate(writer.fd, writer.end)
             if writer is not self.writer:
-                os.close(writer.fd)  # an unindexed file: swept once it is old
+                with contextlib.suppress(OSError):  # no index row names it; else it is swept once it is old
+                    os.unlink(self.path(writer.seg))  # under its lock, which no other process can hold
+                os.close(writer.fd)
 
     def seal_writer(self) -> int | None:
         """Stop writing to the current segment (the caller seals its row); return its number."""
