@@ -40,7 +40,7 @@ from tests.helpers import (
     run_python,
     stored_entries,
 )
-from torchcache import CacheWarning
+from torchcache import CachedDataset, CacheWarning
 from torchcache.codec import PREFIX_SIZE
 from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.stores.packed.format import HEADER
@@ -870,6 +870,30 @@ def test_a_read_only_directory_warns_once_and_keeps_reading(
     assert stored_entries(cache_root) == before
     assert segment_bytes(directory) == sizes
     assert temporaries(cache_root) == []
+
+
+class _Squares(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3,), float(i * i)), i
+
+
+@pytest.mark.slow
+def test_a_dataset_cache_under_a_read_only_root_warns_once(
+    tmp_path: Path, read_only: Callable[[Path], Callable[[], None]]
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    undo = read_only(root)
+    with cache_warnings() as caught:
+        data = CachedDataset(_Squares(), root, max_memory_size=0)
+        got = [data[i] for i in range(8)]
+        data.close()
+    undo()
+    assert len(caught) == 1, messages(caught)
+    assert all(torch.equal(x, _Squares()[i][0]) and y == i for i, (x, y) in enumerate(got))
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])

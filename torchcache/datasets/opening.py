@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
-from ..meta import META_NAME, load_meta, unreadable, write_json_atomic
+from ..meta import META_NAME, is_disk_wide, load_meta, unreadable, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
@@ -245,7 +245,8 @@ def write_dataset_meta(
         os.makedirs(directory, exist_ok=True)
         write_json_atomic(directory / META_NAME, meta)
     except OSError as exc:
-        faults.warn(Fault.META, f"cannot write {directory / META_NAME} ({exc})", "disk")
+        if not is_disk_wide(exc):  # a read-only or full disk: the store reports it, once, as it opens or writes
+            faults.warn(Fault.META, f"cannot write {directory / META_NAME} ({exc})", "disk")
         return False
     return True
 
