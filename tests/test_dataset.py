@@ -561,6 +561,17 @@ def test_a_folder_attribute_is_keyed_by_every_file_in_it_and_a_huge_one_asks_for
     again = CachedDataset(FromFolder(folder), tmp_path / "cache", max_memory_size=0)
     assert again[0].tolist() == [7.0, 7.0]
     again.close()
+    elsewhere = tmp_path / "elsewhere"  # a folder linked in is followed
+    shutil.move(folder / "part", elsewhere)
+    (folder / "part").symlink_to(elsewhere)
+    (folder / "loop").symlink_to(folder)  # and a loop ends
+    linked = CachedDataset(FromFolder(folder), tmp_path / "cache", max_memory_size=0)
+    assert linked[2].tolist() == [2.0, 2.0]
+    linked.close()
+    np.save(elsewhere / "2.npy", np.full(2, 5.0))
+    linked = CachedDataset(FromFolder(folder), tmp_path / "cache", max_memory_size=0)
+    assert linked[2].tolist() == [5.0, 5.0]
+    linked.close()
     for run in range(2):  # a cache kept inside the folder is not part of its key
         inside = CachedDataset(FromFolder(folder), folder / "cache", max_memory_size=0)
         assert inside[1].tolist() == [1.0, 1.0] and inside.stats().hits == run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cmath
 import collections
 import contextlib
 import copy
@@ -674,6 +675,39 @@ def test_a_plain_attribute_rebound_after_the_first_call_is_seen(where: str) -> N
     assert torch.equal(cached(X), _Rescaled.forward(cached, X))
 
 
+class _SlottedScale(nn.Module):
+    __slots__ = ("k",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class _Held(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.helpers = [nn.ReLU()]  # a module held in a list: keyed as a value
+        self.scale = _SlottedScale()
+        self.scale.k = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.helpers[0](self.act(x)))
+
+
+@pytest.mark.parametrize("change", ["submodule class", "held module class", "slot"])
+def test_a_class_swapped_or_a_slot_rebound_after_the_first_call_is_seen(change: str) -> None:
+    cached = torchcache()(_Held())
+    cached(X)
+    if change == "submodule class":
+        cached.act.__class__ = nn.SiLU
+    elif change == "held module class":
+        cached.helpers[0].__class__ = nn.Tanh
+    else:
+        cached.scale.k = 5.0
+    assert torch.equal(cached(X), _Held.forward(cached, X))
+    assert cached.cache_instance.stats().hits == 0
+
+
 def test_a_value_rebound_to_an_equal_one_or_by_forward_itself_keeps_the_entries() -> None:
     cached = torchcache()(_Rescaled())
     cached(X)
@@ -684,6 +718,30 @@ def test_a_value_rebound_to_an_equal_one_or_by_forward_itself_keeps_the_entries(
     cached.scale = 1  # equal, but an int: another key
     cached(X)
     assert cached.cache_instance.stats().hits == len(X)
+
+
+def test_a_complex_attribute_rebound_to_its_other_signed_zero_is_a_change() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = complex(-4, 0.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * cmath.sqrt(self.c).imag  # 2j, or -2j for -4-0j
+
+    cached = torchcache(check_items=False)(Root())
+    assert torch.equal(cached(X), X * 2)
+    cached.c = complex(-4, -0.0)
+    assert torch.equal(cached(X), X * -2)
+
+
+def test_an_attribute_of_the_module_rebound_at_every_call_is_said_once() -> None:
+    cached = torchcache()(_Rescaled())
+    with pytest.warns(CacheWarning, match="attribute 'scale'.*rebound 3 times.*key_ignore") as caught:
+        for step in range(6):
+            cached.scale = float(step)
+            assert torch.equal(cached(X), nn.functional.gelu(X) * step)
+    assert len([w for w in caught if "rebound" in str(w.message)]) == 1
 
 
 class _PerBatch(dict):  # type: ignore[type-arg]
@@ -901,7 +959,10 @@ def _switched(name: str) -> Iterator[None]:
         getattr(torch._C, f"_set_{name}")(was)
 
 
-@pytest.mark.parametrize("name", ["mkldnn_enabled", "nnpack_enabled", "cudnn_enabled", "cudnn_deterministic"])
+@pytest.mark.parametrize(
+    "name",
+    ["mkldnn_enabled", "nnpack_enabled", "cudnn_enabled", "cudnn_deterministic", "cublas_allow_fp16_accumulation"],
+)
 def test_backend_switches_that_choose_other_kernels_are_keyed(name: str) -> None:
     conv = _frozen(nn.Conv2d(3, 8, 3))
     cached, x = torchcache()(_frozen(nn.Conv2d(3, 8, 3))), torch.randn(4, 3, 16, 16)
@@ -910,6 +971,33 @@ def test_backend_switches_that_choose_other_kernels_are_keyed(name: str) -> None
     with _switched(name):
         assert numerics(()) == [f"{name}:{getattr(torch._C, f'_get_{name}')()}".encode()]
         assert torch.equal(cached(x), conv(x))
+    assert cached.cache_instance.stats().hits == 0
+
+
+def test_opt_einsums_contraction_order_is_keyed_where_it_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from torchcache import keys
+
+    for available, enabled, strategy, line in [
+        (True, True, "auto", b"opt_einsum:auto"),
+        (True, True, "optimal", b"opt_einsum:optimal"),
+        (True, False, "auto", None),
+        (False, False, None, None),  # not installed: torch's own order, as when it is off
+    ]:
+        fake = types.SimpleNamespace(is_available=lambda a=available: a, enabled=enabled, strategy=strategy)
+        monkeypatch.setattr(keys, "_OPT_EINSUM", fake)
+        assert numerics(()) == ([line] if line else [])
+
+
+def test_weights_converted_to_channels_last_after_the_first_call_get_their_own_entries() -> None:
+    conv = _frozen(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)))
+    cached, x = torchcache()(copy.deepcopy(conv)), torch.randn(4, 3, 16, 16)
+    cached(x)
+    cached.to(memory_format=torch.channels_last)
+    conv.to(memory_format=torch.channels_last)
+    got = cached(x)
+    assert torch.equal(got, conv(x)) and got.is_contiguous(memory_format=torch.channels_last)
     assert cached.cache_instance.stats().hits == 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,8 +193,11 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
     return [digest(prefix + b"".join(parts)) for parts in zip(*row_digests)]
 
 
+_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A 128-bit digest of named tensors: names, dtypes, shapes and exact contents."""
+    """A 128-bit digest of named tensors: names, dtypes, shapes, a channels-last layout and exact contents."""
     h = xxhash.xxh3_128()
     for name, tensor in tensors:
         h.update(tag(b"n", name.encode()))
@@ -205,6 +209,8 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         data = tensor.detach()
         if data.is_sparse or data.layout != torch.strided:
             data = data.to_dense()
+        elif data.dim() in (4, 5) and not data.is_contiguous() and data.is_contiguous(memory_format=_LAST[data.dim()]):
+            h.update(tag(b"m", b"channels_last"))  # weights in that layout run other kernels (last bits differ)
         if data.numel():  # not through numpy: Tensor.numpy() would make a buffer's storage unresizable
             h.update(host_bytes(_row_bytes(data.reshape(1, -1), None)[0].reshape(-1)))
     return h.hexdigest()
@@ -279,10 +285,15 @@ _SWITCHES = tuple(
         ("cudnn_sdp_enabled", True),
         ("overrideable_sdp_enabled", True),
         ("math_sdp_allow_fp16_bf16_reduction", False),
+        ("fa3_sdp_enabled", False),
+        ("cublas_allow_fp16_accumulation", False),  # float16 products summed in float16
+        ("blas_preferred_backend", getattr(getattr(torch._C, "_BlasBackend", None), "Cublas", None)),
+        ("linalg_preferred_backend", getattr(getattr(torch._C, "_LinalgBackend", None), "Default", None)),
     )
     if (getter := getattr(torch._C, f"_get_{name}", None)) is not None
 )
 _SWITCH_GETTERS = tuple(getter for _, getter, _ in _SWITCHES)
+_OPT_EINSUM: Any = torch.backends.opt_einsum
 _SWITCHES_AT_DEFAULTS = tuple(default for _, _, default in _SWITCHES)
 
 
@@ -298,8 +309,9 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     may reduce in half precision (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
     and its bfloat16 and CPU counterparts), and the backend switches that choose other kernels
     (``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled`` and ``.deterministic``,
-    the attention backends, ``torch.backends.mha.set_fastpath_enabled``), and the default device
-    new tensors are made on, where they differ from torch's defaults.
+    the attention backends, ``torch.backends.mha.set_fastpath_enabled``, the preferred BLAS and
+    linear algebra libraries, float16 accumulation in cuBLAS), ``opt_einsum``'s contraction order where it
+    is installed and on, and the default device new tensors are made on, where they differ from torch's defaults.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -321,6 +333,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
         found += [f"{name}:{now}".encode() for (name, _, was), now in zip(_SWITCHES, switches) if now != was]
     if not getattr(torch.backends.mha, "_is_fastpath_enabled", True):  # the fused encoder and attention kernels
         found.append(b"mha_fastpath:False")
+    if _OPT_EINSUM.is_available() and _OPT_EINSUM.enabled:  # einsum of 3 operands or more: another order of sums
+        found.append(f"opt_einsum:{_OPT_EINSUM.strategy}".encode())
     if torch._C._len_torch_function_stack():  # `with torch.device(...)`, set_default_device: where tensors are made
         modes = _function_modes()  # type: ignore[no-untyped-call]
         device = next((mode.device for mode in reversed(modes) if isinstance(mode, _DeviceContext)), None)

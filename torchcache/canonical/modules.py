@@ -8,6 +8,8 @@ whole by :func:`encode_module`, weights included.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +44,28 @@ OBSERVER_HOOKS = frozenset(
 )
 
 
+class SlotValues(Mapping[str, Any]):
+    """The ``__slots__`` values of an object, read through a weak reference, as a mapping (for a :class:`Binding`)."""
+
+    def __init__(self, owner: object) -> None:
+        self._owner = weakref.ref(owner)
+        self.ident = ("slots", id(owner))  # one for the object, however often its key is taken
+
+    def __getitem__(self, name: str) -> Any:
+        owner = self._owner()
+        try:
+            return object.__getattribute__(owner, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        owner = self._owner()
+        return iter([name for name, _ in slot_values(owner)] if owner is not None else [])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, depth: int = 0) -> bytes:
     """One module's class and the attributes torch does not manage, from ``__dict__`` and ``__slots__``.
 
@@ -53,12 +77,16 @@ def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, dept
     state = vars(module)
     items = [(k, v) for k, v in sorted(state.items()) if k not in MODULE_MANAGED]
     parts = [encoder.child(type(module), f"{path}.<class>", depth), encoder.attributes(items, path, depth)]
-    for name, value in items:  # rebound later (model.scale = 3.0): the key is taken again
-        if not isinstance(value, torch.Tensor) and not encoder.ignored(path, name):  # tensors: watched on their own
+    for name, value in items:  # rebound later (model.scale = 3.0, model.mask = other): the key is taken again
+        if not encoder.ignored(path, name):
             collect(Binding(state, name, value))
     slots = slot_values(module)
     if slots:
         parts.append(tagged(Tag.SLOTS, encoder.items(slots, path, depth, attributes=True)))
+        view = SlotValues(module)
+        for name, value in slots:
+            if not encoder.ignored(path, name):
+                collect(Binding(view, name, value))
     return tagged(Tag.NN_MODULE, b"".join(parts))
 
 

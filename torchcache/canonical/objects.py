@@ -303,10 +303,14 @@ def encode_path(encoder: Encoder, value: PurePath, path: str) -> bytes:
     # A file rewritten in place changes neither the directory's size nor its time: its own do.
     # Folders of torchcache's own caches are left out (their files change as they are used).
     entries: list[str] = []
-    for folder, dirs, files in os.walk(value, onerror=lambda exc: entries.append(f"|unreadable {exc.errno}")):
-        if _META in files and folder != os.fspath(value):
+    seen: set[tuple[int, int]] = set()  # folders linked in are followed, each once
+    walk = os.walk(value, onerror=lambda exc: entries.append(f"|unreadable {exc.errno}"), followlinks=True)
+    for folder, dirs, files in walk:
+        st = os.stat(folder)
+        if (_META in files and folder != os.fspath(value)) or (st.st_dev, st.st_ino) in seen:
             dirs.clear()
             continue
+        seen.add((st.st_dev, st.st_ino))
         dirs.sort()
         encoder.walked += len(dirs) + len(files)
         if encoder.walked > DIRECTORY_ENTRIES:

@@ -118,11 +118,11 @@ class VersionWatch:
         "_ignore",
         "_module",
         "_modules",
-        "_plain",
         "_ptrs",
         "_registries",
         "_registries_held",
         "_root_hooks",
+        "_sub_classes",
         "_submodules",
         "_tensors",
         "_total",
@@ -158,7 +158,7 @@ class VersionWatch:
         self._hooks: list[int] = []
         self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
         self._held: list[torch.Tensor] = []
-        self._plain: list[tuple[Mapping[str, Any], str, torch.Tensor]] = []
+        self._sub_classes: list[type] = []
         self._generation = -1
         self._digest = ""
 
@@ -182,14 +182,8 @@ class VersionWatch:
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
+        self._sub_classes = list(map(type, self._submodules))  # sub.__class__ = Other: no hook sees it
         held = list(_tensors(module, self._ignore))
-        plain = {name for name, _ in unignored(tensor_attributes(module), self._ignore)}
-        self._plain = [  # rebound with a plain setattr, which no registration hook sees
-            (_OwnerVars(self._module) if sub is module else vars(sub), name, value)  # no cycle through the root
-            for prefix, sub in module.named_modules(remove_duplicate=False)
-            for name, value in vars(sub).items()
-            if f"{prefix}.{name}" in plain
-        ]
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
         self._modules = _module_ids(module)
@@ -217,7 +211,7 @@ class VersionWatch:
             if [id(t) for t in _tensors(module, self._ignore)] != self._ids or _module_ids(module) != self._modules:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
-        if self._plain and not all(namespace.get(name) is value for namespace, name, value in self._plain):
+        if list(map(type, self._submodules)) != self._sub_classes:
             return True
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
@@ -277,7 +271,7 @@ REBOUND_WARN = 3
 
 
 #: Immutable types whose equal values are encoded alike: rebinding one to an equal value changes no key.
-_ALIKE = frozenset({type(None), bool, int, complex, str, bytes, torch.dtype, torch.device})
+_ALIKE = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
 
 
 def _alike(was: Any, now: Any) -> bool:
@@ -286,8 +280,9 @@ def _alike(was: Any, now: Any) -> bool:
         return False
     if isinstance(was, tuple):
         return len(was) == len(now) and all(map(_alike, was, now))
-    if isinstance(was, float):
-        return bool(was == now and math.copysign(1.0, was) == math.copysign(1.0, now))
+    if isinstance(was, (float, complex)):  # -0.0 and 0.0 are equal, and encoded apart
+        signs = [math.copysign(1.0, x) for x in (was.real, was.imag, now.real, now.imag)]
+        return bool(was == now and signs[:2] == signs[2:])
     return type(was) in _ALIKE and bool(was == now)
 
 
@@ -305,7 +300,7 @@ def settling(fn: Callable[..., Any], cache: Any) -> Callable[..., Any]:
 
 
 def _note_rebound(binding: Binding) -> None:
-    where = (id(binding.namespace), binding.name)
+    where = (getattr(binding.namespace, "ident", id(binding.namespace)), binding.name)  # the same at each key
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
         kind = "global" if "__builtins__" in binding.namespace else "attribute"
@@ -338,6 +333,7 @@ class HeldValues:
         "_ptrs",
         "_tensors",
         "_total",
+        "_types",
         "_versioned",
     )
 
@@ -360,6 +356,7 @@ class HeldValues:
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
         self._flags = bytes(map(_training, self._modules))
+        self._types = list(map(type, self._modules))  # a class swapped (m.__class__ = Other): no hook sees it
         self._generation = _Generation.value
         self._members = self._held_members()
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
@@ -383,7 +380,9 @@ class HeldValues:
         gets, names, values = self._lookups
         if any(map(operator.is_not, map(operator.call, gets, names), values)) and self._rebound():
             return True
-        if self._modules and bytes(map(_training, self._modules)) != self._flags:
+        if self._modules and (
+            bytes(map(_training, self._modules)) != self._flags or self._types != [*map(type, self._modules)]
+        ):
             return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
             if self._held_members() != self._members:
@@ -426,12 +425,12 @@ def _array_digest(array: np.ndarray[Any, Any]) -> int:
 class _OwnerVars(Mapping[str, Any]):
     """The ``__dict__`` of the cached module, read through a weak reference (empty once it is gone).
 
-    The watch lives on the module (``cache_instance``): holding its ``__dict__`` would
-    keep a deleted model's weights until a garbage collection.
+    The watch lives on the module: holding its ``__dict__`` would keep a deleted model's weights until a collection.
     """
 
     def __init__(self, ref: Callable[[], torch.nn.Module | None]) -> None:
         self._ref = ref
+        self.ident = id(ref())  # one for the module, however often its key is taken
 
     def _vars(self) -> dict[str, Any]:
         return {} if (module := self._ref()) is None else vars(module)
