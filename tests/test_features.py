@@ -689,6 +689,33 @@ def test_a_row_damaged_after_the_backbone_or_dataset_changed_is_an_error_not_a_r
     assert torch.allclose(again[3][0], expected, atol=1e-6)
 
 
+class _Memoized(Images):
+    """Keeps each sample it decoded (a memo among its attributes, which its key covers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoded: dict[int, Any] = {}
+
+    def __getitem__(self, i: int) -> Any:
+        if i not in self.decoded:
+            self.decoded[i] = super().__getitem__(i)
+        return self.decoded[i]
+
+
+def test_a_damaged_row_of_a_dataset_that_keeps_a_memo_is_computed_again(cache_root: Path) -> None:
+    net, data = Net(), _Memoized()
+    features = extract(net, data)
+    expected = features[3][0]
+    _flip_row(features, 3)
+    with pytest.warns(CacheWarning, match="damaged"):
+        assert torch.allclose(features[3][0], expected, atol=1e-6)  # its inputs are those it was written with
+    data.images[5] += 1.0
+    data.decoded.clear()
+    _flip_row(features, 5)
+    with pytest.raises(MissingFeatureError, match="changed"):  # its input is not the one it was written with
+        features[5]
+
+
 @pytest.mark.parametrize("layout", ["rows", "variable"])
 def test_a_cache_folder_holding_another_caches_files_is_not_served(cache_root: Path, layout: str) -> None:
     class Named(Images):

@@ -27,6 +27,7 @@ from ..catalog.budget import CacheClaim, claim_directory, keep_root_budget
 from ..config import check_local_dir, check_location, resolve_location, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
+from ..stores.features.digests import DIGESTS_NAME, DigestFile, batch_digests, bindings, pack_digests
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
@@ -287,7 +288,9 @@ class FeatureDataset(Dataset[Any]):
     def _compute_whole(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices`` computed again (features that vary in shape)."""
         assert isinstance(self.file, WholeSamples)
-        _same_sources(self, indices[0], "damaged or not computed")
+        problem = _sources_problem(self, indices, "damaged or not computed")
+        if problem is not None:
+            raise problem
         assert self.backbone is not None
         return run_samples(self.backbone, [self.dataset[i] for i in indices], self.file.header["input"])
 
@@ -296,19 +299,16 @@ class FeatureDataset(Dataset[Any]):
     ) -> None:
         """Compute the rows at ``missing`` and ``bad`` positions again, into ``rows`` and the file."""
         assert isinstance(self.file, RowsFile) and self.layout is not None
+        positions = sorted(set(missing) | set(bad))
+        unique = sorted({int(wanted[j]) for j in positions})
+        problem = _sources_problem(self, unique, "damaged" if bad else "not computed")  # while their checks hold
         if bad:
             forget_damaged(self.file, sorted({int(wanted[j]) for j in bad}), self._faults.warn)
-        positions = sorted(set(missing) | set(bad))
-        _same_sources(self, int(wanted[positions[0]]), "damaged" if bad else "not computed")
+        if problem is not None:
+            raise problem
         assert self.backbone is not None and self.dataset is not None
         if device_of(self.backbone).type == "cuda" and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
-            raise MissingFeatureError(
-                f"{len(positions)} rows of {self.path} were damaged since extract_features checked them, and this "
-                "DataLoader worker was forked from a process that uses CUDA, where the CUDA backbone cannot run. "
-                "Call extract_features(backbone, dataset) again in the main process (it computes them), or give "
-                "the DataLoader multiprocessing_context='spawn'"
-            )
-        unique = sorted({int(wanted[j]) for j in positions})
+            raise MissingFeatureError(_FORKED.format(count=len(positions), path=self.path))
         computed, _ = compute_rows(self.backbone, self.layout, [self.dataset[i] for i in unique])
         by_index = dict(zip(unique, computed, strict=True))
         for j in positions:
@@ -327,17 +327,55 @@ class FeatureDataset(Dataset[Any]):
             self._claim.release()
 
 
-def _same_sources(data: FeatureDataset, index: int, what: str) -> None:
-    """Raise unless the backbone and the dataset are still those the cache's rows are the features of."""
+_FORKED = (
+    "{count} rows of {path} were damaged since extract_features checked them, and this DataLoader worker was forked "
+    "from a process that uses CUDA, where the CUDA backbone cannot run. Call extract_features(backbone, dataset) "
+    "again in the main process (it computes them), or give the DataLoader multiprocessing_context='spawn'"
+)
+
+
+def _sources_problem(data: FeatureDataset, indices: list[int], what: str) -> MissingFeatureError | None:
+    """Why the rows at ``indices`` cannot be computed again here, if they cannot.
+
+    The backbone must still have the cache's module key, and the dataset its key or, where
+    it changed (a memo of decoded samples among its attributes), give for these indices the
+    inputs whose digests the rows were written with.
+    """
     if data.backbone is None or data.dataset is None:
-        raise data._no_backbone(index, what)
+        return data._no_backbone(indices[0], what)
     header = data.file.header
-    if source_keys(data.backbone, data.dataset, data._version) != (header["module_key"], header["dataset_key"]):
-        raise MissingFeatureError(
-            f"the features of sample {index} in {data.path} are {what}, and the backbone or the dataset changed "
-            "since they were extracted (weights, code or data): rows computed now would not be the features "
-            "this cache holds; run torchcache.extract_features(backbone, dataset) again"
-        )
+    module_key, dataset_key = source_keys(data.backbone, data.dataset, data._version)
+    if module_key == header["module_key"] and (
+        dataset_key == header["dataset_key"] or _inputs_as_written(data, indices)
+    ):
+        return None
+    return MissingFeatureError(
+        f"the features of sample {indices[0]} in {data.path} are {what}, and the backbone or the dataset changed "
+        "since they were extracted (weights, code or data): rows computed now would not be the features this "
+        "cache holds; run torchcache.extract_features(backbone, dataset) again"
+    )
+
+
+def _inputs_as_written(data: FeatureDataset, indices: list[int]) -> bool:
+    """Whether the dataset's inputs at ``indices`` have the digests their rows were written with."""
+    file, layout = data.file, data.layout
+    digests = None
+    if isinstance(file, RowsFile) and file.path is not None and layout is not None:
+        digests = DigestFile.open(file.path.with_name(DIGESTS_NAME), file.length, create=False)
+    if digests is None:
+        return False
+    try:
+        known, bound = digests.read()
+    except OSError:
+        return False
+    finally:
+        digests.close()
+    at = np.asarray(indices, np.int64)
+    if not bound[at].all() or (bound[at] != bindings(known[at], file.checks(at))).any():  # type: ignore[union-attr]
+        return False
+    inputs, _ = layout.split([data.dataset[i] for i in indices])  # type: ignore[union-attr]
+    now = pack_digests(batch_digests(default_collate(inputs), len(indices)))  # type: ignore[no-untyped-call]
+    return bool((now == known[at]).all())
 
 
 def _made_here(file: _File, folder: Path) -> _File:
