@@ -699,6 +699,18 @@ def test_metadata_that_cannot_be_read_is_left_as_it_is_by_the_library_and_by_ver
     assert path.read_bytes() == before  # neither replaced nor rebuilt
 
 
+def test_metadata_that_is_a_link_to_itself_is_damage_that_verify_fix_rebuilds(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    _, _, directory = make_cache(items=3)
+    path = directory / META_NAME
+    path.unlink()
+    path.symlink_to(META_NAME)  # a loop: never readable, whatever its mode
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 0 and "rebuilt the metadata of 1 module cache" in out
+    assert json.loads(path.read_text())["rebuilt"] is True
+
+
 @pytest.mark.parametrize("command", ["clear", "info"])
 def test_a_key_with_root_is_looked_up_under_that_root_only(
     capsys: pytest.CaptureFixture[str], cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str

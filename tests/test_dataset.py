@@ -605,6 +605,25 @@ def test_a_disk_tiers_metadata_that_cannot_be_read_is_left_as_it_is(
     assert path.read_bytes() == before
 
 
+def test_metadata_that_cannot_be_written_in_its_folder_alone_is_one_warning(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = CachedDataset(Numbers(4, log), tmp_path, max_memory_size=0)
+    [data[i] for i in range(4)]
+    (data.cache.directory / "torchcache.json").write_text("{bad")
+    data.close()
+
+    def refused(path: Path, meta: dict[str, Any]) -> None:  # a folder of mode 555 (root writes any)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr("torchcache.datasets.opening.write_json_atomic", refused)
+    with pytest.warns(CacheWarning, match="cannot write .*Permission denied") as caught:
+        again = CachedDataset(Numbers(4, log), tmp_path, max_memory_size=0)
+        assert [again[i][1] for i in range(4)] == [0, 1, 2, 3] and again.stats().hits == 4  # every read a hit
+    again.close()
+    assert len(caught) == 1
+
+
 def test_a_list_or_a_tensor_is_a_dataset_keyed_by_its_values(tmp_path: Path) -> None:
     assert fingerprint_dataset([1, 2, 3]) == fingerprint_dataset([1, 2, 3])
     assert fingerprint_dataset([1, 2, 3]) != fingerprint_dataset([1, 2, 4])

@@ -321,6 +321,20 @@ def test_a_backbone_random_in_training_mode_without_a_dropout_layer_is_refused(c
     assert len(extract(net.eval(), data)) == 10
 
 
+class _OneAtATime(torch.nn.Module):
+    """Deterministic in training mode, made for batches of one, and with a NaN among its features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[0] == 1, f"a batch of {x.shape[0]}"
+        return torch.cat([x * 2, torch.full((1, 1), float("nan"))], dim=1)
+
+
+def test_a_deterministic_backbone_in_training_mode_is_probed_as_it_runs(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(6, 3))
+    features = extract(_OneAtATime(), data, batch_size=1)
+    assert torch.equal(features[2][0][:3], data[2][0] * 2) and features[2][0][3].isnan()
+
+
 def test_cache_dir_and_torchcache_dir(cache_root: Path, tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(10, 6))
     default = extract(Scale(), data)
@@ -705,7 +719,7 @@ class _Memoized(Images):
 def test_a_damaged_row_of_a_dataset_that_keeps_a_memo_is_computed_again(cache_root: Path) -> None:
     net, data = Net(), _Memoized()
     features = extract(net, data)
-    expected = features[3][0]
+    expected, expected_7 = features[3][0], features[7][0]
     _flip_row(features, 3)
     with pytest.warns(CacheWarning, match="damaged"):
         assert torch.allclose(features[3][0], expected, atol=1e-6)  # its inputs are those it was written with
@@ -714,6 +728,12 @@ def test_a_damaged_row_of_a_dataset_that_keeps_a_memo_is_computed_again(cache_ro
     _flip_row(features, 5)
     with pytest.raises(MissingFeatureError, match="changed"):  # its input is not the one it was written with
         features[5]
+    data.labels[7], label = 99, data.labels[7]  # the input alike, another label: served, never written
+    data.decoded.clear()
+    _flip_row(features, 7)
+    assert features[7][1] == 99
+    again = extract(net, _Memoized())  # the dataset the cache was made from, in a later run
+    assert again[7][1] == label and torch.allclose(again[7][0], expected_7, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["rows", "variable"])

@@ -652,10 +652,8 @@ class _Rescaled(nn.Module):
         super().__init__()
         self.scale = 1.0
         self.act = nn.GELU()
-        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1  # state that forward rebinds itself: not a change of the key
         return self.act(x) * self.scale * type(self).factor
 
 
@@ -708,7 +706,29 @@ def test_a_class_swapped_or_a_slot_rebound_after_the_first_call_is_seen(change: 
     assert cached.cache_instance.stats().hits == 0
 
 
-def test_a_value_rebound_to_an_equal_one_or_by_forward_itself_keeps_the_entries() -> None:
+class _Counting(_Rescaled):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # state forward rebinds: a new key at each call, unless key_ignore names it
+        return super().forward(x)
+
+
+def test_a_counter_forward_rebinds_is_a_new_key_each_time_said_once_unless_it_is_ignored() -> None:
+    counting = torchcache(check_items=False)(_Counting())
+    with pytest.warns(CacheWarning, match="attribute 'calls'.*rebound 3 times.*key_ignore"):
+        for _ in range(4):
+            assert torch.equal(counting(X), nn.functional.gelu(X))
+    assert counting.cache_instance.stats().hits == 0
+    ignoring = torchcache(check_items=False, key_ignore=("calls",))(_Counting())
+    for _ in range(4):
+        assert torch.equal(ignoring(X), nn.functional.gelu(X))
+    assert ignoring.cache_instance.stats().hits == 3 * len(X)
+
+
+def test_a_value_rebound_to_an_equal_one_keeps_the_entries() -> None:
     cached = torchcache()(_Rescaled())
     cached(X)
     cached.scale = float("1.0")  # another object, the same value
@@ -974,19 +994,19 @@ def test_backend_switches_that_choose_other_kernels_are_keyed(name: str) -> None
     assert cached.cache_instance.stats().hits == 0
 
 
-def test_opt_einsums_contraction_order_is_keyed_where_it_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_opt_einsum_turned_off_or_given_another_strategy_is_keyed(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
     from torchcache import keys
 
-    for available, enabled, strategy, line in [
-        (True, True, "auto", b"opt_einsum:auto"),
-        (True, True, "optimal", b"opt_einsum:optimal"),
-        (True, False, "auto", None),
-        (False, False, None, None),  # not installed: torch's own order, as when it is off
+    for installed, enabled, strategy, line in [
+        (True, True, "auto", None),  # installed, at its defaults
+        (True, True, "optimal", b"opt_einsum:True:optimal"),
+        (True, False, "auto", b"opt_einsum:False:auto"),
+        (False, False, None, None),  # not installed: nothing to set
     ]:
-        fake = types.SimpleNamespace(is_available=lambda a=available: a, enabled=enabled, strategy=strategy)
-        monkeypatch.setattr(keys, "_OPT_EINSUM", fake)
+        monkeypatch.setattr(keys, "_OPT_EINSUM", types.SimpleNamespace(enabled=enabled, strategy=strategy))
+        monkeypatch.setattr(keys, "_OPT_EINSUM_INSTALLED", installed)
         assert numerics(()) == ([line] if line else [])
 
 

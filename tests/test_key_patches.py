@@ -263,14 +263,18 @@ class Rotary(nn.Module):
         return x + Rotary.table[: x.shape[1]]
 
 
-def test_a_class_level_table_that_forward_grows_does_not_take_the_key_again() -> None:
-    model = torchcache()(Rotary())
+def test_a_class_level_table_that_forward_grows_takes_the_key_again_unless_it_is_ignored() -> None:
     batches = [torch.randn(4, width) for width in (3, 5, 7)]
-    for x in batches:
-        model(x)
-    for x in batches:
-        assert torch.equal(model(x), x + torch.arange(float(x.shape[1])))
-    assert model.cache_instance.stats().hits == 12
+    Rotary.table = torch.zeros(0)
+    model = torchcache()(Rotary())
+    with pytest.warns(CacheWarning, match="attribute 'table'.*rebound 3 times.*key_ignore"):
+        for x in batches + batches:  # each entry under the key of the table it was computed with
+            assert torch.equal(model(x), x + torch.arange(float(x.shape[1])))
+    Rotary.table = torch.zeros(0)
+    ignoring = torchcache(key_ignore=("table",))(Rotary())  # a memo: outputs do not depend on it
+    for x in batches + batches:
+        assert torch.equal(ignoring(x), x + torch.arange(float(x.shape[1])))
+    assert ignoring.cache_instance.stats().hits == 12
 
 
 class Jitter(nn.Module):

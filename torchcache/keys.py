@@ -293,7 +293,8 @@ _SWITCHES = tuple(
     if (getter := getattr(torch._C, f"_get_{name}", None)) is not None
 )
 _SWITCH_GETTERS = tuple(getter for _, getter, _ in _SWITCHES)
-_OPT_EINSUM: Any = torch.backends.opt_einsum
+_OPT_EINSUM: Any = torch.backends.opt_einsum  # installed, it is on with "auto" by default
+_OPT_EINSUM_INSTALLED = bool(_OPT_EINSUM.is_available())
 _SWITCHES_AT_DEFAULTS = tuple(default for _, _, default in _SWITCHES)
 
 
@@ -310,8 +311,9 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     and its bfloat16 and CPU counterparts), and the backend switches that choose other kernels
     (``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled`` and ``.deterministic``,
     the attention backends, ``torch.backends.mha.set_fastpath_enabled``, the preferred BLAS and
-    linear algebra libraries, float16 accumulation in cuBLAS), ``opt_einsum``'s contraction order where it
-    is installed and on, and the default device new tensors are made on, where they differ from torch's defaults.
+    linear algebra libraries, float16 accumulation in cuBLAS), ``opt_einsum`` turned off or given another
+    strategy where it is installed, and the default device new tensors are made on, where they differ from
+    torch's defaults.
     """
     found = [
         f"autocast:{device_type}:{torch.get_autocast_dtype(device_type)}".encode()
@@ -333,8 +335,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
         found += [f"{name}:{now}".encode() for (name, _, was), now in zip(_SWITCHES, switches) if now != was]
     if not getattr(torch.backends.mha, "_is_fastpath_enabled", True):  # the fused encoder and attention kernels
         found.append(b"mha_fastpath:False")
-    if _OPT_EINSUM.is_available() and _OPT_EINSUM.enabled:  # einsum of 3 operands or more: another order of sums
-        found.append(f"opt_einsum:{_OPT_EINSUM.strategy}".encode())
+    if _OPT_EINSUM_INSTALLED and (_OPT_EINSUM.enabled, _OPT_EINSUM.strategy) != (True, "auto"):  # einsum's order
+        found.append(f"opt_einsum:{_OPT_EINSUM.enabled}:{_OPT_EINSUM.strategy}".encode())
     if torch._C._len_torch_function_stack():  # `with torch.device(...)`, set_default_device: where tensors are made
         modes = _function_modes()  # type: ignore[no-untyped-call]
         device = next((mode.device for mode in reversed(modes) if isinstance(mode, _DeviceContext)), None)

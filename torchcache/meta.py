@@ -98,8 +98,9 @@ def load_meta(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
         data = read_bounded(path, MAX_META_BYTES)
     except ValueError as exc:
         return None, f"{META_NAME} is too large ({exc})"
-    except OSError as exc:
-        return None, f"{UNREADABLE} {META_NAME}: {exc.strerror or exc}"
+    except OSError as exc:  # permissions or I/O: the file may be read again later; else it is damage
+        head = UNREADABLE if exc.errno in (errno.EACCES, errno.EPERM, errno.EIO) else "cannot open"
+        return None, f"{head} {META_NAME}: {exc.strerror or exc}"
     if data is None:
         return None, f"{META_NAME} is not a regular file" if os.path.lexists(path) else None
     try:

@@ -10,6 +10,7 @@ out, never an error.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import time
@@ -32,7 +33,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
-from ..meta import META_NAME, is_disk_wide, load_meta, unreadable, write_json_atomic
+from ..meta import META_NAME, load_meta, unreadable, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
@@ -219,6 +220,9 @@ def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> Packe
     return store
 
 
+_WHOLE_DISK = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS) if code)
+
+
 def write_dataset_meta(
     directory: Path, fields: Mapping[str, Any], max_bytes: int, create: bool, faults: FaultLog
 ) -> bool:
@@ -245,7 +249,7 @@ def write_dataset_meta(
         os.makedirs(directory, exist_ok=True)
         write_json_atomic(directory / META_NAME, meta)
     except OSError as exc:
-        if not is_disk_wide(exc):  # a read-only or full disk: the store reports it, once, as it opens or writes
+        if exc.errno not in _WHOLE_DISK:  # a read-only or full disk: the store reports it, once, as it opens or writes
             faults.warn(Fault.META, f"cannot write {directory / META_NAME} ({exc})", "disk")
         return False
     return True

@@ -288,7 +288,7 @@ class FeatureDataset(Dataset[Any]):
     def _compute_whole(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices`` computed again (features that vary in shape)."""
         assert isinstance(self.file, WholeSamples)
-        problem = _sources_problem(self, indices, "damaged or not computed")
+        problem, _ = _sources_problem(self, indices, "damaged or not computed")
         if problem is not None:
             raise problem
         assert self.backbone is not None
@@ -301,7 +301,7 @@ class FeatureDataset(Dataset[Any]):
         assert isinstance(self.file, RowsFile) and self.layout is not None
         positions = sorted(set(missing) | set(bad))
         unique = sorted({int(wanted[j]) for j in positions})
-        problem = _sources_problem(self, unique, "damaged" if bad else "not computed")  # while their checks hold
+        problem, write = _sources_problem(self, unique, "damaged" if bad else "not computed")  # checks still held
         if bad:
             forget_damaged(self.file, sorted({int(wanted[j]) for j in bad}), self._faults.warn)
         if problem is not None:
@@ -314,7 +314,8 @@ class FeatureDataset(Dataset[Any]):
         for j in positions:
             rows[j] = by_index[int(wanted[j])]
         try:
-            self.file.write(np.asarray(unique, np.int64), computed)
+            if write:
+                self.file.write(np.asarray(unique, np.int64), computed)
         except OSError as exc:
             self._faults.warn(
                 Fault.WRITE, f"cannot write to {self.path} ({exc}): those features are computed each time"
@@ -334,26 +335,27 @@ _FORKED = (
 )
 
 
-def _sources_problem(data: FeatureDataset, indices: list[int], what: str) -> MissingFeatureError | None:
-    """Why the rows at ``indices`` cannot be computed again here, if they cannot.
+def _sources_problem(data: FeatureDataset, indices: list[int], what: str) -> tuple[MissingFeatureError | None, bool]:
+    """Why the rows at ``indices`` cannot be computed again here, if they cannot; and whether to write them.
 
     The backbone must still have the cache's module key, and the dataset its key or, where
     it changed (a memo of decoded samples among its attributes), give for these indices the
-    inputs whose digests the rows were written with.
+    inputs whose digests the rows were written with: then the rows are served, not written
+    (their other fields, a label, come from the dataset as it is now).
     """
     if data.backbone is None or data.dataset is None:
-        return data._no_backbone(indices[0], what)
+        return data._no_backbone(indices[0], what), False
     header = data.file.header
     module_key, dataset_key = source_keys(data.backbone, data.dataset, data._version)
-    if module_key == header["module_key"] and (
-        dataset_key == header["dataset_key"] or _inputs_as_written(data, indices)
-    ):
-        return None
+    if module_key == header["module_key"] and dataset_key == header["dataset_key"]:
+        return None, True
+    if module_key == header["module_key"] and _inputs_as_written(data, indices):
+        return None, False
     return MissingFeatureError(
         f"the features of sample {indices[0]} in {data.path} are {what}, and the backbone or the dataset changed "
         "since they were extracted (weights, code or data): rows computed now would not be the features this "
         "cache holds; run torchcache.extract_features(backbone, dataset) again"
-    )
+    ), False
 
 
 def _inputs_as_written(data: FeatureDataset, indices: list[int]) -> bool:

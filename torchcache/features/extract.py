@@ -228,7 +228,7 @@ def _extract_features(
             try:
                 layout = SampleLayout.of_sample(probe, input)
                 if backbone.training:
-                    _refuse_random(backbone, layout, probe)
+                    _refuse_random(backbone, layout, probe, batch_size)
                 donors = Donors.find(directory.parent, directory.name, module_key, input)
                 try:
                     loader = DataLoader(
@@ -293,17 +293,20 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
         )
 
 
-def _refuse_random(backbone: torch.nn.Module, layout: SampleLayout, sample: Any) -> None:
+def _refuse_random(backbone: torch.nn.Module, layout: SampleLayout, sample: Any, batch_size: int) -> None:
     """Refuse a backbone in training mode whose outputs for one input differ (stochastic depth, RReLU, F.dropout).
 
-    One input twice in a batch, twice over (the caller's random state is kept by extract_features).
+    One input twice in a batch (once with ``batch_size`` 1), twice over (the caller's random state is kept by
+    extract_features).
 
     Raises:
         ConfigError: If the four rows are not all equal.
     """
-    inputs, _ = layout.split([sample, sample])
-    runs = [run_backbone(backbone, default_collate(inputs), 2) for _ in range(2)]  # type: ignore[no-untyped-call]
-    if not all(torch.equal(row, runs[0][0]) for run in runs for row in run):
+    count = min(2, batch_size)  # a backbone made for batches of one gets one
+    inputs, _ = layout.split([sample] * count)
+    runs = [run_backbone(backbone, default_collate(inputs), count) for _ in range(2)]  # type: ignore[no-untyped-call]
+    bits = [row.contiguous().view(torch.uint8) for run in runs for row in run]  # NaN as itself
+    if not all(torch.equal(row, bits[0]) for row in bits):
         raise ConfigError(
             "the backbone is in training mode and its outputs are random (one input gave other features at each "
             "run: stochastic depth, RReLU or dropout called as a function). Call backbone.eval() first"

@@ -41,7 +41,7 @@ from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .independence import ItemCheck, buffers_kept
 from .outputs import OutputPlan, UnbatchedOutputError
-from .versions import HeldValues, VersionWatch, settling
+from .versions import HeldValues, VersionWatch
 
 __all__ = ["Cache"]
 
@@ -344,7 +344,6 @@ class Cache:
             and ((watch is not None and watch.changed()) or (held is not None and held.changed()))
         ):
             self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
-        fn = settling(fn, self) if self.settings.persistent_module_hash is None else fn  # forward's own memos
         try:
             call, context = self._split(args, kwargs, training)
         except UncachedInput as exc:

@@ -26,6 +26,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..faults import user_stacklevel
 from ..keys import tensor_digest
 from .fingerprint import tensor_attributes, unignored
 
-__all__ = ["HeldValues", "VersionWatch", "settling"]
+__all__ = ["HeldValues", "VersionWatch"]
 
 _version = operator.attrgetter("_version")
 _training = operator.attrgetter("training")
@@ -265,7 +266,7 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
-_rebound: collections.Counter[tuple[int, str]] = collections.Counter()
+_rebound: collections.Counter[tuple[object, str]] = collections.Counter()
 #: Rebinding a global this often takes the key as often: a warning says so, once.
 REBOUND_WARN = 3
 
@@ -286,21 +287,10 @@ def _alike(was: Any, now: Any) -> bool:
     return type(was) in _ALIKE and bool(was == now)
 
 
-def settling(fn: Callable[..., Any], cache: Any) -> Callable[..., Any]:
-    """``fn``, after which what it rebound itself (a memo, a counter) is taken as it is by ``cache._held``."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if cache._held is not None:
-                cache._held.settle()
-
-    return run
-
-
 def _note_rebound(binding: Binding) -> None:
-    where = (getattr(binding.namespace, "ident", id(binding.namespace)), binding.name)  # the same at each key
+    space = binding.namespace  # the same at each key: a class's by its name (vars() makes a new proxy)
+    ident = (space.get("__module__"), space.get("__qualname__")) if isinstance(space, MappingProxyType) else id(space)
+    where = (getattr(space, "ident", ident), binding.name)
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
         kind = "global" if "__builtins__" in binding.namespace else "attribute"
@@ -397,11 +387,11 @@ class HeldValues:
         if changed:
             _note_rebound(changed[0])
             return True
-        self.settle()
+        self._settle()
         return False
 
-    def settle(self) -> None:
-        """Take the values bound now as those the key read (what a forward that just ran rebound itself: a memo)."""
+    def _settle(self) -> None:
+        """Take the values bound now as those the key read (each equal to it and of its type)."""
         now = tuple(map(operator.call, *self._lookups[:2]))
         if any(map(operator.is_not, now, self._lookups[2])):
             self._bindings = [b._replace(value=value) for b, value in zip(self._bindings, now)]
