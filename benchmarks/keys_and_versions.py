@@ -1,4 +1,4 @@
-"""What keying a module costs: wrap time, the per-call weight check, and verify_weights.
+"""What keying a module costs: wrap time, the per-call key check, and verify_weights.
 
 For a ViT-B-sized module (12 transformer layers of width 768, 86 M parameters, 148
 tensors) it measures:
@@ -6,7 +6,8 @@ tensors) it measures:
 - **wrap**: ``torchcache()(model)`` (every attribute of every submodule through the
   canonical encoder) plus the first module key (every weight hashed), as a user pays
   them once per process and again after each change of weights;
-- **check**: the version-counter check that runs before every cached call, against the
+- **check**: the check that runs before every cached call (the weights' version counters,
+  and every plain attribute, class value and global the key read, for rebinding), against the
   W1 memory-hit path (a batch of 256 images of 3x64x64 whose (768,) features are all in
   memory), the cost it adds to;
 - **verify**: one ``verify_weights`` content check (all weights hashed);
@@ -17,7 +18,7 @@ tensors) it measures:
 
 Each figure is the median over ``--repeats`` runs with its minimum and maximum. The
 benchmark checks its own results: the cached outputs equal the uncached ones, and the
-check sees an in-place change. It writes its JSON (``--json``, by default
+check sees an in-place change and a rebound attribute. It writes its JSON (``--json``, by default
 ``benchmarks/results/keys_and_versions.json``) for ``report.py``.
 
     python benchmarks/keys_and_versions.py [--repeats 7] [--json PATH]
@@ -153,12 +154,17 @@ def main() -> int:
         torchcache()(model)
         _ = model.cache_instance.module_hash
         wrap.append(time.perf_counter() - start)
-    watch = VersionWatch(models[0])
-    watch.reset()
-    check = timed(watch.changed, args.repeats, inner=2000)
+    cache = models[0].cache_instance
+    cache.take_key()  # the watch of the weights and the held values (attributes, class values, globals) of the key
+    watch, held = cache._watch, cache._held
+    assert watch is not None and held is not None
+    check = timed(lambda: watch.changed() or held.changed(), args.repeats, inner=2000)
+    bindings = len(held._bindings)
+    models[0].encoder.layers[0].norm1.eps = 2e-5  # a plain attribute rebound: seen too
+    seen_attribute = held.changed()
     with torch.no_grad():
         models[0].norm.weight.mul_(1.0)
-    seen = watch.changed()
+    seen = watch.changed() and seen_attribute
     verify_watch = VersionWatch(models[0], verify_every=1)
     verify_watch.reset()
     verify = timed(verify_watch.changed, args.repeats)
@@ -193,6 +199,7 @@ def main() -> int:
         "check_share_of_first_call": statistics.median(checked) / statistics.median(unchecked) - 1,
         "wrap_s": spread(wrap, 1.0),
         "check_us": spread(check, 1e6),
+        "check_bindings": bindings,
         "w1_hit_ms": spread(hit, 1e3),
         "check_share_of_w1_hit": statistics.median(check) / statistics.median(hit),
         "verify_ms": spread(verify, 1e3),
@@ -200,7 +207,8 @@ def main() -> int:
     }
     print(f"{results['model']}")
     print(f"wrap + first key      {results['wrap_s']['median']:.3f} s [{wrap_range(results['wrap_s'])}]")
-    print(f"weight check per call {results['check_us']['median']:.1f} us [{wrap_range(results['check_us'])}]")
+    print(f"key check per call    {results['check_us']['median']:.1f} us [{wrap_range(results['check_us'])}]")
+    print(f"values it watches     {results['check_bindings']} attributes, class values and globals")
     print(f"W1 memory-hit batch   {results['w1_hit_ms']['median']:.2f} ms [{wrap_range(results['w1_hit_ms'])}]")
     print(f"check / W1 hit        {results['check_share_of_w1_hit']:.2%}")
     print(f"verify_weights check  {results['verify_ms']['median']:.1f} ms [{wrap_range(results['verify_ms'])}]")

@@ -332,12 +332,10 @@ class HeldValues:
         if owner is not None:  # the cached module's own attributes, read through a weak reference: no cycle
             own, weak = vars(owner), _OwnerVars(weakref.ref(owner))
             bindings = {k: (Binding(weak, *b[1:]) if b.namespace is own else b) for k, b in bindings.items()}
-        self._bindings = list(bindings.values())  # globals the key read: rebinding one (SCALE = 3) is a change
-        self._lookups = (  # each checked in C: a model reads hundreds
-            tuple(b.namespace.get for b in self._bindings),
-            tuple(b.name for b in self._bindings),
-            tuple(b.value for b in self._bindings),
-        )
+        # What the key read by name (SCALE, model.scale, Net.K): rebinding one is a change. Plain dicts
+        # first, each looked up with dict.get in C: a model holds hundreds.
+        self._bindings = sorted(bindings.values(), key=lambda b: type(b.namespace) is not dict)
+        self._lookups = self._index()
         unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
@@ -367,8 +365,11 @@ class HeldValues:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        gets, names, values = self._lookups
-        if any(map(operator.is_not, map(operator.call, gets, names), values)) and self._rebound():
+        spaces, names, values, gets, other_names, other_values = self._lookups
+        if (
+            any(map(operator.is_not, map(dict.get, spaces, names), values))
+            or any(map(operator.is_not, map(operator.call, gets, other_names), other_values))
+        ) and self._rebound():
             return True
         if self._modules and (
             bytes(map(_training, self._modules)) != self._flags or self._types != [*map(type, self._modules)]
@@ -382,7 +383,7 @@ class HeldValues:
 
     def _rebound(self) -> bool:
         """Whether a binding now holds another value; those rebound to an equal one are taken as they are."""
-        now = tuple(map(operator.call, *self._lookups[:2]))
+        now = self._now()
         changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not _alike(b.value, value)]
         if changed:
             _note_rebound(changed[0])
@@ -392,10 +393,20 @@ class HeldValues:
 
     def _settle(self) -> None:
         """Take the values bound now as those the key read (each equal to it and of its type)."""
-        now = tuple(map(operator.call, *self._lookups[:2]))
-        if any(map(operator.is_not, now, self._lookups[2])):
+        now = self._now()
+        if any(map(operator.is_not, now, (b.value for b in self._bindings))):
             self._bindings = [b._replace(value=value) for b, value in zip(self._bindings, now)]
-            self._lookups = (*self._lookups[:2], now)
+            self._lookups = self._index()
+
+    def _index(self) -> tuple[tuple[Any, ...], ...]:
+        n = sum(type(b.namespace) is dict for b in self._bindings)
+        spaces, names, values = zip(*self._bindings) if self._bindings else ((), (), ())
+        gets = tuple(b.namespace.get for b in self._bindings[n:])
+        return spaces[:n], names[:n], values[:n], gets, names[n:], values[n:]
+
+    def _now(self) -> tuple[Any, ...]:
+        spaces, names, _, gets, other_names, _ = self._lookups
+        return (*map(dict.get, spaces, names), *map(operator.call, gets, other_names))
 
     def written(self, name: str) -> KeyingError | None:
         """As :meth:`VersionWatch.written`, for tensors held in containers or read as globals."""
