@@ -414,3 +414,17 @@ def traced_memory() -> Iterator[Callable[[], tuple[int, int]]]:
     finally:
         flush_all()
         tracemalloc.stop()
+
+
+def refuse_reading(monkeypatch: Any, path: Path) -> None:
+    """Make torchcache's bounded reads of ``path`` fail with EACCES, as for a file of mode 000 (root reads any)."""
+    from torchcache import meta
+
+    real = meta.read_bounded
+
+    def refusing(where: Path, limit: int) -> bytes | None:
+        if Path(where) == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(where))
+        return real(where, limit)
+
+    monkeypatch.setattr(meta, "read_bounded", refusing)

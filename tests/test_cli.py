@@ -21,10 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import stored_entries
+from tests.helpers import refuse_reading, stored_entries
 from tests.store_helpers import poison_index_leaves
 from torchcache import CacheWarning, torchcache
-from torchcache import meta as meta_module
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
 from torchcache.cli.output import short_keys
@@ -684,14 +683,7 @@ def test_metadata_that_cannot_be_read_is_left_as_it_is_by_the_library_and_by_ver
     reader, want = twin(model), model.linear(x)
     del model
     gc.collect()
-    real = meta_module.read_bounded
-
-    def refusing(where: Path, limit: int) -> bytes | None:  # as for a file of mode 000 (root reads any)
-        if Path(where) == path:
-            raise PermissionError(errno.EACCES, "Permission denied", str(where))
-        return real(where, limit)
-
-    monkeypatch.setattr(meta_module, "read_bounded", refusing)
+    refuse_reading(monkeypatch, path)
     with pytest.warns(CacheWarning, match="cannot read torchcache.json: Permission denied; it is left as it is"):
         torch.testing.assert_close(reader(x), want)
     code, out, _ = run(capsys, "verify", "--fix")

@@ -26,10 +26,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tests import zygote
-from tests.helpers import REPO, python_env, run_python
+from tests.helpers import REPO, python_env, refuse_reading, run_python
 from tests.store_helpers import charged
 from torchcache import CachedDataset, CacheWarning, SampleCache
-from torchcache import meta as meta_module
 from torchcache.datasets.dataset import MissingSampleError
 from torchcache.datasets.decode import decode_sample, frame_head
 from torchcache.datasets.encode import SampleTypeError, encode_sample
@@ -590,14 +589,7 @@ def test_a_disk_tiers_metadata_that_cannot_be_read_is_left_as_it_is(
     path = data.cache.directory / "torchcache.json"
     data.close()
     before = path.read_bytes()
-    real = meta_module.read_bounded
-
-    def refusing(where: Path, limit: int) -> bytes | None:  # as for a file of mode 000 (root reads any)
-        if Path(where) == path:
-            raise PermissionError(errno.EACCES, "Permission denied", str(where))
-        return real(where, limit)
-
-    monkeypatch.setattr(meta_module, "read_bounded", refusing)
+    refuse_reading(monkeypatch, path)
     with pytest.warns(CacheWarning, match="Permission denied; left as it is"):
         again = CachedDataset(Numbers(4, log), tmp_path, max_memory_size=0)
         assert again[0][1] == 0 and again[3][1] == 3
