@@ -13,7 +13,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -726,6 +726,47 @@ def test_a_counter_forward_rebinds_is_a_new_key_each_time_said_once_unless_it_is
     for _ in range(4):
         assert torch.equal(ignoring(X), nn.functional.gelu(X))
     assert ignoring.cache_instance.stats().hits == 3 * len(X)
+
+
+def test_weight_norms_own_rebinding_at_every_call_is_no_change_and_its_weights_are_still_watched() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated, still used
+        normed = _frozen(nn.utils.weight_norm(nn.Linear(4, 4)))
+    cached = torchcache()(normed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)  # no "rebound 3 times"
+        for _ in range(4):
+            cached(X)
+    assert cached.cache_instance.stats().hits == 3 * len(X)
+    with torch.no_grad():
+        normed.weight_g.mul_(2)
+    direction = normed.weight_v / normed.weight_v.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(cached(X), nn.functional.linear(X, normed.weight_g * direction, normed.bias))
+
+
+class _Memo(nn.Module):
+    seen: ClassVar[dict[int, int]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).seen = {**type(self).seen, len(type(self).seen): 1}  # a class-level memo, rebound
+        return x * 2
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Memo()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_class_value_forward_rebinds_is_left_out_by_its_name() -> None:
+    _Memo.seen = {}
+    cached = torchcache(key_ignore=("seen",), check_items=False)(_Outer())  # a class is shared: by name
+    for _ in range(4):
+        assert torch.equal(cached(X), X * 2)
+    assert cached.cache_instance.stats().hits == 3 * len(X)
 
 
 def test_a_value_rebound_to_an_equal_one_keeps_the_entries() -> None:

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .objects import CONFIG_UNKEYED, Binding, collect, slot_values, tensor_content_digest
 from .tags import Tag, raw, tagged, text
@@ -66,6 +68,10 @@ class SlotValues(Mapping[str, Any]):
         return sum(1 for _ in self)
 
 
+#: Forward pre-hooks that set a weight from keyed parameters at every call (``nn.utils.weight_norm``).
+_DERIVED = (WeightNorm, SpectralNorm)
+
+
 def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, depth: int = 0) -> bytes:
     """One module's class and the attributes torch does not manage, from ``__dict__`` and ``__slots__``.
 
@@ -77,8 +83,9 @@ def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, dept
     state = vars(module)
     items = [(k, v) for k, v in sorted(state.items()) if k not in MODULE_MANAGED]
     parts = [encoder.child(type(module), f"{path}.<class>", depth), encoder.attributes(items, path, depth)]
+    derived = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values() if isinstance(hook, _DERIVED)}
     for name, value in items:  # rebound later (model.scale = 3.0, model.mask = other): the key is taken again
-        if not encoder.ignored(path, name):
+        if not encoder.ignored(path, name) and name not in derived:  # not what weight_norm's hook sets at each call
             collect(Binding(state, name, value))
     slots = slot_values(module)
     if slots:
