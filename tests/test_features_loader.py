@@ -124,6 +124,8 @@ def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
         features.batch([True])
     with pytest.raises(TypeError, match=r"one list of integers, got shape \(2, 2\)"):
         features.batch(np.array([[1, 2], [3, 4]]))
+    with pytest.raises(TypeError, match=r"several go to features\.batch\(indices\), not in one of shape \(2,\)"):
+        features[torch.tensor([1, 2])]
 
 
 def test_a_seeded_loader_leaves_the_global_rng_as_it_was(cache_root: Path) -> None:

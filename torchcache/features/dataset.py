@@ -417,7 +417,10 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         else:  # operator.index: 2.7, "3" and a float tensor are refused, not cut to an int
             given = np.array([operator.index(i) for i in indices], np.int64)
     except (TypeError, ValueError, OverflowError):
-        raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}") from None
+        several = next((i for i in indices if getattr(i, "ndim", 0)), None)  # features[tensor([1, 2])]
+        shape: tuple[int, ...] | None = None if several is None else tuple(np.shape(several))
+        hint = "" if shape is None else f"; several go to features.batch(indices), not in one of shape {shape}"
+        raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}{hint}") from None
     wanted = given
     if len(given) and (given.min() < 0 or given.max() >= length):
         wanted = np.where(given < 0, given + length, given)
