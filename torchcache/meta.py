@@ -25,6 +25,7 @@ from .stores.files import read_bounded
 __all__ = [
     "MAX_META_BYTES",
     "META_NAME",
+    "FULL_OR_READ_ONLY",
     "is_disk_wide",
     "load_meta",
     "meta_size",
@@ -38,11 +39,9 @@ META_NAME = "torchcache.json"
 MAX_META_BYTES = 1 << 16
 _MAX_META_DEPTH = 8
 _LAST_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC, the last time a date can show
-_DISK_WIDE = frozenset(
-    code
-    for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
-    if code is not None
-)
+#: Errors of a full or read-only disk.
+FULL_OR_READ_ONLY = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS) if code)
+_DISK_WIDE = FULL_OR_READ_ONLY | {errno.EACCES, errno.EPERM, errno.EIO}
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 
 

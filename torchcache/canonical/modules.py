@@ -22,7 +22,15 @@ from .tags import Tag, raw, tagged, text
 if TYPE_CHECKING:
     from .values import KeyEncoder as Encoder
 
-__all__ = ["CONFIG_UNKEYED", "MODULE_MANAGED", "OBSERVER_HOOKS", "encode_module", "module_attributes", "module_hooks"]
+__all__ = [
+    "CONFIG_UNKEYED",
+    "MODULE_MANAGED",
+    "OBSERVER_HOOKS",
+    "WeakState",
+    "encode_module",
+    "module_attributes",
+    "module_hooks",
+]
 
 #: Attributes of a module left out of its key: those torch itself manages on every
 #: ``nn.Module`` (hooks, keyed on their own; the registries of weights and submodules,
@@ -46,23 +54,32 @@ OBSERVER_HOOKS = frozenset(
 )
 
 
-class SlotValues(Mapping[str, Any]):
-    """The ``__slots__`` values of an object, read through a weak reference, as a mapping (for a :class:`Binding`)."""
+class WeakState(Mapping[str, Any]):
+    """An object's ``__dict__`` and ``__slots__`` values, read through a weak reference (a :class:`Binding`'s).
+
+    A watch that lives on the module (its cache) and held the module's ``__dict__`` would
+    keep a deleted model's weights until a garbage collection.
+    """
 
     def __init__(self, owner: object) -> None:
         self._owner = weakref.ref(owner)
-        self.ident = ("slots", id(owner))  # one for the object, however often its key is taken
+        self.ident = id(owner)  # one for the object, however often its key is taken
 
     def __getitem__(self, name: str) -> Any:
         owner = self._owner()
+        state = getattr(owner, "__dict__", {}) if owner is not None else {}
+        if name in state:
+            return state[name]
         try:
-            return object.__getattribute__(owner, name)
+            return object.__getattribute__(owner, name)  # a slot
         except AttributeError:
             raise KeyError(name) from None
 
     def __iter__(self) -> Iterator[str]:
         owner = self._owner()
-        return iter([name for name, _ in slot_values(owner)] if owner is not None else [])
+        if owner is None:
+            return iter(())
+        return iter([*getattr(owner, "__dict__", {}), *(name for name, _ in slot_values(owner))])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -90,7 +107,7 @@ def module_attributes(encoder: Encoder, module: torch.nn.Module, path: str, dept
     slots = slot_values(module)
     if slots:
         parts.append(tagged(Tag.SLOTS, encoder.items(slots, path, depth, attributes=True)))
-        view = SlotValues(module)
+        view = WeakState(module)
         for name, value in slots:
             if not encoder.ignored(path, name):
                 collect(Binding(view, name, value))

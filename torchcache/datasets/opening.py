@@ -10,7 +10,6 @@ out, never an error.
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import time
@@ -33,7 +32,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog, Report
-from ..meta import META_NAME, load_meta, unreadable, write_json_atomic
+from ..meta import FULL_OR_READ_ONLY, META_NAME, load_meta, unreadable, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore
 from ..stores.packed.store import PackedStore
@@ -220,9 +219,6 @@ def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> Packe
     return store
 
 
-_WHOLE_DISK = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS) if code)
-
-
 def write_dataset_meta(
     directory: Path, fields: Mapping[str, Any], max_bytes: int, create: bool, faults: FaultLog
 ) -> bool:
@@ -249,7 +245,9 @@ def write_dataset_meta(
         os.makedirs(directory, exist_ok=True)
         write_json_atomic(directory / META_NAME, meta)
     except OSError as exc:
-        if exc.errno not in _WHOLE_DISK:  # a read-only or full disk: the store reports it, once, as it opens or writes
+        if (
+            exc.errno not in FULL_OR_READ_ONLY
+        ):  # a read-only or full disk: the store reports it, once, as it opens or writes
             faults.warn(Fault.META, f"cannot write {directory / META_NAME} ({exc})", "disk")
         return False
     return True

@@ -32,7 +32,7 @@ from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_d
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
 from .backbone import MissingFeatureError, compute_rows, device_of, source_keys
-from .remote import folder_of, from_bucket, refuse_options
+from .remote import from_bucket, header_folder, refuse_options
 from .variable import WholeSamples, is_variable_cache, run_samples
 
 __all__ = ["FeatureDataset", "MissingFeatureError"]
@@ -313,13 +313,13 @@ class FeatureDataset(Dataset[Any]):
         by_index = dict(zip(unique, computed, strict=True))
         for j in positions:
             rows[j] = by_index[int(wanted[j])]
-        try:
-            if write:
+        if write:
+            try:
                 self.file.write(np.asarray(unique, np.int64), computed)
-        except OSError as exc:
-            self._faults.warn(
-                Fault.WRITE, f"cannot write to {self.path} ({exc}): those features are computed each time"
-            )
+            except OSError as exc:
+                self._faults.warn(
+                    Fault.WRITE, f"cannot write to {self.path} ({exc}): those features are computed again"
+                )
 
     def close(self) -> None:
         """Close the file and let go of the cache, which the root's budget may then remove (samples read stay valid)."""
@@ -386,8 +386,7 @@ def _made_here(file: _File, folder: Path) -> _File:
     Raises:
         ConfigError: If it is.
     """
-    header = file.header
-    made = folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input"))
+    made = header_folder(file.header)
     if folder.name.startswith("features-") and folder.name != made and not folder.name.startswith(made + "-"):
         file.close()
         raise ConfigError(f"{folder} holds features made for other keys (those of {made}); not used")

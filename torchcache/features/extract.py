@@ -51,6 +51,7 @@ from ..stores.features.file import (
     missing_or_damaged,
     open_existing,
     remove_features,
+    same_header,
 )
 from ..stores.features.layout import SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
@@ -204,7 +205,7 @@ def _extract_features(
 
     stored = made_for(directory) if remote is None else None
     if stored is not None:
-        if {k: stored.get(k) for k in header} != header:  # a folder copied or planted under this key
+        if not same_header(stored, header):  # a folder copied or planted under this key
             faults.warn(Fault.CORRUPT, f"the features in {directory} were made for other keys: computed again")
             try:
                 remove_cache(directory)

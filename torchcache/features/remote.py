@@ -41,7 +41,15 @@ from ..stores.redis.url import redact_url
 from ..stores.remote import local_copy_dir
 from ..stores.rows import RowsFile
 
-__all__ = ["CHUNK_BYTES", "FeaturesBucket", "folder_of", "from_bucket", "refuse_options", "split_url"]
+__all__ = [
+    "CHUNK_BYTES",
+    "FeaturesBucket",
+    "folder_of",
+    "from_bucket",
+    "header_folder",
+    "refuse_options",
+    "split_url",
+]
 
 #: The size of each uploaded piece of a features file (the last is shorter).
 CHUNK_BYTES = 64 << 20
@@ -110,6 +118,11 @@ def folder_of(module_key: str, dataset_key: str, input: object) -> str:
     return f"features-{h.hexdigest()}"
 
 
+def header_folder(header: dict[str, Any]) -> str:
+    """The folder (``features-<key>``) a features file's header was made for."""
+    return folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input"))
+
+
 def refuse_options(local_cache_dir: object, storage_options: object, name: str) -> None:
     """Refuse the options of features in a bucket where the location ``name`` is a local one.
 
@@ -125,7 +138,7 @@ def refuse_options(local_cache_dir: object, storage_options: object, name: str) 
 def _problem(file: RowsFile, folder: str) -> str | None:
     """What keeps ``file`` from being the whole features file of ``folder``, if anything."""
     header = file.header
-    if folder_of(str(header.get("module_key")), str(header.get("dataset_key")), header.get("input")) != folder:
+    if header_folder(header) != folder:
         return "it was made for another key"
     if file.count() != file.length:
         return f"{file.length - file.count()} rows are missing"

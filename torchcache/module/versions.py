@@ -25,7 +25,7 @@ import math
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection
 from types import MappingProxyType
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
+from ..canonical.modules import WeakState
 from ..canonical.objects import Binding
 from ..errors import CacheWarning, KeyingError
 from ..faults import user_stacklevel
@@ -330,7 +331,7 @@ class HeldValues:
     def __init__(self, values: list[Any], owner: torch.nn.Module | None = None) -> None:
         bindings = {(id(v.namespace), v.name): v for v in values if isinstance(v, Binding)}
         if owner is not None:  # the cached module's own attributes, read through a weak reference: no cycle
-            own, weak = vars(owner), _OwnerVars(weakref.ref(owner))
+            own, weak = vars(owner), WeakState(owner)
             bindings = {k: (Binding(weak, *b[1:]) if b.namespace is own else b) for k, b in bindings.items()}
         # What the key read by name (SCALE, model.scale, Net.K): rebinding one is a change. Plain dicts
         # first, each looked up with dict.get in C: a model holds hundreds.
@@ -421,30 +422,3 @@ class HeldValues:
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-
-
-class _OwnerVars(Mapping[str, Any]):
-    """The ``__dict__`` of the cached module, read through a weak reference (empty once it is gone).
-
-    The watch lives on the module: holding its ``__dict__`` would keep a deleted model's weights until a collection.
-    """
-
-    def __init__(self, ref: Callable[[], torch.nn.Module | None]) -> None:
-        self._ref = ref
-        self.ident = id(ref())  # one for the module, however often its key is taken
-
-    def _vars(self) -> dict[str, Any]:
-        return {} if (module := self._ref()) is None else vars(module)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """``vars(module).get(name, default)``."""
-        return self._vars().get(name, default)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._vars()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._vars())
-
-    def __len__(self) -> int:
-        return len(self._vars())

@@ -22,6 +22,7 @@ from ..rows import RowsFile
 from .layout import SampleLayout
 
 __all__ = [
+    "same_header",
     "FEATURES_NAME",
     "LEGACY_FEATURES_NAME",
     "create_features",
@@ -91,6 +92,11 @@ def _check(file: RowsFile) -> None:
         raise
 
 
+def same_header(stored: dict[str, Any], header: dict[str, Any]) -> bool:
+    """Whether a stored header holds every field of ``header`` as it is (the same keys, input and length)."""
+    return {k: stored.get(k) for k in header} == header
+
+
 def open_existing(path: Path, header: dict[str, Any], warn: Warn) -> RowsFile | None:
     """The features file at ``path`` if it is whole and made for ``header``; a damaged one is removed.
 
@@ -114,8 +120,7 @@ def open_existing(path: Path, header: dict[str, Any], warn: Warn) -> RowsFile | 
     except OSError as exc:
         warn(Fault.OPEN, f"cannot open the features file {path} ({exc}): computed again")
         return None
-    made_for = {k: file.header.get(k) for k in header}
-    if made_for != header:
+    if not same_header(file.header, header):
         file.close()
         warn(Fault.CORRUPT, f"the features file {path} was made for other keys: computed again")
         remove_features(path)
