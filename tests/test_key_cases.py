@@ -7,10 +7,12 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import gc
 import importlib.util
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -696,6 +698,9 @@ class _Held(nn.Module):
 def test_a_class_swapped_or_a_slot_rebound_after_the_first_call_is_seen(change: str) -> None:
     cached = torchcache()(_Held())
     cached(X)
+    cached(X)  # nothing changed: a hit, and nothing seen as changed
+    held = cached.cache_instance._held
+    assert held is not None and not held.changed()
     if change == "submodule class":
         cached.act.__class__ = nn.SiLU
     elif change == "held module class":
@@ -703,7 +708,22 @@ def test_a_class_swapped_or_a_slot_rebound_after_the_first_call_is_seen(change: 
     else:
         cached.scale.k = 5.0
     assert torch.equal(cached(X), _Held.forward(cached, X))
-    assert cached.cache_instance.stats().hits == 0
+    assert cached.cache_instance.stats().hits == len(X)
+
+
+def test_a_deleted_module_whose_attributes_are_watched_is_freed_without_the_cyclic_collector() -> None:
+    model = torchcache()(_Rescaled())
+    model.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+    model.table = torch.zeros(3)  # a tensor attribute, watched with the plain ones
+    model(X)
+    gone = weakref.ref(model.weight)
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 class _Counting(_Rescaled):
