@@ -346,3 +346,114 @@ def test_a_compiled_helper_is_keyed_by_what_it_compiles() -> None:
     first, second = (_using(torch.compile(_double)) for _ in range(2))  # each wrapper holds an id of its own
     assert first.cache_instance.module_hash == second.cache_instance.module_hash
     assert _using(torch.compile(_triple)).cache_instance.module_hash != first.cache_instance.module_hash
+
+
+def _offset(x: torch.Tensor, by: float = 1.0) -> torch.Tensor:
+    return x + by
+
+
+def _scale_by_three(x: torch.Tensor, by: float = 1.0) -> torch.Tensor:
+    return x * 3
+
+
+class UsesHelper(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _offset(x)
+
+
+def _closure_module() -> tuple[nn.Module, Any]:
+    """A module whose forward calls a closure, and a setter that rebinds the closure's captured value."""
+    by = 1.0
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        return x + by
+
+    def rebind(value: float | None) -> None:
+        nonlocal by
+        if value is None:
+            del by
+        else:
+            by = value
+
+    class Shifted(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return shift(x)
+
+    return Shifted(), rebind
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda: setattr(_offset, "__defaults__", (5.0,)), lambda x: x + 5.0),
+        (lambda: setattr(_offset, "__code__", _scale_by_three.__code__), lambda x: x * 3),
+    ],
+    ids=["defaults", "code"],
+)
+def test_a_helpers_defaults_or_code_replaced_after_the_key_is_seen(
+    monkeypatch: pytest.MonkeyPatch, change: Any, expected: Any
+) -> None:
+    monkeypatch.setattr(_offset, "__defaults__", _offset.__defaults__)
+    monkeypatch.setattr(_offset, "__code__", _offset.__code__)
+    model, x = torchcache()(UsesHelper()), torch.randn(4, 3)
+    assert torch.equal(model(x), x + 1.0)
+    change()
+    assert torch.equal(model(x), expected(x))
+
+
+def test_a_value_a_closure_captured_rebound_after_the_key_is_seen() -> None:
+    module, rebind = _closure_module()
+    model, x = torchcache()(module), torch.randn(4, 3)
+    assert torch.equal(model(x), x + 1.0)
+    rebind(2.0)
+    assert torch.equal(model(x), x + 2.0)
+    rebind(2.0)  # rebound to an equal value: the entries stay
+    model(x)
+    assert model.cache_instance.stats().hits == len(x)
+
+
+def test_a_captured_value_deleted_after_the_key_is_seen_fails_as_an_uncached_call_does() -> None:
+    module, rebind = _closure_module()
+    model, x = torchcache()(module), torch.randn(4, 3)
+    model(x)
+    rebind(None)
+    with pytest.raises(NameError, match="'by'"):
+        model(x)
+
+
+def test_a_captured_value_rebound_at_every_call_is_said_once_naming_it_and_can_be_ignored() -> None:
+    module, rebind = _closure_module()
+    model, x = torchcache()(module), torch.randn(4, 3)
+    with pytest.warns(CacheWarning, match="captured value 'by'.*rebound 3 times.*key_ignore"):
+        for step in range(5):
+            rebind(float(step))
+            assert torch.equal(model(x), x + step)
+    module, rebind = _closure_module()
+    ignoring = torchcache(key_ignore=("by",))(module)
+    ignoring(x)
+    rebind(2.0)  # named in key_ignore: neither keyed nor watched
+    ignoring(x)
+    assert ignoring.cache_instance.stats().hits == len(x)
+
+
+class CachedTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed = 0
+        assert self.table == 2.0  # filled before the key is taken
+
+    @functools.cached_property
+    def table(self) -> float:
+        self.__dict__["computed"] += 1
+        return 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+def test_a_cached_property_invalidated_after_the_key_is_seen_is_not_read_by_the_check() -> None:
+    model, x = torchcache()(CachedTable()), torch.randn(4, 3)
+    model(x)
+    del model.table  # invalidated: the getter runs when forward next reads it, and this forward does not
+    assert torch.equal(model(x), x * 2.0)
+    assert model.computed == 1

@@ -19,6 +19,7 @@ import struct
 import sys
 import types
 import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
@@ -185,6 +186,34 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports, stor
 
 
 # -- functions -----------------------------------------------------------------------------------------
+class Attributes(Mapping[str, Any]):
+    """A function's or a closure cell's attributes by name, as a :class:`~.objects.Binding`'s namespace.
+
+    ``what`` names the binding in messages; ``ignore`` is the name ``key_ignore`` takes for
+    it, if any. Reading one is a C-level ``getattr``.
+    """
+
+    __slots__ = ("get", "ident", "ignore", "what")
+
+    def __init__(self, owner: object, what: str, ignore: str | None = None) -> None:
+        self.get: Any = functools.partial(getattr, owner)  # an emptied cell raises: HeldValues takes it as a change
+        self.ident = id(owner)
+        self.what = what
+        self.ignore = ignore
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.get(name)
+        except (AttributeError, ValueError):  # ValueError: an emptied cell
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: int) -> bytes:
     """A Python function: its code and what it reads, or its package's version for installed code.
 
@@ -210,6 +239,8 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         parts.append(text(version_of(home.partition(".")[0]) if home else code.co_filename))
     else:
         parts.append(scan_code(code).described)
+        for member in ("__code__", "__defaults__", "__kwdefaults__"):  # replaced later: the key is taken again
+            collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
     parts.append(encoder.child(fn.__kwdefaults__ or {}, f"{path}.__kwdefaults__", depth))
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -218,6 +249,10 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         except ValueError:  # an empty cell
             parts.append(Tag.EMPTY_CELL)
             continue
+        if encoder.ignored(path, name):
+            continue
+        if not installed:  # rebound later (nonlocal): the key is taken again
+            collect(Binding(Attributes(cell, f"captured value {name!r}", name), "cell_contents", captured))
         parts.append(encoder.child(captured, f"{path}.<{name}>", depth))
     attributes = {k: v for k, v in sorted(vars(fn).items()) if k not in ("__doc__", "__annotations__")}
     if attributes:

@@ -8,6 +8,7 @@ whole by :func:`encode_module`, weights included.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -70,9 +71,12 @@ class WeakState(Mapping[str, Any]):
         state = getattr(owner, "__dict__", {}) if owner is not None else {}
         if name in state:
             return state[name]
+        slot = _slot(type(owner), name)  # not a class attribute or a descriptor's getter: forward may never read those
+        if slot is None:
+            raise KeyError(name)
         try:
-            return object.__getattribute__(owner, name)  # a slot
-        except AttributeError:
+            return slot.__get__(owner)
+        except AttributeError:  # a slot not set
             raise KeyError(name) from None
 
     def __iter__(self) -> Iterator[str]:
@@ -83,6 +87,15 @@ class WeakState(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def _slot(cls: type, name: str) -> types.MemberDescriptorType | None:
+    """The ``__slots__`` member that ``name`` reads on instances of ``cls``, if that is what it reads."""
+    for klass in cls.__mro__:
+        member = vars(klass).get(name)
+        if member is not None:
+            return member if isinstance(member, types.MemberDescriptorType) else None
+    return None
 
 
 #: Forward pre-hooks that set a weight from keyed parameters at every call (``nn.utils.weight_norm``).

@@ -295,13 +295,24 @@ def _note_rebound(binding: Binding) -> None:
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
         kind = "global" if "__builtins__" in binding.namespace else "attribute"
+        what, ignore = getattr(space, "what", f"{kind} {binding.name!r}"), getattr(space, "ignore", binding.name)
         warnings.warn(
-            f"torchcache: the {kind} {binding.name!r} that a cached forward reads was rebound {REBOUND_WARN} times; "
-            "each time the module key is taken again (its weights hashed) and earlier entries no longer match. If "
-            f"outputs do not depend on it, name it in key_ignore ({binding.name!r})",
+            f"torchcache: the {what} that a cached forward reads was rebound {REBOUND_WARN} times; each time the "
+            "module key is taken again (its weights hashed) and earlier entries no longer match"
+            + (f". If outputs do not depend on it, name it in key_ignore ({ignore!r})" if ignore else ""),
             CacheWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def _read(get: Callable[[str], Any], name: str) -> Any:
+    try:
+        return get(name)
+    except Exception:  # noqa: BLE001 - gone (an emptied cell, a deleted slot): unlike any value the key read
+        return _GONE
+
+
+_GONE = object()
 
 
 class HeldValues:
@@ -366,11 +377,9 @@ class HeldValues:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        spaces, names, values, gets, other_names, other_values = self._lookups
-        if (
-            any(map(operator.is_not, map(dict.get, spaces, names), values))
-            or any(map(operator.is_not, map(operator.call, gets, other_names), other_values))
-        ) and self._rebound():
+        spaces, names, values = self._lookups[:3]
+        moved = any(map(operator.is_not, map(dict.get, spaces, names), values)) or self._others_moved()
+        if moved and self._rebound():
             return True
         if self._modules and (
             bytes(map(_training, self._modules)) != self._flags or self._types != [*map(type, self._modules)]
@@ -381,6 +390,14 @@ class HeldValues:
                 return True
             self._generation = _Generation.value
         return any(_array_digest(array) != digest for array, digest in self._arrays)
+
+    def _others_moved(self) -> bool:
+        """Whether a binding outside a plain dict (a slot, a class's value, a function's code) holds another value."""
+        _, _, _, gets, names, values = self._lookups
+        try:
+            return any(map(operator.is_not, map(operator.call, gets, names), values))
+        except Exception:  # noqa: BLE001 - an emptied cell, a slot deleted: a change, said by _rebound
+            return True
 
     def _rebound(self) -> bool:
         """Whether a binding now holds another value; those rebound to an equal one are taken as they are."""
@@ -407,7 +424,7 @@ class HeldValues:
 
     def _now(self) -> tuple[Any, ...]:
         spaces, names, _, gets, other_names, _ = self._lookups
-        return (*map(dict.get, spaces, names), *map(operator.call, gets, other_names))
+        return (*map(dict.get, spaces, names), *map(_read, gets, other_names))
 
     def written(self, name: str) -> KeyingError | None:
         """As :meth:`VersionWatch.written`, for tensors held in containers or read as globals."""
