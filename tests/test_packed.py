@@ -423,6 +423,75 @@ def test_verify_fix_removes_bad_entries(root: Path, reports: Reports) -> None:
     assert len(store) == 48 and store.verify().ok and store.nbytes == 48 * 1000
 
 
+@pytest.mark.parametrize("fix", [False, True])
+def test_verify_while_another_writer_adds_segments_keeps_its_entries_and_reports_nothing(
+    root: Path, monkeypatch: pytest.MonkeyPatch, fix: bool
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(100))
+    writer = PackedStore(root, 10**8, segment_bytes=20_000)
+    real, wrote = packed_index.Index.segment_table, []
+
+    def segment_table(self: Any, txn: Any) -> Any:
+        table = real(self, txn)
+        if not wrote:  # another process writes while verify looks
+            wrote.append(True)
+            fill(writer, range(100, 200))
+            writer.flush()
+        return table
+
+    monkeypatch.setattr(packed_index.Index, "segment_table", segment_table)
+    report = checker.verify(fix=fix)
+    assert wrote and report.ok and report.bad == [] and not report.fixed
+    monkeypatch.undo()
+    assert len(checker) == 200 and checker.verify().ok
+    assert all(bytes(v or b"") == value(i) for i, v in enumerate(checker.get_many([key(i) for i in range(200)])))
+
+
+def test_verify_while_another_process_clears_the_store_reports_no_damage(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(100))
+    other = PackedStore(root, 10**8, segment_bytes=20_000)
+    real, cleared = packed_segments.SegmentFiles.read, []
+
+    def read(self: Any, *args: Any) -> Any:
+        if not cleared:  # its entries and segments go between verify's look at the index and its reads
+            cleared.append(True)
+            other.clear()
+        return real(self, *args)
+
+    monkeypatch.setattr(packed_segments.SegmentFiles, "read", read)
+    report = checker.verify(fix=True)
+    assert cleared and report.ok and report.bad == [] and not report.fixed
+
+
+def test_verify_fix_keeps_a_damaged_entry_written_again_since_it_was_checked(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checker = PackedStore(root, 10**8)
+    fill(checker, range(50))
+    seg, offset, _ = locate(checker, 3)
+    _flip(root / segment_name(seg), offset + HEADER.size + 16 + 10)
+    other = PackedStore(root, 10**8)
+    real, rewrote = packed_index.Index.change, []
+
+    def change(self: Any) -> Any:
+        if not rewrote:  # between verify's checks and its repair, another process writes the entry again
+            rewrote.append(True)
+            other.delete_many([key(3)])
+            other.put_many([(key(3), value(3))])
+            other.flush()
+        return real(self)
+
+    monkeypatch.setattr(packed_index.Index, "change", change)
+    report = checker.verify(fix=True)
+    assert rewrote and report.bad == [key(3)] and report.fixed
+    monkeypatch.undo()
+    assert bytes(checker.get_many([key(3)])[0] or b"") == value(3) and checker.verify().ok
+
+
 def test_a_garbage_index_is_rebuilt_from_the_segments(root: Path, reports: Reports) -> None:
     store = PackedStore(root, 10**8)
     fill(store, range(300))

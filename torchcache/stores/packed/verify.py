@@ -15,7 +15,7 @@ import lmdb
 
 from ..batched import VerifyReport
 from .format import check_record, decode_key, record_size
-from .index import Entry, Index
+from .index import Entry, Index, Segment, unpack_entry
 from .segments import SegmentFiles
 from .upkeep import known_segments, remove_unindexed
 
@@ -25,57 +25,26 @@ __all__ = ["verify"]
 def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -> VerifyReport:
     """Check every entry's record, the totals, the segment rows and the files.
 
-    Entries are checked ``chunk`` at a time, each chunk's reads in file order.
+    Entries are checked ``chunk`` at a time, each chunk's reads in file order, while other
+    processes may write: an entry written, moved or removed since it was read is not
+    damage, and the totals are compared with the entries in one snapshot of the index.
 
     Raises:
         lmdb.Error: If the index cannot be read or (with ``fix``) written.
         OSError: If a segment file cannot be read.
     """
     result = VerifyReport()
+    bad, result.entries = _bad_records(index, files, chunk)
+    result.bad = [decode_key(kb) for kb, _ in bad]
+    if not bad:
+        result.problems.extend(_count_problems(index))
     with index.begin() as txn:
         table = index.segment_table(txn)
-        totals = index.stored_totals(txn)
-    bad: list[tuple[bytes, Entry | None]] = []
-    live: dict[int, list[int]] = {seg: [0, 0] for seg in table}
-    payload = start = 0
-    after = b""
-    while True:
-        with index.begin() as txn:
-            rows = list(itertools.islice(index.iter_entries(txn, after), chunk))
-        if not rows:
-            break
-        after = rows[-1][0] + b"\0"
-        start += len(rows)
-        for kb, entry in sorted(rows, key=lambda row: (row[1].seg, row[1].offset) if row[1] else (-1, 0)):
-            if entry is None or entry.seg not in table:
-                bad.append((kb, entry))
-                continue
-            data = files.read(entry.seg, entry.offset, record_size(kb, entry.length))
-            if isinstance(data, str) or check_record(data, kb, entry.length) is None:
-                bad.append((kb, entry))
-                continue
-            live[entry.seg][0] += record_size(kb, entry.length)
-            live[entry.seg][1] += 1
-            payload += entry.length
-    result.entries = start
-    result.bad = [decode_key(kb) for kb, _ in bad]
-    if not bad and payload != totals[b"payload"]:
-        result.problems.append(f"the index counts {totals[b'payload']:,} payload bytes, the entries hold {payload:,}")
-    records = sum(size for size, _ in live.values())
-    if not bad and records != totals[b"records"]:
-        result.problems.append(f"the index counts {totals[b'records']:,} record bytes, the entries take {records:,}")
-    files_bytes = sum(-(-row.end // 4096) * 4096 for row in table.values())
-    if totals[b"files"] != files_bytes:
-        result.problems.append(f"the index counts {totals[b'files']:,} file bytes, its segments take {files_bytes:,}")
-    for seg, (size, count) in live.items():
-        if (size, count) != (table[seg].live, table[seg].records) and not bad:
-            row = table[seg]
-            result.problems.append(
-                f"segment {seg}: the index counts {row.records} live records of {row.live:,} bytes, "
-                f"found {count} of {size:,}"
-            )
-        if not os.path.isfile(files.path(seg)):
-            result.problems.append(f"segment {seg}: {files.path(seg)} is missing or not a regular file")
+    result.problems.extend(
+        f"segment {seg}: {files.path(seg)} is missing or not a regular file"
+        for seg in table
+        if not os.path.isfile(files.path(seg))
+    )
     orphans = set(files.orphans(set(table)))
     if orphans:  # a segment indexed since the look above is not one
         orphans -= known_segments(index)
@@ -87,13 +56,81 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     return result
 
 
+def _bad_records(index: Index, files: SegmentFiles, chunk: int) -> tuple[list[tuple[bytes, Entry | None]], int]:
+    """The entries whose record fails its checks, and how many entries were read."""
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+    suspects: list[tuple[bytes, Entry | None]] = []
+    seen = 0
+    after = b""
+    while True:
+        with index.begin() as txn:
+            rows = list(itertools.islice(index.iter_entries(txn, after), chunk))
+        if not rows:
+            break
+        after = rows[-1][0] + b"\0"
+        seen += len(rows)
+        for kb, entry in sorted(rows, key=lambda row: (row[1].seg, row[1].offset) if row[1] else (-1, 0)):
+            if not _intact(files, table, kb, entry):
+                suspects.append((kb, entry))
+    if not suspects:
+        return [], seen
+    with index.begin() as txn:  # written again, moved by compaction or removed since: not damage
+        table = index.segment_table(txn)
+        now = [unpack_entry(txn.get(kb, db=index.entries)) for kb, _ in suspects]
+    return [
+        (kb, entry)
+        for (kb, entry), current in zip(suspects, now)
+        if current == entry and not _intact(files, table, kb, entry)
+    ], seen
+
+
+def _intact(files: SegmentFiles, table: dict[int, Segment], kb: bytes, entry: Entry | None) -> bool:
+    if entry is None or entry.seg not in table:
+        return False
+    data = files.read(entry.seg, entry.offset, record_size(kb, entry.length))
+    return not isinstance(data, str) and check_record(data, kb, entry.length) is not None
+
+
+def _count_problems(index: Index) -> list[str]:
+    """Where the totals and segment rows disagree with the entries, in one snapshot of the index."""
+    problems = []
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+        totals = index.stored_totals(txn)
+        live: dict[int, list[int]] = {seg: [0, 0] for seg in table}
+        payload = 0
+        for kb, entry in index.iter_entries(txn):
+            if entry is not None and entry.seg in live:
+                live[entry.seg][0] += record_size(kb, entry.length)
+                live[entry.seg][1] += 1
+                payload += entry.length
+    if payload != totals[b"payload"]:
+        problems.append(f"the index counts {totals[b'payload']:,} payload bytes, the entries hold {payload:,}")
+    records = sum(size for size, _ in live.values())
+    if records != totals[b"records"]:
+        problems.append(f"the index counts {totals[b'records']:,} record bytes, the entries take {records:,}")
+    files_bytes = sum(-(-row.end // 4096) * 4096 for row in table.values())
+    if totals[b"files"] != files_bytes:
+        problems.append(f"the index counts {totals[b'files']:,} file bytes, its segments take {files_bytes:,}")
+    for seg, (size, count) in live.items():
+        if (size, count) != (table[seg].live, table[seg].records):
+            row = table[seg]
+            problems.append(
+                f"segment {seg}: the index counts {row.records} live records of {row.live:,} bytes, "
+                f"found {count} of {size:,}"
+            )
+    return problems
+
+
 def _repair(index: Index, files: SegmentFiles, bad: list[tuple[bytes, Entry | None]]) -> None:
     """Remove bad entries and those of missing segments; recompute the totals and rows from the entries."""
     change = index.change()
     txn = change.txn
     try:
-        for kb, _ in bad:
-            txn.delete(kb, db=index.entries)
+        for kb, entry in bad:  # under the write lock: an entry written again since it was checked stays
+            if unpack_entry(txn.get(kb, db=index.entries)) == entry:
+                txn.delete(kb, db=index.entries)
         table = index.segment_table(txn)
         gone = {seg for seg in table if not os.path.isfile(files.path(seg))}
         rows = [(kb, e) for kb, e in index.iter_entries(txn)]
