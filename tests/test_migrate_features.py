@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import shutil
 import struct
 import warnings
 from collections.abc import Iterator
@@ -25,9 +26,16 @@ import xxhash
 from torch.utils.data import Dataset
 
 from torchcache import ConfigError, FeatureDataset, extract_features
+from torchcache.cli import migrate as migrate_module
 from torchcache.cli.main import main
 from torchcache.errors import CorruptEntryError
-from torchcache.stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, layout_of, open_features
+from torchcache.stores.features.file import (
+    FEATURES_NAME,
+    LEGACY_FEATURES_NAME,
+    layout_of,
+    open_features,
+)
+from torchcache.stores.rows.file import RowsFile
 
 _LEGACY_HEAD = struct.Struct("<8sIIQQQQQ")
 _PAGE = 4096
@@ -183,6 +191,46 @@ def test_migrate_turns_a_1_2_features_file_into_a_rows_file(legacy: Legacy, cach
     features = FeatureDataset.open(legacy.directory)
     assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
     assert cli("migrate", str(cache_root))[1].startswith("nothing to migrate")
+
+
+def test_a_migrate_interrupted_and_run_again_moves_the_rows_it_had_not_moved(
+    legacy: Legacy, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(migrate_module, "_MIGRATE_BATCH", 1)  # rows move 16 at a time
+    real, writes = RowsFile.write, []
+
+    def write(self: RowsFile, *args: Any, **kwargs: Any) -> int:
+        writes.append(True)
+        if len(writes) == 2:
+            raise KeyboardInterrupt  # killed after the first 16 rows
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RowsFile, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        migrate_module.migrate_features(legacy.directory)
+    assert (legacy.directory / LEGACY_FEATURES_NAME).exists()
+    monkeypatch.setattr(RowsFile, "write", real)
+    code, out, err = cli("migrate", str(cache_root))
+    assert code == 0, err
+    assert f"moved {LENGTH - 16} rows" in out
+    assert not (legacy.directory / LEGACY_FEATURES_NAME).exists()
+    features = FeatureDataset.open(legacy.directory)
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
+
+
+def test_a_rows_file_made_for_other_keys_beside_a_1_2_file_is_replaced_by_its_rows(
+    legacy: Legacy, cache_root: Path
+) -> None:
+    other = extract_features(Scale(), Vectors(5), batch_size=8, progress=False, cache_dir=cache_root / "other")
+    assert other.path is not None
+    shutil.copyfile(other.path, legacy.directory / FEATURES_NAME)  # another cache's rows
+    del other
+    gc.collect()
+    code, out, err = cli("migrate", str(cache_root))
+    assert code == 0, err
+    assert f"moved {LENGTH} rows" in out
+    features = FeatureDataset.open(legacy.directory)
+    assert torch.equal(torch.stack([features[i] for i in range(LENGTH)]), legacy.want)
 
 
 def test_migrate_leaves_out_a_damaged_1_2_row_and_extraction_computes_it(legacy: Legacy, cache_root: Path) -> None:

@@ -26,11 +26,12 @@ from ..catalog.inspect import (
 from ..catalog.removal import remove_file
 from ..config import is_url
 from ..errors import CorruptEntryError, StoreError
-from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features
+from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features, open_existing
 from ..stores.features.layout import Field, SampleLayout
 from ..stores.files import open_regular, read_at
 from ..stores.packed.store import PackedStore
 from ..stores.redis.url import redact_url
+from ..stores.rows.file import RowsFile
 from .commands import command_root
 from .output import Progress, error, plural, relative, table
 from .remote import open_remote, remote_namespaces
@@ -165,9 +166,10 @@ def migrate_features(directory: Path) -> Migration:
     fields where a packed row puts them; unchanged when the features come first, as they
     most often do). Rows that fail their check are left out (computed again by the next
     extraction). The input digests beside the file stay valid; a row that moved is not
-    lent to another cache's extraction until it is written again. If the cache already
-    has a rows file, the old file is only removed, and so is an old file that is not
-    whole or whose layout is invalid (reported in ``damaged``).
+    lent to another cache's extraction until it is written again. Rows already in a rows
+    file of the cache (a migrate interrupted and run again) are kept, and the others
+    moved. An old file that is not whole or whose layout is invalid is removed (reported
+    in ``damaged``).
 
     Raises:
         StoreError: If the rows file cannot be made or written.
@@ -189,35 +191,50 @@ def migrate_features(directory: Path) -> Migration:
         except CorruptEntryError as exc:
             remove_file(old)
             return Migration(0, 0, [Problem(old, "corrupt", f"the features file is not usable: {exc}", st.st_size)])
-        if not (directory / FEATURES_NAME).exists():
-            try:
-                new = create_features(directory / FEATURES_NAME, {**header, "layout": layout.to_json()})
-            except (OSError, CorruptEntryError) as exc:
-                raise StoreError(f"cannot make {directory / FEATURES_NAME}: {exc}") from exc
-            try:
-                for start in range(0, length, _MIGRATE_BATCH * 16):
-                    count = min(_MIGRATE_BATCH * 16, length - start)
-                    checks = np.frombuffer(read_at(fd, 8 * count, checks_at + 8 * start), "<u8")
-                    rows = np.frombuffer(read_at(fd, count * stride, rows_at + start * stride), np.uint8)
-                    rows = rows.reshape(count, stride)
-                    indices = np.arange(start, start + count)
-                    good = [
-                        j
-                        for j in np.flatnonzero(checks).tolist()
-                        if xxhash.xxh3_64_intdigest(rows[j], start + j) | 1 == int(checks[j])
-                    ]
-                    dropped += int(np.count_nonzero(checks)) - len(good)
-                    moved += len(good)
-                    if good:
-                        new.write(indices[good], _repack(rows[good], moves, layout.stride))
-            except OSError as exc:
-                raise StoreError(f"cannot write {directory / FEATURES_NAME}: {exc}") from exc
-            finally:
-                new.close()
+        header = {**header, "layout": layout.to_json()}
+        new = _rows_file(directory / FEATURES_NAME, header)
+        wanted = np.zeros(length, np.bool_)
+        wanted[new.missing()] = True  # the rows a migrate interrupted earlier moved stay
+        try:
+            for start in range(0, length, _MIGRATE_BATCH * 16):
+                count = min(_MIGRATE_BATCH * 16, length - start)
+                checks = np.frombuffer(read_at(fd, 8 * count, checks_at + 8 * start), "<u8")
+                rows = np.frombuffer(read_at(fd, count * stride, rows_at + start * stride), np.uint8)
+                rows = rows.reshape(count, stride)
+                indices = np.arange(start, start + count)
+                good = [
+                    j
+                    for j in np.flatnonzero(checks).tolist()
+                    if xxhash.xxh3_64_intdigest(rows[j], start + j) | 1 == int(checks[j])
+                ]
+                dropped += int(np.count_nonzero(checks)) - len(good)
+                good = [j for j in good if wanted[start + j]]
+                moved += len(good)
+                if good:
+                    new.write(indices[good], _repack(rows[good], moves, layout.stride))
+        except OSError as exc:
+            raise StoreError(f"cannot write {directory / FEATURES_NAME}: {exc}") from exc
+        finally:
+            new.close()
     finally:
         os.close(fd)
     remove_file(old)
     return Migration(moved, dropped, [])
+
+
+def _rows_file(path: Path, header: dict[str, Any]) -> RowsFile:
+    """The rows file to move rows into: the one there if made for ``header`` (a migrate interrupted), or a new one.
+
+    One made for other keys, or damaged, is replaced: the 1.2 file holds this cache's rows.
+
+    Raises:
+        StoreError: If it cannot be opened or made.
+    """
+    try:
+        file = open_existing(path, header, lambda kind, message: None) if path.exists() else None
+        return file or create_features(path, header)
+    except (OSError, CorruptEntryError) as exc:
+        raise StoreError(f"cannot make {path}: {exc}") from exc
 
 
 def _layout_12(old: Any, stride: int) -> tuple[SampleLayout, list[tuple[int, int, int]]]:
