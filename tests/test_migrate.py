@@ -201,8 +201,7 @@ def test_migrate_twice_is_a_no_op(legacy: Legacy) -> None:
     code, out, err = cli("migrate", str(legacy.root))
     assert (code, err) == (0, "")
     assert (
-        out
-        == f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or dataset caches under {legacy.root}\n"
+        out == f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or 1.2 samples under {legacy.root}\n"
     )
     assert packed(legacy.directory) == before and len(before) == ITEMS
     assert sorted(p.name for p in legacy.directory.iterdir()) == files

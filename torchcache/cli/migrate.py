@@ -286,10 +286,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     caches = [cache for cache in everything if cache.legacy_entries]
     features = [c.directory for c in everything if (c.directory / LEGACY_FEATURES_NAME).is_file()]
     datasets = [c for c in everything if c.meta.get("kind") == "dataset" and c.entries]
+    nothing = f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or 1.2 samples under {root}"
     if not caches and not features and not datasets:
-        print(f"nothing to migrate: no torchcache 1.0 entries, 1.2 features files or dataset caches under {root}")
+        print(nothing)
         return 0
-    failures = _migrate_datasets(datasets, root)
+    failures, converted = _migrate_datasets(datasets, root)
+    if not caches and not features and not failures and not converted:  # every sample already in today's format
+        print(nothing)
+        return 0
     moved = dropped = 0
     damaged: list[Problem] = []
     for directory in features:
@@ -331,9 +335,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 1 if damaged or failures else 0
 
 
-def _migrate_datasets(caches: list[ModuleCache], root: Path) -> list[str]:
-    """Convert the torchcache 1.2 samples of dataset caches; return what could not be done."""
+def _migrate_datasets(caches: list[ModuleCache], root: Path) -> tuple[list[str], int]:
+    """Convert the 1.2 samples of dataset caches; return what could not be done, and the samples converted."""
     failures = []
+    converted = 0
     for cache in caches:
         try:
             store = open_store(cache.directory, UNLIMITED)  # a converted sample replaces its old frame, never another
@@ -344,11 +349,12 @@ def _migrate_datasets(caches: list[ModuleCache], root: Path) -> list[str]:
         except OSError as exc:  # StoreError included
             failures.append(f"cannot migrate {cache.directory}: {exc}")
             continue
+        converted += moved
         if moved:
             print(f"converted {plural(moved, 'sample')} of {relative(cache.directory, root)} to the current format")
         if dropped:
             failures.append(f"removed {plural(dropped, 'damaged sample')} of {relative(cache.directory, root)}")
-    return failures
+    return failures, converted
 
 
 def remote_migrate(url: str) -> int:
