@@ -560,10 +560,58 @@ def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
     listed = json.loads(capsys.readouterr().out)["caches"]
     assert sorted(c["entries"] for c in listed) == [8, 12]
     assert main(["verify", url]) == 0 and "no problems found" in capsys.readouterr().out
+    assert main(["prune", url, "--max-size", "0", "--dry-run"]) == 0
+    assert "would remove 2 segments" in capsys.readouterr().out
     assert main(["prune", url, "--max-size", "0"]) == 0 and "removed 2 segments" in capsys.readouterr().out
     assert main(["clear", "--all", "--root", url, "--yes"]) == 0
     capsys.readouterr()
     assert main(["ls", url, "--json"]) == 0 and json.loads(capsys.readouterr().out)["caches"] == []
+
+
+def test_the_command_line_lists_and_clears_only_caches_leaving_other_objects_under_the_url(
+    bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+
+    url = f"{bucket}/shared"
+    cache = CachedDataset(Images(4), url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
+    cache.__getitems__(list(range(4)))
+    cache.close()
+    (folder,) = s3fs_of.ls(url.removeprefix("s3://"), detail=False)
+    s3fs_of.pipe_file(f"{folder}/notes.txt", b"mine")  # the user's, inside the cache's folder
+    s3fs_of.pipe_file(f"{url.removeprefix('s3://')}/c3-mine/data.bin", b"mine")  # the user's, beside it
+    assert main(["ls", url, "--json"]) == 0
+    assert [c["entries"] for c in json.loads(capsys.readouterr().out)["caches"]] == [4]
+    assert main(["clear", "--all", "--root", url, "--yes"]) == 0 and "removed 1 cache" in capsys.readouterr().out
+    assert main(["clear", "c3", "--root", url, "--yes"]) == 1  # not a cache: no key starts with it
+    assert _objects(s3fs_of, url) == ["data.bin", "notes.txt"]
+
+
+def test_verify_fix_of_a_dataset_cache_whose_description_is_gone_keeps_its_entries(
+    bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+
+    url = f"{bucket}/undescribed"
+    cache = CachedDataset(Images(4), url, max_memory_size=0, local_cache_dir=tmp_path / "one")
+    cache.__getitems__(list(range(4)))
+    cache.close()
+    (meta,) = [path for path in s3fs_of.find(url.removeprefix("s3://")) if path.endswith("torchcache.json")]
+    s3fs_of.rm_file(meta)  # its upload failed: a writer killed, an outage
+    assert main(["verify", "--fix", url]) == 0
+    capsys.readouterr()
+    assert main(["ls", url, "--json"]) == 0
+    assert [c["entries"] for c in json.loads(capsys.readouterr().out)["caches"]] == [4]
+
+
+def test_the_command_line_on_a_bucket_that_does_not_exist_says_so(
+    bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+
+    for command in (["ls"], ["verify"]):
+        assert main([*command, f"{bucket}-missing/p"]) == 1
+        assert "does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the GCS emulator is a process of its own

@@ -13,10 +13,10 @@ import sys
 from typing import Any
 
 from ..config import is_object_url
-from ..errors import StoreError
+from ..errors import ConfigError, StoreError, StoreUnavailableError
 from ..policy import format_size
 from ..stores.batched import BatchedStore
-from ..stores.objects import ObjectStore, bucket_namespaces
+from ..stores.objects import ObjectStore, bucket_namespaces, open_filesystem
 from ..stores.redis.url import redact_url
 from ..stores.remote import open_remote_store
 from .output import error, plural, print_json, table
@@ -48,6 +48,8 @@ def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:
     """The namespaces (caches) on a server or in a bucket; with ``prefix``, that key, else the keys it starts."""
     if is_object_url(url):
         names = bucket_namespaces(url)
+        if not names:
+            _bucket_exists(url)
     else:
         from ..stores.redis.store import RedisStore
 
@@ -56,6 +58,18 @@ def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:
         return names
     exact = [n for n in names if n == prefix]
     return exact or [n for n in names if n.startswith(prefix)]
+
+
+def _bucket_exists(url: str) -> None:
+    """Raise :class:`~torchcache.errors.ConfigError` if the bucket of ``url`` does not exist (a misspelt name)."""
+    fs, root = open_filesystem(url)
+    name = root.split("/", 1)[0]
+    try:
+        found = fs.exists(name)
+    except Exception as exc:  # whatever the library raises: the bucket cannot be reached
+        raise StoreUnavailableError(f"cannot reach the bucket {name!r} of {redact_url(url)}: {exc}") from exc
+    if not found:
+        raise ConfigError(f"the bucket {name!r} of {redact_url(url)} does not exist")
 
 
 def _describe(url: str, namespace: str) -> dict[str, Any]:
@@ -167,7 +181,7 @@ def _holds_module_outputs(store: BatchedStore) -> bool:
     """Whether a namespace's entries are output frames (a bucket's dataset and features caches hold others)."""
     if not isinstance(store, ObjectStore):
         return True
-    return store.bucket.description().get("kind") not in ("dataset", "features")
+    return store.bucket.description().get("kind") in ("module", "function")  # none: it cannot be told, not checked
 
 
 def remote_prune(url: str, args: argparse.Namespace) -> int:
@@ -180,9 +194,9 @@ def remote_prune(url: str, args: argparse.Namespace) -> int:
         store = open_remote(url, namespace)
         assert isinstance(store, ObjectStore)
         try:
-            removed += 0 if args.dry_run else store.prune(args.max_size)
+            removed += len(store.oldest_over(args.max_size)) if args.dry_run else store.prune(args.max_size)
         except StoreError as exc:
             error(f"cannot prune {namespace}: {exc}")
             return 1
-    print(f"removed {plural(removed, 'segment')} from {redact_url(url)}")
+    print(f"{'would remove' if args.dry_run else 'removed'} {plural(removed, 'segment')} from {redact_url(url)}")
     return 0

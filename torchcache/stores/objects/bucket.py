@@ -12,14 +12,20 @@ from typing import Any, TypeVar
 
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
-from .manifests import MANIFEST, SEGMENT
+from .manifests import CHECKPOINT, MANIFEST, SEGMENT, TOMBSTONE
 
-__all__ = ["META_NAME", "Bucket"]
+__all__ = ["META_NAME", "Bucket", "is_own"]
 
 #: The object that describes a cache (its kind, name, length), beside its segments.
 META_NAME = "torchcache.json"
 
 T = TypeVar("T")
+
+
+def is_own(name: str) -> bool:
+    """Whether an object name (or path) is one that torchcache writes in a cache's folder."""
+    base = name.rsplit("/", 1)[-1]
+    return base == META_NAME or base.endswith((SEGMENT, MANIFEST, TOMBSTONE, CHECKPOINT))
 
 
 class Bucket:
@@ -211,10 +217,5 @@ class Bucket:
         return len(stale)
 
     def remove_all(self) -> None:
-        """Remove every object under the prefix."""
-
-        def rm() -> None:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.prefix, recursive=True)
-
-        self.call(rm, "clear", write=True)
+        """Remove the cache's objects under the prefix; other objects put there are left alone."""
+        self.remove(sorted(name for name in self.names() if is_own(name)))

@@ -31,6 +31,7 @@ reported once per outage; reads then miss and writes raise
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -43,7 +44,7 @@ from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
-from .bucket import META_NAME, Bucket
+from .bucket import META_NAME, Bucket, is_own
 from .filesystem import open_filesystem
 from .index import Index
 from .manifests import (
@@ -256,6 +257,16 @@ class ObjectStore(BatchedStore):
             _hide(self, present)
         return len(present)
 
+    def oldest_over(self, max_bytes: int) -> list[str]:
+        """The segments :meth:`prune` would remove for ``max_bytes``, oldest first (nothing is removed).
+
+        Raises:
+            StoreUnavailableError: If the bucket cannot be listed.
+        """
+        with self._lock:
+            self.refresh()
+            return list(self._known.oldest_over(max_bytes))
+
     def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS) -> int:
         """Remove the oldest segments until the rest fit ``max_bytes``; sweep unfinished uploads.
 
@@ -409,7 +420,7 @@ def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> l
 
 
 def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """The caches (namespaces) under ``url``: its folders.
+    """The caches (namespaces) under ``url``: its folders that hold what torchcache writes (others are not caches).
 
     Raises:
         ConfigError: If the URL is invalid or a package is missing.
@@ -418,4 +429,10 @@ def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None
     fs, root = open_filesystem(url, storage_options)
     bucket = Bucket(fs, root, url, lambda kind, message: None)
     found = bucket.call(lambda: fs.ls(root, detail=True) if fs.exists(root) else [], "list caches")
-    return sorted(str(item["name"]).rsplit("/", 1)[-1] for item in found if item.get("type") == "directory")
+    folders = sorted(str(item["name"]) for item in found if item.get("type") == "directory")
+
+    def holds_a_cache(folder: str) -> bool:
+        return bool(fs.exists(f"{folder}/{META_NAME}")) or any(map(is_own, fs.ls(folder, detail=False)))
+
+    held = [folder for folder in folders if bucket.call(functools.partial(holds_a_cache, folder), "list a cache")]
+    return [folder.rsplit("/", 1)[-1] for folder in held]
