@@ -57,3 +57,24 @@ def test_the_warning_points_at_the_callers_line() -> None:
 def test_kinds_are_their_names_as_text() -> None:
     assert Fault.CORRUPT == "corrupt" and f"{Fault.INDEX}" == "index"
     assert len({fault.value for fault in Fault}) == len(Fault)
+
+
+@pytest.mark.slow  # a forked process
+def test_a_fault_reported_before_a_fork_is_warned_by_the_parent_not_by_the_child() -> None:
+    import multiprocessing
+
+    log = FaultLog("net")
+    log.report(Fault.READ, "the server is unreachable")  # then the server came back, and workers were forked
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+
+    def child() -> None:
+        log.report(Fault.WRITE, "disk full")  # one of the child's own
+        sender.send(caught(log.emit))
+
+    process = context.Process(target=child)
+    process.start()
+    assert receiver.poll(60)
+    assert receiver.recv() == ["torchcache (net): disk full"]
+    process.join(60)
+    assert caught(log.emit) == ["torchcache (net): the server is unreachable"]

@@ -10,6 +10,7 @@ thread that reports (``clear()``, a re-key after ``load_state_dict()``).
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import threading
 import warnings
@@ -72,14 +73,14 @@ class FaultLog:
     def __init__(self, name: str) -> None:
         self.name = name
         self._warned: set[tuple[Fault, str]] = set()
-        self._pending: list[tuple[Fault, str, str]] = []
+        self._pending: list[tuple[Fault, str, str, int]] = []  # with the process that reported it
         self._lock = threading.Lock()
         renew_lock_after_fork(self, "_lock")
 
     def report(self, kind: Fault, message: str, where: str = "") -> None:
         """Record a fault from any thread; :meth:`emit` warns about it."""
         with self._lock:
-            self._pending.append((kind, message, where))
+            self._pending.append((kind, message, where, os.getpid()))
 
     def warned(self, kind: Fault, where: str = "") -> bool:
         """Whether a fault of ``kind`` (in the tier ``where``) was warned about."""
@@ -96,12 +97,14 @@ class FaultLog:
         warnings.warn(text, CacheWarning, stacklevel=user_stacklevel())
 
     def emit(self) -> None:
-        """Warn about the faults reported since the last call."""
+        """Warn about the faults this process reported since the last call (not those a forked parent had left)."""
         if self._pending:
             with self._lock:
                 faults, self._pending = self._pending, []
-            for kind, message, where in faults:
-                self.warn(kind, message, where)
+            here = os.getpid()
+            for kind, message, where, pid in faults:
+                if pid == here:
+                    self.warn(kind, message, where)
 
 
 def user_stacklevel() -> int:

@@ -288,13 +288,15 @@ class SampleCache:
         by_name = {tier.name: tier for tier in self._open()}
         hits = memory_hits + disk_hits
         disk = _tier_stats(by_name.get("disk"), disk_hits, self.max_disk_size)
-        return CacheStats(
+        stats = CacheStats(
             hits=hits,
             misses=misses,
             hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             memory=_tier_stats(by_name.get("memory"), memory_hits, self.max_memory_size),
             disk=disk if self.directory or self.url else None,
         )
+        self._faults.emit()  # a tier that could not be read said so (here, not in the next forked worker)
+        return stats
 
     def metadata(self) -> dict[str, Any] | None:
         """The disk tier's ``torchcache.json`` (``None`` without a disk tier or a valid file)."""
