@@ -184,6 +184,32 @@ def test_the_command_line_lists_verifies_and_clears_caches_on_a_server(
         assert password not in out.out + out.err
 
 
+def test_entries_stored_after_a_write_the_server_refused_are_not_counted_as_unstored(
+    server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.errors import StoreUnavailableError
+    from torchcache.stores.redis.store import RedisStore
+
+    model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
+    real, refused = RedisStore.put_many, []
+
+    def put_many(self: RedisStore, items: Any) -> int:
+        if not refused:  # the server away for one write
+            refused.append(True)
+            raise StoreUnavailableError("the server is away")
+        return real(self, items)
+
+    monkeypatch.setattr(RedisStore, "put_many", put_many)
+    x = torch.randn(8, 4)
+    with pytest.warns(CacheWarning, match="8 entries were not stored"):
+        model(x)
+        model.cache_instance.flush()
+        model(x)  # a miss again, its writes taken this time
+        model.cache_instance.flush()
+    disk = model.cache_instance._disk
+    assert refused and disk is not None and disk.unstored == 0 and model.cache_instance.stats().disk.entries == 8
+
+
 _UNSTORED = """
 import sys, torch
 from tests.helpers import Counting, cached

@@ -59,6 +59,7 @@ _WRITERS = 2
 _WRITE_CHUNK = 192
 _TOUCH_EVERY = 60.0
 _MAX_SKIPPED = 1 << 16
+_MAX_UNSTORED = 1 << 18
 
 
 def _decode_pool() -> ThreadPoolExecutor:
@@ -121,7 +122,8 @@ class PersistentTier:
         self._skipped: set[str] = set()  # damaged entries that could not be removed
         self._rows_backoff = 0  # batches to read by the general path before get_rows is tried again
         #: Entries a remote store did not take (away or full), since the tier was made.
-        self.unstored = 0
+        self._unstored: set[str] = set()  # keys whose write a server refused, until a later write takes them
+        self._unstored_more = 0  # those past _MAX_UNSTORED, counted only
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
 
     def __repr__(self) -> str:
@@ -370,6 +372,9 @@ class PersistentTier:
                     self.store.put_many(list(zip(job.keys, frames)))
                     if self._skipped:
                         self._skipped.difference_update(job.keys)
+                    if self._unstored:
+                        with self._pending_lock:
+                            self._unstored.difference_update(job.keys)
                 except StoreUnavailableError as exc:
                     self._not_stored(job, Fault.UNAVAILABLE, exc)
                 except StoreError as exc:
@@ -384,9 +389,17 @@ class PersistentTier:
                     if entry is not None and entry[0] is job:
                         del self._pending[key]
 
+    @property
+    def unstored(self) -> int:
+        """Entries computed here whose writes the server refused, and that no later write stored."""
+        return len(self._unstored) + self._unstored_more
+
     def _not_stored(self, job: _WriteJob, kind: Fault, exc: StoreError) -> None:
         with self._pending_lock:
-            self.unstored += len(job.keys)
+            if len(self._unstored) < _MAX_UNSTORED:
+                self._unstored.update(job.keys)
+            else:  # a long outage: counted, not held
+                self._unstored_more += len(job.keys)
         self._report(kind, f"{exc}; {len(job.keys)} entries were not stored (later writes try again)")
 
     def _write_failed(self, exc: BaseException) -> None:
