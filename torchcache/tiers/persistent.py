@@ -400,7 +400,7 @@ class PersistentTier:
                 self._unstored.update(job.keys)
             else:  # a long outage: counted, not held
                 self._unstored_more += len(job.keys)
-        self._report(kind, f"{exc}; {len(job.keys)} entries were not stored (later writes try again)")
+        self._report(kind, f"{exc}; {len(set(job.keys))} entries were not stored (later writes try again)")
 
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False
