@@ -145,12 +145,29 @@ def test_an_index_that_is_not_an_integer_is_refused_not_cut(cache_root: Path, in
     assert torch.equal(features[np.int64(3)][0], features[torch.tensor(3)][0])
 
 
+@pytest.mark.parametrize("indices", [3, slice(0, 2), "12"])
+def test_a_batch_of_indices_that_is_not_a_sequence_is_refused_naming_the_argument(
+    cache_root: Path, indices: Any
+) -> None:
+    features = extract(Net(), Images(n=10))
+    with pytest.raises(TypeError, match=r"batch\(indices\) takes a list.*got " + type(indices).__name__):
+        features.batch(indices)
+
+
+def test_a_batch_of_indices_from_a_generator_is_read(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=10))
+    assert torch.equal(features.batch(i for i in [1, 2])[0], features.batch([1, 2])[0])
+
+
 def test_an_index_out_of_range_is_named_as_given_and_an_empty_batch_is_empty(cache_root: Path) -> None:
     features = extract(Net(), Images(n=10))
     with pytest.raises(IndexError, match="index -11 is out of range"):
         features[-11]
     with pytest.raises(IndexError, match=f"index {2**64 - 1} is out of range"):
         features.batch(np.array([2**64 - 1], np.uint64))  # not wrapped to -1, the last sample
+    for far in (2**64, -(2**63) - 1):  # past int64
+        with pytest.raises(IndexError, match=f"index {far} is out of range"):
+            features[far]
     with pytest.raises(TypeError, match="must be integers"):
         features.batch(torch.arange(10) < 5)  # a mask
     assert features.__getitems__([]) == []

@@ -207,7 +207,7 @@ def test_entries_stored_after_a_write_the_server_refused_are_not_counted_as_unst
         model(x)  # a miss again, its writes taken this time
         model.cache_instance.flush()
     disk = model.cache_instance._disk
-    assert refused and disk is not None and disk.unstored == 0 and model.cache_instance.stats().disk.entries == 8
+    assert refused and disk is not None and len(disk.unstored) == 0 and model.cache_instance.stats().disk.entries == 8
 
 
 _UNSTORED = """

@@ -194,7 +194,7 @@ def remote_prune(url: str, args: argparse.Namespace) -> int:
         store = open_remote(url, namespace)
         assert isinstance(store, ObjectStore)
         try:
-            removed += len(store.oldest_over(args.max_size)) if args.dry_run else store.prune(args.max_size)
+            removed += store.prune(args.max_size, dry_run=args.dry_run)
         except StoreError as exc:
             error(f"cannot prune {namespace}: {exc}")
             return 1

@@ -400,6 +400,13 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         TypeError: If an index is not an integer (``2.7``, ``"3"``, a float tensor, a bool).
         IndexError: If one is out of range, naming it as given.
     """
+    if isinstance(indices, (int, slice, str, bytes)) or not hasattr(indices, "__iter__"):
+        raise TypeError(
+            "FeatureDataset.batch(indices) takes a list, a numpy array or a 1-D tensor of integers, "
+            f"got {type(indices).__name__}"
+        )
+    if not hasattr(indices, "__len__"):  # a generator
+        indices = list(indices)
     if getattr(indices, "ndim", 1) != 1:  # a 2-D array or tensor is not a batch of positions
         raise TypeError(f"FeatureDataset indices must be one list of integers, got shape {np.shape(indices)}")
     kinds = set(map(type, indices))
@@ -415,7 +422,10 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
             given = np.fromiter(indices, np.int64, len(indices))
         else:  # operator.index: 2.7, "3" and a float tensor are refused, not cut to an int
             given = np.array([operator.index(i) for i in indices], np.int64)
-    except (TypeError, ValueError, OverflowError):
+    except OverflowError:  # an int past int64: no such position
+        far = next(i for i in map(int, indices) if not -(1 << 63) <= i < 1 << 63)
+        raise IndexError(f"index {far} is out of range for {length} samples") from None
+    except (TypeError, ValueError):
         several = next((i for i in indices if getattr(i, "ndim", 0)), None)  # features[tensor([1, 2])]
         shape: tuple[int, ...] | None = None if several is None else tuple(np.shape(several))
         hint = "" if shape is None else f"; several go to features.batch(indices), not in one of shape {shape}"

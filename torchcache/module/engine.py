@@ -578,7 +578,7 @@ def _summarize_at_exit() -> None:
                 told.add(id(disk))
                 cache.faults.warn(
                     Fault.UNSTORED,
-                    f"{disk.unstored} entries computed in this process could not be stored in {disk.where} "
+                    f"{len(disk.unstored)} entries computed in this process could not be stored in {disk.where} "
                     "(the server was away or full); they are computed again when next needed",
                 )
             if logger.isEnabledFor(logging.INFO):

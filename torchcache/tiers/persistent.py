@@ -41,7 +41,7 @@ from ..faults import Fault, FaultLog, Report
 from ..stores.batched import BatchedStore
 from ..tree import Layout
 from .frames import Frame, FrameCodec, pack_rows
-from .writer import BackgroundWriter
+from .writer import BackgroundWriter, Unstored
 
 __all__ = ["DiskLevel", "PersistentTier"]
 
@@ -59,7 +59,6 @@ _WRITERS = 2
 _WRITE_CHUNK = 192
 _TOUCH_EVERY = 60.0
 _MAX_SKIPPED = 1 << 16
-_MAX_UNSTORED = 1 << 18
 
 
 def _decode_pool() -> ThreadPoolExecutor:
@@ -122,8 +121,7 @@ class PersistentTier:
         self._skipped: set[str] = set()  # damaged entries that could not be removed
         self._rows_backoff = 0  # batches to read by the general path before get_rows is tried again
         #: Entries a remote store did not take (away or full), since the tier was made.
-        self._unstored: set[str] = set()  # keys whose write a server refused, until a later write takes them
-        self._unstored_more = 0  # those past _MAX_UNSTORED, counted only
+        self.unstored = Unstored()  # entries whose writes the server refused: counted in the exit warning
         self._writer = BackgroundWriter(self._write_job, self._write_failed, workers=min(_WRITERS, os.cpu_count() or 1))
 
     def __repr__(self) -> str:
@@ -372,9 +370,7 @@ class PersistentTier:
                     self.store.put_many(list(zip(job.keys, frames)))
                     if self._skipped:
                         self._skipped.difference_update(job.keys)
-                    if self._unstored:
-                        with self._pending_lock:
-                            self._unstored.difference_update(job.keys)
+                    self.unstored.stored(job.keys)
                 except StoreUnavailableError as exc:
                     self._not_stored(job, Fault.UNAVAILABLE, exc)
                 except StoreError as exc:
@@ -389,17 +385,8 @@ class PersistentTier:
                     if entry is not None and entry[0] is job:
                         del self._pending[key]
 
-    @property
-    def unstored(self) -> int:
-        """Entries computed here whose writes the server refused, and that no later write stored."""
-        return len(self._unstored) + self._unstored_more
-
     def _not_stored(self, job: _WriteJob, kind: Fault, exc: StoreError) -> None:
-        with self._pending_lock:
-            if len(self._unstored) < _MAX_UNSTORED:
-                self._unstored.update(job.keys)
-            else:  # a long outage: counted, not held
-                self._unstored_more += len(job.keys)
+        self.unstored.refused(job.keys)
         self._report(kind, f"{exc}; {len(set(job.keys))} entries were not stored (later writes try again)")
 
     def _write_failed(self, exc: BaseException) -> None:

@@ -36,11 +36,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._fork import after_fork
+from .._fork import after_fork, renew_lock_after_fork
 from .._log import logger
 from ..policy import format_size
 
-__all__ = ["BackgroundWriter", "flush_all"]
+__all__ = ["BackgroundWriter", "Unstored", "flush_all"]
 
 #: How much nicer than the thread that starts them writer threads run on Linux (19 is the lowest priority).
 WRITER_NICENESS = 10
@@ -331,6 +331,34 @@ def _after_fork_in_child() -> None:
     _pool = _Pool()
     for writer in list(_writers):
         writer._reset_after_fork()
+
+
+class Unstored:
+    """The keys whose writes a server refused, until a later write stores them (past ``bound``, only counted)."""
+
+    def __init__(self, bound: int = 1 << 18) -> None:
+        self._keys: set[str] = set()
+        self._more = 0
+        self._bound = bound
+        self._lock = threading.Lock()
+        renew_lock_after_fork(self, "_lock")
+
+    def __len__(self) -> int:
+        return len(self._keys) + self._more
+
+    def refused(self, keys: list[str]) -> None:
+        """Note keys whose write failed."""
+        with self._lock:
+            if len(self._keys) < self._bound:
+                self._keys.update(keys)
+            else:  # a long outage: counted, not held
+                self._more += len(set(keys))
+
+    def stored(self, keys: list[str]) -> None:
+        """Note keys written since."""
+        if self._keys:
+            with self._lock:
+                self._keys.difference_update(keys)
 
 
 class _FlushAtProcessExit:

@@ -257,24 +257,12 @@ class ObjectStore(BatchedStore):
             _hide(self, present)
         return len(present)
 
-    def oldest_over(self, max_bytes: int) -> list[str]:
-        """The segments :meth:`prune` would remove for ``max_bytes``, oldest first (nothing is removed).
-
-        Raises:
-            StoreUnavailableError: If the bucket cannot be listed.
-        """
-        with self._lock:
-            self.refresh()
-            return list(self._known.oldest_over(max_bytes))
-
-    def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS) -> int:
+    def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS, dry_run: bool = False) -> int:
         """Remove the oldest segments until the rest fit ``max_bytes``; sweep unfinished uploads.
 
         Uploads older than ``sweep_seconds`` that never got their manifest (a writer killed
-        mid-upload) go too (``None``: no sweep), and every checkpoint but the newest.
-
-        Returns:
-            How many segments were removed.
+        mid-upload) go too (``None``: no sweep), and every checkpoint but the newest. Returns
+        how many segments were removed (``dry_run``: how many the budget would remove; none is).
 
         Raises:
             StoreUnavailableError: If the bucket cannot be listed or written.
@@ -282,6 +270,8 @@ class ObjectStore(BatchedStore):
         with self._lock:
             names = self.refresh()
             oldest = self._known.oldest_over(max_bytes)
+            if dry_run:
+                return len(oldest)
             left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
             left += [name for name in self._removing if name in names and name not in left]
         self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])  # first: no entry without its segment
