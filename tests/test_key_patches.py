@@ -457,3 +457,77 @@ def test_a_cached_property_invalidated_after_the_key_is_seen_is_not_read_by_the_
     del model.table  # invalidated: the getter runs when forward next reads it, and this forward does not
     assert torch.equal(model(x), x * 2.0)
     assert model.computed == 1
+
+
+def _counted(fn: Any) -> Any:
+    """A wrapper that counts its calls in a value it captured: its own state."""
+    calls = 0
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return fn(*args)
+
+    return wrapper
+
+
+@_counted
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class UsesCounted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled(x)
+
+
+def test_a_value_a_wrapper_rebinds_itself_at_every_call_is_its_own_state_not_a_change() -> None:
+    model, x = torchcache()(UsesCounted()), torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.stats().hits == 3 * len(x)
+
+
+def test_a_captured_value_bound_after_the_key_is_taken_is_watched_from_then_on() -> None:
+    def make() -> tuple[nn.Module, Any]:
+        def shift(x: torch.Tensor) -> torch.Tensor:
+            return x + by
+
+        def bind(value: float) -> None:
+            nonlocal by
+            by = value
+
+        class Late(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return shift(x)
+
+        by: float
+        return Late(), bind
+
+    module, bind = make()
+    model, x = torchcache()(module), torch.randn(4, 3)
+    model.cache_instance.take_key()  # the cell is empty
+    bind(2.0)
+    assert torch.equal(model(x), x + 2.0)
+    bind(3.0)
+    assert torch.equal(model(x), x + 3.0)
+
+
+def _scaled_by_attribute(x: torch.Tensor) -> torch.Tensor:
+    return x * _scaled_by_attribute.scale  # type: ignore[attr-defined]
+
+
+class UsesAttribute(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled_by_attribute(x)
+
+
+def test_an_attribute_of_a_helper_rebound_after_the_key_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_scaled_by_attribute, "scale", 1.0, raising=False)
+    model, x = torchcache()(UsesAttribute()), torch.randn(4, 3)
+    assert torch.equal(model(x), x)
+    _scaled_by_attribute.scale = 5.0  # type: ignore[attr-defined]
+    assert torch.equal(model(x), x * 5.0)

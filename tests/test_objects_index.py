@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import secrets
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,3 +130,23 @@ def test_the_index_keeps_no_python_object_per_entry() -> None:
     assert len(index) == 10_000  # merged now
     gc.collect()
     assert len(gc.get_objects()) - before < 100
+
+
+def test_a_cache_folder_cleared_while_the_bucket_is_listed_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchcache.stores.objects import store as object_store
+
+    class Listing:
+        """A bucket with two cache folders, one of which another process clears as it is listed."""
+
+        def ls(self, path: str, detail: bool = True) -> list[Any]:
+            if path == "b/root":
+                return [{"name": "b/root/kept", "type": "directory"}, {"name": "b/root/gone", "type": "directory"}]
+            raise FileNotFoundError(path)
+
+        def exists(self, path: str) -> bool:
+            if path.startswith("b/root/gone/"):
+                raise FileNotFoundError(path)
+            return True
+
+    monkeypatch.setattr(object_store, "open_filesystem", lambda url, options=None: (Listing(), "b/root"))
+    assert object_store.bucket_namespaces("s3://b/root") == ["kept"]

@@ -118,6 +118,25 @@ def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, stored: 
     return tagged(Tag.CODE, b"".join(parts))
 
 
+def _kept_cells(code: types.CodeType) -> frozenset[str]:
+    """The captured names a function assigns or deletes itself (``nonlocal calls; calls += 1``).
+
+    Like a global it assigns, such a value is the function's own state, neither keyed nor watched.
+    """
+    found = _kept.get(code)
+    if found is None:
+        deref = ("STORE_DEREF", "DELETE_DEREF")
+        names = (i.argval for i in dis.get_instructions(code) if i.opname in deref)
+        found = _kept[code] = frozenset(name for name in names if name in code.co_freevars)
+    return found
+
+
+_kept: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
+
+#: What an empty closure cell reads as (a name bound later, ``nonlocal x`` before ``x = ...``).
+EMPTY = object()
+
+
 def _has_docstring(code: types.CodeType) -> bool:
     if sys.version_info >= (3, 14):
         return bool(code.co_flags & _HAS_DOCSTRING)
@@ -243,20 +262,23 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
     parts.append(encoder.child(fn.__kwdefaults__ or {}, f"{path}.__kwdefaults__", depth))
+    kept = frozenset() if installed else _kept_cells(code)
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        if encoder.ignored(path, name) or name in kept:
+            continue
         try:
             captured = cell.cell_contents
         except ValueError:  # an empty cell
-            parts.append(Tag.EMPTY_CELL)
-            continue
-        if encoder.ignored(path, name):
-            continue
-        if not installed:  # rebound later (nonlocal): the key is taken again
+            captured = EMPTY
+        if not installed:  # rebound later (nonlocal), or filled: the key is taken again
             collect(Binding(Attributes(cell, f"captured value {name!r}", name), "cell_contents", captured))
-        parts.append(encoder.child(captured, f"{path}.<{name}>", depth))
+        parts.append(Tag.EMPTY_CELL if captured is EMPTY else encoder.child(captured, f"{path}.<{name}>", depth))
     attributes = {k: v for k, v in sorted(vars(fn).items()) if k not in ("__doc__", "__annotations__")}
     if attributes:
         parts.append(_attributes(encoder, attributes, path, depth))
+        if not installed:  # helper.scale = 5.0 later: the key is taken again
+            for name, value in attributes.items():
+                collect(Binding(vars(fn), name, value))
     if not installed:
         parts.append(encode_globals(encoder, fn, scan_code(fn.__code__), path, depth))
     return tagged(Tag.INSTALLED_FUNCTION if installed else Tag.FUNCTION, b"".join(parts))

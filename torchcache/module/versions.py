@@ -34,6 +34,7 @@ import torch
 import xxhash
 from torch.utils.hooks import RemovableHandle
 
+from ..canonical.code import EMPTY
 from ..canonical.modules import WeakState
 from ..canonical.objects import Binding
 from ..errors import CacheWarning, KeyingError
@@ -308,11 +309,8 @@ def _note_rebound(binding: Binding) -> None:
 def _read(get: Callable[[str], Any], name: str) -> Any:
     try:
         return get(name)
-    except Exception:  # noqa: BLE001 - gone (an emptied cell, a deleted slot): unlike any value the key read
-        return _GONE
-
-
-_GONE = object()
+    except Exception:  # noqa: BLE001 - an empty cell (EMPTY), or a deleted slot: unlike any value the key read
+        return EMPTY
 
 
 class HeldValues:

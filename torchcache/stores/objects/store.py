@@ -422,7 +422,10 @@ def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None
     folders = sorted(str(item["name"]) for item in found if item.get("type") == "directory")
 
     def holds_a_cache(folder: str) -> bool:
-        return bool(fs.exists(f"{folder}/{META_NAME}")) or any(map(is_own, fs.ls(folder, detail=False)))
+        try:
+            return bool(fs.exists(f"{folder}/{META_NAME}")) or any(map(is_own, fs.ls(folder, detail=False)))
+        except FileNotFoundError:  # cleared since the listing
+            return False
 
     held = [folder for folder in folders if bucket.call(functools.partial(holds_a_cache, folder), "list a cache")]
     return [folder.rsplit("/", 1)[-1] for folder in held]
