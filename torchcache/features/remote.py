@@ -11,7 +11,8 @@ are right; the rows are then checked one by one as a local cache's are.
 
 An upload cut short leaves no head, so nothing a reader uses (``torchcache prune``
 sweeps its chunks). The chunks of each upload have keys of their own, so two machines
-that upload one cache at once never mix their files: the newest head wins, whole.
+that upload one cache at once never mix their files: the newest head wins, and each
+uploader checks, after its head, that the winner is whole (putting its own back if not).
 Faults of the bucket are warnings: the features are computed and kept in the local
 copy, and a later call uploads them.
 """
@@ -23,6 +24,7 @@ import fcntl
 import json
 import os
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +38,7 @@ from ..errors import ConfigError, StoreError, TorchCacheError
 from ..faults import Fault, FaultLog
 from ..keys import tag
 from ..stores.features.file import FEATURES_NAME, open_features
-from ..stores.objects import ObjectStore, bucket_namespaces
+from ..stores.objects import ObjectStore, bucket_namespaces, remove_segments, segments_of
 from ..stores.redis.url import redact_url
 from ..stores.remote import local_copy_dir
 from ..stores.rows import RowsFile
@@ -55,8 +57,6 @@ __all__ = [
 CHUNK_BYTES = 64 << 20
 _HEAD_KEY = xxhash.xxh3_128_hexdigest(b"torchcache-features-head")
 _FORMAT = "torchcache-features-bucket"
-#: Bytes a folder holds beside its file: its head.
-_SLACK = 4096
 _KEY_FORMAT = b"torchcache-features-1"
 _FOLDER = re.compile(r"features-[0-9a-f]{32}")
 
@@ -198,12 +198,12 @@ class FeaturesBucket:
         """The local copy of the cache in ``folder`` (``features-<key>``)."""
         return local_copy_dir(self.local_root, folder, self.url)
 
-    def _store(self, folder: str, meta: Mapping[str, Any] | None = None, size: int = 0) -> ObjectStore:
-        """The folder's store; a writer's (``meta``) keeps one file of ``size`` bytes, the oldest pieces out first."""
+    def _store(self, folder: str, meta: Mapping[str, Any] | None = None) -> ObjectStore:
+        """The folder's store; a writer's (``meta``) removes what its head does not name (:meth:`upload`)."""
         return ObjectStore(
             self.url,
             folder,
-            size + _SLACK if meta is not None else 1 << 62,
+            1 << 62,  # never the oldest pieces first: those of the head that won may be the oldest
             storage_options=self.storage_options,
             report=self._reported,
             meta=meta,
@@ -311,7 +311,8 @@ class FeaturesBucket:
         Faults are warnings: the file stays in the local copy, and a later call uploads it.
         """
         try:
-            store = self._store(folder, meta, path.stat().st_size)
+            path.stat()  # there to upload
+            store = self._store(folder, meta)
         except OSError as exc:
             self.faults.warn(Fault.OPEN, f"cannot read the features file {path} to upload it ({exc})", "local")
             return
@@ -325,7 +326,11 @@ class FeaturesBucket:
                     digest.update(chunk)
                     store.put_many([(_chunk_key(upload, i), chunk)])
                     size, i = size + len(chunk), i + 1
-            store.put_many([(_HEAD_KEY, Head(size, i, upload, digest.hexdigest()).encode())])
+            ours = Head(size, i, upload, digest.hexdigest())
+            store.put_many([(_HEAD_KEY, ours.encode())])
+            for _ in range(3):  # another machine's upload may have removed a piece of the head that won
+                if _whole_after_cleanup(store, ours, path):
+                    break
             logger.info("uploaded the features file %s to %s/%s (%d bytes)", path, redact_url(self.url), folder, size)
         except (StoreError, OSError) as exc:
             self.faults.warn(
@@ -336,6 +341,35 @@ class FeaturesBucket:
             )
         finally:
             store.close()
+
+
+def _whole_after_cleanup(store: ObjectStore, ours: Head, path: Path) -> bool:
+    """Remove what the head that won does not name, then check that it is whole; if it is not, put ours back.
+
+    What goes: the pieces and heads older than the winner's oldest piece (a file it
+    replaced), and any others over an hour old (an upload cut short). Younger ones may
+    be another machine's upload under way, which checks the same when its head is up.
+
+    Raises:
+        StoreError: If the bucket cannot be read or written.
+        OSError: If the local file cannot be read.
+    """
+    store.refresh()
+    head = Head.decode(store.get(_HEAD_KEY))
+    named = [_HEAD_KEY, *(head.chunk_key(i) for i in range(head.chunks))] if head is not None else []
+    placed = store.placement(named)
+    if head is not None and all(placed):
+        kept = [place[0] for place in placed if place is not None]
+        before = max(min(kept[1:] or kept), f"{time.time_ns() - 3600 * 10**9:020d}")  # segment names sort by age
+        remove_segments(store, [name for name in segments_of(store) if name not in kept and name < before])
+        return True
+    with open(path, "rb") as file:  # the winner lost a piece: ours, whole, takes its place
+        missing = [i for i in range(ours.chunks) if ours.chunk_key(i) not in store]
+        for i in missing:
+            file.seek(i * CHUNK_BYTES)
+            store.put_many([(ours.chunk_key(i), file.read(CHUNK_BYTES))])
+    store.put_many([(_HEAD_KEY, ours.encode())])
+    return False
 
 
 def from_bucket(

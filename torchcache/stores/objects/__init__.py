@@ -1,7 +1,7 @@
 """Caches in object store buckets (S3, GCS and others fsspec reaches): :class:`ObjectStore`."""
 
 from .filesystem import OBJECT_SCHEMES, open_filesystem
-from .store import ObjectStore, bucket_namespaces, find_caches
+from .store import ObjectStore, bucket_namespaces, find_caches, remove_segments, segments_of
 
 __all__ = [
     "OBJECT_SCHEMES",
@@ -9,4 +9,6 @@ __all__ = [
     "bucket_namespaces",
     "find_caches",
     "open_filesystem",
+    "remove_segments",
+    "segments_of",
 ]

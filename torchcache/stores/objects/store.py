@@ -59,7 +59,7 @@ from .manifests import (
     tombstone,
 )
 
-__all__ = ["ObjectStore"]
+__all__ = ["ObjectStore", "remove_segments", "segments_of"]
 
 _STALE_UPLOAD_SECONDS = 3600.0
 
@@ -274,13 +274,7 @@ class ObjectStore(BatchedStore):
                 return len(oldest)
             left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
             left += [name for name in self._removing if name in names and name not in left]
-        self.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in oldest])  # first: no entry without its segment
-        with self._lock:  # their entries are gone; the segments must go at this prune or the next
-            self._known.forget(set(oldest))
-            self._removing = sorted(set(self._removing) | set(oldest))
-        self.bucket.remove(oldest + left)
-        with self._lock:
-            self._removing = [name for name in self._removing if name not in oldest and name not in left]
+        remove_segments(self, oldest, left)
         if sweep_seconds is not None:  # the parts of a large segment whose writer was killed
             self.bucket.abort_stale_uploads(time.time() - sweep_seconds)
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
@@ -314,6 +308,27 @@ class ObjectStore(BatchedStore):
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
         return _verify(self, fix)
+
+
+def remove_segments(store: ObjectStore, segments: Sequence[str], others: Sequence[str] = ()) -> None:
+    """Remove segments (their manifests first: no entry is left without its segment), and other objects.
+
+    Raises:
+        StoreUnavailableError: If the bucket cannot be written.
+    """
+    store.bucket.remove([s.removesuffix(SEGMENT) + MANIFEST for s in segments])
+    with store._lock:  # their entries are gone; the segments must go now or at the next prune
+        store._known.forget(set(segments))
+        store._removing = sorted(set(store._removing) | set(segments))
+    store.bucket.remove([*segments, *others])
+    with store._lock:
+        store._removing = [name for name in store._removing if name not in segments and name not in others]
+
+
+def segments_of(store: ObjectStore) -> list[str]:
+    """The segments the store's index knows (those listed with their manifests), oldest first."""
+    with store._lock:
+        return sorted(store._known.segments)
 
 
 def _hide(store: ObjectStore, keys: list[str]) -> None:
