@@ -289,6 +289,23 @@ def test_a_replaced_file_leaves_one_file_in_its_folder(bucket: str, tmp_path: Pa
     assert first.path.stat().st_size <= segments <= first.path.stat().st_size + 4096
 
 
+def _race(url: str, folder: str, made: FeatureDataset, meta: Any, tmp_path: Path, a_done: Any = None) -> None:
+    """Machines A and B upload ``made``'s file into ``folder`` at once, each from a thread of that name."""
+    import threading
+
+    def machine(name: str) -> None:
+        assert made.path is not None
+        remote.FeaturesBucket(url, tmp_path / name, None, FaultLog(name)).upload(folder, made.path, meta)
+        if name == "A" and a_done is not None:
+            a_done.set()
+
+    machines = [threading.Thread(target=machine, args=(name,), name=name) for name in "AB"]
+    for thread in machines:
+        thread.start()
+    for thread in machines:
+        thread.join(60)
+
+
 def test_two_machines_uploading_one_file_at_once_leave_a_whole_one(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -300,38 +317,21 @@ def test_two_machines_uploading_one_file_at_once_leave_a_whole_one(
     made = extract_features(Net(), Images(), cache_dir=tmp_path / "local", progress=False)
     assert made.path is not None
     folder, meta = made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
-    real, steps = ObjectStore.put_many, {"A piece": threading.Event(), "B head": threading.Event()}
+    real, a_piece, b_head = ObjectStore.put_many, threading.Event(), threading.Event()
 
     def interleaved(self: ObjectStore, items: Any) -> int:  # A's piece, B's piece, B's head, A's head
         me, head = threading.current_thread().name, items[0][0] == remote._HEAD_KEY
-        if me in "AB":
-            steps["A piece" if me == "B" and not head else "B head" if me == "A" and head else "none"].wait(30)
+        if (me, head) in (("B", False), ("A", True)):
+            (a_piece if me == "B" else b_head).wait(30)
         done = real(self, items)
-        if me in "AB":
-            steps.get(f"{me} {'head' if head else 'piece'}", threading.Event()).set()
+        if (me, head) in (("A", False), ("B", True)):
+            (a_piece if me == "A" else b_head).set()
         return done
 
-    steps["none"] = threading.Event()
-    steps["none"].set()
     monkeypatch.setattr(ObjectStore, "put_many", interleaved)
-    machines = [
-        threading.Thread(
-            target=lambda name=name: remote.FeaturesBucket(url, tmp_path / name, None, FaultLog(name)).upload(
-                folder,
-                made.path,
-                meta,  # type: ignore[arg-type]
-            ),
-            name=name,
-        )
-        for name in "AB"
-    ]
-    for machine in machines:
-        machine.start()
-    for machine in machines:
-        machine.join(60)
+    _race(url, folder, made, meta, tmp_path)
     monkeypatch.setattr(ObjectStore, "put_many", real)
-    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "C")
-    assert torch.equal(_features(served), _features(made))
+    assert torch.equal(_features(FeatureDataset.open(url, local_cache_dir=tmp_path / "C")), _features(made))
 
 
 def test_an_upload_whose_first_piece_another_machine_removed_puts_it_back(
@@ -358,20 +358,10 @@ def test_an_upload_whose_first_piece_another_machine_removed_puts_it_back(
             a_done.wait(30)
         return done
 
-    def machine(name: str) -> None:
-        remote.FeaturesBucket(url, tmp_path / name, None, FaultLog(name)).upload(folder, made.path, meta)  # type: ignore[arg-type]
-        if name == "A":
-            a_done.set()
-
     monkeypatch.setattr(ObjectStore, "put_many", interleaved)
-    machines = [threading.Thread(target=machine, args=(name,), name=name) for name in "AB"]
-    for thread in machines:
-        thread.start()
-    for thread in machines:
-        thread.join(60)
+    _race(url, folder, made, meta, tmp_path, a_done)
     monkeypatch.setattr(ObjectStore, "put_many", real)
-    served = FeatureDataset.open(url, local_cache_dir=tmp_path / "C")
-    assert torch.equal(_features(served), _features(made))
+    assert torch.equal(_features(FeatureDataset.open(url, local_cache_dir=tmp_path / "C")), _features(made))
 
 
 def test_a_root_named_like_a_folder_is_a_root(bucket: str, tmp_path: Path) -> None:

@@ -568,15 +568,20 @@ def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
     assert main(["ls", url, "--json"]) == 0 and json.loads(capsys.readouterr().out)["caches"] == []
 
 
+def _four_samples(url: str, tmp_path: Path) -> str:
+    """``url``, where a dataset cache of four samples was warmed."""
+    cache = CachedDataset(Images(4), url, max_memory_size=0, local_cache_dir=tmp_path / "warm")
+    cache.__getitems__(list(range(4)))
+    cache.close()
+    return url
+
+
 def test_the_command_line_lists_and_clears_only_caches_leaving_other_objects_under_the_url(
     bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from torchcache.cli.main import main
 
-    url = f"{bucket}/shared"
-    cache = CachedDataset(Images(4), url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
-    cache.__getitems__(list(range(4)))
-    cache.close()
+    url = _four_samples(f"{bucket}/shared", tmp_path)
     (folder,) = s3fs_of.ls(url.removeprefix("s3://"), detail=False)
     s3fs_of.pipe_file(f"{folder}/notes.txt", b"mine")  # the user's, inside the cache's folder
     s3fs_of.pipe_file(f"{url.removeprefix('s3://')}/c3-mine/data.bin", b"mine")  # the user's, beside it
@@ -592,10 +597,7 @@ def test_verify_fix_of_a_dataset_cache_whose_description_is_gone_keeps_its_entri
 ) -> None:
     from torchcache.cli.main import main
 
-    url = f"{bucket}/undescribed"
-    cache = CachedDataset(Images(4), url, max_memory_size=0, local_cache_dir=tmp_path / "one")
-    cache.__getitems__(list(range(4)))
-    cache.close()
+    url = _four_samples(f"{bucket}/undescribed", tmp_path)
     (meta,) = [path for path in s3fs_of.find(url.removeprefix("s3://")) if path.endswith("torchcache.json")]
     s3fs_of.rm_file(meta)  # its upload failed: a writer killed, an outage
     assert main(["verify", "--fix", url]) == 0
