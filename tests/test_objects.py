@@ -714,7 +714,7 @@ def test_storage_options_passed_as_an_argument_reach_the_bucket_and_are_never_wr
     assert b"s3cret-value" not in written and b"torchcache" in written
 
 
-@pytest.mark.parametrize("options", [["endpoint_url"], {1: "x"}, "endpoint_url=x"])
+@pytest.mark.parametrize("options", [["endpoint_url"], {1: "x"}, "endpoint_url=x", {"endpoint_url": 5}])
 def test_storage_options_that_are_not_a_dict_are_refused_naming_the_argument(options: Any) -> None:
     with pytest.raises(ConfigError, match="storage_options"):
         CachedDataset(Images(), "s3://bucket/prefix", storage_options=options)
