@@ -364,6 +364,44 @@ def test_an_upload_whose_first_piece_another_machine_removed_puts_it_back(
     assert torch.equal(_features(FeatureDataset.open(url, local_cache_dir=tmp_path / "C")), _features(made))
 
 
+def test_a_machine_that_removed_a_piece_of_a_newer_head_puts_its_own_file_back(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from torchcache.stores.objects import ObjectStore
+
+    url = f"{bucket}/late"
+    made = extract_features(Net(), Images(), cache_dir=tmp_path / "local", progress=False)
+    assert made.path is not None
+    folder, meta = made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
+    real, real_remove = ObjectStore.put_many, remote.remove_segments
+    a_piece, b_removing, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def interleaved(self: ObjectStore, items: Any) -> int:  # A's piece, B's piece and head, then A's head
+        me, head = threading.current_thread().name, items[0][0] == remote._HEAD_KEY
+        if me == "B" and not a_piece.is_set():
+            a_piece.wait(30)
+        if me == "A" and head:
+            b_removing.wait(30)
+        done = real(self, items)
+        if me == "A" and not head:
+            a_piece.set()
+        return done
+
+    def removing(store: Any, segments: Any, others: Any = ()) -> None:  # B removes A's piece once A is done
+        if threading.current_thread().name == "B" and not b_removing.is_set():
+            b_removing.set()
+            a_done.wait(30)
+        real_remove(store, segments, others)
+
+    monkeypatch.setattr(ObjectStore, "put_many", interleaved)
+    monkeypatch.setattr(remote, "remove_segments", removing)
+    _race(url, folder, made, meta, tmp_path, a_done)
+    monkeypatch.setattr(ObjectStore, "put_many", real)
+    assert torch.equal(_features(FeatureDataset.open(url, local_cache_dir=tmp_path / "C")), _features(made))
+
+
 def test_a_root_named_like_a_folder_is_a_root(bucket: str, tmp_path: Path) -> None:
     url = f"{bucket}/features-run1"
     first = extract_features(Net(), Images(), cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)

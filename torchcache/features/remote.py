@@ -26,7 +26,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -328,10 +328,10 @@ class FeaturesBucket:
                     size, i = size + len(chunk), i + 1
             ours = Head(size, i, upload, digest.hexdigest())
             store.put_many([(_HEAD_KEY, ours.encode())])
-            for _ in range(3):  # another machine's upload may have removed a piece of the head that won
-                if _whole_after_cleanup(store, ours, path):
-                    break
-            logger.info("uploaded the features file %s to %s/%s (%d bytes)", path, redact_url(self.url), folder, size)
+            where = f"{redact_url(self.url)}/{folder}"
+            if not _settle(store, ours, path, lambda why: self.faults.warn(Fault.BUDGET, f"{where}: {why}", "bucket")):
+                raise StoreError("machines uploading it at once left no whole file after three tries")
+            logger.info("uploaded the features file %s to %s (%d bytes)", path, where, size)
         except (StoreError, OSError) as exc:
             self.faults.warn(
                 Fault.UNAVAILABLE,
@@ -343,33 +343,46 @@ class FeaturesBucket:
             store.close()
 
 
-def _whole_after_cleanup(store: ObjectStore, ours: Head, path: Path) -> bool:
-    """Remove what the head that won does not name, then check that it is whole; if it is not, put ours back.
+def _settle(store: ObjectStore, ours: Head, path: Path, report: Callable[[str], None]) -> bool:
+    """Remove what the head that wins does not name, then check it is still whole; if it is not, put ours back.
 
     What goes: the pieces and heads older than the winner's oldest piece (a file it
     replaced), and any others over an hour old (an upload cut short). Younger ones may
-    be another machine's upload under way, which checks the same when its head is up.
+    be another machine's upload under way, which checks the same when its head is up;
+    and since a newer head may have lost a piece to this removal, the check comes after
+    it. ``report`` says why the old pieces could not be removed. Returns whether a whole
+    head wins after three tries.
 
     Raises:
         StoreError: If the bucket cannot be read or written.
         OSError: If the local file cannot be read.
     """
+    for _ in range(3):
+        kept = _whole_head(store)
+        if kept:
+            before = max(min(kept[1:] or kept), f"{time.time_ns() - 3600 * 10**9:020d}")  # names sort by age
+            try:
+                remove_segments(store, [name for name in segments_of(store) if name not in kept and name < before])
+            except StoreError as exc:  # a bucket that refuses deletes: the old pieces stay
+                report(f"cannot remove the pieces of the file it replaced ({exc})")
+            if _whole_head(store):
+                return True
+        with open(path, "rb") as file:  # the winner lost a piece: ours, whole, takes its place
+            for i in [i for i in range(ours.chunks) if ours.chunk_key(i) not in store]:
+                file.seek(i * CHUNK_BYTES)
+                store.put_many([(ours.chunk_key(i), file.read(CHUNK_BYTES))])
+        store.put_many([(_HEAD_KEY, ours.encode())])
+    return False
+
+
+def _whole_head(store: ObjectStore) -> list[str]:
+    """The segments of the head that wins now and of its pieces, head first; none if a piece is missing."""
     store.refresh()
     head = Head.decode(store.get(_HEAD_KEY))
-    named = [_HEAD_KEY, *(head.chunk_key(i) for i in range(head.chunks))] if head is not None else []
-    placed = store.placement(named)
-    if head is not None and all(placed):
-        kept = [place[0] for place in placed if place is not None]
-        before = max(min(kept[1:] or kept), f"{time.time_ns() - 3600 * 10**9:020d}")  # segment names sort by age
-        remove_segments(store, [name for name in segments_of(store) if name not in kept and name < before])
-        return True
-    with open(path, "rb") as file:  # the winner lost a piece: ours, whole, takes its place
-        missing = [i for i in range(ours.chunks) if ours.chunk_key(i) not in store]
-        for i in missing:
-            file.seek(i * CHUNK_BYTES)
-            store.put_many([(ours.chunk_key(i), file.read(CHUNK_BYTES))])
-    store.put_many([(_HEAD_KEY, ours.encode())])
-    return False
+    if head is None:
+        return []
+    placed = store.placement([_HEAD_KEY, *(head.chunk_key(i) for i in range(head.chunks))])
+    return [place[0] for place in placed if place is not None] if all(placed) else []
 
 
 def from_bucket(
