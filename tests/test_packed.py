@@ -655,6 +655,21 @@ def test_a_full_store_compacts_a_bloated_index_even_when_it_refuses_a_write(root
     assert store.verify().ok
 
 
+@pytest.mark.parametrize("evict", ["mru", "none"])
+def test_a_small_budget_under_an_index_grown_past_it_compacts_it_and_keeps_entries(root: Path, evict: str) -> None:
+    budget = 150_000  # under the slack a large budget gives free pages before compacting
+    store = PackedStore(root, budget, evict=evict, report=lambda kind, message: None)
+    store.put_many([(key(0), value(0))])
+    store.close()
+    _bloat(root / INDEX_NAME, 200_000)  # the index outgrew the budget (a larger one before, many writers)
+    store = PackedStore(root, budget, evict=evict, report=lambda kind, message: None)
+    for start in range(0, 50, 10):
+        store.put_many([(key(100 + i), value(i, 1000)) for i in range(start, start + 10)])
+    assert len(store) > 20  # entries kept, not a store full of index
+    assert charged(store) <= budget and store.disk_bytes <= 1.1 * budget + INDEX_BASE_BYTES
+    assert store.verify().ok
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("evict", ["mru", "none"])
 def test_eight_writers_on_a_small_budget_keep_the_index_within_it_and_keep_entries(root: Path, evict: str) -> None:

@@ -62,12 +62,13 @@ def index_bloated(index_bytes: int, count: int, max_bytes: int) -> bool:
     """Whether the index file holds so many free pages that it is worth compacting.
 
     So it is when its file, beyond its base, takes half the budget and more than four
-    times what its entries are charged plus 256 KiB: LMDB keeps free pages of its own
-    (more when many processes read and write at once, since a page freed while a reader
-    could still see it waits), and compacting copies the whole index.
+    times what its entries are charged plus 256 KiB (a quarter of the budget, for budgets
+    under 1 MiB, where free pages alone would hold the budget): LMDB keeps free pages of
+    its own (more when many processes read and write at once, since a page freed while a
+    reader could still see it waits), and compacting copies the whole index.
     """
     excess = index_bytes - INDEX_BASE_BYTES
-    return excess > max(4 * count * INDEX_ENTRY_BYTES + (1 << 18), max_bytes // 2)
+    return excess > max(4 * count * INDEX_ENTRY_BYTES + min(1 << 18, max_bytes // 4), max_bytes // 2)
 
 
 def evict(
