@@ -185,15 +185,33 @@ class Counting(nn.Module):
         return x * 2
 
 
+class CountedScale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global CALLS
+        CALLS += 1
+        return x * CALLS
+
+
 class Stepped(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * STEP
 
 
-def test_a_global_that_forward_keeps_itself_does_not_take_the_key_again() -> None:
-    model, x = torchcache()(Counting()), torch.randn(4, 3)
-    for _ in range(3):
-        assert torch.equal(model(x), x * 2)
+def test_a_global_that_forward_assigns_and_reads_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(f"{__name__}.CALLS", 0)
+    model, x = torchcache(check_items=False)(CountedScale().eval()), torch.randn(4, 3)  # the check would call it
+    with pytest.warns(CacheWarning, match="'CALLS'.*rebound 3 times.*key_ignore"):
+        for calls in range(1, 5):
+            assert torch.equal(model(x), x * calls)
+
+
+def test_a_counter_that_forward_keeps_is_kept_out_of_the_key_by_key_ignore(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(f"{__name__}.CALLS", 0)
+    model, x = torchcache(key_ignore=("CALLS",))(Counting()), torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert torch.equal(model(x), x * 2)
     assert model.cache_instance.stats().hits == 2 * len(x)
 
 
@@ -460,7 +478,7 @@ def test_a_cached_property_invalidated_after_the_key_is_seen_is_not_read_by_the_
 
 
 def _counted(fn: Any) -> Any:
-    """A wrapper that counts its calls in a value it captured: its own state."""
+    """A wrapper that counts its calls in a value it captured."""
     calls = 0
 
     @functools.wraps(fn)
@@ -470,6 +488,27 @@ def _counted(fn: Any) -> Any:
         return fn(*args)
 
     return wrapper
+
+
+def _make_lazy(alpha: float | None) -> Any:
+    """A helper that sets its captured scale on first use if none was given."""
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        nonlocal alpha
+        if alpha is None:
+            alpha = 0.5
+        return x * alpha
+
+    return act
+
+
+class Holds(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
 
 
 @_counted
@@ -482,13 +521,28 @@ class UsesCounted(nn.Module):
         return _doubled(x)
 
 
-def test_a_value_a_wrapper_rebinds_itself_at_every_call_is_its_own_state_not_a_change() -> None:
-    model, x = torchcache()(UsesCounted()), torch.randn(4, 3)
+def test_a_counter_a_wrapper_keeps_is_said_and_kept_out_of_the_key_by_key_ignore() -> None:
+    x = torch.randn(4, 3)
+    model = torchcache()(UsesCounted())
+    with pytest.warns(CacheWarning, match="captured value 'calls'.*rebound 3 times.*key_ignore"):
+        for _ in range(4):
+            assert torch.equal(model(x), x * 2)
+    ignoring = torchcache(key_ignore=("calls",))(UsesCounted())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(4):
-            assert torch.equal(model(x), x * 2)
-    assert model.cache_instance.stats().hits == 3 * len(x)
+            assert torch.equal(ignoring(x), x * 2)
+    assert ignoring.cache_instance.stats().hits == 3 * len(x)
+
+
+def test_values_a_helper_captured_and_assigns_itself_are_keyed(cache_root: Path) -> None:
+    x = torch.randn(4, 3)
+    for alpha in (2.0, 3.0):  # one disk cache: each helper's own value in its key
+        model = torchcache(persistent=True)(Holds(_make_lazy(alpha)))
+        assert torch.equal(model(x), x * alpha)
+    lazy = torchcache()(Holds(_make_lazy(None)))
+    assert torch.equal(lazy(x), x * 0.5)
+    assert torch.equal(lazy(x), x * 0.5)  # set once by the first call: followed, then kept
 
 
 def test_a_captured_value_bound_after_the_key_is_taken_is_watched_from_then_on() -> None:

@@ -79,7 +79,6 @@ class Scan(NamedTuple):
     described: bytes
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
-    stored: frozenset[str]  # globals it assigns or deletes (`global CALLS; CALLS += 1`)
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -93,16 +92,15 @@ def scan_code(code: types.CodeType) -> Scan:
     if found is None:
         chains: _Chains = set()
         imports: _Imports = set()
-        stored: set[str] = set()
-        described = _describe(code, chains, imports, stored, 0)
-        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), frozenset(stored))
+        described = _describe(code, chains, imports, 0)
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
     return found
 
 
-def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, stored: set[str], depth: int) -> bytes:
+def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: int) -> bytes:
     if depth > _MAX_CODE_DEPTH:
         raise KeyingError(f"{code.co_qualname}: functions nest more than {_MAX_CODE_DEPTH} levels deep")
-    _read_globals(code, chains, imports, stored)
+    _read_globals(code, chains, imports)
     consts = code.co_consts
     if consts and _has_docstring(code):
         consts = consts[1:]  # a docstring documents; it computes nothing
@@ -114,24 +112,9 @@ def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, stored: 
     ]
     for const in consts:
         code_object = isinstance(const, types.CodeType)
-        parts.append(_describe(const, chains, imports, stored, depth + 1) if code_object else _const(const))
+        parts.append(_describe(const, chains, imports, depth + 1) if code_object else _const(const))
     return tagged(Tag.CODE, b"".join(parts))
 
-
-def _kept_cells(code: types.CodeType) -> frozenset[str]:
-    """The captured names a function assigns or deletes itself (``nonlocal calls; calls += 1``).
-
-    Like a global it assigns, such a value is the function's own state, neither keyed nor watched.
-    """
-    found = _kept.get(code)
-    if found is None:
-        deref = ("STORE_DEREF", "DELETE_DEREF")
-        names = (i.argval for i in dis.get_instructions(code) if i.opname in deref)
-        found = _kept[code] = frozenset(name for name in names if name in code.co_freevars)
-    return found
-
-
-_kept: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
 
 #: What an empty closure cell reads as (a name bound later, ``nonlocal x`` before ``x = ...``).
 EMPTY = object()
@@ -171,8 +154,8 @@ def _const(value: Any) -> bytes:
     return tagged(Tag.RAW, f"{kind.__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
 
 
-def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports, stored: set[str]) -> None:
-    """Collect the globals ``code`` reads (with the attributes read from each), its imports, and those it assigns."""
+def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> None:
+    """Collect the globals ``code`` reads or assigns (with the attributes read from each), and its imports."""
     chain: list[str] | None = None
     constants: list[Any] = []
     pending_import: tuple[str, int] | None = None
@@ -187,8 +170,6 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports, stor
             chain = None
         if name in _LOADS_GLOBAL:
             chain = [instruction.argval]
-            if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                stored.add(instruction.argval)
         elif name == "LOAD_CONST":
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":
@@ -262,9 +243,8 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
     parts.append(encoder.child(fn.__kwdefaults__ or {}, f"{path}.__kwdefaults__", depth))
-    kept = frozenset() if installed else _kept_cells(code)
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        if encoder.ignored(path, name) or name in kept:
+        if encoder.ignored(path, name):
             continue
         try:
             captured = cell.cell_contents

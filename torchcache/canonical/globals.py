@@ -45,8 +45,7 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
             value = namespace[name]
             if what := names_modules(value, chain[1:2]):
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=what))
-            if name not in scan.stored:  # a counter it keeps itself is keyed as it first was
-                collect(Binding(namespace, name, value))  # rebound later (SCALE = 3): the key is taken again
+            collect(Binding(namespace, name, value))  # rebound later (SCALE = 3, by forward too): a new key
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
