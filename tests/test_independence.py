@@ -116,6 +116,17 @@ def test_the_check_runs_once_per_module_key_and_process_for_one_or_two_items() -
     assert pair.seen == [2, 1, 1]  # each item alone
 
 
+def test_a_batch_of_one_item_repeated_is_checked_once_not_at_every_call() -> None:
+    model, x = torchcache()(Counting(seed=5)), torch.randn(1, 4).repeat(3, 1)  # a warm-up batch of one item
+    model(x)
+    first = len(model.seen)  # computed, and computed again by the check
+    for _ in range(3):
+        model(x)
+    assert len(model.seen) == first  # hits, not checked again
+    model(torch.randn(3, 4))  # a batch of distinct items is still checked
+    assert len(model.seen) > first + 1
+
+
 def test_check_items_false_turns_the_check_off() -> None:
     model = torchcache(check_items=False)(_frozen(_AcrossTheBatch()))
     x = torch.randn(6, 4)

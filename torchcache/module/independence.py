@@ -188,6 +188,9 @@ class ItemCheck:
             DependentItemsError: If they do outside training mode; the entries cached so
                 far under this key are removed.
         """
+        repeated = all(k == keys[0] for k in keys)
+        if repeated and call.context in self.alone:  # one item again: its check showed all it can
+            return True
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
             self.whole, whole = False, self.whole
             try:
@@ -205,7 +208,7 @@ class ItemCheck:
                     return False
                 clear()
                 raise
-            if all(k == keys[0] for k in keys):  # randomness shows; dependence on the batch cannot
+            if repeated:  # randomness shows; dependence on the batch cannot
                 self.alone.add(call.context)
                 if call.context in self.passed:  # checked again: not due again before SPOT_ITEMS more
                     self.passed[call.context] = (self.passed[call.context][0], 0)
