@@ -298,15 +298,11 @@ def check_storage_options(value: object) -> dict[str, Any] | None:
     if value is not None and (not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value)):
         got = type(value).__name__
         raise ConfigError(f"storage_options must be a dict of fsspec options (str keys) or None, got a {got}")
-    for name in _TEXT_OPTIONS & set(value or ()):
-        if not isinstance(value[name], str):  # type: ignore[index]
-            got = type(value[name]).__name__  # type: ignore[index]
-            raise ConfigError(f"storage_options[{name!r}] must be a string, got a {got}")
-    return None if value is None else dict(value)  # type: ignore[arg-type]
-
-
-#: fsspec options that the object stores' libraries take as text only (s3fs, gcsfs).
-_TEXT_OPTIONS = frozenset({"endpoint_url", "key", "secret", "project", "profile"})
+    options = None if value is None else dict(value)  # type: ignore[arg-type]
+    for name in {"endpoint_url", "key", "secret", "project", "profile"} & set(options or ()):  # text to s3fs, gcsfs
+        if not isinstance(options[name], str):  # type: ignore[index]
+            raise ConfigError(f"storage_options[{name!r}] must be a string, got a {type(options[name]).__name__}")  # type: ignore[index]
+    return options
 
 
 def _device(value: object) -> torch.device | None:
