@@ -127,6 +127,18 @@ def test_a_batch_of_one_item_repeated_is_checked_once_not_at_every_call() -> Non
     assert len(model.seen) > first + 1
 
 
+class _RandomPastZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn(x.shape[0], 1) * (x.sum(1, keepdim=True) > 0)  # random but for zeros
+
+
+def test_a_batch_of_another_item_repeated_after_a_checked_one_is_checked() -> None:
+    model = torchcache()(_RandomPastZero().eval())
+    model(torch.zeros(1, 2).repeat(3, 1))  # a warm-up batch of zeros, checked
+    with pytest.raises(DependentItemsError):
+        model(torch.ones(1, 2).repeat(3, 1))
+
+
 def test_check_items_false_turns_the_check_off() -> None:
     model = torchcache(check_items=False)(_frozen(_AcrossTheBatch()))
     x = torch.randn(6, 4)

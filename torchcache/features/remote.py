@@ -351,7 +351,7 @@ def _settle(store: ObjectStore, ours: Head, path: Path, report: Callable[[str], 
     be another machine's upload under way, which checks the same when its head is up;
     and since a newer head may have lost a piece to this removal, the check comes after
     it. ``report`` says why the old pieces could not be removed. Returns whether a whole
-    head wins after three tries.
+    head wins after three tries (machines that keep removing each other's pieces stop).
 
     Raises:
         StoreError: If the bucket cannot be read or written.
@@ -372,7 +372,7 @@ def _settle(store: ObjectStore, ours: Head, path: Path, report: Callable[[str], 
                 file.seek(i * CHUNK_BYTES)
                 store.put_many([(ours.chunk_key(i), file.read(CHUNK_BYTES))])
         store.put_many([(_HEAD_KEY, ours.encode())])
-    return False
+    return bool(_whole_head(store))  # the last try's head, or another machine's since
 
 
 def _whole_head(store: ObjectStore) -> list[str]:

@@ -108,6 +108,7 @@ class ItemCheck:
         #: Call contexts whose items passed the check: the largest batch checked, the items computed since.
         self.passed: dict[bytes, tuple[int, int]] = {}
         self.alone: set[bytes] = set()  # contexts whose single items were computed twice alike (not random)
+        self.repeats: set[tuple[bytes, bytes]] = set()  # (context, item) of batches of one item repeated, checked
         self.uncached: set[bool | None] = set()  # training modes whose calls run without the cache
         self.whole = False  # the next check computes the whole batch again
 
@@ -150,6 +151,7 @@ class ItemCheck:
         """Check again at the next call (the module key changed)."""
         self.passed.clear()
         self.alone.clear()
+        self.repeats.clear()
         self.uncached.clear()
 
     def verify(
@@ -189,7 +191,7 @@ class ItemCheck:
                 far under this key are removed.
         """
         repeated = all(k == keys[0] for k in keys)
-        if repeated and call.context in self.alone:  # one item again: its check showed all it can
+        if repeated and (call.context, keys[0]) in self.repeats:  # that item again: its check showed all it can
             return True
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
             self.whole, whole = False, self.whole
@@ -210,6 +212,9 @@ class ItemCheck:
                 raise
             if repeated:  # randomness shows; dependence on the batch cannot
                 self.alone.add(call.context)
+                if len(self.repeats) >= 1024:
+                    self.repeats.clear()
+                self.repeats.add((call.context, keys[0]))
                 if call.context in self.passed:  # checked again: not due again before SPOT_ITEMS more
                     self.passed[call.context] = (self.passed[call.context][0], 0)
                 return True
