@@ -585,3 +585,27 @@ def test_an_attribute_of_a_helper_rebound_after_the_key_is_seen(monkeypatch: pyt
     assert torch.equal(model(x), x)
     _scaled_by_attribute.scale = 5.0  # type: ignore[attr-defined]
     assert torch.equal(model(x), x * 5.0)
+
+
+def _tallied(x: torch.Tensor) -> torch.Tensor:
+    _tallied.calls += 1  # type: ignore[attr-defined]
+    return x * 2
+
+
+class UsesTallied(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _tallied(x)
+
+
+def test_a_call_count_kept_on_a_helper_and_named_in_key_ignore_is_not_watched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_tallied, "calls", 0, raising=False)
+    model = torchcache(key_ignore=("calls",))(UsesTallied())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):  # new items: forward runs, and bumps the count, at every call
+            x = torch.randn(4, 3)
+            assert torch.equal(model(x), x * 2)
+    assert [str(w.message) for w in caught] == []  # no rebinding said: it is not watched
+    assert torch.equal(model(x), x * 2) and model.cache_instance.stats().hits == len(x)

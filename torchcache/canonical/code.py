@@ -258,7 +258,8 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         parts.append(_attributes(encoder, attributes, path, depth))
         if not installed:  # helper.scale = 5.0 later: the key is taken again
             for name, value in attributes.items():
-                collect(Binding(vars(fn), name, value))
+                if not encoder.ignored(path, name):
+                    collect(Binding(vars(fn), name, value))
     if not installed:
         parts.append(encode_globals(encoder, fn, scan_code(fn.__code__), path, depth))
     return tagged(Tag.INSTALLED_FUNCTION if installed else Tag.FUNCTION, b"".join(parts))
