@@ -289,6 +289,13 @@ def test_a_replaced_file_leaves_one_file_in_its_folder(bucket: str, tmp_path: Pa
     assert first.path.stat().st_size <= segments <= first.path.stat().st_size + 4096
 
 
+def _made(tmp_path: Path, n: int = 37) -> tuple[FeatureDataset, str, dict[str, Any]]:
+    """Features extracted locally, their folder's name and description: what a machine uploads."""
+    made = extract_features(Net(), Images(n=n), cache_dir=tmp_path / "local", progress=False)
+    assert made.path is not None
+    return made, made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
+
+
 def _race(url: str, folder: str, made: FeatureDataset, meta: Any, tmp_path: Path, a_done: Any = None) -> None:
     """Machines A and B upload ``made``'s file into ``folder`` at once, each from a thread of that name."""
     import threading
@@ -314,9 +321,7 @@ def test_two_machines_uploading_one_file_at_once_leave_a_whole_one(
     from torchcache.stores.objects import ObjectStore
 
     url = f"{bucket}/race"
-    made = extract_features(Net(), Images(), cache_dir=tmp_path / "local", progress=False)
-    assert made.path is not None
-    folder, meta = made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
+    made, folder, meta = _made(tmp_path)
     real, a_piece, b_head = ObjectStore.put_many, threading.Event(), threading.Event()
 
     def interleaved(self: ObjectStore, items: Any) -> int:  # A's piece, B's piece, B's head, A's head
@@ -343,9 +348,8 @@ def test_an_upload_whose_first_piece_another_machine_removed_puts_it_back(
 
     monkeypatch.setattr(remote, "CHUNK_BYTES", 1000)
     url = f"{bucket}/slow"
-    made = extract_features(Net(), Images(n=40), cache_dir=tmp_path / "local", progress=False)
+    made, folder, meta = _made(tmp_path, 40)
     assert made.path is not None and made.path.stat().st_size > 2000  # several pieces
-    folder, meta = made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
     real, b_started, a_done = ObjectStore.put_many, threading.Event(), threading.Event()
 
     def interleaved(self: ObjectStore, items: Any) -> int:  # B's first piece, then all of A's upload, then B's rest
@@ -372,9 +376,7 @@ def test_a_machine_that_removed_a_piece_of_a_newer_head_puts_its_own_file_back(
     from torchcache.stores.objects import ObjectStore
 
     url = f"{bucket}/late"
-    made = extract_features(Net(), Images(), cache_dir=tmp_path / "local", progress=False)
-    assert made.path is not None
-    folder, meta = made.path.parent.name, json.loads((made.path.parent / "torchcache.json").read_text())
+    made, folder, meta = _made(tmp_path)
     real, real_remove = ObjectStore.put_many, remote.remove_segments
     a_piece, b_removing, a_done = threading.Event(), threading.Event(), threading.Event()
 
