@@ -250,3 +250,13 @@ def test_rows_stored_in_float16_are_compared_on_its_grid() -> None:
     model(x[:2])  # output values near 3e-5: float16's steps there are fixed, 6e-8
     assert model(x).shape == (4, 32000)  # a larger batch, checked again with two rows from the cache
     assert model.cache_instance.stats().hits == 2
+
+
+def test_a_column_much_smaller_than_the_others_is_compared_on_its_own_scale() -> None:
+    def mixed_scales(x: torch.Tensor) -> torch.Tensor:  # large features beside the batch's mean
+        return torch.cat([x * 1e5, x.mean(0, keepdim=True).expand(len(x), -1)], 1)
+
+    torch.manual_seed(0)
+    model = torchcache()(mixed_scales)
+    with pytest.raises(DependentItemsError):
+        model(torch.randn(8, 4))

@@ -317,10 +317,12 @@ def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> 
     """Whether two sets of rows are equal up to the noise of floating point between batch sizes.
 
     Element by element: within a relative tolerance (0.1 %, or 4 units in the last place
-    of a low-precision dtype) of the larger of its value and a floor, a tenth of the root
-    mean square of the rows (an element near zero may come from large terms that
-    cancel, whose rounding is what varies between batch sizes). So a value that is small
-    beside the rest of its row (a score beside an embedding) is still compared as itself.
+    of a low-precision dtype) of the larger of its value and a floor (an element near zero
+    may come from large terms that cancel, whose rounding is what varies between batch
+    sizes). The floor is a tenth of the root mean square of its column over the rows, and
+    at least a hundredth of that of all the values. So a value that is small beside the
+    rest of its row (a score beside an embedding, a column a thousand times smaller than
+    the others) is still compared on its own scale.
     """
     if not (expected.is_floating_point() or expected.is_complex()):
         return torch.equal(expected, found.to(expected.dtype))
@@ -336,7 +338,9 @@ def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> 
     info = torch.finfo(stored if stored.is_floating_point else torch.float32)
     tolerance = max(1e-3, 4 * info.eps)
     magnitude = torch.maximum(a.abs(), b.abs())
-    floor = 0.1 * float(magnitude.square().mean().sqrt()) + torch.finfo(torch.float64).tiny
+    squares = magnitude.square()
+    overall = 0.01 * float(squares.mean().sqrt()) + torch.finfo(torch.float64).tiny
+    floor = (0.1 * squares.mean(dim=0).sqrt()).clamp_min(overall)  # each column on its own scale
     spacing = 2 * info.smallest_normal * info.eps  # a step of the stored dtype's subnormals, where steps are fixed
     return bool(((a - b).abs() <= tolerance * magnitude.clamp_min(floor) + spacing).all())
 
