@@ -396,6 +396,35 @@ def test_deepcopy_of_a_wrapped_instance_is_cached_and_bound_to_the_copy() -> Non
     assert_same(twin(x), model(x))
 
 
+@torchcache()
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_shallow_copy_of_a_decorated_module_gets_a_cache_of_its_own() -> None:
+    model = _Scaled()
+    x = torch.randn(3, 4)
+    assert_same(model(x), x)
+    twin = copy.copy(model)  # copies __dict__, cache_instance included
+    twin.scale = 7.0
+    assert_same(twin(x), x * 7.0)
+    assert twin.cache_instance is not model.cache_instance and twin.cache_instance._owner() is twin
+    assert_same(model(x), x)
+
+
+def test_a_shallow_copy_of_a_wrapped_instance_is_a_plain_module() -> None:
+    model = torchcache()(Features(seed=1))
+    twin = copy.copy(model)
+    assert "cache_instance" not in vars(twin)
+    x = torch.randn(3, 4)
+    assert_same(twin(x), model(x))
+
+
 # -- precompute -------------------------------------------------------------------------------------
 def test_precompute_names_a_batch_that_does_not_fit_the_call() -> None:
     model = torchcache()(Counting())

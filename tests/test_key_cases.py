@@ -80,6 +80,20 @@ def test_a_hook_registered_after_the_first_call_takes_the_key_again() -> None:
     assert torch.equal(net(X), before)
 
 
+@pytest.mark.parametrize("where", ["submodule", "global"])
+def test_a_hook_put_in_place_of_another_in_its_dict_takes_the_key_again(where: str) -> None:
+    net = torchcache()(_frozen(nn.Sequential(nn.Identity(), nn.Tanh())))
+    register = net[0].register_forward_hook if where == "submodule" else nn.modules.module.register_module_forward_hook
+    handle = register(lambda module, args, out: out * 2 if isinstance(module, nn.Identity) else out)
+    try:
+        assert torch.equal(net(X), torch.tanh(X * 2))
+        hooks = net[0]._forward_hooks if where == "submodule" else nn.modules.module._global_forward_hooks
+        hooks[handle.id] = lambda module, args, out: out * 3 if isinstance(module, nn.Identity) else out
+        assert torch.equal(net(X), torch.tanh(X * 3))
+    finally:
+        handle.remove()
+
+
 # 3 -------------------------------------------------------------------------------------------------
 def _make(scale: float) -> type[nn.Module]:
     class Net(nn.Module):
@@ -1274,33 +1288,6 @@ def test_a_function_of_a_users_own_compiled_extension_is_keyed_by_its_file(
     before = KeyEncoder("remedy").encode(math.hypot, "gain")
     built.write_bytes(b"\x7fELF version 2, rebuilt")
     assert KeyEncoder("remedy").encode(math.hypot, "gain") != before
-
-
-_OPERATOR = """
-import torch
-@torch.library.custom_op("tcases::scale{n}", mutates_args=())
-def scale(x: torch.Tensor) -> torch.Tensor:
-    return x * {factor}
-"""
-
-
-def test_a_custom_operator_is_keyed_by_the_functions_it_is_defined_with(tmp_path: Path, modules: list[str]) -> None:
-    modules.append("defines_operator")
-    load_module(tmp_path / "defines_operator.py", "defines_operator", _OPERATOR.format(n="", factor=2.0))
-
-    def calls(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tcases.scale(x)
-
-    before = torchcache()(calls).cache_instance.module_hash
-    operator = sys.modules["defines_operator"].scale
-
-    @operator.register_kernel("cpu")
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return x * 3.0
-
-    cached = torchcache()(calls)
-    assert cached.cache_instance.module_hash != before
-    assert torch.equal(cached(X), X * 3.0)
 
 
 def test_a_method_another_package_only_adds_to_an_installed_class_keeps_keys(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,15 @@ import sysconfig
 
 import xxhash
 
-__all__ = ["OWN_PACKAGE", "extension_digest", "is_installed_file", "is_users_object", "origin_of_module", "version_of"]
+__all__ = [
+    "OWN_PACKAGE",
+    "extension_digest",
+    "file_digest",
+    "is_installed_file",
+    "is_users_object",
+    "origin_of_module",
+    "version_of",
+]
 
 OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -174,7 +182,20 @@ def is_users_object(member: object) -> bool:
     return isinstance(module, str) and origin_of_module(module) is None
 
 
-_extensions: dict[tuple[str, int, int], str] = {}
+_files: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(filename: str) -> str | None:
+    """The xxh3-128 of a file's bytes (kept per path, modification time and size), or ``None`` if it cannot be read."""
+    try:
+        stat = os.stat(filename)
+        found = _files.get((filename, stat.st_mtime_ns, stat.st_size))
+        if found is None:
+            with open(filename, "rb") as file:
+                found = _files[(filename, stat.st_mtime_ns, stat.st_size)] = xxhash.xxh3_128_hexdigest(file.read())
+    except OSError:
+        return None
+    return found
 
 
 def extension_digest(name: str) -> str | None:
@@ -182,12 +203,4 @@ def extension_digest(name: str) -> str | None:
     filename = getattr(sys.modules.get(name), "__file__", None)
     if not isinstance(filename, str) or filename.endswith(".py"):
         return None
-    try:
-        stat = os.stat(filename)
-        found = _extensions.get((filename, stat.st_mtime_ns, stat.st_size))
-        if found is None:
-            with open(filename, "rb") as file:
-                found = _extensions[(filename, stat.st_mtime_ns, stat.st_size)] = xxhash.xxh3_128_hexdigest(file.read())
-    except OSError:
-        return None
-    return found
+    return file_digest(filename)

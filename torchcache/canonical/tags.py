@@ -97,6 +97,7 @@ class Tag:
     DESCRIPTOR = b"="
     EMPTY_CELL = b"0"
     WRAPPER = b"~"
+    OPERATOR = b"^"
 
 
 #: Every tag, by the name of its kind.

@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 from ..errors import KeyingError
-from . import code, modules, objects, runs
+from . import code, modules, objects, operators, runs
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["KeyEncoder", "encode_key_value"]
@@ -227,6 +227,11 @@ class KeyEncoder:
             return tagged(Tag.NUMPY_DTYPE, repr(value).encode())
         if isinstance(value, types.MappingProxyType):
             return tagged(Tag.MAPPING_PROXY, self.child(dict(value), path, depth))
+        operator = operators.operator_name(value)
+        if operator is not None:  # scale(x) of a custom_op, an alias of torch.ops.ns.name: by what defines it
+            namespace, name, overload = operator
+            defined = operators.encode_operator(self, namespace, name, path, depth)
+            return tagged(Tag.OPERATOR, text(f"{namespace}::{name}.{overload}") + defined)
         try:
             pandas = objects.pandas_digest(value)
         except TypeError as exc:  # a column of lists or dicts: pandas cannot hash its cells

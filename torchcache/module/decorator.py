@@ -275,11 +275,11 @@ def _cached_forward(
     module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     cache = module.__dict__.get("cache_instance")
-    if cache is None:
+    if cache is None or not cache.belongs_to(module):
         binding: _Binding | None = module.__dict__.get(_BINDING)
         if binding is None:  # caching is off for this instance
             return forward(module, *args, **kwargs)
-        cache = _attach(module, binding, forward)  # an unpickled module
+        cache = _attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
     warn_if_training(cache, module)
     return cache(functools.partial(forward, module), args, kwargs, module.training)
 

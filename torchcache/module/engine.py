@@ -125,6 +125,10 @@ class Cache:
         self._owner = weakref.ref(owner)
         self._rebind = rebind
 
+    def belongs_to(self, owner: Any) -> bool:
+        """Whether this cache was made for ``owner`` (a shallow copy of a module shares its original's)."""
+        return self._owner is not None and self._owner() is owner
+
     def watch_weights(self, module: torch.nn.Module, root_hooks: bool = False) -> None:
         """Take the key again at the first call after ``module``'s weights or hooks (``root_hooks``: its own) change."""
         if self.settings.persistent_module_hash is None:

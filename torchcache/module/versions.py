@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from torch.utils.hooks import RemovableHandle
 
 from ..canonical.code import EMPTY
 from ..canonical.modules import WeakState
@@ -87,8 +86,8 @@ def _module_ids(module: torch.nn.Module) -> list[int]:
     return [id(sub) for _, sub in module.named_modules(remove_duplicate=False)]
 
 
-def _hook_ids(dicts: list[dict[int, Any]]) -> list[int]:
-    return [id(hook) for hooks in dicts for hook in hooks.values()]
+def _hooks_in(dicts: list[dict[int, Any]]) -> list[Any]:
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
 
 
 class VersionWatch:
@@ -112,7 +111,6 @@ class VersionWatch:
         "_digest",
         "_generation",
         "_grads",
-        "_handle",
         "_held",
         "_hook_count",
         "_hook_dicts",
@@ -158,8 +156,8 @@ class VersionWatch:
         self._ids: list[int] = []
         self._modules: list[int] = []
         self._ptrs: list[int] = []
-        self._hooks: list[int] = []
-        self._total = self._count = self._hook_count = self._handle = self._calls = self._child_count = self._grads = 0
+        self._hooks: list[Any] = []
+        self._total = self._count = self._hook_count = self._calls = self._child_count = self._grads = 0
         self._held: list[torch.Tensor] = []
         self._sub_classes: list[type] = []
         self._generation = -1
@@ -198,9 +196,8 @@ class VersionWatch:
         hooked = submodules if self._root_hooks else self._submodules  # a method's key covers its module's own hooks
         self._hook_dicts = [h for sub in hooked for h in (sub._forward_pre_hooks, sub._forward_hooks)]
         self._hook_dicts += _GLOBAL_HOOKS
-        self._hooks = _hook_ids(self._hook_dicts)
+        self._hooks = _hooks_in(self._hook_dicts)
         self._hook_count = len(self._hooks)
-        self._handle = RemovableHandle.next_id
         self._calls = 0
         if self._verify_every is not None:
             self._digest = _weights_digest(module, self._ignore)
@@ -228,10 +225,9 @@ class VersionWatch:
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
             return True
-        if RemovableHandle.next_id != self._handle or sum(map(len, self._hook_dicts)) != self._hook_count:
-            if _hook_ids(self._hook_dicts) != self._hooks:
-                return True
-            self._handle = RemovableHandle.next_id  # hooks registered elsewhere: nothing changed here
+        hooks = itertools.chain.from_iterable(map(dict.values, self._hook_dicts))  # hooks[k] = other: no handle
+        if sum(map(len, self._hook_dicts)) != self._hook_count or not all(map(operator.is_, hooks, self._hooks)):
+            return True
         if self._verify_every is not None:
             self._calls += 1
             if self._calls >= self._verify_every:
