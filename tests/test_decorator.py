@@ -942,3 +942,23 @@ def test_an_output_of_zero_bytes_per_item_is_a_disk_hit(tmp_path: Path) -> None:
     out = empty(x)  # read from disk: rows of no bytes, viewed as nothing
     disk = empty.cache_instance.stats().disk
     assert out.shape == (2, 0) and out.dtype == torch.float32 and disk is not None and disk.hits == 2
+
+
+def test_decorating_a_class_of_an_installed_package_leaves_that_class_plain() -> None:
+    cached_tanh = torchcache()(nn.Tanh)
+    assert cached_tanh is not nn.Tanh and issubclass(cached_tanh, nn.Tanh)
+    assert "cache_instance" not in vars(nn.Tanh())  # every other nn.Tanh (and subclass) is left alone
+    model = cached_tanh()
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), torch.tanh(x)) and torch.equal(model(x), torch.tanh(x))
+    assert model.cache_instance.stats().hits == 4
+    nn.MultiheadAttention(4, 2)  # its NonDynamicallyQuantizableLinear, a trainable nn.Linear, is built as before
+
+
+def test_a_trainable_class_of_an_installed_package_is_refused_with_the_way_to_wrap_an_instance() -> None:
+    cached_linear = torchcache()(nn.Linear)
+    with pytest.raises(
+        ConfigError, match=r"installed package.*torchcache\(\)\(Linear\(\.\.\.\)\.requires_grad_\(False\)"
+    ):
+        cached_linear(3, 2)
+    assert nn.Linear(3, 2).weight.requires_grad

@@ -33,6 +33,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from ..canonical.origins import is_users_object
 from ..codec import DEFAULT_QUALITY
 from ..config import LEGACY_OPTIONS, Settings
 from ..errors import ConfigError
@@ -321,6 +322,9 @@ def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
+    library = not is_users_object(cls)
+    if library:  # torchcache()(nn.Linear): a cached subclass; every other nn.Linear stays plain
+        cls = type(cls.__name__, (cls,), _plain_copies(cls))
     decorated = _decorated.get(cls)
     if decorated is not None:  # the class is decorated in place: both names would be one class
         if decorated == settings:
@@ -370,39 +374,51 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             ignore = instance_settings.key_ignore
             init_digest = describe_init(args, kwargs, ignore)
             check_instance(self, ignore)  # a refusal comes now, not at the first call
-        _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
+        try:
+            _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
+        except ConfigError as exc:
+            if not library:
+                raise
+            raise ConfigError(
+                f"{exc}. {name} is a class of an installed package, whose __init__ you cannot change: wrap a "
+                f"frozen instance instead, torchcache()({cls.__name__}(...).requires_grad_(False).eval())"
+            ) from None
 
     _patch(cls, original_forward)
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
 
+def _plain_copies(cls: type[torch.nn.Module]) -> dict[str, Any]:
+    """The namespace of a subclass of ``cls`` named like it, whose instances pickle as ``cls`` (without the cache)."""
+
+    def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
+        # Pickled as the plain class, without the cache (torch.save of a whole model).
+        state = {k: v for k, v in self.__dict__.items() if k not in ("cache_instance", _BINDING)}
+        return (_rebuild_plain, (cls, state))
+
+    def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
+        import copy
+
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[no-untyped-call]
+        return copied
+
+    return {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "__reduce_ex__": __reduce_ex__,
+        "__deepcopy__": __deepcopy__,
+    }
+
+
 def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
     sub = _subclasses.get(cls)
     if sub is None:
-
-        def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
-            # Pickled as the plain class, without the cache (torch.save of a whole model).
-            state = {k: v for k, v in self.__dict__.items() if k not in ("cache_instance", _BINDING)}
-            return (_rebuild_plain, (cls, state))
-
-        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
-            import copy
-
-            copied = object.__new__(type(self))
-            memo[id(self)] = copied
-            copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[no-untyped-call]
-            return copied
-
-        namespace = {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "__reduce_ex__": __reduce_ex__,
-            "__deepcopy__": __deepcopy__,
-        }
-        sub = _subclasses[cls] = type(cls.__name__, (cls,), namespace)
+        sub = _subclasses[cls] = type(cls.__name__, (cls,), _plain_copies(cls))
         _patch(sub, cls.forward)
     return sub
 
