@@ -369,6 +369,10 @@ def test_module_hash_and_cache_dir(cache_root: Path, tmp_path: Path, monkeypatch
         ("persistent_cache_dir", "cache\0dir"),
         ("persistent_cache_dir", "https://host/cache"),
         ("persistent_cache_dir", "file:///tmp/cache"),
+        ("persistent_cache_dir", "redis:/host"),  # a URL mistyped: not a folder named "redis:" in the working dir
+        ("persistent_cache_dir", "redis:host:6379"),
+        ("persistent_cache_dir", "GS:/bucket/prefix"),
+        ("persistent_cache_dir", "rediss+cluster:/host"),
         ("persistent_module_hash", ""),
         ("persistent_module_hash", 3),
         ("max_memory_cache_size", -1),
@@ -401,12 +405,25 @@ def test_invalid_option_raises_config_error_naming_it(name: str, value: Any) -> 
     assert isinstance(info.value, ValueError)
 
 
+def test_a_folder_whose_name_starts_like_a_url_is_written_with_a_leading_dot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"got redis:scores \(a directory named so: './redis:scores'\)"):
+        torchcache(persistent_cache_dir="redis:scores")
+    monkeypatch.chdir(tmp_path)
+    model, plain = pair(persistent=True, persistent_cache_dir="./redis:scores")
+    x = torch.randn(3, 4)
+    assert_same(model(x), plain(x))
+    assert model.cache_instance.cache_dir is not None
+    assert (tmp_path / "redis:scores") in model.cache_instance.cache_dir.resolve().parents
+
+
 def test_an_argument_both_shared_and_batched_on_another_dimension_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"\['mask'\] named in both shared_args \(whole\) and batch_dims"):
         torchcache(shared_args=("mask",), batch_dims={"mask": 1})
 
 
-@pytest.mark.parametrize("value", ["redis://", "https://host/cache"])
+@pytest.mark.parametrize("value", ["redis://", "https://host/cache", "redis:/host:6379"])
 def test_a_torchcache_dir_that_cannot_be_used_is_one_warning_and_calls_stay_in_memory(
     value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("stores", {"torchcache.stores"}),
-    ("settings", {"torchcache.config", "torchcache.meta"}),
+    ("settings", {"torchcache.config", "torchcache.locations", "torchcache.meta"}),
     ("tiers", {"torchcache.tiers"}),
     ("catalog", {"torchcache.catalog"}),
     ("products", {"torchcache.module", "torchcache.datasets"}),

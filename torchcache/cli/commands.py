@@ -18,8 +18,8 @@ from ..catalog.budget import cache_in_use, remove_unused_cache, root_budget, sca
 from ..catalog.inspect import CacheLookupError, ModuleCache, find_caches, list_files, resolve_cache
 from ..catalog.layouts import summarize_layouts
 from ..catalog.removal import remove_cache, remove_file, select_for_prune
-from ..config import check_local_dir, is_url, resolve_root
 from ..errors import ConfigError, StoreError
+from ..locations import check_local_dir, is_url, resolve_root
 from ..meta import META_NAME, unreadable
 from ..policy import format_size
 from ..stores.packed.index import INDEX_NAME

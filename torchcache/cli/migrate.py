@@ -24,8 +24,8 @@ from ..catalog.inspect import (
     open_store,
 )
 from ..catalog.removal import remove_file
-from ..config import is_url
 from ..errors import CorruptEntryError, StoreError
+from ..locations import is_url
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features, open_existing
 from ..stores.features.layout import Field, SampleLayout
 from ..stores.files import open_regular, read_at

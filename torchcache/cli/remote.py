@@ -12,8 +12,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..config import is_object_url
 from ..errors import ConfigError, StoreError, StoreUnavailableError
+from ..locations import is_object_url
 from ..policy import format_size
 from ..stores.batched import BatchedStore
 from ..stores.objects import ObjectStore, bucket_namespaces, open_filesystem

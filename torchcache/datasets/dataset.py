@@ -22,8 +22,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ..config import check_local_dir, is_object_url, module_dir_name, resolve_root
+from ..config import module_dir_name
 from ..errors import ConfigError, StoreError, StoreUnavailableError, TorchCacheError
+from ..locations import check_local_dir, is_object_url, resolve_root
 from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url

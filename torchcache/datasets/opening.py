@@ -21,7 +21,9 @@ from typing import Any
 import xxhash
 
 from .._version import __version__
-from ..config import (
+from ..errors import ConfigError, StoreError
+from ..faults import Fault, FaultLog, Report
+from ..locations import (
     check_local_dir,
     check_storage_options,
     check_url,
@@ -30,8 +32,6 @@ from ..config import (
     resolve_local_dir,
     resolve_root,
 )
-from ..errors import ConfigError, StoreError
-from ..faults import Fault, FaultLog, Report
 from ..meta import FULL_OR_READ_ONLY, META_NAME, load_meta, unreadable, write_json_atomic
 from ..policy import parse_size
 from ..stores.batched import BatchedStore

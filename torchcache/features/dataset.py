@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..catalog.budget import CacheClaim, claim_directory, keep_root_budget
-from ..config import check_local_dir, check_location, resolve_location, resolve_root
 from ..errors import ConfigError, TorchCacheError
 from ..faults import Fault, FaultLog
+from ..locations import check_local_dir, check_location, resolve_location, resolve_root
 from ..stores.features.digests import DIGESTS_NAME, DigestFile, batch_digests, bindings, pack_digests
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, forget_damaged, layout_of, open_features
 from ..stores.features.layout import SampleLayout

@@ -37,9 +37,9 @@ from .._log import logger
 from .._version import __version__
 from ..catalog.budget import claim_module_cache, keep_root_budget
 from ..catalog.removal import remove_cache
-from ..config import check_location, resolve_location
 from ..errors import ConfigError, CorruptEntryError
 from ..faults import Fault, FaultLog
+from ..locations import check_location, resolve_location
 from ..meta import META_NAME, write_json_atomic
 from ..module.guards import check_frozen
 from ..stores.features.digests import batch_digests

@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import xxhash
 
 from .._log import logger
-from ..config import check_local_dir, check_storage_options, check_url, is_object_url, resolve_local_dir
 from ..errors import ConfigError, StoreError, TorchCacheError
 from ..faults import Fault, FaultLog
 from ..keys import tag
+from ..locations import check_local_dir, check_storage_options, check_url, is_object_url, resolve_local_dir
 from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.objects import ObjectStore, bucket_namespaces, remove_segments, segments_of
 from ..stores.redis.url import redact_url

@@ -35,7 +35,7 @@ import torch
 
 from ..canonical.origins import is_users_object
 from ..codec import DEFAULT_QUALITY
-from ..config import LEGACY_OPTIONS, Settings
+from ..config import LEGACY_OPTIONS, Settings, legacy_note
 from ..errors import ConfigError
 from .callables import CachedMethod, decorate_function, weights_loaded, without_self
 from .engine import Cache
@@ -353,13 +353,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             active.discard(id(self))
         legacy = [n for n in LEGACY_OPTIONS if hasattr(self, _PREFIX + n)]
         if legacy:
-            warnings.warn(
-                f"torchcache: {', '.join(_PREFIX + n for n in legacy)} of torchcache 0.6 "
-                f"{'is' if len(legacy) == 1 else 'are'} accepted and ignored: entries are brotli-compressed "
-                "when it pays (see brotli_quality)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            warnings.warn(legacy_note([_PREFIX + n for n in legacy]), DeprecationWarning, stacklevel=2)
         overrides = {n: getattr(self, _PREFIX + n) for n in _OPTION_NAMES if hasattr(self, _PREFIX + n)}
         try:
             instance_settings = settings.override(**overrides)

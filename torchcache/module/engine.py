@@ -26,10 +26,11 @@ from .._log import logger
 from .._version import __version__
 from ..canonical import collecting
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
-from ..config import Settings, is_object_url, resolve_local_dir, resolve_location
+from ..config import Settings
 from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items, numerics
+from ..locations import is_object_url, resolve_local_dir, resolve_location
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from ..tiers.lookup import look_up
