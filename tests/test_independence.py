@@ -79,8 +79,11 @@ def test_dropout_in_training_mode_runs_without_the_cache_with_one_warning(how: s
     if how == "dropout alone":
         model.eval()[1].train()  # the model in eval mode, its dropout on
     x = torch.randn(8, 4)
-    with pytest.warns(CacheWarning, match="training mode"):
+    with pytest.warns(CacheWarning, match="training mode") as caught:
         first = model(x)
+    message = str(caught[0].message)
+    assert "draw. Calls in training mode run without the cache" in message  # one sentence each, one remedy
+    assert message.count("eval mode") == 1 and "deterministic function" not in message
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
         second = model(x)

@@ -201,7 +201,7 @@ def test_entries_stored_after_a_write_the_server_refused_are_not_counted_as_unst
 
     monkeypatch.setattr(RedisStore, "put_many", put_many)
     x = torch.cat([torch.randn(8, 4)] * 2)  # each item twice: 8 entries
-    with pytest.warns(CacheWarning, match="; 8 entries were not stored"):
+    with pytest.warns(CacheWarning, match="; 8 entries not stored"):
         model(x)
         model.cache_instance.flush()
         model(x)  # a miss again, its writes taken this time

@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["MAX_SIZE", "LruPolicy", "MruPolicy", "format_size", "parse_size"]
+__all__ = ["MAX_SIZE", "LruPolicy", "MruPolicy", "format_size", "parse_size", "plural"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -96,6 +96,14 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
         shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
         raise ConfigError(f"{name} must be at most {MAX_SIZE} bytes (about 18 EB), got {shown!r}") from None
     return int(number * unit)
+
+
+_PLURALS = {"entry": "entries", "miss": "misses", "index": "indexes"}
+
+
+def plural(n: int, word: str, many: str = "") -> str:
+    """``n`` (thousands separated) and ``word``, or its plural (``many``, else ``word + "s"``) unless ``n`` is 1."""
+    return f"{n:,} {word if n == 1 else many or _PLURALS.get(word, word + 's')}"
 
 
 def format_size(num_bytes: float) -> str:

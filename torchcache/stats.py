@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._log import logger
-from .policy import format_size
+from .policy import format_size, plural
 
 __all__ = ["SUMMARY_INTERVAL", "CacheStats", "PeriodicSummary", "TierStats", "format_summary"]
 
@@ -47,18 +47,13 @@ def format_summary(name: str, key: str | None, stats: CacheStats) -> str:
     if stats.disk is not None:
         tiers.append(f"disk {_tier(stats.disk)}")
     return (
-        f"torchcache {name} [{key or '-'}]: {_count(stats.hits, 'hit')}, {_count(stats.misses, 'miss')}, "
+        f"torchcache {name} [{key or '-'}]: {plural(stats.hits, 'hit')}, {plural(stats.misses, 'miss')}, "
         f"hit rate {stats.hit_rate:.1%}; {'; '.join(tiers)}"
     )
 
 
-def _count(n: int, noun: str) -> str:
-    plural = {"entry": "entries", "miss": "misses"}.get(noun, noun + "s")
-    return f"{n:,} {noun if n == 1 else plural}"
-
-
 def _tier(tier: TierStats) -> str:
-    return f"{_count(tier.entries, 'entry')} {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
+    return f"{plural(tier.entries, 'entry')} {format_size(tier.bytes)}/{format_size(tier.max_bytes)}"
 
 
 class PeriodicSummary:

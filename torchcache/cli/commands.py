@@ -21,7 +21,7 @@ from ..catalog.removal import remove_cache, remove_file, select_for_prune
 from ..errors import ConfigError, StoreError
 from ..locations import check_local_dir, is_url, resolve_root
 from ..meta import META_NAME, unreadable
-from ..policy import format_size
+from ..policy import format_size, plural
 from ..stores.packed.index import INDEX_NAME
 from .output import (
     Progress,
@@ -31,7 +31,6 @@ from .output import (
     damaged_note,
     error,
     note,
-    plural,
     print_json,
     product,
     relative,

@@ -26,6 +26,7 @@ from ..catalog.inspect import (
 from ..catalog.removal import remove_file
 from ..errors import CorruptEntryError, StoreError
 from ..locations import is_url
+from ..policy import plural
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, create_features, open_existing
 from ..stores.features.layout import Field, SampleLayout
 from ..stores.files import open_regular, read_at
@@ -33,7 +34,7 @@ from ..stores.packed.store import PackedStore
 from ..stores.redis.url import redact_url
 from ..stores.rows.file import RowsFile
 from .commands import command_root
-from .output import Progress, error, plural, relative, table
+from .output import Progress, error, relative, table
 from .remote import open_remote, remote_namespaces
 from .samples12 import migrate_samples
 from .verify import UNLIMITED, Problem, check_entry

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ..catalog.inspect import ModuleCache
 from ..features.variable import MARK
-from ..policy import format_size
+from ..policy import format_size, plural
 
 __all__ = [
     "PROG",
@@ -30,7 +30,6 @@ __all__ = [
     "error",
     "iso",
     "note",
-    "plural",
     "print_json",
     "product",
     "relative",
@@ -114,11 +113,6 @@ def iso(ts: float | None) -> str | None:
     """A timestamp as a local ISO 8601 date and time to the second, or ``None``."""
     date = _date(ts)
     return None if date is None else date.isoformat(timespec="seconds")
-
-
-def plural(n: int, word: str, many: str = "") -> str:
-    """``n`` (with thousands separators) and ``word``, or ``many`` (``word + "s"`` by default) unless ``n`` is 1."""
-    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def relative(path: Path, root: Path) -> str:

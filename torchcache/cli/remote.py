@@ -14,12 +14,12 @@ from typing import Any
 
 from ..errors import ConfigError, StoreError, StoreUnavailableError
 from ..locations import is_object_url
-from ..policy import format_size
+from ..policy import format_size, plural
 from ..stores.batched import BatchedStore
 from ..stores.objects import ObjectStore, bucket_namespaces, open_filesystem
 from ..stores.redis.url import redact_url
 from ..stores.remote import open_remote_store
-from .output import error, plural, print_json, table
+from .output import error, print_json, table
 from .verify import check_entries, check_frame
 
 __all__ = [

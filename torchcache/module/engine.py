@@ -31,6 +31,7 @@ from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items, numerics
 from ..locations import is_object_url, resolve_local_dir, resolve_location
+from ..policy import plural
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from ..tiers.lookup import look_up
@@ -49,6 +50,9 @@ __all__ = ["Cache"]
 _caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 SHAPE_HINT_CALLS = 64  #: calls after which a low hit rate with varying input shapes is pointed out
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_FIXED_KEY = (
+    "%s uses persistent_module_hash=%r: changes to its code, init arguments or weights will not invalidate its cache"
+)
 
 
 class _HitsSeen(NamedTuple):
@@ -94,12 +98,7 @@ class Cache:
         self._module_hash: str | None = settings.persistent_module_hash
         self._stale = False
         if self._module_hash is not None:
-            logger.warning(
-                "%s uses persistent_module_hash=%r: changes to its code, init arguments "
-                "or weights will not invalidate its cache",
-                name,
-                self._module_hash,
-            )
+            logger.warning(_FIXED_KEY, name, self._module_hash)
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
         self._disk: PersistentTier | None = None
         self._root_claim: CacheClaim | None = None  # this process's hold on its directory (root budget)
@@ -112,9 +111,7 @@ class Cache:
         self._outputs = OutputPlan(name, settings.batch_dims)
         #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
         self.stochastic: bool | None = None
-        self._hits = 0
-        self._misses = 0
-        self._memory_hits = 0
+        self._hits = self._misses = self._memory_hits = 0
         self._disk_hits_seen = _HitsSeen(None, 0)
         self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
         self._summaries = PeriodicSummary()
@@ -583,8 +580,8 @@ def _summarize_at_exit() -> None:
                 told.add(id(disk))
                 cache.faults.warn(
                     Fault.UNSTORED,
-                    f"{len(disk.unstored)} entries computed in this process could not be stored in {disk.where} "
-                    "(the server was away or full); they are computed again when next needed",
+                    f"{plural(len(disk.unstored), 'entry')} computed in this process could not be stored in "
+                    f"{disk.where} (the server was away or full); they are computed again when next needed",
                 )
             if logger.isEnabledFor(logging.INFO):
                 logger.info(cache.summary().removeprefix("torchcache "))  # the logger's name says it

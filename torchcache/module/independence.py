@@ -79,6 +79,11 @@ class DependentItemsError(KeyingError):
         self.random = random
 
 
+def _cause(error: Exception) -> str:
+    """The first sentence of a refusal after its name: what was seen, without the remedies."""
+    return str(error).partition(": ")[2].split(". ", 1)[0].rstrip(".")
+
+
 def is_checked(context: bytes) -> bool:
     """Whether the items of calls in ``context`` (:attr:`CallArguments.context`) were checked in this process."""
     return context in _checked
@@ -142,7 +147,7 @@ class ItemCheck:
         self.uncached.add(True)
         self.faults.warn(
             Fault.TRAIN,
-            f"in training mode: {str(error).partition(': ')[2]} Calls in training mode "
+            f"in training mode: {_cause(error)}. Calls in training mode "
             "run without the cache; call .eval() on the module (keep_eval=True keeps it in eval mode)",
         )
         return False
@@ -203,7 +208,7 @@ class ItemCheck:
                     self.uncached.add(True)
                     self.faults.warn(
                         Fault.TRAIN,
-                        f"in training mode: {str(exc).partition(': ')[2]} Calls in training mode run without the "
+                        f"in training mode: {_cause(exc)}. Calls in training mode run without the "
                         "cache; call .eval() on the module (a parent's .train() passes training mode down; "
                         "keep_eval=True keeps it in eval mode)",
                     )

@@ -38,6 +38,7 @@ from .._fork import after_fork
 from ..codec import MAX_ITEM_BYTES, MIN_ELIDE_BYTES
 from ..errors import CorruptEntryError, StoreError, StoreUnavailableError
 from ..faults import Fault, FaultLog, Report
+from ..policy import plural
 from ..stores.batched import BatchedStore
 from ..tree import Layout
 from .frames import Frame, FrameCodec, pack_rows
@@ -387,7 +388,7 @@ class PersistentTier:
 
     def _not_stored(self, job: _WriteJob, kind: Fault, exc: StoreError) -> None:
         self.unstored.refused(job.keys)
-        self._report(kind, f"{exc}; {len(set(job.keys))} entries were not stored (later writes try again)")
+        self._report(kind, f"{exc}; {plural(len(set(job.keys)), 'entry')} not stored (later writes try again)")
 
     def _write_failed(self, exc: BaseException) -> None:
         self._writes_enabled = False

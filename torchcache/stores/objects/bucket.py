@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
+from ...policy import plural
 from .manifests import CHECKPOINT, MANIFEST, SEGMENT, TOMBSTONE
 
 __all__ = ["META_NAME", "Bucket", "is_own"]
@@ -132,7 +133,7 @@ class Bucket:
         Raises:
             StoreUnavailableError: If either cannot be written (nothing is visible then).
         """
-        self.put(name + SEGMENT, segment, f"write {entries} entries")
+        self.put(name + SEGMENT, segment, f"write {plural(entries, 'entry')}")
         try:
             self.put(name + MANIFEST, manifest, "write a manifest")
         except StoreError:

@@ -35,7 +35,7 @@ from ..._fork import renew_lock_after_fork
 from ..._log import logger
 from ...errors import ConfigError, KeyingError, StoreError
 from ...faults import Fault, Report
-from ...policy import format_size, parse_size
+from ...policy import format_size, parse_size, plural
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import check_record, encode_key, encode_keys, is_key
 from .keys import Keyspace, charge
@@ -285,7 +285,7 @@ class RedisStore(BatchedStore):
             batch.append((key, kb, data))
             size += len(data)
             if len(batch) >= _CHUNK_KEYS or size >= _CHUNK_BYTES or i == len(plan):
-                evicted |= self._link.call(partial(self._ns.write, batch=batch), f"write {len(batch)} entries")
+                evicted |= self._link.call(partial(self._ns.write, batch=batch), f"write {plural(len(batch), 'entry')}")
                 batch, size = [], 0
         return len(plan) - len(evicted.intersection(plan))
 
