@@ -1,22 +1,19 @@
 """``@torchcache()``: cache the per-item outputs of a module class, a module instance, a method or a function.
 
-Decorating a class wraps its ``__init__``, ``forward``, ``_apply`` and ``train`` in place
-(the class stays the same class, so ``isinstance``, pickling of the class and
-``state_dict`` are unchanged). Each instance gets its own
-:class:`~torchcache.module.engine.Cache` as ``cache_instance``, keyed by the class source, the
-init arguments and the weights at the first forward call. Settings can be overridden
-per instance with ``self.torchcache_<name>`` in ``__init__``.
+Decorating a class of yours wraps its ``__init__``, ``forward``, ``_apply`` and ``train``
+in place (``isinstance``, pickling and ``state_dict`` are unchanged); a class of an
+installed package gets a cached subclass named like it instead, so its other instances
+stay plain. Each instance gets its own :class:`~torchcache.module.engine.Cache` as
+``cache_instance``, keyed at its first call; ``self.torchcache_<name>`` in ``__init__``
+overrides a setting for one instance.
 
-Wrapping an *instance* (a model built by a library: ``torchcache()(model)``) never
-touches its class or other instances: the instance moves to a subclass made once per
-class, with the same name, that carries the same wrappers. Its state dict,
-parameters, ``repr``, ``.to()`` and ``.eval()`` are those of the model. A bound method
-(``torchcache()(model.forward_features)``) gives a cached function keyed by its
-instance as a module is.
+Wrapping an *instance* (``torchcache()(model)``) never touches its class or other
+instances: it moves to a subclass made once per class, named like it, with the same
+wrappers. A bound method (``torchcache()(model.forward_features)``) gives a cached
+function keyed by its instance as a module is.
 
-The cache lookup is host-side Python: it runs outside ``torch.compile`` graphs (the
-wrapped forward is excluded from tracing once ``torch._dynamo`` is loaded), so a
-compiled model that holds a cached module compiles everything around it.
+The lookup is host-side Python: it runs outside ``torch.compile`` graphs, so a compiled
+model that holds a cached module compiles everything around it.
 """
 
 from __future__ import annotations
@@ -322,8 +319,9 @@ def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
-    library = not is_users_object(cls)
-    if library:  # torchcache()(nn.Linear): a cached subclass; every other nn.Linear stays plain
+    if library := not is_users_object(
+        cls
+    ):  # torchcache()(nn.Linear): a cached subclass; every other nn.Linear stays plain
         cls = type(cls.__name__, (cls,), _plain_copies(cls))
     decorated = _decorated.get(cls)
     if decorated is not None:  # the class is decorated in place: both names would be one class
@@ -335,8 +333,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             "pass) or wrap instances (torchcache(...)(instance))"
         )
     _decorated[cls] = settings  # not a class attribute: it would be part of the module key
-    original_init = cls.__init__
-    original_forward = cls.forward
+    original_init, original_forward = cls.__init__, cls.forward
     name = f"{cls.__module__}.{cls.__qualname__}"
 
     @functools.wraps(original_init)
@@ -370,13 +367,11 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             check_instance(self, ignore)  # a refusal comes now, not at the first call
         try:
             _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
-        except ConfigError as exc:
-            if not library:
-                raise
-            raise ConfigError(
-                f"{exc}. {name} is a class of an installed package, whose __init__ you cannot change: wrap a "
-                f"frozen instance instead, torchcache()({cls.__name__}(...).requires_grad_(False).eval())"
-            ) from None
+        except ConfigError as exc:  # trainable: a class of a package cannot be frozen in its __init__
+            if library:
+                wrap = f"wrap a frozen instance instead, torchcache()({cls.__name__}(...).requires_grad_(False).eval())"
+                raise ConfigError(f"{exc}. {name} is a class of an installed package: {wrap}") from None
+            raise
 
     _patch(cls, original_forward)
     cls.__init__ = __init__  # type: ignore[method-assign]
