@@ -152,6 +152,8 @@ def test_verify_checks_and_fixes_the_local_copy_too(
 def test_local_cache_dir_is_only_for_a_redis_tier(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="local_cache_dir"):
         torchcache(persistent=True, persistent_cache_dir=tmp_path, local_cache_dir=tmp_path / "copy")
+    with pytest.raises(ConfigError, match=r"local_cache_dir.*off \(persistent=False\)"):
+        torchcache(persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir=tmp_path / "copy")
     with pytest.raises(ConfigError, match="local_cache_dir must be a local directory"):
         torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir="redis://h:1/0")
     with pytest.raises(ConfigError, match="local_cache_dir must be a path"):

@@ -85,10 +85,11 @@ class Settings:
     check_items: bool = True
 
     def __post_init__(self) -> None:
-        if self.local_cache_dir is not None and isinstance(self.persistent_cache_dir, Path):
+        if self.local_cache_dir is not None and (isinstance(self.persistent_cache_dir, Path) or not self.persistent):
+            where = f"the directory {self.persistent_cache_dir}" if self.persistent else "off (persistent=False)"
             raise ConfigError(
                 "local_cache_dir keeps a local copy of a persistent tier on a Redis server or in a bucket, but "
-                f"persistent_cache_dir is the directory {self.persistent_cache_dir}; leave local_cache_dir out"
+                f"persistent_cache_dir is {where}; leave local_cache_dir out"
             )
         if both := sorted(set(self.shared_args) & set(self.batch_dims)):
             raise ConfigError(f"{both} named in both shared_args (whole) and batch_dims (per item): name each in one")
