@@ -445,14 +445,14 @@ def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixtu
     sizes = cache_sizes(capsys)
     limit = sizes[middle.name] + sizes[newest.name]
 
-    code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--dry-run")
+    code, out, _ = run(capsys, "prune", "--max-size", f"{limit}B", "--dry-run")
     assert code == 0 and oldest.exists()
     lines = out.splitlines()
     assert lines[0] == f"would remove 1 module cache ({format_size(sizes[oldest.name])}):"
     assert lines[1].split()[:2] == ["KEY", "NAME"] and lines[2].startswith(oldest.name[:12]) and lines[3] == ""
     assert lines[4].startswith("left 2 module caches, 8 entries, ") and len(lines) == 5
 
-    code, out, _ = run(capsys, "prune", "--max-size", str(limit))
+    code, out, _ = run(capsys, "prune", "--max-size", f"{limit}B")
     assert code == 0 and not oldest.exists() and middle.exists() and newest.exists(), (out, _)
     assert out.splitlines()[0] == f"removed 1 module cache ({format_size(sizes[oldest.name])}):"
     assert out.splitlines()[2].startswith(oldest.name[:12]) and "left 2 module caches" in out
@@ -463,7 +463,7 @@ def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixtu
     sizes = cache_sizes(capsys)
     limit = sizes[middle.name] + sizes[newest.name]
 
-    code, out, _ = run(capsys, "prune", "--max-size", str(limit), "--json")
+    code, out, _ = run(capsys, "prune", "--max-size", f"{limit}B", "--json")
     data = json.loads(out)
     assert code == 0 and data["dry_run"] is False and data["in_use"] == []
     assert [c["key"] for c in data["removed"]] == [oldest.name]
@@ -472,9 +472,9 @@ def test_prune_max_size_keeps_the_most_recently_used(capsys: pytest.CaptureFixtu
     assert not oldest.exists() and middle.exists() and newest.exists()
     assert all(p.exists() for p in unrelated)
 
-    code, out, _ = run(capsys, "prune", "--max-size", str(limit))
+    code, out, _ = run(capsys, "prune", "--max-size", f"{limit}B")
     assert code == 0 and out.startswith("nothing to prune: 2 module caches, 8 entries")
-    assert run(capsys, "prune", "--max-size", "1")[0] == 0
+    assert run(capsys, "prune", "--max-size", "1B")[0] == 0
     assert cache_sizes(capsys) == {}
     assert sorted(p for p in cache_root.rglob("*")) == unrelated
 
@@ -755,13 +755,11 @@ def test_prune_max_size_takes_a_unit_in_the_same_word_or_the_next(
 def test_prune_max_size_with_a_unit_it_cannot_read_says_how_to_write_it(
     capsys: pytest.CaptureFixture[str], cache_root: Path
 ) -> None:
-    make_dir(items=2)
-    code, out, err = run(capsys, "prune", "--max-size", "20", "gigs")
-    assert code == 1 and out == ""
-    assert err == (
-        "torchcache: error: gigs does not exist; a size takes its unit in the same word: --max-size 20GB "
-        "(or 20G, 500MiB)\n"
-    )
+    directory = make_dir(items=2)
+    for words in (["20", "gigs"], ["1.5"], ["20"]):  # bytes without a unit: every cache would go
+        code, out, err = run(capsys, "prune", "--max-size", *words)
+        assert code == 2 and out == "" and "has no unit: write 20GB, 500MiB, or 20B for bytes" in err
+    assert directory.is_dir()
     code, _, err = run(capsys, "prune", "--max-size", "20gigs")
     assert code == 2 and "write a number and its unit as one word: 20GB, 500MiB" in err.splitlines()[-1]
     for size in ("-1", "nan"):  # a unit would not help
@@ -989,7 +987,7 @@ def test_prune_keeps_a_cache_this_process_has_open(capsys: pytest.CaptureFixture
     assert code == 0 and lines[0].startswith("removed 1 module cache (") and lines[2].startswith(oldest.name[:12])
     assert "kept 1 module cache in use by a running process:" in out and open_dir.name[:12] in lines[-3]
     assert not oldest.exists() and open_dir.exists()
-    data = json.loads(run(capsys, "prune", "--max-size", "1", "--json")[1])
+    data = json.loads(run(capsys, "prune", "--max-size", "1B", "--json")[1])
     assert data["removed"] == [] and [c["key"] for c in data["in_use"]] == [open_dir.name]
     del model
     gc.collect()

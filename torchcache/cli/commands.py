@@ -323,14 +323,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         from . import remote
 
         return remote.remote_prune(args.root, args)
-    try:
-        root = command_root(args.root)
-    except CacheLookupError as exc:
-        if args.max_size is None or not args.root.isalpha():
-            raise
-        # `--max-size 20 gigs`: a word after the size reads as the root
-        hint = "a size takes its unit in the same word: --max-size 20GB (or 20G, 500MiB)"
-        raise CacheLookupError(f"{exc}; {hint}") from None
+    root = command_root(args.root)
     caches = find_caches(root)
     busy: list[ModuleCache] = []
 

@@ -98,7 +98,12 @@ def _is_size(text: str) -> bool:
 
 def _size(text: str) -> int:
     try:
-        return parse_size(text, "--max-size")
+        size = parse_size(text, "--max-size")
+        if size and re.fullmatch(r"\s*[\d.eE+-]+\s*", text):  # 20 or 1.5: bytes, and every cache would go
+            raise argparse.ArgumentTypeError(
+                f"--max-size {text.strip()} has no unit: write 20GB, 500MiB, or 20B for bytes"
+            )
+        return size
     except ConfigError as exc:
         unit = re.fullmatch(r"\s*[-+]?[\d.]+\s*[A-Za-z]+\s*", text) and text.strip().lower() not in ("nan", "inf")
         hint = " (write a number and its unit as one word: 20GB, 500MiB)" if unit else ""
