@@ -1012,3 +1012,32 @@ def test_prune_still_removes_where_directories_cannot_be_locked(
     code, out, _ = run(capsys, "prune", "--keep", "1")
     assert code == 0 and out.startswith("removed 2 module caches (")
     assert not oldest.exists() and not middle.exists() and newest.exists()
+
+
+def test_an_option_a_command_does_not_know_is_said_with_that_commands_usage(
+    capsys: pytest.CaptureFixture[str], cache_root: Path
+) -> None:
+    code, out, err = run(capsys, "ls", "--jsn")
+    assert code == 2 and out == ""
+    assert err.startswith("usage: torchcache ls") and "unrecognized arguments: --jsn" in err
+
+
+def test_no_command_prints_the_whole_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    assert code == 2 and out == ""
+    assert all(f"\n    {name} " in err for name in ("ls", "info", "verify", "prune", "clear", "migrate"))
+
+
+def test_a_default_root_that_is_a_file_is_an_error_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("TORCHCACHE_DIR", str(tmp_path / "afile"))
+    code, out, err = run(capsys, "ls")
+    assert (code, out) == (
+        1,
+        "",
+    ) and err == f"torchcache: error: the cache root {tmp_path / 'afile'} is not a directory\n"
+    monkeypatch.setenv("TORCHCACHE_DIR", str(tmp_path / "not made yet"))
+    code, out, _ = run(capsys, "ls")
+    assert code == 0 and out.startswith("no caches under")

@@ -46,8 +46,11 @@ __all__ = ["cmd_clear", "cmd_info", "cmd_ls", "cmd_prune", "cmd_verify", "comman
 
 def command_root(arg: str | None) -> Path:
     """The root a command works on: the argument, else the decorator's default root."""
-    if arg is None:
-        return resolve_root(None)
+    if arg is None:  # $TORCHCACHE_DIR or the user cache directory: one not made yet holds no caches
+        root = resolve_root(None)
+        if root.exists() and not root.is_dir():
+            raise CacheLookupError(f"the cache root {root} is not a directory")
+        return root
     path = check_local_dir(arg, "the cache root")  # another scheme's URL is refused, not taken as a path
     assert path is not None
     if not path.exists():

@@ -140,10 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, summary: str, description: str, handler: Callable[[argparse.Namespace], int]) -> Any:
         sub = commands.add_parser(name, help=summary, description=description)
-        sub.set_defaults(handler=handler)
+        sub.set_defaults(handler=handler, parser=sub)
         return sub
 
-    ls = command("ls", "list the module caches under a root", "List module caches, most recently used first.", cmd_ls)
+    ls = command(
+        "ls",
+        "list the caches under a root",
+        "List the caches under a root (modules, datasets, features), most recently used first.",
+        cmd_ls,
+    )
     ls.add_argument("root", nargs="?", metavar="ROOT", help=root_help)
     info = command(
         "info",
@@ -239,7 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(join_sizes(sys.argv[1:] if argv is None else argv))
+        words = join_sizes(sys.argv[1:] if argv is None else argv)
+        if not words:
+            parser.print_help(sys.stderr)
+            return 2
+        args, unknown = parser.parse_known_args(words)
+        if unknown:  # said with the usage of the command they were given to (ls --jsn)
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     try:
