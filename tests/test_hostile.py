@@ -580,7 +580,7 @@ def test_a_planted_file_never_breaks_a_call_nor_the_cli(name: str, template: Tem
         code, out, _ = _cli("verify", str(root), "--json")
         assert code == (0 if case.verify_ok else 1) and _strict_json(out)["ok"] is case.verify_ok
         assert _cli("prune", str(root), "--keep", "0", "--dry-run")[0] == 0
-        assert _cli("prune", str(root), "--max-size", "1", "--dry-run", "--json")[0] == 0
+        assert _cli("prune", str(root), "--max-size", "1B", "--dry-run", "--json")[0] == 0
         code, _, err = _cli("migrate", str(root))  # packs the sound 1.0 entries, leaves the damaged ones
         assert code == (1 if case.where == "entry" and not case.verify_ok else 0), err
         code, _, err = _cli("verify", str(root), "--fix")

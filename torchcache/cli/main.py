@@ -247,6 +247,7 @@ def _run(argv: Sequence[str] | None) -> int:
         words = join_sizes(sys.argv[1:] if argv is None else argv)
         if not words:
             parser.print_help(sys.stderr)
+            error("give a COMMAND (torchcache COMMAND --help describes one)")
             return 2
         args, unknown = parser.parse_known_args(words)
         if unknown:  # said with the usage of the command they were given to (ls --jsn)
