@@ -9,6 +9,7 @@ core. A module may import from its own layer and the layers below it, never abov
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,13 @@ LONG_UNITS = {
 }
 
 
+@functools.cache
+def _parsed(path: Path) -> tuple[str, ast.Module]:
+    """A module's source and its syntax tree, read once per test process (never changed by a test)."""
+    source = path.read_text()
+    return source, ast.parse(source, str(path))
+
+
 def module_name(path: Path) -> str:
     parts = ["torchcache", *path.relative_to(PACKAGE).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -105,7 +113,7 @@ def imports_of(name: str, path: Path, known: set[str], *, run_only: bool = False
     """The torchcache modules that ``name`` imports, lazily or not (with ``run_only``, not those for annotations)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)[1]
     skipped = _type_checking_only(tree) if run_only else set()
     for node in ast.walk(tree):
         if node in skipped:
@@ -205,8 +213,7 @@ def test_the_check_sees_an_import_upward(tmp_path: Path) -> None:
 def _units() -> list[tuple[str, str, int, str]]:
     units = []
     for name, path in modules().items():
-        source = path.read_text()
-        tree = ast.parse(source)
+        source, tree = _parsed(path)
         units.append((name, "module", source.count("\n"), ast.get_docstring(tree) or ""))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
