@@ -152,8 +152,11 @@ def fail(key: object) -> Any:
 
 # -- DataLoader workers ----------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent"])
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    ("context", "persistent"),
+    [("fork", False), ("fork", True), ("spawn", True)],  # spawned workers made again each epoch add nothing new
+    ids=["fork-new-workers", "fork-persistent", "spawn-persistent"],
+)
 def test_a_second_epoch_computes_nothing(log: Path, context: str, persistent: bool) -> None:
     n = 40
     data = CachedDataset(Numbers(n, log), max_memory_size="1MB")
