@@ -127,7 +127,11 @@ def test_a_bucket_that_is_away_leaves_features_right_and_a_whole_copy_of_a_folde
     require_s3()
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+    away = {
+        "endpoint_url": f"http://127.0.0.1:{_free_port()}",
+        "retries": 1,
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
     url, net, images = "s3://nowhere/feats", Net(), Images()
     local = tmp_path / "m1"
     with pytest.warns(CacheWarning, match="nowhere"):
