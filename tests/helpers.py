@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import importlib.util
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import brotli
 import torch
 from torch import nn
 
@@ -428,3 +430,10 @@ def refuse_reading(monkeypatch: Any, path: Path) -> None:
         return real(where, limit)
 
     monkeypatch.setattr(meta, "read_bounded", refusing)
+
+
+@functools.cache
+def gigabyte_of_zeros() -> bytes:
+    """A brotli stream of about 800 bytes that inflates to 1 GiB (a decompression bomb), made without holding 1 GiB."""
+    compressor, chunk = brotli.Compressor(quality=5, lgwin=24), bytes(1 << 24)
+    return b"".join([*(compressor.process(chunk) for _ in range(64)), compressor.finish()])

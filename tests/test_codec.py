@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import brotli
 import numpy as np
 import pytest
 import torch
@@ -22,7 +21,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import traced_memory
+from tests.helpers import gigabyte_of_zeros, traced_memory
 from torchcache.codec import (
     CODEC_BROTLI,
     CODEC_RAW,
@@ -346,11 +345,6 @@ def test_pickle_prefixed_with_magic_is_rejected(armed_pickle: bytes) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _gigabyte_of_zeros() -> bytes:
-    """A brotli stream of about 1.6 kB that inflates to 1 GiB."""
-    return brotli.compress(b"\x00" * (1 << 30), quality=5, lgwin=24)
-
-
 def _sealed(codec: int, header: bytes, stored: bytes, raw_len: int) -> bytes:
     """A frame with any field values and a valid checksum."""
     head = struct.pack("<4sBBHIQQ", MAGIC, 1, codec, 0, len(header), len(stored), raw_len)
@@ -367,7 +361,7 @@ def _peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def test_a_decompression_bomb_stops_at_its_declared_size() -> None:
-    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), _gigabyte_of_zeros(), 4096)
+    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), gigabyte_of_zeros(), 4096)
     with pytest.raises(CorruptEntryError, match="inflates past its declared 4096 bytes"):
         decode_frame(bomb)
     assert _peak_bytes(lambda: decode_frame(bomb)) < 4 << 20
@@ -375,7 +369,7 @@ def test_a_decompression_bomb_stops_at_its_declared_size() -> None:
 
 def test_a_declared_size_that_disagrees_with_the_header_is_refused_before_decompressing() -> None:
     declared = MAX_ITEM_BYTES - 1
-    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), _gigabyte_of_zeros(), declared)
+    bomb = _sealed(CODEC_BROTLI, _compact_json(HEADER), gigabyte_of_zeros(), declared)
     with pytest.raises(CorruptEntryError, match=f"payload is {declared} bytes, its header describes 48"):
         split_frame(bomb, raw_size=lambda header: 48)
     assert _peak_bytes(lambda: split_frame(bomb, raw_size=lambda header: 48)) < 1 << 20

@@ -13,7 +13,6 @@ a deadline, so a regression fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
-import functools
 import gc
 import io
 import json
@@ -29,12 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import brotli
 import pytest
 import torch
 import xxhash
 
-from tests.helpers import Counting, assert_same, cached, run_python, traced_memory
+from tests.helpers import Counting, assert_same, cached, gigabyte_of_zeros, run_python, traced_memory
 from torchcache import CacheWarning
 from torchcache.cli.main import main
 from torchcache.codec import CODEC_BROTLI, MAGIC, encode_header
@@ -75,11 +73,6 @@ def _short_header(size: int | str) -> bytes:
     header = encode_header(Layout.of(*flatten(torch.zeros(1, 16)), None).to_header())
     assert header == b'{"l":[["f4",[16]]]}'
     return header.replace(b"[16]", b"[" + str(size).encode() + b"]")
-
-
-@functools.lru_cache(maxsize=1)
-def _gigabyte_of_zeros() -> bytes:
-    return brotli.compress(b"\x00" * GIB, quality=5, lgwin=24)
 
 
 def _sparse(path: Path, size: int, start: bytes = b"") -> None:
@@ -226,13 +219,13 @@ CASES: dict[str, Case] = {
         **ENTRY_CORRUPT,
     ),
     "entry: brotli bomb, 1 GiB behind a 4 kB declared size": Case(
-        "entry", _bytes(lambda: _sealed(_header(1024), _gigabyte_of_zeros(), 4096)), **ENTRY_CORRUPT
+        "entry", _bytes(lambda: _sealed(_header(1024), gigabyte_of_zeros(), 4096)), **ENTRY_CORRUPT
     ),
     "entry: brotli bomb declaring 1 GiB against its header": Case(
-        "entry", _bytes(lambda: _sealed(_header(16), _gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
+        "entry", _bytes(lambda: _sealed(_header(16), gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
     ),
     "entry: brotli bomb whose header declares 1 GiB": Case(
-        "entry", _bytes(lambda: _sealed(_header(GIB // 4), _gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
+        "entry", _bytes(lambda: _sealed(_header(GIB // 4), gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
     ),
     "entry: 1 GiB sparse file": Case("entry", lambda p, s: _sparse(p, GIB), **ENTRY_CORRUPT),
     "entry: 1 GiB sparse file with a valid small prefix": Case(
@@ -250,13 +243,13 @@ CASES: dict[str, Case] = {
     ),
     # valid records of the packed store holding hostile frames
     "record: brotli bomb, 1 GiB behind a 4 kB declared size": Case(
-        "record", _record(lambda: _sealed(_header(1024), _gigabyte_of_zeros(), 4096)), **ENTRY_CORRUPT
+        "record", _record(lambda: _sealed(_header(1024), gigabyte_of_zeros(), 4096)), **ENTRY_CORRUPT
     ),
     "record: brotli bomb declaring 1 GiB against its header": Case(
-        "record", _record(lambda: _sealed(_header(16), _gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
+        "record", _record(lambda: _sealed(_header(16), gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
     ),
     "record: brotli bomb whose header declares 1 GiB": Case(
-        "record", _record(lambda: _sealed(_header(GIB // 4), _gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
+        "record", _record(lambda: _sealed(_header(GIB // 4), gigabyte_of_zeros(), GIB)), **ENTRY_CORRUPT
     ),
     "record: 5,000 nested arrays as header": Case(
         "record", _record(_sealed(_nested(5000), b"", 0, 0)), **ENTRY_CORRUPT
