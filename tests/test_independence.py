@@ -263,3 +263,24 @@ def test_a_column_much_smaller_than_the_others_is_compared_on_its_own_scale() ->
     model = torchcache()(mixed_scales)
     with pytest.raises(DependentItemsError):
         model(torch.randn(8, 4))
+
+
+class _Standardized(nn.Module):
+    """Frozen features centred with a dataset mean near their large offset: elements near zero, rounding of 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Linear(1024, 256)
+        nn.init.constant_(self.features.bias, 100.0)
+        self.register_buffer("mean", torch.full((256,), 100.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x) - self.mean
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_elements_near_zero_in_a_column_of_larger_values_are_compared_on_the_columns_scale(seed: int) -> None:
+    torch.manual_seed(seed)
+    model = torchcache()(_frozen(_Standardized()))
+    x = torch.randn(16, 1024)
+    assert torch.equal(model(x), _Standardized.forward(model, x))  # checked, not refused: items are independent

@@ -294,10 +294,11 @@ def _check_positions(
     index = torch.tensor(positions)
     for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):
         expected = rows[i].index_select(0, index.to(rows[i].device)).to(leaf.device)
-        if not _close(expected, leaf, stored.dtype):
+        scale = _column_scale(rows[i])
+        if not _close(expected, leaf, stored.dtype, scale):
             with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
                 again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
-            if not _close(leaf, again, stored.dtype):
+            if not _close(leaf, again, stored.dtype, scale):
                 raise DependentItemsError(
                     f"{name}: its outputs are not deterministic (output leaf {i} of items {positions} changed when "
                     f"the same batch was computed again: dropout in training mode, or random sampling), so a cached "
@@ -318,16 +319,27 @@ def _shapes(layout: Layout) -> str:
     return ", ".join(str(list(leaf.shape)) for leaf in layout.leaves) or "no tensor"
 
 
-def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> bool:
+def _column_scale(rows: torch.Tensor) -> torch.Tensor:
+    """The root mean square of each column of a batch's rows (one row per item), and of all its values, last."""
+    if not (rows.is_floating_point() or rows.is_complex()):
+        return torch.zeros(1, dtype=torch.float64)
+    magnitude = rows.detach().abs().to(torch.float64).reshape(len(rows), -1)
+    special = magnitude.isnan() | magnitude.isinf()
+    squares = magnitude.masked_fill(special, 0.0).square()
+    return torch.cat([squares.mean(dim=0).sqrt(), squares.mean().sqrt().reshape(1)])
+
+
+def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype, scale: torch.Tensor) -> bool:
     """Whether two sets of rows are equal up to the noise of floating point between batch sizes.
 
     Element by element: within a relative tolerance (0.1 %, or 4 units in the last place
     of a low-precision dtype) of the larger of its value and a floor (an element near zero
     may come from large terms that cancel, whose rounding is what varies between batch
-    sizes). The floor is a tenth of the root mean square of its column over the rows, and
-    at least a hundredth of that of all the values. So a value that is small beside the
-    rest of its row (a score beside an embedding, a column a thousand times smaller than
-    the others) is still compared on its own scale.
+    sizes). The floor is a tenth of the root mean square of its column over the rows of
+    the whole batch, and at least a hundredth of that of all its values (``scale``, from
+    :func:`_column_scale`). So a value that is small beside the rest of its row (a score
+    beside an embedding, a column a thousand times smaller than the others) is still
+    compared on its own scale.
     """
     if not (expected.is_floating_point() or expected.is_complex()):
         return torch.equal(expected, found.to(expected.dtype))
@@ -342,12 +354,10 @@ def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype) -> 
         a, b = a.masked_fill(special, 0.0), b.masked_fill(special, 0.0)
     info = torch.finfo(stored if stored.is_floating_point else torch.float32)
     tolerance = max(1e-3, 4 * info.eps)
-    magnitude = torch.maximum(a.abs(), b.abs())
-    squares = magnitude.square()
-    overall = 0.01 * float(squares.mean().sqrt()) + torch.finfo(torch.float64).tiny
-    floor = (0.1 * squares.mean(dim=0).sqrt()).clamp_min(overall)  # each column on its own scale
+    columns, overall = scale[:-1].to(a.device), float(scale[-1])
+    floor = (0.1 * columns).clamp_min(0.01 * overall + torch.finfo(torch.float64).tiny)  # each column on its own scale
     spacing = 2 * info.smallest_normal * info.eps  # a step of the stored dtype's subnormals, where steps are fixed
-    return bool(((a - b).abs() <= tolerance * magnitude.clamp_min(floor) + spacing).all())
+    return bool(((a - b).abs() <= tolerance * torch.maximum(a.abs(), b.abs()).clamp_min(floor) + spacing).all())
 
 
 @contextlib.contextmanager
