@@ -347,6 +347,13 @@ def test_server_killed_mid_run_then_restarted(reports: Reports) -> None:
         assert store._link.delay == BACKOFF_START
 
 
+def _open_sockets(client: Any) -> int:
+    """The connections of a Redis or Redis Cluster client whose socket is open."""
+    nodes = [node.redis_connection for node in client.get_nodes()] if hasattr(client, "get_nodes") else [client]
+    pools = [node.connection_pool for node in nodes if node is not None]
+    return sum(c._sock is not None for p in pools for c in [*p._available_connections, *p._in_use_connections])
+
+
 @pytest.mark.slow
 def test_cluster_node_killed(reports: Reports) -> None:
     require_redis()
@@ -366,6 +373,15 @@ def test_cluster_node_killed(reports: Reports) -> None:
         assert store._link.delay == 2 * BACKOFF_START
         assert time.monotonic() - start < 2.0
         assert reports.kinds() == ["unavailable"]
+        # The clients dropped at the failures still hold connections to the nodes that answer: they are
+        # closed once no request can still be using them, at the next call that reaches the server.
+        dropped = [client for _, client in store._link._dropped]
+        assert dropped and any(map(_open_sockets, dropped))
+        clock.now += 10.0
+        assert store.get(key(0)) is None or True  # a node is still away: the answer does not matter here
+        store._link._sweep()
+        assert store._link._dropped == [] and not any(map(_open_sockets, dropped))
+        store.close()
     finally:
         servers.remove()
 

@@ -151,6 +151,8 @@ class RedisLink:
         password = address.password or ""
         self._secrets = sorted({s for s in (password, quote(password, safe="")) if s}, key=len, reverse=True)
         self._client: Client | None = None
+        #: Clients dropped at a failure, with when: closed once no request can still be using them.
+        self._dropped: list[tuple[float, Client]] = []
         self._pid = os.getpid()
         self._delay = 0.0
         self._retry_at = float("-inf")
@@ -183,18 +185,32 @@ class RedisLink:
         """The client of this process, made if needed (a forked child makes its own)."""
         with self._lock:
             if self._pid != os.getpid():
-                self._client = None  # the parent's; closing it here would shut the parent's sockets
+                self._client, self._dropped = None, []  # the parent's; closing them would shut its sockets
                 self._pid = os.getpid()
-            if self._client is None:
-                self._client = connect(self.address, self.timeout)
+            if self._client is not None:
+                return self._client
+            self._client = connect(self.address, self.timeout)
             return self._client
+
+    def _sweep(self) -> None:
+        """Close the dropped clients no request can still be using (sent before a timeout ago)."""
+        with self._lock:
+            settled = self._clock() - self.timeout
+            done = [old for when, old in self._dropped if when < settled]
+            self._dropped = [(when, old) for when, old in self._dropped if when >= settled]
+        self._close(done)
 
     def close(self) -> None:
         """Close the connections (a later call reconnects)."""
         with self._lock:
-            client, self._client = self._client, None
+            clients = [old for _, old in self._dropped] + ([self._client] if self._client is not None else [])
+            self._client, self._dropped = None, []
             forked = self._pid != os.getpid()
-        if client is not None and not forked:
+        if not forked:
+            self._close(clients)
+
+    def _close(self, clients: list[Client]) -> None:
+        for client in clients:
             with contextlib.suppress(*self.errors):  # closing a connection to a vanished server
                 client.close()
 
@@ -223,6 +239,8 @@ class RedisLink:
             raise self.failure(exc, what) from None
         with self._lock:
             self._delay, self._retry_at, self._troubled = 0.0, float("-inf"), False
+        if self._dropped:
+            self._sweep()
         return result
 
     def is_away(self, exc: BaseException) -> bool:
@@ -241,7 +259,9 @@ class RedisLink:
         with self._lock:
             self._delay = BACKOFF_START if self._delay == 0 else min(self._delay * 2, BACKOFF_MAX)
             self._retry_at = self._clock() + self._delay
-            self._client = None  # the next call connects again; not closed here: other threads may be sending on it
+            if self._client is not None:  # the next call connects again; closed later: a thread may be sending on it
+                self._dropped.append((self._clock(), self._client))
+                self._client = None
             delay = self._delay
         return StoreUnavailableError(
             f"cannot {what}: the Redis server {where} is unreachable ({detail}); next try in {delay:.1f} s"
