@@ -762,9 +762,9 @@ def test_prune_max_size_with_a_unit_it_cannot_read_says_how_to_write_it(
     assert directory.is_dir()
     code, _, err = run(capsys, "prune", "--max-size", "20gigs")
     assert code == 2 and "write a number and its unit as one word: 20GB, 500MiB" in err.splitlines()[-1]
-    for size in ("-1", "nan"):  # a unit would not help
-        code, _, err = run(capsys, "prune", "--max-size", size)
-        assert code == 2 and "byte count" in err and "one word" not in err
+    for size, said in (("-1", "a size of 0 or more"), ("-1B", "a size of 0 or more"), ("nan", "with its unit")):
+        code, _, err = run(capsys, "prune", "--max-size", size)  # a unit would not help
+        assert code == 2 and said in err and "1e9" not in err and "one word" not in err
     code, _, err = run(capsys, "ls", "ftp://host/cache")
     assert code == 1 and "must be a local directory, a Redis URL" in err
 

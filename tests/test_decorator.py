@@ -410,6 +410,9 @@ def test_a_folder_whose_name_starts_like_a_url_is_written_with_a_leading_dot(
 ) -> None:
     with pytest.raises(ConfigError, match=r"got redis:scores \(a directory named so: './redis:scores'\)"):
         torchcache(persistent_cache_dir="redis:scores")
+    with pytest.raises(ConfigError, match=r"got redis:\*\*\*@host:6379/0$") as info:  # a password in a typo stays out
+        torchcache(persistent_cache_dir="redis:/:s3cret@host:6379/0")
+    assert "s3cret" not in str(info.value)
     monkeypatch.chdir(tmp_path)
     model, plain = pair(persistent=True, persistent_cache_dir="./redis:scores")
     x = torch.randn(3, 4)

@@ -154,6 +154,12 @@ def test_local_cache_dir_is_only_for_a_redis_tier(tmp_path: Path) -> None:
         torchcache(persistent=True, persistent_cache_dir=tmp_path, local_cache_dir=tmp_path / "copy")
     with pytest.raises(ConfigError, match=r"local_cache_dir.*off \(persistent=False\)"):
         torchcache(persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir=tmp_path / "copy")
+
+    class OffTheDisk(Counting):  # one instance of a class cached on a server with a copy: no disk tier at all
+        torchcache_persistent = False
+
+    off = cached(OffTheDisk, persistent=True, persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir=tmp_path)()
+    assert off.cache_instance.settings.local_cache_dir is None and not off.cache_instance.settings.persistent
     with pytest.raises(ConfigError, match="local_cache_dir must be a local directory"):
         torchcache(persistent=True, persistent_cache_dir="redis://127.0.0.1:1/0", local_cache_dir="redis://h:1/0")
     with pytest.raises(ConfigError, match="local_cache_dir must be a path"):

@@ -113,10 +113,13 @@ class Settings:
         return cls(**values)
 
     def override(self, **options: Any) -> Settings:
-        """A copy with some options replaced (validated)."""
+        """A copy with some options replaced (validated); ``persistent=False`` drops ``local_cache_dir``."""
         if not options:
             return self
-        return dataclasses.replace(self, **{name: _validate(name, value) for name, value in options.items()})
+        values = {name: _validate(name, value) for name, value in options.items()}
+        if values.get("persistent") is False:  # one instance off the disk: the copy of its tier goes with it
+            values.setdefault("local_cache_dir", None)
+        return dataclasses.replace(self, **values)
 
     def key_settings(self) -> dict[str, object]:
         """The settings that change what is stored, and so belong in the module key."""

@@ -97,10 +97,14 @@ def check_location(value: object, name: str = "persistent_cache_dir") -> Path | 
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
     if isinstance(value, str) and _OTHER_URL.match(value):
+        if "://" in value:
+            shown = redact_url(value)
+        else:  # a URL with a typo: no parser finds its password, so all before the host is hidden
+            shown = value if "@" not in value else f"{value.partition(':')[0]}:***@{value.rpartition('@')[2]}"
         raise ConfigError(
             f"{name} must be a local directory, a Redis URL (redis://, rediss://) or an object store URL "
-            f"({', '.join(OBJECT_SCHEMES)}), got {redact_url(value)}"
-            + ("" if "://" in value else f" (a directory named so: './{redact_url(value)}')")
+            f"({', '.join(OBJECT_SCHEMES)}), got {shown}"
+            + ("" if "://" in value or "@" in value else f" (a directory named so: './{value}')")
         )
     text = os.fspath(value)
     if not isinstance(text, str) or not text.strip():

@@ -105,9 +105,16 @@ def _size(text: str) -> int:
             )
         return size
     except ConfigError as exc:
-        unit = re.fullmatch(r"\s*[-+]?[\d.]+\s*[A-Za-z]+\s*", text) and text.strip().lower() not in ("nan", "inf")
-        hint = " (write a number and its unit as one word: 20GB, 500MiB)" if unit else ""
-        raise argparse.ArgumentTypeError(f"{exc}{hint}") from None
+        if "at most" in str(exc):
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"--max-size must be a size of 0 or more, got {text!r}") from None
+        words = re.fullmatch(r"\s*[+]?[\d.]+\s*([A-Za-z]+)\s*", text)
+        unknown = words is not None and not _is_size("1" + words[1])  # 20gigs
+        hint = " (write a number and its unit as one word: 20GB, 500MiB)" if unknown else ""
+        raise argparse.ArgumentTypeError(
+            f"--max-size must be a size with its unit such as 20GB, 500MiB or 1000000B, got {text!r}{hint}"
+        ) from None
 
 
 def _duration(text: str) -> float:
