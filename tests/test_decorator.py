@@ -982,3 +982,15 @@ def test_a_trainable_class_of_an_installed_package_is_refused_with_the_way_to_wr
     ):
         cached_linear(3, 2)
     assert nn.Linear(3, 2).weight.requires_grad
+
+
+def test_a_class_made_by_exec_without_a_module_name_is_decorated_in_place_as_the_users() -> None:
+    namespace: dict[str, Any] = {}
+    exec(
+        "from torch import nn\nclass Doubling(nn.Module):\n    def forward(self, x):\n        return x * 2\n", namespace
+    )
+    made = namespace["Doubling"]
+    assert made.__module__ == "builtins"  # what exec() gives a class without __name__ in its globals
+    assert torchcache()(made) is made
+    x = torch.randn(3, 2)
+    assert torch.equal(made()(x), x * 2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import warnings
 import weakref
@@ -319,9 +320,9 @@ def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
-    if library := not is_users_object(
-        cls
-    ):  # torchcache()(nn.Linear): a cached subclass; every other nn.Linear stays plain
+    # torchcache()(nn.Linear): a cached subclass, every other nn.Linear stays plain (a class made by exec() is yours)
+    library = not is_users_object(cls) and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
+    if library:
         cls = type(cls.__name__, (cls,), _plain_copies(cls))
     decorated = _decorated.get(cls)
     if decorated is not None:  # the class is decorated in place: both names would be one class
