@@ -187,13 +187,15 @@ class RedisClusterServers:
     def start(self) -> RedisClusterServers:
         for node in self.nodes:
             node.start()
-        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        # What `redis-cli --cluster create` does, without its pauses of a second: each node takes an equal
+        # range of the 16384 slots, and the first meets the others.
+        bounds = [len(self.nodes) and i * 16384 // len(self.nodes) for i in range(len(self.nodes) + 1)]
+        for node, start, end in zip(self.nodes, bounds, bounds[1:]):
+            with node.client() as client:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end - 1)
+        with self.nodes[0].client() as client:
+            for node in self.nodes[1:]:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
         deadline = time.monotonic() + STARTUP_SECONDS
         while not all(self._ready(node) for node in self.nodes):
             if time.monotonic() > deadline:
