@@ -24,6 +24,7 @@ from tests import zygote
 from tests.helpers import Tally, python_env
 from torchcache import CacheWarning, ConfigError, FeatureDataset, MissingFeatureError, extract_features
 from torchcache.errors import CorruptEntryError
+from torchcache.features.probe import PROBE_INPUTS
 from torchcache.stores.features.file import FEATURES_NAME, open_features
 from torchcache.stores.rows import RowsFile
 
@@ -209,10 +210,10 @@ def test_tensor_and_list_samples(cache_root: Path) -> None:
 def test_a_second_call_reads_neither_backbone_nor_dataset(cache_root: Path) -> None:
     net, data = Net(), Images()
     first = extract(net, data)
-    assert net.seen[0] == len(data)
+    assert net.seen[0] == len(data) + PROBE_INPUTS  # and the check that rows do not depend on the batch
     reads = data.reads
     second = extract(net, data)
-    assert net.seen[0] == len(data) and data.reads == reads
+    assert net.seen[0] == len(data) + PROBE_INPUTS and data.reads == reads
     assert second.path == first.path
     assert all(torch.equal(second[i][0], first[i][0]) for i in range(len(data)))
 
@@ -233,10 +234,11 @@ def test_extraction_leaves_the_global_random_generator_as_it_was(cache_root: Pat
     assert not torch.equal(torch.random.get_rng_state(), state)
     torch.random.set_rng_state(state)
     first = extract(net, data)  # computes
-    assert net.seen[0] == len(data)
+    computed = net.seen[0]
+    assert computed in (len(data), len(data) + PROBE_INPUTS)  # samples kept whole are not probed
     assert torch.equal(torch.random.get_rng_state(), state)
     second = extract(net, data)  # reads the cache
-    assert net.seen[0] == len(data) and second.path == first.path
+    assert net.seen[0] == computed and second.path == first.path
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(11)))
 
@@ -247,17 +249,18 @@ def test_changed_weights_dataset_or_version_compute_afresh(cache_root: Path) -> 
     with torch.no_grad():
         net.fc.bias.add_(1)
     changed_weights = extract(net, data)
-    assert net.seen[0] == 2 * len(data) and changed_weights.path != base.path
+    each = len(data) + PROBE_INPUTS
+    assert net.seen[0] == 2 * each and changed_weights.path != base.path
     assert torch.allclose(changed_weights[0][0], base[0][0] + 1, atol=1e-5)
 
     other = Images(seed=2)
     changed_data = extract(net, other)
-    assert net.seen[0] == 3 * len(data) and changed_data.path not in (base.path, changed_weights.path)
+    assert net.seen[0] == 2 * each + len(data) and changed_data.path not in (base.path, changed_weights.path)
 
     versioned = extract(net, other, version="v2")  # a new cache, whose rows come from the one of the same inputs
-    assert net.seen[0] == 3 * len(data) and versioned.path != changed_data.path
+    assert net.seen[0] == 2 * each + len(data) and versioned.path != changed_data.path
     assert all(torch.equal(versioned[i][0], changed_data[i][0]) for i in range(len(other)))
-    assert extract(net, other, version="v2").path == versioned.path and net.seen[0] == 3 * len(data)
+    assert extract(net, other, version="v2").path == versioned.path and net.seen[0] == 2 * each + len(data)
     assert len(feature_dirs(cache_root)) == 4
 
 
@@ -594,7 +597,7 @@ def _writer_threads() -> list[threading.Thread]:
 
 def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_kept(cache_root: Path) -> None:
     data, net = Images(n=40), FailsOnCall()
-    FAIL_ON[id(net)] = 24  # the fourth batch of 8
+    FAIL_ON[id(net)] = 24 + PROBE_INPUTS  # the fourth batch of 8, after the check of a first extraction
     with pytest.raises(RuntimeError, match="out of memory"):
         extract(net, data, batch_size=8)
     assert not _writer_threads()
@@ -604,7 +607,7 @@ def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_ke
     file.close()
     del FAIL_ON[id(net)]
     features = extract(net, data, batch_size=8)
-    assert net.seen[0] == 24 + 16  # the rest only
+    assert net.seen[0] == PROBE_INPUTS + 24 + 16  # the rest only (a resumed run is not checked again)
     with torch.no_grad():
         assert all(torch.allclose(features[i][0], net(data.images[i : i + 1])[0], atol=1e-6) for i in range(40))
 
@@ -624,7 +627,7 @@ def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
     data, net = Images(n=40), Net()
     with pytest.warns(CacheWarning, match="kept in memory"):
         features = extract(net, data, batch_size=8)
-    assert features.path is None and net.seen[0] == 40 and not _writer_threads()
+    assert features.path is None and net.seen[0] == 40 + PROBE_INPUTS and not _writer_threads()
     with torch.no_grad():
         for i in range(40):  # the rows written to disk before the fault came along
             x, y = features[i]
@@ -639,7 +642,7 @@ def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:
     first, second = run_kit(script, root, n, batch), run_kit(script, root, n, batch)
     a, b = finish(first), finish(second)
     assert a["digest"] == b["digest"] and a["path"] == b["path"]
-    assert n <= a["computed"] + b["computed"] <= 2 * n
+    assert n <= a["computed"] + b["computed"] <= 2 * (n + PROBE_INPUTS)
     third = finish(run_kit(script, root, n, batch))
     assert third["computed"] == 0 and third["digest"] == a["digest"]
     file = open_features(Path(a["path"]))
@@ -847,7 +850,7 @@ def test_a_damaged_file_is_a_warning_and_computed_again(cache_root: Path, damage
         got = [again[i][0] for i in range(len(data))]  # a damaged table: found as rows are read
     # Rows found damaged as they are read are computed one read at a time: equal up to rounding.
     assert all(torch.allclose(got[i], expected[i], atol=1e-6) for i in range(len(data)))
-    assert net.seen[0] == seen + len(data)
+    assert net.seen[0] == seen + len(data) + (0 if damage == "table" else PROBE_INPUTS)  # unreadable: a new file
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(torch.equal(again[i][0], got[i]) for i in range(len(data)))
@@ -1054,3 +1057,27 @@ def test_nan_targets_and_strided_one_element_targets_are_kept(cache_root: Path, 
             assert (target != target and want != want) or target == want
         else:
             assert torch.equal(target, want)
+
+
+class _Centred(torch.nn.Module):
+    """Each input minus the mean of its batch: eval mode, yet its rows depend on the other inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda: torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False), "an input alone raised"),
+        (_Centred, "an input alone gave other features"),
+    ],
+    ids=["batch-norm-batch-statistics", "centred-in-its-batch"],
+)
+def test_a_backbone_whose_rows_depend_on_the_batch_is_refused_before_anything_is_stored(
+    cache_root: Path, make: Any, said: str
+) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.arange(12))
+    with pytest.raises(ConfigError, match=f"rows depend on the other inputs of the batch \\({said}"):
+        extract(make().eval(), data, batch_size=4)
+    assert feature_dirs(cache_root) == []  # nothing a later run would mix with rows of other batches

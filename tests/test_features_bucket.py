@@ -15,6 +15,7 @@ from torchcache import CacheWarning, ConfigError, FeatureDataset, extract_featur
 from torchcache.cli.main import main
 from torchcache.faults import FaultLog
 from torchcache.features import remote
+from torchcache.features.probe import PROBE_INPUTS
 from torchcache.stores.features.file import FEATURES_NAME
 
 
@@ -36,7 +37,7 @@ def test_features_extracted_into_a_bucket_serve_a_fresh_machine_without_the_back
 ) -> None:
     url, net, images = f"{bucket}/probe", Net(), Images()
     first = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
-    assert net.seen[0] == len(images)
+    assert net.seen[0] == len(images) + PROBE_INPUTS  # and the check that rows do not depend on the batch
     assert torch.allclose(_features(first), _expected(net, images), atol=1e-6)
     served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")  # no backbone, no dataset
     assert torch.equal(_features(served), _features(first))
@@ -81,7 +82,7 @@ def test_an_upload_without_its_head_is_not_read_and_the_next_machine_uploads_aga
     net = Net()
     net.load_state_dict(first_net.state_dict())
     second = extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
-    assert net.seen[0] == len(images)  # computed: nothing whole was there
+    assert net.seen[0] == len(images) + PROBE_INPUTS  # computed: nothing whole was there
     served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m3")
     assert torch.equal(_features(served), _features(second))
 
@@ -112,7 +113,7 @@ def test_a_damaged_file_in_the_bucket_is_computed_again_and_replaced(
     again.load_state_dict(net.state_dict())
     with pytest.warns(CacheWarning):
         second = extract_features(again, Images(), cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
-    assert again.seen[0] == len(images) and torch.equal(_features(second), good)
+    assert again.seen[0] == len(images) + PROBE_INPUTS and torch.equal(_features(second), good)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the replaced file is whole
         served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m3")
@@ -288,7 +289,7 @@ def test_a_replaced_file_leaves_one_file_in_its_folder(bucket: str, tmp_path: Pa
     again.load_state_dict(net.state_dict())
     with pytest.warns(CacheWarning, match="not used"):
         extract_features(again, Images(n=300), cache_dir=url, local_cache_dir=tmp_path / "m2", progress=False)
-    assert again.seen[0] == len(images)  # computed, then uploaded in place of the damaged file
+    assert again.seen[0] == len(images) + PROBE_INPUTS  # computed, then uploaded in place of the damaged file
     segments = sum(s3fs_of.size(p) for p in s3fs_of.find(prefix) if p.endswith(".tcs"))
     assert first.path.stat().st_size <= segments <= first.path.stat().st_size + 4096
 
@@ -447,7 +448,7 @@ def test_verify_fix_lets_the_machine_that_holds_the_features_upload_a_damaged_fi
     assert main(["verify", url, "--fix"]) == 0
     capsys.readouterr()
     extract_features(net, images, cache_dir=url, local_cache_dir=tmp_path / "m1", progress=False)
-    assert net.seen[0] == len(images)  # not computed again: its whole copy is uploaded
+    assert net.seen[0] == len(images) + PROBE_INPUTS  # not computed again: its whole copy is uploaded
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         served = FeatureDataset.open(url, local_cache_dir=tmp_path / "m2")

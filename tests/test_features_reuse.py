@@ -12,6 +12,7 @@ import torch
 
 from tests.helpers import Tally
 from tests.test_features import Images, Net, Scale, extract, feature_dirs
+from torchcache.features.probe import PROBE_INPUTS
 from torchcache.stores.features.digests import DIGESTS_NAME, DigestFile, bindings, input_digest
 
 
@@ -29,11 +30,11 @@ def edited(base: Images, changed: list[int], added: int) -> Images:
 def test_a_changed_dataset_runs_the_backbone_only_on_the_inputs_it_has_not_seen(cache_root: Path) -> None:
     net, base = Net(), Images(40)
     before = extract(net, base)
-    assert net.seen[0] == 40
+    assert net.seen[0] == 40 + PROBE_INPUTS  # and the check that rows do not depend on the batch
     data = edited(base, changed=[3, 17, 30], added=5)
     after = extract(net, data)
     assert after.path != before.path and len(feature_dirs(cache_root)) == 2
-    assert net.seen[0] == 40 + 3 + 5  # the changed and the new samples, nothing else
+    assert net.seen[0] == 40 + PROBE_INPUTS + 3 + 5  # the changed and the new samples, nothing else
     with torch.no_grad():
         direct = net(data.images)
     for i in range(len(data)):
@@ -94,12 +95,12 @@ def test_a_changed_transform_or_backbone_takes_nothing(cache_root: Path) -> None
     scaled = Images(24)
     scaled.images = base.images * 2  # what a changed normalisation does to every input
     extract(net, scaled)
-    assert net.seen[0] == 48
+    assert net.seen[0] == 48 + PROBE_INPUTS  # one first extraction of this backbone
     other = Net()  # other weights: another module key, no older cache of its own
     with torch.no_grad():
         other.fc.bias.add_(1)
     extract(other, base)
-    assert other.seen[0] == 24
+    assert other.seen[0] == 24 + PROBE_INPUTS
 
 
 def test_rows_of_an_older_cache_that_fail_their_check_are_computed(cache_root: Path) -> None:
@@ -115,7 +116,7 @@ def test_rows_of_an_older_cache_that_fail_their_check_are_computed(cache_root: P
             raw.write(bytes([byte[0] ^ 0x10]))
     data = edited(base, changed=[], added=1)
     after = extract(net, data)
-    assert net.seen[0] == 20 + 2 + 1
+    assert net.seen[0] == PROBE_INPUTS + 20 + 2 + 1
     with torch.no_grad():
         direct = net(data.images)
     assert all(torch.allclose(after[i][0], direct[i], atol=1e-6) for i in range(len(data)))

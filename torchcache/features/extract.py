@@ -55,9 +55,9 @@ from ..stores.features.file import (
 )
 from ..stores.features.layout import SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
-from .backbone import MissingFeatureError, run_backbone, source_keys
+from .backbone import MissingFeatureError, source_keys
 from .dataset import FeatureDataset
-from .probe import check_deterministic
+from .probe import check_deterministic, refuse_dependent, refuse_random
 from .remote import FeaturesBucket, folder_of, refuse_options
 from .reuse import Donors, outputs
 from .variable import extract_variable, made_for
@@ -229,8 +229,12 @@ def _extract_features(
             try:
                 layout = SampleLayout.of_sample(probe, input)
                 if backbone.training:
-                    _refuse_random(backbone, layout, probe, batch_size)
+                    refuse_random(backbone, layout, probe, batch_size)
                 donors = Donors.find(directory.parent, directory.name, module_key, input)
+                if file is None and donors is None and len(todo) > 1 and batch_size > 1:
+                    # A first extraction of this backbone: rows resumed, repaired or reused later come from
+                    # other batches than those of this run
+                    refuse_dependent(backbone, layout, [probe, dataset[int(todo[len(todo) // 2])]])
                 try:
                     loader = DataLoader(
                         dataset,
@@ -291,26 +295,6 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
         raise ConfigError(
             "the backbone is in training mode and holds dropout or batch-norm layers: its outputs would be random "
             "(dropout) or would move its batch-norm statistics while it runs. Call backbone.eval() first"
-        )
-
-
-def _refuse_random(backbone: torch.nn.Module, layout: SampleLayout, sample: Any, batch_size: int) -> None:
-    """Refuse a backbone in training mode whose outputs for one input differ (stochastic depth, RReLU, F.dropout).
-
-    One input twice in a batch (once with ``batch_size`` 1), twice over (the caller's random state is kept by
-    extract_features).
-
-    Raises:
-        ConfigError: If the four rows are not all equal.
-    """
-    count = min(2, batch_size)  # a backbone made for batches of one gets one
-    inputs, _ = layout.split([sample] * count)
-    runs = [run_backbone(backbone, default_collate(inputs), count) for _ in range(2)]  # type: ignore[no-untyped-call]
-    bits = [row.contiguous().view(torch.uint8) for run in runs for row in run]  # NaN as itself
-    if not all(torch.equal(row, bits[0]) for row in bits):
-        raise ConfigError(
-            "the backbone is in training mode and its outputs are random (one input gave other features at each "
-            "run: stochastic depth, RReLU or dropout called as a function). Call backbone.eval() first"
         )
 
 

@@ -1,4 +1,10 @@
-"""Random augmentation before the backbone, detected: reads of a sample that differ."""
+"""What makes features unfit to cache by dataset index, detected before extraction.
+
+Random augmentation before the backbone (reads of a sample that differ), a backbone in
+training mode whose outputs are random, and one whose rows depend on the other inputs
+of the batch (batch statistics): rows computed in other batches (a resumed, repaired or
+partly reused extraction) would differ from those of one run.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data._utils.collate import default_collate
 
 from ..dtypes import standard_strides
 from ..errors import ConfigError
+from ..module.independence import rows_agree
+from ..stores.features.layout import SampleLayout
+from .backbone import run_backbone
 
-__all__ = ["check_deterministic"]
+__all__ = ["PROBE_INPUTS", "check_deterministic", "refuse_dependent", "refuse_random"]
+
+#: Inputs :func:`refuse_dependent` runs through the backbone: two together, then each alone.
+PROBE_INPUTS = 4
 
 _RANDOM = (
     "dataset[{index}] returned a different {what} on two reads: the dataset applies random augmentation "
@@ -60,3 +73,55 @@ def check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:
         if first is None:
             first = sample
     return first
+
+
+def refuse_random(backbone: torch.nn.Module, layout: SampleLayout, sample: Any, batch_size: int) -> None:
+    """Refuse a backbone in training mode whose outputs for one input differ (stochastic depth, RReLU, F.dropout).
+
+    One input twice in a batch (once with ``batch_size`` 1), twice over (the caller's random state is kept by
+    extract_features).
+
+    Raises:
+        ConfigError: If the four rows are not all equal.
+    """
+    count = min(2, batch_size)  # a backbone made for batches of one gets one
+    inputs, _ = layout.split([sample] * count)
+    runs = [run_backbone(backbone, default_collate(inputs), count) for _ in range(2)]  # type: ignore[no-untyped-call]
+    bits = [row.contiguous().view(torch.uint8) for run in runs for row in run]  # NaN as itself
+    if not all(torch.equal(row, bits[0]) for row in bits):
+        raise ConfigError(
+            "the backbone is in training mode and its outputs are random (one input gave other features at each "
+            "run: stochastic depth, RReLU or dropout called as a function). Call backbone.eval() first"
+        )
+
+
+_DEPENDENT = (
+    "the backbone's rows depend on the other inputs of the batch ({how}): features are cached by dataset index, "
+    "and rows computed in other batches (a resumed, repaired or partly reused extraction) would differ. Give "
+    "batch norm running statistics (track_running_stats=True, eval mode), or extract with a backbone whose "
+    "outputs are per input"
+)
+
+
+def refuse_dependent(backbone: torch.nn.Module, layout: SampleLayout, samples: list[Any]) -> None:
+    """Refuse a backbone whose rows for two inputs computed together differ from those computed one by one.
+
+    Raises:
+        ConfigError: If they differ beyond floating-point noise, or a batch of one fails.
+    """
+    inputs, _ = layout.split(samples)
+    try:
+        batch = default_collate(inputs)  # type: ignore[no-untyped-call]
+    except (RuntimeError, TypeError):  # inputs of two shapes: extraction itself says what is wrong
+        return
+    together = run_backbone(backbone, batch, len(samples))
+    for i, one in enumerate(inputs):
+        try:
+            alone = run_backbone(backbone, default_collate([one]), 1)  # type: ignore[no-untyped-call]
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - BatchNorm without running statistics refuses a batch of one
+            how = f"an input alone raised {type(exc).__name__}: {str(exc)[:200]}"
+            raise ConfigError(_DEPENDENT.format(how=how)) from None
+        if alone.shape[1:] != together.shape[1:] or not rows_agree(together[i : i + 1], alone, together):
+            raise ConfigError(_DEPENDENT.format(how="an input alone gave other features than in a batch of two"))

@@ -52,6 +52,7 @@ __all__ = [
     "forget_checks",
     "is_checked",
     "mark_checked",
+    "rows_agree",
 ]
 
 #: Call contexts (module key, arguments but the items, mode) whose items were seen to be independent here.
@@ -317,6 +318,17 @@ def _check_positions(
 
 def _shapes(layout: Layout) -> str:
     return ", ".join(str(list(leaf.shape)) for leaf in layout.leaves) or "no tensor"
+
+
+def rows_agree(expected: torch.Tensor, found: torch.Tensor, batch_rows: torch.Tensor) -> bool:
+    """Whether rows computed in another batch equal ``expected`` up to the noise of floating point.
+
+    Args:
+        expected: Rows as computed in a batch.
+        found: The same items' rows computed in another batch.
+        batch_rows: All the rows of the batch ``expected`` comes from (the scale of each column).
+    """
+    return _close(expected, found, expected.dtype, _column_scale(batch_rows))
 
 
 def _column_scale(rows: torch.Tensor) -> torch.Tensor:
