@@ -502,3 +502,32 @@ def test_module_hash_follows_loaded_weights_before_the_next_call() -> None:
     old = model.cache_instance.module_hash
     model.load_state_dict(Features(seed=2).state_dict())
     assert model.cache_instance.module_hash != old
+
+
+def test_an_output_on_the_meta_device_is_refused_and_leaves_other_calls_their_device() -> None:
+    @torchcache()
+    def moved(x: torch.Tensor, device: str) -> torch.Tensor:
+        return (x * 2).to(device)
+
+    x = torch.randn(3, 2)
+    assert moved(x, "cpu").device.type == "cpu"
+    with pytest.raises(KeyingError, match="meta device"):
+        moved(x, "meta")
+    hit = moved(x, "cpu")
+    assert hit.device.type == "cpu" and torch.equal(hit, x * 2)
+
+
+def test_hits_are_merged_onto_the_device_of_each_leaf() -> None:
+    from torchcache.tiers.batch import cast_returned, merge_parts
+    from torchcache.tree import Layout, flatten
+
+    spec, leaves = flatten((torch.zeros(4, 2), torch.zeros(4, 3)))
+    layout = Layout.of(spec, leaves, None)
+    devices = (torch.device("cpu"), torch.device("meta"))  # a call that returns (features, aux.to(other))
+    parts = [([0, 2], [torch.ones(2, 2), torch.ones(2, 3)]), ([1, 3], [torch.zeros(2, 2), torch.zeros(2, 3)])]
+    merged = merge_parts(parts, 4, layout, devices)
+    assert [t.device.type for t in merged] == ["cpu", "meta"] and torch.equal(
+        merged[0][:, 0], torch.tensor([1.0, 0, 1, 0])
+    )
+    assert [t.device.type for t in cast_returned(leaves, layout, devices)] == ["cpu", "meta"]
+    assert [t.device.type for t in cast_returned(leaves, layout, torch.device("meta"))] == ["meta", "meta"]

@@ -162,3 +162,17 @@ def test_a_changed_dataset_with_a_cuda_backbone_takes_the_older_rows_and_compute
         assert torch.allclose(x, want[i], atol=1e-5)
         if i < 40 and i not in (5, 21):
             assert torch.equal(x, before[i][0])  # the very row the older cache holds
+
+
+def test_hits_come_back_on_the_device_their_own_call_gives() -> None:
+    @torchcache()
+    def moved(x: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * 2).to(device), x + 1  # a leaf on the device asked for, a leaf where the input is
+
+    x = torch.randn(3, 2)
+    assert [t.device.type for t in moved(x, "cuda")] == ["cuda", "cpu"]
+    assert [t.device.type for t in moved(x, "cpu")] == ["cpu", "cpu"]
+    for _ in range(2):  # hits, for each context
+        assert [t.device.type for t in moved(x, "cuda")] == ["cuda", "cpu"]
+        assert [t.device.type for t in moved(x, "cpu")] == ["cpu", "cpu"]
+    assert moved.cache_instance.stats().hits == 12

@@ -113,7 +113,8 @@ class Cache:
         self.stochastic: bool | None = None
         self._hits = self._misses = self._memory_hits = 0
         self._disk_hits_seen = _HitsSeen(None, 0)
-        self._devices: dict[torch.device, torch.device] = {}  # input device -> output device
+        #: The devices of a call's output leaves, by its context and input device (f(x, "cuda"), a leaf on the CPU).
+        self._devices: dict[tuple[bytes, torch.device], tuple[torch.device, ...]] = {}
         self._summaries = PeriodicSummary()
         _caches.add(self)
         renew_lock_after_fork(self, "_lock")
@@ -141,9 +142,7 @@ class Cache:
         """
         owner = self._owner() if self._owner is not None else None
         if self._rebind is None or owner is None:
-            raise TypeError(
-                f"cannot copy the cache of {self.name} on its own; copy the module or function that owns it"
-            )
+            raise TypeError(f"cannot copy the cache of {self.name} on its own; copy the module or function owning it")
         return self._rebind(memo.get(id(owner), owner))
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -376,7 +375,7 @@ class Cache:
                 self.faults.warn(Fault.SHAPES, hint)
         if call.lists_like_the_batch and not self.faults.warned(Fault.LISTS):
             self.faults.warn(Fault.LISTS, list_hint(call.lists_like_the_batch[0]))
-        device = self._devices.get(tensors[0].device, tensors[0].device)
+        device = self._devices.get((call.context, tensors[0].device), (tensors[0].device,))
         with self.memory.lock:
             found = self.memory.find(keys)
             if found.count(None) == batch:  # no memory hit (or no memory tier): straight to the disk
@@ -430,7 +429,7 @@ class Cache:
         keys: list[bytes],
         layout: Layout | None,
         parts: list[tuple[list[int], list[torch.Tensor]]],
-        device: torch.device,
+        device: tuple[torch.device, ...],
     ) -> Any:
         """Fill the memory misses from disk, compute the rest, merge in input order."""
         batch = len(keys)
@@ -473,8 +472,9 @@ class Cache:
                 self._count(misses=batch)
                 return computed if whole else fn(*call.args, **call.kwargs)
             layout = new_layout
-            if leaves:
-                self._devices[call.tensors[0].device] = leaves[0].device
+            if leaves:  # the devices of at most 4096 contexts kept
+                self._devices = self._devices if len(self._devices) < 4096 else {}
+                self._devices[(call.context, call.tensors[0].device)] = tuple(t.device for t in leaves)
             if whole:
                 if self._check_due(call, computed=batch) and not self._verify_items(fn, call, layout, leaves, keys):
                     return computed

@@ -76,7 +76,7 @@ class OutputPlan:
         """Every leaf must be dense and hold one row per computed item.
 
         Raises:
-            KeyingError: For a sparse leaf.
+            KeyingError: For a sparse leaf, or one on the meta device.
             UnbatchedOutputError: For a leaf whose first dimension is not the number of
                 computed items.
         """
@@ -85,6 +85,11 @@ class OutputPlan:
                 raise KeyingError(
                     f"{self.name} returned a {leaf.layout} tensor: only dense (strided) outputs can be cached; "
                     "return out.to_dense() from the cached function"
+                )
+            if leaf.device.type == "meta":
+                raise KeyingError(
+                    f"{self.name} returned a tensor on the meta device, which has no values to cache; call it "
+                    "uncached (torchcache(enabled=False)) where it computes on meta tensors"
                 )
             if leaf.dim() == 0 or leaf.shape[0] != computed:
                 raise UnbatchedOutputError(

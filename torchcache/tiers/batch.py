@@ -15,7 +15,7 @@ import torch
 
 from ..tree import Layout
 
-__all__ = ["Slab", "cast_returned", "gather_hits", "index_tensor", "merge_parts"]
+__all__ = ["Slab", "cast_returned", "gather_hits", "index_tensor", "leaf_devices", "merge_parts"]
 
 Parts = list[tuple[list[int], list[torch.Tensor]]]
 
@@ -60,16 +60,28 @@ def gather_hits(
     return layout, parts
 
 
-def cast_returned(leaves: Sequence[torch.Tensor], layout: Layout, device: torch.device) -> list[torch.Tensor]:
-    """Cast gathered leaves to the dtype, device and memory format a real call returns."""
+def leaf_devices(devices: torch.device | Sequence[torch.device], count: int) -> list[torch.device]:
+    """The device of each of ``count`` leaves: one device for all, or one per leaf (the first for all if unsure)."""
+    if isinstance(devices, torch.device):
+        return [devices] * count
+    return list(devices) if len(devices) == count else [devices[0]] * count
+
+
+def cast_returned(
+    leaves: Sequence[torch.Tensor], layout: Layout, devices: torch.device | Sequence[torch.device]
+) -> list[torch.Tensor]:
+    """Cast gathered leaves to the dtype, device and memory format a real call returns (``devices``: per leaf)."""
     return [
         t.to(device=device, dtype=spec.out_dtype, memory_format=spec.memory_format)
-        for t, spec in zip(leaves, layout.leaves)
+        for t, spec, device in zip(leaves, layout.leaves, leaf_devices(devices, len(leaves)))
     ]
 
 
 def merge_parts(
-    parts: Sequence[tuple[list[int], list[torch.Tensor]]], batch: int, layout: Layout, device: torch.device
+    parts: Sequence[tuple[list[int], list[torch.Tensor]]],
+    batch: int,
+    layout: Layout,
+    devices: torch.device | Sequence[torch.device],
 ) -> list[torch.Tensor]:
     """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order.
 
@@ -77,20 +89,21 @@ def merge_parts(
     tensors already have the output's dtype, device and a contiguous layout: the tiers
     hand over tensors that nothing else holds, so no copy is needed.
     """
+    per_leaf = leaf_devices(devices, len(layout.leaves))
     if len(parts) == 1 and len(parts[0][0]) == batch and parts[0][0] == list(range(batch)):
         whole = parts[0][1]
         if all(
             leaf.dtype == spec.out_dtype
             and leaf.device == device
             and leaf.is_contiguous(memory_format=spec.memory_format)
-            for leaf, spec in zip(whole, layout.leaves)
+            for leaf, spec, device in zip(whole, layout.leaves, per_leaf)
         ):
             return list(whole)
-    indices = [index_tensor(positions, device) for positions, _ in parts]
+    indices = {d: [index_tensor(positions, d) for positions, _ in parts] for d in set(per_leaf)}
     outs = []
-    for i, spec in enumerate(layout.leaves):
+    for i, (spec, device) in enumerate(zip(layout.leaves, per_leaf)):
         out = torch.empty((batch, *spec.shape), dtype=spec.out_dtype, device=device, memory_format=spec.memory_format)
-        for index, (_, leaves) in zip(indices, parts):
+        for index, (_, leaves) in zip(indices[device], parts):
             out.index_copy_(0, index, leaves[i].to(device=device, dtype=spec.out_dtype))
         outs.append(out)
     return outs
