@@ -121,3 +121,19 @@ def test_a_write_that_leaves_a_nan_as_it_was_is_not_refused_in_a_partly_cached_b
     cached(x[:2].clone())
     out = cached(x.clone())  # two hits, and two rows computed: one with a NaN that relu_ leaves as it is
     assert torch.equal(out[:3], x[:3] * 2) and out[3, 0].isnan()
+
+
+def test_a_shared_tensors_attributes_and_channels_last_layout_are_in_the_key() -> None:
+    @torchcache(shared_args=["mask"])
+    def scaled(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * getattr(mask, "scale", 1) + mask.stride()[-1]
+
+    x = torch.randn(3, 2, 2, 2)
+    first, second = torch.ones(1, 2, 2, 2), torch.ones(1, 2, 2, 2)
+    first.scale, second.scale = 2, 3  # type: ignore[attr-defined]
+    assert torch.equal(scaled(x, first), x * 2 + 1)
+    assert torch.equal(scaled(x, second), x * 3 + 1)
+    plain = torch.ones(1, 2, 2, 2)
+    last = plain.to(memory_format=torch.channels_last)  # equal values, another layout
+    assert torch.equal(scaled(x, plain), x + 1)
+    assert torch.equal(scaled(x, last), x + last.stride()[-1]) and last.stride()[-1] != 1

@@ -233,8 +233,8 @@ class Binding(NamedTuple):
     value: object
 
 
-def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:
-    """A tensor held as a value: its type and a digest of its content."""
+def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str, depth: int) -> bytes:
+    """A tensor held as a value: its type, a digest of its content, a channels-last layout and its attributes."""
     if not encoder.tensors:
         raise KeyingError(
             f"{path}: tensors are only supported as top-level arguments shaped (batch, ...) or inside "
@@ -243,7 +243,14 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str) -> bytes:
     if value.device.type == "meta":
         raise encoder.refuse(path, "a tensor on the meta device has no content to key by")
     collect(value)
-    return tagged(Tag.TENSOR, text(_qualname(type(value))) + raw(tensor_content_digest(value, path)))
+    head = text(_qualname(type(value))) + raw(tensor_content_digest(value, path))
+    if value.dim() in (4, 5) and not value.is_contiguous() and value.layout == torch.strided:
+        channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
+        head += text("channels_last") if value.is_contiguous(memory_format=channels_last) else b""
+    attributes = vars(value)  # mask.scale = 2: what forward may read
+    return tagged(
+        Tag.TENSOR, head + (encoder.child(dict(attributes), f"{path}.__dict__", depth) if attributes else b"")
+    )
 
 
 def encode_array(encoder: Encoder, array: np.ndarray[Any, Any], path: str, depth: int) -> bytes:

@@ -168,7 +168,7 @@ class KeyEncoder:
         if cls is dict or cls is collections.OrderedDict:
             return self._mapping(value, cls is dict, path, depth)
         if isinstance(value, torch.Tensor):
-            return objects.encode_tensor(self, value, path)
+            return objects.encode_tensor(self, value, path, depth)
         if isinstance(value, enum.Enum):
             return tagged(Tag.ENUM, self.child(cls, path, depth) + self.child(value.value, f"{path}.value", depth))
         if isinstance(value, np.ndarray):
