@@ -176,3 +176,11 @@ def test_hits_come_back_on_the_device_their_own_call_gives() -> None:
         assert [t.device.type for t in moved(x, "cuda")] == ["cuda", "cpu"]
         assert [t.device.type for t in moved(x, "cpu")] == ["cpu", "cpu"]
     assert moved.cache_instance.stats().hits == 12
+
+
+def test_an_item_hashed_on_the_host_from_the_device_keeps_a_key_of_its_own() -> None:
+    from torchcache.keys import hash_items
+
+    x = torch.randn(3, 8)  # fewer elements than subsample_count: hashed whole, on the host
+    assert hash_items(b"ctx", [x.cuda()], subsample_count=64) != hash_items(b"ctx", [x], subsample_count=64)
+    assert hash_items(b"ctx", [x.cuda()], subsample_count=64) == hash_items(b"ctx", [x.cuda()], subsample_count=64)

@@ -105,7 +105,7 @@ def _subsample_index(numel: int, count: int, device: torch.device) -> torch.Tens
     return index
 
 
-_WHOLE, _SUBSAMPLED, _ON_DEVICE = 0, 1, 2
+_WHOLE, _SUBSAMPLED, _ON_DEVICE, _WHOLE_FROM_DEVICE = 0, 1, 2, 3
 
 
 def _item_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,7 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
             rows, flag = device_row_digests(_item_bytes(tensor)), _ON_DEVICE
         else:
             rows, subsampled = item_rows(tensor, subsample_count)
-            flag = _SUBSAMPLED if subsampled else _WHOLE
+            flag = _SUBSAMPLED if subsampled else _WHOLE if tensor.device.type == "cpu" else _WHOLE_FROM_DEVICE
         flat, width = memoryview(rows.reshape(-1)), rows.shape[1]  # type: ignore[arg-type]
         items = [flat[at : at + width] for at in range(0, batch * width, width)] if width else [flat] * batch
         row_digests.append(list(map(bytes, items)) if flag == _ON_DEVICE else list(map(digest, items)))
