@@ -526,8 +526,21 @@ def test_dataset_fingerprints_see_categories_attrs_and_what_an_object_cell_holds
     frames += [pandas.DataFrame({"a": [1.0, 2.0]}), scaled]
     cells = ([None, "x"], [float("nan"), "x"])
     frames += [pandas.DataFrame({"o": pandas.Series(column, dtype=object)}) for column in cells]
+    frames += [pandas.DataFrame({"a": [0.0]}), pandas.DataFrame({"a": [-0.0]})]  # 1 / a: inf or -inf
+    frames += [pandas.DataFrame({"a": [1.0]}, index=[0]), pandas.DataFrame({"a": [1.0]}, index=[0.0])]
+    named = pandas.DataFrame({"a": [1.0]}, index=pandas.Index([0], name="id"))
+    frames += [named]
+    twice = [pandas.DataFrame([[None, 1]], columns=["c", "c"]), pandas.DataFrame([[np.nan, 1]], columns=["c", "c"])]
+    frames += [frame.astype(object) for frame in twice]  # columns of one name: each cell's type still counts
     keys = [fingerprint_dataset(_Rows(frame)) for frame in frames]
     assert len(set(keys)) == len(keys)
+
+
+def test_a_pandas_column_of_tensors_is_refused_clearly(tmp_path: Path) -> None:
+    pandas = pytest.importorskip("pandas")
+    cells = pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.zeros(2)], dtype=object)})
+    with pytest.raises(KeyingError, match="pandas cannot hash"):
+        CachedDataset(_Rows(cells), tmp_path / "c")
 
 
 def test_a_pandas_column_of_lists_asks_for_a_version(tmp_path: Path) -> None:

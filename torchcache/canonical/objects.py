@@ -416,20 +416,26 @@ def _is_plain(cls: type) -> bool:
 
 
 def pandas_digest(value: object) -> bytes | None:
-    """A pandas object by every row (``hash_pandas_object``), its index, columns and dtypes; ``None`` otherwise."""
+    """A pandas object by every row (``hash_pandas_object``), its index, columns and dtypes; ``None`` otherwise.
+
+    Float and complex columns and index also by their bytes: the row hashes take ``-0.0``
+    for ``0.0`` and every NaN for one.
+    """
     pandas = sys.modules.get("pandas")
     if pandas is None or not isinstance(value, (pandas.DataFrame, pandas.Series, pandas.Index)):
         return None
     hashed = pandas.util.hash_pandas_object
     rows = hashed(value, index=not isinstance(value, pandas.Index))
     h = xxhash.xxh3_128(np.ascontiguousarray(rows.to_numpy()).view(np.uint8).data)
+    index = value if isinstance(value, pandas.Index) else value.index
+    h.update(repr((list(index.names), [str(t) for t in getattr(index, "dtypes", [index.dtype])])).encode())
     if isinstance(value, pandas.DataFrame):
         h.update(repr((list(value.columns), [str(t) for t in value.dtypes])).encode())
-        columns = [value[name] for name in value.columns] if value.columns.is_unique else []
+        columns = [value.iloc[:, i] for i in range(value.shape[1])]
     else:
         h.update(repr((value.name, str(value.dtype))).encode())
         columns = [value]
-    for column in columns:
+    for column in [*columns, *([] if isinstance(value, pandas.Index) else [index.to_series()])]:
         dtype = column.dtype
         if isinstance(dtype, pandas.CategoricalDtype):  # its categories in order, used or not
             h.update(b"categories|%d|" % dtype.ordered)
@@ -437,4 +443,6 @@ def pandas_digest(value: object) -> bytes | None:
         elif dtype == np.dtype(object):  # None and NaN hash alike: the type of each cell tells them apart
             names = pandas.Index([type(cell).__qualname__ for cell in column.to_numpy()])
             h.update(np.ascontiguousarray(hashed(names, index=False).to_numpy()).view(np.uint8).data)
+        elif isinstance(dtype, np.dtype) and dtype.kind in "fc":  # -0.0 and NaN payloads, as themselves
+            h.update(np.ascontiguousarray(column.to_numpy()).view(np.uint8).data)
     return h.digest()

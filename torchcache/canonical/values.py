@@ -234,7 +234,7 @@ class KeyEncoder:
             return tagged(Tag.OPERATOR, text(f"{namespace}::{name}.{overload}") + defined)
         try:
             pandas = objects.pandas_digest(value)
-        except TypeError as exc:  # a column of lists or dicts: pandas cannot hash its cells
+        except (TypeError, ValueError, RuntimeError) as exc:  # cells of lists, dicts or tensors: pandas cannot hash
             raise self.refuse(path, f"pandas cannot hash its rows ({exc})") from None
         if pandas is not None:
             attrs = self.child(dict(value.attrs), f"{path}.attrs", depth) if getattr(value, "attrs", None) else b""  # type: ignore[attr-defined]
