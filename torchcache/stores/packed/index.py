@@ -21,7 +21,7 @@ import stat
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -300,6 +300,7 @@ class Index:
         st = os.stat(path)
         self.identity = (st.st_dev, st.st_ino)
         self.users = 1
+        self._size = st.st_size  # never less, but for a file cut by another program (LMDB only grows it)
 
     def close(self) -> None:
         """Give this use of the environment back; it closes when no store of this process uses it."""
@@ -323,12 +324,7 @@ class Index:
         """
         TRANSACTIONS.enter()
         try:
-            try:
-                txn = self.env.begin(db=self.entries)
-            except lmdb.MapResizedError:  # another process grew the map past this one's
-                self.env.set_mapsize(0)
-                txn = self.env.begin(db=self.entries)
-            with txn:
+            with self._begin(db=self.entries) as txn:
                 yield txn
         finally:
             TRANSACTIONS.leave()
@@ -346,11 +342,7 @@ class Index:
         """
         TRANSACTIONS.enter()
         try:
-            try:
-                txn = self.env.begin(write=True)
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
-                txn = self.env.begin(write=True)
+            txn = self._begin(write=True)
             if self.replaced():
                 txn.abort()
                 raise IndexReplacedError(f"{self.path} was replaced since it was opened")
@@ -358,6 +350,19 @@ class Index:
         except BaseException:
             TRANSACTIONS.leave()
             raise
+
+    def _begin(self, **options: Any) -> lmdb.Transaction[bytes]:
+        """A transaction, unless the file was cut shorter than it was (its pages would kill the process: SIGBUS)."""
+        with contextlib.suppress(OSError):  # removed or replaced: the mapping still holds the file it opened
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self.identity and st.st_size < self._size:
+                raise lmdb.CorruptedError(f"{self.path} was cut shorter than its pages by another program")
+            self._size = max(self._size, st.st_size) if (st.st_dev, st.st_ino) == self.identity else self._size
+        try:
+            return self.env.begin(**options)
+        except lmdb.MapResizedError:  # another process grew the map past this one's
+            self.env.set_mapsize(0)
+            return self.env.begin(**options)
 
     def replaced(self) -> bool:
         """Whether the index file at :attr:`path` is no longer the one this environment opened."""
@@ -477,10 +482,9 @@ class Change:
         totals = index.totals(txn)
         self.fresh = totals[b"format"] == 0
         self.clock = totals[b"clock"] + 1
-        self.payload = totals[b"payload"]
-        self.records = totals[b"records"]
-        self.files = totals[b"files"]
-        self.gen = totals[b"gen"]
+        self.payload, self.records, self.files, self.gen = (
+            totals[k] for k in (b"payload", b"records", b"files", b"gen")
+        )
         self.next_seg = max(1, totals[b"next_seg"])
         self.count = index.count(txn)
         self._segs: dict[int, list[int]] = {}
