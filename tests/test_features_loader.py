@@ -122,6 +122,9 @@ def test_bad_arguments_are_refused_with_their_names(cache_root: Path) -> None:
         features.batch([10])
     with pytest.raises(TypeError, match="must be integers"):
         features.batch([True])
+    for unordered in ({1: 2}, {2, 1}):  # a dict's keys, a set's order: no batch of positions
+        with pytest.raises(TypeError, match="takes a list, a numpy array or a 1-D tensor of integers"):
+            features.batch(unordered)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"one list of integers, got shape \(2, 2\)"):
         features.batch(np.array([[1, 2], [3, 4]]))
     with pytest.raises(TypeError, match=r"several go to features\.batch\(indices\), not in one of shape \(2,\)"):

@@ -173,9 +173,10 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     except Exception as exc:  # noqa: BLE001 - whatever pickle's protocol raises, the value is refused
         if isinstance(value, torch._C.ScriptModule):  # leaving its graph out of the key would be unsafe
             raise KeyingError(
-                f"{path}: a TorchScript module's compiled graph cannot be part of the cache key; cache the Python "
-                "module instead, or wrap the scripted one in a Python module that calls it and name its key with "
-                "persistent_module_hash (changed whenever the scripted file changes)"
+                f"{path}: a TorchScript module's compiled graph cannot be part of the cache key; use the Python "
+                "module instead (extract_features and CachedDataset need it), or, with the decorator, wrap the "
+                "scripted one in a Python module that calls it and name its key with persistent_module_hash "
+                "(changed whenever the scripted file changes)"
             ) from None
         raise encoder.refuse(path, f"a {_qualname(cls)} has no state that can be described ({exc})") from None
     if isinstance(reduced, str):  # a global singleton, by its name

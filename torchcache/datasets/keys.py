@@ -28,8 +28,8 @@ __all__ = ["fingerprint_dataset", "store_key"]
 
 _HEX_KEYS = 1 << 64  # int keys below this are their own 16 hex digits
 _REMEDY = (
-    "Pass version= to CachedDataset (change it whenever the data changes) to key the dataset by it "
-    "instead, or give the dataset's class a __torchcache_key__() method"
+    "Pass version= (to CachedDataset or extract_features; change it whenever the data changes) to key the "
+    "dataset by it instead, or give the dataset's class a __torchcache_key__() method"
 )
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -400,7 +401,7 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         TypeError: If an index is not an integer (``2.7``, ``"3"``, a float tensor, a bool).
         IndexError: If one is out of range, naming it as given.
     """
-    if isinstance(indices, (int, slice, str, bytes)) or not hasattr(indices, "__iter__"):
+    if isinstance(indices, (int, slice, str, bytes, Mapping, AbstractSet)) or not hasattr(indices, "__iter__"):
         raise TypeError(
             "FeatureDataset.batch(indices) takes a list, a numpy array or a 1-D tensor of integers, "
             f"got {type(indices).__name__}"
