@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +80,17 @@ def test_a_fault_reported_before_a_fork_is_warned_by_the_parent_not_by_the_child
     assert receiver.recv() == ["torchcache (net): disk full"]
     process.join(60)
     assert caught(log.emit) == ["torchcache (net): the server is unreachable"]
+
+
+def test_a_write_failure_on_a_full_file_system_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchcache.faults import full_hint
+
+    real = os.statvfs(tmp_path)
+    assert full_hint(tmp_path) == ("" if real.f_bavail * real.f_frsize >= 1 << 20 else " (the file system is full)")
+
+    class Full:
+        f_bavail, f_frsize = 3, 4096  # 12 KiB left: LMDB's commit fails with EIO, not ENOSPC
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    assert full_hint(tmp_path) == " (the file system is full)"
+    assert full_hint(tmp_path / "gone") == " (the file system is full)"

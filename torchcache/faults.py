@@ -23,7 +23,7 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from .errors import CacheWarning
 
-__all__ = ["Fault", "FaultLog", "Report", "user_stacklevel"]
+__all__ = ["Fault", "FaultLog", "Report", "full_hint", "user_stacklevel"]
 
 _LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
 
@@ -115,3 +115,15 @@ def user_stacklevel() -> int:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
+
+
+def full_hint(path: str | os.PathLike[str]) -> str:
+    """`` (the file system is full)`` where ``path``'s file system has under 1 MiB free, else ``""``.
+
+    LMDB reports a commit that found no room as an input/output error.
+    """
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return ""
+    return " (the file system is full)" if stats.f_bavail * stats.f_frsize < 1 << 20 else ""

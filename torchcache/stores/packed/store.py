@@ -28,7 +28,7 @@ import lmdb
 from ..._fork import renew_lock_after_fork
 from ..._log import logger
 from ...errors import ConfigError, StoreError
-from ...faults import Fault, Report
+from ...faults import Fault, Report, full_hint
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, Rows, VerifyReport
 from . import upkeep
@@ -346,7 +346,7 @@ class PackedStore(BatchedStore):
                     if isinstance(exc, lmdb.MapFullError) and attempt + 1 < _GROW_TRIES and self._grow(index):
                         continue  # the index outgrew its map: write the batch again in a larger one
                     if isinstance(exc, (OSError, lmdb.Error)):
-                        raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
+                        raise StoreError(f"cannot write to {self._root}: {exc}{full_hint(self._root)}") from exc
                     raise
                 break
             self._files.committed()
@@ -398,7 +398,7 @@ class PackedStore(BatchedStore):
                     change.abort()
                 if isinstance(exc, lmdb.MapFullError):
                     self._grow(change.index)  # the next write has room
-                raise StoreError(f"cannot write to the store {self._root}: {exc}") from exc
+                raise StoreError(f"cannot write to the store {self._root}: {exc}{full_hint(self._root)}") from exc
         return removed
 
     def flush(self) -> None:
