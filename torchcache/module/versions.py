@@ -114,6 +114,7 @@ class VersionWatch:
         "_held",
         "_hook_count",
         "_hook_dicts",
+        "_hooked",
         "_hooks",
         "_ids",
         "_ignore",
@@ -150,6 +151,7 @@ class VersionWatch:
         self._registries: list[dict[str, torch.Tensor | None]] = []
         self._registries_held: list[dict[str, torch.Tensor | None]] = []
         self._hook_dicts: list[dict[int, Any]] = []
+        self._hooked: list[dict[int, Any]] = []  # those holding hooks when the key was taken
         self._submodules: list[torch.nn.Module] = []
         self._children: list[dict[str, torch.nn.Module | None]] = []
         self._values: list[torch.Tensor | None] = []
@@ -196,7 +198,8 @@ class VersionWatch:
         hooked = submodules if self._root_hooks else self._submodules  # a method's key covers its module's own hooks
         self._hook_dicts = [h for sub in hooked for h in (sub._forward_pre_hooks, sub._forward_hooks)]
         self._hook_dicts += _GLOBAL_HOOKS
-        self._hooks = _hooks_in(self._hook_dicts)
+        self._hooked = [hooks for hooks in self._hook_dicts if hooks]
+        self._hooks = _hooks_in(self._hooked)
         self._hook_count = len(self._hooks)
         self._calls = 0
         if self._verify_every is not None:
@@ -225,7 +228,7 @@ class VersionWatch:
         registries = itertools.chain.from_iterable(map(dict.values, self._registries_held))
         if sum(map(len, self._registries)) != self._count or not all(map(operator.is_, registries, self._values)):
             return True
-        hooks = itertools.chain.from_iterable(map(dict.values, self._hook_dicts))  # hooks[k] = other: no handle
+        hooks = itertools.chain.from_iterable(map(dict.values, self._hooked))  # hooks[k] = other: no handle
         if sum(map(len, self._hook_dicts)) != self._hook_count or not all(map(operator.is_, hooks, self._hooks)):
             return True
         if self._verify_every is not None:
