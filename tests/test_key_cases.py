@@ -1339,3 +1339,16 @@ class BrokenKey:
 def test_a_key_method_that_fails_is_an_error_not_a_key_of_the_state() -> None:
     with pytest.raises(RuntimeError, match="source is gone"):
         KeyEncoder("remedy").encode(BrokenKey(), "cfg")
+
+
+def test_a_compiled_pattern_and_a_struct_are_keyed_as_pickle_would_describe_them() -> None:
+    import re
+    import struct
+
+    encode = KeyEncoder("remedy").encode
+    patterns = [re.compile(r"\w+"), re.compile(r"\w*"), re.compile(r"\w+", re.IGNORECASE)]
+    assert len({encode(p, "pattern") for p in patterns}) == 3 and encode(re.compile(r"\w+"), "p") == encode(
+        patterns[0], "p"
+    )
+    assert encode(struct.Struct("<I"), "packer") != encode(struct.Struct("<Q"), "packer")
+    assert encode(struct.Struct("<I"), "packer") == encode(struct.Struct("<I"), "packer")

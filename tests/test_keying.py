@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import os
 import textwrap
 import threading
 import warnings
@@ -536,19 +537,31 @@ def test_dataset_fingerprints_see_categories_attrs_and_what_an_object_cell_holds
     assert len(set(keys)) == len(keys)
 
 
-def test_a_pandas_column_of_tensors_is_refused_clearly(tmp_path: Path) -> None:
+def test_pandas_cells_pandas_cannot_hash_are_keyed_one_by_one(tmp_path: Path) -> None:
     pandas = pytest.importorskip("pandas")
-    cells = pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.zeros(2)], dtype=object)})
-    with pytest.raises(KeyingError, match="pandas cannot hash"):
-        CachedDataset(_Rows(cells), tmp_path / "c")
+    frames = [
+        pandas.DataFrame({"boxes": [[1, 2], [3, 4]], "y": [0, 1]}),
+        pandas.DataFrame({"boxes": [[1, 2], [3, 5]], "y": [0, 1]}),  # one coordinate of one box
+        pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.zeros(2)], dtype=object)}),
+        pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.ones(2)], dtype=object)}),
+    ]
+    keys = [fingerprint_dataset(_Rows(frame)) for frame in frames]
+    assert len(set(keys)) == len(keys)
+    assert fingerprint_dataset(_Rows(frames[0].copy())) == keys[0]
 
 
-def test_a_pandas_column_of_lists_asks_for_a_version(tmp_path: Path) -> None:
+def test_paths_in_a_pandas_column_or_index_are_keyed_by_their_files(tmp_path: Path) -> None:
     pandas = pytest.importorskip("pandas")
-    boxes = pandas.DataFrame({"boxes": [[1, 2], [3, 4]]})
-    with pytest.raises(KeyingError, match="version="):
-        CachedDataset(_Rows(boxes), tmp_path / "c")
-    assert len(CachedDataset(_Rows(boxes), tmp_path / "c", version="v1")) == 2
+    files = [tmp_path / f"{i}.npy" for i in range(2)]
+    for file in files:
+        np.save(file, np.zeros(3))
+    column = pandas.DataFrame({"path": files, "label": [0, 1]})
+    index = pandas.Series([0, 1], index=files)
+    before = [fingerprint_dataset(_Rows(column)), fingerprint_dataset(_Rows(index))]
+    np.save(files[1], np.ones(3))  # edited in place, under the same name
+    os.utime(files[1], ns=(os.stat(files[1]).st_atime_ns, os.stat(files[1]).st_mtime_ns + 10**9))
+    after = [fingerprint_dataset(_Rows(column)), fingerprint_dataset(_Rows(index))]
+    assert before[0] != after[0] and before[1] != after[1]
 
 
 def test_dataset_fingerprints_see_which_part_of_a_memory_mapped_file_a_view_covers(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ its ``to_dict()``.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import os
 import struct
-import sys
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import PurePath
 from stat import S_ISDIR
@@ -42,7 +42,6 @@ __all__ = [
     "encode_state",
     "encode_tensor",
     "extra_state",
-    "pandas_digest",
     "slot_values",
     "tensor_content_digest",
 ]
@@ -168,8 +167,9 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
     if _is_plain(cls) and isinstance(getattr(value, "__dict__", None), dict):
         encoder.remember_plain(cls, cls_encoding)  # later instances skip the checks above
         return encode_plain(encoder, value, cls_encoding, path, depth)
-    try:
-        reduced = value.__reduce_ex__(4)
+    try:  # as pickle would describe it: copyreg's reducers first (a compiled re.Pattern by pattern and flags)
+        reducer = _REDUCERS.get(cls) or copyreg.dispatch_table.get(cls)
+        reduced = reducer(value) if reducer is not None else value.__reduce_ex__(4)
     except Exception as exc:  # noqa: BLE001 - whatever pickle's protocol raises, the value is refused
         if isinstance(value, torch._C.ScriptModule):  # leaving its graph out of the key would be unsafe
             raise KeyingError(
@@ -224,6 +224,10 @@ def collecting() -> contextlib.AbstractContextManager[list[Any]]:
 def collect(value: object) -> None:
     """Note a tensor or array keyed by content, a module held as a value or a :class:`Binding` (:func:`collecting`)."""
     _found.add(value)
+
+
+#: How objects that pickle cannot describe are described (a struct.Struct by its format).
+_REDUCERS: dict[type, Any] = {struct.Struct: lambda packer: (struct.Struct, (packer.format,))}
 
 
 class Binding(NamedTuple):
@@ -414,36 +418,3 @@ def _is_plain(cls: type) -> bool:
         or hasattr(cls, "__getnewargs_ex__")
         or any("__slots__" in vars(klass) for klass in cls.__mro__)
     )
-
-
-def pandas_digest(value: object) -> bytes | None:
-    """A pandas object by every row (``hash_pandas_object``), its index, columns and dtypes; ``None`` otherwise.
-
-    Float and complex columns and index also by their bytes: the row hashes take ``-0.0``
-    for ``0.0`` and every NaN for one.
-    """
-    pandas = sys.modules.get("pandas")
-    if pandas is None or not isinstance(value, (pandas.DataFrame, pandas.Series, pandas.Index)):
-        return None
-    hashed = pandas.util.hash_pandas_object
-    rows = hashed(value, index=not isinstance(value, pandas.Index))
-    h = xxhash.xxh3_128(np.ascontiguousarray(rows.to_numpy()).view(np.uint8).data)
-    index = value if isinstance(value, pandas.Index) else value.index
-    h.update(repr((list(index.names), [str(t) for t in getattr(index, "dtypes", [index.dtype])])).encode())
-    if isinstance(value, pandas.DataFrame):
-        h.update(repr((list(value.columns), [str(t) for t in value.dtypes])).encode())
-        columns = [value.iloc[:, i] for i in range(value.shape[1])]
-    else:
-        h.update(repr((value.name, str(value.dtype))).encode())
-        columns = [value]
-    for column in [*columns, *([] if isinstance(value, pandas.Index) else [index.to_series()])]:
-        dtype = column.dtype
-        if isinstance(dtype, pandas.CategoricalDtype):  # its categories in order, used or not
-            h.update(b"categories|%d|" % dtype.ordered)
-            h.update(np.ascontiguousarray(hashed(dtype.categories, index=False).to_numpy()).view(np.uint8).data)
-        elif dtype == np.dtype(object):  # None and NaN hash alike: the type of each cell tells them apart
-            names = pandas.Index([type(cell).__qualname__ for cell in column.to_numpy()])
-            h.update(np.ascontiguousarray(hashed(names, index=False).to_numpy()).view(np.uint8).data)
-        elif isinstance(dtype, np.dtype) and dtype.kind in "fc":  # -0.0 and NaN payloads, as themselves
-            h.update(np.ascontiguousarray(column.to_numpy()).view(np.uint8).data)
-    return h.digest()

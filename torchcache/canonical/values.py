@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 from ..errors import KeyingError
-from . import code, modules, objects, operators, runs
+from . import code, modules, objects, operators, runs, tables
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["KeyEncoder", "encode_key_value"]
@@ -232,13 +232,9 @@ class KeyEncoder:
             namespace, name, overload = operator
             defined = operators.encode_operator(self, namespace, name, path, depth)
             return tagged(Tag.OPERATOR, text(f"{namespace}::{name}.{overload}") + defined)
-        try:
-            pandas = objects.pandas_digest(value)
-        except (TypeError, ValueError, RuntimeError) as exc:  # cells of lists, dicts or tensors: pandas cannot hash
-            raise self.refuse(path, f"pandas cannot hash its rows ({exc})") from None
+        pandas = tables.encode_pandas(self, value, path, depth)
         if pandas is not None:
-            attrs = self.child(dict(value.attrs), f"{path}.attrs", depth) if getattr(value, "attrs", None) else b""  # type: ignore[attr-defined]
-            return tagged(Tag.PANDAS, self.child(cls, path, depth) + raw(pandas) + attrs)
+            return pandas
         return objects.encode_state(self, value, cls, path, depth)
 
     # -- containers ----------------------------------------------------------------------------------
