@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import run_python
+from tests.helpers import load_module, run_python
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.config import module_dir_name
@@ -646,3 +646,59 @@ def test_model_library_configurations_that_change_outputs_have_other_keys(packag
         with torch.no_grad():
             assert base(x).shape != other(x).shape or not torch.equal(base(x), other(x)), changes
         assert torchcache()(base).cache_instance.module_hash != torchcache()(other).cache_instance.module_hash
+
+
+_EDITED = """
+import threading
+import torch
+
+LOCK = threading.Lock()  # cannot be keyed: left to the version
+
+
+class Text(torch.utils.data.Dataset):
+    def __init__(self, lines, options):
+        self.lines, self.options = lines, options
+
+    def __len__(self):
+        return len(self.lines)
+
+    def __getitem__(self, i):
+        with LOCK:
+            return torch.tensor([len(self.lines[i])]) * {factor}
+"""
+
+
+def test_with_a_version_only_what_cannot_be_keyed_is_left_to_it(tmp_path: Path, modules: list[str]) -> None:
+    modules.append("edited_dataset")
+
+    def fingerprint(factor: int, size: int) -> str:
+        module = load_module(tmp_path / f"edited_{factor}.py", "edited_dataset", _EDITED.format(factor=factor))
+        options = {"size": size, "lock": threading.Lock()}  # an attribute with a part that cannot be keyed
+        return fingerprint_dataset(module.Text(["hello"], options), version="v1")
+
+    with pytest.raises(KeyingError, match="LOCK"):
+        fingerprint_dataset(load_module(tmp_path / "e.py", "edited_dataset", _EDITED.format(factor=1)).Text([], {}))
+    base = fingerprint(1, 224)
+    assert fingerprint(1, 224) == base
+    assert fingerprint(10, 224) != base  # the class's code edited: still in the key
+    assert fingerprint(1, 256) != base  # another item of the attribute holding the lock
+
+
+class _OwnKey(torch.utils.data.Dataset[int]):
+    lock = threading.Lock()  # a class value that cannot be keyed: the dataset gives its own key
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def __torchcache_key__(self) -> str:
+        return self.name
+
+
+def test_a_dataset_with_a_key_of_its_own_is_keyed_by_it_not_by_its_code() -> None:
+    assert fingerprint_dataset(_OwnKey("a")) == fingerprint_dataset(_OwnKey("a")) != fingerprint_dataset(_OwnKey("b"))

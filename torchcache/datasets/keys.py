@@ -33,6 +33,9 @@ _REMEDY = (
 )
 
 
+_MAX_COVERED = 32  #: parts of one value left to the version before it covers the whole value
+
+
 def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     """The key of a dataset: its class's code, attributes, length and ``version``.
 
@@ -59,29 +62,49 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     h.update(tag(b"q", f"torchcache-dataset-3|{cls.__module__}.{cls.__qualname__}".encode()))
     root = cls.__qualname__
     encoder = KeyEncoder(_REMEDY, files=True, root=root)
-    try:
-        h.update(encoder.encode(cls, f"{root}.<class>"))  # its code, and that of its base classes
-    except KeyingError:
-        if version is None:
-            raise
-        h.update(b"version")  # covered by the version the user gave
     state = getattr(dataset, "__dict__", None)
     whole = isinstance(dataset, (torch.Tensor, np.ndarray, list, tuple, dict))
-    if whole or callable(getattr(dataset, "__torchcache_key__", None)) or not isinstance(state, dict):
+    own_key = callable(getattr(dataset, "__torchcache_key__", None))  # its code and state left out, as it says
+    if not own_key:
+        h.update(_covered(cls, f"{root}.<class>", root, version))  # its code, and that of its base classes
+    if whole or own_key or not isinstance(state, dict):
         h.update(encoder.encode(dataset, root))  # a tensor, array or list used as a dataset: its values
     else:
         slots = [(tag(b"s", name.encode()), name, value) for name, value in slot_values(dataset)]  # __slots__ too
         for label, name, value in [(tag(b"k", n.encode()), n, v) for n, v in sorted(state.items())] + slots:
-            try:
-                encoded = encoder.encode(value, f"{root}.{name}")
-            except KeyingError:
-                if version is None:
-                    raise
-                encoded = b"version"  # covered by the version the user gave
-            h.update(label + encoded)
+            h.update(label + _covered(value, f"{root}.{name}", root, version))
     h.update(tag(b"n", str(len(dataset)).encode()))
     h.update(tag(b"V", KeyEncoder(_REMEDY).encode(version, "version")))
     return h.hexdigest()
+
+
+def _covered(value: object, path: str, root: str, version: object) -> bytes:
+    """``value`` encoded; with a ``version``, what cannot be encoded is left to it, and only that.
+
+    Each refused part (a global a method reads, an item of an attribute) is left out by its
+    path and the value encoded again, so that the rest (the class's other code, the
+    attribute's other items) stays in the key.
+
+    Raises:
+        KeyingError: If a part cannot be encoded and no ``version`` is given.
+    """
+    ignore: set[str] = set()
+    for _ in range(_MAX_COVERED):
+        try:
+            return KeyEncoder(_REMEDY, files=True, root=root, ignore=ignore).encode(value, path)
+        except KeyingError as exc:
+            if version is None:
+                raise
+            refused = str(exc).split(": cannot be part of the cache key", 1)[0].split("[", 1)[0]
+            relative = refused[len(root) + 1 :] if refused.startswith(root + ".") else refused
+            if relative in ignore or relative == refused:
+                break  # not a part the encoder can leave out
+            ignore.add(relative)
+    if isinstance(value, (dict, list, tuple)):  # item by item: the version covers only the items refused
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        parts = [KeyEncoder(_REMEDY).encode(k, path) + _covered(v, f"{path}[{k!r}]", root, version) for k, v in items]
+        return tag(b"C", f"{type(value).__qualname__}|{len(parts)}".encode() + b"".join(parts))
+    return b"version"  # the version covers the whole value
 
 
 def store_key(key: int | str) -> str:
