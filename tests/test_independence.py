@@ -284,3 +284,14 @@ def test_elements_near_zero_in_a_column_of_larger_values_are_compared_on_the_col
     model = torchcache()(_frozen(_Standardized()))
     x = torch.randn(16, 1024)
     assert torch.equal(model(x), _Standardized.forward(model, x))  # checked, not refused: items are independent
+
+
+def test_an_outlier_item_in_the_batch_does_not_hide_a_dependence_of_the_others() -> None:
+    def nudged(x: torch.Tensor) -> torch.Tensor:  # 1e-4 of the batch mean: large beside the usual rows
+        return x + 1e-4 * x.mean(0)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    x[0] *= 1e4  # one item ten thousand times the others
+    with pytest.raises(DependentItemsError):
+        torchcache()(nudged)(x)

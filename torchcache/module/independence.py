@@ -259,8 +259,9 @@ def check_items(
     middle = [batch // 2 - 1, batch // 2] if batch > 3 else [1]
     pairs = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
     checks = [list(range(batch))] if whole else pairs
+    scales = [_column_scale(leaf_rows) for leaf_rows in rows]  # once per check: copies of the whole batch
     for positions in checks:
-        _check_positions(name, fn, call, plan, layout, rows, positions)
+        _check_positions(name, fn, call, plan, layout, rows, scales, positions)
 
 
 def _check_positions(
@@ -270,6 +271,7 @@ def _check_positions(
     plan: OutputPlan,
     layout: Layout,
     rows: list[torch.Tensor],
+    scales: list[torch.Tensor],
     positions: list[int],
 ) -> None:
     """Compute the items at ``positions`` in a batch of their own and compare them with their ``rows``."""
@@ -295,7 +297,7 @@ def _check_positions(
     index = torch.tensor(positions)
     for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):
         expected = rows[i].index_select(0, index.to(rows[i].device)).to(leaf.device)
-        scale = _column_scale(rows[i])
+        scale = scales[i]
         if not _close(expected, leaf, stored.dtype, scale):
             with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
                 again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
@@ -320,6 +322,9 @@ def _shapes(layout: Layout) -> str:
     return ", ".join(str(list(leaf.shape)) for leaf in layout.leaves) or "no tensor"
 
 
+_OUTLIER = 10.0  #: rows this many times the typical row's size are left out of the columns' scale
+
+
 def rows_agree(expected: torch.Tensor, found: torch.Tensor, batch_rows: torch.Tensor) -> bool:
     """Whether rows computed in another batch equal ``expected`` up to the noise of floating point.
 
@@ -332,12 +337,21 @@ def rows_agree(expected: torch.Tensor, found: torch.Tensor, batch_rows: torch.Te
 
 
 def _column_scale(rows: torch.Tensor) -> torch.Tensor:
-    """The root mean square of each column of a batch's rows (one row per item), and of all its values, last."""
+    """The root mean square of each column of a batch's rows (one row per item), and of all its values, last.
+
+    Rows far larger than the batch's typical row (an outlier image) are left out: they
+    would make every column's scale theirs, and a dependence on the batch small beside
+    them but large beside the other rows would pass.
+    """
     if not (rows.is_floating_point() or rows.is_complex()):
         return torch.zeros(1, dtype=torch.float64)
     magnitude = rows.detach().abs().to(torch.float64).reshape(len(rows), -1)
     special = magnitude.isnan() | magnitude.isinf()
     squares = magnitude.masked_fill(special, 0.0).square()
+    size = squares.mean(dim=1).sqrt()  # each row's
+    typical = float(size.median())  # the lower median: one outlier of two or three rows is not typical
+    usual = size <= _OUTLIER * typical if typical > 0 else torch.ones_like(size, dtype=torch.bool)
+    squares = squares[usual]
     return torch.cat([squares.mean(dim=0).sqrt(), squares.mean().sqrt().reshape(1)])
 
 
