@@ -362,6 +362,8 @@ def test_cluster_node_killed(reports: Reports) -> None:
     try:
         store = RedisStore(servers.url, "node", "10MB", report=reports, clock=clock, timeout=2.0)
         assert store.put_many([(key(i), value(i)) for i in range(100)]) == 100
+        first = store._link._client  # connected to every node
+        assert first is not None and _open_sockets(first) > 0
         servers.nodes[1].kill()
         start = time.monotonic()
         assert store.get_many([key(i) for i in range(100)]) == [None] * 100
@@ -373,14 +375,9 @@ def test_cluster_node_killed(reports: Reports) -> None:
         assert store._link.delay == 2 * BACKOFF_START
         assert time.monotonic() - start < 2.0
         assert reports.kinds() == ["unavailable"]
-        # The clients dropped at the failures still hold connections to the nodes that answer: they are
-        # closed once no request can still be using them, at the next call that reaches the server.
-        dropped = [client for _, client in store._link._dropped]
-        assert dropped and any(map(_open_sockets, dropped))
-        clock.now += 10.0
-        assert store.get(key(0)) is None or True  # a node is still away: the answer does not matter here
-        store._link._sweep()
-        assert store._link._dropped == [] and not any(map(_open_sockets, dropped))
+        # The client dropped at the failure held connections to the nodes that answer: closed once
+        # no request uses it.
+        assert store._link._dropped == [] and _open_sockets(first) == 0
         store.close()
     finally:
         servers.remove()
@@ -678,3 +675,36 @@ def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behin
     assert store.verify().ok
     store.put_many([(key(i), value(i)) for i in range(1, 20)])
     assert len(store) == 20 and store.get(key(0)) == value(0)
+
+
+def test_a_client_dropped_at_a_failure_is_closed_only_once_no_request_uses_it(
+    server: RedisServer, reports: Reports
+) -> None:
+    import threading
+
+    import redis
+
+    clock = Clock()
+    store = RedisStore(server.url, "busy", "1MB", report=reports, clock=clock)
+    link = store._link
+    holding, release, seen = threading.Event(), threading.Event(), []
+
+    def slow(client: Any) -> Any:  # a long request, made of several round trips
+        seen.append(client)
+        client.ping()
+        holding.set()
+        release.wait(10)
+        return client.ping()
+
+    worker = threading.Thread(target=lambda: seen.append(link.call(slow, "wait")))
+    worker.start()
+    assert holding.wait(10)
+    link.failure(redis.exceptions.ConnectionError("another thread's request failed"), "read")
+    clock.now += BACKOFF_START
+    assert store.put(key(1), b"x")  # a new client: the dropped one is still in use
+    assert seen[0] is not link._client and _open_sockets(seen[0]) > 0 and link._dropped == [seen[0]]
+    release.set()
+    worker.join(10)
+    assert seen[-1] is True  # its request finished on its own client
+    assert link._dropped == [] and _open_sockets(seen[0]) == 0  # closed once it was done
+    store.close()

@@ -151,8 +151,9 @@ class RedisLink:
         password = address.password or ""
         self._secrets = sorted({s for s in (password, quote(password, safe="")) if s}, key=len, reverse=True)
         self._client: Client | None = None
-        #: Clients dropped at a failure, with when: closed once no request can still be using them.
-        self._dropped: list[tuple[float, Client]] = []
+        #: Clients dropped at a failure: closed once no request of this process is using them.
+        self._dropped: list[Client] = []
+        self._busy: dict[int, int] = {}  # requests in flight, by the id of their client
         self._pid = os.getpid()
         self._delay = 0.0
         self._retry_at = float("-inf")
@@ -185,7 +186,7 @@ class RedisLink:
         """The client of this process, made if needed (a forked child makes its own)."""
         with self._lock:
             if self._pid != os.getpid():
-                self._client, self._dropped = None, []  # the parent's; closing them would shut its sockets
+                self._client, self._dropped, self._busy = None, [], {}  # the parent's: closing would shut its sockets
                 self._pid = os.getpid()
             if self._client is not None:
                 return self._client
@@ -193,17 +194,16 @@ class RedisLink:
             return self._client
 
     def _sweep(self) -> None:
-        """Close the dropped clients no request can still be using (sent before a timeout ago)."""
+        """Close the dropped clients that no request is using."""
         with self._lock:
-            settled = self._clock() - self.timeout
-            done = [old for when, old in self._dropped if when < settled]
-            self._dropped = [(when, old) for when, old in self._dropped if when >= settled]
+            done = [old for old in self._dropped if id(old) not in self._busy]
+            self._dropped = [old for old in self._dropped if id(old) in self._busy]
         self._close(done)
 
     def close(self) -> None:
         """Close the connections (a later call reconnects)."""
         with self._lock:
-            clients = [old for _, old in self._dropped] + ([self._client] if self._client is not None else [])
+            clients = self._dropped + ([self._client] if self._client is not None else [])
             self._client, self._dropped = None, []
             forked = self._pid != os.getpid()
         if not forked:
@@ -232,15 +232,26 @@ class RedisLink:
                     f"cannot {what}: the Redis server {self.address.safe_url} was unreachable; next try in {wait:.1f} s"
                 )
         try:
-            result = op(self.client())
+            client = self.client()
+        except self.errors as exc:  # a cluster's client connects when made
+            raise self.failure(exc, what) from None
+        with self._lock:
+            self._busy[id(client)] = self._busy.get(id(client), 0) + 1
+        try:
+            result = op(client)
         except StoreError:
             raise
         except self.errors as exc:
             raise self.failure(exc, what) from None
+        finally:
+            with self._lock:
+                left = self._busy.pop(id(client)) - 1
+                if left:
+                    self._busy[id(client)] = left
+            if self._dropped:
+                self._sweep()
         with self._lock:
             self._delay, self._retry_at, self._troubled = 0.0, float("-inf"), False
-        if self._dropped:
-            self._sweep()
         return result
 
     def is_away(self, exc: BaseException) -> bool:
@@ -260,7 +271,7 @@ class RedisLink:
             self._delay = BACKOFF_START if self._delay == 0 else min(self._delay * 2, BACKOFF_MAX)
             self._retry_at = self._clock() + self._delay
             if self._client is not None:  # the next call connects again; closed later: a thread may be sending on it
-                self._dropped.append((self._clock(), self._client))
+                self._dropped.append(self._client)
                 self._client = None
             delay = self._delay
         return StoreUnavailableError(
