@@ -1081,3 +1081,14 @@ def test_a_backbone_whose_rows_depend_on_the_batch_is_refused_before_anything_is
     with pytest.raises(ConfigError, match=f"rows depend on the other inputs of the batch \\({said}"):
         extract(make().eval(), data, batch_size=4)
     assert feature_dirs(cache_root) == []  # nothing a later run would mix with rows of other batches
+
+
+class _Squeezed(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1, keepdim=True).squeeze()  # (n,) for n > 1, () for one input
+
+
+def test_a_backbone_that_cannot_take_one_input_is_refused_saying_why(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6), torch.arange(8))
+    with pytest.raises(ConfigError, match=r"for a batch of 1 inputs.*a batch of one, as resuming or repairing runs"):
+        extract(_Squeezed().eval(), data, batch_size=4)

@@ -252,7 +252,9 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str, depth: int) 
     if value.dim() in (4, 5) and not value.is_contiguous() and value.layout == torch.strided:
         channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
         head += text("channels_last") if value.is_contiguous(memory_format=channels_last) else b""
-    attributes = vars(value)  # mask.scale = 2: what forward may read
+    attributes = {
+        k: v for k, v in vars(value).items() if not k.startswith("_")
+    }  # mask.scale = 2 (not libraries' flags)
     return tagged(
         Tag.TENSOR, head + (encoder.child(dict(attributes), f"{path}.__dict__", depth) if attributes else b"")
     )

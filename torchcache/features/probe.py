@@ -118,8 +118,8 @@ def refuse_dependent(backbone: torch.nn.Module, layout: SampleLayout, samples: l
     for i, one in enumerate(inputs):
         try:
             alone = run_backbone(backbone, default_collate([one]), 1)  # type: ignore[no-untyped-call]
-        except ConfigError:
-            raise
+        except ConfigError as exc:  # a batch of one: what a resumed or repaired extraction may run
+            raise ConfigError(f"{exc}. An input alone (a batch of one, as resuming or repairing runs) failed") from None
         except Exception as exc:  # noqa: BLE001 - BatchNorm without running statistics refuses a batch of one
             how = f"an input alone raised {type(exc).__name__}: {str(exc)[:200]}"
             raise ConfigError(_DEPENDENT.format(how=how)) from None
