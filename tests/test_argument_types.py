@@ -137,3 +137,7 @@ def test_a_shared_tensors_attributes_and_channels_last_layout_are_in_the_key() -
     last = plain.to(memory_format=torch.channels_last)  # equal values, another layout
     assert torch.equal(scaled(x, plain), x + 1)
     assert torch.equal(scaled(x, last), x + last.stride()[-1]) and last.stride()[-1] != 1
+    flagged = torch.ones(1, 2, 2, 2)
+    flagged._is_hf_initialized = True  # type: ignore[attr-defined]  # a library's flag: the same entries
+    hits = scaled.cache_instance.stats().hits
+    assert torch.equal(scaled(x, flagged), x + 1) and scaled.cache_instance.stats().hits == hits + 3
