@@ -437,3 +437,15 @@ def gigabyte_of_zeros() -> bytes:
     """A brotli stream of about 800 bytes that inflates to 1 GiB (a decompression bomb), made without holding 1 GiB."""
     compressor, chunk = brotli.Compressor(quality=5, lgwin=24), bytes(1 << 24)
     return b"".join([*(compressor.process(chunk) for _ in range(64)), compressor.finish()])
+
+
+def fake_extension(directory: Path, name: str, monkeypatch: Any) -> Path:
+    """A user's compiled extension module ``name``, built in place (not installed): its file, to rewrite."""
+    import types
+
+    built = directory / f"{name}.cpython-311-x86_64-linux-gnu.so"
+    built.write_bytes(b"\x7fELF version 1")
+    extension = types.ModuleType(name)
+    extension.__file__ = str(built)
+    monkeypatch.setitem(sys.modules, name, extension)
+    return built

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import load_module
+from tests.helpers import fake_extension, load_module
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.keys import numerics
@@ -1277,13 +1277,8 @@ def test_a_function_of_a_users_own_compiled_extension_is_keyed_by_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import math
-    import types
 
-    built = tmp_path / "myops.cpython-311-x86_64-linux-gnu.so"  # built in place, not installed
-    built.write_bytes(b"\x7fELF version 1")
-    extension = types.ModuleType("tc_myops")
-    extension.__file__ = str(built)
-    monkeypatch.setitem(sys.modules, "tc_myops", extension)
+    built = fake_extension(tmp_path, "tc_myops", monkeypatch)
     monkeypatch.setattr(math.hypot, "__module__", "tc_myops")  # a C function of that module
     before = KeyEncoder("remedy").encode(math.hypot, "gain")
     built.write_bytes(b"\x7fELF version 2, rebuilt")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import load_module
+from tests.helpers import fake_extension, load_module
 from torchcache import KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 
@@ -93,13 +92,7 @@ def test_an_operator_defined_in_cpp_is_keyed_by_the_bytes_of_the_libraries_loade
 def test_a_users_compiled_extension_module_counts_as_a_library_that_may_define_operators(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import types
-
-    built = tmp_path / "tc_native_ext.cpython-311-x86_64-linux-gnu.so"  # built in place, not installed
-    built.write_bytes(b"\x7fELF version 1")
-    extension = types.ModuleType("tc_native_ext")
-    extension.__file__ = str(built)
-    monkeypatch.setitem(sys.modules, "tc_native_ext", extension)
+    built = fake_extension(tmp_path, "tc_native_ext", monkeypatch)
     before = KeyEncoder("remedy").encode(_calls_native, "forward")
     built.write_bytes(b"\x7fELF version 2")
     assert KeyEncoder("remedy").encode(_calls_native, "forward") != before
