@@ -126,7 +126,7 @@ def test_a_write_that_leaves_a_nan_as_it_was_is_not_refused_in_a_partly_cached_b
 def test_a_shared_tensors_attributes_and_channels_last_layout_are_in_the_key() -> None:
     @torchcache(shared_args=["mask"])
     def scaled(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return x * getattr(mask, "scale", 1) + mask.stride()[-1]
+        return x * getattr(mask, "scale", 1) * getattr(mask, "_shift", 1) + mask.stride()[-1]
 
     x = torch.randn(3, 2, 2, 2)
     first, second = torch.ones(1, 2, 2, 2), torch.ones(1, 2, 2, 2)
@@ -137,6 +137,9 @@ def test_a_shared_tensors_attributes_and_channels_last_layout_are_in_the_key() -
     last = plain.to(memory_format=torch.channels_last)  # equal values, another layout
     assert torch.equal(scaled(x, plain), x + 1)
     assert torch.equal(scaled(x, last), x + last.stride()[-1]) and last.stride()[-1] != 1
+    private = torch.ones(1, 2, 2, 2)
+    private._shift = 5  # type: ignore[attr-defined]  # a user's own, named as private
+    assert torch.equal(scaled(x, private), x * 5 + 1)
     flagged = torch.ones(1, 2, 2, 2)
     flagged._is_hf_initialized = True  # type: ignore[attr-defined]  # a library's flag: the same entries
     hits = scaled.cache_instance.stats().hits

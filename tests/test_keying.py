@@ -545,6 +545,11 @@ def test_pandas_cells_pandas_cannot_hash_are_keyed_one_by_one(tmp_path: Path) ->
         pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.zeros(2)], dtype=object)}),
         pandas.DataFrame({"t": pandas.Series([torch.ones(2), torch.ones(2)], dtype=object)}),
     ]
+    boxes = [[1, 2], [3, 4]]
+    for categories in (["a", "b"], ["b", "a"]):  # the codes a model reads differ: so must the keys
+        labels = pandas.Categorical(["a", "b"], categories=categories)
+        frames.append(pandas.DataFrame({"boxes": boxes, "label": labels}))
+    frames += [pandas.DataFrame({"t": pandas.Series([torch.tensor(v)], dtype=object)}) for v in (0.10001, 0.10002)]
     keys = [fingerprint_dataset(_Rows(frame)) for frame in frames]
     assert len(set(keys)) == len(keys)
     assert fingerprint_dataset(_Rows(frames[0].copy())) == keys[0]
@@ -557,11 +562,13 @@ def test_paths_in_a_pandas_column_or_index_are_keyed_by_their_files(tmp_path: Pa
         np.save(file, np.zeros(3))
     column = pandas.DataFrame({"path": files, "label": [0, 1]})
     index = pandas.Series([0, 1], index=files)
-    before = [fingerprint_dataset(_Rows(column)), fingerprint_dataset(_Rows(index))]
+    pairs = pandas.DataFrame({"pair": [(files[0], files[1])]})  # a path inside a cell
+    frames = [column, index, pairs]
+    before = [fingerprint_dataset(_Rows(frame)) for frame in frames]
     np.save(files[1], np.ones(3))  # edited in place, under the same name
     os.utime(files[1], ns=(os.stat(files[1]).st_atime_ns, os.stat(files[1]).st_mtime_ns + 10**9))
-    after = [fingerprint_dataset(_Rows(column)), fingerprint_dataset(_Rows(index))]
-    assert before[0] != after[0] and before[1] != after[1]
+    after = [fingerprint_dataset(_Rows(frame)) for frame in frames]
+    assert all(a != b for a, b in zip(before, after, strict=True))
 
 
 def test_dataset_fingerprints_see_which_part_of_a_memory_mapped_file_a_view_covers(tmp_path: Path) -> None:
@@ -700,5 +707,33 @@ class _OwnKey(torch.utils.data.Dataset[int]):
         return self.name
 
 
-def test_a_dataset_with_a_key_of_its_own_is_keyed_by_it_not_by_its_code() -> None:
+class _Delegating(torch.utils.data.Dataset[int]):
+    """A wrapper whose attribute lookups go to the dataset it wraps (which has a key of its own)."""
+
+    def __init__(self, inner: _OwnKey, scale: int) -> None:
+        self.inner, self.scale = inner, scale
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> int:
+        return self.inner[i] * self.scale
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+def test_a_dataset_with_a_key_of_its_own_is_keyed_by_it_and_its_code(tmp_path: Path, modules: list[str]) -> None:
     assert fingerprint_dataset(_OwnKey("a")) == fingerprint_dataset(_OwnKey("a")) != fingerprint_dataset(_OwnKey("b"))
+    wrapped = [fingerprint_dataset(_Delegating(_OwnKey("a"), scale)) for scale in (2, 3)]
+    assert wrapped[0] != wrapped[1]  # a wrapper keyed by its own attributes, not the key it delegates to
+    modules.append("own_key_dataset")
+    keys = []
+    for factor in (1, 10):
+        source = _EDITED.format(factor=factor).replace(
+            "    def __len__(self):",
+            "    def __torchcache_key__(self):\n        return 'v'\n\n    def __len__(self):",
+        )
+        module = load_module(tmp_path / f"own_{factor}.py", "own_key_dataset", source)
+        keys.append(fingerprint_dataset(module.Text(["hello"], {})))  # its lock left to its key
+    assert keys[0] != keys[1]  # __getitem__ edited

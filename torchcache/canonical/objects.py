@@ -226,6 +226,10 @@ def collect(value: object) -> None:
     _found.add(value)
 
 
+#: Attributes libraries set on tensors that change no output (their own bookkeeping): left out of keys.
+_LIBRARY_FLAGS = frozenset(
+    {"_is_hf_initialized", "_dynamo_static_input_type", "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"}
+)
 #: How objects that pickle cannot describe are described (a struct.Struct by its format).
 _REDUCERS: dict[type, Any] = {struct.Struct: lambda packer: (struct.Struct, (packer.format,))}
 
@@ -252,9 +256,7 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str, depth: int) 
     if value.dim() in (4, 5) and not value.is_contiguous() and value.layout == torch.strided:
         channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
         head += text("channels_last") if value.is_contiguous(memory_format=channels_last) else b""
-    attributes = {
-        k: v for k, v in vars(value).items() if not k.startswith("_")
-    }  # mask.scale = 2 (not libraries' flags)
+    attributes = {k: v for k, v in vars(value).items() if k not in _LIBRARY_FLAGS}  # mask.scale = 2
     return tagged(
         Tag.TENSOR, head + (encoder.child(dict(attributes), f"{path}.__dict__", depth) if attributes else b"")
     )

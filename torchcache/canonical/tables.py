@@ -1,10 +1,12 @@
 """pandas values in keys: by every row, their index, columns and dtypes, and the files their paths name.
 
 ``hash_pandas_object`` hashes rows fast but not exactly: ``-0.0`` as ``0.0``, every NaN
-as one, ``None`` as NaN in object columns, and a ``pathlib`` path by its text. So float
-columns are keyed by their bytes too, object columns by the type of each cell, and the
-paths in them through the encoder (with a dataset's, by their files). A frame whose cells
-pandas cannot hash (lists, dicts, arrays) is keyed cell by cell by the encoder instead.
+as one, ``None`` as NaN in object columns, and any other object by its text (a
+``pathlib`` path, a 0-d tensor printed at four decimals). So float columns are keyed by
+their bytes too, object columns by the type of each cell, and the paths in them through
+the encoder (with a dataset's, by their files). A frame with object cells other than
+strings, bytes, numbers, ``None`` and paths (lists, tuples, arrays, tensors) is keyed
+cell by cell by the encoder instead.
 """
 
 from __future__ import annotations
@@ -32,13 +34,22 @@ def encode_pandas(encoder: KeyEncoder, value: object, path: str, depth: int) -> 
     head = encoder.child(type(value), path, depth)
     attrs = getattr(value, "attrs", None)
     tail = encoder.child(dict(attrs), f"{path}.attrs", depth) if attrs else b""
+    objects = _object_columns(pandas, value)
+    if not all(isinstance(cell, _PLAIN) for column in objects for cell in column):
+        # Cells pandas hashes by their text (a 0-d tensor printed at 4 decimals, a tuple holding a path)
+        # or cannot hash (lists, dicts, arrays): each by the encoder
+        return tagged(Tag.PANDAS, head + _cells(encoder, pandas, value, path, depth) + tail)
     try:
         digest = _digest(pandas, value)
-    except (TypeError, ValueError, RuntimeError):  # cells of lists, dicts or arrays: each by the encoder
+    except (TypeError, ValueError, RuntimeError):  # a cell pandas cannot hash after all
         return tagged(Tag.PANDAS, head + _cells(encoder, pandas, value, path, depth) + tail)
-    paths = [cell for column in _object_columns(pandas, value) for cell in column if isinstance(cell, PurePath)]
+    paths = [cell for column in objects for cell in column if isinstance(cell, PurePath)]
     files = encoder.child(paths, f"{path}.<paths>", depth) if paths else b""  # their files, not their text
     return tagged(Tag.PANDAS, head + raw(digest) + files + tail)
+
+
+#: Cells of object columns that pandas hashes exactly (paths by their text: their files are keyed apart).
+_PLAIN = (str, bytes, bool, int, float, complex, type(None), np.number, np.bool_, PurePath)
 
 
 def _object_columns(pandas: Any, value: Any) -> list[Any]:
@@ -55,15 +66,23 @@ def _object_columns(pandas: Any, value: Any) -> list[Any]:
 def _cells(encoder: KeyEncoder, pandas: Any, value: Any, path: str, depth: int) -> bytes:
     """A pandas value cell by cell: index, columns with their dtypes, and each column's cells."""
     index = value if isinstance(value, pandas.Index) else value.index
-    parts = [encoder.child([list(index.names), index.tolist()], f"{path}.index", depth)]
+    parts = [encoder.child([list(index.names), _dtype(pandas, index.dtype), index.tolist()], f"{path}.index", depth)]
     if isinstance(value, pandas.DataFrame):
+        parts.append(encoder.child([value.columns.name, list(value.columns)], f"{path}.columns", depth))
         for i, name in enumerate(value.columns):
             column = value.iloc[:, i]
-            described = [name, str(column.dtype), column.tolist()]
+            described = [name, _dtype(pandas, column.dtype), column.tolist()]
             parts.append(encoder.child(described, f"{path}[{name!r}]", depth))
     elif not isinstance(value, pandas.Index):
-        parts.append(encoder.child([value.name, str(value.dtype), value.tolist()], path, depth))
+        parts.append(encoder.child([value.name, _dtype(pandas, value.dtype), value.tolist()], path, depth))
     return b"".join(parts)
+
+
+def _dtype(pandas: Any, dtype: Any) -> object:
+    """A dtype by its name, a categorical one with its categories in order and whether it is ordered."""
+    if isinstance(dtype, pandas.CategoricalDtype):
+        return [str(dtype), dtype.categories.tolist(), bool(dtype.ordered)]
+    return str(dtype)
 
 
 def _digest(pandas: Any, value: Any) -> bytes:

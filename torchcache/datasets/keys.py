@@ -64,9 +64,9 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
     encoder = KeyEncoder(_REMEDY, files=True, root=root)
     state = getattr(dataset, "__dict__", None)
     whole = isinstance(dataset, (torch.Tensor, np.ndarray, list, tuple, dict))
-    own_key = callable(getattr(dataset, "__torchcache_key__", None))  # its code and state left out, as it says
-    if not own_key:
-        h.update(_covered(cls, f"{root}.<class>", root, version))  # its code, and that of its base classes
+    own_key = callable(getattr(cls, "__torchcache_key__", None))  # its state given by it, not read
+    covered = version if not own_key else (version, "__torchcache_key__")  # what its key may stand for
+    h.update(_covered(cls, f"{root}.<class>", root, covered))  # its code, and that of its base classes
     if whole or own_key or not isinstance(state, dict):
         h.update(encoder.encode(dataset, root))  # a tensor, array or list used as a dataset: its values
     else:
