@@ -708,3 +708,20 @@ def test_a_client_dropped_at_a_failure_is_closed_only_once_no_request_uses_it(
     assert seen[-1] is True  # its request finished on its own client
     assert link._dropped == [] and _open_sockets(seen[0]) == 0  # closed once it was done
     store.close()
+
+
+def test_requests_that_fail_in_one_outage_wait_once(reports: Reports) -> None:
+    require_redis()
+    import redis
+
+    from tests.redis_servers import free_port
+
+    clock = Clock()
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", "away", "1MB", report=reports, clock=clock)
+    link = store._link
+    for _ in range(16):  # sixteen threads' requests sent before the server went, failing one after another
+        link.failure(redis.exceptions.ConnectionError("gone"), "read")
+    assert link.delay == BACKOFF_START
+    clock.now += BACKOFF_START  # the next try fails too: the wait grows
+    link.failure(redis.exceptions.ConnectionError("gone"), "read")
+    assert link.delay == 2 * BACKOFF_START

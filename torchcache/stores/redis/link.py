@@ -268,8 +268,10 @@ class RedisLink:
                 hint = " (OOM: the server is full; raise its maxmemory, lower max_bytes, or use an evicting policy)"
             return StoreError(f"cannot {what}: the Redis server {where} refused: {detail}{hint}")
         with self._lock:
-            self._delay = BACKOFF_START if self._delay == 0 else min(self._delay * 2, BACKOFF_MAX)
-            self._retry_at = self._clock() + self._delay
+            now = self._clock()
+            if now >= self._retry_at:  # not for each thread whose request failed in the same outage
+                self._delay = BACKOFF_START if self._delay == 0 else min(self._delay * 2, BACKOFF_MAX)
+                self._retry_at = now + self._delay
             if self._client is not None:  # the next call connects again; closed later: a thread may be sending on it
                 self._dropped.append(self._client)
                 self._client = None
