@@ -295,3 +295,23 @@ def test_an_outlier_item_in_the_batch_does_not_hide_a_dependence_of_the_others()
     x[0] *= 1e4  # one item ten thousand times the others
     with pytest.raises(DependentItemsError):
         torchcache()(nudged)(x)
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_rows_cached_one_item_at_a_time_are_checked_as_a_whole_batch_at_the_first_all_hit_call(
+    where: str, tmp_path: Any
+) -> None:
+    def pooled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # a mean over the batch beside per-item rows
+        return x * 2, x.mean(0, keepdim=True)
+
+    x = torch.arange(12.0).reshape(4, 3)
+    first = torchcache(persistent=where == "disk", persistent_cache_dir=tmp_path)(pooled)
+    first(x[:1])
+    first(x[1:2])  # each stored as if it were per item: one row of one item
+    reader = first
+    if where == "disk":
+        first.cache_instance.flush()
+        independence.forget_checks()  # as in a new process
+        reader = torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)(pooled)
+    with pytest.raises(DependentItemsError, match="shape of an item's output depends on the batch"):
+        reader(x[:2])  # all hits: computed whole, as an uncached call would be

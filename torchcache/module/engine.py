@@ -476,7 +476,8 @@ class Cache:
                 self._devices = self._devices if len(self._devices) < 4096 else {}
                 self._devices[(call.context, call.tensors[0].device)] = tuple(t.device for t in leaves)
             if whole:
-                if self._check_due(call, computed=batch) and not self._verify_items(fn, call, layout, leaves, keys):
+                due = self._check_due(call, computed=batch)
+                if due and not self._verify_items(fn, call, layout, leaves, keys, cached=False):
                     return computed
                 if leaves and len(missing) < batch:  # store the misses' rows only
                     rows = index_tensor(missing, leaves[0].device)
@@ -517,9 +518,7 @@ class Cache:
         except UnbatchedOutputError as exc:
             if len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0):
                 self.clear()
-                raise UnbatchedOutputError(
-                    f"{exc} Entries cached so far may hold such outputs and were removed."
-                ) from None
+                raise UnbatchedOutputError(f"{exc} Entries cached so far may hold such outputs: removed.") from None
             raise
 
     def _check_due(self, call: CallArguments, computed: int = 0) -> bool:
@@ -531,11 +530,11 @@ class Cache:
         return items.enabled and (call.batch > 1 or (computed > 0 and context not in items.alone))
 
     def _verify_items(
-        self, fn: Callable[..., Any], call: CallArguments, layout: Layout, rows: list[torch.Tensor], keys: list[bytes]
+        self, fn: Any, call: CallArguments, layout: Layout, rows: list[Any], keys: list[bytes], cached: bool = True
     ) -> bool:
-        """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached)."""
+        """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached; ``cached``: rows from it)."""
         kept = buffers_kept(self._watch.module()) if self._watch is not None else contextlib.nullcontext()
-        return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear)
+        return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear, cached)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up

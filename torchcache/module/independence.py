@@ -170,6 +170,7 @@ class ItemCheck:
         keys: list[bytes],
         kept: AbstractContextManager[Any],
         clear: Callable[[], None],
+        cached: bool = False,
     ) -> bool:
         """Check, once per call context and process, that the call's items do not depend on each other.
 
@@ -185,6 +186,9 @@ class ItemCheck:
             keys: The items' keys.
             kept: Restores the module's buffers after the check's forward.
             clear: Removes the entries of the module key (when the check fails).
+            cached: Whether ``rows`` came from the cache, in whole or in part: a first check then
+                computes the whole batch, as an uncached call would (rows cached from calls of one
+                item, of an output pooled over the batch, look per item when checked item by item).
 
         Returns:
             ``False`` if they do in training mode: calls in training mode then run without
@@ -200,7 +204,7 @@ class ItemCheck:
         if repeated and (call.context, keys[0]) in self.repeats:  # that item again: its check showed all it can
             return True
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
-            self.whole, whole = False, self.whole
+            self.whole, whole = False, self.whole or (cached and not is_checked(call.context))
             try:
                 with kept:  # the check's forward leaves no trace in batch norm's statistics
                     check_items(self.name, fn, call, plan, layout, rows, whole)
