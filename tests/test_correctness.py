@@ -531,3 +531,28 @@ def test_hits_are_merged_onto_the_device_of_each_leaf() -> None:
     )
     assert [t.device.type for t in cast_returned(leaves, layout, devices)] == ["cpu", "meta"]
     assert [t.device.type for t in cast_returned(leaves, layout, torch.device("meta"))] == ["meta", "meta"]
+
+
+_TRAINED_HEAD = nn.Linear(4, 3)  # trainable, read by the function below
+_TRAINED_SCALE = torch.ones(4, requires_grad=True)
+
+
+def test_tensors_that_require_grad_read_through_globals_are_refused_not_cached_without_grad() -> None:
+    @torchcache()
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return _TRAINED_HEAD(x)
+
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * _TRAINED_SCALE
+
+    x = torch.randn(2, 4)
+    with pytest.raises(ConfigError, match=r"reads 2 tensors that require grad through its globals"):
+        head(x)
+    with pytest.raises(ConfigError, match=r"reads 1 tensor that require grad"):
+        torchcache()(Scaled())(x)
+    _TRAINED_HEAD.requires_grad_(False)
+    try:
+        assert torch.equal(head(x), _TRAINED_HEAD(x))  # frozen: cached
+    finally:
+        _TRAINED_HEAD.requires_grad_(True)

@@ -614,6 +614,7 @@ class _HoldsUnregistered(nn.Module):
 @pytest.mark.parametrize("holder", ["function", "module"])
 def test_the_training_flag_of_a_module_held_as_a_value_is_keyed_and_watched(holder: str) -> None:
     encoder = _ENCODER if holder == "function" else nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    encoder.requires_grad_(False)  # held as a value: one that is trained is refused
     cached = torchcache()(_through_global_encoder if holder == "function" else _HoldsUnregistered(encoder).eval())
     cached(X)
     try:
@@ -629,6 +630,7 @@ def test_the_training_flag_of_a_module_held_as_a_value_is_keyed_and_watched(hold
 @pytest.mark.parametrize("change", ["parameter", "submodule"])
 def test_a_module_held_as_a_value_whose_parameter_or_submodule_is_replaced_is_seen(holder: str, change: str) -> None:
     encoder = _ENCODER if holder == "function" else nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    encoder.requires_grad_(False)  # held as a value: one that is trained is refused
     cached = torchcache()(_through_global_encoder if holder == "function" else _HoldsUnregistered(encoder).eval())
     weight, dropout = encoder[0].weight, encoder[1]
     cached(X)

@@ -186,18 +186,18 @@ class Cache:
             if self._module_hash is None:
                 if self._watch is not None:
                     self._watch.reset()  # before hashing: a write during it is seen at the next call
-                key = self._take_key()
+                key = self._take_key(frozen=not early)  # early: what is trained may be frozen before the call
                 self._module_hash = None if early else key
                 if not early:
                     logger.info("%s has module key %s", self.name, key)
 
-    def _take_key(self) -> str:
+    def _take_key(self, frozen: bool = True) -> str:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
         owner = self._watch.module() if self._watch is not None else None
         held = HeldValues(found, owner) if self.settings.persistent_module_hash is None else None
-        self._held = held if held else None
+        self._held = (held.frozen(self.name) if frozen else held) if held else None
         return key
 
     def weights_changed(self) -> None:

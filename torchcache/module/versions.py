@@ -6,15 +6,15 @@ attributes, which optimizer steps, ``copy_`` and batch norm bump); storage repla
 (``p.data = new``: data pointers); tensors swapped in the registries
 (``torch.func.functional_call``); parameters, buffers and submodules registered or
 replaced (torch's registration hooks bump a generation; ``_modules`` dicts compared by
-identity); forward hooks registered or removed (handle numbers, dict sizes); and
+identity); forward hooks registered, removed or replaced (dict sizes, identities); and
 (:class:`HeldValues`) the plain attributes, class values and globals the key read,
 rebound to another value (``model.scale = 3.0``, ``Net.K = 3``, ``SCALE = 3``), and the
 tensors and small arrays it read inside containers, written in place. Any change takes
 the key again. Submodules switched to training or eval mode on their own are part of
 each call's key instead (:meth:`VersionWatch.training_pattern`).
 
-Not seen: writes through a ``numpy()`` view and in-place writes to inference tensors;
-``verify_weights=N`` hashes the weights every N calls for those.
+Not seen: writes through ``.data`` or a ``numpy()`` view, and in-place writes to inference
+tensors; ``verify_weights=N`` hashes the weights every N calls for those.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ import xxhash
 from ..canonical.code import EMPTY
 from ..canonical.modules import WeakState
 from ..canonical.objects import Binding
-from ..errors import CacheWarning, KeyingError
+from ..errors import CacheWarning, ConfigError, KeyingError
 from ..faults import user_stacklevel
 from ..keys import tensor_digest
+from ..policy import plural
 from .fingerprint import tensor_attributes, unignored
 
 __all__ = ["HeldValues", "VersionWatch"]
@@ -84,10 +85,6 @@ def _weights_digest(module: torch.nn.Module, ignore: Collection[str] = ()) -> st
 
 def _module_ids(module: torch.nn.Module) -> list[int]:
     return [id(sub) for _, sub in module.named_modules(remove_duplicate=False)]
-
-
-def _hooks_in(dicts: list[dict[int, Any]]) -> list[Any]:
-    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
 
 
 class VersionWatch:
@@ -199,7 +196,7 @@ class VersionWatch:
         self._hook_dicts = [h for sub in hooked for h in (sub._forward_pre_hooks, sub._forward_hooks)]
         self._hook_dicts += _GLOBAL_HOOKS
         self._hooked = [hooks for hooks in self._hook_dicts if hooks]
-        self._hooks = _hooks_in(self._hooked)
+        self._hooks = list(itertools.chain.from_iterable(map(dict.values, self._hooked)))
         self._hook_count = len(self._hooks)
         self._calls = 0
         if self._verify_every is not None:
@@ -312,6 +309,12 @@ def _read(get: Callable[[str], Any], name: str) -> Any:
         return EMPTY
 
 
+_TRAINED = (
+    "through its globals, closures or the objects it holds: cached outputs carry no gradient, so training them "
+    "through the cache would silently stop. Freeze them (requires_grad_(False)), or keep what is trained outside it"
+)
+
+
 class HeldValues:
     """Tensors, numpy arrays and modules held as values that a key covers, beyond the module's own tensors.
 
@@ -365,6 +368,13 @@ class HeldValues:
 
     def __bool__(self) -> bool:
         return bool(self._tensors or self._arrays or self._modules or self._bindings)
+
+    def frozen(self, name: str) -> HeldValues:
+        """These values; a ConfigError naming ``name`` if a tensor held (or a held module's) requires grad."""
+        held = {id(t): t for t in (*self._versioned, *(t for module in self._modules for t in _tensors(module)))}
+        if trainable := sum(1 for t in held.values() if t.requires_grad and t.is_leaf):
+            raise ConfigError(f"{name} reads {plural(trainable, 'tensor')} that require grad {_TRAINED}")
+        return self
 
     def _held_members(self) -> list[int]:
         """The submodules and tensors of the modules held as values, by identity."""
