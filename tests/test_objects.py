@@ -614,6 +614,8 @@ def test_the_command_line_on_a_bucket_that_does_not_exist_says_so(
     for command in (["ls"], ["verify"]):
         assert main([*command, f"{bucket}-missing/p"]) == 1
         assert "does not exist" in capsys.readouterr().err
+        assert main([*command, f"{bucket}/p?versionId=1"]) == 1  # one object's version, not a folder
+        assert "without a query" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the GCS emulator is a process of its own

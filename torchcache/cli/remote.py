@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, StoreError, StoreUnavailableError
-from ..locations import is_object_url
+from ..locations import check_url, is_object_url
 from ..policy import format_size, plural
 from ..stores.batched import BatchedStore
 from ..stores.objects import ObjectStore, bucket_namespaces, open_filesystem
@@ -47,7 +47,7 @@ def open_remote(url: str, namespace: str) -> BatchedStore:
 def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:
     """The namespaces (caches) on a server or in a bucket; with ``prefix``, that key, else the keys it starts."""
     if is_object_url(url):
-        names = bucket_namespaces(url)
+        names = bucket_namespaces(check_url(url, "the cache root"))  # no ?versionId=: one object, not a folder
         if not names:
             _bucket_exists(url)
     else:
