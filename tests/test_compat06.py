@@ -889,3 +889,8 @@ def test_a_class_decorated_again_with_other_settings_is_refused(tmp_path):
     second = torchcache(persistent=True, persistent_cache_dir=tmp_path / "two")(Other)
     assert second().cache_instance.settings.persistent_cache_dir == tmp_path / "two"
     assert first().cache_instance.settings.persistent_cache_dir == tmp_path / "one"
+
+
+def test_an_option_of_0_6_set_to_false_is_still_said_to_be_ignored() -> None:
+    with pytest.warns(DeprecationWarning, match=r"zstd_compression, use_mmap_on_load are accepted .* and ignored"):
+        torchcache(zstd_compression=False, use_mmap_on_load=False)

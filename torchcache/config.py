@@ -106,7 +106,9 @@ class Settings:
         Raises:
             ConfigError: If a value is invalid (the message names the argument).
         """
-        legacy = [name for name in LEGACY_OPTIONS if name in options and options.pop(name, True)]
+        legacy = [name for name in LEGACY_OPTIONS if name in options]
+        for name in legacy:
+            del options[name]
         if legacy:
             warnings.warn(legacy_note(legacy), DeprecationWarning, stacklevel=stacklevel)
         values = {name: _validate(name, value) for name, value in options.items()}
