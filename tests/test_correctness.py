@@ -530,7 +530,7 @@ def test_hits_are_merged_onto_the_device_of_each_leaf() -> None:
         merged[0][:, 0], torch.tensor([1.0, 0, 1, 0])
     )
     assert [t.device.type for t in cast_returned(leaves, layout, devices)] == ["cpu", "meta"]
-    assert [t.device.type for t in cast_returned(leaves, layout, torch.device("meta"))] == ["meta", "meta"]
+    assert [t.device.type for t in cast_returned(leaves, layout, (torch.device("meta"),))] == ["meta", "meta"]
 
 
 _TRAINED_HEAD = nn.Linear(4, 3)  # trainable, read by the function below

@@ -33,7 +33,12 @@ class KeyingError(TorchCacheError, TypeError, ValueError):
 
     It is both a :class:`TypeError` and a :class:`ValueError`: torchcache 0.6 raised
     ``ValueError`` for calls it could not key, so ``except ValueError`` keeps working.
+
+    Attributes:
+        path: Where the value that cannot be keyed was found (``Net.encoder.lock``), when known.
     """
+
+    path: str | None = None
 
 
 class CorruptEntryError(TorchCacheError, ValueError):

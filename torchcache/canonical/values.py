@@ -102,7 +102,9 @@ class KeyEncoder:
     def refuse(self, path: str, why: str) -> KeyingError:
         """The error for a value at ``path`` that cannot be encoded."""
         name = path.rsplit(".", 1)[-1].split("[", 1)[0].strip("<>()") or path
-        return KeyingError(f"{path}: cannot be part of the cache key: {why}. {self._remedy.format(name=name)}")
+        error = KeyingError(f"{path}: cannot be part of the cache key: {why}. {self._remedy.format(name=name)}")
+        error.path = path
+        return error
 
     def ignored(self, path: str, name: str) -> bool:
         """Whether the attribute ``name`` at ``path`` is declared as not changing outputs."""

@@ -95,9 +95,9 @@ def _covered(value: object, path: str, root: str, version: object) -> bytes:
         except KeyingError as exc:
             if version is None:
                 raise
-            refused = str(exc).split(": cannot be part of the cache key", 1)[0].split("[", 1)[0]
-            relative = refused[len(root) + 1 :] if refused.startswith(root + ".") else refused
-            if relative in ignore or relative == refused:
+            refused = (exc.path or "").split("[", 1)[0]  # an item of a container: the attribute holding it
+            relative = refused[len(root) + 1 :] if refused.startswith(root + ".") else ""
+            if not relative or relative in ignore:
                 break  # not a part the encoder can leave out
             ignore.add(relative)
     if isinstance(value, (dict, list, tuple)):  # item by item: the version covers only the items refused

@@ -115,13 +115,16 @@ def refuse_dependent(backbone: torch.nn.Module, layout: SampleLayout, samples: l
     except (RuntimeError, TypeError):  # inputs of two shapes: extraction itself says what is wrong
         return
     together = run_backbone(backbone, batch, len(samples))
-    for i, one in enumerate(inputs):
+    alone = []
+    for one in inputs:
         try:
-            alone = run_backbone(backbone, default_collate([one]), 1)  # type: ignore[no-untyped-call]
+            alone.append(run_backbone(backbone, default_collate([one]), 1))  # type: ignore[no-untyped-call]
         except ConfigError as exc:  # a batch of one: what a resumed or repaired extraction may run
             raise ConfigError(f"{exc}. An input alone (a batch of one, as resuming or repairing runs) failed") from None
         except Exception as exc:  # noqa: BLE001 - BatchNorm without running statistics refuses a batch of one
             how = f"an input alone raised {type(exc).__name__}: {str(exc)[:200]}"
             raise ConfigError(_DEPENDENT.format(how=how)) from None
-        if alone.shape[1:] != together.shape[1:] or not rows_agree(together[i : i + 1], alone, together):
-            raise ConfigError(_DEPENDENT.format(how="an input alone gave other features than in a batch of two"))
+    if any(row.shape[1:] != together.shape[1:] for row in alone) or not rows_agree(
+        together, torch.cat(alone), together
+    ):
+        raise ConfigError(_DEPENDENT.format(how="an input alone gave other features than in a batch of two"))

@@ -60,15 +60,13 @@ def gather_hits(
     return layout, parts
 
 
-def leaf_devices(devices: torch.device | Sequence[torch.device], count: int) -> list[torch.device]:
-    """The device of each of ``count`` leaves: one device for all, or one per leaf (the first for all if unsure)."""
-    if isinstance(devices, torch.device):
-        return [devices] * count
+def leaf_devices(devices: Sequence[torch.device], count: int) -> list[torch.device]:
+    """The device of each of ``count`` leaves: ``devices`` has one per leaf, or one for all (or the first for all)."""
     return list(devices) if len(devices) == count else [devices[0]] * count
 
 
 def cast_returned(
-    leaves: Sequence[torch.Tensor], layout: Layout, devices: torch.device | Sequence[torch.device]
+    leaves: Sequence[torch.Tensor], layout: Layout, devices: Sequence[torch.device]
 ) -> list[torch.Tensor]:
     """Cast gathered leaves to the dtype, device and memory format a real call returns (``devices``: per leaf)."""
     return [
@@ -81,7 +79,7 @@ def merge_parts(
     parts: Sequence[tuple[list[int], list[torch.Tensor]]],
     batch: int,
     layout: Layout,
-    devices: torch.device | Sequence[torch.device],
+    devices: Sequence[torch.device],
 ) -> list[torch.Tensor]:
     """Scatter the parts' rows into new ``(batch, ...)`` tensors in input order.
 

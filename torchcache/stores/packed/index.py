@@ -355,9 +355,10 @@ class Index:
         """A transaction, unless the file was cut shorter than it was (its pages would kill the process: SIGBUS)."""
         with contextlib.suppress(OSError):  # removed or replaced: the mapping still holds the file it opened
             st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == self.identity and st.st_size < self._size:
-                raise lmdb.CorruptedError(f"{self.path} was cut shorter than its pages by another program")
-            self._size = max(self._size, st.st_size) if (st.st_dev, st.st_ino) == self.identity else self._size
+            if (st.st_dev, st.st_ino) == self.identity:
+                if st.st_size < self._size:
+                    raise lmdb.CorruptedError(f"{self.path} was cut shorter than its pages by another program")
+                self._size = st.st_size
         try:
             return self.env.begin(**options)
         except lmdb.MapResizedError:  # another process grew the map past this one's
