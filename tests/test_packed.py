@@ -89,8 +89,25 @@ def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypa
     calls.update(change=0, begin=0, pread=0, fstat=0)
     got = store.get_many([key(i) for i in range(1000, 2024)])
     assert all(bytes(v or b"") == value(i, 3072) for v, i in zip(got, range(1000, 2024)))
-    # one segment: opened, its size checked, then every record read from its mapping
-    assert calls["change"] == 0 and calls["begin"] == 1 and calls["pread"] == 0 and calls["fstat"] <= 2
+    # one segment: opened, its size checked, then every record read from its mapping; the index's length checked
+    assert calls["change"] == 0 and calls["begin"] == 1 and calls["pread"] == 0 and calls["fstat"] <= 3
+
+
+def test_the_length_check_follows_the_file_the_index_maps_not_its_path(root: Path) -> None:
+    from torchcache.stores.packed.index import INDEX_NAME
+
+    store = PackedStore(root, 10**9)
+    fill(store, range(50))
+    index = store._ensure(write=False)
+    assert index is not None
+    mapped = root / INDEX_NAME
+    os.replace(mapped, root / "kept")  # another program renames the file and puts a short one in its place
+    mapped.write_bytes(b"\0" * 4096)
+    with index.begin() as txn:  # the file mapped is still whole: no damage seen
+        assert index.count(txn) == 50
+    os.truncate(root / "kept", 4096)  # the file mapped is cut: damage, before any page is touched
+    with pytest.raises(lmdb.CorruptedError, match="cut shorter"), index.begin():
+        pass
 
 
 # -- several processes ------------------------------------------------------------------

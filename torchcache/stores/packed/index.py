@@ -221,6 +221,7 @@ def _close_inherited() -> None:
 def _close_quietly(index: Index) -> None:
     with contextlib.suppress(Exception):
         index.env.close()
+        os.close(index._fd)
 
 
 after_fork(_forget_shared)
@@ -294,13 +295,13 @@ class Index:
             self.entries = self.env.open_db(b"entries", create=create)
             self.segments = self.env.open_db(b"segments", create=create)
             self.meta = self.env.open_db(b"meta", create=create)
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # the file mapped, wherever it goes
         except BaseException:
             self.env.close()
             raise
-        st = os.stat(path)
+        st = os.fstat(self._fd)
         self.identity = (st.st_dev, st.st_ino)
-        self.users = 1
-        self._size = st.st_size  # never less, but for a file cut by another program (LMDB only grows it)
+        self.users, self._size = 1, st.st_size  # never less, but for a file cut by another program (LMDB only grows it)
 
     def close(self) -> None:
         """Give this use of the environment back; it closes when no store of this process uses it."""
@@ -311,6 +312,7 @@ class Index:
             if _shared.get(self.identity) is self:
                 del _shared[self.identity]
         self.env.close()
+        os.close(self._fd)
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[lmdb.Transaction[bytes]]:
@@ -353,12 +355,11 @@ class Index:
 
     def _begin(self, **options: Any) -> lmdb.Transaction[bytes]:
         """A transaction, unless the file was cut shorter than it was (its pages would kill the process: SIGBUS)."""
-        with contextlib.suppress(OSError):  # removed or replaced: the mapping still holds the file it opened
-            st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == self.identity:
-                if st.st_size < self._size:
-                    raise lmdb.CorruptedError(f"{self.path} was cut shorter than its pages by another program")
-                self._size = st.st_size
+        with contextlib.suppress(OSError):  # the file mapped, by its descriptor: a path replaced is not it
+            size = os.fstat(self._fd).st_size
+            if size < self._size:
+                raise lmdb.CorruptedError(f"{self.path} was cut shorter than its pages by another program")
+            self._size = size
         try:
             return self.env.begin(**options)
         except lmdb.MapResizedError:  # another process grew the map past this one's
