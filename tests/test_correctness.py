@@ -533,6 +533,20 @@ def test_hits_are_merged_onto_the_device_of_each_leaf() -> None:
     assert [t.device.type for t in cast_returned(leaves, layout, (torch.device("meta"),))] == ["meta", "meta"]
 
 
+def test_an_output_that_requires_grad_with_no_input_that_does_is_refused_not_cached_without_grad() -> None:
+    @torchcache()
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.full((4,), 2.0, requires_grad=True)  # trainable, made where no key looks
+
+    x = torch.randn(3, 4)
+    with pytest.raises(ConfigError, match=r"returned an output that requires grad though no input does"):
+        scaled(x)
+    assert len(scaled.cache_instance.memory) == 0  # nothing kept that a hit would return without grad
+    with torch.no_grad():  # no graph: the outputs are plain values, cached
+        assert torch.equal(scaled(x), x * 2) and torch.equal(scaled(x), x * 2)
+    assert scaled.cache_instance.stats().hits == 3
+
+
 _TRAINED_HEAD = nn.Linear(4, 3)  # trainable, read by the function below
 _TRAINED_SCALE = torch.ones(4, requires_grad=True)
 

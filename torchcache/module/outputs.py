@@ -77,6 +77,8 @@ class OutputPlan:
 
         Raises:
             KeyingError: For a sparse leaf, or one on the meta device.
+            ConfigError: For a leaf that requires grad (no input does: calls whose inputs
+                require grad are not cached).
             UnbatchedOutputError: For a leaf whose first dimension is not the number of
                 computed items.
         """
@@ -85,6 +87,12 @@ class OutputPlan:
                 raise KeyingError(
                     f"{self.name} returned a {leaf.layout} tensor: only dense (strided) outputs can be cached; "
                     "return out.to_dense() from the cached function"
+                )
+            if leaf.requires_grad:  # a trainable tensor the key did not see, or one made in forward
+                raise ConfigError(
+                    f"{self.name} returned an output that requires grad though no input does: something it "
+                    "reads is trainable where torchcache does not look (or it makes such a tensor), and cached "
+                    "outputs carry no gradient; freeze it (requires_grad_(False)) or do not cache this callable"
                 )
             if leaf.device.type == "meta":
                 raise KeyingError(
