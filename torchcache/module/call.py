@@ -48,6 +48,8 @@ class CallArguments:
     lists_like_the_batch: list[str] = field(default_factory=list)
     #: The digest of everything but the items (module key, arguments, mode): the item check runs once per context.
     context: bytes = b""
+    #: The cache's count of changes seen when the call took its key: another after it, and the check is void.
+    keyed: int = 0
     #: The per-item tensors' version counters before the forward ran (:meth:`compute`).
     versions: list[int] = field(default_factory=list)
     #: Tensors of ``shared_args`` and defaults (one for the whole batch), and their version counters.

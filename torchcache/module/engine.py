@@ -9,10 +9,8 @@ and a recompute; they never break the call.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import inspect
-import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,7 +29,6 @@ from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items, numerics
 from ..locations import is_object_url, resolve_local_dir, resolve_location
-from ..policy import plural
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from ..tiers.lookup import look_up
@@ -41,13 +38,13 @@ from ..tiers.shared import SharedTier, open_shared_tier
 from ..tree import Layout, RebuildError, flatten
 from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
+from .exit import track
 from .independence import ItemCheck, buffers_kept
 from .outputs import OutputPlan, UnbatchedOutputError
 from .versions import HeldValues, VersionWatch
 
 __all__ = ["Cache"]
 
-_caches: weakref.WeakSet[Cache] = weakref.WeakSet()
 SHAPE_HINT_CALLS = 64  #: calls after which a low hit rate with varying input shapes is pointed out
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _FIXED_KEY = (
@@ -96,7 +93,7 @@ class Cache:
         self._held: HeldValues | None = None  # tensors and arrays the key covers beyond the module's own
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
-        self._stale = False
+        self._changes = self._keyed = 0  # changes seen, and those the key reflects: stale while they differ
         if self._module_hash is not None:
             logger.warning(_FIXED_KEY, name, self._module_hash)
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
@@ -116,7 +113,7 @@ class Cache:
         #: The devices of a call's output leaves, by its context and input device (f(x, "cuda"), a leaf on the CPU).
         self._devices: dict[tuple[bytes, torch.device], tuple[torch.device, ...]] = {}
         self._summaries = PeriodicSummary()
-        _caches.add(self)
+        track(self)  # flushed and summarized at exit
         renew_lock_after_fork(self, "_lock")
 
     def bind_owner(self, owner: Any, rebind: Callable[[Any], Cache]) -> None:
@@ -161,12 +158,14 @@ class Cache:
         ``load_state_dict()`` or ``.to()``. Reading it in between gives the key the
         current weights would give, without fixing it.
         """
-        if self._module_hash is not None and not self._stale:
+        if self._module_hash is not None and self._changes == self._keyed:
             return self._module_hash
         return self._fingerprint()
 
     def _freeze_key(self) -> str:
-        if self._stale:
+        for _ in range(3):  # a change seen during a re-key: taken again (writes from another thread may not stop)
+            if self._changes == self._keyed:
+                break
             self._rekey()
         if self._module_hash is None:
             self.take_key()
@@ -209,30 +208,31 @@ class Cache:
         the disk directory of the new key.
         """
         if self.settings.persistent_module_hash is None and self._module_hash is not None:
-            self._stale = True
+            self._changes += 1
 
     def _rekey(self) -> None:
         with self._lock:
+            seen = self._changes
+            if seen == self._keyed:  # another thread took it while this one waited
+                return
             try:
                 if self._watch is not None:
                     self._watch.reset()  # before hashing: a write during it is seen at the next call
                 key = self._take_key()
             except Exception as exc:
                 raise _KeyRetakeError(f"{type(exc).__name__}: {exc}") from exc
-            self._stale = False
-            if key == self._module_hash:
-                return
-            logger.info("%s changed its weights; new module key %s", self.name, key)
-            if self._disk is not None:
-                self._disk.flush()
-            self._module_hash = key
-            self._items.reset()
-            self._disk = None
-            self._shared = None
-            self._disk_ready = not self.settings.persistent
-            self._devices.clear()
-            with self.memory.lock:
-                self.memory.clear()
+            if key != self._module_hash:  # switched whole before the key counts as fresh
+                logger.info("%s changed its weights; new module key %s", self.name, key)
+                if self._disk is not None:
+                    self._disk.flush()
+                self._module_hash = key
+                self._items.reset()
+                self._disk, self._shared = None, None
+                self._disk_ready = not self.settings.persistent
+                self._devices.clear()
+                with self.memory.lock:
+                    self.memory.clear()
+            self._keyed = seen
 
     @property
     def cache_dir(self) -> Path | None:
@@ -321,9 +321,9 @@ class Cache:
         """Remove this module's entries from memory and disk, zero :meth:`stats`; the next call takes the key again."""
         self.weights_changed()  # what it did not see (a global rebound) is in the new key, not under the old
         with self._lock:
-            with self.memory.lock:
+            with self.memory.lock:  # calls on other threads find and put under it
                 self._hits = self._misses = self._memory_hits = 0
-            self.memory.clear()
+                self.memory.clear()
             disk = self._disk_tier() if self.settings.persistent else None
             self._disk_hits_seen = _HitsSeen(disk, disk.hits if disk is not None else 0)
             if disk is not None:
@@ -339,12 +339,10 @@ class Cache:
     ) -> Any:
         """Call ``fn(*args, **kwargs)`` through the cache (called back with per-item tensors replaced by rows)."""
         watch, held = self._watch, self._held
-        if (
-            self._module_hash is not None
-            and not self._stale
-            and ((watch is not None and watch.changed()) or (held is not None and held.changed()))
+        if self._module_hash is not None and (
+            (watch is not None and watch.changed()) or (held is not None and held.changed())
         ):
-            self._stale = True  # weights written in place (EMA, an optimizer step, batch norm): a new key
+            self._changes += 1  # weights written in place (EMA, an optimizer step, batch norm): a new key
         try:
             call, context = self._split(args, kwargs, training)
         except UncachedInput as exc:
@@ -408,6 +406,7 @@ class Cache:
         """Split a call into its per-item tensors and the digest of everything else."""
         context = Context(self._freeze_key())
         call = self._splitter.split(args, kwargs, context)
+        call.keyed = self._changes
         call.training = training
         if training is not None:
             context.add(b"training" if training else b"eval")
@@ -534,7 +533,9 @@ class Cache:
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached; ``cached``: rows from it)."""
         kept = buffers_kept(self._watch.module()) if self._watch is not None else contextlib.nullcontext()
-        return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear, cached)
+        watches = [w for w in (self._watch, self._held) if w is not None]
+        moved = lambda: self._changes != call.keyed or any(w.changed() for w in watches)  # noqa: E731
+        return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear, moved, cached)
 
     def _count(self, hits: int = 0, misses: int = 0, memory_hits: int = 0) -> None:
         with self.memory.lock:  # also held by the all-hits path, so counts from threads add up
@@ -562,28 +563,3 @@ class Cache:
 def _no_cache() -> None:
     """What an unpickled cache becomes: nothing (the owner makes a new one when called)."""
     return None
-
-
-def _summarize_at_exit() -> None:
-    """Flush every cache and log its summary at INFO level (interpreter exit).
-
-    Entries that a server did not take in this process (it was away or full) are counted
-    in one warning per tier, whatever was warned before: none is lost silently.
-    """
-    told: set[int] = set()
-    for cache in list(_caches):
-        if cache._hits or cache._misses:
-            cache.flush()
-            disk = cache._disk
-            if disk is not None and disk.unstored and id(disk) not in told:
-                told.add(id(disk))
-                cache.faults.warn(
-                    Fault.UNSTORED,
-                    f"{plural(len(disk.unstored), 'entry')} computed in this process could not be stored in "
-                    f"{disk.where} (the server was away or full); they are computed again when next needed",
-                )
-            if logger.isEnabledFor(logging.INFO):
-                logger.info(cache.summary().removeprefix("torchcache "))  # the logger's name says it
-
-
-atexit.register(_summarize_at_exit)

@@ -170,6 +170,7 @@ class ItemCheck:
         keys: list[bytes],
         kept: AbstractContextManager[Any],
         clear: Callable[[], None],
+        moved: Callable[[], bool],
         cached: bool = False,
     ) -> bool:
         """Check, once per call context and process, that the call's items do not depend on each other.
@@ -186,6 +187,8 @@ class ItemCheck:
             keys: The items' keys.
             kept: Restores the module's buffers after the check's forward.
             clear: Removes the entries of the module key (when the check fails).
+            moved: Whether the state the key covers changed since the call took its key (on
+                another thread): a check that fails then proves nothing, and gives ``False``.
             cached: Whether ``rows`` came from the cache, in whole or in part: a first check then
                 computes the whole batch, as an uncached call would (rows cached from calls of one
                 item, of an output pooled over the batch, look per item when checked item by item).
@@ -209,6 +212,8 @@ class ItemCheck:
                 with kept:  # the check's forward leaves no trace in batch norm's statistics
                     check_items(self.name, fn, call, plan, layout, rows, whole)
             except DependentItemsError as exc:
+                if moved():  # the rows were computed from other state than the check's
+                    return False
                 if call.training:
                     self.uncached.add(True)
                     self.faults.warn(

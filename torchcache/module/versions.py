@@ -53,6 +53,8 @@ _children = operator.attrgetter("_modules")
 ARRAY_WATCH_BYTES = 1 << 20
 _data_ptr = torch.Tensor.data_ptr
 _GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
+#: Said of every write seen during a call: the watch cannot tell the forward's writes from another thread's.
+_OVERLAP = "If another thread wrote it while the call ran: change a cached module between its calls, not during them"
 
 
 class _Generation:
@@ -255,7 +257,7 @@ class VersionWatch:
             "run forward, so hits would leave them as they were and later outputs would differ from uncached "
             f"ones. Keep such state outside the cached module, call it without the cache (torchcache_enabled = "
             f"False), or, if it is a memo that outputs do not depend on (a table filled on first use), name it in "
-            f"key_ignore (key_ignore=({(written or ['name'])[0].rsplit('.', 1)[-1]!r},))"
+            f"key_ignore (key_ignore=({(written or ['name'])[0].rsplit('.', 1)[-1]!r},)). {_OVERLAP}"
         )
 
     def training_pattern(self, training: bool) -> bytes:
@@ -440,7 +442,7 @@ class HeldValues:
         return KeyingError(
             f"{name}: its forward wrote in place a tensor it holds in a list, a dict or an object, or reads as a "
             "global; a cached call does not run forward, so hits would leave it as it was and later outputs would "
-            "differ from uncached ones. Keep such state outside the cached module"
+            f"differ from uncached ones. Keep such state outside the cached module. {_OVERLAP}"
         )
 
 
