@@ -20,7 +20,7 @@ from tests.helpers import RAMP_DATASET, Counting, cached, run_python
 from tests.store_helpers import ReferenceStore, Reports, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
 from torchcache.cli.main import main
-from torchcache.errors import StoreError
+from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.meta import load_meta
 from torchcache.stores.packed.store import PackedStore
 from torchcache.tiers import layered as layered_module
@@ -70,6 +70,65 @@ def test_entries_read_from_the_shared_store_are_then_served_locally(
     assert [bytes(v) for v in again[:20]] == [value(i) for i in range(20)]
     assert far.asked == [key(i) for i in range(20, 25)]  # only the misses crossed over
     assert reports.seen == []
+
+
+class AwayStore(ReferenceStore):
+    """A shared store whose server can be sent away: its writes then fail as a Redis server's would."""
+
+    away = False
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        if self.away:
+            raise StoreUnavailableError("the server is away")
+        return super().put_many(items)
+
+
+def test_what_the_shared_store_did_not_take_is_sent_up_after_its_next_write(tmp_path: Path) -> None:
+    far = AwayStore(10**7)
+    store = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
+    far.away = True
+    with pytest.raises(StoreUnavailableError):
+        store.put_many([(key(i), value(i)) for i in range(10)])  # kept by the local copy only
+    assert len(far) == 0 and [bytes(v or b"") for v in store.get_many([key(3)])] == [value(3)]
+    far.away = False
+    store.put_many([(key(10), value(10))])  # the server takes writes again: what it missed follows
+    assert sorted(far.keys()) == sorted(key(i) for i in range(11))
+    assert [bytes(v or b"") for v in far.get_many([key(i) for i in range(10)])] == [value(i) for i in range(10)]
+    store.close()
+    assert not list((tmp_path / "near").glob("unsent-*"))
+
+
+def test_what_the_shared_store_did_not_take_waits_in_the_copy_for_a_later_process(tmp_path: Path) -> None:
+    far = AwayStore(10**7)
+    far.away = True
+    first = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
+    with pytest.raises(StoreUnavailableError):
+        first.put_many([(key(i), value(i)) for i in range(6)])
+    first.close()  # the server still away: the keys go to a file of the copy's
+    (left,) = (tmp_path / "near").glob("unsent-*.keys")
+    assert sorted(left.read_text().split()) == sorted(key(i) for i in range(6))
+    far.away = False
+    second = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
+    assert [bytes(v or b"") for v in second.get_many([key(i) for i in range(6)])] == [value(i) for i in range(6)]
+    assert len(far) == 0  # served by the copy: nothing was read from the server
+    second.flush()  # a flush sends what waits
+    assert sorted(far.keys()) == sorted(key(i) for i in range(6))
+    assert not list((tmp_path / "near").glob("unsent-*"))
+    second.close()
+
+
+def test_a_file_of_unsent_keys_is_read_as_keys_only(tmp_path: Path) -> None:
+    near = PackedStore(tmp_path / "near", 10**7)
+    near.put_many([(key(1), value(1))])
+    near.close()
+    planted = "\n".join([key(1), "not a key", "import os; os.system('x')", key(2) + "x", "AB" * 16]) + "\n"
+    (tmp_path / "near" / "unsent-1-0a1b2c3d.keys").write_text(planted)
+    far = AwayStore(10**7)
+    store = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
+    assert len(store.unsent) == 1
+    store.flush()
+    assert list(far.keys()) == [key(1)]
+    store.close()
 
 
 def test_writes_reach_both_and_the_shared_store_is_the_authority(
@@ -221,6 +280,37 @@ def test_a_later_run_hits_the_local_copy_without_the_server(server: Any, tmp_pat
         assert later["warnings"] == []  # nothing was asked of the server
     metas = [load_meta(path.parent)[0] for path in copy.glob("*/index.lmdb")]
     assert len(metas) == 1 and metas[0] is not None and metas[0]["copy_of"] == server.url
+
+
+_EXIT_WARNINGS = """
+import sys, torch
+from tests.helpers import Counting, cached
+model = cached(Counting, persistent=True, persistent_cache_dir=sys.argv[1], local_cache_dir=sys.argv[2],
+               max_memory_cache_size=0)()
+model(torch.randn(12, 4, generator=torch.Generator().manual_seed(3)))
+print(model.items)
+"""
+
+
+@pytest.mark.slow
+def test_entries_computed_while_the_server_was_away_reach_it_from_the_copy_in_a_later_process(
+    server: Any, tmp_path: Path
+) -> None:
+    from torchcache.stores.redis.store import RedisStore
+
+    url, port = server.url, server.port
+    server.stop()
+    away = run_python(_EXIT_WARNINGS, url, str(tmp_path))
+    assert away.returncode == 0 and away.stdout.split()[-1] == "12", away.stderr[-3000:]
+    assert "12 entries of the local copy could not be stored" in away.stderr, away.stderr[-3000:]
+    server.start(port)
+    back = run_python(_EXIT_WARNINGS, url, str(tmp_path))
+    assert back.returncode == 0 and back.stdout.split()[-1] == "0", back.stderr[-3000:]  # all from the copy
+    assert "could not be stored" not in back.stderr
+    (namespace,) = RedisStore.namespaces(url)
+    with RedisStore(url, namespace, 1 << 30) as store:
+        assert len(store) == 12  # sent up at the exit flush of the process that found them waiting
+    assert not list(tmp_path.rglob("unsent-*"))
 
 
 def test_the_local_copy_comes_from_the_environment(

@@ -25,6 +25,7 @@ from ..stores.packed.format import parse_segment_name
 from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.locks import LOCK_NAMES
 from ..stores.rows.format import MAGIC as ROWS_MAGIC
+from ..stores.unsent import is_unsent_file
 
 __all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "CacheFiles", "FileInfo", "disk_bytes", "has_cache_files", "list_files"]
 
@@ -136,7 +137,7 @@ def list_files(directory: Path) -> CacheFiles:
 
 def _is_store_file(name: str) -> bool:
     known = (INDEX_NAME, INDEX_NAME + "-lock", *LOCK_NAMES, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
-    return name in known or parse_segment_name(name) is not None
+    return name in known or parse_segment_name(name) is not None or is_unsent_file(name)
 
 
 #: What torchcache writes first in each kind of file that makes a directory a cache without its metadata.

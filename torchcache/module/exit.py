@@ -12,6 +12,7 @@ from ..faults import Fault
 from ..policy import plural
 
 if TYPE_CHECKING:
+    from ..tiers.persistent import PersistentTier
     from .engine import Cache
 
 __all__ = ["track"]
@@ -27,8 +28,8 @@ def track(cache: Cache) -> None:
 def _summarize_at_exit() -> None:
     """Flush every cache and log its summary at INFO level (interpreter exit).
 
-    Entries that a server did not take in this process (it was away or full) are counted
-    in one warning per tier, whatever was warned before: none is lost silently.
+    Entries that a server did not take (it was away, full or refused them) are counted in
+    one warning per tier, whatever was warned before: none is lost silently.
     """
     told: set[int] = set()
     for cache in list(_caches):
@@ -36,15 +37,28 @@ def _summarize_at_exit() -> None:
         if stats.hits or stats.misses:
             cache.flush()
             disk = cache._disk  # the tier this cache wrote through (None: in memory)
-            if disk is not None and disk.unstored and id(disk) not in told:
+            if disk is not None and id(disk) not in told:
                 told.add(id(disk))
-                cache.faults.warn(
-                    Fault.UNSTORED,
-                    f"{plural(len(disk.unstored), 'entry')} computed in this process could not be stored in "
-                    f"{disk.where} (the server was away or full); they are computed again when next needed",
-                )
+                _tell_unstored(cache, disk)
             if logger.isEnabledFor(logging.INFO):
                 logger.info(cache.summary().removeprefix("torchcache "))  # the logger's name says it
+
+
+def _tell_unstored(cache: Cache, disk: PersistentTier) -> None:
+    unsent = getattr(disk.store, "unsent", None)  # a local copy keeps them
+    if unsent is not None and len(unsent):
+        cache.faults.warn(
+            Fault.UNSTORED,
+            f"{plural(len(unsent), 'entry')} of the local copy could not be stored in {disk.where} (the server "
+            "was away, full or refused them); the copy keeps them, and the next process that uses it sends them "
+            "once the server takes writes",
+        )
+    elif unsent is None and disk.unstored:
+        cache.faults.warn(
+            Fault.UNSTORED,
+            f"{plural(len(disk.unstored), 'entry')} computed in this process could not be stored in {disk.where} "
+            "(the server was away, full or refused them); they are computed again when next needed",
+        )
 
 
 atexit.register(_summarize_at_exit)

@@ -28,6 +28,7 @@ copy, while local hits keep being served.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -38,6 +39,7 @@ from .._gc import collector_paused
 from ..errors import StoreError
 from ..faults import Fault, Report
 from ..stores.batched import BatchedStore, VerifyReport
+from ..stores.unsent import Unsent
 from .lookup import hits_of, look_up
 
 __all__ = ["PENDING_BYTES", "STASH_BYTES", "LayeredStore"]
@@ -73,6 +75,8 @@ class LayeredStore(BatchedStore):
         self.pending = _Pending(self)
         #: Hits served by the local copy and by the shared store, in this process.
         self.served = [0, 0]
+        #: What the local copy holds and the shared store did not take: sent up once it takes writes.
+        self.unsent = Unsent(getattr(near, "directory", None))
 
     def __repr__(self) -> str:
         return f"LayeredStore(near={self.near!r}, far={self.far!r})"
@@ -160,21 +164,30 @@ class LayeredStore(BatchedStore):
                 self.near.put_many(items)
             except StoreError as exc:
                 self._near_failed(exc, "write")
-        return self.far.put_many(items)
+        try:
+            stored = self.far.put_many(items)
+        except StoreError:
+            if self._near_on:  # on this machine only: sent up once the shared store takes writes again
+                self.unsent.add([key for key, _ in items])
+            raise
+        self._send_unsent(limit=4096)
+        return stored
 
     def send_up(self, keys: Sequence[str]) -> int:
-        """Upload what the local copy holds of ``keys`` and the shared store lacks (its write failed); return how many.
+        """Upload what the local copy holds of ``keys`` (the shared store lacks them); return how many.
 
         Raises:
             StoreError: As the shared store's ``put_many``.
         """
-        lacking = [key for key in keys if key not in self.far and key in self.near] if self._near_on else []
-        sent = 0
-        for start in range(0, len(lacking), 256):
-            chunk = lacking[start : start + 256]
-            items = [(key, data) for key, data in zip(chunk, self.near.get_many(chunk)) if data is not None]
-            sent += self.far.put_many(items)
-        return sent
+        sending = Unsent(None)
+        sending.add(keys)
+        return sending.send(self.near.get_many, self.far.put_many, now=True) if self._near_on else 0
+
+    def _send_unsent(self, limit: int | None = None) -> None:
+        """Send what the shared store did not take (its faults are its own to report; the keys wait)."""
+        if self._near_on and len(self.unsent):
+            with contextlib.suppress(StoreError):
+                self.unsent.send(self.near.get_many, self.far.put_many, limit, now=limit is None)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove entries from both; return how many the shared store had.
@@ -202,12 +215,16 @@ class LayeredStore(BatchedStore):
         """Make both stores' writes visible to other processes (the local copy's background writes first)."""
         self.pending.drain()
         self.near.flush()
+        self._send_unsent()
+        self.unsent.save()
         self.far.flush()
 
     def close(self) -> None:
         """Close both (the local copy's background writes done first, the stash emptied); they reopen if used again."""
         self.stash.drop(None)
         self.pending.drain()
+        self._send_unsent()
+        self.unsent.save()
         try:
             self.near.close()
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -29,6 +30,9 @@ from ..._fork import renew_lock_after_fork
 from ...errors import ConfigError, StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from .url import RedisAddress
+
+#: The command redis-py quotes in a pipeline's error ("Command # 3 (SET key <payload>) of pipeline caused error: ").
+_PIPELINE_COMMAND = re.compile(r"Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 
 __all__ = [
     "BACKOFF_MAX",
@@ -260,7 +264,9 @@ class RedisLink:
 
     def failure(self, exc: BaseException, what: str) -> StoreError:
         """The store error for a client exception; an unreachable server starts or extends the wait."""
-        detail = self.redact(f"{type(exc).__name__}: {exc}")[:500]
+        # A pipeline's error quotes the failed command, payload bytes and all: only the reply is kept.
+        reply = _PIPELINE_COMMAND.sub("", str(exc))
+        detail = self.redact(f"{type(exc).__name__}: {reply}")[:500]
         where = self.address.safe_url
         if not self.is_away(exc):
             hint = ""

@@ -1,0 +1,144 @@
+"""Keys a local copy holds that its shared store did not take: sent up once the store takes writes again.
+
+A write to a Redis server or a bucket that fails (the server away, full or refusing)
+while the local copy takes it leaves the entry on this machine only: its hits are served
+by the copy, so nothing computes it again, and other machines would miss it for good.
+:class:`Unsent` keeps those keys, in RAM while the process runs and, at each flush, in a
+file of the copy's directory (``unsent-<pid>-<token>.keys``, one key a line), where the
+next process to open the copy takes them over. The layered store sends them from the
+copy after a write the server took, and at each flush; a key the copy no longer holds
+(evicted) is dropped. The file is ASCII text whose lines are checked as keys: nothing in
+it runs, and a line that is not a key is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .._fork import renew_lock_after_fork
+from ..errors import StoreError
+from .packed.format import is_key
+
+__all__ = ["MAX_KEYS", "Unsent", "is_unsent_file"]
+
+#: Keys held at most (past them, a long outage's entries stay on this machine only).
+MAX_KEYS = 1 << 18
+#: Seconds before keys whose sending failed are tried again (a flush tries at once).
+RETRY_SECONDS = 10.0
+_CHUNK = 256
+_NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
+
+Read = Callable[[list[str]], Sequence[bytes | memoryview | None]]
+Write = Callable[[list[tuple[str, bytes | memoryview]]], int]
+
+
+def is_unsent_file(name: str) -> bool:
+    """Whether ``name`` is that of a file of unsent keys (or of one being written).
+
+    Example:
+        >>> is_unsent_file("unsent-4242-0a1b2c3d.keys"), is_unsent_file("unsent.txt")
+        (True, False)
+    """
+    return _NAME.fullmatch(name) is not None
+
+
+class Unsent:
+    """The keys of a local copy that its shared store lacks.
+
+    Args:
+        directory: The local copy's directory (``None``: kept in RAM only). The keys of
+            the files earlier processes left there are taken over.
+    """
+
+    def __init__(self, directory: Path | None) -> None:
+        self._dir = directory
+        self._token = secrets.token_hex(4)
+        self._keys: dict[str, None] = {}
+        self._taken: list[Path] = []  # files of earlier processes whose keys are held here now
+        self._pid = os.getpid()
+        self._retry_at = float("-inf")
+        self._lock = threading.RLock()
+        renew_lock_after_fork(self, "_lock")
+        if directory is not None:
+            with contextlib.suppress(OSError):
+                for path in sorted(directory.glob("unsent-*.keys")):
+                    self._take_over(path)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _take_over(self, path: Path) -> None:
+        if not is_unsent_file(path.name):
+            return
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(path, "rb") as file:
+            lines = file.read(MAX_KEYS * 65).decode("ascii").split()
+            self.add([line for line in lines if is_key(line)])
+            self._taken.append(path)
+
+    def add(self, keys: Sequence[str]) -> None:
+        """Hold ``keys`` (past :data:`MAX_KEYS`, the rest are not held)."""
+        with self._lock:
+            for key in keys:
+                if len(self._keys) >= MAX_KEYS:
+                    break
+                self._keys[key] = None
+
+    def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
+        """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
+
+        After a failure, nothing is sent for :data:`RETRY_SECONDS` unless ``now``.
+
+        Returns:
+            How many were sent.
+
+        Raises:
+            StoreError: As ``write``; the keys not sent are still held.
+        """
+        if not self._keys or (not now and time.monotonic() < self._retry_at):
+            return 0
+        with self._lock:
+            keys = list(itertools.islice(self._keys, limit))
+        sent = 0
+        try:
+            for start in range(0, len(keys), _CHUNK):
+                chunk = keys[start : start + _CHUNK]
+                items = [(key, data) for key, data in zip(chunk, read(chunk)) if data is not None]
+                if items:
+                    write(items)
+                sent += len(items)
+                with self._lock:
+                    for key in chunk:  # sent, or no longer in the copy (evicted): nothing to send
+                        self._keys.pop(key, None)
+        except StoreError:
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            raise
+        return sent
+
+    def save(self) -> None:
+        """Leave the keys not sent in this process's file (none left: no file), in place of the files taken over."""
+        if self._dir is None:
+            return
+        path = self._dir / f"unsent-{os.getpid()}-{self._token}.keys"
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the files are its parent's
+                self._pid, self._taken = os.getpid(), []
+            keys = list(self._keys)
+            with contextlib.suppress(OSError):
+                if keys:
+                    partial = path.with_name(path.name + ".tmp")
+                    partial.write_bytes(("\n".join(keys) + "\n").encode("ascii"))
+                    os.replace(partial, path)
+                else:
+                    path.unlink(missing_ok=True)
+                for taken in self._taken:
+                    if taken != path:
+                        taken.unlink(missing_ok=True)
+                self._taken = [path] if keys else []
