@@ -662,15 +662,15 @@ def test_writes_meeting_bookkeeping_another_client_replaced_leave_no_entry_behin
     store = RedisStore(server.url, "replaced", "10MB")
     store.put(key(0), value(0))
     with server.client() as client:
-        client.delete("tc:{replaced}:stats")
-        client.set("tc:{replaced}:stats", "not a hash")  # the transaction's script fails while it runs
+        client.delete("tc:{replaced}:order")
+        client.set("tc:{replaced}:order", "not a sorted set")  # the transaction's script fails while it runs
     with pytest.raises(StoreError):
         store.put_many([(key(i), value(i)) for i in range(1, 20)])
     with server.client() as client:
         entries = client.keys("tc:replaced:*")  # entries are named tc:<namespace>:<key>, bookkeeping tc:{...}:...
     assert len(entries) == 1  # the SETs applied before the script failed are removed again
     report = store.verify()
-    assert any("tc:{replaced}:stats" in problem for problem in report.problems) and not report.fixed
+    assert any("tc:{replaced}:order" in problem for problem in report.problems) and not report.fixed
     assert store.verify(fix=True).fixed
     assert store.verify().ok
     store.put_many([(key(i), value(i)) for i in range(1, 20)])

@@ -259,6 +259,26 @@ def test_planted_bookkeeping_never_breaks_a_call_or_the_stats(server_url: str) -
     assert stats.disk.bytes == model.cache_instance._disk.store.nbytes > 0  # type: ignore[union-attr]
 
 
+def test_totals_planted_as_another_kind_of_value_are_counted_again_and_listed(server_url: str) -> None:
+    from torchcache.stores.redis.store import RedisStore
+
+    model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
+    model(torch.randn(8, 4))
+    model.cache_instance.flush()
+    namespace = model.cache_instance.module_hash
+    with shared("redis").client() as client:
+        client.delete(f"tc:{{{namespace}}}:stats")
+        client.set(f"tc:{{{namespace}}}:stats", "planted")  # a string where the totals' hash was
+        assert namespace in RedisStore.namespaces(server_url)  # still listed (its sizes are torchcache's)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheWarning)
+            model(torch.randn(8, 4))  # written: the totals are counted again, not refused for good
+            model.cache_instance.flush()
+        assert client.type(f"tc:{{{namespace}}}:stats") == b"hash"
+    with RedisStore(server_url, namespace, 1 << 30) as store:
+        assert len(store) == 16 and store.verify().ok
+
+
 @pytest.mark.slow
 def test_with_the_server_away_the_stats_keep_the_last_count() -> None:
     with own_server() as server:

@@ -135,9 +135,13 @@ local function recount(sizes)
   return used, payload
 end
 local function totals(order, sizes, stats, budget)
+  if redis.call('TYPE', stats).ok ~= 'hash' then  -- another client's value: the totals are counted again
+    redis.call('DEL', stats)
+  end
   local t = redis.call('HMGET', stats, 'bytes', 'payload', 'clock')
   local used, payload, clock = count_of(t[1] or 0), count_of(t[2] or 0), count_of(t[3] or 0)
-  if used == nil or payload == nil or payload > used or used > budget then
+  local lost = not t[1] and redis.call('HLEN', sizes) > 0  -- no totals beside entries: removed or evicted
+  if lost or used == nil or payload == nil or payload > used or used > budget then
     used, payload = recount(sizes)
   end
   if clock == nil then

@@ -272,6 +272,8 @@ class RedisLink:
             hint = ""
             if isinstance(exc, self._full) or "OOM" in str(exc):
                 hint = " (OOM: the server is full; raise its maxmemory, lower max_bytes, or use an evicting policy)"
+            elif "WRONGTYPE" in str(exc):
+                hint = " (a bookkeeping key holds another kind of value; `torchcache verify --fix` repairs it)"
             return StoreError(f"cannot {what}: the Redis server {where} refused: {detail}{hint}")
         with self._lock:
             now = self._clock()

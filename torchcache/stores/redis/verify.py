@@ -190,13 +190,24 @@ def list_namespaces(address: RedisAddress, timeout: float) -> list[str]:
                 for raw in page:
                     fields.hmget(raw, "bytes", "payload", "clock")
                 link.count(1)
+                suspects: list[str] = []  # totals of another kind: the namespace is torchcache's if its sizes are
                 for raw, found in zip(page, fields.execute(raise_on_error=False) if page else []):
-                    if not isinstance(found, list) or None in found:
-                        continue  # not the totals torchcache keeps: another program's key of that shape
                     text = raw.decode("utf-8", "replace")
                     name = text[len("tc:{") : -len("}:stats")]
-                    with contextlib.suppress(ConfigError):
-                        names.add(check_namespace(name))
+                    if isinstance(found, Exception):
+                        suspects.append(name)
+                    elif isinstance(found, list) and None not in found:  # else another program's key of that shape
+                        with contextlib.suppress(ConfigError):
+                            names.add(check_namespace(name))
+                if suspects:
+                    kinds = node.pipeline(transaction=False)
+                    for name in suspects:
+                        kinds.type(f"tc:{{{name}}}:sizes")
+                    link.count(1)
+                    for name, kind in zip(suspects, kinds.execute(raise_on_error=False)):
+                        if _text_of(kind) == "hash":
+                            with contextlib.suppress(ConfigError):
+                                names.add(check_namespace(name))
                 if int(cursor) == 0:
                     break
         return sorted(names)
