@@ -9,6 +9,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -26,6 +27,7 @@ from torchcache.errors import KeyingError, StoreError
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
 from torchcache.stores.packed import upkeep as packed_upkeep
+from torchcache.stores.packed import verify as packed_verify
 from torchcache.stores.packed.evict import INDEX_BASE_BYTES
 from torchcache.stores.packed.format import HEADER, encode_key, encode_keys, parse_segment_name, segment_name
 from torchcache.stores.packed.index import ENTRY, INDEX_NAME
@@ -482,6 +484,52 @@ def test_verify_while_another_process_clears_the_store_reports_no_damage(
     monkeypatch.setattr(packed_segments.SegmentFiles, "read", read)
     report = checker.verify(fix=True)
     assert cleared and report.ok and report.bad == [] and not report.fixed
+
+
+def test_verify_while_another_process_writes_then_evicts_segments_reports_no_stray_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(50))
+    other = PackedStore(root, 10**8, segment_bytes=20_000)
+    real_orphans, real_known, steps = packed_segments.SegmentFiles.orphans, packed_verify.known_segments, []
+
+    def orphans(self: Any, known: set[int]) -> list[int]:
+        if not steps:  # sealed segments made after verify read the rows: files it has no row for
+            steps.append("written")
+            fill(other, range(100, 200))
+        return real_orphans(self, known)
+
+    def known_segments(index: Any) -> set[int]:
+        if steps == ["written"]:  # then evicted: rows dropped, files removed
+            steps.append("evicted")
+            other.clear()
+        return real_known(index)
+
+    monkeypatch.setattr(packed_segments.SegmentFiles, "orphans", orphans)
+    monkeypatch.setattr(packed_verify, "known_segments", known_segments)
+    report = checker.verify(fix=True)
+    assert steps == ["written", "evicted"] and report.ok and not report.fixed, report.problems
+
+
+def test_verify_while_another_process_evicts_a_segment_reports_no_missing_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(100))
+    other = PackedStore(root, 10**8, segment_bytes=20_000)
+    real, evicted = packed_index.Index.segment_table, []
+
+    def segment_table(self: Any, txn: Any) -> Any:
+        table = real(self, txn)
+        if not evicted and sys._getframe(1).f_code.co_name == "_file_problems":  # rows read, files not yet
+            evicted.append(True)
+            other.clear()
+        return table
+
+    monkeypatch.setattr(packed_index.Index, "segment_table", segment_table)
+    report = checker.verify()
+    assert evicted and report.ok, report.problems
 
 
 def test_verify_fix_keeps_a_damaged_entry_written_again_since_it_was_checked(

@@ -38,22 +38,34 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     result.bad = [decode_key(kb) for kb, _ in bad]
     if not bad:
         result.problems.extend(_count_problems(index))
-    with index.begin() as txn:
-        table = index.segment_table(txn)
-    result.problems.extend(
-        f"segment {seg}: {files.path(seg)} is missing or not a regular file"
-        for seg in table
-        if not os.path.isfile(files.path(seg))
-    )
-    orphans = set(files.orphans(set(table)))
-    if orphans:  # a segment indexed since the look above is not one
-        orphans -= known_segments(index)
-    result.problems.extend(f"{files.path(seg)} is not in the index" for seg in sorted(orphans))
+    result.problems.extend(_file_problems(index, files))
     if fix and not result.ok:
         _repair(index, files, bad)
         remove_unindexed(index, files, wait=True)
         result.fixed = True
     return result
+
+
+def _file_problems(index: Index, files: SegmentFiles) -> list[str]:
+    """Segment rows without their file, and files without their row, each seen twice.
+
+    Other processes evict, compact and seal segments meanwhile: a row is dropped before
+    its file is removed, and a file is made (locked by its writer) before its row is
+    written. So a missing file is a problem only if its row is still there at a second
+    look, and a file without a row only if a second look after a second read of the rows
+    finds it still so (one that was indexed, or evicted and removed, in between is not).
+    """
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+    missing = [seg for seg in table if not os.path.isfile(files.path(seg))]
+    if missing:  # evicted meanwhile: its row went first
+        missing = [seg for seg in missing if seg in known_segments(index) and not os.path.isfile(files.path(seg))]
+    orphans = set(files.orphans(set(table)))
+    if orphans:
+        orphans &= set(files.orphans(known_segments(index)))
+    return [f"segment {seg}: {files.path(seg)} is missing or not a regular file" for seg in missing] + [
+        f"{files.path(seg)} is not in the index" for seg in sorted(orphans)
+    ]
 
 
 def _bad_records(index: Index, files: SegmentFiles, chunk: int) -> tuple[list[tuple[bytes, Entry | None]], int]:
