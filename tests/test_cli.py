@@ -351,6 +351,24 @@ def damage(directory: Path) -> dict[str, Path]:
     }
 
 
+def test_verify_fix_counts_the_problems_of_a_store_apart_from_damaged_entries(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchcache.cli.commands as commands
+    from torchcache.cli.verify import Problem
+
+    directory = make_dir(items=4)
+
+    def verify_store(path: Path, fix: bool, *args: Any) -> tuple[int, list[Problem], bool]:
+        entry = Problem(path / ("a" * 32), "corrupt", "record failed its checks", 0)
+        return 4, [entry, Problem(path, "store", "a segment row without its file", 0)], fix
+
+    monkeypatch.setattr(commands, "verify_store", verify_store)
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 0 and "removed or repaired 1 damaged entry" in out and str(directory.name) in out
+    assert "repaired 1 problem of the stores' index and files" in out
+
+
 def test_verify_reports_and_fixes_damaged_entries_and_temporary_files(
     capsys: pytest.CaptureFixture[str], cache_root: Path
 ) -> None:

@@ -290,8 +290,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(table(["PROBLEM", "REASON", "FILE"], rows))
         if busy:
             print(f"left {plural(busy, 'recent temporary file')} alone (a write may be in progress)")
-        if from_stores:
-            print(f"removed or repaired {plural(len(from_stores), 'damaged entry', 'damaged entries')}")
+        entries = sum(p.kind != "store" for p in from_stores)
+        if entries:
+            print(f"removed or repaired {plural(entries, 'damaged entry', 'damaged entries')}")
+        if len(from_stores) > entries:
+            print(f"repaired {plural(len(from_stores) - entries, 'problem')} of the stores' index and files")
         if files_removed:
             size = format_size(sum(p.size for p in files_removed))
             print(f"removed {plural(len(files_removed), 'file')} ({size})")
