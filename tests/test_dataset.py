@@ -232,6 +232,20 @@ def test_the_transform_runs_after_the_cache_at_every_access(log: Path) -> None:
 
 # -- the disk tier -----------------------------------------------------------------
 @pytest.mark.slow
+def test_a_disk_tier_removed_while_in_use_is_not_made_again_by_dataloader_workers(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(24, log), tmp_path / "cache", max_memory_size=0)
+    directory = data.cache.directory
+    assert directory is not None and (directory / "torchcache.json").is_file()
+    shutil.rmtree(directory)  # `torchcache clear` while the job runs
+    loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)  # each worker says its disk tier is gone
+        assert sorted(label for images, labels in loader for label in check_batch(images, labels)) == list(range(24))
+    assert not directory.exists()  # not a store without its metadata
+    data.close()
+
+
+@pytest.mark.slow
 def test_a_warmed_disk_cache_copied_elsewhere_serves_without_the_dataset(tmp_path: Path, log: Path) -> None:
     cache_dir = tmp_path / "cache"
     data = CachedDataset(Numbers(30, log), cache_dir, max_memory_size=0)

@@ -99,11 +99,12 @@ def _same_directory(fd: int, directory: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
-def claim_directory(directory: Path, wait: float = _CLAIM_WAIT) -> CacheClaim | None:
+def claim_directory(directory: Path, wait: float = _CLAIM_WAIT, create: bool = True) -> CacheClaim | None:
     """Make ``directory`` if it is missing and take a shared lock on it, so that no budget or prune removes it.
 
     A removal of the directory in progress in another process is waited for (at most
-    ``wait`` seconds), then the directory is made anew.
+    ``wait`` seconds), then the directory is made anew (without ``create``, a missing
+    directory is left missing).
 
     Returns:
         The claim, or ``None`` if the directory cannot be made, opened or locked (a
@@ -112,9 +113,12 @@ def claim_directory(directory: Path, wait: float = _CLAIM_WAIT) -> CacheClaim | 
     deadline = time.monotonic() + wait
     for _ in range(8):
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            if create:
+                directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(directory, _O_DIR)
         except FileNotFoundError:  # removed between the two: make it again
+            if not create:
+                return None
             continue
         except OSError:
             return None
@@ -133,6 +137,8 @@ def claim_directory(directory: Path, wait: float = _CLAIM_WAIT) -> CacheClaim | 
             os.close(fd)
             return None
         os.close(fd)  # removed while we waited: make it again
+        if not create:
+            return None
     return None
 
 
@@ -357,7 +363,9 @@ def _warn_once(root: Path, kind: str, message: str, warn: Report) -> None:
     warn(Fault.BUDGET, message)
 
 
-def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path | None = None) -> CacheClaim | None:
+def claim_module_cache(
+    location: Path | str, key: str, warn: Report, local: Path | None = None, create: bool = True
+) -> CacheClaim | None:
     """Claim a module cache's directory as this process opens it, then keep its root under budget.
 
     Called once whenever a persistent cache opens its disk tier; cheap (a listing of the
@@ -370,6 +378,8 @@ def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path
         warn: Called with a kind and a message to warn about (a cache's
             :meth:`~torchcache.faults.FaultLog.warn`).
         local: With a Redis URL, the root of the local copies of its entries.
+        create: Make the directory if it is missing (``False``: it was made with the
+            cache, and a missing one was removed while in use).
 
     Returns:
         The claim, to keep while the cache is used (``None`` if there is no local
@@ -378,7 +388,8 @@ def claim_module_cache(location: Path | str, key: str, warn: Report, local: Path
     root = local if isinstance(location, str) else location
     if root is None:
         return None
-    claim = claim_directory(local_copy_dir(root, key, location) if isinstance(location, str) else root / key)
+    directory = local_copy_dir(root, key, location) if isinstance(location, str) else root / key
+    claim = claim_directory(directory, create=create)
     keep_root_budget(root, warn)
     return claim
 

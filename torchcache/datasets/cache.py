@@ -180,8 +180,8 @@ class SampleCache:
         return self._tiers
 
     def _open_tiers(self) -> None:
-        if self.directory is not None and self.max_disk_size:  # held while used: the root's budget keeps it
-            self._root_claim = claim_module_cache(self.directory.parent, self.directory.name, self._faults.warn)
+        if (where := self.directory) is not None and self.max_disk_size:  # held while used; made with its metadata
+            self._root_claim = claim_module_cache(where.parent, where.name, self._faults.warn, create=False)
         if self.job_dir is not None and self._held_pid != os.getpid():
             try:
                 hold_memory(self.job_dir, self._places.memory_name or self.dirname)

@@ -10,6 +10,7 @@ out, never an error.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import time
@@ -164,7 +165,9 @@ def hold_memory(job_dir: Path, dirname: str, held_job: bool = False) -> None:
 def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[SampleTier]:
     """Open the RAM tier (with slots when the dataset's ``length`` is known), then the disk tier.
 
-    A tier that cannot be opened is one warning in ``faults`` and is left out.
+    A tier that cannot be opened is one warning in ``faults`` and is left out. The disk
+    tier's directory was made with its metadata when the cache was: if it is missing, it
+    was removed while in use (``torchcache clear``), and is not made again without them.
     """
     tiers: list[SampleTier] = []
     wanted = [
@@ -211,6 +214,8 @@ def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> Packe
     """A tier's packed store, within its budget (a later run may give it a smaller one)."""
     from ..tiers.local import trimmed
 
+    if name == "disk" and not location.is_dir():  # made with its metadata, then removed: not made again
+        raise StoreError(errno.ENOENT, f"the store directory {location} is gone (removed while in use)")
     report = _reporter(faults, name)
     store = PackedStore(location, size, evict="none", segment_bytes=segment_bytes(size), report=report)
     held = len(store)
