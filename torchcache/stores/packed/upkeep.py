@@ -22,6 +22,7 @@ import time
 
 import lmdb
 
+from ..._log import logger
 from ...faults import Fault, Report
 from .format import encode_record, scan_records
 from .index import (
@@ -88,7 +89,7 @@ def compact_index(index: Index, root: str, report: Report) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(index.path + "-lock")  # the next process to open the new file makes a new one
             os.replace(tmp, index.path)
-            report(Fault.INDEX, f"the index of {root} outgrew its entries ({before:,} bytes); compacted it")
+            logger.info("the index of %s outgrew its entries (%s bytes); compacted it", root, f"{before:,}")  # upkeep
         finally:
             change.abort()
             with contextlib.suppress(FileNotFoundError):
