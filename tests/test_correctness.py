@@ -545,6 +545,8 @@ def test_an_output_that_requires_grad_with_no_input_that_does_is_refused_not_cac
     with torch.no_grad():  # no graph: the outputs are plain values, cached
         assert torch.equal(scaled(x), x * 2) and torch.equal(scaled(x), x * 2)
     assert scaled.cache_instance.stats().hits == 3
+    with pytest.raises(ConfigError, match=r"requires grad though no input does"):
+        scaled(x)  # in grad mode again: refused as a hit too, not served without its gradient
 
 
 _TRAINED_HEAD = nn.Linear(4, 3)  # trainable, read by the function below

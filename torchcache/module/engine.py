@@ -358,6 +358,8 @@ class Cache:
         if call.training in self._items.uncached:  # items that depend on each other in this mode
             return fn(*args, **kwargs)
         tensors = call.tensors
+        if self._outputs.grad_refusal and torch.is_grad_enabled():  # hits too: they would carry no gradient
+            raise ConfigError(self._outputs.grad_refusal)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *call.shared)):
             self.faults.warn(Fault.GRAD, "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)

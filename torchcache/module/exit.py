@@ -45,13 +45,15 @@ def _summarize_at_exit() -> None:
 
 
 def _tell_unstored(cache: Cache, disk: PersistentTier) -> None:
-    unsent = getattr(disk.store, "unsent", None)  # a local copy keeps them
-    if unsent is not None and len(unsent):
+    copy = getattr(disk.store, "near_enabled", False)  # a local copy keeps them (unless it failed)
+    unsent = getattr(disk.store, "unsent", None) if copy else None
+    if unsent is not None and (len(unsent) or unsent.dropped):
+        lost = f"; {unsent.dropped:,} more could not be kept to send" if unsent.dropped else ""
         cache.faults.warn(
             Fault.UNSTORED,
             f"{plural(len(unsent), 'entry')} of the local copy could not be stored in {disk.where} (the server "
             "was away, full or refused them); the copy keeps them, and the next process that uses it sends them "
-            "once the server takes writes",
+            f"once the server takes writes{lost}",
         )
     elif unsent is None and disk.unstored:
         cache.faults.warn(

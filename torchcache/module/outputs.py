@@ -36,6 +36,8 @@ class OutputPlan:
         self.name = name
         self._names = {k: v for k, v in batch_dims.items() if k.startswith("output")}
         self._dims: dict[str, list[int]] = {}
+        #: Why calls in grad mode are refused, once an output required grad (``""``: not seen).
+        self.grad_refusal = ""
 
     def dims(self, spec: Spec) -> list[int]:
         """The batch dimension of each leaf of ``spec`` (empty: the first, for all).
@@ -89,11 +91,13 @@ class OutputPlan:
                     "return out.to_dense() from the cached function"
                 )
             if leaf.requires_grad:  # a trainable tensor the key did not see, or one made in forward
-                raise ConfigError(
+                self.grad_refusal = (
                     f"{self.name} returned an output that requires grad though no input does: something it "
                     "reads is trainable where torchcache does not look (or it makes such a tensor), and cached "
-                    "outputs carry no gradient; freeze it (requires_grad_(False)) or do not cache this callable"
+                    "outputs carry no gradient; freeze it (requires_grad_(False)), call it under torch.no_grad(), "
+                    "or do not cache this callable"
                 )
+                raise ConfigError(self.grad_refusal)
             if leaf.device.type == "meta":
                 raise KeyingError(
                     f"{self.name} returned a tensor on the meta device, which has no values to cache; call it "

@@ -13,18 +13,23 @@ it runs, and a line that is not a key is skipped.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
+import multiprocessing.util
 import os
 import re
 import secrets
+import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .._fork import renew_lock_after_fork
 from ..errors import StoreError
+from .files import open_regular, read_at
 from .packed.format import is_key
 
 __all__ = ["MAX_KEYS", "Unsent", "is_unsent_file"]
@@ -35,6 +40,9 @@ MAX_KEYS = 1 << 18
 RETRY_SECONDS = 10.0
 _CHUNK = 256
 _NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
+#: Seconds after which a file being written that was never renamed is a crashed save's.
+_STALE_SECONDS = 3600.0
+_live: weakref.WeakSet[Unsent] = weakref.WeakSet()  # holding keys: saved when the process ends
 
 Read = Callable[[list[str]], Sequence[bytes | memoryview | None]]
 Write = Callable[[list[tuple[str, bytes | memoryview]]], int]
@@ -62,6 +70,8 @@ class Unsent:
         self._dir = directory
         self._token = secrets.token_hex(4)
         self._keys: dict[str, None] = {}
+        #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
+        self.dropped = 0
         self._taken: list[Path] = []  # files of earlier processes whose keys are held here now
         self._pid = os.getpid()
         self._retry_at = float("-inf")
@@ -69,17 +79,29 @@ class Unsent:
         renew_lock_after_fork(self, "_lock")
         if directory is not None:
             with contextlib.suppress(OSError):
-                for path in sorted(directory.glob("unsent-*.keys")):
+                for path in sorted(directory.glob("unsent-*.keys*")):
                     self._take_over(path)
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def _take_over(self, path: Path) -> None:
+        """Hold the keys of a file another process left (a regular file only: a FIFO would block)."""
         if not is_unsent_file(path.name):
             return
-        with contextlib.suppress(OSError, UnicodeDecodeError), open(path, "rb") as file:
-            lines = file.read(MAX_KEYS * 65).decode("ascii").split()
+        with contextlib.suppress(OSError):
+            opened = open_regular(path, follow_symlinks=False)
+            if opened is None or not stat.S_ISREG(opened[1].st_mode):
+                return
+            fd, st = opened
+            try:
+                if path.name.endswith(".tmp"):  # a save that crashed before its rename, long ago
+                    if time.time() - st.st_mtime > _STALE_SECONDS:
+                        path.unlink()
+                    return
+                lines = read_at(fd, MAX_KEYS * 65).decode("ascii", "replace").split()
+            finally:
+                os.close(fd)
             self.add([line for line in lines if is_key(line)])
             self._taken.append(path)
 
@@ -88,8 +110,11 @@ class Unsent:
         with self._lock:
             for key in keys:
                 if len(self._keys) >= MAX_KEYS:
-                    break
-                self._keys[key] = None
+                    self.dropped += 1
+                else:
+                    self._keys[key] = None
+        if self._keys and self._dir is not None:
+            _live.add(self)
 
     def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
         """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
@@ -114,6 +139,7 @@ class Unsent:
                 if items:
                     write(items)
                 sent += len(items)
+                self.dropped += len(chunk) - len(items)  # evicted from the copy before it was sent
                 with self._lock:
                     for key in chunk:  # sent, or no longer in the copy (evicted): nothing to send
                         self._keys.pop(key, None)
@@ -142,3 +168,22 @@ class Unsent:
                     if taken != path:
                         taken.unlink(missing_ok=True)
                 self._taken = [path] if keys else []
+
+
+def _save_all() -> None:
+    """Leave the keys each copy still holds in its file (at exit, and as a multiprocessing child ends)."""
+    for unsent in list(_live):
+        unsent.save()
+
+
+class _SaveAtProcessExit:
+    """DataLoader workers end with ``os._exit`` after multiprocessing's finalizers: registered in each child."""
+
+    def register(self) -> None:
+        multiprocessing.util.Finalize(None, _save_all, exitpriority=0)
+
+
+atexit.register(_save_all)
+_save_at_process_exit = _SaveAtProcessExit()
+_save_at_process_exit.register()
+multiprocessing.util.register_after_fork(_save_at_process_exit, _SaveAtProcessExit.register)

@@ -139,7 +139,7 @@ local function totals(order, sizes, stats, budget)
     redis.call('DEL', stats)
   end
   local t = redis.call('HMGET', stats, 'bytes', 'payload', 'clock')
-  local used, payload, clock = count_of(t[1] or 0), count_of(t[2] or 0), count_of(t[3] or 0)
+  local used, payload, clock = count_of(t[1] or 0), count_of(t[2] or 0), count_of(t[3] or -1)
   local lost = not t[1] and redis.call('HLEN', sizes) > 0  -- no totals beside entries: removed or evicted
   if lost or used == nil or payload == nil or payload > used or used > budget then
     used, payload = recount(sizes)
