@@ -131,6 +131,26 @@ def test_a_file_of_unsent_keys_is_read_as_keys_only(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed_not_read(tmp_path: Path) -> None:
+    near = tmp_path / "near"
+    near.mkdir()
+    os.mkfifo(near / "unsent-1-0a1b2c3d.keys")  # opened for reading, it would block until a writer came
+    stale = near / "unsent-2-0a1b2c3d.keys.tmp"
+    stale.write_text(key(1) + "\n")
+    os.utime(stale, (1, 1))  # a save that crashed before its rename, long ago
+    fresh = near / "unsent-3-0a1b2c3d.keys.tmp"
+    fresh.write_text(key(2) + "\n")  # one another process is writing now
+    opened: list[LayeredStore] = []
+    thread = threading.Thread(
+        target=lambda: opened.append(LayeredStore(PackedStore(near, 10**7), AwayStore(10**7), Reports())), daemon=True
+    )
+    thread.start()
+    thread.join(timeout=30)
+    assert opened and len(opened[0].unsent) == 0
+    assert not stale.exists() and fresh.exists() and (near / "unsent-1-0a1b2c3d.keys").exists()
+    opened[0].close()
+
+
 def test_writes_reach_both_and_the_shared_store_is_the_authority(
     layers: tuple[LayeredStore, CountingStore, Reports],
 ) -> None:
@@ -292,6 +312,32 @@ print(model.items)
 """
 
 
+_BROKEN_COPY = """
+import sys, torch
+from tests.helpers import Counting, cached
+from torchcache.errors import StoreError
+from torchcache.stores.packed.store import PackedStore
+
+def put_many(self, items):
+    raise StoreError("no space left on the local disk")
+
+PackedStore.put_many = put_many  # the local copy cannot keep them either
+model = cached(Counting, persistent=True, persistent_cache_dir=sys.argv[1], local_cache_dir=sys.argv[2],
+               max_memory_cache_size=0)()
+for _ in range(3):
+    model(torch.randn(4, 4))
+"""
+
+
+@pytest.mark.slow
+def test_entries_neither_the_server_nor_a_failed_copy_took_are_counted_at_exit(server: Any, tmp_path: Path) -> None:
+    url = server.url
+    server.stop()
+    done = run_python(_BROKEN_COPY, url, str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "12 entries computed in this process could not be stored" in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_entries_computed_while_the_server_was_away_reach_it_from_the_copy_in_a_later_process(
     server: Any, tmp_path: Path
@@ -370,6 +416,44 @@ def test_a_dataset_cache_on_a_server_keeps_a_local_copy(server: Any, tmp_path: P
     metas = [load_meta(path.parent)[0] for path in Path(copy).glob("*/index.lmdb")]
     assert len(metas) == 1 and metas[0] is not None
     assert metas[0]["kind"] == "dataset" and metas[0]["copy_of"] == server.url and metas[0]["length"] == 24
+
+
+_WORKERS_DATASET = """
+import sys, warnings, torch
+from torch.utils.data import DataLoader
+from torchcache import CachedDataset
+
+class Ramp(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+    def __getitem__(self, i):
+        return torch.arange(6, dtype=torch.int16) * i, i
+
+warnings.simplefilter("ignore")
+data = CachedDataset(Ramp(), sys.argv[1], max_memory_size=0, local_cache_dir=sys.argv[2])
+loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+print(sorted(int(y) for _, ys in loader for y in ys) == list(range(24)))
+"""
+
+
+@pytest.mark.slow
+def test_samples_dataloader_workers_computed_while_the_server_was_away_reach_it_later(
+    server: Any, tmp_path: Path
+) -> None:
+    from torchcache.stores.redis.store import RedisStore
+
+    url, port = server.url, server.port
+    server.stop()
+    away = run_python(_WORKERS_DATASET, url, str(tmp_path))  # no close(): the workers end as DataLoader's do
+    assert away.returncode == 0 and away.stdout.split()[-1] == "True", away.stderr[-3000:]
+    assert list(tmp_path.rglob("unsent-*.keys"))  # what the server did not take, kept to send
+    server.start(port)
+    back = run_python(_WORKERS_DATASET, url, str(tmp_path))  # every sample from the copy: no write
+    assert back.returncode == 0 and back.stdout.split()[-1] == "True", back.stderr[-3000:]
+    (namespace,) = RedisStore.namespaces(url)
+    with RedisStore(url, namespace, 1 << 30) as store:
+        assert len(store) == 24  # sent as the workers ended
+    assert not list(tmp_path.rglob("unsent-*"))
 
 
 @pytest.mark.slow

@@ -267,6 +267,7 @@ def test_totals_planted_as_another_kind_of_value_are_counted_again_and_listed(se
     model.cache_instance.flush()
     namespace = model.cache_instance.module_hash
     with shared("redis").client() as client:
+        clock = int(client.hget(f"tc:{{{namespace}}}:stats", "clock"))
         client.delete(f"tc:{{{namespace}}}:stats")
         client.set(f"tc:{{{namespace}}}:stats", "planted")  # a string where the totals' hash was
         assert namespace in RedisStore.namespaces(server_url)  # still listed (its sizes are torchcache's)
@@ -275,6 +276,8 @@ def test_totals_planted_as_another_kind_of_value_are_counted_again_and_listed(se
             model(torch.randn(8, 4))  # written: the totals are counted again, not refused for good
             model.cache_instance.flush()
         assert client.type(f"tc:{{{namespace}}}:stats") == b"hash"
+        newest = client.zrange(f"tc:{{{namespace}}}:order", -8, -1, withscores=True)
+        assert min(score for _, score in newest) > clock  # the write clock resumed from the order, not from 0
     with RedisStore(server_url, namespace, 1 << 30) as store:
         assert len(store) == 16 and store.verify().ok
 

@@ -72,6 +72,8 @@ class Unsent:
         self._keys: dict[str, None] = {}
         #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
         self.dropped = 0
+        #: Sends what is held (set by the layered store): tried once more as the process ends.
+        self.sender: Callable[[], None] | None = None
         self._taken: list[Path] = []  # files of earlier processes whose keys are held here now
         self._pid = os.getpid()
         self._retry_at = float("-inf")
@@ -171,8 +173,11 @@ class Unsent:
 
 
 def _save_all() -> None:
-    """Leave the keys each copy still holds in its file (at exit, and as a multiprocessing child ends)."""
+    """Send what each copy holds, and leave the rest in its file (at exit, and as a multiprocessing child ends)."""
     for unsent in list(_live):
+        if unsent.sender is not None and len(unsent):
+            with contextlib.suppress(Exception):  # the server's faults were its store's to report
+                unsent.sender()
         unsent.save()
 
 

@@ -77,6 +77,7 @@ class LayeredStore(BatchedStore):
         self.served = [0, 0]
         #: What the local copy holds and the shared store did not take: sent up once it takes writes.
         self.unsent = Unsent(getattr(near, "directory", None))
+        self.unsent.sender = self._send_unsent
 
     def __repr__(self) -> str:
         return f"LayeredStore(near={self.near!r}, far={self.far!r})"
