@@ -165,6 +165,21 @@ def test_an_output_whose_first_dimension_equals_the_batch_by_chance_is_caught_an
     assert len(cached.cache_instance.memory) == 0
 
 
+def test_an_output_not_batched_where_declared_is_named_with_the_shape_it_was_returned_in() -> None:
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.sum(-1)
+
+    cached = torchcache(batch_dims={"output[0]": 1})(pair)  # output[0] is batch first after all
+    with pytest.raises(KeyingError, match=r"returned output\[0\] \(batch_dims 1\) shaped \(3, 4\) for 3 items"):
+        cached(torch.randn(3, 4))
+
+
+def test_an_lstm_like_output_first_seen_at_a_batch_of_its_layers_points_to_batch_dims() -> None:
+    cached = torchcache()(_lstm_like)  # h_n and c_n not declared; the first batch has as many items as layers
+    with pytest.raises(KeyingError, match=r"depends on the batch.*named in batch_dims"):
+        cached(torch.randn(2, 3))
+
+
 def _flat(output: Any) -> list[torch.Tensor]:
     out, (h, c) = output
     return [out, h, c]

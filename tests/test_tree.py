@@ -1125,3 +1125,8 @@ def test_entry_whose_class_is_not_imported_yet_is_recomputed(tmp_path: Path) -> 
     assert second["types"] == ["typed_outputs_mod.Pair"] * 2
     assert (second["hits"], second["misses"]) == (3, 3)
     assert any("typed_outputs_mod:Pair" in w for w in second["warnings"])
+
+
+def test_a_torch_structseq_output_is_refused_with_the_tuple_to_return() -> None:
+    with pytest.raises(KeyingError, match=r"torch\.return_types\.max.*Return tuple\(result\)"):
+        flatten(torch.randn(3, 4).max(-1))

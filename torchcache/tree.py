@@ -74,9 +74,8 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
     return _flatten_node(output, name, 0, leaves), leaves
 
 
-# The walks below are module functions, not closures: a nested function that calls itself
-# holds a reference to its own cell, a cycle that would keep the leaves it captured (a
-# batch of output tensors) alive until the cyclic garbage collector runs.
+# Module functions, not closures: a nested function that calls itself holds its own cell, a cycle
+# that would keep the leaves it captured (a batch of outputs) alive until the cyclic collector runs.
 def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor]) -> Spec:
     """The spec of ``node``; its tensor leaves are appended to ``leaves``."""
     if isinstance(node, torch.Tensor):
@@ -121,9 +120,8 @@ def _remedy_for(cls: type) -> str:
     """The way out for an output class that cannot be cached, by what kind of class it is."""
     if cls.__name__.endswith("Cache") or hasattr(cls, "key_cache") or hasattr(cls, "self_attention_cache"):
         return (
-            "It looks like a cache of past keys and values for generation (Hugging Face past_key_values), "
-            "which is not per item: call the model with use_cache=False, or cache its encoder "
-            "(model.get_encoder(), model.encoder), whose outputs are"
+            "It looks like a cache of past keys and values for generation (Hugging Face past_key_values), which "
+            "is not per item: use_cache=False, or cache its encoder (model.get_encoder()), whose outputs are"
         )
     if isinstance(cls, type) and issubclass(cls, Mapping):
         return (
@@ -131,6 +129,8 @@ def _remedy_for(cls: type) -> str:
             "the cached function, or cache the model that computes the tensors (for sentence-transformers, "
             "model[0].auto_model)"
         )
+    if cls.__module__ == "torch.return_types":  # x.max(dim), x.topk(k): a structseq of values and indices
+        return f"Return tuple(result) (values, indices) from the cached function, not the {cls.__name__} itself"
     return "Return the tensors the caller needs, in one of those containers"
 
 

@@ -35,7 +35,7 @@ from ..tiers.lookup import look_up
 from ..tiers.memory import MemoryLevel, MemoryTier
 from ..tiers.persistent import DiskLevel, PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
-from ..tree import Layout, RebuildError, flatten
+from ..tree import Layout, RebuildError, Spec, flatten
 from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .exit import track
@@ -464,7 +464,7 @@ class Cache:
                 return computed
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
-            self._check_items(leaves, batch if whole else len(missing), call.batch)
+            self._check_items(leaves, batch if whole else len(missing), call.batch, spec)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and not new_layout.same_rows(layout):  # a memory format of its own is fine
                 self.faults.warn(
@@ -508,14 +508,14 @@ class Cache:
         self._count(misses=batch)
         return fn(*args, **kwargs)
 
-    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
+    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int, spec: Spec) -> None:
         """Refuse leaves that are not per item.
 
         A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n`` with
         ``num_layers == batch``) was stored per item in earlier calls: those entries are removed.
         """
         try:
-            self._outputs.check(leaves, computed, batch)
+            self._outputs.check(leaves, computed, batch, spec)
         except UnbatchedOutputError as exc:
             if len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0):
                 self.clear()

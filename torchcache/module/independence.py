@@ -301,7 +301,9 @@ def _check_positions(
     if other.spec_json != layout.spec_json or not same_shapes or any(t.shape[:1] != (len(positions),) for t in leaves):
         raise DependentItemsError(
             f"{name}: the shape of an item's output depends on the batch (an item gave {_shapes(layout)} in a batch "
-            f"of {batch} and {_shapes(other)} in a batch of {len(positions)}). {_REMEDY}"
+            f"of {batch} and {_shapes(other)} in a batch of {len(positions)}). An output whose batch is not its "
+            "first dimension (an LSTM's h_n and c_n put the layers first) is named in batch_dims "
+            f"(batch_dims={{'output[1][0]': 1, 'output[1][1]': 1}}). {_REMEDY}"
         )
     index = torch.tensor(positions)
     for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):

@@ -74,8 +74,8 @@ class OutputPlan:
             leaves = [leaf.movedim(0, dim).contiguous() if dim else leaf for leaf, dim in zip(leaves, dims)]
         return unflatten(layout.spec, leaves)
 
-    def check(self, leaves: list[torch.Tensor], computed: int, batch: int) -> None:
-        """Every leaf must be dense and hold one row per computed item.
+    def check(self, leaves: list[torch.Tensor], computed: int, batch: int, spec: Spec = "T") -> None:
+        """Every leaf (batch first, as :meth:`to_items` gives them, of ``spec``) must be dense, one row per item.
 
         Raises:
             KeyingError: For a sparse leaf, or one on the meta device.
@@ -84,7 +84,7 @@ class OutputPlan:
             UnbatchedOutputError: For a leaf whose first dimension is not the number of
                 computed items.
         """
-        for leaf in leaves:
+        for n, leaf in enumerate(leaves):
             if leaf.layout != torch.strided:
                 raise KeyingError(
                     f"{self.name} returned a {leaf.layout} tensor: only dense (strided) outputs can be cached; "
@@ -104,8 +104,11 @@ class OutputPlan:
                     "uncached (torchcache(enabled=False)) where it computes on meta tensors"
                 )
             if leaf.dim() == 0 or leaf.shape[0] != computed:
+                dim = (self.dims(spec) or [0] * len(leaves))[n]
+                shape = tuple(leaf.movedim(0, dim).shape if dim else leaf.shape)  # as the callable returned it
+                where = f"{leaf_paths(spec)[n]} (batch_dims {dim})" if dim else leaf_paths(spec)[n]
                 raise UnbatchedOutputError(
-                    f"{self.name} returned a tensor shaped {tuple(leaf.shape)} for {computed} items (batch {batch}): "
+                    f"{self.name} returned {where} shaped {shape} for {computed} items (batch {batch}): "
                     "torchcache caches outputs per item, so every output tensor must have the batch as its first "
                     "dimension. Name outputs whose batch is another dimension in batch_dims (for an LSTM's "
                     "(h_n, c_n): batch_dims={'output[1][0]': 1, 'output[1][1]': 1}); outputs that are not per "
