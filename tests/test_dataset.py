@@ -245,6 +245,39 @@ def test_a_disk_tier_removed_while_in_use_is_not_made_again_by_dataloader_worker
     data.close()
 
 
+_GONE_WITH_WORKERS = """
+import shutil, sys, torch
+from torch.utils.data import DataLoader
+from torchcache import CachedDataset
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        return torch.full((4,), i * i), i
+
+if __name__ == "__main__":
+    data = CachedDataset(Squares(), sys.argv[1], max_memory_size=0)
+    shutil.rmtree(data.cache.directory)  # `torchcache clear` while the job runs
+    loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context=sys.argv[2])
+    print(sorted(int(i) for _, ids in loader for i in ids) == list(range(32)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_fault_every_dataloader_worker_meets_is_one_warning(tmp_path: Path, context: str) -> None:
+    script = tmp_path / "gone.py"
+    script.write_text(_GONE_WITH_WORKERS)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache"), context],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "CacheWarning" in line and "is gone" in line]
+    assert len(warned) == 1, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_warmed_disk_cache_copied_elsewhere_serves_without_the_dataset(tmp_path: Path, log: Path) -> None:
     cache_dir = tmp_path / "cache"

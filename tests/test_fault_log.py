@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchcache import CacheWarning
-from torchcache.faults import Fault, FaultLog
+from torchcache.faults import Fault, FaultLog, SharedWarnings
 
 
 def caught(action: object) -> list[str]:
@@ -94,3 +94,23 @@ def test_a_write_failure_on_a_full_file_system_says_so(tmp_path: Path, monkeypat
     monkeypatch.setattr(os, "statvfs", lambda path: Full())
     assert full_hint(tmp_path) == " (the file system is full)"
     assert full_hint(tmp_path / "gone") == " (the file system is full)"
+
+
+def test_logs_sharing_flags_warn_once_between_them_and_a_pickled_copy_starts_afresh() -> None:
+    import pickle
+
+    shared = SharedWarnings()
+    first, second = FaultLog("a", shared), FaultLog("a", shared)  # as a DataLoader worker and its parent
+    with pytest.warns(CacheWarning, match="disk is full"):
+        first.warn(Fault.WRITE, "disk is full", "disk")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second.warn(Fault.WRITE, "disk is full", "disk")  # logged at DEBUG: the other one warned
+    assert second.warned(Fault.WRITE, "disk")
+    with pytest.warns(CacheWarning, match="cannot read"):
+        second.warn(Fault.READ, "cannot read", "disk")  # another kind
+    with pytest.warns(CacheWarning, match="memory is full"):
+        second.warn(Fault.WRITE, "memory is full", "memory")  # another tier
+    copy = FaultLog("a", pickle.loads(pickle.dumps(shared)))  # not handed to a new process: its own flags
+    with pytest.warns(CacheWarning, match="disk is full"):
+        copy.warn(Fault.WRITE, "disk is full", "disk")

@@ -10,12 +10,15 @@ thread that reports (``clear()``, a re-key after ``load_state_dict()``).
 from __future__ import annotations
 
 import enum
+import multiprocessing.context
+import multiprocessing.sharedctypes
 import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +26,7 @@ from ._fork import renew_lock_after_fork
 from ._log import logger
 from .errors import CacheWarning
 
-__all__ = ["Fault", "FaultLog", "Report", "full_hint", "user_stacklevel"]
+__all__ = ["Fault", "FaultLog", "Report", "SharedWarnings", "full_hint", "user_stacklevel"]
 
 _LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
 
@@ -63,15 +66,46 @@ class Fault(enum.StrEnum):
 Report = Callable[[Fault, str], None]
 
 
+class SharedWarnings:
+    """Which faults the processes of one cache warned about: a flag per kind and tier, in shared memory.
+
+    Inherited by forked DataLoader workers and handed to spawned ones (copies made other
+    than for a new process start afresh), so that a fault every worker meets (a full
+    disk) is one warning, not one per worker.
+    """
+
+    _TIERS = ("", "memory", "disk")  # any other place shares one flag a kind
+
+    def __init__(self) -> None:
+        self.flags: Any = multiprocessing.sharedctypes.RawArray("B", len(Fault) * (len(self._TIERS) + 1))
+
+    def first(self, kind: Fault, where: str) -> bool:
+        """Mark ``kind`` in ``where`` as warned; whether no process had marked it before."""
+        tiers = SharedWarnings._TIERS
+        slot = list(Fault).index(kind) * (len(tiers) + 1) + (tiers.index(where) if where in tiers else len(tiers))
+        first = not self.flags[slot]
+        self.flags[slot] = 1
+        return first
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"flags": self.flags if multiprocessing.context.get_spawning_popen() is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.flags = state["flags"] if state["flags"] is not None else SharedWarnings().flags
+
+
 class FaultLog:
     """Faults of one cache: reported from any thread, warned about once per kind.
 
     Args:
         name: The cache's name, the prefix of every message.
+        shared: Flags shared with the cache's other processes (DataLoader workers): a
+            fault one of them warned about is logged at DEBUG level in the others.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, shared: SharedWarnings | None = None) -> None:
         self.name = name
+        self.shared = shared
         self._warned: set[tuple[Fault, str]] = set()
         self._pending: list[tuple[Fault, str, str, int]] = []  # with the process that reported it
         self._lock = threading.Lock()
@@ -89,7 +123,8 @@ class FaultLog:
     def warn(self, kind: Fault, message: str, where: str = "") -> None:
         """Warn now, once per kind and tier ``where`` (later ones are logged at DEBUG level)."""
         text = f"torchcache ({self.name}): {message}"
-        if (kind, where) in self._warned:
+        if (kind, where) in self._warned or (self.shared is not None and not self.shared.first(kind, where)):
+            self._warned.add((kind, where))
             logger.debug(text)
             return
         self._warned.add((kind, where))

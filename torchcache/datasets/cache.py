@@ -26,7 +26,7 @@ from .._fork import renew_lock_after_fork
 from ..catalog.budget import CacheClaim, claim_module_cache
 from ..config import module_dir_name
 from ..errors import ConfigError, KeyingError, StoreError
-from ..faults import Fault, FaultLog
+from ..faults import Fault, FaultLog, SharedWarnings
 from ..meta import load_meta
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..stores.redis.url import redact_url
@@ -97,7 +97,7 @@ class SampleCache:
         assert dirname is not None
         self.name, self.dirname = name, dirname
         self._summaries = PeriodicSummary()
-        self._faults = FaultLog(str(info.get("name", name)) if info else name)
+        self._faults = FaultLog(str(info.get("name", name)) if info else name, SharedWarnings())  # workers too
         self._info = dict(info or {})
         self._places = places = resolve_places(
             dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults,
@@ -160,13 +160,12 @@ class SampleCache:
 
     # -- state across processes -----------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_tiers=[], _pid=None, _held_pid=None, _faults=self._faults.name, _lock=None, _root_claim=None)
-        return state
+        fresh: dict[str, Any] = {"_tiers": [], "_pid": None, "_held_pid": None, "_lock": None, "_root_claim": None}
+        return {**self.__dict__, **fresh, "_faults": (self._faults.name, self._faults.shared)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._faults = FaultLog(state["_faults"])
+        self._faults = FaultLog(*state["_faults"])
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
 
