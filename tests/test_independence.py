@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -315,3 +318,39 @@ def test_rows_cached_one_item_at_a_time_are_checked_as_a_whole_batch_at_the_firs
         reader = torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)(pooled)
     with pytest.raises(DependentItemsError, match="shape of an item's output depends on the batch"):
         reader(x[:2])  # all hits: computed whole, as an uncached call would be
+
+
+class _Noisy(nn.Module):
+    """Dropout, and a sample from a generator of its own: random in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.own = torch.Generator().manual_seed(3)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = random.random() + float(np.random.rand())  # the generators of Python and numpy too
+        return self.drop(x) + torch.rand(x.shape, generator=self.own) + shift
+
+
+def test_the_item_check_leaves_every_random_generator_as_it_found_it() -> None:
+    cached, plain = torchcache()(_Noisy()), _Noisy()
+    x = torch.randn(4, 6)
+    for model in (cached, plain):  # the same draws, one module checked and the other not
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        with pytest.warns(CacheWarning, match="training mode") if model is cached else contextlib.nullcontext():
+            out = model(x)
+        after = (torch.rand(3), random.random(), np.random.rand(), torch.rand(2, generator=model.own))
+        if model is cached:
+            cached_out, cached_after = out, after
+    assert torch.equal(cached_out, out)  # an uncached call in training mode, as if no check had run
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(cached_after, after))
+
+
+def test_a_module_that_samples_in_eval_mode_is_told_to_take_the_randomness_out() -> None:
+    cached = torchcache()(_Noisy().eval())  # dropout is off; its own generator still draws
+    with pytest.raises(DependentItemsError, match="samples in eval mode too"):
+        cached(torch.randn(4, 6))

@@ -26,6 +26,9 @@ from torchcache.stores.packed.store import PackedStore
 from torchcache.tiers import layered as layered_module
 from torchcache.tiers.layered import LayeredStore
 
+#: A process id that no running process has (a file named by it was left by a process that ended).
+DEAD_PID = 4_194_300
+
 
 class CountingStore(ReferenceStore):
     """The reference store, counting the keys it was asked for."""
@@ -107,6 +110,7 @@ def test_what_the_shared_store_did_not_take_waits_in_the_copy_for_a_later_proces
     first.close()  # the server still away: the keys go to a file of the copy's
     (left,) = (tmp_path / "near").glob("unsent-*.keys")
     assert sorted(left.read_text().split()) == sorted(key(i) for i in range(6))
+    left.rename(left.with_name(f"unsent-{DEAD_PID}-0a1b2c3d.keys"))  # as its process ended (a live one's is its own)
     far.away = False
     second = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
     assert [bytes(v or b"") for v in second.get_many([key(i) for i in range(6)])] == [value(i) for i in range(6)]
@@ -122,7 +126,7 @@ def test_a_file_of_unsent_keys_is_read_as_keys_only(tmp_path: Path) -> None:
     near.put_many([(key(1), value(1))])
     near.close()
     planted = "\n".join([key(1), "not a key", "import os; os.system('x')", key(2) + "x", "AB" * 16]) + "\n"
-    (tmp_path / "near" / "unsent-1-0a1b2c3d.keys").write_text(planted)
+    (tmp_path / "near" / f"unsent-{DEAD_PID}-0a1b2c3d.keys").write_text(planted)
     far = AwayStore(10**7)
     store = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
     assert len(store.unsent) == 1
@@ -134,12 +138,11 @@ def test_a_file_of_unsent_keys_is_read_as_keys_only(tmp_path: Path) -> None:
 def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed_not_read(tmp_path: Path) -> None:
     near = tmp_path / "near"
     near.mkdir()
-    os.mkfifo(near / "unsent-1-0a1b2c3d.keys")  # opened for reading, it would block until a writer came
-    stale = near / "unsent-2-0a1b2c3d.keys.tmp"
-    stale.write_text(key(1) + "\n")
-    os.utime(stale, (1, 1))  # a save that crashed before its rename, long ago
-    fresh = near / "unsent-3-0a1b2c3d.keys.tmp"
-    fresh.write_text(key(2) + "\n")  # one another process is writing now
+    os.mkfifo(near / f"unsent-{DEAD_PID}-0a1b2c3d.keys")  # opened for reading, it would block until a writer came
+    stale = near / f"unsent-{DEAD_PID}-1a1b2c3d.keys.tmp"
+    stale.write_text(key(1) + "\n")  # a save whose process ended before its rename
+    fresh = near / f"unsent-{os.getpid()}-2a1b2c3d.keys.tmp"
+    fresh.write_text(key(2) + "\n")  # one a live process is writing now
     opened: list[LayeredStore] = []
     thread = threading.Thread(
         target=lambda: opened.append(LayeredStore(PackedStore(near, 10**7), AwayStore(10**7), Reports())), daemon=True
@@ -147,8 +150,54 @@ def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed
     thread.start()
     thread.join(timeout=30)
     assert opened and len(opened[0].unsent) == 0
-    assert not stale.exists() and fresh.exists() and (near / "unsent-1-0a1b2c3d.keys").exists()
+    assert not stale.exists() and fresh.exists() and (near / f"unsent-{DEAD_PID}-0a1b2c3d.keys").exists()
     opened[0].close()
+
+
+def test_keys_left_to_send_are_claimed_by_one_process_and_sent_once(tmp_path: Path) -> None:
+    from torchcache.stores.unsent import Unsent
+
+    (tmp_path / f"unsent-{DEAD_PID}-0a1b2c3d.keys").write_text("".join(key(i) + "\n" for i in range(300)))
+    first, second = Unsent(tmp_path), Unsent(tmp_path)  # two DataLoader workers opening one local copy
+    assert (len(first), len(second)) == (300, 0)  # renamed to the first's name: not the second's to send
+    written: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def write(items: list[tuple[str, Any]]) -> int:  # slow: the server takes its time
+        inside.set()
+        release.wait(30)
+        written.extend(k for k, _ in items)
+        return len(items)
+
+    sender = threading.Thread(target=lambda: first.send(lambda keys: [b"x"] * len(keys), write))
+    sender.start()
+    assert inside.wait(30)
+    assert first.send(lambda keys: [b"x"] * len(keys), write) == 0  # another thread sends: not twice
+    release.set()
+    sender.join(30)
+    assert sorted(written) == sorted(key(i) for i in range(300)) and len(first) == 0 and first.dropped == 0
+    first.save()
+    assert not list(tmp_path.glob("unsent-*"))
+
+
+@pytest.mark.slow
+def test_a_forked_child_holds_none_of_its_parents_keys_to_send(tmp_path: Path) -> None:
+    from torchcache.stores.unsent import Unsent
+
+    held = Unsent(tmp_path)
+    held.add([key(i) for i in range(5)])
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def child() -> None:
+        held.save()  # nothing of the parent's to save or send
+        writer.send((len(held), sorted(p.name for p in tmp_path.glob("unsent-*"))))
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    assert reader.poll(60)
+    assert reader.recv() == (0, [])
+    process.join(30)
+    assert len(held) == 5
 
 
 def test_writes_reach_both_and_the_shared_store_is_the_authority(
@@ -613,3 +662,22 @@ def test_a_child_process_writes_the_local_copy_itself(monkeypatch: pytest.Monkey
     assert layered.get_many([key(0)]) == [value(0)]
     assert all(key(i) in near for i in range(10)) and layered.pending.nbytes == 0 and not near.writing.is_set()
     layered.close()
+
+
+def test_the_exit_warning_counts_what_waits_in_the_copy_apart_from_what_it_evicted(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from torchcache.faults import FaultLog
+    from torchcache.module.exit import _tell_unstored
+
+    store = LayeredStore(PackedStore(tmp_path / "near", 10**7), AwayStore(10**7), Reports())
+    store.unsent.add([key(i) for i in range(3)])  # never in the copy: evicted before they could be sent
+    store.flush()  # the server is there: sent, or dropped
+    cache = SimpleNamespace(faults=FaultLog("t"))
+    disk = SimpleNamespace(store=store, where="s3://b/x", unstored=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _tell_unstored(cache, disk)  # type: ignore[arg-type]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "3 entries could not be stored" in messages[0] and "no longer kept" in messages[0]
+    store.close()

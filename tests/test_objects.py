@@ -322,6 +322,7 @@ def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch
     assert store.get_many([key(1), key(2)]) == [None, None]
     assert store.get_many([key(1)]) == [None]
     assert store.placement([key(1), key(2)]) == [None, None]  # a sampler's order: a plain shuffle
+    assert len(store) == 0  # what a cache's stats() reads: never listed, and no raise
     assert reports.kinds() == [Fault.UNAVAILABLE]  # once per outage
     with pytest.raises(StoreUnavailableError):
         store.put_many([(key(1), b"x")])
@@ -341,6 +342,23 @@ def test_the_stats_of_a_dataset_cache_whose_bucket_is_away_do_not_raise(
         assert [label for _, label in cached.__getitems__([0, 1])] == [0, 1]
         stats = cached.stats()
     assert stats.misses == 2 and stats.disk is not None and stats.disk.entries == 0
+
+
+def test_the_stats_of_a_decorated_module_whose_bucket_is_away_from_the_start_do_not_raise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.object_servers import CREDENTIALS, _free_port, require_s3
+
+    require_s3()
+    for name, val in CREDENTIALS.items():
+        monkeypatch.setenv(name, val)
+    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+    model = cached(Counting, persistent=True, persistent_cache_dir="s3://nowhere/x", storage_options=away,
+                   local_cache_dir=tmp_path)()  # fmt: skip
+    with pytest.warns(CacheWarning):
+        model(torch.randn(4, 4))
+        stats = model.cache_instance.stats()  # the exit summary reads them too
+    assert stats.misses == 4 and stats.disk is not None and stats.disk.entries == 0
 
 
 # -- the products -------------------------------------------------------------------------

@@ -9,7 +9,6 @@ and a recompute; they never break the call.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
 import weakref
@@ -39,8 +38,9 @@ from ..tree import Layout, RebuildError, Spec, flatten
 from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .exit import track
-from .independence import ItemCheck, buffers_kept
+from .independence import ItemCheck
 from .outputs import OutputPlan, UnbatchedOutputError
+from .traceless import traceless
 from .versions import HeldValues, VersionWatch
 
 __all__ = ["Cache"]
@@ -534,7 +534,7 @@ class Cache:
         self, fn: Any, call: CallArguments, layout: Layout, rows: list[Any], keys: list[bytes], cached: bool = True
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached; ``cached``: rows from it)."""
-        kept = buffers_kept(self._watch.module()) if self._watch is not None else contextlib.nullcontext()
+        kept = traceless(self._watch.module() if self._watch is not None else None)
         watches = [w for w in (self._watch, self._held) if w is not None]
         moved = lambda: self._changes != call.keyed or any(w.changed() for w in watches)  # noqa: E731
         return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear, moved, cached)

@@ -47,19 +47,25 @@ def _summarize_at_exit() -> None:
 def _tell_unstored(cache: Cache, disk: PersistentTier) -> None:
     copy = getattr(disk.store, "near_enabled", False)  # a local copy keeps them (unless it failed)
     unsent = getattr(disk.store, "unsent", None) if copy else None
-    if unsent is not None and (len(unsent) or unsent.dropped):
-        lost = f"; {unsent.dropped:,} more could not be kept to send" if unsent.dropped else ""
+    cause = f"could not be stored in {disk.where} (the server was away, full or refused them)"
+    if unsent is not None and len(unsent):
         cache.faults.warn(
             Fault.UNSTORED,
-            f"{plural(len(unsent), 'entry')} of the local copy could not be stored in {disk.where} (the server "
-            "was away, full or refused them); the copy keeps them, and the next process that uses it sends them "
-            f"once the server takes writes{lost}",
+            f"{plural(len(unsent), 'entry')} of the local copy {cause}; the copy keeps them, and the next process "
+            "that uses it sends them once the server takes writes",
+        )
+    if unsent is not None and unsent.dropped:
+        cache.faults.warn(
+            Fault.UNSTORED,
+            f"{plural(unsent.dropped, 'entry')} {cause}, and are no longer kept to send (evicted from the local "
+            "copy first): other machines compute them again",
+            "dropped",
         )
     elif unsent is None and disk.unstored:
         cache.faults.warn(
             Fault.UNSTORED,
-            f"{plural(len(disk.unstored), 'entry')} computed in this process could not be stored in {disk.where} "
-            "(the server was away, full or refused them); they are computed again when next needed",
+            f"{plural(len(disk.unstored), 'entry')} computed in this process {cause}; they are computed again when "
+            "next needed",
         )
 
 

@@ -31,8 +31,7 @@ them off.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,7 +46,6 @@ from .outputs import OutputPlan
 __all__ = [
     "DependentItemsError",
     "ItemCheck",
-    "buffers_kept",
     "check_items",
     "forget_checks",
     "is_checked",
@@ -313,11 +311,17 @@ def _check_positions(
             with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
                 again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
             if not _close(leaf, again, stored.dtype, scale):
+                remedy = (
+                    "Call the module in eval mode (model.eval(); keep_eval=True keeps it there), or cache a "
+                    "deterministic function"
+                    if call.training
+                    else "It samples in eval mode too: cache a deterministic function, or draw the randomness "
+                    "outside the cached callable and pass it in"
+                )
                 raise DependentItemsError(
                     f"{name}: its outputs are not deterministic (output leaf {i} of items {positions} changed when "
                     f"the same batch was computed again: dropout in training mode, or random sampling), so a cached "
-                    f"output would replay one draw. Call the module in eval mode (model.eval(); keep_eval=True keeps "
-                    f"it there), or cache a deterministic function",
+                    f"output would replay one draw. {remedy}",
                     random=True,
                 )
             raise DependentItemsError(
@@ -395,19 +399,3 @@ def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype, sca
     floor = (0.1 * columns).clamp_min(0.01 * overall + torch.finfo(torch.float64).tiny)  # each column on its own scale
     spacing = 2 * info.smallest_normal * info.eps  # a step of the stored dtype's subnormals, where steps are fixed
     return bool(((a - b).abs() <= tolerance * torch.maximum(a.abs(), b.abs()).clamp_min(floor) + spacing).all())
-
-
-@contextlib.contextmanager
-def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
-    """Restore the module's buffers when the block ends (an extra forward in training mode updates them)."""
-    buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
-    saved = [(b.detach().clone(), b._version) for b in buffers]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, (value, version) in zip(buffers, saved):
-                # torch.equal takes strided tensors only; a sparse buffer is restored if it was written
-                strided = buffer.layout == torch.strided
-                if (strided and not torch.equal(buffer, value)) or (not strided and buffer._version != version):
-                    buffer.copy_(value)

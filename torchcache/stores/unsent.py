@@ -27,7 +27,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .._fork import renew_lock_after_fork
 from ..errors import StoreError
 from .files import open_regular, read_at
 from .packed.format import is_key
@@ -40,8 +39,6 @@ MAX_KEYS = 1 << 18
 RETRY_SECONDS = 10.0
 _CHUNK = 256
 _NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
-#: Seconds after which a file being written that was never renamed is a crashed save's.
-_STALE_SECONDS = 3600.0
 _live: weakref.WeakSet[Unsent] = weakref.WeakSet()  # holding keys: saved when the process ends
 
 Read = Callable[[list[str]], Sequence[bytes | memoryview | None]]
@@ -59,56 +56,73 @@ def is_unsent_file(name: str) -> bool:
 
 
 class Unsent:
-    """The keys of a local copy that its shared store lacks.
+    """The keys of a local copy that its shared store lacks, held by one process.
 
     Args:
-        directory: The local copy's directory (``None``: kept in RAM only). The keys of
-            the files earlier processes left there are taken over.
+        directory: The local copy's directory (``None``: kept in RAM only). The files
+            earlier processes left there are claimed (renamed to a name of this
+            process's, so that no other process sends their keys too) and their keys held.
+
+    A forked child starts with none: what its parent held is its parent's to send.
     """
 
     def __init__(self, directory: Path | None) -> None:
         self._dir = directory
-        self._token = secrets.token_hex(4)
-        self._keys: dict[str, None] = {}
-        #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
-        self.dropped = 0
         #: Sends what is held (set by the layered store): tried once more as the process ends.
         self.sender: Callable[[], None] | None = None
-        self._taken: list[Path] = []  # files of earlier processes whose keys are held here now
-        self._pid = os.getpid()
-        self._retry_at = float("-inf")
-        self._lock = threading.RLock()
-        renew_lock_after_fork(self, "_lock")
+        self._start()
         if directory is not None:
             with contextlib.suppress(OSError):
                 for path in sorted(directory.glob("unsent-*.keys*")):
                     self._take_over(path)
 
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._token = secrets.token_hex(4)
+        self._keys: dict[str, None] = {}
+        #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
+        self.dropped = 0
+        self._taken: list[Path] = []  # files claimed from earlier processes, whose keys are held here
+        self._retry_at = float("-inf")
+        self._lock = threading.RLock()
+        self._sending = threading.Lock()  # one send at a time: a key is never sent twice
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():
+            self._start()
+
     def __len__(self) -> int:
+        self._mine()
         return len(self._keys)
 
     def _take_over(self, path: Path) -> None:
-        """Hold the keys of a file another process left (a regular file only: a FIFO would block)."""
-        if not is_unsent_file(path.name):
+        """Claim a file a process that ended left and hold its keys (a regular file only: a FIFO would block).
+
+        A live process's file (its pid named, this one's too) is left to it: it sends them itself.
+        """
+        if not is_unsent_file(path.name) or _alive(int(path.name.split("-")[1])):
             return
         with contextlib.suppress(OSError):
             opened = open_regular(path, follow_symlinks=False)
             if opened is None or not stat.S_ISREG(opened[1].st_mode):
                 return
-            fd, st = opened
+            os.close(opened[0])
+            if path.name.endswith(".tmp"):  # a save its process did not finish
+                path.unlink()
+                return
+            claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
+            os.rename(path, claimed)  # another process that claimed it first: FileNotFoundError, not ours
+            fd = os.open(claimed, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
             try:
-                if path.name.endswith(".tmp"):  # a save that crashed before its rename, long ago
-                    if time.time() - st.st_mtime > _STALE_SECONDS:
-                        path.unlink()
-                    return
                 lines = read_at(fd, MAX_KEYS * 65).decode("ascii", "replace").split()
             finally:
                 os.close(fd)
             self.add([line for line in lines if is_key(line)])
-            self._taken.append(path)
+            self._taken.append(claimed)  # removed once its keys are sent or saved again (not if unread)
 
     def add(self, keys: Sequence[str]) -> None:
         """Hold ``keys`` (past :data:`MAX_KEYS`, the rest are not held)."""
+        self._mine()
         with self._lock:
             for key in keys:
                 if len(self._keys) >= MAX_KEYS:
@@ -121,7 +135,8 @@ class Unsent:
     def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
         """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
 
-        After a failure, nothing is sent for :data:`RETRY_SECONDS` unless ``now``.
+        After a failure, nothing is sent for :data:`RETRY_SECONDS` unless ``now``; while
+        another thread sends, nothing.
 
         Returns:
             How many were sent.
@@ -129,35 +144,39 @@ class Unsent:
         Raises:
             StoreError: As ``write``; the keys not sent are still held.
         """
+        self._mine()
         if not self._keys or (not now and time.monotonic() < self._retry_at):
             return 0
-        with self._lock:
-            keys = list(itertools.islice(self._keys, limit))
-        sent = 0
+        if not self._sending.acquire(blocking=False):
+            return 0
         try:
+            with self._lock:
+                keys = list(itertools.islice(self._keys, limit))
+            sent = 0
             for start in range(0, len(keys), _CHUNK):
                 chunk = keys[start : start + _CHUNK]
                 items = [(key, data) for key, data in zip(chunk, read(chunk)) if data is not None]
                 if items:
                     write(items)
                 sent += len(items)
-                self.dropped += len(chunk) - len(items)  # evicted from the copy before it was sent
                 with self._lock:
-                    for key in chunk:  # sent, or no longer in the copy (evicted): nothing to send
+                    self.dropped += len(chunk) - len(items)  # evicted from the copy before it was sent
+                    for key in chunk:  # sent, or no longer in the copy: nothing to send
                         self._keys.pop(key, None)
+            return sent
         except StoreError:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             raise
-        return sent
+        finally:
+            self._sending.release()
 
     def save(self) -> None:
-        """Leave the keys not sent in this process's file (none left: no file), in place of the files taken over."""
+        """Leave the keys not sent in this process's file (none left: no file), in place of the files claimed."""
+        self._mine()
         if self._dir is None:
             return
-        path = self._dir / f"unsent-{os.getpid()}-{self._token}.keys"
+        path = self._dir / f"unsent-{self._pid}-{self._token}.keys"
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the files are its parent's
-                self._pid, self._taken = os.getpid(), []
             keys = list(self._keys)
             with contextlib.suppress(OSError):
                 if keys:
@@ -170,6 +189,17 @@ class Unsent:
                     if taken != path:
                         taken.unlink(missing_ok=True)
                 self._taken = [path] if keys else []
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of that id runs on this machine (this one included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's, or no such id
+        return pid < 1 << 22
+    return True
 
 
 def _save_all() -> None:

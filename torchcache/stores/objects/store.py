@@ -195,8 +195,8 @@ class ObjectStore(BatchedStore):
         return iter(self._known.keys())
 
     def __len__(self) -> int:
-        self._index()
-        return len(self._known)
+        """Entries of the manifests read so far (a bucket that cannot be listed: those, and the fault reported)."""
+        return len(self._listed())
 
     @property
     def nbytes(self) -> int:
