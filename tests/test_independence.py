@@ -354,3 +354,32 @@ def test_a_module_that_samples_in_eval_mode_is_told_to_take_the_randomness_out()
     cached = torchcache()(_Noisy().eval())  # dropout is off; its own generator still draws
     with pytest.raises(DependentItemsError, match="samples in eval mode too"):
         cached(torch.randn(4, 6))
+
+
+def test_the_item_check_restores_generators_held_in_containers_and_captured_by_functions() -> None:
+    class Drawing(nn.Module):  # draws on every forward, and returns what does not depend on the draws
+        def __init__(self) -> None:
+            super().__init__()
+            self.gens = [torch.Generator().manual_seed(1)]
+            self.legacy = np.random.RandomState(2)
+            self.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.rand(1, generator=self.gens[0]), self.legacy.rand()
+            return x * 2
+
+    captured = np.random.default_rng(3)
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        captured.random()
+        return x * 2
+
+    model, plain, x = torchcache()(Drawing().eval()), Drawing().eval(), torch.randn(4, 3)
+    model(x)  # the first call of a batch: checked item by item
+    plain(x)
+    assert torch.equal(torch.rand(2, generator=model.gens[0]), torch.rand(2, generator=plain.gens[0]))
+    assert model.legacy.rand() == plain.legacy.rand()
+    reference = np.random.default_rng(3)
+    torchcache()(doubled)(x)
+    reference.random()
+    assert captured.random() == reference.random()  # one draw, as an uncached call makes

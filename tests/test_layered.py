@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import json
 import multiprocessing
 import os
@@ -23,10 +25,11 @@ from torchcache.cli.main import main
 from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.meta import load_meta
 from torchcache.stores.packed.store import PackedStore
+from torchcache.stores.unsent import Unsent
 from torchcache.tiers import layered as layered_module
 from torchcache.tiers.layered import LayeredStore
 
-#: A process id that no running process has (a file named by it was left by a process that ended).
+#: A process id in names of files left by processes that ended (a file's owner is told by its lock, not by this).
 DEAD_PID = 4_194_300
 
 
@@ -110,7 +113,10 @@ def test_what_the_shared_store_did_not_take_waits_in_the_copy_for_a_later_proces
     first.close()  # the server still away: the keys go to a file of the copy's
     (left,) = (tmp_path / "near").glob("unsent-*.keys")
     assert sorted(left.read_text().split()) == sorted(key(i) for i in range(6))
-    left.rename(left.with_name(f"unsent-{DEAD_PID}-0a1b2c3d.keys"))  # as its process ended (a live one's is its own)
+    assert len(LayeredStore(PackedStore(tmp_path / "other", 10**7), far, Reports()).unsent) == 0  # another copy
+    assert len(Unsent(tmp_path / "near")) == 0  # locked by the process that saved it, which lives
+    del first
+    gc.collect()  # as its process ended: the file is free to claim
     far.away = False
     second = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
     assert [bytes(v or b"") for v in second.get_many([key(i) for i in range(6)])] == [value(i) for i in range(6)]
@@ -142,7 +148,9 @@ def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed
     stale = near / f"unsent-{DEAD_PID}-1a1b2c3d.keys.tmp"
     stale.write_text(key(1) + "\n")  # a save whose process ended before its rename
     fresh = near / f"unsent-{os.getpid()}-2a1b2c3d.keys.tmp"
-    fresh.write_text(key(2) + "\n")  # one a live process is writing now
+    fresh.write_text(key(2) + "\n")  # one a live process is writing now: it holds a lock on it
+    writing = os.open(fresh, os.O_RDONLY)
+    fcntl.flock(writing, fcntl.LOCK_SH)
     opened: list[LayeredStore] = []
     thread = threading.Thread(
         target=lambda: opened.append(LayeredStore(PackedStore(near, 10**7), AwayStore(10**7), Reports())), daemon=True
@@ -152,11 +160,16 @@ def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed
     assert opened and len(opened[0].unsent) == 0
     assert not stale.exists() and fresh.exists() and (near / f"unsent-{DEAD_PID}-0a1b2c3d.keys").exists()
     opened[0].close()
+    os.close(writing)
+
+
+def test_keys_left_by_an_ended_process_of_the_same_id_are_claimed(tmp_path: Path) -> None:
+    # A job in a container is process 1 in every run; ids are reused: the file's lock says whose it is.
+    (tmp_path / f"unsent-{os.getpid()}-0a1b2c3d.keys").write_text(key(7) + "\n")
+    assert len(Unsent(tmp_path)) == 1
 
 
 def test_keys_left_to_send_are_claimed_by_one_process_and_sent_once(tmp_path: Path) -> None:
-    from torchcache.stores.unsent import Unsent
-
     (tmp_path / f"unsent-{DEAD_PID}-0a1b2c3d.keys").write_text("".join(key(i) + "\n" for i in range(300)))
     first, second = Unsent(tmp_path), Unsent(tmp_path)  # two DataLoader workers opening one local copy
     assert (len(first), len(second)) == (300, 0)  # renamed to the first's name: not the second's to send
@@ -182,8 +195,6 @@ def test_keys_left_to_send_are_claimed_by_one_process_and_sent_once(tmp_path: Pa
 
 @pytest.mark.slow
 def test_a_forked_child_holds_none_of_its_parents_keys_to_send(tmp_path: Path) -> None:
-    from torchcache.stores.unsent import Unsent
-
     held = Unsent(tmp_path)
     held.add([key(i) for i in range(5)])
     reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)

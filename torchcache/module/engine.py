@@ -534,7 +534,7 @@ class Cache:
         self, fn: Any, call: CallArguments, layout: Layout, rows: list[Any], keys: list[bytes], cached: bool = True
     ) -> bool:
         """:meth:`ItemCheck.verify` for this call (``False``: compute it afresh, uncached; ``cached``: rows from it)."""
-        kept = traceless(self._watch.module() if self._watch is not None else None)
+        kept = traceless(self._watch.module() if self._watch is not None else None, fn)
         watches = [w for w in (self._watch, self._held) if w is not None]
         moved = lambda: self._changes != call.keyed or any(w.changed() for w in watches)  # noqa: E731
         return self._items.verify(fn, call, self._outputs, layout, rows, keys, kept, self.clear, moved, cached)

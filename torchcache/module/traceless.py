@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -14,17 +15,18 @@ __all__ = ["traceless"]
 
 
 @contextlib.contextmanager
-def traceless(module: torch.nn.Module | None) -> Iterator[None]:
+def traceless(module: torch.nn.Module | None, fn: Callable[..., Any] | None = None) -> Iterator[None]:
     """Restore what the check's extra forwards change when the block ends: they leave no trace.
 
     The module's buffers (a forward in training mode updates batch norm's statistics),
     the random generators of torch (CPU, and the CUDA devices in use), of ``random`` and
-    of numpy, and the generators the module's submodules hold as attributes (a dropout
-    mask or a sample drawn by the check would shift every later draw of the program).
+    of numpy, and the generators the module's submodules hold as attributes (directly,
+    or in a list, tuple or dict) and that ``fn`` captures or reads as globals: a dropout
+    mask or a sample drawn by the check would shift every later draw of the program.
     """
     buffers = [b for b in module.buffers() if not b.is_inference()] if module is not None else []
     saved = [(b.detach().clone(), b._version) for b in buffers]
-    held = [g for sub in (module.modules() if module is not None else ()) for g in vars(sub).values() if _rng(g)]
+    held = list({id(g): g for g in _generators(module, fn)}.values())
     states = [_rng(g).get() for g in held]  # type: ignore[union-attr]
     python, numpy = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
@@ -58,4 +60,30 @@ def _rng(value: object) -> _State | None:
         return _State(lambda: bits.state, lambda state: setattr(bits, "state", state))
     if isinstance(value, random.Random):
         return _State(value.getstate, value.setstate)
+    if isinstance(value, np.random.RandomState):
+        return _State(value.get_state, value.set_state)
     return None
+
+
+def _generators(module: torch.nn.Module | None, fn: Callable[..., Any] | None) -> Iterator[Any]:
+    """The generators the submodules hold and ``fn`` reaches (its closure, bound object, globals), one level in."""
+    values: list[Any] = [v for sub in (module.modules() if module is not None else ()) for v in vars(sub).values()]
+    while isinstance(fn, functools.partial):
+        values += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        values += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _full(cell)]
+        values += [fn.__globals__.get(name) for name in code.co_names]  # type: ignore[union-attr]
+    values.append(getattr(fn, "__self__", None))
+    for value in values:
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        yield from (g for g in inner if _rng(g) is not None)
+
+
+def _full(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

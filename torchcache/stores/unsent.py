@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import itertools
 import multiprocessing.util
 import os
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import StoreError
-from .files import open_regular, read_at
+from .files import open_regular, pwrite_all, read_at
 from .packed.format import is_key
 
 __all__ = ["MAX_KEYS", "Unsent", "is_unsent_file"]
@@ -39,6 +40,7 @@ MAX_KEYS = 1 << 18
 RETRY_SECONDS = 10.0
 _CHUNK = 256
 _NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _live: weakref.WeakSet[Unsent] = weakref.WeakSet()  # holding keys: saved when the process ends
 
 Read = Callable[[list[str]], Sequence[bytes | memoryview | None]]
@@ -59,11 +61,14 @@ class Unsent:
     """The keys of a local copy that its shared store lacks, held by one process.
 
     Args:
-        directory: The local copy's directory (``None``: kept in RAM only). The files
-            earlier processes left there are claimed (renamed to a name of this
+        directory: The local copy's directory (``None``: kept in RAM only). The files that
+            processes which ended left there are claimed (renamed to a name of this
             process's, so that no other process sends their keys too) and their keys held.
 
-    A forked child starts with none: what its parent held is its parent's to send.
+    Whose a file is, is told by a lock, not a process id (ids are reused, and a job in a
+    container is often process 1): the process that saves or claims a file holds a
+    ``flock`` on it for as long as it lives, and a file no one holds a lock on is free to
+    claim. A forked child starts with none: what its parent held is its parent's to send.
     """
 
     def __init__(self, directory: Path | None) -> None:
@@ -82,43 +87,50 @@ class Unsent:
         self._keys: dict[str, None] = {}
         #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
         self.dropped = 0
-        self._taken: list[Path] = []  # files claimed from earlier processes, whose keys are held here
+        #: The files this process holds (locked), its own and those it claimed, by path.
+        self._held: dict[Path, int] = {}
         self._retry_at = float("-inf")
         self._lock = threading.RLock()
         self._sending = threading.Lock()  # one send at a time: a key is never sent twice
 
     def _mine(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != os.getpid():  # the parent's files stay locked by the descriptors it keeps
             self._start()
+
+    def __del__(self) -> None:
+        if self._pid == os.getpid():  # no longer held here: the files are free to claim
+            for fd in self._held.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def __len__(self) -> int:
         self._mine()
         return len(self._keys)
 
     def _take_over(self, path: Path) -> None:
-        """Claim a file a process that ended left and hold its keys (a regular file only: a FIFO would block).
-
-        A live process's file (its pid named, this one's too) is left to it: it sends them itself.
-        """
-        if not is_unsent_file(path.name) or _alive(int(path.name.split("-")[1])):
+        """Claim a file that no process holds and hold its keys (a regular file only: a FIFO would block)."""
+        if not is_unsent_file(path.name):
             return
         with contextlib.suppress(OSError):
             opened = open_regular(path, follow_symlinks=False)
-            if opened is None or not stat.S_ISREG(opened[1].st_mode):
+            if opened is None:
                 return
-            os.close(opened[0])
-            if path.name.endswith(".tmp"):  # a save its process did not finish
-                path.unlink()
-                return
-            claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
-            os.rename(path, claimed)  # another process that claimed it first: FileNotFoundError, not ours
-            fd = os.open(claimed, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            fd = opened[0]
             try:
+                if not stat.S_ISREG(opened[1].st_mode):
+                    raise BlockingIOError
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its process lives, and sends them itself
+                if path.name.endswith(".tmp"):  # a save its process did not finish
+                    path.unlink()
+                    raise BlockingIOError
+                claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
+                os.rename(path, claimed)  # claimed first by another process: FileNotFoundError
                 lines = read_at(fd, MAX_KEYS * 65).decode("ascii", "replace").split()
-            finally:
+            except OSError:
                 os.close(fd)
+                return
             self.add([line for line in lines if is_key(line)])
-            self._taken.append(claimed)  # removed once its keys are sent or saved again (not if unread)
+            self._held[claimed] = fd  # locked until its keys are sent or saved in this process's file
 
     def add(self, keys: Sequence[str]) -> None:
         """Hold ``keys`` (past :data:`MAX_KEYS`, the rest are not held)."""
@@ -171,7 +183,7 @@ class Unsent:
             self._sending.release()
 
     def save(self) -> None:
-        """Leave the keys not sent in this process's file (none left: no file), in place of the files claimed."""
+        """Leave the keys not sent in this process's file, locked (none left: no file), in place of those claimed."""
         self._mine()
         if self._dir is None:
             return
@@ -179,27 +191,24 @@ class Unsent:
         with self._lock:
             keys = list(self._keys)
             with contextlib.suppress(OSError):
+                fd = -1
                 if keys:
                     partial = path.with_name(path.name + ".tmp")
-                    partial.write_bytes(("\n".join(keys) + "\n").encode("ascii"))
-                    os.replace(partial, path)
+                    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # before it has a name: never claimable while this process lives
+                    try:
+                        pwrite_all(fd, memoryview(("\n".join(keys) + "\n").encode("ascii")), 0)
+                        os.replace(partial, path)
+                    except OSError:
+                        os.close(fd)
+                        raise
                 else:
                     path.unlink(missing_ok=True)
-                for taken in self._taken:
-                    if taken != path:
-                        taken.unlink(missing_ok=True)
-                self._taken = [path] if keys else []
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process of that id runs on this machine (this one included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's, or no such id
-        return pid < 1 << 22
-    return True
+                for held, old in list(self._held.items()):
+                    if held != path:
+                        held.unlink(missing_ok=True)
+                    os.close(old)
+                self._held = {path: fd} if keys else {}
 
 
 def _save_all() -> None:
