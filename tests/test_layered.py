@@ -169,6 +169,29 @@ def test_keys_left_by_an_ended_process_of_the_same_id_are_claimed(tmp_path: Path
     assert len(Unsent(tmp_path)) == 1
 
 
+def test_a_claim_that_races_its_owners_next_save_takes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchcache.stores.unsent as unsent_module
+
+    owner = Unsent(tmp_path)
+    owner.add([key(1)])
+    owner.save()
+    real, raced = fcntl.flock, []
+
+    def flock(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_EX | fcntl.LOCK_NB and not raced:  # the claimer opened the file; before its lock:
+            raced.append(True)
+            owner.add([key(2)])
+            owner.save()  # the owner saves again, and lets go of the file the claimer opened
+        real(fd, operation)
+
+    monkeypatch.setattr(unsent_module.fcntl, "flock", flock)
+    claimer = Unsent(tmp_path)
+    monkeypatch.undo()
+    assert raced and len(claimer) == 0  # not the owner's newer file under its old name
+    (left,) = tmp_path.glob("unsent-*.keys")
+    assert sorted(left.read_text().split()) == [key(1), key(2)] and len(owner) == 2
+
+
 def test_keys_left_to_send_are_claimed_by_one_process_and_sent_once(tmp_path: Path) -> None:
     (tmp_path / f"unsent-{DEAD_PID}-0a1b2c3d.keys").write_text("".join(key(i) + "\n" for i in range(300)))
     first, second = Unsent(tmp_path), Unsent(tmp_path)  # two DataLoader workers opening one local copy

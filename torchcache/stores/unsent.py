@@ -83,7 +83,6 @@ class Unsent:
 
     def _start(self) -> None:
         self._pid = os.getpid()
-        self._token = secrets.token_hex(4)
         self._keys: dict[str, None] = {}
         #: Keys that could not be held (past :data:`MAX_KEYS`) or were gone from the copy when sent.
         self.dropped = 0
@@ -183,30 +182,32 @@ class Unsent:
             self._sending.release()
 
     def save(self) -> None:
-        """Leave the keys not sent in this process's file, locked (none left: no file), in place of those claimed."""
+        """Leave the keys not sent in a new file of this process's, locked, in place of those it held (none: no file).
+
+        Each save writes a file of a new name, never one replaced in place: a name then
+        names one file for good, and a process that opened it to claim it (its owner
+        alive, then gone) cannot rename a newer file of its owner's instead.
+        """
         self._mine()
         if self._dir is None:
             return
-        path = self._dir / f"unsent-{self._pid}-{self._token}.keys"
+        path = self._dir / f"unsent-{self._pid}-{secrets.token_hex(4)}.keys"
         with self._lock:
             keys = list(self._keys)
             with contextlib.suppress(OSError):
                 fd = -1
                 if keys:
                     partial = path.with_name(path.name + ".tmp")
-                    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # before it has a name: never claimable while this process lives
+                    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: no other claims the file
                     try:
                         pwrite_all(fd, memoryview(("\n".join(keys) + "\n").encode("ascii")), 0)
-                        os.replace(partial, path)
+                        os.rename(partial, path)
                     except OSError:
                         os.close(fd)
                         raise
-                else:
-                    path.unlink(missing_ok=True)
-                for held, old in list(self._held.items()):
-                    if held != path:
-                        held.unlink(missing_ok=True)
+                for held, old in list(self._held.items()):  # the older files: their keys are in the new one
+                    held.unlink(missing_ok=True)
                     os.close(old)
                 self._held = {path: fd} if keys else {}
 
