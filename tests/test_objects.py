@@ -310,15 +310,20 @@ def test_a_planted_checkpoint_is_reported_and_the_manifests_are_read_instead(
     assert reports.kinds() == [Fault.INDEX]
 
 
-def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def away(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Storage options of an S3 server that is away: a free port on 127.0.0.1, nothing listening."""
     from tests.object_servers import CREDENTIALS, _free_port, require_s3
 
     require_s3()
     for name, val in CREDENTIALS.items():
         monkeypatch.setenv(name, val)
+    return {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+
+
+def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(away: dict[str, str]) -> None:
     reports = Reports()
-    away = f"http://127.0.0.1:{_free_port()}"
-    store = ObjectStore("s3://nowhere/cache", "ns", 10**6, storage_options={"endpoint_url": away}, report=reports)
+    store = ObjectStore("s3://nowhere/cache", "ns", 10**6, storage_options=away, report=reports)
     assert store.get_many([key(1), key(2)]) == [None, None]
     assert store.get_many([key(1)]) == [None]
     assert store.placement([key(1), key(2)]) == [None, None]  # a sampler's order: a plain shuffle
@@ -328,15 +333,7 @@ def test_a_server_that_is_away_gives_misses_and_write_errors_quickly(monkeypatch
         store.put_many([(key(1), b"x")])
 
 
-def test_the_stats_of_a_dataset_cache_whose_bucket_is_away_do_not_raise(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from tests.object_servers import CREDENTIALS, _free_port, require_s3
-
-    require_s3()
-    for name, val in CREDENTIALS.items():
-        monkeypatch.setenv(name, val)
-    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
+def test_the_stats_of_a_dataset_cache_whose_bucket_is_away_do_not_raise(away: dict[str, str], tmp_path: Path) -> None:
     with pytest.warns(CacheWarning):
         cached = CachedDataset(Images(4), "s3://nowhere/cache", storage_options=away, local_cache_dir=tmp_path)
         assert [label for _, label in cached.__getitems__([0, 1])] == [0, 1]
@@ -345,14 +342,8 @@ def test_the_stats_of_a_dataset_cache_whose_bucket_is_away_do_not_raise(
 
 
 def test_the_stats_of_a_decorated_module_whose_bucket_is_away_from_the_start_do_not_raise(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    away: dict[str, str], tmp_path: Path
 ) -> None:
-    from tests.object_servers import CREDENTIALS, _free_port, require_s3
-
-    require_s3()
-    for name, val in CREDENTIALS.items():
-        monkeypatch.setenv(name, val)
-    away = {"endpoint_url": f"http://127.0.0.1:{_free_port()}"}
     model = cached(Counting, persistent=True, persistent_cache_dir="s3://nowhere/x", storage_options=away,
                    local_cache_dir=tmp_path)()  # fmt: skip
     with pytest.warns(CacheWarning):

@@ -11,7 +11,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -442,6 +442,23 @@ def test_verify_fix_removes_bad_entries(root: Path, reports: Reports) -> None:
     assert len(store) == 48 and store.verify().ok and store.nbytes == 48 * 1000
 
 
+def once_after_segment_table(
+    monkeypatch: pytest.MonkeyPatch, action: Callable[[], object], caller: str | None = None
+) -> list[bool]:
+    """Run ``action`` once, right after the store's rows are read (by ``caller``, if named); the list says it ran."""
+    real, ran = packed_index.Index.segment_table, []
+
+    def segment_table(self: Any, txn: Any) -> Any:
+        table = real(self, txn)
+        if not ran and (caller is None or sys._getframe(1).f_code.co_name == caller):
+            ran.append(True)
+            action()
+        return table
+
+    monkeypatch.setattr(packed_index.Index, "segment_table", segment_table)
+    return ran
+
+
 @pytest.mark.parametrize("fix", [False, True])
 def test_verify_while_another_writer_adds_segments_keeps_its_entries_and_reports_nothing(
     root: Path, monkeypatch: pytest.MonkeyPatch, fix: bool
@@ -449,17 +466,12 @@ def test_verify_while_another_writer_adds_segments_keeps_its_entries_and_reports
     checker = PackedStore(root, 10**8, segment_bytes=20_000)
     fill(checker, range(100))
     writer = PackedStore(root, 10**8, segment_bytes=20_000)
-    real, wrote = packed_index.Index.segment_table, []
 
-    def segment_table(self: Any, txn: Any) -> Any:
-        table = real(self, txn)
-        if not wrote:  # another process writes while verify looks
-            wrote.append(True)
-            fill(writer, range(100, 200))
-            writer.flush()
-        return table
+    def write() -> None:  # another process writes while verify looks
+        fill(writer, range(100, 200))
+        writer.flush()
 
-    monkeypatch.setattr(packed_index.Index, "segment_table", segment_table)
+    wrote = once_after_segment_table(monkeypatch, write)
     report = checker.verify(fix=fix)
     assert wrote and report.ok and report.bad == [] and not report.fixed
     monkeypatch.undo()
@@ -518,16 +530,7 @@ def test_verify_while_another_process_evicts_a_segment_reports_no_missing_file(
     checker = PackedStore(root, 10**8, segment_bytes=20_000)
     fill(checker, range(100))
     other = PackedStore(root, 10**8, segment_bytes=20_000)
-    real, evicted = packed_index.Index.segment_table, []
-
-    def segment_table(self: Any, txn: Any) -> Any:
-        table = real(self, txn)
-        if not evicted and sys._getframe(1).f_code.co_name == "_file_problems":  # rows read, files not yet
-            evicted.append(True)
-            other.clear()
-        return table
-
-    monkeypatch.setattr(packed_index.Index, "segment_table", segment_table)
+    evicted = once_after_segment_table(monkeypatch, other.clear, caller="_file_problems")  # rows read, files not yet
     report = checker.verify()
     assert evicted and report.ok, report.problems
 

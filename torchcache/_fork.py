@@ -8,20 +8,44 @@ modules the state to reset; both run in the child right after ``fork``.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["ForkGate", "after_fork", "renew_lock_after_fork"]
+__all__ = ["ForkGate", "after_fork", "at_process_end", "renew_lock_after_fork"]
 
 _locks: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
+_finalizers: list[_Finalizer] = []
 
 
 def after_fork(reset: Callable[[], None]) -> None:
     """Run ``reset`` in every child forked from now on (no-op where there is no fork)."""
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=reset)
+
+
+def at_process_end(fn: Callable[[], None]) -> None:
+    """Run ``fn`` as a multiprocessing child ends, in this process and every child forked from it.
+
+    A forked child (a DataLoader worker on Linux) ends with ``os._exit``, which skips
+    ``atexit``, but runs multiprocessing's exit finalizers first; it starts with none of
+    its parent's, so the finalizer is registered again in each child. (``atexit`` is the
+    caller's to register for the main process, in the order it needs.)
+    """
+    finalizer = _Finalizer(fn)
+    _finalizers.append(finalizer)  # multiprocessing keeps a weak reference only
+    finalizer.register()
+
+
+class _Finalizer:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        multiprocessing.util.register_after_fork(self, _Finalizer.register)
+
+    def register(self) -> None:
+        multiprocessing.util.Finalize(None, self.fn, exitpriority=0)
 
 
 class ForkGate:

@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import fcntl
 import itertools
-import multiprocessing.util
 import os
 import re
 import secrets
@@ -28,6 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .._fork import at_process_end
 from ..errors import StoreError
 from .files import open_regular, pwrite_all, read_at
 from .packed.format import is_key
@@ -221,14 +221,5 @@ def _save_all() -> None:
         unsent.save()
 
 
-class _SaveAtProcessExit:
-    """DataLoader workers end with ``os._exit`` after multiprocessing's finalizers: registered in each child."""
-
-    def register(self) -> None:
-        multiprocessing.util.Finalize(None, _save_all, exitpriority=0)
-
-
 atexit.register(_save_all)
-_save_at_process_exit = _SaveAtProcessExit()
-_save_at_process_exit.register()
-multiprocessing.util.register_after_fork(_save_at_process_exit, _SaveAtProcessExit.register)
+at_process_end(_save_all)  # DataLoader workers end with os._exit, after multiprocessing's finalizers

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing.util
 import os
 import sys
 import threading
@@ -36,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._fork import after_fork, renew_lock_after_fork
+from .._fork import after_fork, at_process_end, renew_lock_after_fork
 from .._log import logger
 from ..policy import format_size
 
@@ -361,21 +360,6 @@ class Unstored:
                 self._keys.difference_update(keys)
 
 
-class _FlushAtProcessExit:
-    """Flush in multiprocessing's exit finalizers too.
-
-    Forked multiprocessing children (DataLoader workers on Linux) end with ``os._exit``,
-    which skips ``atexit``, but run multiprocessing's exit finalizers first. A child
-    starts with none of the parent's finalizers, so the registration is made again in
-    each child, after fork.
-    """
-
-    def register(self) -> None:
-        multiprocessing.util.Finalize(None, flush_all, exitpriority=0)
-
-
 atexit.register(_at_exit)
-_flush_at_process_exit = _FlushAtProcessExit()
-_flush_at_process_exit.register()
-multiprocessing.util.register_after_fork(_flush_at_process_exit, _FlushAtProcessExit.register)
+at_process_end(flush_all)
 after_fork(_after_fork_in_child)
