@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -562,6 +563,24 @@ def test_an_output_that_requires_grad_with_no_input_that_does_is_refused_not_cac
     assert scaled.cache_instance.stats().hits == 3
     with pytest.raises(ConfigError, match=r"requires grad though no input does"):
         scaled(x)  # in grad mode again: refused as a hit too, not served without its gradient
+    with pytest.warns(CacheWarning, match="an input requires grad"):
+        assert scaled(x.clone().requires_grad_()).requires_grad  # such calls bypass the cache, as always
+
+
+def test_a_context_refused_for_outputs_that_require_grad_is_asked_again_after_clear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @torchcache()
+    def scaled(x: torch.Tensor) -> torch.Tensor:  # reads what no key sees (docs: What the key cannot see)
+        return x * torch.full((4,), 2.0, requires_grad=os.environ.get("TC_TEST_TRAIN") == "1")
+
+    x = torch.randn(3, 4)
+    monkeypatch.setenv("TC_TEST_TRAIN", "1")
+    with pytest.raises(ConfigError, match=r"requires grad though no input does"):
+        scaled(x)
+    monkeypatch.setenv("TC_TEST_TRAIN", "0")  # frozen, then the cache cleared, as the message says
+    scaled.cache_instance.clear()
+    assert torch.equal(scaled(x), x * 2) and not scaled(x).requires_grad
 
 
 _TRAINED_HEAD = nn.Linear(4, 3)  # trainable, read by the function below

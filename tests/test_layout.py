@@ -58,7 +58,7 @@ LONG_UNITS = {
     "torchcache.codec": 660,
     "torchcache.datasets.cache.SampleCache": 295,
     "torchcache.datasets.decode": 495,
-    "torchcache.module.engine": 570,
+    "torchcache.module.engine": 575,
     "torchcache.module.engine.Cache": 500,
     "torchcache.stores.packed.index": 660,
     "torchcache.stores.packed.segments": 465,

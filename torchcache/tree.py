@@ -130,7 +130,7 @@ def _remedy_for(cls: type) -> str:
             "model[0].auto_model)"
         )
     if cls.__module__ == "torch.return_types":  # x.max(dim), x.topk(k): a structseq of values and indices
-        return f"Return tuple(result) (values, indices) from the cached function, not the {cls.__name__} itself"
+        return f"Return tuple(result) from the cached function (its fields in order), not the {cls.__name__} itself"
     return "Return the tensors the caller needs, in one of those containers"
 
 

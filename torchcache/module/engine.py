@@ -39,7 +39,7 @@ from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .exit import track
 from .independence import ItemCheck
-from .outputs import OutputPlan, UnbatchedOutputError
+from .outputs import GradOutputError, OutputPlan, UnbatchedOutputError
 from .traceless import traceless
 from .versions import HeldValues, VersionWatch
 
@@ -94,6 +94,7 @@ class Cache:
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.persistent_module_hash
         self._changes = self._keyed = 0  # changes seen, and those the key reflects: stale while they differ
+        self._grad_refused: dict[bytes, str] = {}  # call contexts whose outputs required grad, and why refused
         if self._module_hash is not None:
             logger.warning(_FIXED_KEY, name, self._module_hash)
         self.memory = MemoryTier(settings.max_memory_cache_size, settings.memory_cache_device)
@@ -164,9 +165,8 @@ class Cache:
 
     def _freeze_key(self) -> str:
         for _ in range(3):  # a change seen during a re-key: taken again (writes from another thread may not stop)
-            if self._changes == self._keyed:
-                break
-            self._rekey()
+            if self._changes != self._keyed:
+                self._rekey()
         if self._module_hash is None:
             self.take_key()
         assert self._module_hash is not None
@@ -324,13 +324,13 @@ class Cache:
             with self.memory.lock:  # calls on other threads find and put under it
                 self._hits = self._misses = self._memory_hits = 0
                 self.memory.clear()
+            self._grad_refused.clear()  # what made outputs require grad may be gone
             disk = self._disk_tier() if self.settings.persistent else None
             self._disk_hits_seen = _HitsSeen(disk, disk.hits if disk is not None else 0)
-            if disk is not None:
-                try:
-                    disk.clear()
-                except StoreError as exc:
-                    self.faults.warn(Fault.WRITE, f"could not clear the disk cache: {exc}")
+            try:
+                disk.clear() if disk is not None else None
+            except StoreError as exc:
+                self.faults.warn(Fault.WRITE, f"could not clear the disk cache: {exc}")
         self.faults.emit()
 
     # -- the call ---------------------------------------------------------------------
@@ -358,11 +358,11 @@ class Cache:
         if call.training in self._items.uncached:  # items that depend on each other in this mode
             return fn(*args, **kwargs)
         tensors = call.tensors
-        if self._outputs.grad_refusal and torch.is_grad_enabled():  # hits too: they would carry no gradient
-            raise ConfigError(self._outputs.grad_refusal)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *call.shared)):
             self.faults.warn(Fault.GRAD, "an input requires grad: calls with such inputs are not cached")
             return fn(*args, **kwargs)
+        if context in self._grad_refused and torch.is_grad_enabled():
+            raise GradOutputError(self._grad_refused[context])
         self.faults.emit()
         self._summaries.tick(self.summary)
         keys = hash_items(context, tensors, self.settings.subsample_count)
@@ -464,7 +464,7 @@ class Cache:
                 return computed
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)
-            self._check_items(leaves, batch if whole else len(missing), call.batch, spec)
+            self._check_items(leaves, batch if whole else len(missing), call.batch, spec, call.context)
             new_layout = Layout.of(spec, leaves, self.settings.cache_dtype)
             if layout is not None and not new_layout.same_rows(layout):  # a memory format of its own is fine
                 self.faults.warn(
@@ -508,14 +508,17 @@ class Cache:
         self._count(misses=batch)
         return fn(*args, **kwargs)
 
-    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int, spec: Spec) -> None:
-        """Refuse leaves that are not per item.
+    def _check_items(self, leaves: list[torch.Tensor], computed: int, batch: int, spec: Spec, context: bytes) -> None:
+        """Refuse leaves that are not per item, or that require grad (then the context's later calls in grad mode).
 
         A leaf whose first dimension equals the batch only by chance (an LSTM's ``h_n`` with
         ``num_layers == batch``) was stored per item in earlier calls: those entries are removed.
         """
         try:
             self._outputs.check(leaves, computed, batch, spec)
+        except GradOutputError as exc:
+            self._grad_refused[context] = str(exc)  # hits too: they would carry no gradient
+            raise
         except UnbatchedOutputError as exc:
             if len(self.memory) > 0 or (self._disk is not None and len(self._disk.store) > 0):
                 self.clear()

@@ -17,11 +17,15 @@ import torch
 from ..errors import ConfigError, KeyingError
 from ..tree import Layout, Spec, leaf_paths, unflatten
 
-__all__ = ["OutputPlan", "UnbatchedOutputError"]
+__all__ = ["GradOutputError", "OutputPlan", "UnbatchedOutputError"]
 
 
 class UnbatchedOutputError(KeyingError):
     """An output leaf does not hold one row per item."""
+
+
+class GradOutputError(ConfigError):
+    """A call returned outputs that require grad though no input does: its hits would carry none."""
 
 
 class OutputPlan:
@@ -36,8 +40,6 @@ class OutputPlan:
         self.name = name
         self._names = {k: v for k, v in batch_dims.items() if k.startswith("output")}
         self._dims: dict[str, list[int]] = {}
-        #: Why calls in grad mode are refused, once an output required grad (``""``: not seen).
-        self.grad_refusal = ""
 
     def dims(self, spec: Spec) -> list[int]:
         """The batch dimension of each leaf of ``spec`` (empty: the first, for all).
@@ -79,8 +81,8 @@ class OutputPlan:
 
         Raises:
             KeyingError: For a sparse leaf, or one on the meta device.
-            ConfigError: For a leaf that requires grad (no input does: calls whose inputs
-                require grad are not cached).
+            GradOutputError: For a leaf that requires grad (no input does: calls whose
+                inputs require grad are not cached).
             UnbatchedOutputError: For a leaf whose first dimension is not the number of
                 computed items.
         """
@@ -91,13 +93,12 @@ class OutputPlan:
                     "return out.to_dense() from the cached function"
                 )
             if leaf.requires_grad:  # a trainable tensor the key did not see, or one made in forward
-                self.grad_refusal = (
+                raise GradOutputError(
                     f"{self.name} returned an output that requires grad though no input does: something it "
                     "reads is trainable where torchcache does not look (or it makes such a tensor), and cached "
-                    "outputs carry no gradient; freeze it (requires_grad_(False)), call it under torch.no_grad(), "
-                    "or do not cache this callable"
+                    "outputs carry no gradient; freeze it (requires_grad_(False)) and call cache_instance.clear(), "
+                    "call it under torch.no_grad(), or do not cache this callable"
                 )
-                raise ConfigError(self.grad_refusal)
             if leaf.device.type == "meta":
                 raise KeyingError(
                     f"{self.name} returned a tensor on the meta device, which has no values to cache; call it "
