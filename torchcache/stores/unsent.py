@@ -3,12 +3,13 @@
 A write to a Redis server or a bucket that fails (the server away, full or refusing)
 while the local copy takes it leaves the entry on this machine only: its hits are served
 by the copy, so nothing computes it again, and other machines would miss it for good.
-:class:`Unsent` keeps those keys, in RAM while the process runs and, at each flush, in a
-file of the copy's directory (``unsent-<pid>-<token>.keys``, one key a line), where the
-next process to open the copy takes them over. The layered store sends them from the
-copy after a write the server took, and at each flush; a key the copy no longer holds
-(evicted) is dropped. The file is ASCII text whose lines are checked as keys: nothing in
-it runs, and a line that is not a key is skipped.
+:class:`Unsent` keeps those keys: in RAM while the process runs, and at each flush in a
+file of the copy's directory (``unsent-<pid>-<token>.keys``, one key a line, locked by
+the process while it lives). The layered store sends them from the copy after a write
+the server took, at each flush, and as the process ends; the next process to open the
+copy claims the files that no live process holds and sends their keys, each once. A key
+the copy no longer holds (evicted) is dropped and counted. The file is ASCII text whose
+lines are checked as keys: nothing in it runs, and a line that is not a key is skipped.
 """
 
 from __future__ import annotations
