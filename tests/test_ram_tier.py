@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -379,3 +380,38 @@ def test_ram_tiers_of_default_budgets_leave_a_quarter_of_their_file_system_free(
     assert train.stats().memory.entries > 0 and val.stats().memory.entries > 0
     train.close()
     val.close()
+
+
+def test_a_ram_tier_dropped_without_close_lets_go_of_its_directory() -> None:
+    import gc
+
+    from torchcache import CachedDataset
+
+    def held_locks() -> int:  # descriptors of the RAM tiers' lock files (a hold each)
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+                held += os.readlink(f"/proc/self/fd/{fd}").endswith("job.lock")
+        return held
+
+    class Tiny(torch.utils.data.Dataset[Any]):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.full((2,), float(i))
+
+    data = CachedDataset(Tiny(3), max_memory_size="1MB")
+    directory = data.cache.memory_dir
+    assert directory is not None and torch.equal(data[1], torch.full((2,), 1.0))
+    del data
+    gc.collect()
+    assert not directory.exists()  # its last user let go: removed, as close() removes it
+    before = held_locks()
+    for n in range(4, 44):  # datasets of other lengths: a RAM tier each
+        CachedDataset(Tiny(n), max_memory_size="1MB")[0]
+    gc.collect()
+    assert held_locks() == before  # no hold kept per dataset dropped

@@ -34,7 +34,7 @@ from ..tiers.lookup import look_up
 from . import shm
 from .encode import check_sample, encode_sample
 from .keys import store_key
-from .opening import DEFAULT_DISK_SIZE, hold_memory, open_tiers, resolve_places, write_dataset_meta
+from .opening import DEFAULT_DISK_SIZE, open_tiers, resolve_places, write_dataset_meta
 from .tiers import HitCounters, SampleTier, fill_tier, placement, samples_from_slots
 
 __all__ = ["DEFAULT_DISK_SIZE", "SampleCache"]
@@ -103,7 +103,8 @@ class SampleCache:
             dirname, cache_dir, max_memory_size, max_disk_size, local_cache_dir, self._faults,
             storage_options=storage_options, max_local_size=max_local_size, info=self._info, keep_budget=keep_budget,
         )  # fmt: skip
-        self._held_pid: int | None = None if places.job_dir is None else os.getpid()
+        job, memory_name = places.job_dir, places.memory_name or dirname  # the RAM tier, held: let go when dropped
+        self._hold = None if job is None else shm.MemoryHold(job, memory_name, taken=True)
         length = self._info.get("length")
         #: The dataset's length, when known: the RAM tier then keeps samples in slots by index.
         self.length: int | None = length if type(length) is int and length > 0 else None
@@ -160,7 +161,7 @@ class SampleCache:
 
     # -- state across processes -----------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        fresh: dict[str, Any] = {"_tiers": [], "_pid": None, "_held_pid": None, "_lock": None, "_root_claim": None}
+        fresh: dict[str, Any] = {"_tiers": [], "_pid": None, "_lock": None, "_root_claim": None}
         return {**self.__dict__, **fresh, "_faults": (self._faults.name, self._faults.shared)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -181,13 +182,12 @@ class SampleCache:
     def _open_tiers(self) -> None:
         if (where := self.directory) is not None and self.max_disk_size:  # held while used; made with its metadata
             self._root_claim = claim_module_cache(where.parent, where.name, self._faults.warn, create=False)
-        if self.job_dir is not None and self._held_pid != os.getpid():
+        if self._hold is not None and not self._hold.here:
             try:
-                hold_memory(self.job_dir, self._places.memory_name or self.dirname)
-                self._held_pid = os.getpid()
+                self._hold.take()
             except StoreError as exc:
                 self._faults.warn(Fault.OPEN, f"cannot open the memory tier ({exc}); it is left out", "memory")
-        memory_held = self.job_dir is not None and self._held_pid == os.getpid()
+        memory_held = self._hold is not None and self._hold.here
         places = self._places if memory_held else dataclasses.replace(self._places, job_dir=None)
         self._tiers = open_tiers(places, self.length, self._faults)
         self._pid = os.getpid()
@@ -330,10 +330,8 @@ class SampleCache:
                 if self._root_claim is not None:
                     self._root_claim.release()
             self._tiers, self._pid, self._root_claim = [], None, None
-            if self.job_dir is not None and self._held_pid == os.getpid():
-                self._held_pid = None
-                shm.release(self.job_dir / (self._places.memory_name or self.dirname))  # unless another cache uses it
-                shm.release(self.job_dir)
+            if self._hold is not None:
+                self._hold.release()  # removed unless another cache uses it
 
 
 def _encode(sample: object, key: object, check_only: bool = False) -> bytes:

@@ -41,7 +41,7 @@ from . import shm
 from .rows import SampleRows
 from .tiers import SampleTier, segment_bytes
 
-__all__ = ["DEFAULT_DISK_SIZE", "Places", "hold_memory", "open_tiers", "resolve_places", "write_dataset_meta"]
+__all__ = ["DEFAULT_DISK_SIZE", "Places", "open_tiers", "resolve_places", "write_dataset_meta"]
 
 #: The disk tier's budget when a ``cache_dir`` is given without ``max_disk_size``.
 DEFAULT_DISK_SIZE = "50GB"
@@ -133,8 +133,12 @@ def resolve_places(
         places.memory_name = f"{dirname}-{xxhash.xxh3_64_hexdigest(where.encode())[:8]}"
     if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
         try:
-            job_dir = shm.new_job_dir()
-            hold_memory(job_dir, places.memory_name or dirname, held_job=True)
+            job_dir = shm.new_job_dir()  # held: the cache's directory in it too (see SampleCache's MemoryHold)
+            try:
+                shm.hold(job_dir / (places.memory_name or dirname))
+            except StoreError:
+                shm.release(job_dir)
+                raise
         except StoreError as exc:
             faults.warn(Fault.OPEN, f"no RAM tier ({exc})", "memory")
         else:
@@ -142,24 +146,6 @@ def resolve_places(
             size = shm.default_memory_size() if max_memory_size is None else max_memory_size
             places.max_memory_size = parse_size(size, "max_memory_size")
     return places
-
-
-def hold_memory(job_dir: Path, dirname: str, held_job: bool = False) -> None:
-    """Hold the job directory (unless ``held_job``) and a cache's RAM tier directory in it.
-
-    Each is removed when its last user lets go: the cache's own when it closes (unless
-    another cache of this name in the job uses it), the job's when the job ends.
-
-    Raises:
-        StoreError: If either cannot be created or locked (then neither is held).
-    """
-    if not held_job:
-        shm.hold(job_dir)
-    try:
-        shm.hold(job_dir / dirname)
-    except StoreError:
-        shm.release(job_dir)
-        raise
 
 
 def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[SampleTier]:

@@ -33,7 +33,9 @@ import shutil
 import stat
 import tempfile
 import threading
+import weakref
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -43,6 +45,7 @@ from ..errors import StoreError
 
 __all__ = [
     "LOCK_NAME",
+    "MemoryHold",
     "default_memory_size",
     "hold",
     "job_id",
@@ -199,6 +202,61 @@ def hold(job: Path) -> None:
                 return
             os.close(fd)
         raise StoreError(f"cannot hold the RAM tier directory {job}: it keeps being removed")
+
+
+class MemoryHold:
+    """One process's hold on a cache's RAM tier directory and its job's (see :func:`hold`).
+
+    Let go of by :meth:`release`, or when the hold is collected (a cache dropped without
+    ``close()``: its descriptors would stay open until the process ends). A forked child
+    or an unpickled copy holds nothing until it :meth:`take` s its own.
+
+    Args:
+        job: The job directory.
+        name: The cache's RAM tier directory in it.
+        taken: Whether this process has just taken the hold (:func:`hold` on both).
+    """
+
+    def __init__(self, job: Path, name: str, taken: bool = False) -> None:
+        self.job, self.name = job, name
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if taken:
+            self._finalizer = weakref.finalize(self, _let_go, job, name, os.getpid())
+
+    @property
+    def here(self) -> bool:
+        """Whether this process holds it."""
+        finalizer = self._finalizer
+        return finalizer is not None and finalizer.alive and finalizer.peek()[2][2] == os.getpid()  # type: ignore[index]
+
+    def take(self) -> None:
+        """Hold both directories in this process.
+
+        Raises:
+            StoreError: If either cannot be created or locked (then neither is held).
+        """
+        hold(self.job)
+        try:
+            hold(self.job / self.name)
+        except StoreError:
+            release(self.job)
+            raise
+        self._finalizer = weakref.finalize(self, _let_go, self.job, self.name, os.getpid())
+
+    def release(self) -> None:
+        """Let go of both (each removed once no process uses it), if this process holds them."""
+        if self.here:
+            assert self._finalizer is not None
+            self._finalizer()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"job": self.job, "name": self.name, "_finalizer": None}
+
+
+def _let_go(job: Path, name: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child's copy of the hold is its parent's
+        release(job / name)
+        release(job)
 
 
 def release(job: Path) -> bool:
