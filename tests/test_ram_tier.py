@@ -404,14 +404,42 @@ def test_a_ram_tier_dropped_without_close_lets_go_of_its_directory() -> None:
         def __getitem__(self, i: int) -> Any:
             return torch.full((2,), float(i))
 
+    def let_go_of_collected() -> None:  # as the next RAM tier opened or closed in the process does
+        CachedDataset(Tiny(1), max_memory_size="1MB").close()
+
     data = CachedDataset(Tiny(3), max_memory_size="1MB")
     directory = data.cache.memory_dir
     assert directory is not None and torch.equal(data[1], torch.full((2,), 1.0))
     del data
     gc.collect()
+    let_go_of_collected()
     assert not directory.exists()  # its last user let go: removed, as close() removes it
     before = held_locks()
     for n in range(4, 44):  # datasets of other lengths: a RAM tier each
         CachedDataset(Tiny(n), max_memory_size="1MB")[0]
     gc.collect()
+    let_go_of_collected()
     assert held_locks() == before  # no hold kept per dataset dropped
+
+
+def test_a_hold_collected_while_the_ram_tiers_lock_is_held_does_not_deadlock(tmp_path: Path) -> None:
+    import threading
+
+    from torchcache.datasets import shm
+
+    job = tmp_path / "job"
+    shm.hold(job)
+    shm.hold(job / "cache")
+    done = threading.Event()
+
+    def collected_inside_a_hold() -> None:  # a collection pass run by an allocation inside hold()
+        with shm._lock:
+            shm._let_go(job, "cache", os.getpid())
+        done.set()
+
+    threading.Thread(target=collected_inside_a_hold, daemon=True).start()
+    assert done.wait(30)
+    assert (job / "cache").exists()  # let go of at the next hold or release, not inside the lock
+    shm.hold(tmp_path / "other")  # the next hold lets go of it first
+    assert not job.exists()
+    shm.release(tmp_path / "other")

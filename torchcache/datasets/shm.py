@@ -62,6 +62,7 @@ _SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _MAX_DEFAULT = 32 * 10**9
 _lock = threading.Lock()
 _held: dict[Path, tuple[int, int]] = {}  # job directory -> (descriptor with the shared lock, holds)
+_let_go_later: list[tuple[Path, str]] = []  # holds of caches collected, to release outside a collection
 _swept: set[Path] = set()
 _noted = False
 _job: str | None = None
@@ -76,6 +77,7 @@ def _reset_after_fork() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _held.clear()
+    _let_go_later.clear()
     _exit_hook.clear()
 
 
@@ -177,6 +179,7 @@ def hold(job: Path) -> None:
     Raises:
         StoreError: If the directory cannot be created or locked.
     """
+    _release_collected()
     with _lock:
         if job in _held:
             fd, count = _held[job]
@@ -208,8 +211,9 @@ class MemoryHold:
     """One process's hold on a cache's RAM tier directory and its job's (see :func:`hold`).
 
     Let go of by :meth:`release`, or when the hold is collected (a cache dropped without
-    ``close()``: its descriptors would stay open until the process ends). A forked child
-    or an unpickled copy holds nothing until it :meth:`take` s its own.
+    ``close()``: its descriptors would stay open until the process ends); then at the next
+    hold or release of this process, since a collection may run where this module's lock
+    is held. A forked child or an unpickled copy holds nothing until it :meth:`take` s its own.
 
     Args:
         job: The job directory.
@@ -247,24 +251,39 @@ class MemoryHold:
         """Let go of both (each removed once no process uses it), if this process holds them."""
         if self.here:
             assert self._finalizer is not None
-            self._finalizer()
+            self._finalizer.detach()
+            release(self.job / self.name)
+            release(self.job)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"job": self.job, "name": self.name, "_finalizer": None}
 
 
 def _let_go(job: Path, name: str, pid: int) -> None:
+    """A collected hold: released at the next hold or release (a collection may run inside ``_lock``)."""
     if os.getpid() == pid:  # a forked child's copy of the hold is its parent's
-        release(job / name)
-        release(job)
+        _let_go_later.append((job, name))  # no lock taken here: list.append is atomic
 
 
-def release(job: Path) -> bool:
+def _release_collected() -> None:
+    while _let_go_later:
+        job, name = _let_go_later.pop()
+        release(job / name, collected=False)
+        release(job, collected=False)
+
+
+def release(job: Path, collected: bool = True) -> bool:
     """Let go of one hold on a job directory; after the last, remove it if nobody else uses it.
+
+    Args:
+        job: The directory.
+        collected: Let go of the holds of caches collected since first.
 
     Returns:
         Whether the directory was removed.
     """
+    if collected:
+        _release_collected()
     with _lock:
         if job not in _held:
             return False
