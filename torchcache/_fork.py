@@ -8,13 +8,16 @@ modules the state to reset; both run in the child right after ``fork``.
 
 from __future__ import annotations
 
+import multiprocessing.context
+import multiprocessing.sharedctypes
 import multiprocessing.util
 import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["ForkGate", "after_fork", "at_process_end", "renew_lock_after_fork"]
+__all__ = ["ForkGate", "SharedArray", "after_fork", "at_process_end", "renew_lock_after_fork"]
 
 _locks: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
 _finalizers: list[_Finalizer] = []
@@ -24,6 +27,26 @@ def after_fork(reset: Callable[[], None]) -> None:
     """Run ``reset`` in every child forked from now on (no-op where there is no fork)."""
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=reset)
+
+
+class SharedArray:
+    """A small array in shared memory (``typecode``, ``size``: a subclass's): the processes of a job share it.
+
+    Inherited by forked children and handed to spawned ones as they are made; a copy made
+    otherwise (a pickle) has an array of its own.
+    """
+
+    typecode = "q"
+    size = 1
+
+    def __init__(self) -> None:
+        self.array: Any = multiprocessing.sharedctypes.RawArray(self.typecode, self.size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"array": self.array if multiprocessing.context.get_spawning_popen() is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.array = state["array"] if state["array"] is not None else type(self)().array
 
 
 def at_process_end(fn: Callable[[], None]) -> None:

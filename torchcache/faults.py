@@ -10,19 +10,16 @@ thread that reports (``clear()``, a re-key after ``load_state_dict()``).
 from __future__ import annotations
 
 import enum
-import multiprocessing.context
-import multiprocessing.sharedctypes
 import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ._fork import renew_lock_after_fork
+from ._fork import SharedArray, renew_lock_after_fork
 from ._log import logger
 from .errors import CacheWarning
 
@@ -66,32 +63,23 @@ class Fault(enum.StrEnum):
 Report = Callable[[Fault, str], None]
 
 
-class SharedWarnings:
+class SharedWarnings(SharedArray):
     """Which faults the processes of one cache warned about: a flag per kind and tier, in shared memory.
 
-    Inherited by forked DataLoader workers and handed to spawned ones (copies made other
-    than for a new process start afresh), so that a fault every worker meets (a full
-    disk) is one warning, not one per worker.
+    Shared with the cache's DataLoader workers (forked or spawned), so that a fault every
+    worker meets (a full disk) is one warning, not one per worker.
     """
 
     _TIERS = ("", "memory", "disk")  # any other place shares one flag a kind
-
-    def __init__(self) -> None:
-        self.flags: Any = multiprocessing.sharedctypes.RawArray("B", len(Fault) * (len(self._TIERS) + 1))
+    typecode, size = "B", len(Fault) * (len(_TIERS) + 1)
 
     def first(self, kind: Fault, where: str) -> bool:
         """Mark ``kind`` in ``where`` as warned; whether no process had marked it before."""
         tiers = SharedWarnings._TIERS
         slot = list(Fault).index(kind) * (len(tiers) + 1) + (tiers.index(where) if where in tiers else len(tiers))
-        first = not self.flags[slot]
-        self.flags[slot] = 1
+        first = not self.array[slot]
+        self.array[slot] = 1
         return first
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"flags": self.flags if multiprocessing.context.get_spawning_popen() is not None else None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.flags = state["flags"] if state["flags"] is not None else SharedWarnings().flags
 
 
 class FaultLog:

@@ -134,11 +134,7 @@ def resolve_places(
     if max_memory_size is None or parse_size(max_memory_size, "max_memory_size"):
         try:
             job_dir = shm.new_job_dir()  # held: the cache's directory in it too (see SampleCache's MemoryHold)
-            try:
-                shm.hold(job_dir / (places.memory_name or dirname))
-            except StoreError:
-                shm.release(job_dir)
-                raise
+            shm.hold_in(job_dir, places.memory_name or dirname)
         except StoreError as exc:
             faults.warn(Fault.OPEN, f"no RAM tier ({exc})", "memory")
         else:

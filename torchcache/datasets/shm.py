@@ -48,6 +48,7 @@ __all__ = [
     "MemoryHold",
     "default_memory_size",
     "hold",
+    "hold_in",
     "job_id",
     "new_job_dir",
     "ram_root",
@@ -225,13 +226,16 @@ class MemoryHold:
         self.job, self.name = job, name
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if taken:
-            self._finalizer = weakref.finalize(self, _let_go, job, name, os.getpid())
+            self._track()
+
+    def _track(self) -> None:
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _let_go, self.job, self.name, self._pid)
 
     @property
     def here(self) -> bool:
         """Whether this process holds it."""
-        finalizer = self._finalizer
-        return finalizer is not None and finalizer.alive and finalizer.peek()[2][2] == os.getpid()  # type: ignore[index]
+        return self._finalizer is not None and self._finalizer.alive and self._pid == os.getpid()
 
     def take(self) -> None:
         """Hold both directories in this process.
@@ -240,12 +244,8 @@ class MemoryHold:
             StoreError: If either cannot be created or locked (then neither is held).
         """
         hold(self.job)
-        try:
-            hold(self.job / self.name)
-        except StoreError:
-            release(self.job)
-            raise
-        self._finalizer = weakref.finalize(self, _let_go, self.job, self.name, os.getpid())
+        hold_in(self.job, self.name)
+        self._track()
 
     def release(self) -> None:
         """Let go of both (each removed once no process uses it), if this process holds them."""
@@ -257,6 +257,19 @@ class MemoryHold:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"job": self.job, "name": self.name, "_finalizer": None}
+
+
+def hold_in(job: Path, name: str) -> None:
+    """Hold a cache's directory in a job directory this process holds; on failure, let go of the job.
+
+    Raises:
+        StoreError: If it cannot be created or locked.
+    """
+    try:
+        hold(job / name)
+    except StoreError:
+        release(job)
+        raise
 
 
 def _let_go(job: Path, name: str, pid: int) -> None:

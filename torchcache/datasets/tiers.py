@@ -21,8 +21,6 @@ budget, by at most one batch each.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing.context
-import multiprocessing.sharedctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ import lmdb
 import numpy as np
 import torch.utils.data
 
+from .._fork import SharedArray
 from .._log import logger
 from ..errors import ConfigError, CorruptEntryError, StoreError, StoreUnavailableError
 from ..faults import Fault, FaultLog
@@ -53,7 +52,7 @@ __all__ = ["HitCounters", "SampleTier", "placement", "samples_from_slots", "segm
 _SLOTS = 65  # counter slots: the main process, then DataLoader workers by id
 
 
-class HitCounters:
+class HitCounters(SharedArray):
     """Hits per tier and misses, summed over the processes that share this object.
 
     Each DataLoader worker counts in its own slot of shared memory (inherited by forked
@@ -62,8 +61,7 @@ class HitCounters:
     one process share a slot without a lock.
     """
 
-    def __init__(self) -> None:
-        self.array: Any = multiprocessing.sharedctypes.RawArray("q", _SLOTS * 3)
+    typecode, size = "q", _SLOTS * 3
 
     def add(self, memory: int, disk: int, misses: int) -> None:
         """Count hits of each tier and misses, in this process's slot."""
@@ -78,12 +76,6 @@ class HitCounters:
         """Memory hits, disk hits and misses, summed over every slot."""
         values = list(self.array)
         return sum(values[0::3]), sum(values[1::3]), sum(values[2::3])
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"array": self.array if multiprocessing.context.get_spawning_popen() is not None else None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.array = state["array"] if state["array"] is not None else HitCounters().array
 
 
 class SampleTier:

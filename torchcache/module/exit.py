@@ -33,8 +33,7 @@ def _summarize_at_exit() -> None:
     """
     told: set[int] = set()
     for cache in list(_caches):
-        stats = cache.stats()
-        if stats.hits or stats.misses:
+        if cache._hits or cache._misses:  # counters, not stats(): those may ask a server
             cache.flush()
             disk = cache._disk  # the tier this cache wrote through (None: in memory)
             if disk is not None and id(disk) not in told:
