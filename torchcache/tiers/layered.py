@@ -175,14 +175,18 @@ class LayeredStore(BatchedStore):
         return stored
 
     def send_up(self, keys: Sequence[str]) -> int:
-        """Upload what the local copy holds of ``keys`` (the shared store lacks them); return how many.
+        """Upload now what the local copy holds of ``keys`` (the shared store lacks them), with the keys that wait.
+
+        Returns:
+            How many were sent; those that were not wait with the others (:attr:`unsent`).
 
         Raises:
             StoreError: As the shared store's ``put_many``.
         """
-        sending = Unsent(None)
-        sending.add(keys)
-        return sending.send(self.near.get_many, self.far.put_many, now=True) if self._near_on else 0
+        if not self._near_on:
+            return 0
+        self.unsent.add(keys)
+        return self.unsent.send(self.near.get_many, self.far.put_many, now=True)
 
     def _send_unsent(self, limit: int | None = None) -> None:
         """Send what the shared store did not take (its faults are its own to report; the keys wait)."""
