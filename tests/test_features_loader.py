@@ -64,6 +64,27 @@ def test_a_shuffle_is_new_each_epoch_and_repeats_with_a_seeded_generator(cache_r
     assert order(again) == first
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_seeded_shuffle_gives_the_batches_a_plain_dataloader_gives(cache_root: Path, drop_last: bool) -> None:
+    features = extract(Net(), Images(n=50))
+    mine = features.loader(8, shuffle=True, drop_last=drop_last, generator=torch.Generator().manual_seed(7))
+    plain = DataLoader(features, 8, shuffle=True, drop_last=drop_last, generator=torch.Generator().manual_seed(7))
+    for _ in range(2):  # the second epoch draws on from the same generator in both
+        got, want = list(mine), list(plain)
+        assert len(got) == len(want) == len(mine) == len(plain)
+        for batch, expected in zip(got, want, strict=True):
+            assert_same_batch(batch, expected)
+
+
+def test_an_unseeded_shuffle_draws_its_seed_from_the_global_rng(cache_root: Path) -> None:
+    features = extract(Net(), Images(n=30))
+    torch.manual_seed(3)
+    got = torch.cat([x for x, _ in features.loader(8, shuffle=True)])
+    torch.manual_seed(3)
+    want = torch.cat([x for x, _ in DataLoader(features, 8, shuffle=True)])
+    assert torch.equal(got, want) and not torch.equal(got, torch.cat([x for x, _ in features.loader(8)]))
+
+
 @pytest.mark.slow
 def test_workers_read_the_batches(cache_root: Path) -> None:
     features = extract(Net(), Images(n=40))

@@ -410,19 +410,36 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         indices = list(indices)
     if getattr(indices, "ndim", 1) != 1:  # a 2-D array or tensor is not a batch of positions
         raise TypeError(f"FeatureDataset indices must be one list of integers, got shape {np.shape(indices)}")
+    if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array: nothing per index
+        if len(indices) and indices.max() >= length:  # before a uint64 wraps to a negative int64
+            raise IndexError(f"index {indices.max()} is out of range for {length} samples")
+        given = indices.astype(np.int64, copy=False)
+    else:
+        given = _as_positions(indices, length)
+    wanted = given
+    if len(given) and (given.min() < 0 or given.max() >= length):
+        wanted = np.where(given < 0, given + length, given)
+        outside = (wanted < 0) | (wanted >= length)
+        if outside.any():
+            raise IndexError(f"index {int(given[outside][0])} is out of range for {length} samples")
+    return wanted
+
+
+def _as_positions(indices: Sequence[Any], length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """A 1-D sequence of integers (not an integer array) as int64 positions.
+
+    Raises:
+        TypeError: If an item is not an integer (``2.7``, ``"3"``, a float tensor, a bool).
+        IndexError: If one is past int64.
+    """
     kinds = set(map(type, indices))
     masks = torch.Tensor in kinds and any(getattr(i, "dtype", None) is torch.bool for i in indices)
     if bool in kinds or masks or getattr(indices, "dtype", None) in (torch.bool, np.bool_):  # a mask is no positions
         raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}")
     try:
-        if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array
-            if len(indices) and indices.max() >= length:  # before a uint64 wraps to a negative int64
-                raise IndexError(f"index {indices.max()} is out of range for {length} samples")
-            given = indices.astype(np.int64).reshape(-1)
-        elif kinds <= {int}:  # a batch sampler's list
-            given = np.fromiter(indices, np.int64, len(indices))
-        else:  # operator.index: 2.7, "3" and a float tensor are refused, not cut to an int
-            given = np.array([operator.index(i) for i in indices], np.int64)
+        if kinds <= {int}:  # a batch sampler's list
+            return np.fromiter(indices, np.int64, len(indices))
+        return np.array([operator.index(i) for i in indices], np.int64)  # 2.7, "3", a float tensor: refused
     except OverflowError:  # an int past int64: no such position
         far = next(i for i in map(int, indices) if not -(1 << 63) <= i < 1 << 63)
         raise IndexError(f"index {far} is out of range for {length} samples") from None
@@ -431,10 +448,3 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
         shape: tuple[int, ...] | None = None if several is None else tuple(np.shape(several))
         hint = "" if shape is None else f"; several go to features.batch(indices), not in one of shape {shape}"
         raise TypeError(f"FeatureDataset indices must be integers, got {list(indices)[:4]!r}{hint}") from None
-    wanted = given
-    if len(given) and (given.min() < 0 or given.max() >= length):
-        wanted = np.where(given < 0, given + length, given)
-        outside = (wanted < 0) | (wanted >= length)
-        if outside.any():
-            raise IndexError(f"index {int(given[outside][0])} is out of range for {length} samples")
-    return wanted

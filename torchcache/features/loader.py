@@ -10,16 +10,17 @@ with ``batch_size=None`` so that nothing is collated again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 if TYPE_CHECKING:
     from .dataset import FeatureDataset
 
-__all__ = ["Batches", "make_loader"]
+__all__ = ["BatchOrder", "Batches", "make_loader"]
 
 
 class Batches(Dataset[Any]):
@@ -42,6 +43,37 @@ class Batches(Dataset[Any]):
         if self.collate_fn is None:
             return self.features.batch(indices)
         return self.collate_fn(self.features.__getitems__(indices))
+
+
+class BatchOrder(Sampler[np.ndarray[Any, np.dtype[np.int64]]]):
+    """The batches of indices ``BatchSampler(RandomSampler(...))`` gives, as arrays sliced from one permutation.
+
+    With the same ``generator`` the orders are the same, epoch after epoch: the draws are
+    the ones ``RandomSampler`` makes, at the same moments. A shuffle without a generator
+    draws its seed from the global RNG, as ``RandomSampler`` does. Nothing is made per index.
+    """
+
+    def __init__(self, length: int, batch_size: int, shuffle: bool, drop_last: bool, generator: torch.Generator | None):
+        self.length, self.batch_size, self.shuffle, self.drop_last = length, batch_size, shuffle, drop_last
+        self.generator = generator
+
+    def __len__(self) -> int:
+        whole, rest = divmod(self.length, self.batch_size)
+        return whole + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[np.ndarray[Any, np.dtype[np.int64]]]:
+        if self.shuffle:
+            generator = self.generator
+            if generator is None:
+                generator = torch.Generator()
+                generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            order = torch.randperm(self.length, generator=generator).numpy()
+        else:
+            order = np.arange(self.length, dtype=np.int64)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            yield order[start : start + self.batch_size]
+        if self.shuffle:  # RandomSampler draws a second (empty) share once its epoch ran out: so do we
+            torch.randperm(self.length, generator=generator)
 
 
 def _as_fetched(batch: Any) -> Any:
@@ -77,8 +109,7 @@ def make_loader(
     taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle"} & set(loader_options))
     if taken:
         raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")
-    order = RandomSampler(features, generator=generator) if shuffle else SequentialSampler(features)
-    batches = BatchSampler(order, batch_size, drop_last)
+    batches = BatchOrder(len(features), batch_size, shuffle, drop_last, generator)
     return DataLoader(  # the generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn
         Batches(features, collate_fn),
         batch_size=None,
