@@ -387,12 +387,13 @@ def test_a_ram_tier_dropped_without_close_lets_go_of_its_directory() -> None:
 
     from torchcache import CachedDataset
 
-    def held_locks() -> int:  # descriptors of the RAM tiers' lock files (a hold each)
-        held = 0
+    def held(where: str) -> int:  # descriptors of files of the RAM tiers (lock files: a hold each)
+        found = 0
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
-                held += os.readlink(f"/proc/self/fd/{fd}").endswith("job.lock")
-        return held
+                name = os.readlink(f"/proc/self/fd/{fd}")
+                found += name.endswith("job.lock") if where == "locks" else name.startswith(where)
+        return found
 
     class Tiny(torch.utils.data.Dataset[Any]):
         def __init__(self, n: int) -> None:
@@ -414,12 +415,13 @@ def test_a_ram_tier_dropped_without_close_lets_go_of_its_directory() -> None:
     gc.collect()
     let_go_of_collected()
     assert not directory.exists()  # its last user let go: removed, as close() removes it
-    before = held_locks()
+    root = str(directory.parent.parent)  # the RAM tiers of every job of this user
+    before = held("locks"), held(root)
     for n in range(4, 44):  # datasets of other lengths: a RAM tier each
         CachedDataset(Tiny(n), max_memory_size="1MB")[0]
     gc.collect()
     let_go_of_collected()
-    assert held_locks() == before  # no hold kept per dataset dropped
+    assert (held("locks"), held(root)) == before  # no hold, rows file or map kept per dataset dropped
 
 
 def test_a_hold_collected_while_the_ram_tiers_lock_is_held_does_not_deadlock(tmp_path: Path) -> None:

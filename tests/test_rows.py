@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import struct
 import subprocess
@@ -221,6 +224,35 @@ def test_rows_kept_in_memory_and_a_closed_file(tmp_path: Path) -> None:
     memory.close()
     with pytest.raises(StoreError, match="closed"):
         memory.read(np.asarray([7]))
+
+
+def descriptors(path: Path) -> int:
+    """How many of this process's descriptors (its own and its maps') hold the file at ``path``."""
+    want, held = os.stat(path), 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the one listdir used, closed by now
+            got = os.stat(f"/proc/self/fd/{fd}")  # the file it holds, by whichever name it was made
+            held += (got.st_dev, got.st_ino) == (want.st_dev, want.st_ino)
+    return held
+
+
+def test_a_file_dropped_without_close_lets_its_descriptors_go_and_an_unpickled_one_owns_its_own(
+    tmp_path: Path,
+) -> None:
+    file = make(tmp_path)
+    path = tmp_path / "rows.tcrows"
+    file.write(np.asarray([1]), rows_of([1]))
+    copy = pickle.loads(pickle.dumps(file))  # reopened where it is unpickled (a DataLoader worker)
+    gc.collect()  # the file it was opened as is gone: the copy's descriptor is not closed with it
+    copy.write(np.asarray([2]), rows_of([2]))
+    held = descriptors(path)
+    del file
+    gc.collect()
+    assert 0 < descriptors(path) < held
+    assert read_all(copy, [1, 2]) == {1: bytes(row(1)), 2: bytes(row(2))}
+    del copy
+    gc.collect()
+    assert descriptors(path) == 0
 
 
 def test_a_write_that_fails_after_its_slots_were_given_leaves_misses_and_the_slots_for_the_next(

@@ -77,8 +77,7 @@ class RowsFile:
     def __init__(
         self, path: Path | None, fd: int, header: dict[str, Any], length: int, row_size: int, head: int, capacity: int
     ) -> None:
-        self.path = path
-        self.header = header
+        self.path, self.header = path, header
         self.length = length
         self.row_size = row_size
         self.head = head
@@ -86,9 +85,9 @@ class RowsFile:
         self.geometry = Geometry.of(length, row_size, head, header)
         self.row_at, self.stride = self.geometry.row_at, self.geometry.stride
         self.size = self.geometry.rows_at + capacity * self.stride
-        self._fd = fd
         self._lock = threading.Lock()
         self._mapped: Mapped | None = map_file(fd, path, self.geometry, length, capacity)
+        self._fd = fd  # owned from here on (a failed map leaves it to the caller, who closes it)
 
     def __repr__(self) -> str:
         where = "memory" if self.path is None else str(self.path)
@@ -167,6 +166,11 @@ class RowsFile:
             opened.close()
             raise CorruptEntryError(f"{state['path']} was replaced by another rows file")
         self.__dict__.update(opened.__dict__)
+        opened._fd, opened._mapped = -1, None  # this object owns the descriptor now
+
+    def __del__(self) -> None:  # a file dropped without close(): its descriptor goes with it (its map with the map)
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
 
     # -- reads ------------------------------------------------------------------------
     def count(self) -> int:
