@@ -894,3 +894,61 @@ def test_deepcopy_of_a_model_holding_a_cached_method_follows_the_copy() -> None:
     plain.load_state_dict(new_state)
     torch.testing.assert_close(teacher.features(images), plain.forward_features(images), rtol=1e-6, atol=1e-6)
     assert torch.equal(student.features(images), student.backbone.forward_features(images))
+
+
+# -- fx graph modules (torchvision's create_feature_extractor returns one) --------------------------------
+class _Traced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def _traced() -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    return torch.fx.symbolic_trace(_Traced()).requires_grad_(False).eval()
+
+
+def _swap(graph_module: torch.fx.GraphModule, old: Any, new: Any) -> None:
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is old:
+            node.target = new
+
+
+def test_a_wrapped_graph_module_recompiled_after_an_edit_runs_and_is_keyed_by_its_new_code(cache_root: Path) -> None:
+    x = torch.randn(3, 4)
+    gm = torchcache(persistent=True)(_traced())
+    assert torch.equal(gm(x), torch.relu(gm.lin(x))) and torch.equal(gm(x), torch.relu(gm.lin(x)))
+    gm.recompile()  # nothing edited: it still runs (fx's call wrapper set on the cached class called itself)
+    assert torch.equal(gm(x), torch.relu(gm.lin(x)))
+    _swap(gm, torch.relu, torch.sigmoid)
+    gm.recompile()
+    for _ in range(2):  # the new code, computed then a hit; never the relu entries on disk
+        assert torch.equal(gm(x), torch.sigmoid(gm.lin(x)))
+    assert gm.cache_instance.stats().hits == 3
+    other = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    _swap(other, torch.sigmoid, torch.tanh)
+    gm.graph = other.graph  # fx's setter recompiles
+    assert torch.equal(gm(x), torch.tanh(gm.lin(x)))
+
+
+def test_a_deep_copy_of_a_wrapped_graph_module_has_its_own_code_and_cache(cache_root: Path) -> None:
+    x = torch.randn(3, 4)
+    gm = torchcache()(_traced())
+    gm(x)
+    copied = copy.deepcopy(gm)
+    _swap(copied, torch.relu, torch.tanh)
+    copied.recompile()  # the copy's code only, as without the cache (fx gives each copy a class of its own)
+    assert torch.equal(copied(x), torch.tanh(copied.lin(x))) and torch.equal(gm(x), torch.relu(gm.lin(x)))
+    assert copied.cache_instance is not gm.cache_instance and copied.cache_instance.stats().misses == 3
+    assert gm.cache_instance.stats().hits == 3
+
+
+def test_a_graph_module_class_is_refused_and_names_the_instance_wrap() -> None:
+    class Mine(torch.fx.GraphModule):
+        pass
+
+    with pytest.raises(ConfigError, match=r"wrap instances instead, torchcache\(\)\(graph_module\)"):
+        torchcache()(Mine)

@@ -39,13 +39,14 @@ from .callables import CachedMethod, decorate_function, weights_loaded, without_
 from .engine import Cache
 from .fingerprint import check_instance, describe_init, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
+from .subclass import BINDING as _BINDING
+from .subclass import graph_methods, plain_namespace, rebuild_plain
 
 __all__ = ["torchcache"]
 
 T = TypeVar("T")
 _PREFIX = "torchcache_"
 _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
-_BINDING = "_torchcache_binding"
 #: The settings each class was decorated with (in place: a second decoration with others is refused).
 _decorated: weakref.WeakKeyDictionary[type, Settings] = weakref.WeakKeyDictionary()
 _initializing = threading.local()
@@ -283,14 +284,17 @@ def _cached_forward(
     return cache(functools.partial(forward, module), args, kwargs, module.training)
 
 
-def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
-    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
-
+def _cached_method(forward: Callable[..., Any]) -> Callable[..., Any]:
     @outside_compile
     def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _cached_forward(self, forward, args, kwargs)
 
-    functools.update_wrapper(cached, forward)
+    return functools.update_wrapper(cached, forward)
+
+
+def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
+    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
+    cached = _cached_method(forward)
     original_apply: Callable[..., Any] = cls._apply
     original_train: Callable[..., Any] = cls.train
 
@@ -308,9 +312,7 @@ def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
         binding: _Binding | None = self.__dict__.get(_BINDING)
         return original_train(self, False if binding is not None and binding.settings.keep_eval else mode)
 
-    cls.forward = cached  # type: ignore[method-assign]
-    cls._apply = _apply  # type: ignore[method-assign]
-    cls.train = train  # type: ignore[method-assign]
+    cls.forward, cls._apply, cls.train = cached, _apply, train  # type: ignore[method-assign]
 
 
 def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> None:
@@ -320,10 +322,15 @@ def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
+    if issubclass(cls, torch.fx.GraphModule):
+        raise ConfigError(
+            f"{cls.__qualname__} is an fx GraphModule class, and fx gives each instance a class of its own whose "
+            "generated forward would replace the cached one: wrap instances instead, torchcache()(graph_module)"
+        )
     # torchcache()(nn.Linear): a cached subclass, every other nn.Linear stays plain (a class made by exec() is yours)
     library = not is_users_object(cls) and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
     if library:
-        cls = type(cls.__name__, (cls,), _plain_copies(cls))
+        cls = type(cls.__name__, (cls,), plain_namespace(cls))
     decorated = _decorated.get(cls)
     if decorated is not None:  # the class is decorated in place: both names would be one class
         if decorated == settings:
@@ -379,44 +386,29 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
     return cls
 
 
-def _plain_copies(cls: type[torch.nn.Module]) -> dict[str, Any]:
-    """The namespace of a subclass of ``cls`` named like it, whose instances pickle as ``cls`` (without the cache)."""
-
-    def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
-        # Pickled as the plain class, without the cache (torch.save of a whole model).
-        state = {k: v for k, v in self.__dict__.items() if k not in ("cache_instance", _BINDING)}
-        return (_rebuild_plain, (cls, state))
-
-    def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
-        import copy
-
-        copied = object.__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[no-untyped-call]
-        return copied
-
-    return {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-        "__reduce_ex__": __reduce_ex__,
-        "__deepcopy__": __deepcopy__,
-    }
-
-
 def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
     sub = _subclasses.get(cls)
     if sub is None:
-        sub = _subclasses[cls] = type(cls.__name__, (cls,), _plain_copies(cls))
+        sub = _subclasses[cls] = type(cls.__name__, (cls,), {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
         _patch(sub, cls.forward)
     return sub
 
 
-def _rebuild_plain(cls: type[torch.nn.Module], state: dict[str, Any]) -> torch.nn.Module:
-    module = object.__new__(cls)
-    module.__setstate__(state)  # type: ignore[no-untyped-call]
-    return module
+def _rewrap(module: torch.nn.Module, like: torch.nn.Module) -> None:
+    """Wrap ``module`` (an fx graph module recompiled, or a copy of one) as ``like`` is, with a new cache."""
+    binding, kind = like.__dict__[_BINDING], type(module)
+    if _subclasses.get(kind.__bases__[0]) is kind:  # recompiled: its plain class has a new forward
+        plain: type[torch.nn.Module] = kind.__bases__[0]
+        kind.forward = _cached_method(plain.forward)  # type: ignore[method-assign]
+    else:  # a copy, of a class fx made for it
+        plain = kind
+        module.__class__ = _cached_subclass(plain)
+    module.__dict__[_BINDING] = binding
+    _attach(module, binding, plain.forward)
+
+
+_rebuild_plain = rebuild_plain  # the name pickles of whole models made by 1.3 hold
 
 
 _SCRIPTED = (
