@@ -324,6 +324,21 @@ def test_a_backbone_random_in_training_mode_without_a_dropout_layer_is_refused(c
     assert len(extract(net.eval(), data)) == 10
 
 
+class _RoundedByPlace(torch.nn.Module):
+    """Deterministic in training mode, each row rounded by its place in the batch (as some CPU kernels do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + 1e-7 * torch.arange(len(x), dtype=x.dtype)[:, None])
+
+
+def test_a_deterministic_backbone_rounding_rows_by_their_place_is_not_taken_for_random(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6) + 3)
+    backbone = _RoundedByPlace().train()
+    assert not torch.equal(*backbone(torch.stack([data[0][0]] * 2)))  # one input, two places: other bits
+    features = extract(backbone, data)
+    assert all(torch.allclose(features[i][0], data[i][0]) for i in range(10))
+
+
 class _OneAtATime(torch.nn.Module):
     """Deterministic in training mode, made for batches of one, and with a NaN among its features."""
 

@@ -76,6 +76,20 @@ def test_a_seeded_shuffle_gives_the_batches_a_plain_dataloader_gives(cache_root:
             assert_same_batch(batch, expected)
 
 
+@pytest.mark.parametrize(("n", "drop_last"), [(50, False), (50, True), (48, False)])
+def test_an_epoch_cut_short_after_its_last_batch_leaves_the_generator_as_a_plain_dataloader_does(
+    cache_root: Path, n: int, drop_last: bool
+) -> None:
+    features = extract(Net(), Images(n=n))
+    mine = features.loader(8, shuffle=True, drop_last=drop_last, generator=torch.Generator().manual_seed(2))
+    plain = DataLoader(features, 8, shuffle=True, drop_last=drop_last, generator=torch.Generator().manual_seed(2))
+    for loader in (mine, plain):
+        batches = iter(loader)
+        for _ in range(len(loader)):  # every batch, and nothing asked for after the last
+            next(batches)
+    assert_same_batch(next(iter(mine)), next(iter(plain)))
+
+
 def test_an_unseeded_shuffle_draws_its_seed_from_the_global_rng(cache_root: Path) -> None:
     features = extract(Net(), Images(n=30))
     torch.manual_seed(3)

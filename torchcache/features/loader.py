@@ -70,10 +70,13 @@ class BatchOrder(Sampler[np.ndarray[Any, np.dtype[np.int64]]]):
             order = torch.randperm(self.length, generator=generator).numpy()
         else:
             order = np.arange(self.length, dtype=np.int64)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            yield order[start : start + self.batch_size]
-        if self.shuffle:  # RandomSampler draws a second (empty) share once its epoch ran out: so do we
-            torch.randperm(self.length, generator=generator)
+        size = self.batch_size
+        for start in range(0, len(self) * size, size):
+            if self.shuffle and start + size > self.length:  # RandomSampler's epoch ends in one more draw
+                torch.randperm(self.length, generator=generator)  # (for none), made as a short batch is filled
+            yield order[start : start + size]
+        if self.shuffle and (self.drop_last or not self.length % size):
+            torch.randperm(self.length, generator=generator)  # ... else as the next batch is asked for
 
 
 def _as_fetched(batch: Any) -> Any:
