@@ -164,7 +164,7 @@ class Case:
 
     ``where`` is ``"entry"`` (at the path of a torchcache 1.0 entry, whose key the packed
     store no longer holds: the library never reads it, and says once that the directory
-    holds 1.0 entry files; the command line reads it), ``"record"`` (a valid
+    holds 1.0 entry files if it is a regular file; the command line reads those), ``"record"`` (a valid
     record of the packed store, under the key of one item), ``"meta"`` (at the module's
     ``torchcache.json``), ``"shard"`` (a whole 1.0 shard directory), ``"module"`` (the
     module directory), or the name of a file of the packed store (``index.lmdb``, a
@@ -189,7 +189,8 @@ class Case:
 
 #: A 1.0 entry file: the library never reads one, and says once that the directory holds such files.
 ENTRY_CORRUPT = {"warns": True, "recomputed": 1, "verify_ok": False}
-ENTRY_IGNORED = {"warns": True, "recomputed": 1, "verify_ok": True}
+#: A link or FIFO at a 1.0 entry's name (or a linked shard): never read, reported by migrate and verify, unlinked.
+NOT_A_FILE = {"warns": False, "recomputed": 1, "verify_ok": False}
 META_DAMAGED = {"warns": True, "recomputed": 0, "verify_ok": False}
 #: A hostile index: the store moves it away and rebuilds the index from the segments.
 INDEX_REBUILT = {"warns": True, "recomputed": 0}
@@ -204,13 +205,13 @@ UNKNOWN_SEGMENT = "seg-000000ff.tcs"
 
 CASES: dict[str, Case] = {
     # torchcache 1.0 entries, read by the command line only
-    "entry: FIFO": Case("entry", _fifo, **ENTRY_IGNORED),
-    "entry: directory": Case("entry", _directory, **ENTRY_IGNORED),
-    "entry: link to /dev/zero": Case("entry", _link_to("/dev/zero"), **ENTRY_IGNORED),
-    "entry: link to a FIFO outside": Case("entry", _link_outside(lambda p: os.mkfifo(p)), **ENTRY_IGNORED),
-    "entry: dangling link": Case("entry", _link_to("/nonexistent/torchcache-entry"), **ENTRY_IGNORED),
+    "entry: FIFO": Case("entry", _fifo, **NOT_A_FILE),
+    "entry: directory": Case("entry", _directory, warns=False, recomputed=1, verify_ok=True),  # never touched
+    "entry: link to /dev/zero": Case("entry", _link_to("/dev/zero"), **NOT_A_FILE),
+    "entry: link to a FIFO outside": Case("entry", _link_outside(lambda p: os.mkfifo(p)), **NOT_A_FILE),
+    "entry: dangling link": Case("entry", _link_to("/nonexistent/torchcache-entry"), **NOT_A_FILE),
     "entry: link to random bytes outside": Case(
-        "entry", _link_outside(lambda p: p.write_bytes(os.urandom(3000))), **ENTRY_IGNORED
+        "entry", _link_outside(lambda p: p.write_bytes(os.urandom(3000))), **NOT_A_FILE
     ),
     "entry: 5,000 nested arrays as header": Case("entry", _bytes(_sealed(_nested(5000), b"", 0, 0)), **ENTRY_CORRUPT),
     "entry: 5,000 nested objects in the tree": Case(
@@ -326,7 +327,7 @@ CASES: dict[str, Case] = {
     "meta: deleted": Case("meta", lambda p, s: p.unlink(), warns=False, recomputed=0, verify_ok=False),
     # links to directories outside the cache
     # (a linked 1.0 shard is not read, nor listed)
-    "shard: link to a directory outside": Case("shard", lambda p, s: None, warns=False, recomputed=1, verify_ok=True),
+    "shard: link to a directory outside": Case("shard", lambda p, s: None, **NOT_A_FILE),
     "module: link to a directory outside": Case("module", lambda p, s: None, warns=False, recomputed=0, verify_ok=True),
 }
 
@@ -575,7 +576,8 @@ def test_a_planted_file_never_breaks_a_call_nor_the_cli(name: str, template: Tem
         assert _cli("prune", str(root), "--keep", "0", "--dry-run")[0] == 0
         assert _cli("prune", str(root), "--max-size", "1B", "--dry-run", "--json")[0] == 0
         code, _, err = _cli("migrate", str(root))  # packs the sound 1.0 entries, leaves the damaged ones
-        assert code == (1 if case.where == "entry" and not case.verify_ok else 0), err
+        damaged_entry = case.where == "entry" and case.warns and not case.verify_ok  # a regular 1.0 file, unreadable
+        assert code == (1 if damaged_entry else 0), err  # a link alone leaves nothing to migrate: verify reports it
         code, _, err = _cli("verify", str(root), "--fix")
         assert code == (0 if case.fixable else 1), err
         assert _cli("verify", str(root))[0] == (0 if case.fixable else 1)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ def test_a_1_0_file_whose_name_is_no_key_is_left_as_damaged_and_the_others_migra
     frame = next(iter(legacy.frames.values()))
     long = write_legacy_entry(legacy.directory, "ab" * 33, frame)  # 66 hex digits: no store key
     code, _, err = cli("migrate", str(legacy.root))
-    assert code == 1 and "left 1 damaged file" in err
+    assert code == 1 and "left 1 file it could not migrate" in err
     assert legacy.files() == [long] and set(packed(legacy.directory)) == set(legacy.frames)
     assert cli("verify", "--fix", str(legacy.root))[0] == 0 and not long.exists()
 
@@ -224,7 +225,7 @@ def test_migrate_leaves_a_damaged_file_names_it_and_verify_fix_removes_it(legacy
     assert out.startswith(f"packed {ITEMS - 1} entries of 1 module cache under {legacy.root}\n")
     (row,) = [line for line in out.splitlines() if str(bad.relative_to(legacy.root)) in line]
     assert "checksum mismatch" in row
-    assert err == "torchcache: error: left 1 damaged file; `torchcache verify --fix` removes them\n"
+    assert err == "torchcache: error: left 1 file it could not migrate; `torchcache verify --fix` removes them\n"
     assert legacy.files() == [bad] and set(packed(legacy.directory)) == set(legacy.frames) - {bad.stem}
 
     code, out, _ = cli("verify", str(legacy.root))
@@ -236,6 +237,39 @@ def test_migrate_leaves_a_damaged_file_names_it_and_verify_fix_removes_it(legacy
     fresh = model(legacy.root)
     assert_same(fresh(legacy.x), legacy.want)
     assert fresh.items == 1  # only the damaged entry is computed again
+
+
+def test_links_and_fifos_at_1_0_names_are_reported_never_read_and_unlinked_by_verify_fix(
+    legacy: Legacy, tmp_path: Path
+) -> None:
+    files = legacy.files()
+    outside, elsewhere = tmp_path / "outside.tce", tmp_path / "elsewhere"
+    shutil.move(files[0], outside)
+    files[0].symlink_to(outside)  # a link to a good frame: not read (migrate reads regular files only)
+    os.remove(files[1])
+    os.mkfifo(files[1])
+    shard = next(
+        p for p in sorted(legacy.directory.iterdir()) if p.is_dir() and files[0].parent != p != files[1].parent
+    )
+    moved = {p.name for p in shard.iterdir()}
+    shutil.move(shard, elsewhere)
+    shard.symlink_to(elsewhere)  # a linked subdirectory: not followed
+    odd = [files[0], files[1], shard]
+    code, out, err = cli("migrate", str(legacy.root))
+    assert code == 1 and "could not migrate" in err
+    assert all(str(p.relative_to(legacy.root)) in out for p in odd)
+    kept = set(legacy.frames) - {files[0].stem, files[1].stem} - {name.removesuffix(".tce") for name in moved}
+    assert set(packed(legacy.directory)) == kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "run torchcache migrate" for what it cannot migrate
+        assert_same(model(legacy.root)(legacy.x), legacy.want)
+    code, out, _ = cli("verify", str(legacy.root))
+    assert code == 1 and all(str(p.relative_to(legacy.root)) in out for p in odd) and "not a file" in out
+    assert cli("verify", "--fix", str(legacy.root))[0] == 0
+    assert (
+        not any(os.path.lexists(p) for p in odd) and outside.exists() and {p.name for p in elsewhere.iterdir()} == moved
+    )
+    assert cli("verify", str(legacy.root))[0] == 0
 
 
 def test_migrate_under_a_small_limit_reports_what_it_dropped(tmp_path: Path) -> None:

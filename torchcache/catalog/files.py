@@ -63,6 +63,11 @@ class CacheFiles:
     irregular: list[Path] = field(default_factory=list)
 
     @property
+    def unmigrated(self) -> list[Path]:
+        """The links and other non-files at the names of 1.0 entries and their subdirectories (never read)."""
+        return [p for p in self.irregular if p.name.endswith(ENTRY_SUFFIX) or _SHARD_RE.fullmatch(p.name)]
+
+    @property
     def has_store(self) -> bool:
         """Whether the directory has a packed store index."""
         return any(f.path.name == INDEX_NAME for f in self.store)
@@ -108,7 +113,7 @@ def list_files(directory: Path) -> CacheFiles:
                     temporaries.append(_info(item))
                 elif _is_store_file(item.name):
                     store.append(_info(item))
-            elif _is_store_file(item.name):
+            elif _is_store_file(item.name) or _SHARD_RE.fullmatch(item.name):  # a link to a 1.0 subdirectory too
                 irregular.append(Path(item.path))
         except FileNotFoundError:
             continue

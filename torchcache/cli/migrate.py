@@ -37,7 +37,7 @@ from .commands import command_root
 from .output import Progress, error, relative, table
 from .remote import open_remote, remote_namespaces
 from .samples12 import migrate_samples
-from .verify import UNLIMITED, Problem, check_entry
+from .verify import UNLIMITED, UNMIGRATED, Problem, check_entry
 
 __all__ = ["Migration", "cmd_migrate", "migrate_cache", "migrate_features"]
 
@@ -93,7 +93,7 @@ def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None)
     if store is None:
         store = PackedStore(cache.directory, max(cache.max_bytes or UNLIMITED, 1 << 16), report=lambda k, m: None)
     migrated: set[str] = set()
-    damaged: list[Problem] = []
+    damaged = [Problem(path, "not a file", UNMIGRATED, 0) for path in files.unmigrated]
     with store:
         before = set(store.keys())
         for start in range(0, len(files.entries), _MIGRATE_BATCH):
@@ -330,7 +330,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if damaged:
         rows = [[p.reason, relative(p.path, root)] for p in damaged]
         print(table(["REASON", "FILE"], rows))
-        error(f"left {plural(len(damaged), 'damaged file')}; `torchcache verify --fix` removes them")
+        error(f"left {plural(len(damaged), 'file')} it could not migrate; `torchcache verify --fix` removes them")
     for failure in failures:
         error(failure)
     return 1 if damaged or failures else 0

@@ -291,6 +291,12 @@ def check_entry(path: Path) -> str | None:
     return check_frame(data)
 
 
+UNMIGRATED = (
+    "a link or other non-file at a torchcache 1.0 name, never read: `torchcache migrate` reads regular files in "
+    "real subdirectories; put the file there to migrate it, or --fix unlinks this (never what a link points to)"
+)
+
+
 def verify_files(
     files: CacheFiles, now: float, tick: Callable[[int], None] | None = None
 ) -> tuple[list[Problem], list[FileInfo]]:
@@ -306,6 +312,7 @@ def verify_files(
             problems.append(Problem(entry.path, "corrupt", reason, entry.size))
         if tick is not None:
             tick(1)
+    problems.extend(Problem(path, "not a file", UNMIGRATED, 0) for path in files.unmigrated)
     in_progress = []
     for tmp in files.temporaries:
         if now - tmp.mtime < TMP_GRACE_SECONDS:

@@ -31,7 +31,7 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def has_legacy_entries(directory: Path) -> bool:
-    """Whether ``directory`` holds torchcache 1.0 entry files (``<3 hex>/<key>.tce``).
+    """Whether ``directory`` holds torchcache 1.0 entry files (``<3 hex>/<key>.tce``, regular files).
 
     Lists ``directory`` and its ``<3 hex>/`` subdirectories until one holds an entry file.
     """
@@ -42,7 +42,11 @@ def has_legacy_entries(directory: Path) -> bool:
                 for entry in entries
                 if len(entry.name) == 3 and set(entry.name) <= _HEX and entry.is_dir(follow_symlinks=False)
             ]
-        return any(name.endswith(".tce") for shard in shards for name in os.listdir(shard))
+        for shard in shards:  # regular files only: what `torchcache migrate` reads
+            with os.scandir(shard) as found:
+                if any(e.name.endswith(".tce") and e.is_file(follow_symlinks=False) for e in found):
+                    return True
+        return False
     except OSError:
         return False
 
