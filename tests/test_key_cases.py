@@ -328,8 +328,20 @@ def _f(x: int) -> int:
         ([False], [0]),
         ([None, "I"], [NotImplemented]),
         ((b"a", b""), (b"", b"a")),
+        (memoryview(np.zeros(2, np.int32)), memoryview(np.zeros(2, np.float32))),
+        (memoryview(np.zeros((2, 3), np.float32)), memoryview(np.zeros((3, 2), np.float32))),
+        (memoryview(bytearray(8)), bytearray(8)),
     ],
-    ids=["bytearray-bytes", "false-function", "bool-int", "none-notimplemented", "bytes-split"],
+    ids=[
+        "bytearray-bytes",
+        "false-function",
+        "bool-int",
+        "none-notimplemented",
+        "bytes-split",
+        "memoryview-format",
+        "memoryview-shape",
+        "memoryview-bytearray",
+    ],
 )
 def test_values_of_different_kinds_never_encode_alike(a: Any, b: Any) -> None:
     encode = KeyEncoder("remedy").encode

@@ -297,7 +297,7 @@ class Layout:
         for leaf in leaves:
             out_dtype = leaf.dtype
             if out_dtype not in OUTPUT_DTYPES:
-                raise KeyingError(f"cannot cache outputs of dtype {out_dtype}")
+                raise KeyingError(f"cannot cache outputs of dtype {out_dtype}: return them as .float() or .long()")
             dtype = cache_dtype if cache_dtype is not None and out_dtype.is_floating_point else out_dtype
             if dtype != out_dtype and bool(((leaf.abs() > torch.finfo(dtype).max) & leaf.isfinite()).any()):
                 raise KeyingError(  # stored as infinities

@@ -217,7 +217,9 @@ class KeyEncoder:
             return tagged(Tag.WEAKREF, self.child(value(), f"{path}()", depth))
         if isinstance(value, PurePath):
             return objects.encode_path(self, value, path)
-        if isinstance(value, (bytearray, memoryview)):
+        if isinstance(value, memoryview):  # its items' format and shape, then their bytes in C order
+            return tagged(Tag.BYTE_BUFFER, text(f"memoryview {value.format} {value.shape}") + raw(value.tobytes()))
+        if isinstance(value, bytearray):
             return tagged(Tag.BYTE_BUFFER, text(cls.__qualname__) + raw(bytes(value)))
         if isinstance(value, range):
             return tagged(Tag.RANGE, self.child((value.start, value.stop, value.step), path, depth))
