@@ -272,6 +272,16 @@ def test_links_and_fifos_at_1_0_names_are_reported_never_read_and_unlinked_by_ve
     assert cli("verify", str(legacy.root))[0] == 0
 
 
+def test_a_file_not_named_as_a_1_0_entry_is_not_taken_for_one(legacy: Legacy) -> None:
+    notes = legacy.files()[0].parent / "notes.tce"  # not <hex key>.tce: neither migrated nor asked about
+    notes.write_text("mine")
+    assert cli("migrate", str(legacy.root))[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "run torchcache migrate" for it, in the process that finds it
+        assert_same(model(legacy.root)(legacy.x), legacy.want)
+    assert notes.read_text() == "mine" and cli("migrate", str(legacy.root))[1].startswith("nothing to migrate")
+
+
 def test_migrate_under_a_small_limit_reports_what_it_dropped(tmp_path: Path) -> None:
     legacy = build_legacy(tmp_path, items=600, max_bytes=1 << 16)  # room for about 200 of them
     code, out, err = cli("migrate", str(legacy.root))

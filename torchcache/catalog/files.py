@@ -26,14 +26,13 @@ from ..stores.packed.index import INDEX_NAME
 from ..stores.packed.locks import LOCK_NAMES
 from ..stores.rows.format import MAGIC as ROWS_MAGIC
 from ..stores.unsent import is_unsent_file
+from ..tiers.local import LEGACY_ENTRY, LEGACY_SHARD
 
 __all__ = ["ENTRY_SUFFIX", "TMP_SUFFIX", "CacheFiles", "FileInfo", "disk_bytes", "has_cache_files", "list_files"]
 
-_SHARD_RE = re.compile(r"[0-9a-f]{3}")
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 #: The entry files of torchcache 1.0 (``<3 hex digits>/<key>.tce``) and their writes in progress.
 ENTRY_SUFFIX, TMP_SUFFIX = ".tce", ".tmp"
-_ENTRY_RE = re.compile(r"[0-9a-f]{4,}" + re.escape(ENTRY_SUFFIX))
 _TMP_RE = re.compile(r"\..*" + re.escape(TMP_SUFFIX), re.DOTALL)
 
 
@@ -65,7 +64,7 @@ class CacheFiles:
     @property
     def unmigrated(self) -> list[Path]:
         """The links and other non-files at the names of 1.0 entries and their subdirectories (never read)."""
-        return [p for p in self.irregular if p.name.endswith(ENTRY_SUFFIX) or _SHARD_RE.fullmatch(p.name)]
+        return [p for p in self.irregular if p.name.endswith(ENTRY_SUFFIX) or LEGACY_SHARD.fullmatch(p.name)]
 
     @property
     def has_store(self) -> bool:
@@ -106,14 +105,14 @@ def list_files(directory: Path) -> CacheFiles:
     for item in top:
         try:
             if item.is_dir(follow_symlinks=False):
-                if _SHARD_RE.fullmatch(item.name):
+                if LEGACY_SHARD.fullmatch(item.name):
                     shards.append(Path(item.path))
             elif item.is_file(follow_symlinks=False):
                 if _TMP_RE.fullmatch(item.name):
                     temporaries.append(_info(item))
                 elif _is_store_file(item.name):
                     store.append(_info(item))
-            elif _is_store_file(item.name) or _SHARD_RE.fullmatch(item.name):  # a link to a 1.0 subdirectory too
+            elif _is_store_file(item.name) or LEGACY_SHARD.fullmatch(item.name):  # a link to a 1.0 subdirectory too
                 irregular.append(Path(item.path))
         except FileNotFoundError:
             continue
@@ -127,9 +126,9 @@ def list_files(directory: Path) -> CacheFiles:
                 if child.is_dir(follow_symlinks=False):
                     continue
                 if not child.is_file(follow_symlinks=False):
-                    if _ENTRY_RE.fullmatch(child.name):
+                    if LEGACY_ENTRY.fullmatch(child.name):
                         irregular.append(Path(child.path))
-                elif _ENTRY_RE.fullmatch(child.name):
+                elif LEGACY_ENTRY.fullmatch(child.name):
                     entries.append(_info(child))
                 elif _TMP_RE.fullmatch(child.name):
                     temporaries.append(_info(child))

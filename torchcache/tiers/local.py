@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +25,19 @@ from ..meta import META_NAME, is_disk_wide, load_meta, unreadable, write_json_at
 from ..stores.packed.store import PackedStore
 from .persistent import PersistentTier
 
-__all__ = ["has_legacy_entries", "meta_toucher", "open_local_store", "open_local_tier", "trimmed"]
+__all__ = [
+    "LEGACY_ENTRY",
+    "LEGACY_SHARD",
+    "has_legacy_entries",
+    "meta_toucher",
+    "open_local_store",
+    "open_local_tier",
+    "trimmed",
+]
 
 _UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
-_HEX = frozenset("0123456789abcdef")
+#: The names of a torchcache 1.0 entry file and of the subdirectory holding it (``<3 hex>/<key>.tce``).
+LEGACY_ENTRY, LEGACY_SHARD = re.compile(r"[0-9a-f]{4,}\.tce"), re.compile(r"[0-9a-f]{3}")
 
 
 def has_legacy_entries(directory: Path) -> bool:
@@ -40,11 +50,11 @@ def has_legacy_entries(directory: Path) -> bool:
             shards = [
                 entry.path
                 for entry in entries
-                if len(entry.name) == 3 and set(entry.name) <= _HEX and entry.is_dir(follow_symlinks=False)
+                if LEGACY_SHARD.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
             ]
         for shard in shards:  # regular files only: what `torchcache migrate` reads
             with os.scandir(shard) as found:
-                if any(e.name.endswith(".tce") and e.is_file(follow_symlinks=False) for e in found):
+                if any(LEGACY_ENTRY.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in found):
                     return True
         return False
     except OSError:
