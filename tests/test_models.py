@@ -952,3 +952,71 @@ def test_a_graph_module_class_is_refused_and_names_the_instance_wrap() -> None:
 
     with pytest.raises(ConfigError, match=r"wrap instances instead, torchcache\(\)\(graph_module\)"):
         torchcache()(Mine)
+
+
+def test_a_lazy_graph_module_is_wrapped_recompiled_and_copied(cache_root: Path) -> None:
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    x, traced = torch.randn(3, 4), _traced()
+    lazy = torchcache()(_LazyGraphModule(traced, traced.graph))  # its code not generated yet
+    assert torch.equal(lazy(x), torch.relu(lazy.lin(x))) and torch.equal(lazy(x), torch.relu(lazy.lin(x)))
+    _swap(lazy, torch.relu, torch.sigmoid)
+    lazy.recompile()
+    assert torch.equal(lazy(x), torch.sigmoid(lazy.lin(x)))
+    copied = copy.deepcopy(lazy)
+    assert torch.equal(copied(x), torch.sigmoid(copied.lin(x))) and copied.cache_instance is not lazy.cache_instance
+
+
+def test_a_wrapped_graph_module_pickles_as_fx_does_without_the_cache(cache_root: Path) -> None:
+    import io
+    import pickle
+
+    torch.manual_seed(0)  # a forward without annotations: fx cannot pickle the code of annotated ones
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).requires_grad_(False).eval()
+    x, gm = torch.randn(3, 4), torchcache()(torch.fx.symbolic_trace(model))
+    gm(x)
+    cache = gm.cache_instance
+    (relu,) = [node for node in gm.graph.nodes if node.op == "call_module" and node.target == "1"]
+    relu.op, relu.target = "call_function", torch.tanh  # edited, not recompiled: fx pickles the graph's code
+    saved = io.BytesIO()
+    torch.save(gm, saved)
+    saved.seek(0)
+    for loaded in (torch.load(saved, weights_only=False), pickle.loads(pickle.dumps(gm))):
+        assert "cache_instance" not in vars(loaded) and isinstance(loaded, torch.fx.GraphModule)
+        assert torch.equal(loaded(x), torch.tanh(model[0](x)))
+    assert gm.cache_instance is cache and torch.equal(gm(x), model(x))  # not recompiled by pickling
+    assert cache.stats().hits == 3
+
+
+@torchcache()
+def _halved(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+def test_a_model_holding_a_cached_module_traces_to_its_plain_operations(cache_root: Path) -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torchcache()(_Traced().requires_grad_(False).eval())
+            self.features = torchcache()(self.body.forward)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) * 2 + self.features(x) + _halved(x)
+
+    x, outer = torch.randn(3, 4), Outer()
+    traced = torch.fx.symbolic_trace(outer)
+    assert torch.equal(traced(x), outer(x)) and outer.body.cache_instance.stats().misses == 3
+
+
+def test_wrapped_graph_modules_are_collected_with_their_classes(cache_root: Path) -> None:
+    import gc
+    import weakref
+
+    classes = []
+    for _ in range(3):
+        gm = torchcache()(_traced())
+        gm(torch.randn(2, 4))
+        classes.append(weakref.ref(type(gm).__bases__[0]))  # the class fx made for this instance
+        del gm
+    gc.collect()
+    assert [ref() for ref in classes] == [None] * 3

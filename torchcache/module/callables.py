@@ -79,7 +79,7 @@ class CachedMethod:
         self.cache_instance.watch_weights(module, root_hooks=func.__name__ != "forward")  # self(x) runs them
         _method_caches.setdefault(module, []).append(weakref.ref(self.cache_instance))
         self._conversion: tuple[Any, ...] | None = None
-        self._call = outside_compile(self._call_cached)
+        self._call = outside_compile(self._call_cached, plain=self._plain)
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__signature__ = signature
 
@@ -107,6 +107,9 @@ class CachedMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method through the cache."""
         return self._call(*args, **kwargs)
+
+    def _plain(self, *args: Any, **kwargs: Any) -> Any:
+        return self._func(_alive(self._module, self._name), *args, **kwargs)
 
     def _call_cached(self, *args: Any, **kwargs: Any) -> Any:
         owner = _alive(self._module, self._name)
@@ -191,10 +194,9 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
     )
     cache.take_key(early=True)  # now: what cannot be keyed is refused where the function is decorated
 
-    @outside_compile
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def cached(*args: Any, **kwargs: Any) -> Any:
         return cache(fn, args, kwargs)
 
-    functools.update_wrapper(wrapper, fn)
+    wrapper = functools.update_wrapper(outside_compile(cached, plain=fn), fn)
     wrapper.cache_instance = cache  # type: ignore[attr-defined]
     return wrapper

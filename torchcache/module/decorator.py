@@ -40,7 +40,7 @@ from .engine import Cache
 from .fingerprint import check_instance, describe_init, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
 from .subclass import BINDING as _BINDING
-from .subclass import graph_methods, plain_namespace, rebuild_plain
+from .subclass import compile_graph, graph_methods, plain_namespace, rebuild_plain
 
 __all__ = ["torchcache"]
 
@@ -285,11 +285,10 @@ def _cached_forward(
 
 
 def _cached_method(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @outside_compile
     def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _cached_forward(self, forward, args, kwargs)
 
-    return functools.update_wrapper(cached, forward)
+    return functools.update_wrapper(outside_compile(cached, plain=forward), forward)
 
 
 def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
@@ -390,15 +389,17 @@ def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
     sub = _subclasses.get(cls)
     if sub is None:
-        sub = _subclasses[cls] = type(cls.__name__, (cls,), {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
+        sub = type(cls.__name__, (cls,), {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
         _patch(sub, cls.forward)
+        if not issubclass(cls, torch.fx.GraphModule):  # fx makes a class per instance: not kept past it
+            _subclasses[cls] = sub
     return sub
 
 
 def _rewrap(module: torch.nn.Module, like: torch.nn.Module) -> None:
     """Wrap ``module`` (an fx graph module recompiled, or a copy of one) as ``like`` is, with a new cache."""
     binding, kind = like.__dict__[_BINDING], type(module)
-    if _subclasses.get(kind.__bases__[0]) is kind:  # recompiled: its plain class has a new forward
+    if module is like:  # recompiled: its plain class has a new forward
         plain: type[torch.nn.Module] = kind.__bases__[0]
         kind.forward = _cached_method(plain.forward)  # type: ignore[method-assign]
     else:  # a copy, of a class fx made for it
@@ -436,6 +437,7 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     if settings.persistent_module_hash is None:  # else the user gave the key
         check_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
     binding = _Binding(settings, b"", name)
+    compile_graph(module)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)
     return module

@@ -72,17 +72,24 @@ def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
         )
 
 
-def outside_compile(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn``, excluded from ``torch.compile`` tracing once ``torch._dynamo`` is loaded.
+_fx_tracing = torch.fx._symbolic_trace.is_fx_tracing
+
+
+def outside_compile(fn: Callable[..., T], plain: Callable[..., T] | None = None) -> Callable[..., T]:
+    """``fn``, excluded from ``torch.compile`` tracing once ``torch._dynamo`` is loaded; ``plain`` under fx tracing.
 
     Importing ``torch._dynamo`` takes seconds, so a process that never compiles never
     pays for it; a process that compiles has loaded it before any graph is traced.
+    ``torch.fx.symbolic_trace`` of a model holding a cached module records what ``plain``
+    (the function without the cache, called with the same arguments) does.
     """
     disabled: Callable[..., T] | None = None
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> T:
         nonlocal disabled
+        if plain is not None and _fx_tracing():  # the arguments are proxies: nothing to key
+            return plain(*args, **kwargs)
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
         if disabled is None:

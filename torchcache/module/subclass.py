@@ -10,7 +10,10 @@ subclass of that class: run there, fx's ``__call__`` wrapper would call itself a
 new ``forward`` would replace the cached one. So the cached subclass runs ``recompile``
 on fx's class, then wraps the new ``forward`` and gives the instance a new cache (the
 code changed: so do the key and the signature). A deep copy is made by fx (a class of
-its own, as fx gives each copy) and then wrapped as the original was.
+its own, as fx gives each copy) and then wrapped as the original was; a pickle is fx's
+(the code of the graph, generated again where it is loaded), without the cache. A lazy
+graph module's code is generated when it is wrapped: its lazy forward would call the
+cached one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BINDING", "graph_methods", "plain_namespace", "rebuild_plain"]
+__all__ = ["BINDING", "compile_graph", "graph_methods", "plain_namespace", "rebuild_plain"]
 
 BINDING = "_torchcache_binding"  # the attribute of a cached instance holding its settings
 
@@ -61,21 +64,22 @@ Rewrap = Callable[[torch.nn.Module, torch.nn.Module], None]
 
 
 def graph_methods(cls: type[torch.nn.Module], rewrap: Rewrap) -> dict[str, Any]:
-    """``recompile`` and ``__deepcopy__`` for the cached subclass of ``cls``, if it is fx's class of an instance.
+    """``recompile``, ``__deepcopy__`` and pickling for the cached subclass of ``cls``, if fx made ``cls``.
 
     Args:
         cls: The class of the instance being wrapped.
-        rewrap: ``rewrap(module, like)`` wraps ``module``, whose class is fx's plain one, as
-            ``like`` is wrapped, with a new cache.
+        rewrap: ``rewrap(module, like)`` wraps ``module`` (``like`` itself, recompiled, or a copy
+            of it whose class is fx's plain one) as ``like`` is wrapped, with a new cache.
     """
     if not issubclass(cls, torch.fx.GraphModule):
         return {}
+    lazy = hasattr(cls, "_real_recompile")  # a lazy graph module's recompile() only marks its code stale
 
     def recompile(self: torch.fx.GraphModule) -> Any:
         cached = type(self)
         self.__class__ = cls  # fx sets the new forward on the class it made for this instance
         try:
-            code = cls.recompile(self)
+            code = torch.fx.GraphModule.recompile(self) if lazy else cls.recompile(self)
         finally:
             self.__class__ = cached
         rewrap(self, self)
@@ -83,7 +87,25 @@ def graph_methods(cls: type[torch.nn.Module], rewrap: Rewrap) -> dict[str, Any]:
 
     def __deepcopy__(self: torch.fx.GraphModule, memo: dict[int, Any]) -> torch.fx.GraphModule:
         copied = torch.fx.GraphModule.__deepcopy__(self, memo)  # plain, of a class fx made for it
+        compile_graph(copied)
         rewrap(copied, self)
         return copied
 
-    return {"recompile": recompile, "__deepcopy__": __deepcopy__}
+    def __reduce_ex__(self: torch.fx.GraphModule, protocol: Any) -> Any:
+        # As fx pickles a graph module (the code of its graph, generated again where it is loaded), without the cache
+        # and without recompiling this one.
+        from torch.fx.graph_module import _format_import_block, reduce_graph_module
+        from torch.package.importer import sys_importer
+
+        code = self.graph.python_code(root_module="self")
+        body = {k: v for k, v in self.__dict__.items() if k not in ("_graph", "cache_instance", BINDING)}
+        body["_code"] = code.src
+        return reduce_graph_module, (body, _format_import_block(code.globals, sys_importer))
+
+    return {"recompile": recompile, "__deepcopy__": __deepcopy__, "__reduce_ex__": __reduce_ex__}
+
+
+def compile_graph(module: torch.nn.Module) -> None:
+    """Generate a lazy fx graph module's code now (its lazy forward would call the cached one without end)."""
+    if isinstance(module, torch.fx.GraphModule) and hasattr(module, "real_recompile"):
+        module.real_recompile()  # type: ignore[operator]
