@@ -1020,3 +1020,58 @@ def test_wrapped_graph_modules_are_collected_with_their_classes(cache_root: Path
         del gm
     gc.collect()
     assert [ref() for ref in classes] == [None] * 3
+
+
+def test_a_call_begun_before_a_recompile_runs_the_code_it_began_with_and_stores_nothing(cache_root: Path) -> None:
+    x, gm = torch.randn(3, 4), torchcache(persistent=True)(_traced())
+    gm(torch.randn(2, 4))
+    edited: list[bool] = []
+
+    def edit(module: nn.Module, args: Any) -> None:  # runs after the call looked up the forward it runs
+        if not edited:
+            edited.append(True)
+            _swap(module, torch.relu, torch.sigmoid)
+            module.recompile()
+
+    handle = gm.register_forward_pre_hook(edit)
+    assert torch.equal(gm(x), torch.relu(gm.lin(x)))  # as without the cache: the code the call began with
+    handle.remove()
+    assert torch.equal(gm(x), torch.sigmoid(gm.lin(x)))  # never the old code's rows under the new code's key
+    gm.cache_instance.flush()
+    fresh = _traced()
+    _swap(fresh, torch.relu, torch.sigmoid)
+    fresh.recompile()
+    assert torch.equal(torchcache(persistent=True)(fresh)(x), torch.sigmoid(fresh.lin(x)))  # nor on disk
+
+
+class _Dual(torch.fx.GraphModule):
+    """A graph module whose copies need more than fx's arguments (as torchvision's ``DualGraphModule``)."""
+
+    def __init__(self, root: nn.Module, graph: torch.fx.Graph, label: str) -> None:
+        super().__init__(root, graph)
+        self.label = label
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Dual:
+        return _Dual(copy.deepcopy(nn.ModuleDict(dict(self.named_children())), memo), self.graph, self.label)
+
+
+def test_a_graph_module_subclass_is_copied_by_its_own_deepcopy(cache_root: Path) -> None:
+    x, traced = torch.randn(3, 4), _traced()
+    gm = torchcache()(_Dual(traced, traced.graph, "mine").requires_grad_(False).eval())
+    gm(x)
+    copied = copy.deepcopy(gm)
+    assert isinstance(copied, _Dual) and copied.label == "mine" and copied.cache_instance is not gm.cache_instance
+    assert torch.equal(copied(x), gm(x)) and gm.cache_instance.stats().hits == 3
+
+
+_FIRST_CALL = """
+import torch
+from torchcache import torchcache
+print(torchcache()(torch.nn.Linear(4, 4).requires_grad_(False))(torch.ones(2, 4)).shape)
+"""
+
+
+@pytest.mark.slow
+def test_a_first_cached_call_prints_nothing_but_what_the_script_prints(cache_root: Path) -> None:
+    done = run_python(_FIRST_CALL)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "torch.Size([2, 4])\n", "")

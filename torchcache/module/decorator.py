@@ -51,6 +51,8 @@ _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
 _decorated: weakref.WeakKeyDictionary[type, Settings] = weakref.WeakKeyDictionary()
 _initializing = threading.local()
 _subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+#: The forward each fx graph module's cache was made for (a call begun before a recompile runs the old one uncached).
+_forwards: weakref.WeakKeyDictionary[Cache, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 @overload
@@ -280,6 +282,8 @@ def _cached_forward(
         if binding is None:  # caching is off for this instance
             return forward(module, *args, **kwargs)
         cache = _attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
+    elif _forwards.get(cache, forward) is not forward:  # begun before an fx recompile made a cache for new code
+        return forward(module, *args, **kwargs)
     warn_if_training(cache, module)
     return cache(functools.partial(forward, module), args, kwargs, module.training)
 
@@ -406,7 +410,7 @@ def _rewrap(module: torch.nn.Module, like: torch.nn.Module) -> None:
         plain = kind
         module.__class__ = _cached_subclass(plain)
     module.__dict__[_BINDING] = binding
-    _attach(module, binding, plain.forward)
+    _forwards[_attach(module, binding, plain.forward)] = plain.forward
 
 
 _rebuild_plain = rebuild_plain  # the name pickles of whole models made by 1.3 hold

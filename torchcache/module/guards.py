@@ -72,7 +72,7 @@ def warn_if_training(cache: Cache, module: torch.nn.Module) -> None:
         )
 
 
-_fx_tracing = torch.fx._symbolic_trace.is_fx_tracing
+_symbolic_trace = torch.fx._symbolic_trace  # its flag read as is: is_fx_tracing() logs a warning in each process
 
 
 def outside_compile(fn: Callable[..., T], plain: Callable[..., T] | None = None) -> Callable[..., T]:
@@ -88,7 +88,7 @@ def outside_compile(fn: Callable[..., T], plain: Callable[..., T] | None = None)
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> T:
         nonlocal disabled
-        if plain is not None and _fx_tracing():  # the arguments are proxies: nothing to key
+        if plain is not None and getattr(_symbolic_trace, "_is_fx_tracing_flag", False):  # proxies: nothing to key
             return plain(*args, **kwargs)
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)

@@ -86,7 +86,7 @@ def graph_methods(cls: type[torch.nn.Module], rewrap: Rewrap) -> dict[str, Any]:
         return code
 
     def __deepcopy__(self: torch.fx.GraphModule, memo: dict[int, Any]) -> torch.fx.GraphModule:
-        copied = torch.fx.GraphModule.__deepcopy__(self, memo)  # plain, of a class fx made for it
+        copied = cls.__deepcopy__(self, memo)  # fx's (or its subclass's): plain, of a class fx made for it
         compile_graph(copied)
         rewrap(copied, self)
         return copied
