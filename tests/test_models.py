@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1075,3 +1076,30 @@ print(torchcache()(torch.nn.Linear(4, 4).requires_grad_(False))(torch.ones(2, 4)
 def test_a_first_cached_call_prints_nothing_but_what_the_script_prints(cache_root: Path) -> None:
     done = run_python(_FIRST_CALL)
     assert (done.returncode, done.stdout, done.stderr) == (0, "torch.Size([2, 4])\n", "")
+
+
+_HOOK_LOCK = threading.Lock()
+
+
+def test_a_graph_module_is_keyed_by_its_code_not_its_graphs_notes_counters_or_own_hooks(cache_root: Path) -> None:
+    x, plain = torch.randn(3, 4), torchcache()(_traced())
+    plain(x)
+    noted = _traced()
+    first = next(iter(noted.graph.nodes))
+    noted.graph.erase_node(noted.graph.create_node("call_function", torch.neg, (first,)))  # a name counter moved
+    for node in noted.graph.nodes:
+        node.meta["note"] = object()  # what a pass noted (torch.export notes FakeTensors): not keyable, not keyed
+    noted.recompile()
+
+    def timed(module: nn.Module, args: Any) -> None:  # its own hook runs around the cached forward: not keyed
+        with _HOOK_LOCK:
+            pass
+
+    noted.register_forward_pre_hook(timed)
+    noted = torchcache()(noted)
+    assert torch.equal(noted(x), plain(x))
+    assert noted.cache_instance.module_hash == plain.cache_instance.module_hash
+    _swap(noted, torch.relu, torch.sigmoid)
+    noted.recompile()
+    noted(x)
+    assert noted.cache_instance.module_hash != plain.cache_instance.module_hash

@@ -236,6 +236,8 @@ class KeyEncoder:
             namespace, name, overload = operator
             defined = operators.encode_operator(self, namespace, name, path, depth)
             return tagged(Tag.OPERATOR, text(f"{namespace}::{name}.{overload}") + defined)
+        if isinstance(value, torch.fx.Graph):
+            return objects.encode_fx_graph(self, value, path, depth)
         pandas = tables.encode_pandas(self, value, path, depth)
         if pandas is not None:
             return pandas
