@@ -241,3 +241,15 @@ def test_a_method_decorated_in_its_class_is_precomputed_on_its_instance() -> Non
     assert precompute(net.embed, [x[:4], x[4:]], progress=False).misses == 8
     assert torch.equal(net.embed(x), net.proj(x)) and net.embed.cache_instance.stats().hits == 8
     assert precompute(net.scaled, [x], progress=False).misses == 8
+
+
+def test_a_batch_that_does_not_fit_the_call_is_named_before_it_runs() -> None:
+    encoder, x = Encoder(), torch.randn(4, 4)
+    with pytest.raises(TypeError, match=r"but batch 1 is a tuple of 3 \(Tensor, float, int\), which does not fit"):
+        precompute(encoder, [(x,), (x, 2.0, 3)], progress=False)
+    assert encoder.cache_instance.stats().misses == 4  # the batch before it ran, and is kept
+
+
+def test_progress_is_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"precompute\(progress=\.\.\.\) must be True or False, got 'no'"):
+        precompute(Encoder(), [torch.randn(2, 4)], progress="no")  # type: ignore[arg-type]

@@ -44,7 +44,8 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
 
     Raises:
         TypeError: If ``module_or_fn`` is not decorated with ``@torchcache()`` (or has
-            caching turned off), or ``batches`` is one batch (a tensor, a dict) or no iterable.
+            caching turned off), ``batches`` is one batch (a tensor, a dict) or no iterable, a
+            batch does not fit the call (checked before it runs), or ``progress`` is not a bool.
         KeyboardInterrupt: Re-raised once the entries of the finished batches are on disk.
 
     Example:
@@ -59,6 +60,8 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
         12
     """
     cache = _cache_of(module_or_fn)
+    if not isinstance(progress, bool):
+        raise TypeError(f"precompute(progress=...) must be True or False, got {progress!r}")
     if isinstance(batches, (torch.Tensor, Mapping, str, bytes)) or not isinstance(batches, Iterable):
         raise TypeError(
             f"precompute() takes an iterable of batches, got {type(batches).__name__}; pass a list of batches "
@@ -69,8 +72,7 @@ def precompute(module_or_fn: Callable[..., Any], batches: Iterable[Any], progres
     try:
         with torch.no_grad():
             for number, batch in enumerate(batches):
-                if number == 0:
-                    _check_batch(cache, batch, module_or_fn)
+                _check_batch(cache, batch, module_or_fn, number)
                 _call(module_or_fn, batch)
                 if bar is not None and start is not None:
                     now = cache.stats()
@@ -114,7 +116,7 @@ def _cache_of(obj: object) -> Cache:
     )
 
 
-def _check_batch(cache: Cache, batch: Any, fn: Any) -> None:
+def _check_batch(cache: Cache, batch: Any, fn: Any, number: int) -> None:
     """Say clearly when a batch does not fit the call (``[index, images]`` from a loader).
 
     A method decorated in its class body is called bound: its instance comes first.
@@ -130,7 +132,7 @@ def _check_batch(cache: Cache, batch: Any, fn: Any) -> None:
         kinds = ", ".join(type(v).__name__ for v in (kwargs.values() if kwargs else args))
         shape = f"a mapping with keys {sorted(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
         raise TypeError(
-            f"precompute(): each batch is one call of {cache.name}{cache._signature}, but the first batch is "
+            f"precompute(): each batch is one call of {cache.name}{cache._signature}, but batch {number} is "
             f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "
             "(images for _, images in loader) for [index, images] batches, or a mapping of keyword arguments"
         ) from None
