@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import io
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import stat
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -432,6 +435,16 @@ def test_entries_computed_while_the_server_was_away_reach_it_from_the_copy_in_a_
     away = run_python(_EXIT_WARNINGS, url, str(tmp_path))
     assert away.returncode == 0 and away.stdout.split()[-1] == "12", away.stderr[-3000:]
     assert "12 entries of the local copy could not be stored" in away.stderr, away.stderr[-3000:]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(["ls", str(tmp_path), "--json"]) == 0
+        (listed,) = json.loads(out.getvalue())["caches"]
+        assert (listed["unsent_entries"], listed["copy_of"]) == (12, url)  # what this machine alone holds
+        assert main(["info", listed["key"], "--root", str(tmp_path)]) == 0
+        assert "12 entries held here only" in out.getvalue()
+        shutil.copytree(tmp_path, tmp_path.parent / "cleared")
+        assert main(["clear", "--all", "--root", str(tmp_path.parent / "cleared"), "--yes"]) == 0
+    assert "held 12 entries not yet sent to its server" in err.getvalue()  # said as they go
     server.start(port)
     back = run_python(_EXIT_WARNINGS, url, str(tmp_path))
     assert back.returncode == 0 and back.stdout.split()[-1] == "0", back.stderr[-3000:]  # all from the copy

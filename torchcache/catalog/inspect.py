@@ -28,6 +28,7 @@ from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_inde
 from ..stores.packed.mappable import cut_short, unsound_pages
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
+from ..stores.unsent import count_unsent, is_unsent_file
 from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
 
 __all__ = [
@@ -88,6 +89,8 @@ class ModuleCache:
     legacy_entries: int = 0
     live_bytes: int = 0
     reclaimable_bytes: int = 0
+    #: Entries a local copy holds that its server (Redis, a bucket) did not take: on this machine only.
+    unsent: int = 0
 
     @property
     def key(self) -> str:
@@ -197,6 +200,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
         disk_bytes=(disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
         index_damage=damage,
+        unsent=count_unsent(directory) if any(is_unsent_file(f.path.name) for f in files.store) else 0,
     )
 
 

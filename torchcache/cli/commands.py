@@ -144,6 +144,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         ),
         ("metadata", cache.meta_problem or "ok"),
     ]
+    if isinstance(cache.meta.get("copy_of"), str):  # a local copy of a Redis server or a bucket
+        fields[1] = ("module key", str(cache.meta.get("module_key", cache.key)))
+        fields.insert(2, ("copy of", str(cache.meta["copy_of"])))
+        fields.insert(3, ("not yet sent", f"{cache.unsent:,} entries held here only" if cache.unsent else "none"))
     if isinstance(settings, dict):
         fields.append(("settings", ", ".join(f"{k}={v}" for k, v in sorted(settings.items(), key=str)) or "-"))
     width = max(len(label) for label, _ in fields)
@@ -395,6 +399,8 @@ def _remove(caches: Sequence[ModuleCache], busy: list[ModuleCache] | None = None
         size, kept = done
         removed.append(cache)
         freed += size
+        if cache.unsent:  # a local copy's entries that its server did not take: this was their only copy
+            note(f"{cache.directory} held {plural(cache.unsent, 'entry', 'entries')} not yet sent to its server")
         if kept is not None:
             note(f"kept {kept}: it holds files that torchcache did not write")
     return removed, freed, failed

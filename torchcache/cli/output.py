@@ -158,6 +158,8 @@ def cache_json(cache: ModuleCache) -> dict[str, Any]:
         "live_bytes": cache.live_bytes,
         "reclaimable_bytes": cache.reclaimable_bytes,
         "legacy_entries": cache.legacy_entries,
+        "unsent_entries": cache.unsent,
+        "copy_of": cache.meta.get("copy_of"),
         "temporary_files": cache.temporaries,
         "max_bytes": cache.max_bytes,
         "created": iso(cache.created),

@@ -33,7 +33,7 @@ from ..errors import StoreError
 from .files import open_regular, pwrite_all, read_at
 from .packed.format import is_key
 
-__all__ = ["MAX_KEYS", "Unsent", "is_unsent_file"]
+__all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file"]
 
 #: Keys held at most (past them, a long outage's entries stay on this machine only).
 MAX_KEYS = 1 << 18
@@ -56,6 +56,31 @@ def is_unsent_file(name: str) -> bool:
         (True, False)
     """
     return _NAME.fullmatch(name) is not None
+
+
+def count_unsent(directory: Path) -> int:
+    """How many keys the unsent files in ``directory`` hold (read only: nothing is claimed or sent).
+
+    Example:
+        >>> import tempfile
+        >>> count_unsent(Path(tempfile.mkdtemp()))
+        0
+    """
+    keys: set[str] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if not is_unsent_file(entry.name) or entry.name.endswith(".tmp"):
+                continue
+            with contextlib.suppress(OSError):
+                opened = open_regular(Path(entry.path), follow_symlinks=False)
+                if opened is None:
+                    continue
+                try:
+                    lines = read_at(opened[0], MAX_KEYS * 65).decode("ascii", "replace").split()
+                finally:
+                    os.close(opened[0])
+                keys.update(line for line in lines if is_key(line))
+    return len(keys)
 
 
 class Unsent:
