@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchcache import CacheWarning, ConfigError, KeyingError, torchcache
+from torchcache.keys import encode_value
 
 from .helpers import run_python
 
@@ -1103,3 +1104,47 @@ def test_a_graph_module_is_keyed_by_its_code_not_its_graphs_notes_counters_or_ow
     noted.recompile()
     noted(x)
     assert noted.cache_instance.module_hash != plain.cache_instance.module_hash
+
+
+def _lazy_child_model(order: str) -> torch.fx.GraphModule:
+    """A graph module calling a lazy one that packs its outputs in a dict by its codegen's spec (keys in ``order``)."""
+    import operator
+
+    import torch.utils._pytree as pytree
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output([graph.call_function(torch.add, (x, 1)), graph.call_function(torch.mul, (x, 3))])
+    packed = pytree.tree_flatten(dict.fromkeys(order, 0))[1]  # {"a": add, "b": mul} or the other way round
+    graph._codegen = _PyTreeCodeGen(_PyTreeInfo(["x"], pytree.tree_flatten(((x,), {}))[1], packed))
+    holder = nn.Module()
+    holder.child = _LazyGraphModule(nn.Module(), graph)
+    outer = torch.fx.Graph()
+    y = outer.placeholder("x")
+    outer.output(outer.call_function(operator.getitem, (outer.call_module("child", (y,)), "a")))
+    return torch.fx.GraphModule(holder, outer).eval()
+
+
+def test_graphs_of_one_code_that_pack_their_outputs_otherwise_have_their_own_keys(cache_root: Path) -> None:
+    x = torch.tensor([[1.0, 2.0]])
+    first, second = torchcache()(_lazy_child_model("ab")), torchcache()(_lazy_child_model("ba"))
+    assert torch.equal(first(x), x + 1) and torch.equal(second(x), x * 3)
+    assert first.cache_instance.module_hash != second.cache_instance.module_hash
+    graphs = [_lazy_child_model(order).child.graph for order in ("ab", "ba")]  # the same code, other specs
+    assert graphs[0].python_code("self").src == graphs[1].python_code("self").src
+    assert encode_value(graphs[0]) != encode_value(graphs[1])  # even before a lazy module keeps its specs
+
+
+def test_a_node_inside_a_slice_is_keyed_by_its_name_not_its_notes(cache_root: Path) -> None:
+    class Half(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, : x.size(1) // 2] * 2
+
+    x = torch.randn(2, 4)
+    plain, noted = torch.fx.symbolic_trace(Half()), torch.fx.symbolic_trace(Half())
+    for node in noted.graph.nodes:
+        node.meta["note"] = object()  # not keyable: keyed, it would refuse the call
+    assert torch.equal(torchcache()(noted)(x), torchcache()(plain)(x))
+    assert noted.cache_instance.module_hash == plain.cache_instance.module_hash

@@ -234,24 +234,6 @@ _LIBRARY_FLAGS = frozenset(
 _REDUCERS: dict[type, Any] = {struct.Struct: lambda packer: (struct.Struct, (packer.format,))}
 
 
-def encode_fx_graph(encoder: Encoder, graph: torch.fx.Graph, path: str, depth: int) -> bytes:
-    """An fx graph by what its code is made of: each node's operation, name, target and arguments, in order.
-
-    Not its metadata (what a trace or ``torch.export`` noted, FakeTensors included), its name
-    counters or the module that owns it (whose own hooks run around a cached forward).
-    """
-
-    def plain(value: Any) -> Any:  # a node as its name, marked by the class of the graph
-        if isinstance(value, torch.fx.Node):
-            return (torch.fx.Graph, value.name)
-        if isinstance(value, (tuple, list)):
-            return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
-        return {k: plain(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-    nodes = [(n.op, n.name, n.target, plain(n.args), plain(n.kwargs)) for n in graph.nodes]
-    return tagged(Tag.OBJECT, encoder.child(type(graph), path, depth) + encoder.child(nodes, f"{path}.nodes", depth))
-
-
 class Binding(NamedTuple):
     """A global that a key read: the namespace, the name and the value it was bound to (``SCALE = 2``)."""
 

@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 from ..errors import KeyingError
-from . import code, modules, objects, operators, runs, tables
+from . import code, graphs, modules, objects, operators, runs, tables
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["KeyEncoder", "encode_key_value"]
@@ -237,7 +237,7 @@ class KeyEncoder:
             defined = operators.encode_operator(self, namespace, name, path, depth)
             return tagged(Tag.OPERATOR, text(f"{namespace}::{name}.{overload}") + defined)
         if isinstance(value, torch.fx.Graph):
-            return objects.encode_fx_graph(self, value, path, depth)
+            return graphs.encode_fx_graph(self, value, path, depth)
         pandas = tables.encode_pandas(self, value, path, depth)
         if pandas is not None:
             return pandas
