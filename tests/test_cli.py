@@ -1059,3 +1059,33 @@ def test_a_default_root_that_is_a_file_is_an_error_not_a_traceback(
     monkeypatch.setenv("TORCHCACHE_DIR", str(tmp_path / "not made yet"))
     code, out, _ = run(capsys, "ls")
     assert code == 0 and out.startswith("no caches under")
+
+
+@pytest.mark.parametrize("copy_of", ["redis://server:6379/0", 5, None])
+def test_a_local_copy_says_what_its_server_has_not_taken_whatever_its_metadata_says(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, copy_of: object
+) -> None:
+    directory = make_dir(items=4)
+    keys = [path.name for path in stored_entries(cache_root)]
+    (directory / "unsent-7-0a1b2c3d.keys").write_text("\n".join([*keys[:3], keys[0], "not a key"]) + "\n")
+    meta = json.loads((directory / META_NAME).read_text())
+    (directory / META_NAME).write_text(json.dumps({**meta, "copy_of": copy_of}))
+    assert main(["ls", str(cache_root), "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)["caches"]
+    assert (listed["unsent_entries"], listed["copy_of"]) == (3, copy_of if isinstance(copy_of, str) else None)
+    assert main(["info", str(directory)]) == 0
+    assert "3 entries held here only" in capsys.readouterr().out
+    assert main(["clear", directory.name, "--root", str(cache_root)]) == 1  # not confirmed: names what would go
+    assert "with 3 entries its server has not taken yet" in capsys.readouterr().err
+    assert main(["prune", str(cache_root), "--keep", "0", "--dry-run"]) == 0
+    assert "3 entries of those local copies have not reached their servers yet" in capsys.readouterr().err
+
+
+def test_planted_unsent_files_are_counted_up_to_what_a_process_holds(tmp_path: Path) -> None:
+    from torchcache.stores.unsent import MAX_KEYS, count_unsent
+
+    lines = "".join(f"{i:06x}\n" for i in range(MAX_KEYS + 1000))  # short keys: many lines in few bytes
+    for token in ("0a1b2c3d", "1a1b2c3d"):
+        (tmp_path / f"unsent-7-{token}.keys").write_text(lines)
+    (tmp_path / "unsent-7-2a1b2c3d.keys.tmp").write_text("abcd\n")  # a save in progress: not counted
+    assert count_unsent(tmp_path) == MAX_KEYS

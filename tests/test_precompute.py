@@ -253,3 +253,9 @@ def test_a_batch_that_does_not_fit_the_call_is_named_before_it_runs() -> None:
 def test_progress_is_a_bool() -> None:
     with pytest.raises(TypeError, match=r"precompute\(progress=\.\.\.\) must be True or False, got 'no'"):
         precompute(Encoder(), [torch.randn(2, 4)], progress="no")  # type: ignore[arg-type]
+
+
+def test_a_mapping_batch_with_keys_that_are_not_names_is_named_too() -> None:
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"but batch 1 is a mapping with keys \[1, 'x'\]"):
+        precompute(Encoder(), [x, {1: x, "x": x}], progress=False)

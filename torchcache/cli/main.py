@@ -20,7 +20,8 @@ from typing import Any, NoReturn
 from .._version import __version__
 from ..errors import ConfigError, TorchCacheError
 from ..policy import parse_size
-from .commands import cmd_clear, cmd_info, cmd_ls, cmd_prune, cmd_verify
+from .commands import cmd_clear, cmd_ls, cmd_prune, cmd_verify
+from .info import cmd_info
 from .migrate import cmd_migrate
 from .output import PROG, error, note
 

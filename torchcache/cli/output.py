@@ -159,7 +159,8 @@ def cache_json(cache: ModuleCache) -> dict[str, Any]:
         "reclaimable_bytes": cache.reclaimable_bytes,
         "legacy_entries": cache.legacy_entries,
         "unsent_entries": cache.unsent,
-        "copy_of": cache.meta.get("copy_of"),
+        "copy_of": _text(cache.meta.get("copy_of")),
+        "module_key": _text(cache.meta.get("module_key")),
         "temporary_files": cache.temporaries,
         "max_bytes": cache.max_bytes,
         "created": iso(cache.created),
@@ -167,6 +168,11 @@ def cache_json(cache: ModuleCache) -> dict[str, Any]:
         "torchcache_version": cache.version,
         "metadata_problem": cache.meta_problem,
     }
+
+
+def _text(value: object) -> str | None:
+    """A metadata field that should be a string, or ``None`` (missing, or another type in a damaged file)."""
+    return value if isinstance(value, str) else None
 
 
 def product(cache: ModuleCache) -> str:

@@ -130,7 +130,7 @@ def _check_batch(cache: Cache, batch: Any, fn: Any, number: int) -> None:
         cache._signature.bind(*bound, **kwargs)
     except TypeError as exc:
         kinds = ", ".join(type(v).__name__ for v in (kwargs.values() if kwargs else args))
-        shape = f"a mapping with keys {sorted(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
+        shape = f"a mapping with keys {list(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
         raise TypeError(
             f"precompute(): each batch is one call of {cache.name}{cache._signature}, but batch {number} is "
             f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "

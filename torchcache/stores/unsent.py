@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import io
 import itertools
 import os
 import re
@@ -59,27 +60,32 @@ def is_unsent_file(name: str) -> bool:
 
 
 def count_unsent(directory: Path) -> int:
-    """How many keys the unsent files in ``directory`` hold (read only: nothing is claimed or sent).
+    """How many keys the unsent files in ``directory`` hold, up to :data:`MAX_KEYS` (read only: nothing is claimed).
 
     Example:
         >>> import tempfile
         >>> count_unsent(Path(tempfile.mkdtemp()))
         0
     """
-    keys: set[str] = set()
+    keys: set[bytes] = set()
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            if not is_unsent_file(entry.name) or entry.name.endswith(".tmp"):
+            if len(keys) >= MAX_KEYS or not is_unsent_file(entry.name) or entry.name.endswith(".tmp"):
                 continue
             with contextlib.suppress(OSError):
                 opened = open_regular(Path(entry.path), follow_symlinks=False)
                 if opened is None:
                     continue
                 try:
-                    lines = read_at(opened[0], MAX_KEYS * 65).decode("ascii", "replace").split()
+                    data = read_at(opened[0], MAX_KEYS * 65)
                 finally:
                     os.close(opened[0])
-                keys.update(line for line in lines if is_key(line))
+                for line in io.BytesIO(data):  # one line at a time: a planted file of short lines stays small
+                    key = line.strip()
+                    if is_key(key.decode("ascii", "replace")):
+                        keys.add(key)
+                        if len(keys) >= MAX_KEYS:  # no process holds more
+                            break
     return len(keys)
 
 
