@@ -96,8 +96,11 @@ def test_an_output_of_a_tensor_subclass_is_refused_rather_than_returned_plain_on
 
 def test_a_cache_dtype_that_cannot_hold_an_outputs_values_is_refused_rather_than_storing_infinities() -> None:
     cached = torchcache(cache_dtype=torch.float16)(lambda x: x * 1e5)
-    with pytest.raises(KeyingError, match=r"cache_dtype=torch.float16 cannot hold values of this output"):
+    with pytest.raises(KeyingError, match=r"cache_dtype=torch.float16 cannot hold .*use torch.bfloat16 .* or None"):
         cached(X + 1)
+    wide = torchcache(cache_dtype=torch.bfloat16)(lambda x: x.double() * 1e300)  # bfloat16 itself: None only
+    with pytest.raises(KeyingError, match=r"cache_dtype=torch.bfloat16 cannot hold .*\); use None$"):
+        wide(X + 1)
     inf = torchcache(cache_dtype=torch.float16)(lambda x: x / 0)  # infinities already: stored as they are
     assert torch.equal(inf(X + 1), (X + 1) / 0) and torch.equal(inf(X + 1), (X + 1) / 0)
 

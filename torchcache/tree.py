@@ -301,8 +301,8 @@ class Layout:
             dtype = cache_dtype if cache_dtype is not None and out_dtype.is_floating_point else out_dtype
             if dtype != out_dtype and bool(((leaf.abs() > torch.finfo(dtype).max) & leaf.isfinite()).any()):
                 raise KeyingError(  # stored as infinities
-                    f"cache_dtype={dtype} cannot hold values of this output (beyond {torch.finfo(dtype).max:g}); "
-                    "use cache_dtype=torch.bfloat16, which has float32's range, or None"
+                    f"cache_dtype={dtype} cannot hold values of this output (beyond {torch.finfo(dtype).max:g}); use "
+                    + ("torch.bfloat16 (float32's exponent range) or None" if dtype == torch.float16 else "None")
                 )
             specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype, _is_channels_last(leaf)))
         return cls(json.dumps(spec, separators=(",", ":")), tuple(specs))
