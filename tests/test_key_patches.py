@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import random
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers import REPO, python_env
 from torchcache import CacheWarning, torchcache
 
 SCALE = 2.0
@@ -609,3 +612,36 @@ def test_a_call_count_kept_on_a_helper_and_named_in_key_ignore_is_not_watched(
             assert torch.equal(model(x), x * 2)
     assert [str(w.message) for w in caught] == []  # no rebinding said: it is not watched
     assert torch.equal(model(x), x * 2) and model.cache_instance.stats().hits == len(x)
+
+
+_LAZY_SUBMODULE = """
+import sys
+import numpy as np
+from torchcache.keys import encode_value
+
+def sample(i):
+    return np.random.default_rng(i).integers(0, 256, 4)
+
+before = "numpy.random" in sys.modules
+first = encode_value(sample)
+sample(0)  # numpy imports numpy.random at its first use
+print(before, "numpy.random" in sys.modules, encode_value(sample) == first)
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_function_of_a_lazily_imported_submodule_keys_alike_before_and_after_its_import() -> None:
+    done = subprocess.run(  # a new interpreter: a zygote's children have numpy.random imported already
+        [sys.executable, "-c", _LAZY_SUBMODULE], capture_output=True, text=True, timeout=120, cwd=REPO, env=python_env()
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"]  # a dataset's fingerprint the same in every run
+
+
+def test_a_compiled_function_in_place_of_an_installed_one_is_still_keyed_in_full() -> None:
+    from torchcache.canonical.globals import _put_there
+
+    np_random = pytest.importorskip("numpy.random")
+    assert not _put_there(np_random.default_rng, "default_rng", "numpy.random")  # numpy's own: by version
+    assert _put_there(np_random.default_rng, "seed", "numpy.random")  # under another name: keyed
+    assert _put_there(lambda seed: seed, "default_rng", "numpy.random")  # a function of yours: keyed

@@ -129,14 +129,19 @@ def _put_there(member: object, name: str, module: str) -> bool:
     top = module.partition(".")[0]
     owner = getattr(member, "__self__", None)  # a method bound to an object: the module's own (random.random)?
     own_owner = owner is None or isinstance(owner, (types.ModuleType, type)) or _top(type(owner)) == top
+    compiled = type(member).__name__ in _COMPILED  # Cython's functions (numpy.random.default_rng): as builtins
     plain = isinstance(member, (types.FunctionType, type)) or (
-        isinstance(member, (types.BuiltinFunctionType, types.MethodType)) and own_owner
+        (compiled or isinstance(member, (types.BuiltinFunctionType, types.MethodType))) and own_owner
     )
     if owner is None or isinstance(owner, types.ModuleType):
         package = _top(member)
     else:  # a method: of the package its object's class comes from
         package = _top(owner if isinstance(owner, type) else type(owner))
     return not plain or getattr(member, "__name__", None) != name or package != top
+
+
+#: The types of compiled functions that are not builtins (Cython's): an installed package's own when named so.
+_COMPILED = frozenset({"cython_function_or_method", "fused_cython_function"})
 
 
 def _top(thing: object) -> str:
