@@ -377,3 +377,39 @@ def test_a_training_forward_that_writes_state_in_a_partial_batch_writes_it_once(
         model(seen)
         model(torch.cat([seen, X[2:]]))
     assert int(model.calls) == 2  # once a call, as without the cache
+
+
+class _Centered(nn.Module):
+    """State set from its first batch by assignment (data-dependent initialisation, as ActNorm does)."""
+
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        self.buffer = buffer
+        if buffer:
+            self.register_buffer("mu", torch.zeros(3))
+            self.register_buffer("ready", torch.tensor(False))
+        else:
+            self.mu: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buffer and not self.ready:
+            self.mu, self.ready = x.mean(0), torch.tensor(True)  # buffers replaced, not written in place
+        elif not self.buffer and self.mu is None:
+            self.mu = x.mean(0)
+        return x - self.mu
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_rows_computed_while_forward_sets_its_state_are_not_stored_under_the_key_before(
+    cache_root: Path, buffer: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    first = torchcache(persistent=True, max_memory_cache_size=0)(_Centered(buffer))
+    assert torch.equal(first(a), _Centered(buffer)(a))
+    assert torch.equal(first(b), b - a.mean(0))  # its state is the first batch's, as without the cache
+    first.cache_instance.flush()
+    mixed = torch.cat([a[:2], b[:2]])  # another run, whose first batch shares items with the first run's
+    assert torch.equal(
+        torchcache(persistent=True, max_memory_cache_size=0)(_Centered(buffer))(mixed), mixed - mixed.mean(0)
+    )

@@ -132,15 +132,18 @@ class ItemCheck:
         ``watches`` are the module's :class:`~.versions.VersionWatch` and the
         :class:`~.versions.HeldValues` of its key (either may be ``None``). A forward that
         wrote state in training mode (batch norm's statistics) gives ``False``, and calls
-        in training mode run uncached from then on.
+        in training mode run uncached from then on. So does one that rebound what the key
+        covers (``self.mu = x.mean(0)`` at its first call): its rows, made with state the
+        key does not hold, are not stored, and the next call takes the key again.
 
         Raises:
             KeyingError: Naming what it wrote, outside training mode.
         """
         errors = (watch.written(name) for watch in watches if watch is not None)
         error = next((e for e in errors if e is not None), None)
-        if error is None:
-            return True
+        if error is None:  # state set by assignment as it ran (from its first batch): rows not stored under this key
+            watch, held = watches
+            return not ((held is not None and held.rebound(note=False)) or (watch is not None and watch.changed()))
         if not training:
             raise error
         self.uncached.add(True)

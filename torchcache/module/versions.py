@@ -44,11 +44,9 @@ from .fingerprint import tensor_attributes, unignored
 
 __all__ = ["HeldValues", "VersionWatch"]
 
-_version = operator.attrgetter("_version")
-_training = operator.attrgetter("training")
-_requires_grad = operator.attrgetter("requires_grad")
+_version, _training = operator.attrgetter("_version"), operator.attrgetter("training")
+_requires_grad, _children = operator.attrgetter("requires_grad"), operator.attrgetter("_modules")
 _grad_enabled = torch.is_grad_enabled
-_children = operator.attrgetter("_modules")
 #: Bytes of numpy arrays a key covers that :class:`HeldValues` hashes again at every call.
 ARRAY_WATCH_BYTES = 1 << 20
 _data_ptr = torch.Tensor.data_ptr
@@ -388,7 +386,7 @@ class HeldValues:
             return True
         spaces, names, values = self._lookups[:3]
         moved = any(map(operator.is_not, map(dict.get, spaces, names), values)) or self._others_moved()
-        if moved and self._rebound():
+        if moved and self.rebound():
             return True
         if self._modules and (
             bytes(map(_training, self._modules)) != self._flags or self._types != [*map(type, self._modules)]
@@ -405,18 +403,18 @@ class HeldValues:
         _, _, _, gets, names, values = self._lookups
         try:
             return any(map(operator.is_not, map(operator.call, gets, names), values))
-        except Exception:  # noqa: BLE001 - an emptied cell, a slot deleted: a change, said by _rebound
+        except Exception:  # noqa: BLE001 - an emptied cell, a slot deleted: a change, said by rebound()
             return True
 
-    def _rebound(self) -> bool:
-        """Whether a binding now holds another value; those rebound to an equal one are taken as they are."""
+    def rebound(self, note: bool = True) -> bool:
+        """Whether a binding holds another value now (noted, and equal ones taken as they are, if ``note``)."""
         now = self._now()
         changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not _alike(b.value, value)]
-        if changed:
+        if changed and note:
             _note_rebound(changed[0])
-            return True
-        self._settle()
-        return False
+        elif note:
+            self._settle()
+        return bool(changed)
 
     def _settle(self) -> None:
         """Take the values bound now as those the key read (each equal to it and of its type)."""
