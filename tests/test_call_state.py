@@ -407,9 +407,21 @@ def test_rows_computed_while_forward_sets_its_state_are_not_stored_under_the_key
     a, b = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
     first = torchcache(persistent=True, max_memory_cache_size=0)(_Centered(buffer))
     assert torch.equal(first(a), _Centered(buffer)(a))
+    assert first.cache_instance.stats().misses == 4  # computed, if not stored
     assert torch.equal(first(b), b - a.mean(0))  # its state is the first batch's, as without the cache
     first.cache_instance.flush()
     mixed = torch.cat([a[:2], b[:2]])  # another run, whose first batch shares items with the first run's
     assert torch.equal(
         torchcache(persistent=True, max_memory_cache_size=0)(_Centered(buffer))(mixed), mixed - mixed.mean(0)
     )
+
+
+def test_a_write_that_verify_weights_finds_is_seen_at_the_call_it_is_due() -> None:
+    linear = nn.Linear(3, 3).eval().requires_grad_(False)
+    cached = torchcache(verify_weights=2)(linear)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    cached(x)
+    cached(x)
+    linear.weight.data.mul_(2)  # no version counter sees it: the check every 2 calls does
+    cached(y)
+    assert torch.equal(cached(x), torch.nn.functional.linear(x, linear.weight, linear.bias))

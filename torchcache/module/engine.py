@@ -440,7 +440,6 @@ class Cache:
             missing = [pos for pos in range(batch) if pos not in covered]
         else:
             missing = list(range(batch))
-
         disk = self._disk_tier() if self.settings.persistent else None
         if disk is not None and missing:
             levels = (MemoryLevel(self.memory), DiskLevel(disk, layout, self.faults))
@@ -461,6 +460,7 @@ class Cache:
                 computed = call.compute_rows(fn, missing, self.name)
             fresh = self._items.state_kept(self.name, (self._watch, self._held), call.training)
             if not fresh and whole:
+                self._count(misses=batch)
                 return computed
             spec, leaves = flatten(computed)
             leaves = self._outputs.to_items(spec, leaves)

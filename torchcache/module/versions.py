@@ -197,13 +197,15 @@ class VersionWatch:
         self._hook_dicts += _GLOBAL_HOOKS
         self._hooked = [hooks for hooks in self._hook_dicts if hooks]
         self._hooks = list(itertools.chain.from_iterable(map(dict.values, self._hooked)))
-        self._hook_count = len(self._hooks)
-        self._calls = 0
+        self._hook_count, self._calls = len(self._hooks), 0
         if self._verify_every is not None:
             self._digest = _weights_digest(module, self._ignore)
 
-    def changed(self) -> bool:
-        """Whether a weight was written, replaced or swapped, or a forward hook came or went, since :meth:`reset`."""
+    def changed(self, verify: bool = True) -> bool:
+        """Whether weights were written, replaced or swapped, or forward hooks changed, since :meth:`reset`.
+
+        ``verify``: also count the call and hash the weights as ``verify_weights`` asks.
+        """
         if _Generation.value != self._generation:
             module = self._module()
             if module is None:
@@ -228,7 +230,7 @@ class VersionWatch:
         hooks = itertools.chain.from_iterable(map(dict.values, self._hooked))  # hooks[k] = other: no handle
         if sum(map(len, self._hook_dicts)) != self._hook_count or not all(map(operator.is_, hooks, self._hooks)):
             return True
-        if self._verify_every is not None:
+        if verify and self._verify_every is not None:
             self._calls += 1
             if self._calls >= self._verify_every:
                 self._calls = 0
