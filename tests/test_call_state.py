@@ -425,3 +425,39 @@ def test_a_write_that_verify_weights_finds_is_seen_at_the_call_it_is_due() -> No
     linear.weight.data.mul_(2)  # no version counter sees it: the check every 2 calls does
     cached(y)
     assert torch.equal(cached(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+class _Positions(nn.Module):
+    """Rebuilds an equal tensor at every call (position ids, a mask): its key does not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8).requires_grad_(False)
+        self.pos = torch.arange(8.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pos = torch.arange(8.0)
+        return self.linear(x) + self.pos
+
+
+def test_a_forward_that_rebuilds_an_equal_tensor_at_every_call_still_hits() -> None:
+    cached, x = torchcache()(_Positions().eval()), torch.randn(4, 8)
+    for _ in range(5):
+        assert torch.equal(cached(x), cached.linear(x) + torch.arange(8.0))
+    assert cached.cache_instance.stats().hits == 16  # each call after the first
+
+
+class _Doubling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = self.scale * 2  # a tensor of the same kind, another value, at each call
+        return x * self.scale
+
+
+def test_a_tensor_rebound_to_another_value_as_the_forward_runs_keeps_its_rows_out() -> None:
+    cached, x = torchcache()(_Doubling().eval()), torch.randn(4, 3)
+    assert torch.equal(cached(x), x * 2) and torch.equal(cached(x), x * 4)  # as without the cache
+    assert cached.cache_instance.stats().memory.entries == 0

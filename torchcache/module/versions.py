@@ -42,7 +42,7 @@ from ..keys import tensor_digest
 from ..policy import plural
 from .fingerprint import tensor_attributes, unignored
 
-__all__ = ["HeldValues", "VersionWatch"]
+__all__ = ["HeldValues", "VersionWatch", "alike"]
 
 _version, _training = operator.attrgetter("_version"), operator.attrgetter("training")
 _requires_grad, _children = operator.attrgetter("requires_grad"), operator.attrgetter("_modules")
@@ -275,12 +275,12 @@ REBOUND_WARN = 3
 _ALIKE = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
 
 
-def _alike(was: Any, now: Any) -> bool:
+def alike(was: Any, now: Any) -> bool:
     """Whether ``now`` is a value equal to ``was`` and of its type, which a key encodes alike (``-0.0`` apart)."""
     if type(was) is not type(now):
         return False
     if isinstance(was, tuple):
-        return len(was) == len(now) and all(map(_alike, was, now))
+        return len(was) == len(now) and all(map(alike, was, now))
     if isinstance(was, (float, complex)):  # -0.0 and 0.0 are equal, and encoded apart
         signs = [math.copysign(1.0, x) for x in (was.real, was.imag, now.real, now.imag)]
         return bool(was == now and signs[:2] == signs[2:])
@@ -408,10 +408,10 @@ class HeldValues:
         except Exception:  # noqa: BLE001 - an emptied cell, a slot deleted: a change, said by rebound()
             return True
 
-    def rebound(self, note: bool = True) -> bool:
-        """Whether a binding holds another value now (noted, and equal ones taken as they are, if ``note``)."""
+    def rebound(self, note: bool = True, same: Callable[[Any, Any], bool] = alike) -> bool:
+        """Whether a binding holds a value not ``same`` as before (noted, and the same ones taken, if ``note``)."""
         now = self._now()
-        changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not _alike(b.value, value)]
+        changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not same(b.value, value)]
         if changed and note:
             _note_rebound(changed[0])
         elif note:
