@@ -977,7 +977,8 @@ def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
 
     monkeypatch.setattr(Bucket, "ranges", throttled)
     report = _store(bucket, reports=Reports()).verify(fix=True)
-    assert report.bad == [] and not report.fixed and any("could not be read" in p for p in report.problems)
+    assert report.bad == [] and not report.fixed and any("could not be read" in p for p in report.unsure)
+    assert not report.ok and report.problems == []  # nothing a fix could mend: verify again
     monkeypatch.setattr(Bucket, "ranges", ranges)
     reader = _store(bucket)
     assert all(reader.get_many([key(i) for i in range(8)]))
@@ -988,6 +989,46 @@ def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
     assert len(fixed.bad) == 1 and fixed.fixed
     again = _store(bucket, reports=Reports()).verify()
     assert again.bad == [] and again.problems == [] and again.entries == 7  # hidden behind a tombstone
+
+
+def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_fix_and_kept_out_of_checkpoints(
+    bucket: str, s3fs_of: Any
+) -> None:
+    from torchcache.stores.objects.manifests import parse_checkpoint
+
+    store = _store(bucket)
+    for batch in range(2):
+        store.put_many([(key(batch * 4 + i), value(batch * 4 + i)) for i in range(4)])
+    first = sorted(name for name in _objects(s3fs_of, bucket) if name.endswith(".tcs"))[0]
+    s3fs_of.rm_file(f"{store.bucket.prefix}/{first}")  # a lifecycle rule, or a hand, removed it; its manifest stays
+    report = _store(bucket, reports=Reports()).verify()
+    assert report.problems == ["4 entries are in segments removed from the bucket"] and report.unsure == []
+    checkpoint = _store(bucket, reports=Reports())._known
+    assert not isinstance(parse_checkpoint(checkpoint.checkpoint()), str)  # one every reader takes
+    assert _store(bucket, reports=Reports()).verify(fix=True).fixed
+    again = _store(bucket, reports=Reports()).verify()
+    assert again.ok and again.entries == 4
+
+
+def test_verify_of_a_url_says_what_it_could_not_check_and_fails_even_with_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import contextlib
+
+    from torchcache.cli import remote
+    from torchcache.cli.main import main
+    from torchcache.stores.batched import VerifyReport
+
+    class Away:
+        def verify(self, fix: bool) -> VerifyReport:
+            return VerifyReport(entries=3, unsure=["3 entries could not be read (the bucket refused or was away)"])
+
+    monkeypatch.setattr(remote, "remote_namespaces", lambda url: ["ns"])
+    monkeypatch.setattr(remote, "open_remote", lambda url, namespace: contextlib.nullcontext(Away()))
+    monkeypatch.setattr(remote, "_holds_module_outputs", lambda store: False)
+    assert main(["verify", "s3://bucket/cache", "--fix"]) == 1  # nothing was fixed: no "fixed", no success
+    out, err = capsys.readouterr()
+    assert "could not be read" in out and "fixed" not in out and "verify again once the server answers" in err
 
 
 def test_caches_of_one_name_at_two_urls_keep_separate_local_copies(bucket: str, tmp_path: Path) -> None:

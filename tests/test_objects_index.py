@@ -150,3 +150,17 @@ def test_a_cache_folder_cleared_while_the_bucket_is_listed_is_left_out(monkeypat
 
     monkeypatch.setattr(object_store, "open_filesystem", lambda url, options=None: (Listing(), "b/root"))
     assert object_store.bucket_namespaces("s3://b/root") == ["kept"]
+
+
+def test_a_checkpoint_leaves_out_a_segment_the_listing_no_longer_shows() -> None:
+    from torchcache.stores.objects.manifests import parse_checkpoint
+
+    index = Index()
+    _apply(index, "manifest", 1, ["aaaa", "bbbb"])
+    _apply(index, "manifest", 2, ["cccc"])
+    index.sized({_name(2, SEGMENT): 5})  # the first segment's object was removed from the bucket
+    body = index.checkpoint()
+    assert not isinstance(parse_checkpoint(body), str)  # a checkpoint every reader takes
+    fresh = Index()
+    assert fresh.load(body) is None
+    assert [e is not None for e in fresh.find(["aaaa", "bbbb", "cccc"])] == [False, False, True]

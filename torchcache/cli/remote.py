@@ -124,6 +124,7 @@ def remote_info(url: str, args: argparse.Namespace) -> int:
 def remote_verify(url: str, args: argparse.Namespace) -> int:
     """``torchcache verify URL``: every namespace's bookkeeping, record checksums and (module caches) frames."""
     problems: list[tuple[str, str]] = []
+    unsure: list[tuple[str, str]] = []  # checks the server did not let run: no fix helps
     checked = 0
     for namespace in remote_namespaces(url):
         with open_remote(url, namespace) as store:
@@ -131,6 +132,7 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
             checked += report.entries
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
             problems += [(namespace, line) for line in report.problems]
+            unsure += [(namespace, line) for line in report.unsure]
             if _holds_module_outputs(store):
                 for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
                     problems.append((namespace, f"entry {key}: {reason}"))
@@ -139,17 +141,20 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
             {
                 "root": redact_url(url),
                 "entries_checked": checked,
-                "problems": [{"key": ns, "reason": why} for ns, why in problems],
-                "ok": not problems or args.fix,
+                "problems": [{"key": ns, "reason": why} for ns, why in problems + unsure],
+                "ok": (not problems or args.fix) and not unsure,
             }
         )
     else:
         print(f"checked {plural(checked, 'entry', 'entries')} on {redact_url(url)}")
-        if problems:
-            print(table(["KEY", "PROBLEM"], [list(p) for p in problems]))
-        print("fixed" if problems and args.fix else "no problems found" if not problems else "")
+        if problems or unsure:
+            print(table(["KEY", "PROBLEM"], [list(p) for p in problems + unsure]))
+        print("fixed" if problems and args.fix else "no problems found" if not problems and not unsure else "")
     if problems and not args.fix:
         error(f"{plural(len(problems), 'problem')} found; run `torchcache verify --fix` to fix them")
+        return 1
+    if unsure:
+        error(f"{plural(len(unsure), 'check')} could not be made; verify again once the server answers")
         return 1
     return 0
 

@@ -37,17 +37,19 @@ class VerifyReport:
         bad: Keys whose entry failed its checks (removed when fixed).
         problems: One line per other inconsistency (totals, files, index rows).
         fixed: Whether repairs were made.
+        unsure: One line per check that could not be made (the server away): no fix helps, verify again.
     """
 
     entries: int = 0
     bad: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     fixed: bool = False
+    unsure: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """Whether nothing was wrong."""
-        return not self.bad and not self.problems
+        return not self.bad and not self.problems and not self.unsure
 
 
 class BatchedStore(ABC):

@@ -193,12 +193,15 @@ class Index:
         return None
 
     def checkpoint(self) -> bytes:
-        """The checkpoint of what this index holds; it covers every manifest and tombstone read."""
+        """The checkpoint of what this index holds (segments of size 0 left out); it covers every object read."""
         columns = self._settled()
-        held: dict[str, list[list[Any]]] = {segment: [] for segment in self.segments}
+        # A segment the listing did not show (removed from the bucket): left out, as its entries cannot be read
+        held: dict[str, list[list[Any]]] = {segment: [] for segment, size in self.segments.items() if size}
         names = self._names
         for key, number, offset, length, digest in zip(*(column.tolist() for column in columns[:5])):
-            held[names[number]].append([key.decode(), offset, length, digest])
+            rows = held.get(names[number])
+            if rows is not None:
+                rows.append([key.decode(), offset, length, digest])
         self.covered = set(self.seen)
         body = {
             "format": FORMAT,

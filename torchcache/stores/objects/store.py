@@ -355,19 +355,23 @@ def _keep_budget(store: ObjectStore) -> None:
 def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     store.refresh()
     keys = store._known.keys()
+    gone = sorted(k for s, size in store._known.segments.items() if not size for k, *_ in store._known.members(s))
     store._damaged = []
     try:
         read = store.get_many(keys)
         bad = sorted(set(store._damaged))  # their bytes fail the digest: only those are hidden by a fix
     finally:
         store._damaged = None
-    unread = sum(1 for data in read if data is None) - len(bad)
+    unread = sum(1 for data in read if data is None) - len(bad) - len(gone)
     problems = [f"{len(bad)} entries fail their checksum"] if bad else []
-    if unread > 0:  # nothing is known of them, and a fix leaves them
-        problems.append(f"{unread} entries could not be read (the bucket refused or was away); verify again")
-    if fix and bad:  # damaged keys left the index as they were read: hidden whatever it says
-        _hide(store, bad)
-    return VerifyReport(entries=len(keys), bad=bad, problems=problems, fixed=bool(fix and bad))
+    if gone:  # a manifest whose segment object was removed: its entries can never be read
+        problems.append(f"{len(gone)} entries are in segments removed from the bucket")
+    unsure = (
+        [f"{unread} entries could not be read (the bucket refused or was away); verify again"] if unread > 0 else []
+    )
+    if fix and (bad or gone):  # hidden whatever the index says
+        _hide(store, bad + gone)
+    return VerifyReport(len(keys), bad, problems, fixed=bool(fix and (bad or gone)), unsure=unsure)
 
 
 def _fetch(
