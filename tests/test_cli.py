@@ -1088,4 +1088,4 @@ def test_planted_unsent_files_are_counted_up_to_what_a_process_holds(tmp_path: P
     for token in ("0a1b2c3d", "1a1b2c3d"):
         (tmp_path / f"unsent-7-{token}.keys").write_text(lines)
     (tmp_path / "unsent-7-2a1b2c3d.keys.tmp").write_text("abcd\n")  # a save in progress: not counted
-    assert count_unsent(tmp_path) == MAX_KEYS
+    assert count_unsent(sorted(tmp_path.iterdir())) == MAX_KEYS

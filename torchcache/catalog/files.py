@@ -64,7 +64,7 @@ class CacheFiles:
     @property
     def unmigrated(self) -> list[Path]:
         """The links and other non-files at the names of 1.0 entries and their subdirectories (never read)."""
-        return [p for p in self.irregular if p.name.endswith(ENTRY_SUFFIX) or LEGACY_SHARD.fullmatch(p.name)]
+        return [p for p in self.irregular if LEGACY_ENTRY.fullmatch(p.name) or LEGACY_SHARD.fullmatch(p.name)]
 
     @property
     def has_store(self) -> bool:

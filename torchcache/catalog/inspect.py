@@ -28,7 +28,7 @@ from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_inde
 from ..stores.packed.mappable import cut_short, unsound_pages
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
-from ..stores.unsent import count_unsent, is_unsent_file
+from ..stores.unsent import count_unsent
 from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
 
 __all__ = [
@@ -200,7 +200,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
         disk_bytes=(disk_bytes(st) if st is not None and meta_file else 0) + sum(f.disk_bytes for f in own),
         meta_problem=problem,
         index_damage=damage,
-        unsent=count_unsent(directory) if any(is_unsent_file(f.path.name) for f in files.store) else 0,
+        unsent=count_unsent(f.path for f in files.store),
     )
 
 

@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .._fork import at_process_end
@@ -59,34 +59,42 @@ def is_unsent_file(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
 
 
-def count_unsent(directory: Path) -> int:
-    """How many keys the unsent files in ``directory`` hold, up to :data:`MAX_KEYS` (read only: nothing is claimed).
+def count_unsent(paths: Iterable[Path]) -> int:
+    """How many keys the unsent files at ``paths`` hold, up to :data:`MAX_KEYS` (read only: nothing is claimed).
+
+    Names that are not those of unsent files, and saves in progress, are skipped.
 
     Example:
         >>> import tempfile
-        >>> count_unsent(Path(tempfile.mkdtemp()))
-        0
+        >>> path = Path(tempfile.mkdtemp()) / "unsent-7-0a1b2c3d.keys"
+        >>> _ = path.write_text(chr(10).join(["ab12", "not a key", "ab12", "cd34"]))
+        >>> count_unsent([path])
+        2
     """
-    keys: set[bytes] = set()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if len(keys) >= MAX_KEYS or not is_unsent_file(entry.name) or entry.name.endswith(".tmp"):
+    keys: set[str] = set()
+    for path in paths:
+        if not is_unsent_file(path.name) or path.name.endswith(".tmp"):
+            continue
+        with contextlib.suppress(OSError):
+            opened = open_regular(path, follow_symlinks=False)
+            if opened is None:
                 continue
-            with contextlib.suppress(OSError):
-                opened = open_regular(Path(entry.path), follow_symlinks=False)
-                if opened is None:
-                    continue
-                try:
-                    data = read_at(opened[0], MAX_KEYS * 65)
-                finally:
-                    os.close(opened[0])
-                for line in io.BytesIO(data):  # one line at a time: a planted file of short lines stays small
-                    key = line.strip()
-                    if is_key(key.decode("ascii", "replace")):
-                        keys.add(key)
-                        if len(keys) >= MAX_KEYS:  # no process holds more
-                            break
+            try:
+                for key in _keys_in(opened[0]):
+                    keys.add(key)
+                    if len(keys) >= MAX_KEYS:  # no process holds more
+                        return len(keys)
+            finally:
+                os.close(opened[0])
     return len(keys)
+
+
+def _keys_in(fd: int) -> Iterator[str]:
+    """The keys of an unsent file, a line at a time (a planted file of short lines stays small); others skipped."""
+    for line in io.BytesIO(read_at(fd, MAX_KEYS * 65)):
+        key = line.strip().decode("ascii", "replace")
+        if is_key(key):
+            yield key
 
 
 class Unsent:
@@ -156,11 +164,11 @@ class Unsent:
                     raise BlockingIOError
                 claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
                 os.rename(path, claimed)  # claimed first by another process: FileNotFoundError
-                lines = read_at(fd, MAX_KEYS * 65).decode("ascii", "replace").split()
+                keys = list(_keys_in(fd))
             except OSError:
                 os.close(fd)
                 return
-            self.add([line for line in lines if is_key(line)])
+            self.add(keys)
             self._held[claimed] = fd  # locked until its keys are sent or saved in this process's file
 
     def add(self, keys: Sequence[str]) -> None:
