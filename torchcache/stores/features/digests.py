@@ -109,10 +109,12 @@ def bindings(digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> np.
 
     0 where the check is 0 (a row not written).
     """
-    out = np.zeros(len(checks), np.uint64)
-    for i, (digest, check) in enumerate(zip(digests, checks.tolist())):
-        if check:
-            out[i] = xxhash.xxh3_64_intdigest(digest.tobytes(), check) or 1  # 0 stays "unknown"
+    count = len(checks)
+    raw = memoryview(np.ascontiguousarray(digests, np.uint8).reshape(-1))  # type: ignore[arg-type]
+    entries = (raw[start : start + DIGEST_BYTES] for start in range(0, count * DIGEST_BYTES, DIGEST_BYTES))
+    out = np.fromiter(map(xxhash.xxh3_64_intdigest, entries, checks.tolist()), np.uint64, count)
+    out[out == 0] = 1  # 0 stays "unknown"
+    out[checks == 0] = 0
     return out
 
 
