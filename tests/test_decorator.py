@@ -937,18 +937,23 @@ def test_torchcache_works_without_parentheses_on_classes_instances_methods_and_f
     module = Decorated()
     module(x)
     module(x)
-    assert module.seen == [3, 2, 1]  # every option at its default: the first call checks items 2 and 0, then 1
+    assert module.seen == [
+        3,
+        2,
+        1,
+        1,
+    ]  # every option at its default: the first call checks items 2 and 0, then 1, then 0
 
     instance = torchcache(Counting())
     instance(x)
     instance(x)
-    assert instance.seen == [3, 2, 1] and instance.cache_instance.stats().hits == 3
+    assert instance.seen == [3, 2, 1, 1] and instance.cache_instance.stats().hits == 3
 
     owner = Counting()
     method = torchcache(owner.forward)
     method(x)
     method(x)
-    assert owner.seen == [3, 2, 1]
+    assert owner.seen == [3, 2, 1, 1]
 
 
 def test_an_output_of_zero_bytes_per_item_is_a_disk_hit(tmp_path: Path) -> None:

@@ -383,3 +383,118 @@ def test_the_item_check_restores_generators_held_in_containers_and_captured_by_f
     torchcache()(doubled)(x)
     reference.random()
     assert captured.random() == reference.random()  # one draw, as an uncached call makes
+
+
+def _mirrored(x: torch.Tensor) -> torch.Tensor:
+    return x - x.flip(0)
+
+
+def _flipped(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(0)
+
+
+def _centred_when_odd(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(0) if len(x) % 2 else x
+
+
+def _centred_when_even(x: torch.Tensor) -> torch.Tensor:
+    return x if len(x) % 2 else x - x.mean(0)
+
+
+@pytest.mark.parametrize(
+    ("fn", "batch"),
+    [
+        (fn, batch)
+        for fn in (_mirrored, _flipped, _centred_when_odd, _centred_when_even)
+        for batch in range(2, 10)
+        if fn is not _centred_when_even or batch % 2 == 0  # an odd batch pools nothing there: its rows are per item
+    ],
+)
+def test_a_forward_that_pairs_items_with_their_mirrors_or_pools_one_parity_is_refused(fn: Any, batch: int) -> None:
+    cached = torchcache()(fn)
+    with pytest.raises(DependentItemsError, match="depend"):
+        cached(torch.randn(batch, 4))
+
+
+def test_a_forward_that_branches_on_grad_mode_is_refused_as_such_not_as_batch_dependent() -> None:
+    @torchcache()
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * (2 if torch.is_grad_enabled() else 3)
+
+    with pytest.raises(DependentItemsError, match=r"depend on whether gradients are on .* torch.no_grad\(\)") as info:
+        scaled(torch.randn(4, 3))  # with gradients on, as in a training loop
+    assert "other items" not in str(info.value)
+    with torch.no_grad():  # computed without them, as the check does: not seen (documented)
+        assert torch.equal(scaled(torch.ones(4, 3)), torch.full((4, 3), 3.0))
+
+
+def test_a_whole_batch_checked_after_rows_cached_one_by_one_says_so() -> None:
+    cached = torchcache()(lambda x: x - x.mean(0))
+    x = torch.randn(3, 4)
+    cached(x[:1])
+    cached(x[1:2])  # rows of batches of one item: per item
+    with pytest.raises(DependentItemsError, match="the whole batch was computed at once") as info:
+        cached(x[:2])
+    assert "in a batch of" not in str(info.value)
+
+
+class DropPath(nn.Module):
+    """timm's stochastic depth, by its name: the residual branch dropped per sample with ``drop_prob``."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0:
+            return x
+        keep = torch.rand(x.shape[0], 1) >= self.drop_prob
+        return x * keep / (1 - self.drop_prob)
+
+
+class _Attention(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 1, dropout=dropout, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+_DRAWING = [
+    ("dropout rarely dropping", lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.001)), (8, 4)),
+    ("dropout2d", lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout2d(0.01)), (8, 2, 3, 3)),
+    ("alpha dropout", lambda: nn.Sequential(nn.Linear(4, 4), nn.AlphaDropout(0.01)), (8, 4)),
+    ("rrelu", lambda: nn.Sequential(nn.Linear(4, 4), nn.RReLU()), (8, 4)),
+    ("attention dropout", lambda: _Attention(0.001), (8, 3, 4)),
+    ("drop path", lambda: nn.Sequential(nn.Linear(4, 4), DropPath(0.001)), (8, 4)),
+]
+
+
+@pytest.mark.parametrize(("make", "shape"), [entry[1:] for entry in _DRAWING], ids=[entry[0] for entry in _DRAWING])
+def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it_drops(make: Any, shape: Any) -> None:
+    torch.manual_seed(0)
+    model = torchcache()(make().requires_grad_(False).train())
+    x = torch.randn(shape)
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \(.*draws at random"):
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        model(x)
+        model(x)
+    assert model.cache_instance.stats().hits == 0 and len(model.cache_instance.memory) == 0
+    model.eval()  # the same submodules draw nothing in eval mode
+    model(x)
+    assert torch.equal(model(x), model(x)) and model.cache_instance.stats().hits == 2 * len(x)
+
+
+def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_training_mode_is_cached() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), DropPath(0.0), nn.Dropout(0.5))
+    model = torchcache()(model.requires_grad_(False).train())
+    model[3].eval()  # the model in training mode, this dropout not
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        model(x)
+        assert torch.equal(model(x), x @ model[0].weight.T + model[0].bias)
+    assert model.cache_instance.stats().hits == 6

@@ -41,6 +41,7 @@ from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
 from .call import CallArguments
+from .draws import drawing_submodule
 from .outputs import OutputPlan
 from .versions import alike
 
@@ -212,6 +213,12 @@ class ItemCheck:
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
             self.whole, whole = False, self.whole or (cached and not is_checked(call.context))
             try:
+                if call.training and (drawing := drawing_submodule(fn)) is not None:
+                    raise DependentItemsError(
+                        f"{self.name}: its outputs are not deterministic ({drawing} draws at random), so a cached "
+                        "output would replay one draw",
+                        random=True,
+                    )
                 with kept:  # the check's forward leaves no trace in batch norm's statistics
                     check_items(self.name, fn, call, plan, layout, rows, whole)
             except DependentItemsError as exc:
@@ -266,11 +273,17 @@ def check_items(
         DependentItemsError: If the rows computed in the other batch differ.
     """
     batch = call.batch
-    # Other sets, sizes and orders: the last and the first, then middle items, which no sort of the batch
-    # (by length, say) makes its largest (two from four items on; of three, one; of two, each alone).
-    middle = [batch // 2 - 1, batch // 2] if batch > 3 else [1]
-    pairs = [[0]] if batch == 1 else [[1], [0]] if batch == 2 else [[batch - 1, 0], middle]
-    checks = [list(range(batch))] if whole else pairs
+    # Other sets, sizes and orders: the last and the first, then middle items (one to three), which no sort of
+    # the batch (by length, say) makes its largest. A set that is not its own mirror (item i at j of k, its
+    # mirror B - 1 - i at k - 1 - j) shows x - x.flip(0): of three or four items, one is added. From four
+    # items on, the sets' sizes differ in parity: a forward that pools batches of one parity only shows.
+    half = batch // 2
+    if batch <= 2:
+        sets = [[0]] if batch == 1 else [[1], [0]]
+    else:
+        middle = [half - 1, half, half + 1] if batch % 2 == 0 and batch > 4 else [half - 1, half] if batch > 3 else [1]
+        sets = [[batch - 1, 0], middle, *([[0]] if batch == 3 else [[2, 1, 0]] if batch == 4 else [])]
+    checks = [list(range(batch))] if whole else sets
     scales = [_column_scale(leaf_rows) for leaf_rows in rows]  # once per check: copies of the whole batch
     for positions in checks:
         _check_positions(name, fn, call, plan, layout, rows, scales, positions)
@@ -329,12 +342,26 @@ def _check_positions(
                     f"output would replay one draw. {remedy}",
                     random=True,
                 )
+            if torch.is_grad_enabled():  # the check computes without gradients: the call computed with them
+                with torch.enable_grad():
+                    graded = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
+                if _close(expected, graded, stored.dtype, scale):
+                    raise DependentItemsError(
+                        f"{name}: its outputs depend on whether gradients are on (output leaf {i} of items "
+                        f"{positions} changed when computed under torch.no_grad()), so a hit would return the rows "
+                        "of whichever mode computed them. Call it in one mode only (always under torch.no_grad(), "
+                        "say), or read torch.is_grad_enabled() outside the cached callable and pass it in"
+                    )
+            where = (
+                "the whole batch was computed at once; its stored rows came from other batches"
+                if len(positions) == batch
+                else f"they were computed in a batch of {len(positions)} instead of {batch}"
+            )
             raise DependentItemsError(
                 f"{name}: the outputs of a batch's items depend on the other items of the batch (output leaf {i} of "
-                f"items {positions} changed when they were computed in a batch of {len(positions)} instead of "
-                f"{batch}). {_REMEDY}. If its rows cannot depend on the batch, the batch's stored rows are stale: "
-                "something they depend on changed without changing the key (docs: What the key cannot see); "
-                "cache_instance.clear() removes them"
+                f"items {positions} changed when {where}). {_REMEDY}. If its rows cannot depend on the batch, the "
+                "batch's stored rows are stale: something they depend on changed without changing the key (docs: "
+                "What the key cannot see); cache_instance.clear() removes them"
             )
 
 
