@@ -209,3 +209,17 @@ def modules() -> Iterator[list[str]]:
     yield names
     for name in names:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def reads_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CachedDataset``'s ``check_samples`` off by default: a test that counts a dataset's reads counts its own.
+
+    The check's two extra reads of a process's first computed sample are tested in
+    ``test_dataset_draws``; a child process (spawned worker, second run) passes it itself.
+    """
+    from torchcache import CachedDataset
+
+    defaults = CachedDataset.__init__.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "check_samples", False)

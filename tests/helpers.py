@@ -303,7 +303,7 @@ class Ramp(torch.utils.data.Dataset):
 
 ramp = Ramp()
 local = sys.argv[2] if len(sys.argv) > 2 else None
-data = CachedDataset(ramp, sys.argv[1], max_memory_size=0, local_cache_dir=local)
+data = CachedDataset(ramp, sys.argv[1], max_memory_size=0, local_cache_dir=local, check_samples=False)
 seen = [(int(x.sum()), int(y)) for x, y in (data[i] for i in range(24))]
 assert seen == [(15 * i, i) for i in range(24)], seen
 data.close()

@@ -27,6 +27,8 @@ from torchcache.stores.packed.format import HEADER
 from torchcache.stores.packed.store import INDEX_ENTRY_BYTES
 from torchcache.stores.unsent import Unsent
 
+pytestmark = pytest.mark.usefixtures("reads_counted")  # the tests here count the dataset's reads
+
 
 def _store(url: str, max_bytes: int = 10**7, reports: Reports | None = None, **options: Any) -> ObjectStore:
     storage = {"endpoint_url": s3_endpoint(), "key": "testing", "secret": "testing"}

@@ -23,12 +23,14 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..config import module_dir_name
-from ..errors import ConfigError, StoreError, StoreUnavailableError, TorchCacheError
+from ..errors import ConfigError, KeyingError, StoreError, StoreUnavailableError, TorchCacheError
 from ..locations import check_local_dir, is_object_url, resolve_root
 from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
+from .draws import random_reads
+from .encode import check_sample
 from .keys import fingerprint_dataset
 
 __all__ = ["CachedDataset", "MissingSampleError"]
@@ -135,11 +137,15 @@ class CachedDataset(Dataset[Any]):
         max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
             smaller than the cache keeps a fixed subset over shuffled epochs (its entries
             are evicted most recently used first) and reads the rest from the URL.
+        check_samples: Read the first sample each process computes twice more, and refuse a
+            dataset whose samples are random (:mod:`torchcache.datasets.draws`) with a
+            ``KeyingError`` at that access; ``False`` skips the two reads (a dataset whose
+            reads have side effects).
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
             dataset cache, or several.
-        TypeError: If the dataset has no length.
+        TypeError: If the dataset has no length, or ``check_samples`` is not a bool.
 
     Example:
         >>> import tempfile, torch
@@ -168,8 +174,11 @@ class CachedDataset(Dataset[Any]):
         local_cache_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         max_local_size: int | float | str | None = None,
+        check_samples: bool = True,
     ) -> None:
         self.dataset = dataset
+        if not isinstance(check_samples, bool):
+            raise TypeError(f"check_samples must be True or False, got {check_samples!r}")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be a callable or None, got {transform!r}")
         self.transform = transform
@@ -220,6 +229,7 @@ class CachedDataset(Dataset[Any]):
                 max_local_size=max_local_size,
             )
         self.length = length
+        self._checked = not check_samples  # the first sample this process computes was read again
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, fingerprint={self.fingerprint}, cache={self.cache!r})"
@@ -242,9 +252,18 @@ class CachedDataset(Dataset[Any]):
         if self.dataset is None:
             return self._when_back(indices)
         batched = getattr(self.dataset, "__getitems__", None)
-        if batched:
-            return list(batched(indices))
-        return [self.dataset[i] for i in indices]
+        samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
+        if not self._checked and samples and _cacheable(samples[0]):  # once per process: read twice more
+            why = random_reads(self.dataset, indices[0], samples[0])
+            if why is not None:
+                raise KeyingError(
+                    f"{type(self.dataset).__qualname__}[{indices[0]}] is random (read again, it gave {why}): a cache "
+                    "would serve its first draw at every epoch. Run the random part in transform= (applied after "
+                    "the cache, at every access), or draw from a generator seeded by the index "
+                    "(np.random.default_rng(index))"
+                )
+            self._checked = True
+        return samples
 
     def _when_back(self, indices: list[Any]) -> Sequence[Any]:
         """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""
@@ -332,6 +351,15 @@ class CachedDataset(Dataset[Any]):
     def close(self) -> None:
         """Close the cache's files and let go of the RAM tier (see :meth:`SampleCache.close`)."""
         self.cache.close()
+
+
+def _cacheable(sample: Any) -> bool:
+    """Whether a sample can be cached (one that cannot is refused for that when it is stored)."""
+    try:
+        check_sample(sample)
+    except KeyingError:
+        return False
+    return True
 
 
 class _Filler(Dataset[int]):

@@ -1,0 +1,131 @@
+"""Datasets whose samples are random are refused, whatever a draw happened to give; seeded ones are cached."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from torchcache import CachedDataset
+from torchcache.datasets.draws import random_reads, same_sample
+from torchcache.datasets.encode import SampleTypeError
+from torchcache.errors import KeyingError
+
+Draw = Callable[[int], torch.Tensor]
+
+
+class _Reads(Dataset[torch.Tensor]):
+    """Ten samples made by ``draw``; the reads of each index counted."""
+
+    def __init__(self, draw: Draw) -> None:
+        self.draw = draw
+        self.reads: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads[index] = self.reads.get(index, 0) + 1
+        return self.draw(index)
+
+
+def _flip_torch(index: int) -> torch.Tensor:
+    return torch.full((2,), float(index)) * (-1 if torch.rand(()) < 0.5 else 1)
+
+
+def _flip_numpy(index: int) -> torch.Tensor:
+    return torch.full((2,), float(index)) * (-1 if np.random.rand() < 0.5 else 1)
+
+
+def _flip_python(index: int) -> torch.Tensor:
+    return torch.full((2,), float(index)) * (-1 if random.random() < 0.5 else 1)
+
+
+def _reseeded(index: int) -> torch.Tensor:
+    torch.manual_seed(index)
+    return torch.rand(3)
+
+
+def _own_generator(index: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(index).random(3))
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("draw", [_flip_torch, _flip_numpy, _flip_python])
+def test_a_dataset_that_flips_with_a_global_generator_is_refused_whatever_the_draws_gave(
+    draw: Draw, seed: int, tmp_path: Any
+) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    data = CachedDataset(_Reads(draw), tmp_path, max_memory_size=0)
+    with pytest.raises(KeyingError, match=r"_Reads\[3\] is random .* transform="):
+        data[3]
+    data.close()
+    assert not any(tmp_path.rglob("*.tcs"))  # nothing of it was stored
+
+
+def test_a_dataset_drawing_from_a_generator_of_its_own_is_refused_by_its_values(tmp_path: Any) -> None:
+    generator = torch.Generator().manual_seed(0)
+    data = CachedDataset(_Reads(lambda i: torch.rand(3, generator=generator) + i), tmp_path)
+    with pytest.raises(KeyingError, match="gave another sample"):
+        data[0]
+    data.close()
+
+
+@pytest.mark.parametrize("draw", [_reseeded, _own_generator])
+def test_a_dataset_seeded_by_the_index_is_cached_and_leaves_the_generators_as_a_plain_read(
+    draw: Draw, tmp_path: Any
+) -> None:
+    plain = _Reads(draw)
+    data = CachedDataset(_Reads(draw), tmp_path)
+    torch.manual_seed(7)
+    first = [data[i] for i in (4, 5)]
+    after_cached = torch.rand(4)
+    torch.manual_seed(7)
+    expected = [plain[i] for i in (4, 5)]
+    assert torch.equal(after_cached, torch.rand(4))  # the check's reads left the generator where a plain read did
+    assert all(same_sample(a, b) for a, b in zip(first, expected, strict=True))
+    assert data.dataset.reads == {4: 3, 5: 1}  # the first sample computed is read twice more, once per process
+    assert same_sample(data[4], expected[0]) and data.stats().hits == 1
+    data.close()
+
+
+def test_random_reads_restores_every_global_generator_and_names_the_cause() -> None:
+    for draw in (_flip_torch, _flip_numpy, _flip_python):
+        dataset = _Reads(draw)
+        sample = dataset[1]
+        states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+        assert random_reads(dataset, 1, sample) is not None
+        assert torch.equal(states[0], torch.get_rng_state())
+        assert np.array_equal(states[1], np.random.get_state()[1]) and states[2] == random.getstate()
+    assert random_reads(_Reads(_own_generator), 1, _own_generator(1)) is None
+    random.seed(3)  # the two reads agree (a sign times zero), but each moved random's stream on
+    assert random_reads(_Reads(lambda i: torch.zeros(2) * random.random()), 1, torch.zeros(2)) == (
+        "the same sample, but drew from a process-wide random generator"
+    )
+
+
+def test_check_samples_false_skips_the_reads_and_must_be_a_bool(tmp_path: Any) -> None:
+    data = CachedDataset(_Reads(_flip_torch), tmp_path, check_samples=False)
+    first = data[2]
+    assert data.dataset.reads == {2: 1} and torch.equal(data[2], first)  # its first draw, served again
+    data.close()
+    with pytest.raises(TypeError, match="check_samples must be True or False, got 'yes'"):
+        CachedDataset(_Reads(_flip_torch), tmp_path, check_samples="yes")  # type: ignore[arg-type]
+
+
+class _Opaque:
+    """Neither a tensor, an array nor a plain value: equal to no other instance."""
+
+
+def test_a_sample_that_cannot_be_cached_is_refused_for_its_type_not_as_random(tmp_path: Any) -> None:
+    data = CachedDataset(_Reads(lambda i: (torch.ones(2), _Opaque())), tmp_path)  # type: ignore[arg-type,return-value]
+    with pytest.raises(SampleTypeError, match="_Opaque"):
+        data[0]
+    data.close()

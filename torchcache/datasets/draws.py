@@ -1,0 +1,86 @@
+"""Datasets whose samples are random: a cache of them would serve one draw for good.
+
+A sample read again must be the same, byte for byte, and reading it must not draw from
+a process-wide random generator (torch's, numpy's legacy one, ``random``'s): a
+dataset that reseeds one per index (``torch.manual_seed(index)``) leaves it where the
+last read of that index left it, while one that draws from its stream moves it on at
+every read, also where two reads happen to agree (a flip with probability 0.5).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..dtypes import standard_strides
+
+__all__ = ["random_reads", "same_sample"]
+
+
+def same_sample(a: Any, b: Any) -> bool:
+    """Whether two samples are equal, byte for byte where they are tensors or arrays (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return bool(torch.equal(_bytes_of(a), _bytes_of(b)))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_sample(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_sample(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return type(a) is type(b) and (bool(a == b) or bool(a != a and b != b))  # a NaN target is as it was
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return standard_strides(tensor.detach().cpu().contiguous().reshape(-1)).view(torch.uint8)
+
+
+class _Generators(NamedTuple):
+    """The states of the process-wide random generators a ``__getitem__`` may draw from."""
+
+    torch: torch.Tensor
+    numpy: Any
+    python: Any
+
+    @classmethod
+    def now(cls) -> _Generators:
+        return cls(torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+    def same(self, other: _Generators) -> bool:
+        mine, theirs = self.numpy, other.numpy
+        numpy_same = len(mine) == len(theirs) and all(
+            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(mine, theirs, strict=True)
+        )
+        return bool(torch.equal(self.torch, other.torch)) and numpy_same and self.python == other.python
+
+
+def random_reads(dataset: Any, index: int, sample: Any) -> str | None:
+    """What makes ``dataset[index]`` random, read twice more beside ``sample`` (read before); ``None`` if nothing.
+
+    The process-wide generators are left as they were before these reads.
+    """
+    before = _Generators.now()
+    try:
+        again = dataset[index]
+        if not same_sample(sample, again):
+            return "another sample"
+        between = _Generators.now()
+        if not same_sample(sample, dataset[index]):
+            return "another sample"
+        if not between.same(_Generators.now()):
+            return "the same sample, but drew from a process-wide random generator"
+        return None
+    finally:
+        before.restore()
