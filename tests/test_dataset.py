@@ -965,6 +965,37 @@ def test_the_users_ram_root_is_removed_with_its_last_job(shm_root: Path, log: Pa
     again.close()
 
 
+_CLOSED_WHILE_WORKERS_RUN = """
+import sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchcache import CachedDataset
+
+class Filled(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((8,), float(i))
+
+if __name__ == "__main__":
+    data = CachedDataset(Filled(), max_memory_size="1MB")
+    batches = iter(DataLoader(data, batch_size=4, num_workers=2, persistent_workers=sys.argv[1] == "persistent"))
+    assert next(batches).shape == (4, 8) and next(batches).shape == (4, 8)
+    data.close()  # the workers still hold the RAM tier: the process exits with them alive
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["persistent", "per epoch"])
+def test_a_ram_tier_closed_while_its_workers_run_is_removed_at_exit(
+    shm_root: Path, tmp_path: Path, workers: str
+) -> None:
+    result = run_python(_CLOSED_WHILE_WORKERS_RUN, workers, path=tmp_path / "closed.py")
+    assert result.returncode == 0, result.stderr
+    assert not any(shm_root.iterdir()), list(shm_root.rglob("*"))  # nothing of the job stays in /dev/shm
+
+
 def test_a_dataset_cache_logs_its_summary_while_it_is_used(
     log: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torchcache_logger: Any
 ) -> None:

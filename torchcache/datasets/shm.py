@@ -68,6 +68,7 @@ _swept: set[Path] = set()
 _noted = False
 _job: str | None = None
 _exit_hook: list[int] = []  # the pid that registered the exit hook
+_again_at_exit: set[Path] = set()  # let go of while others used them (DataLoader workers): tried again at exit
 
 
 def _reset_after_fork() -> None:
@@ -80,6 +81,7 @@ def _reset_after_fork() -> None:
     _held.clear()
     _let_go_later.clear()
     _exit_hook.clear()
+    _again_at_exit.clear()
 
 
 after_fork(_reset_after_fork)
@@ -306,7 +308,10 @@ def release(job: Path, collected: bool = True) -> bool:
             return False
         del _held[job]
         os.close(fd)
-        return _remove_if_unused(job)
+        removed = _remove_if_unused(job)
+        if not removed:
+            _again_at_exit.add(job)
+        return removed
 
 
 def _remove_if_unused(job: Path) -> bool:
@@ -353,7 +358,12 @@ def sweep(root: Path, keep: Path | None = None) -> int:
 
 
 def _release_all() -> None:
-    """At exit: let go of every hold of this process and remove what nobody else uses."""
+    """At exit: let go of every hold of this process and remove what nobody else uses.
+
+    Directories let go of earlier while others used them are tried again: a cache closed
+    while its DataLoader workers ran, which multiprocessing has stopped by now (a daemonic
+    worker terminated at exit lets go of nothing itself).
+    """
     if _exit_hook != [os.getpid()]:
         return  # a child that inherited the registration
     with _lock:
@@ -363,6 +373,9 @@ def _release_all() -> None:
             if job in _held:
                 _held[job] = (_held[job][0], 1)
         release(job)
+    for job in sorted(_again_at_exit, key=lambda path: len(path.parts), reverse=True):  # a cache's before its job's
+        if job not in _held and job.is_dir():
+            _remove_if_unused(job)
 
 
 def _register_exit_hook() -> None:
