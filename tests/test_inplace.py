@@ -162,6 +162,47 @@ def test_a_module_unfrozen_after_its_first_call_runs_uncached_with_its_graph() -
     assert out.requires_grad
 
 
+_UNFROZEN_LATER = nn.Linear(4, 4).requires_grad_(False)
+_UNFROZEN_SCALE = torch.ones(4)
+
+
+class _HoldsInAList(nn.Module):
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.other = [other]  # held as a value, not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.other[0](x)  # type: ignore[no-any-return]
+
+
+def _through_a_global(x: torch.Tensor) -> torch.Tensor:
+    return _UNFROZEN_LATER(x)  # type: ignore[no-any-return]
+
+
+def _scaled_by_a_global(x: torch.Tensor) -> torch.Tensor:
+    return x * _UNFROZEN_SCALE
+
+
+@pytest.mark.parametrize("how", ["a module read as a global", "a module held in a list", "a tensor read as a global"])
+def test_a_module_or_tensor_held_elsewhere_unfrozen_after_the_first_call_runs_uncached_with_its_graph(
+    how: str,
+) -> None:
+    unfrozen: Any = _UNFROZEN_SCALE if how == "a tensor read as a global" else _UNFROZEN_LATER
+    if how == "a module held in a list":
+        cached: Any = torchcache()(_HoldsInAList(_UNFROZEN_LATER).eval())
+    else:
+        cached = torchcache()(_through_a_global if how == "a module read as a global" else _scaled_by_a_global)
+    x = torch.randn(3, 4)
+    cached(x)
+    unfrozen.requires_grad_(True)  # fine-tuning it after a warm-up: a hit would carry no gradient
+    try:
+        with pytest.warns(CacheWarning, match="require grad"):
+            out = cached(x)
+        assert out.requires_grad and cached.cache_instance.stats().hits == 0
+    finally:
+        unfrozen.requires_grad_(False)
+
+
 def test_load_state_dict_still_takes_the_key_again(tmp_path: Path) -> None:
     cached, plain = _cached(False, tmp_path)
     x = torch.randn(5, 6)

@@ -1,17 +1,15 @@
 """Seeing what a module's key covers change between calls, at a cost of a few C-level passes per call.
 
-Checked before every cached call, against the state the key was taken from: in-place
-writes (the sum of the version counters of the parameters, buffers and tensor
-attributes, which optimizer steps, ``copy_`` and batch norm bump); storage replaced
-(``p.data = new``: data pointers); tensors swapped in the registries
-(``torch.func.functional_call``); parameters, buffers and submodules registered or
-replaced (torch's registration hooks bump a generation; ``_modules`` dicts compared by
-identity); forward hooks registered, removed or replaced (dict sizes, identities); and
-(:class:`HeldValues`) the plain attributes, class values and globals the key read,
-rebound to another value (``model.scale = 3.0``, ``Net.K = 3``, ``SCALE = 3``), and the
-tensors and small arrays it read inside containers, written in place. Any change takes
-the key again. Submodules switched to training or eval mode on their own are part of
-each call's key instead (:meth:`VersionWatch.training_pattern`).
+Checked before every cached call, against the state the key was taken from: in-place writes (the sum of the
+version counters of the parameters, buffers and tensor attributes, which optimizer steps, ``copy_`` and batch
+norm bump); storage replaced (``p.data = new``: data pointers); tensors swapped in the registries
+(``torch.func.functional_call``); parameters, buffers and submodules registered or replaced (torch's
+registration hooks bump a generation; ``_modules`` dicts compared by identity); forward hooks registered,
+removed or replaced (dict sizes, identities); and (:class:`HeldValues`) the plain attributes, class values and
+globals the key read, rebound to another value (``model.scale = 3.0``, ``Net.K = 3``, ``SCALE = 3``), and the
+tensors and small arrays it read inside containers, written in place (a tensor also set to require grad). Any
+change takes the key again. Submodules switched to training or eval mode on their own are part of each call's
+key instead (:meth:`VersionWatch.training_pattern`).
 
 Not seen: writes through ``.data`` or a ``numpy()`` view, and in-place writes to inference
 tensors; ``verify_weights=N`` hashes the weights every N calls for those.
@@ -331,6 +329,7 @@ class HeldValues:
         "_bindings",
         "_flags",
         "_generation",
+        "_graded",
         "_lookups",
         "_members",
         "_modules",
@@ -357,7 +356,8 @@ class HeldValues:
         self._total = sum(map(_version, self._versioned))
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._modules = [v for v in unique if isinstance(v, torch.nn.Module)]  # held as values: their mode counts
-        self._flags = bytes(map(_training, self._modules))
+        self._graded = [*self._versioned, *(t for module in self._modules for t in _tensors(module))]
+        self._flags = bytes(map(_training, self._modules)) + bytes(map(_requires_grad, self._graded))  # unfrozen later
         self._types = list(map(type, self._modules))  # a class swapped (m.__class__ = Other): no hook sees it
         self._generation = _Generation.value
         self._members = self._held_members()
@@ -373,8 +373,7 @@ class HeldValues:
 
     def frozen(self, name: str) -> HeldValues:
         """These values; a ConfigError naming ``name`` if a tensor held (or a held module's) requires grad."""
-        held = {id(t): t for t in (*self._versioned, *(t for module in self._modules for t in _tensors(module)))}
-        if trainable := sum(1 for t in held.values() if t.requires_grad and t.is_leaf):
+        if trainable := sum(1 for t in {id(t): t for t in self._graded}.values() if t.requires_grad and t.is_leaf):
             raise ConfigError(f"{name} reads {plural(trainable, 'tensor')} that require grad {_TRAINED}")
         return self
 
@@ -390,8 +389,9 @@ class HeldValues:
         moved = any(map(operator.is_not, map(dict.get, spaces, names), values)) or self._others_moved()
         if moved and self.rebound():
             return True
-        if self._modules and (
-            bytes(map(_training, self._modules)) != self._flags or self._types != [*map(type, self._modules)]
+        if self._flags and (
+            bytes(map(_training, self._modules)) + bytes(map(_requires_grad, self._graded)) != self._flags
+            or self._types != [*map(type, self._modules)]
         ):
             return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
