@@ -1241,6 +1241,18 @@ def _imports_by_name_imported(x: torch.Tensor) -> torch.Tensor:
     return import_module("math").pi * x
 
 
+def _imports_by_name_imported_whole(x: torch.Tensor) -> torch.Tensor:
+    import importlib  # a local name: its attributes are not globals
+
+    return importlib.import_module("math").pi * x
+
+
+def _module_by_name_imported_whole(x: torch.Tensor) -> torch.Tensor:
+    import sys
+
+    return sys.modules["math"].pi * x
+
+
 @pytest.mark.parametrize(
     ("fn", "named"),
     [
@@ -1249,6 +1261,8 @@ def _imports_by_name_imported(x: torch.Tensor) -> torch.Tensor:
         (_module_by_name, "sys.modules"),
         (_module_by_name_imported, "sys.modules"),
         (_imports_by_name_imported, "importlib"),
+        (_imports_by_name_imported_whole, "importlib"),
+        (_module_by_name_imported_whole, "sys.modules"),
     ],
 )
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
