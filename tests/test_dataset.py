@@ -567,6 +567,17 @@ def test_indices_are_normalized_and_checked(log: Path) -> None:
     data.close()
 
 
+def test_fingerprints_follow_torchs_default_dtype(log: Path) -> None:
+    data = Numbers(3, log)
+    as_float32 = fingerprint_dataset(data)
+    torch.set_default_dtype(torch.float64)  # torch.tensor([0.5]) in __getitem__ makes float64 samples now
+    try:
+        as_float64 = fingerprint_dataset(data)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert as_float64 != as_float32 and fingerprint_dataset(data) == as_float32
+
+
 def test_fingerprints_follow_class_attributes_length_and_version(tmp_path: Path, log: Path) -> None:
     base = fingerprint_dataset(Numbers(5, log))
     assert fingerprint_dataset(Numbers(5, log)) == base

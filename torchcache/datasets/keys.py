@@ -4,8 +4,8 @@ A dataset's fingerprint covers its class (by its code and that of its base class
 installed package's version), every attribute, exactly (by the canonical
 encoder of :mod:`torchcache.canonical`: tensors, arrays and pandas objects by content,
 lists and dicts item by item, functions by their code, ``pathlib`` paths and memmaps
-by file name, size and modification time), ``len(dataset)`` and a ``version``. What it
-cannot see (the content of files named by plain strings, a setting read in
+by file name, size and modification time), ``len(dataset)``, torch's default dtype where
+it is not float32, and a ``version``. What it cannot see (the content of files named by plain strings, a setting read in
 ``__getitem__``) is what ``version`` is for. A sample's store key is its index in 16
 hex digits, so the keys of a store name their indices.
 """
@@ -74,6 +74,8 @@ def fingerprint_dataset(dataset: Any, version: object = None) -> str:
         for label, name, value in [(tag(b"k", n.encode()), n, v) for n, v in sorted(state.items())] + slots:
             h.update(label + _covered(value, f"{root}.{name}", root, version))
     h.update(tag(b"n", str(len(dataset)).encode()))
+    if (dtype := torch.get_default_dtype()) != torch.float32:  # what torch.tensor([0.5]) in __getitem__ makes
+        h.update(tag(b"D", str(dtype).encode()))
     h.update(tag(b"V", KeyEncoder(_REMEDY).encode(version, "version")))
     return h.hexdigest()
 
