@@ -917,6 +917,7 @@ def test_unwritable_root_falls_back_to_memory_with_one_warning(
         third = model(x)
         model.cache_instance.flush()
     assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "(its root is persistent_cache_dir, else $TORCHCACHE_DIR, else the user" in str(caught[0].message)
     assert_same(first, plain(x[:4]))
     assert_same(second, plain(x))
     assert_same(third, plain(x))

@@ -100,7 +100,10 @@ def open_local_store(directory: Path, max_bytes: int, meta: dict[str, Any], repo
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StoreError(f"cannot use cache directory {directory}: {exc}") from exc
+        raise StoreError(
+            f"cannot use cache directory {directory}: {exc} (its root is persistent_cache_dir, else $TORCHCACHE_DIR, "
+            "else the user cache directory)"
+        ) from exc
     _ensure_meta(directory, {**meta, "created": time.time(), "max_bytes": max_bytes}, report)
     return trimmed(PackedStore(directory, max_bytes, report=report), report)
 
