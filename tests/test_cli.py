@@ -721,6 +721,21 @@ def test_metadata_that_is_a_link_to_itself_is_damage_that_verify_fix_rebuilds(
     assert json.loads(path.read_text())["rebuilt"] is True
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants a FIFO")
+@pytest.mark.parametrize("plant", ["an empty directory", "a FIFO"])
+def test_metadata_that_is_not_a_file_is_damage_that_verify_fix_rebuilds(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, plant: str
+) -> None:
+    _, _, directory = make_cache(items=3)
+    path = directory / META_NAME
+    path.unlink()
+    path.mkdir() if plant == "an empty directory" else os.mkfifo(path)
+    assert run(capsys, "verify")[0] == 1
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 0 and "rebuilt the metadata of 1 module cache" in out
+    assert json.loads(path.read_text())["rebuilt"] is True and run(capsys, "verify")[0] == 0
+
+
 @pytest.mark.parametrize("command", ["clear", "info"])
 def test_a_key_with_root_is_looked_up_under_that_root_only(
     capsys: pytest.CaptureFixture[str], cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,28 @@ def test_a_features_cache_with_damaged_metadata_is_listed_verified_and_rebuilt(
     assert json.loads(meta.read_text())["kind"] == "features"
 
 
+@pytest.mark.parametrize("damage", ["a link", "cut short", "valid"])
+def test_verify_reports_an_input_digests_file_that_is_not_valid_and_fix_removes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    root = tmp_path / "root"
+    flat = torch.nn.Flatten().requires_grad_(False)
+    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    (digests,) = root.glob("features-*/inputs.tcdig")
+    if damage == "a link":
+        digests.unlink()
+        digests.symlink_to("/etc/passwd")
+    elif damage == "cut short":
+        os.truncate(digests, 100)
+    status, report = _json(capsys, "verify", str(root))
+    if damage == "valid":
+        assert status == 0 and report["problems"] == [] and digests.exists()
+        return
+    assert status == 1 and [Path(p["path"]).name for p in report["problems"]] == ["inputs.tcdig"]
+    assert main(["verify", "--fix", str(root)]) == 0 and not os.path.lexists(digests)
+    assert main(["verify", str(root)]) == 0
+
+
 def test_verify_reports_an_index_lmdb_refused_and_rebuilt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "root"
     data = CachedDataset(Squares(), root, max_memory_size=0)
@@ -184,19 +207,27 @@ def test_verify_checks_the_samples_of_features_kept_whole(tmp_path: Path, capsys
     assert main(["verify", "--fix", str(root)]) == 0
 
 
-def test_verify_fix_removes_a_planted_link_and_leaves_a_directory_in_features_caches(
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="plants a FIFO")
+def test_verify_fix_removes_planted_non_files_and_leaves_a_directory_holding_something_in_features_caches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "root"
-    for name, plant in (("a" * 32, "link"), ("b" * 32, "directory")):
+    plants = {"a" * 32: "link", "b" * 32: "full directory", "c" * 32: "fifo", "d" * 32: "empty directory"}
+    for name, plant in plants.items():
         (root / name).mkdir(parents=True)
         (root / name / "torchcache.json").write_text(json.dumps({"torchcache_version": "1.3.0", "kind": "features"}))
+        path = root / name / "features.tcrows"
         if plant == "link":
-            (root / name / "features.tcrows").symlink_to("/dev/zero")
+            path.symlink_to("/dev/zero")
+        elif plant == "fifo":
+            os.mkfifo(path)
         else:
-            (root / name / "features.tcrows").mkdir()
-    assert main(["verify", "--fix", str(root)]) == 1  # the directory is left, named; the run goes on
+            path.mkdir()
+            if plant == "full directory":
+                (path / "notes.txt").write_text("someone's")
+    assert main(["verify", "--fix", str(root)]) == 1  # the full directory is left, named; the run goes on
     captured = capsys.readouterr()
     assert "cannot fix" in captured.err and "verify --fix` to fix" not in captured.err
-    assert not (root / ("a" * 32) / "features.tcrows").is_symlink()
-    assert (root / ("b" * 32) / "features.tcrows").is_dir()
+    left = {name for name in plants if os.path.lexists(root / name / "features.tcrows")}
+    assert left == {"b" * 32} and (root / ("b" * 32) / "features.tcrows" / "notes.txt").exists()
+    assert main(["verify", "--fix", str(root)]) == 1 and "cannot fix" in capsys.readouterr().err

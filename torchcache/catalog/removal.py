@@ -11,6 +11,7 @@ something, so unknown files survive with their directory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from .inspect import (
     open_store,
 )
 
-__all__ = ["remove_cache", "remove_file", "select_for_prune"]
+__all__ = ["remove_cache", "remove_file", "remove_planted", "select_for_prune"]
 
 
 def remove_file(path: Path) -> bool:
@@ -39,6 +40,34 @@ def remove_file(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def remove_planted(path: Path) -> bool:
+    """Remove what sits at a file's path without being a file (a FIFO, a socket, a device node, an empty directory).
+
+    Returns:
+        Whether something was removed (a regular file, a link, or a directory that holds
+        something is left).
+
+    Raises:
+        OSError: If it cannot be removed.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(mode):
+        try:
+            os.rmdir(path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        return True
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        os.unlink(path)
+        return True
+    return False
 
 
 def remove_cache(directory: Path) -> tuple[int, Path | None]:

@@ -26,11 +26,12 @@ from ..catalog.inspect import (
     list_files,
     open_store,
 )
-from ..catalog.removal import remove_file
+from ..catalog.removal import remove_file, remove_planted
 from ..codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from ..errors import CorruptEntryError, StoreError
 from ..meta import META_NAME, meta_time, write_json_atomic
 from ..stores.batched import BatchedStore
+from ..stores.features.digests import DIGESTS_NAME, DigestFile
 from ..stores.features.file import FEATURES_NAME, open_features
 from ..stores.files import open_regular, read_at
 from ..stores.packed.index import INDEX_NAME
@@ -99,10 +100,16 @@ def verify_features(
             except OSError as err:  # a directory at its path: listed as left, the other caches still fixed
                 raise StoreError(f"cannot remove the damaged {path}: {err.strerror or err}") from None
         return 0, [problem], fix
-    except OSError as exc:  # a link is removed with --fix; unreadable now (permissions, I/O) or a directory: left
+    except OSError as exc:  # a link is removed with --fix; unreadable now (permissions, I/O), or a full directory: left
         kind = "corrupt" if exc.errno == errno.ELOOP else "store"
-        return 0, [Problem(path, kind, f"the features file cannot be read: {exc.strerror or exc}", 0)], False
-    problems: list[Problem] = []
+        problem = Problem(path, kind, f"the features file cannot be read: {exc.strerror or exc}", 0)
+        if fix and kind == "store":  # a FIFO or an empty directory planted there: removed, made anew at extraction
+            try:
+                return 0, [problem], remove_planted(path)
+            except OSError as err:
+                raise StoreError(f"cannot remove {path}: {err.strerror or err}") from None
+        return 0, [problem], False
+    problems: list[Problem] = _check_digests(directory / DIGESTS_NAME, file.length, fix)
     checked = 0
     try:
         written = file.written()
@@ -123,6 +130,27 @@ def verify_features(
     finally:
         file.close()
     return checked, problems, fix
+
+
+def _check_digests(path: Path, length: int, fix: bool) -> list[Problem]:
+    """The input digests file beside a features file, if it is there and not valid (removed with ``fix``).
+
+    Raises:
+        StoreError: If it cannot be removed with ``fix``.
+    """
+    if not os.path.lexists(path):
+        return []
+    digests = DigestFile.open(path, length, create=False)
+    if digests is not None:
+        digests.close()
+        return []
+    reason = "the input digests file is not valid (a link, another file, cut short): no row is reused from this cache"
+    if fix:
+        try:
+            remove_planted(path) or remove_file(path)
+        except OSError as err:
+            raise StoreError(f"cannot remove {path}: {err.strerror or err}") from None
+    return [Problem(path, "corrupt", reason, 0)]
 
 
 def _row_bytes(header_bytes: bytes) -> int:
@@ -343,6 +371,7 @@ def rebuild_meta(cache: ModuleCache) -> None:
             meta[field] = cache.meta[field]
     if "kind" not in meta and (kind := _stored_kind(cache.directory)) is not None:
         meta["kind"] = kind  # a dataset cache stays one
+    remove_planted(cache.directory / META_NAME)  # an empty directory or a FIFO there: the rename would fail on it
     write_json_atomic(cache.directory / META_NAME, meta)
     with contextlib.suppress(OSError):
         os.utime(cache.directory / META_NAME, (cache.last_used, cache.last_used))
