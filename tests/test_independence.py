@@ -461,6 +461,50 @@ class _Attention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
+class Dinov2DropPath(nn.Module):
+    """A library's stochastic depth, named with its model's prefix; its probability in ``p``."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape[0], 1) >= self.p) / (1 - self.p) if self.training else x
+
+
+class LayerSkip(nn.Module):
+    """Stochastic depth under a name of its own: known by its ``drop_prob``."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape[0], 1) >= self.drop_prob) if self.training else x
+
+
+class GaussianDropout(nn.Module):
+    """Multiplicative noise, by its name alone: its rate under a name torchcache does not read."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + self.rate * torch.randn_like(x)) if self.training else x
+
+
+class StableDropout(nn.Module):
+    """DeBERTa's dropout: not a torch class, its probability in ``drop_prob``."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, self.drop_prob, self.training)
+
+
 _DRAWING = [
     ("dropout rarely dropping", lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.001)), (8, 4)),
     ("dropout2d", lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout2d(0.01)), (8, 2, 3, 3)),
@@ -468,6 +512,10 @@ _DRAWING = [
     ("rrelu", lambda: nn.Sequential(nn.Linear(4, 4), nn.RReLU()), (8, 4)),
     ("attention dropout", lambda: _Attention(0.001), (8, 3, 4)),
     ("drop path", lambda: nn.Sequential(nn.Linear(4, 4), DropPath(0.001)), (8, 4)),
+    ("prefixed drop path", lambda: nn.Sequential(nn.Linear(4, 4), Dinov2DropPath(0.001)), (8, 4)),
+    ("stable dropout", lambda: nn.Sequential(nn.Linear(4, 4), StableDropout(0.001)), (8, 4)),
+    ("layer skip", lambda: nn.Sequential(nn.Linear(4, 4), LayerSkip(0.001)), (8, 4)),
+    ("gaussian dropout", lambda: nn.Sequential(nn.Linear(4, 4), GaussianDropout(0.0001)), (8, 4)),
 ]
 
 
@@ -489,9 +537,9 @@ def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it
 
 
 def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_training_mode_is_cached() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), DropPath(0.0), nn.Dropout(0.5))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), DropPath(0.0), StableDropout(0.0), nn.Dropout(0.5))
     model = torchcache()(model.requires_grad_(False).train())
-    model[3].eval()  # the model in training mode, this dropout not
+    model[4].eval()  # the model in training mode, this dropout not
     x = torch.randn(6, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)

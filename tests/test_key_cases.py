@@ -1253,6 +1253,18 @@ def _module_by_name_imported_whole(x: torch.Tensor) -> torch.Tensor:
     return sys.modules["math"].pi * x
 
 
+def _imports_by_name_through_a_submodule(x: torch.Tensor) -> torch.Tensor:
+    import importlib.util  # binds importlib
+
+    return importlib.import_module("math").pi * x
+
+
+def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
+    import importlib
+
+    return getattr(importlib, "import_module")("math").pi * x  # noqa: B009 - the case under test
+
+
 @pytest.mark.parametrize(
     ("fn", "named"),
     [
@@ -1263,6 +1275,8 @@ def _module_by_name_imported_whole(x: torch.Tensor) -> torch.Tensor:
         (_imports_by_name_imported, "importlib"),
         (_imports_by_name_imported_whole, "importlib"),
         (_module_by_name_imported_whole, "sys.modules"),
+        (_imports_by_name_through_a_submodule, "importlib"),
+        (_imports_by_name_through_getattr, "importlib"),
     ],
 )
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:

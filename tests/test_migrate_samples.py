@@ -32,6 +32,8 @@ from torchcache.dtypes import NAME_OF
 from torchcache.errors import CorruptEntryError
 from torchcache.stores.packed.store import PackedStore
 
+pytestmark = pytest.mark.usefixtures("reads_counted")  # the tests here count the dataset's reads
+
 _PREFIX = struct.Struct("<4sBxxxI")
 _INT64 = (-(2**63), 2**63 - 1)
 

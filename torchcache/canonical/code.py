@@ -174,7 +174,7 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":
             if pending_import is not None:
-                imports.add((*pending_import, _taken(code, pending_import[0], taken)))
+                imports.update(_imported(code, *pending_import, taken))
             level = constants[0] if len(constants) == 2 and type(constants[0]) is int else 0
             pending_import, taken = (instruction.argval, level), []
         elif name == "IMPORT_FROM":
@@ -182,23 +182,29 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
     if chain is not None:
         chains.add(tuple(chain))
     if pending_import is not None:
-        imports.add((*pending_import, _taken(code, pending_import[0], taken)))
+        imports.update(_imported(code, *pending_import, taken))
 
 
 #: Modules whose attribute reaches modules named at run time, when a function imports them whole.
 _NAMING_MODULES = {"importlib": "import_module", "sys": "modules"}
 
 
-def _taken(code: types.CodeType, module: str, taken: list[str]) -> tuple[str, ...]:
-    """The names an import takes; of ``import importlib`` (or ``sys``), the attribute that names modules, if read.
+def _imported(
+    code: types.CodeType, module: str, level: int, taken: list[str]
+) -> list[tuple[str, int, tuple[str, ...]]]:
+    """An import statement's entries, with the attribute that names modules at run time if the code reads it.
 
     A module imported whole inside a function is a local variable: the attributes read from
-    it are not followed, except the one that would name modules at run time.
+    it are not followed, except ``import_module`` of ``import importlib`` (or of
+    ``import importlib.util``, which binds ``importlib`` too) and ``modules`` of
+    ``import sys``, read by name or as a string given to ``getattr``.
     """
-    attribute = _NAMING_MODULES.get(module)
-    if not taken and attribute is not None and attribute in code.co_names:
-        return (attribute,)
-    return tuple(taken)
+    entries = [(module, level, tuple(taken))]
+    top = module.partition(".")[0]
+    attribute = _NAMING_MODULES.get(top) if not level else None
+    if not taken and attribute is not None and (attribute in code.co_names or attribute in code.co_consts):
+        entries.append((top, 0, (attribute,)))
+    return entries
 
 
 # -- functions -----------------------------------------------------------------------------------------

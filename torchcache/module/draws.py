@@ -2,10 +2,13 @@
 
 Dropout with ``p > 0`` (every ``_DropoutNd``: ``Dropout``, ``Dropout1d`` to ``3d``,
 ``AlphaDropout``, ``FeatureAlphaDropout``), ``RReLU``, ``MultiheadAttention`` with
-``dropout > 0``, and stochastic depth by its usual names (timm's ``DropPath``,
-torchvision's ``StochasticDepth``) with a drop probability above 0. The item check
-would see their draws only where one shows in the rows it compares: a narrow output or
-a small ``p`` often drops nothing there, and a replayed mask would follow.
+``dropout > 0``, and the dropout and stochastic depth of other libraries by their names
+(a class whose name, or a base class's, holds ``DropPath`` or ``StochasticDepth`` or
+ends in ``Dropout``: timm's ``DropPath``, torchvision's ``StochasticDepth``, Hugging
+Face's ``Dinov2DropPath`` and ``StableDropout``), or by a ``drop_prob`` attribute, with
+a probability above 0 (or one that is not a number). The item check would see their
+draws only where one shows in the rows it compares: a narrow output or a small ``p``
+often drops nothing there, and a replayed mask would follow.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from typing import Any
 import torch
 
 __all__ = ["drawing_submodule"]
-
-_DEPTH_NAMES = {"DropPath", "StochasticDepth"}
 
 
 def drawing_submodule(fn: Callable[..., Any]) -> str | None:
@@ -57,7 +58,10 @@ def _draws(module: torch.nn.Module) -> bool:
         return True
     if isinstance(module, torch.nn.MultiheadAttention):
         return bool(module.dropout > 0)
-    if type(module).__name__ in _DEPTH_NAMES:
+    names = [cls.__name__ for cls in type(module).__mro__]
+    if hasattr(module, "drop_prob") or any(
+        "DropPath" in name or "StochasticDepth" in name or name.endswith("Dropout") for name in names
+    ):
         p = _probability(module)
-        return not isinstance(p, (int, float)) or p > 0
+        return not isinstance(p, (int, float)) or isinstance(p, bool) or p > 0
     return False
