@@ -991,14 +991,17 @@ class Filled(Dataset):
 
 if __name__ == "__main__":
     data = CachedDataset(Filled(), max_memory_size="1MB")
-    batches = iter(DataLoader(data, batch_size=4, num_workers=2, persistent_workers=sys.argv[1] == "persistent"))
+    loader = DataLoader(data, batch_size=4, num_workers=2, persistent_workers=sys.argv[1] != "per epoch")
+    if sys.argv[1] == "closed first":
+        data.close()  # the workers make the RAM tier again
+    batches = iter(loader)
     assert next(batches).shape == (4, 8) and next(batches).shape == (4, 8)
     data.close()  # the workers still hold the RAM tier: the process exits with them alive
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["persistent", "per epoch"])
+@pytest.mark.parametrize("workers", ["persistent", "per epoch", "closed first"])
 def test_a_ram_tier_closed_while_its_workers_run_is_removed_at_exit(
     shm_root: Path, tmp_path: Path, workers: str
 ) -> None:

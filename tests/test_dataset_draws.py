@@ -92,6 +92,8 @@ def test_a_dataset_seeded_by_the_index_is_cached_and_leaves_the_generators_as_a_
     assert torch.equal(after_cached, torch.rand(4))  # the check's reads left the generator where a plain read did
     assert all(same_sample(a, b) for a, b in zip(first, expected, strict=True))
     assert data.dataset.reads == {4: 3, 5: 1}  # the first sample computed is read twice more, once per process
+    data[6]
+    assert data.dataset.reads == {4: 3, 5: 1, 6: 1}
     assert same_sample(data[4], expected[0]) and data.stats().hits == 1
     data.close()
 
@@ -101,12 +103,12 @@ def test_random_reads_restores_every_global_generator_and_names_the_cause() -> N
         dataset = _Reads(draw)
         sample = dataset[1]
         states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-        assert random_reads(dataset, 1, sample) is not None
+        assert random_reads(dataset.__getitem__, 1, sample) is not None
         assert torch.equal(states[0], torch.get_rng_state())
         assert np.array_equal(states[1], np.random.get_state()[1]) and states[2] == random.getstate()
-    assert random_reads(_Reads(_own_generator), 1, _own_generator(1)) is None
+    assert random_reads(_Reads(_own_generator).__getitem__, 1, _own_generator(1)) is None
     random.seed(3)  # the two reads agree (a sign times zero), but each moved random's stream on
-    assert random_reads(_Reads(lambda i: torch.zeros(2) * random.random()), 1, torch.zeros(2)) == (
+    assert random_reads(_Reads(lambda i: torch.zeros(2) * random.random()).__getitem__, 1, torch.zeros(2)) == (
         "the same sample, but drew from a process-wide random generator"
     )
 
@@ -128,4 +130,44 @@ def test_a_sample_that_cannot_be_cached_is_refused_for_its_type_not_as_random(tm
     data = CachedDataset(_Reads(lambda i: (torch.ones(2), _Opaque())), tmp_path)  # type: ignore[arg-type,return-value]
     with pytest.raises(SampleTypeError, match="_Opaque"):
         data[0]
+    data.close()
+
+
+class _Batched(Dataset[torch.Tensor]):
+    """Samples given by ``__getitems__`` alone (``__getitem__`` is torch's, which raises)."""
+
+    def __init__(self, draw: Draw) -> None:
+        self.draw = draw
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self.draw(i) for i in indices]
+
+
+@pytest.mark.parametrize("draw", [_own_generator, _flip_python])
+def test_a_dataset_with_getitems_alone_is_read_again_through_it(draw: Draw, tmp_path: Any) -> None:
+    data = CachedDataset(_Batched(draw), tmp_path)
+    if draw is _flip_python:
+        with pytest.raises(KeyingError, match="is random"):
+            data.__getitems__([2, 3])
+    else:
+        assert same_sample(data.__getitems__([2, 3]), [draw(2), draw(3)])
+    data.close()
+
+
+def _clean_then_flipped(index: int) -> torch.Tensor:
+    return torch.full((2,), float(index)) if index < 5 else _flip_torch(index)
+
+
+def test_samples_that_draw_after_the_first_are_refused_when_their_batch_moved_a_generator(tmp_path: Any) -> None:
+    data = CachedDataset(_Reads(_clean_then_flipped), tmp_path)  # the first half plain, the second augmented
+    assert same_sample(data.__getitems__([0, 1]), [_clean_then_flipped(0), _clean_then_flipped(1)])
+    data.__getitems__([2, 3])
+    with pytest.raises(KeyingError, match=r"_Reads\[5\] is random"):
+        data.__getitems__([4, 5, 6])
+    reads = data.dataset.reads
+    assert {i: reads[i] for i in range(5)} == {0: 3, 1: 1, 2: 1, 3: 1, 4: 3} and reads[5] in (2, 3)  # 4, then 5
+    assert reads[6] == 1
     data.close()

@@ -29,7 +29,7 @@ from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
-from .draws import random_reads
+from .draws import Generators, random_reads
 from .encode import check_sample
 from .keys import fingerprint_dataset
 
@@ -137,10 +137,11 @@ class CachedDataset(Dataset[Any]):
         max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
             smaller than the cache keeps a fixed subset over shuffled epochs (its entries
             are evicted most recently used first) and reads the rest from the URL.
-        check_samples: Read the first sample each process computes twice more, and refuse a
-            dataset whose samples are random (:mod:`torchcache.datasets.draws`) with a
-            ``KeyingError`` at that access; ``False`` skips the two reads (a dataset whose
-            reads have side effects).
+        check_samples: Read the first sample each process computes twice more (and up to
+            eight of a batch whose computing moved a process-wide random generator), and
+            refuse a dataset whose samples are random (:mod:`torchcache.datasets.draws`)
+            with a ``KeyingError`` at that access; ``False`` skips these reads (a dataset
+            whose reads have side effects).
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
@@ -230,6 +231,7 @@ class CachedDataset(Dataset[Any]):
             )
         self.length = length
         self._checked = not check_samples  # the first sample this process computes was read again
+        self._watched = check_samples  # whether computing samples moves a global generator is looked at
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, fingerprint={self.fingerprint}, cache={self.cache!r})"
@@ -252,18 +254,36 @@ class CachedDataset(Dataset[Any]):
         if self.dataset is None:
             return self._when_back(indices)
         batched = getattr(self.dataset, "__getitems__", None)
+        before = Generators.now() if self._watched else None
         samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
-        if not self._checked and samples and _cacheable(samples[0]):  # once per process: read twice more
-            why = random_reads(self.dataset, indices[0], samples[0])
+        moved = before is not None and not before.same(Generators.now())
+        if (moved or not self._checked) and samples:
+            read = (lambda i: batched([i])[0]) if batched else self.dataset.__getitem__
+            self._check_draws(read, indices, samples, moved)
+        return samples
+
+    def _check_draws(self, read: Callable[[int], Any], indices: list[Any], samples: list[Any], moved: bool) -> None:
+        """Read again the first sample this process computes, and those of a batch that moved a global generator.
+
+        Up to eight of such a batch: if none draws, they move it the same way at each read
+        (seeded by the index), and the generators are no longer watched.
+
+        Raises:
+            KeyingError: If a sample read again differs, or its reads drew from a generator.
+        """
+        for index, sample in list(zip(indices, samples))[: 8 if moved else 1]:
+            if not _cacheable(sample):
+                return  # refused for its type when it is stored
+            why = random_reads(read, index, sample)
             if why is not None:
                 raise KeyingError(
-                    f"{type(self.dataset).__qualname__}[{indices[0]}] is random (read again, it gave {why}): a cache "
+                    f"{type(self.dataset).__qualname__}[{index}] is random (read again, it gave {why}): a cache "
                     "would serve its first draw at every epoch. Run the random part in transform= (applied after "
-                    "the cache, at every access), or draw from a generator seeded by the index "
-                    "(np.random.default_rng(index))"
+                    "the cache, at every access), draw from a generator seeded by the index "
+                    "(np.random.default_rng(index)), or pass check_samples=False to cache its first draws"
                 )
-            self._checked = True
-        return samples
+        self._checked = True
+        self._watched = self._watched and not moved
 
     def _when_back(self, indices: list[Any]) -> Sequence[Any]:
         """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""

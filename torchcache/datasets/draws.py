@@ -10,6 +10,7 @@ every read, also where two reads happen to agree (a flip with probability 0.5).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from ..dtypes import standard_strides
 
-__all__ = ["random_reads", "same_sample"]
+__all__ = ["Generators", "random_reads", "same_sample"]
 
 
 def same_sample(a: Any, b: Any) -> bool:
@@ -42,7 +43,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return standard_strides(tensor.detach().cpu().contiguous().reshape(-1)).view(torch.uint8)
 
 
-class _Generators(NamedTuple):
+class Generators(NamedTuple):
     """The states of the process-wide random generators a ``__getitem__`` may draw from."""
 
     torch: torch.Tensor
@@ -50,15 +51,18 @@ class _Generators(NamedTuple):
     python: Any
 
     @classmethod
-    def now(cls) -> _Generators:
+    def now(cls) -> Generators:
+        """Their states now."""
         return cls(torch.get_rng_state(), np.random.get_state(), random.getstate())
 
     def restore(self) -> None:
+        """Put the generators back in these states."""
         torch.set_rng_state(self.torch)
         np.random.set_state(self.numpy)
         random.setstate(self.python)
 
-    def same(self, other: _Generators) -> bool:
+    def same(self, other: Generators) -> bool:
+        """Whether ``other`` holds the same states."""
         mine, theirs = self.numpy, other.numpy
         numpy_same = len(mine) == len(theirs) and all(
             np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(mine, theirs, strict=True)
@@ -66,20 +70,22 @@ class _Generators(NamedTuple):
         return bool(torch.equal(self.torch, other.torch)) and numpy_same and self.python == other.python
 
 
-def random_reads(dataset: Any, index: int, sample: Any) -> str | None:
-    """What makes ``dataset[index]`` random, read twice more beside ``sample`` (read before); ``None`` if nothing.
+def random_reads(read: Callable[[int], Any], index: int, sample: Any) -> str | None:
+    """What makes sample ``index`` random, read twice more beside ``sample`` (read before); ``None`` if nothing.
 
-    The process-wide generators are left as they were before these reads.
+    ``read`` gives a sample the way ``sample`` was read (``dataset.__getitem__``, or one
+    index through ``__getitems__``). The process-wide generators are left as they were
+    before these reads.
     """
-    before = _Generators.now()
+    before = Generators.now()
     try:
-        again = dataset[index]
+        again = read(index)
         if not same_sample(sample, again):
             return "another sample"
-        between = _Generators.now()
-        if not same_sample(sample, dataset[index]):
+        between = Generators.now()
+        if not same_sample(sample, read(index)):
             return "another sample"
-        if not between.same(_Generators.now()):
+        if not between.same(Generators.now()):
             return "the same sample, but drew from a process-wide random generator"
         return None
     finally:

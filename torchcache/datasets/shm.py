@@ -68,7 +68,7 @@ _swept: set[Path] = set()
 _noted = False
 _job: str | None = None
 _exit_hook: list[int] = []  # the pid that registered the exit hook
-_again_at_exit: set[Path] = set()  # let go of while others used them (DataLoader workers): tried again at exit
+_again_at_exit: set[Path] = set()  # let go of here (others may use them, or make them again): tried again at exit
 
 
 def _reset_after_fork() -> None:
@@ -308,10 +308,8 @@ def release(job: Path, collected: bool = True) -> bool:
             return False
         del _held[job]
         os.close(fd)
-        removed = _remove_if_unused(job)
-        if not removed:
-            _again_at_exit.add(job)
-        return removed
+        _again_at_exit.add(job)  # used by others now, or made again by DataLoader workers of a closed cache
+        return _remove_if_unused(job)
 
 
 def _remove_if_unused(job: Path) -> bool:
@@ -360,9 +358,10 @@ def sweep(root: Path, keep: Path | None = None) -> int:
 def _release_all() -> None:
     """At exit: let go of every hold of this process and remove what nobody else uses.
 
-    Directories let go of earlier while others used them are tried again: a cache closed
-    while its DataLoader workers ran, which multiprocessing has stopped by now (a daemonic
-    worker terminated at exit lets go of nothing itself).
+    Directories let go of earlier are tried again: a cache closed while its DataLoader
+    workers ran, or before they started and made its directory again, which
+    multiprocessing has stopped by now (a daemonic worker terminated at exit lets go of
+    nothing itself).
     """
     if _exit_hook != [os.getpid()]:
         return  # a child that inherited the registration

@@ -49,7 +49,7 @@ def check_deterministic(dataset: Any, todo: np.ndarray[Any, Any]) -> Any:
     first = None
     for index in probes:
         sample = dataset[index]
-        why = random_reads(dataset, index, sample)
+        why = random_reads(dataset.__getitem__, index, sample)
         if why is not None:
             raise ConfigError(_RANDOM.format(index=index, why=why))
         if first is None:
