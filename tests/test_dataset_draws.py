@@ -157,13 +157,15 @@ def test_a_dataset_with_getitems_alone_is_read_again_through_it(draw: Draw, tmp_
     data.close()
 
 
-def _clean_then_flipped(index: int) -> torch.Tensor:
-    return torch.full((2,), float(index)) if index < 5 else _flip_torch(index)
+@pytest.mark.parametrize("flip", [_flip_torch, _flip_numpy, _flip_python])
+def test_samples_that_draw_after_the_first_are_refused_when_their_batch_moved_a_generator(
+    flip: Draw, tmp_path: Any
+) -> None:
+    def clean_then_flipped(index: int) -> torch.Tensor:
+        return torch.full((2,), float(index)) if index < 5 else flip(index)
 
-
-def test_samples_that_draw_after_the_first_are_refused_when_their_batch_moved_a_generator(tmp_path: Any) -> None:
-    data = CachedDataset(_Reads(_clean_then_flipped), tmp_path)  # the first half plain, the second augmented
-    assert same_sample(data.__getitems__([0, 1]), [_clean_then_flipped(0), _clean_then_flipped(1)])
+    data = CachedDataset(_Reads(clean_then_flipped), tmp_path)  # the first half plain, the second augmented
+    assert same_sample(data.__getitems__([0, 1]), [clean_then_flipped(0), clean_then_flipped(1)])
     data.__getitems__([2, 3])
     with pytest.raises(KeyingError, match=r"_Reads\[5\] is random"):
         data.__getitems__([4, 5, 6])

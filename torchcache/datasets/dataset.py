@@ -29,7 +29,7 @@ from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
-from .draws import Generators, random_reads
+from .draws import draw_mark, random_reads
 from .encode import check_sample
 from .keys import fingerprint_dataset
 
@@ -254,9 +254,9 @@ class CachedDataset(Dataset[Any]):
         if self.dataset is None:
             return self._when_back(indices)
         batched = getattr(self.dataset, "__getitems__", None)
-        before = Generators.now() if self._watched else None
+        before = draw_mark() if self._watched else None
         samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
-        moved = before is not None and not before.same(Generators.now())
+        moved = before is not None and before != draw_mark()
         if (moved or not self._checked) and samples:
             read = (lambda i: batched([i])[0]) if batched else self.dataset.__getitem__
             self._check_draws(read, indices, samples, moved)

@@ -9,6 +9,7 @@ every read, also where two reads happen to agree (a flip with probability 0.5).
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ import torch
 
 from ..dtypes import standard_strides
 
-__all__ = ["Generators", "random_reads", "same_sample"]
+__all__ = ["Generators", "draw_mark", "random_reads", "same_sample"]
 
 
 def same_sample(a: Any, b: Any) -> bool:
@@ -68,6 +69,24 @@ class Generators(NamedTuple):
             np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(mine, theirs, strict=True)
         )
         return bool(torch.equal(self.torch, other.torch)) and numpy_same and self.python == other.python
+
+
+_MT19937_BYTES = 624 * 4 + 4  #: numpy's mt19937_state: 624 words of key, then the position in it
+
+
+def draw_mark() -> tuple[bytes, object, object]:
+    """A mark of the process-wide generators' states, a few microseconds to take: equal marks, no draw between.
+
+    numpy's legacy generator is read as its MT19937 state's bytes (its normal kept for the
+    next call is not: a draw that only uses it is not seen, the next one is).
+    """
+    get = getattr(np.random, "get_bit_generator", None)  # numpy 1.25 on
+    bits = get() if get is not None else None
+    if type(bits) is np.random.MT19937:
+        numpy: object = ctypes.string_at(bits.ctypes.state_address, _MT19937_BYTES)
+    else:
+        numpy = repr(np.random.get_state(legacy=False))
+    return torch.get_rng_state().numpy().tobytes(), numpy, random.getstate()
 
 
 def random_reads(read: Callable[[int], Any], index: int, sample: Any) -> str | None:
