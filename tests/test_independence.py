@@ -475,7 +475,7 @@ class Dinov2DropPath(nn.Module):
 class LayerSkip(nn.Module):
     """Stochastic depth under a name of its own: known by its ``drop_prob``."""
 
-    def __init__(self, drop_prob: float) -> None:
+    def __init__(self, drop_prob: float | torch.Tensor) -> None:
         super().__init__()
         self.drop_prob = drop_prob
 
@@ -505,6 +505,47 @@ class StableDropout(nn.Module):
         return torch.nn.functional.dropout(x, self.drop_prob, self.training)
 
 
+class BartAttention(nn.Module):
+    """Hugging Face's attention layers: the dropout probability a float attribute, applied as a function."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.proj(x), p=self.dropout, training=self.training)
+
+
+class DropBlock2d(nn.Module):
+    """torchvision's drop block, by its name and ``p``."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand_like(x) >= self.p) if self.training else x
+
+
+class NoDropout(nn.Module):
+    """Named for dropout, with no probability: an identity."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class SpatialDropout(nn.Module):
+    """A wrapper with no probability of its own: its child is checked."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.inner = nn.Dropout1d(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
 _DRAWING = [
     ("dropout rarely dropping", lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.001)), (8, 4)),
     ("dropout2d", lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout2d(0.01)), (8, 2, 3, 3)),
@@ -516,6 +557,9 @@ _DRAWING = [
     ("stable dropout", lambda: nn.Sequential(nn.Linear(4, 4), StableDropout(0.001)), (8, 4)),
     ("layer skip", lambda: nn.Sequential(nn.Linear(4, 4), LayerSkip(0.001)), (8, 4)),
     ("gaussian dropout", lambda: nn.Sequential(nn.Linear(4, 4), GaussianDropout(0.0001)), (8, 4)),
+    ("dropout as a float attribute", lambda: BartAttention(0.001), (8, 4)),
+    ("drop block", lambda: nn.Sequential(nn.Linear(4, 4), DropBlock2d(0.001)), (8, 4)),
+    ("drop probability in a tensor", lambda: nn.Sequential(nn.Linear(4, 4), LayerSkip(torch.tensor(0.001))), (8, 4)),
 ]
 
 
@@ -537,12 +581,16 @@ def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it
 
 
 def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_training_mode_is_cached() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), DropPath(0.0), StableDropout(0.0), nn.Dropout(0.5))
+    parts = [nn.Dropout(0.0), DropPath(0.0), StableDropout(0.0), NoDropout(), SpatialDropout(0.0), BartAttention(0.0)]
+    model = nn.Sequential(nn.Linear(4, 4), *parts, LayerSkip(torch.tensor(0.0)), nn.Dropout(0.5))
     model = torchcache()(model.requires_grad_(False).train())
-    model[4].eval()  # the model in training mode, this dropout not
+    model[-1].eval()  # the model in training mode, this dropout not
     x = torch.randn(6, 4)
+    expected = x
+    for part in model:  # the submodules themselves are not cached
+        expected = part(expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
         model(x)
-        assert torch.equal(model(x), x @ model[0].weight.T + model[0].bias)
+        assert torch.equal(model(x), expected)
     assert model.cache_instance.stats().hits == 6

@@ -1284,6 +1284,30 @@ def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: st
         torchcache()(fn)(X)
 
 
+_OPTIONS = {"modules": 2.0, "import_module": 3.0}
+
+
+class _NamesModulesElsewhere(nn.Module):
+    """Imports sys and importlib whole, and names "modules" and "import_module" without reading them from those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import importlib
+        import sys
+
+        scale = _OPTIONS["modules"] * _OPTIONS["import_module"] if sys.version_info >= (3, 8) else 1.0
+        count = len(list(self.modules())) + len(importlib.__name__)
+        return self.linear(x) * scale + count
+
+
+def test_a_whole_import_of_sys_or_importlib_is_refused_only_where_their_attribute_is_read() -> None:
+    model = torchcache()(_frozen(_NamesModulesElsewhere()))
+    assert torch.equal(model(X), _NamesModulesElsewhere.forward(model, X)) and model.cache_instance.stats().misses
+
+
 def test_a_method_patched_into_an_installed_class_is_keyed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     net = _frozen(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     got, expected = None, None

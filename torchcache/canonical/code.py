@@ -160,8 +160,12 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
     constants: list[Any] = []
     pending_import: tuple[str, int] | None = None
     taken: list[str] = []
+    bound = ""  # the local name an import binds a whole module to
+    previous = ""
     for instruction in dis.get_instructions(code):
-        name = instruction.opname
+        name, before, previous = instruction.opname, previous, instruction.opname
+        if before == "IMPORT_NAME" and name.startswith("STORE_"):
+            bound = instruction.argval
         if name in _LOADS_ATTRIBUTE and chain is not None:
             chain.append(instruction.argval)
             continue
@@ -174,37 +178,49 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":
             if pending_import is not None:
-                imports.update(_imported(code, *pending_import, taken))
+                imports.update(_imported(code, *pending_import, taken, bound))
             level = constants[0] if len(constants) == 2 and type(constants[0]) is int else 0
-            pending_import, taken = (instruction.argval, level), []
+            pending_import, taken, bound = (instruction.argval, level), [], ""
         elif name == "IMPORT_FROM":
             taken.append(instruction.argval)
     if chain is not None:
         chains.add(tuple(chain))
     if pending_import is not None:
-        imports.update(_imported(code, *pending_import, taken))
+        imports.update(_imported(code, *pending_import, taken, bound))
 
 
 #: Modules whose attribute reaches modules named at run time, when a function imports them whole.
 _NAMING_MODULES = {"importlib": "import_module", "sys": "modules"}
+_LOADS_LOCAL = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLOSURE", "LOAD_FAST_CHECK"})
 
 
 def _imported(
-    code: types.CodeType, module: str, level: int, taken: list[str]
+    code: types.CodeType, module: str, level: int, taken: list[str], bound: str
 ) -> list[tuple[str, int, tuple[str, ...]]]:
     """An import statement's entries, with the attribute that names modules at run time if the code reads it.
 
-    A module imported whole inside a function is a local variable: the attributes read from
-    it are not followed, except ``import_module`` of ``import importlib`` (or of
-    ``import importlib.util``, which binds ``importlib`` too) and ``modules`` of
-    ``import sys``, read by name or as a string given to ``getattr``.
+    A module imported whole inside a function is a local variable (``bound``): the
+    attributes read from it are not followed, except ``import_module`` of ``import
+    importlib`` (or of ``import importlib.util``, which binds ``importlib`` too) and
+    ``modules`` of ``import sys``, read from that local by name or as the string that
+    follows it (``getattr(importlib, "import_module")``).
     """
     entries = [(module, level, tuple(taken))]
     top = module.partition(".")[0]
     attribute = _NAMING_MODULES.get(top) if not level else None
-    if not taken and attribute is not None and (attribute in code.co_names or attribute in code.co_consts):
+    if not taken and attribute is not None and bound and _reads_attribute(code, bound, attribute):
         entries.append((top, 0, (attribute,)))
     return entries
+
+
+def _reads_attribute(code: types.CodeType, local: str, attribute: str) -> bool:
+    """Whether ``code`` reads ``attribute`` from its local variable ``local`` (or names it right after loading it)."""
+    after = False
+    for instruction in dis.get_instructions(code):
+        if after and instruction.argval == attribute and instruction.opname in {*_LOADS_ATTRIBUTE, "LOAD_CONST"}:
+            return True
+        after = instruction.opname in _LOADS_LOCAL and instruction.argval == local
+    return False
 
 
 # -- functions -----------------------------------------------------------------------------------------

@@ -2,13 +2,17 @@
 
 Dropout with ``p > 0`` (every ``_DropoutNd``: ``Dropout``, ``Dropout1d`` to ``3d``,
 ``AlphaDropout``, ``FeatureAlphaDropout``), ``RReLU``, ``MultiheadAttention`` with
-``dropout > 0``, and the dropout and stochastic depth of other libraries by their names
-(a class whose name, or a base class's, holds ``DropPath`` or ``StochasticDepth`` or
-ends in ``Dropout``: timm's ``DropPath``, torchvision's ``StochasticDepth``, Hugging
-Face's ``Dinov2DropPath`` and ``StableDropout``), or by a ``drop_prob`` attribute, with
-a probability above 0 (or one that is not a number). The item check would see their
-draws only where one shows in the rows it compares: a narrow output or a small ``p``
-often drops nothing there, and a replayed mask would follow.
+``dropout > 0``; the dropout, stochastic depth and drop blocks of other libraries, known
+by a class name (or a base class's) holding ``DropPath``, ``StochasticDepth`` or
+``DropBlock`` or ending in ``Dropout`` (timm's ``DropPath``, torchvision's
+``StochasticDepth`` and ``DropBlock2d``, Hugging Face's ``Dinov2DropPath`` and
+``StableDropout``) with a probability above 0 in ``p``, ``drop_prob``, ``drop_rate``,
+``rate`` or ``dropout_rate``, or by a ``drop_prob`` above 0 whatever the name; and a
+module holding a float above 0 named ``dropout`` or ``..._dropout`` (Hugging Face's
+attention layers, which call ``F.dropout(x, p=self.dropout, training=self.training)``).
+The item check would see their draws only where one shows in the rows it compares: a
+narrow output or a small ``p`` often drops nothing there, and a replayed mask would
+follow.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["drawing_submodule"]
@@ -43,12 +48,25 @@ def _module_of(fn: Any) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
+_PROBABILITIES = ("p", "drop_prob", "drop_rate", "rate", "dropout_rate")
+_NAMES = ("DropPath", "StochasticDepth", "DropBlock")
+
+
 def _probability(module: torch.nn.Module) -> Any:
     if isinstance(module, torch.nn.RReLU):
         return "random slopes"
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout
-    return getattr(module, "p", getattr(module, "drop_prob", None))
+    return next((p for name in _PROBABILITIES if (p := _number(getattr(module, name, None))) is not None), None)
+
+
+def _number(value: object) -> float | None:
+    """A probability as a float (a Python or numpy number, a tensor of one element); ``None`` for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float, np.number)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return float(value)  # type: ignore[arg-type]
+    return None
 
 
 def _draws(module: torch.nn.Module) -> bool:
@@ -59,9 +77,13 @@ def _draws(module: torch.nn.Module) -> bool:
     if isinstance(module, torch.nn.MultiheadAttention):
         return bool(module.dropout > 0)
     names = [cls.__name__ for cls in type(module).__mro__]
-    if hasattr(module, "drop_prob") or any(
-        "DropPath" in name or "StochasticDepth" in name or name.endswith("Dropout") for name in names
-    ):
+    if any(any(part in name for part in _NAMES) or name.endswith("Dropout") for name in names):
         p = _probability(module)
-        return not isinstance(p, (int, float)) or isinstance(p, bool) or p > 0
-    return False
+        return p is not None and p > 0
+    if (p := _number(getattr(module, "drop_prob", None))) is not None and p > 0:
+        return True
+    return any(
+        (name == "dropout" or name.endswith("_dropout")) and (p := _number(value)) is not None and p > 0
+        for name, value in vars(module).items()
+        if not isinstance(value, torch.Tensor)
+    )
