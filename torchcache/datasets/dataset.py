@@ -29,7 +29,7 @@ from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
-from .draws import draw_mark, random_reads
+from .draws import batch_draws, draw_mark
 from .encode import check_sample
 from .keys import fingerprint_dataset
 
@@ -137,11 +137,11 @@ class CachedDataset(Dataset[Any]):
         max_local_size: The budget of the local copy (``None``: ``max_disk_size``). A copy
             smaller than the cache keeps a fixed subset over shuffled epochs (its entries
             are evicted most recently used first) and reads the rest from the URL.
-        check_samples: Read the first sample each process computes twice more (and up to
-            eight of a batch whose computing moved a process-wide random generator), and
-            refuse a dataset whose samples are random (:mod:`torchcache.datasets.draws`)
-            with a ``KeyingError`` at that access; ``False`` skips these reads (a dataset
-            whose reads have side effects).
+        check_samples: Read the first sample each process computes twice more (and those
+            of a batch whose computing moved a process-wide random generator), and refuse
+            a dataset whose samples are random (:mod:`torchcache.datasets.draws`) with a
+            ``KeyingError`` at that access; ``False`` skips these reads (a dataset whose
+            reads have side effects).
 
     Raises:
         ConfigError: If a size is invalid, or (without a dataset) ``cache_dir`` holds no
@@ -230,8 +230,8 @@ class CachedDataset(Dataset[Any]):
                 max_local_size=max_local_size,
             )
         self.length = length
-        self._checked = not check_samples  # the first sample this process computes was read again
-        self._watched = check_samples  # whether computing samples moves a global generator is looked at
+        # "first": the first sample this process computes is read again; "moved": a batch that moved a generator
+        self._check = "first" if check_samples else ""
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, fingerprint={self.fingerprint}, cache={self.cache!r})"
@@ -254,36 +254,12 @@ class CachedDataset(Dataset[Any]):
         if self.dataset is None:
             return self._when_back(indices)
         batched = getattr(self.dataset, "__getitems__", None)
-        before = draw_mark() if self._watched else None
+        before = draw_mark() if self._check else None
         samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
         moved = before is not None and before != draw_mark()
-        if (moved or not self._checked) and samples:
-            read = (lambda i: batched([i])[0]) if batched else self.dataset.__getitem__
-            self._check_draws(read, indices, samples, moved)
+        if (moved or self._check == "first") and samples and _draws_checked(self.dataset, indices, samples, moved):
+            self._check = "moved"
         return samples
-
-    def _check_draws(self, read: Callable[[int], Any], indices: list[Any], samples: list[Any], moved: bool) -> None:
-        """Read again the first sample this process computes, and those of a batch that moved a global generator.
-
-        Up to eight of such a batch: if none draws, they move it the same way at each read
-        (seeded by the index), and the generators are no longer watched.
-
-        Raises:
-            KeyingError: If a sample read again differs, or its reads drew from a generator.
-        """
-        for index, sample in list(zip(indices, samples))[: 8 if moved else 1]:
-            if not _cacheable(sample):
-                return  # refused for its type when it is stored
-            why = random_reads(read, index, sample)
-            if why is not None:
-                raise KeyingError(
-                    f"{type(self.dataset).__qualname__}[{index}] is random (read again, it gave {why}): a cache "
-                    "would serve its first draw at every epoch. Run the random part in transform= (applied after "
-                    "the cache, at every access), draw from a generator seeded by the index "
-                    "(np.random.default_rng(index)), or pass check_samples=False to cache its first draws"
-                )
-        self._checked = True
-        self._watched = self._watched and not moved
 
     def _when_back(self, indices: list[Any]) -> Sequence[Any]:
         """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""
@@ -371,6 +347,33 @@ class CachedDataset(Dataset[Any]):
     def close(self) -> None:
         """Close the cache's files and let go of the RAM tier (see :meth:`SampleCache.close`)."""
         self.cache.close()
+
+
+def _draws_checked(dataset: Any, indices: list[Any], samples: list[Any], moved: bool) -> bool:
+    """Whether a computed batch was checked for random samples (:func:`~.draws.batch_draws`) and none was found.
+
+    ``False`` when it could not be: a sample that cannot be cached (refused for that when
+    stored), or a read again that failed (a file away for a moment).
+
+    Raises:
+        KeyingError: If a sample is random.
+    """
+    if not _cacheable(samples[0]):
+        return False
+    batched = getattr(dataset, "__getitems__", None)
+    read = (lambda i: batched([i])[0]) if batched else dataset.__getitem__  # as the batch was read
+    try:
+        found = batch_draws(read, indices, samples, moved)
+    except Exception:  # noqa: BLE001 - no verdict: the next batch is checked
+        return False
+    if found is not None:
+        raise KeyingError(
+            f"{type(dataset).__qualname__}[{found[0]}] is random (read again, it gave {found[1]}): a cache would "
+            "serve its first draw at every epoch. Run the random part in transform= (applied after the cache, at "
+            "every access), draw from a generator seeded by the index (np.random.default_rng(index)), or pass "
+            "check_samples=False to cache its first draws"
+        )
+    return True
 
 
 def _cacheable(sample: Any) -> bool:

@@ -1,10 +1,14 @@
 """Datasets whose samples are random: a cache of them would serve one draw for good.
 
-A sample read again must be the same, byte for byte, and reading it must not draw from
-a process-wide random generator (torch's, numpy's legacy one, ``random``'s): a
-dataset that reseeds one per index (``torch.manual_seed(index)``) leaves it where the
-last read of that index left it, while one that draws from its stream moves it on at
-every read, also where two reads happen to agree (a flip with probability 0.5).
+The first sample a process computes is read twice more: it must come back the same, byte
+for byte, and reading it must not draw from a process-wide random generator (torch's,
+numpy's legacy one, ``random``'s): a dataset that reseeds one per index
+(``torch.manual_seed(index)``) leaves it where the last read of that index left it,
+while one that draws from its stream moves it on at every read, also where two reads
+happen to agree (a flip with probability 0.5). Then every batch computed is watched: if
+computing it moved one of those generators, each of its samples is read once more from
+other states of them, and a sample that then comes back otherwise drew from them (one
+seeded by its index comes back the same).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from ..dtypes import standard_strides
 
-__all__ = ["Generators", "draw_mark", "random_reads", "same_sample"]
+__all__ = ["Generators", "batch_draws", "draw_mark", "random_reads", "same_sample"]
 
 
 def same_sample(a: Any, b: Any) -> bool:
@@ -53,8 +57,8 @@ class Generators(NamedTuple):
 
     @classmethod
     def now(cls) -> Generators:
-        """Their states now."""
-        return cls(torch.get_rng_state(), np.random.get_state(), random.getstate())
+        """Their states now (numpy's as a dict: the legacy tuple holds only an MT19937's)."""
+        return cls(torch.get_rng_state(), np.random.get_state(legacy=False), random.getstate())
 
     def restore(self) -> None:
         """Put the generators back in these states."""
@@ -64,11 +68,22 @@ class Generators(NamedTuple):
 
     def same(self, other: Generators) -> bool:
         """Whether ``other`` holds the same states."""
-        mine, theirs = self.numpy, other.numpy
-        numpy_same = len(mine) == len(theirs) and all(
-            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(mine, theirs, strict=True)
+        return (
+            bool(torch.equal(self.torch, other.torch))
+            and _equal(self.numpy, other.numpy)
+            and self.python == other.python
         )
-        return bool(torch.equal(self.torch, other.torch)) and numpy_same and self.python == other.python
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equality of nested dicts, tuples and arrays (a numpy generator's state)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
 
 
 _MT19937_BYTES = 624 * 4 + 4  #: numpy's mt19937_state: 624 words of key, then the position in it
@@ -87,6 +102,49 @@ def draw_mark() -> tuple[bytes, object, object]:
     else:
         numpy = repr(np.random.get_state(legacy=False))
     return torch.get_rng_state().numpy().tobytes(), numpy, random.getstate()
+
+
+_ELSEWHERE = (0x5EED_F00D, 0x5EED_BEEF)  #: the seeds of the other states a moved batch is read again from
+
+
+def batch_draws(
+    read: Callable[[int], Any], indices: list[Any], samples: list[Any], moved: bool
+) -> tuple[Any, str] | None:
+    """The first random sample of a computed batch, and what it gave; ``None`` if none is found.
+
+    Of a batch whose computing did not move a process-wide generator, the first sample is
+    read twice more (:func:`random_reads`). Of one that did, every sample is read again
+    from another state of them, and, if that read moved them, from a second one: a sample
+    seeded by its index leaves them in one state from both, one drawn from their stream
+    in two. The generators are left as they were.
+
+    Raises:
+        Exception: What a read again raised.
+    """
+    if not moved:
+        why = random_reads(read, indices[0], samples[0])
+        return None if why is None else (indices[0], why)
+    before = Generators.now()
+    try:
+        for index, sample in zip(indices, samples, strict=True):
+            marks = []  # (start, end) of each read
+            for seed in _ELSEWHERE:
+                torch.manual_seed(seed)
+                np.random.seed(seed)
+                random.seed(seed)
+                start = draw_mark()
+                if not same_sample(sample, read(index)):
+                    return index, "another sample when the process-wide generators stood elsewhere"
+                marks.append((start, draw_mark()))
+                if marks[-1][1] == start:  # it draws nothing from them
+                    break
+            if len(marks) == 2:  # a generator it moved, left in two states: drawn from, not seeded
+                (first, end), (_, second_end) = marks
+                if any(a != b and b != c for a, b, c in zip(first, end, second_end, strict=True)):
+                    return index, "the same sample, but drew from a process-wide random generator"
+        return None
+    finally:
+        before.restore()
 
 
 def random_reads(read: Callable[[int], Any], index: int, sample: Any) -> str | None:
