@@ -223,3 +223,19 @@ def test_the_check_reads_numpys_generator_whatever_its_bit_generator(tmp_path: A
             flipping.close()
     finally:
         np.random.set_bit_generator(before)
+
+
+def _numpy_reseeded(index: int) -> torch.Tensor:
+    np.random.seed(index)
+    return torch.from_numpy(np.random.rand(3))
+
+
+def test_the_check_seeds_the_cpus_generator_alone_not_cudas(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def seeds_every_device(seed: int) -> None:
+        raise AssertionError("torch.manual_seed seeds CUDA's generators too (or queues it until CUDA starts)")
+
+    data = CachedDataset(_Reads(_numpy_reseeded), tmp_path)
+    monkeypatch.setattr(torch, "manual_seed", seeds_every_device)
+    assert same_sample(data.__getitems__([1, 2]), [_numpy_reseeded(1), _numpy_reseeded(2)])  # moved numpy's
+    assert data.dataset.reads == {1: 3, 2: 3}
+    data.close()

@@ -546,6 +546,20 @@ class SpatialDropout(nn.Module):
         return self.inner(x)  # type: ignore[no-any-return]
 
 
+class T5Attention(nn.Module):
+    """A float probability under another name, given to a function: ``dropout_p`` as SDPA takes it."""
+
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.dropout_p = dropout_p
+        self.dropout = None  # a name for dropping that holds no probability
+        self.attn_drop_enabled = True  # nor does a flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.proj(x), p=self.dropout_p, training=self.training)
+
+
 _DRAWING = [
     ("dropout rarely dropping", lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.001)), (8, 4)),
     ("dropout2d", lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout2d(0.01)), (8, 2, 3, 3)),
@@ -560,6 +574,7 @@ _DRAWING = [
     ("dropout as a float attribute", lambda: BartAttention(0.001), (8, 4)),
     ("drop block", lambda: nn.Sequential(nn.Linear(4, 4), DropBlock2d(0.001)), (8, 4)),
     ("drop probability in a tensor", lambda: nn.Sequential(nn.Linear(4, 4), LayerSkip(torch.tensor(0.001))), (8, 4)),
+    ("dropout_p as a float attribute", lambda: T5Attention(0.001), (8, 4)),
 ]
 
 
@@ -582,6 +597,7 @@ def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it
 
 def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_training_mode_is_cached() -> None:
     parts = [nn.Dropout(0.0), DropPath(0.0), StableDropout(0.0), NoDropout(), SpatialDropout(0.0), BartAttention(0.0)]
+    parts.append(T5Attention(0.0))
     model = nn.Sequential(nn.Linear(4, 4), *parts, LayerSkip(torch.tensor(0.0)), nn.Dropout(0.5))
     model = torchcache()(model.requires_grad_(False).train())
     model[-1].eval()  # the model in training mode, this dropout not

@@ -129,7 +129,7 @@ def batch_draws(
         for index, sample in zip(indices, samples, strict=True):
             marks = []  # (start, end) of each read
             for seed in _ELSEWHERE:
-                torch.manual_seed(seed)
+                torch.default_generator.manual_seed(seed)  # the CPU's alone: torch.manual_seed seeds CUDA too
                 np.random.seed(seed)
                 random.seed(seed)
                 start = draw_mark()

@@ -6,10 +6,14 @@ Dropout with ``p > 0`` (every ``_DropoutNd``: ``Dropout``, ``Dropout1d`` to ``3d
 by a class name (or a base class's) holding ``DropPath``, ``StochasticDepth`` or
 ``DropBlock`` or ending in ``Dropout`` (timm's ``DropPath``, torchvision's
 ``StochasticDepth`` and ``DropBlock2d``, Hugging Face's ``Dinov2DropPath`` and
-``StableDropout``) with a probability above 0 in ``p``, ``drop_prob``, ``drop_rate``,
-``rate`` or ``dropout_rate``, or by a ``drop_prob`` above 0 whatever the name; and a
-module holding a float above 0 named ``dropout`` or ``..._dropout`` (Hugging Face's
-attention layers, which call ``F.dropout(x, p=self.dropout, training=self.training)``).
+``StableDropout``) with a probability above 0 in ``p``, ``prob``, ``rate`` or an
+attribute named for dropping (below); and a module holding a float above 0 under a name
+with ``dropout`` or ``drop`` among its words (``dropout``, ``attention_dropout``,
+``dropout_p``, ``dropout_rate``, ``attn_drop``, ``drop_prob``: Hugging Face's and T5's
+attention layers, which call ``F.dropout(x, p=self.dropout, training=self.training)``,
+or give ``dropout_p`` to ``scaled_dot_product_attention``), even one forward does not
+use.
+
 The item check would see their draws only where one shows in the rows it compares: a
 narrow output or a small ``p`` often drops nothing there, and a replayed mask would
 follow.
@@ -48,7 +52,7 @@ def _module_of(fn: Any) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
-_PROBABILITIES = ("p", "drop_prob", "drop_rate", "rate", "dropout_rate")
+_PROBABILITIES = ("p", "prob", "rate")
 _NAMES = ("DropPath", "StochasticDepth", "DropBlock")
 
 
@@ -57,7 +61,15 @@ def _probability(module: torch.nn.Module) -> Any:
         return "random slopes"
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout
-    return next((p for name in _PROBABILITIES if (p := _number(getattr(module, name, None))) is not None), None)
+    named = (getattr(module, name, None) for name in _PROBABILITIES)
+    dropping = (value for name, value in vars(module).items() if _names_dropping(name))
+    return next((p for value in (*named, *dropping) if (p := _number(value)) is not None), None)
+
+
+def _names_dropping(name: str) -> bool:
+    """Whether an attribute's name has ``dropout`` or ``drop`` among its words (``attn_drop``, ``dropout_p``)."""
+    words = name.lower().strip("_").split("_")
+    return "dropout" in words or "drop" in words
 
 
 def _number(value: object) -> float | None:
@@ -80,10 +92,8 @@ def _draws(module: torch.nn.Module) -> bool:
     if any(any(part in name for part in _NAMES) or name.endswith("Dropout") for name in names):
         p = _probability(module)
         return p is not None and p > 0
-    if (p := _number(getattr(module, "drop_prob", None))) is not None and p > 0:
-        return True
     return any(
-        (name == "dropout" or name.endswith("_dropout")) and (p := _number(value)) is not None and p > 0
+        _names_dropping(name) and (p := _number(value)) is not None and p > 0
         for name, value in vars(module).items()
-        if not isinstance(value, torch.Tensor)
+        if not isinstance(value, torch.Tensor) or value.numel() == 1
     )
