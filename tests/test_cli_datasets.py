@@ -133,13 +133,19 @@ def test_ls_names_each_kind_of_cache(dataset_dir: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().out.startswith("removed 1 module cache, 1 dataset cache and 2 feature caches (")
 
 
+def _six_features(tmp_path: Path) -> Path:
+    """A root holding one features cache of six rows."""
+    root = tmp_path / "root"
+    flat = torch.nn.Flatten().requires_grad_(False)
+    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    return root
+
+
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
 def test_a_features_cache_with_damaged_metadata_is_listed_verified_and_rebuilt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
-    root = tmp_path / "root"
-    flat = torch.nn.Flatten().requires_grad_(False)
-    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    root = _six_features(tmp_path)
     (meta,) = root.glob("features-*/torchcache.json")
     meta.write_text("not json{") if damage == "garbage" else meta.unlink()
     code, listed = _json(capsys, "ls", str(root))
@@ -154,9 +160,7 @@ def test_a_features_cache_with_damaged_metadata_is_listed_verified_and_rebuilt(
 def test_verify_reports_an_input_digests_file_that_is_not_valid_and_fix_removes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
-    root = tmp_path / "root"
-    flat = torch.nn.Flatten().requires_grad_(False)
-    extract_features(flat, torch.utils.data.TensorDataset(torch.randn(6, 2, 2)), cache_dir=root, progress=False)
+    root = _six_features(tmp_path)
     (digests,) = root.glob("features-*/inputs.tcdig")
     if damage == "a link":
         digests.unlink()
