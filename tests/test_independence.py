@@ -583,7 +583,7 @@ def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it
     torch.manual_seed(0)
     model = torchcache()(make().requires_grad_(False).train())
     x = torch.randn(shape)
-    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \(.*draws at random"):
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \("):
         model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
@@ -610,3 +610,57 @@ def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_trai
         model(x)
         assert torch.equal(model(x), expected)
     assert model.cache_instance.stats().hits == 6
+
+
+class _FeaturesAndHead(nn.Module):
+    """timm's layout: dropout before the head alone, which ``forward_features`` does not reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head_drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 2)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head_drop(self.forward_features(x)))  # type: ignore[no-any-return]
+
+
+def test_a_cached_method_that_does_not_reach_the_dropout_is_cached_in_training_mode() -> None:
+    model = _FeaturesAndHead().requires_grad_(False).train()
+    features = torchcache()(model.forward_features)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        features(x)
+        assert torch.equal(features(x), model.body(x))
+    assert features.cache_instance.stats().hits == 8  # type: ignore[attr-defined]
+    whole = torchcache()(_FeaturesAndHead().requires_grad_(False).train())  # its forward runs the dropout
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic"):
+        whole(x)
+    assert whole.cache_instance.stats().hits == 0
+
+
+class _Packed(nn.Module):
+    """An LSTM over padded sequences packed with enforce_sorted=True: items must come longest first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=True)
+        return self.lstm(packed)[1][0][0]  # type: ignore[no-any-return]
+
+
+def test_a_forward_that_takes_items_in_the_batchs_order_only_is_checked_in_that_order() -> None:
+    model = torchcache()(_frozen(_Packed()))
+    lengths = torch.tensor([7, 6, 5, 3, 2, 1])  # longest first, as pack_padded_sequence wants them
+    x = torch.randn(6, 7, 4) * (torch.arange(7) < lengths[:, None])[..., None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        first = model(x, lengths)
+        assert torch.equal(model(x, lengths), first) and model.cache_instance.stats().hits == 6
+    assert torch.allclose(first, _Packed.forward(model, x, lengths))

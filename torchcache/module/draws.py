@@ -11,8 +11,10 @@ attribute named for dropping (below); and a module holding a float above 0 under
 with ``dropout`` or ``drop`` among its words (``dropout``, ``attention_dropout``,
 ``dropout_p``, ``dropout_rate``, ``attn_drop``, ``drop_prob``: Hugging Face's and T5's
 attention layers, which call ``F.dropout(x, p=self.dropout, training=self.training)``,
-or give ``dropout_p`` to ``scaled_dot_product_attention``), even one forward does not
-use.
+or give ``dropout_p`` to ``scaled_dot_product_attention``). Such a submodule counts when
+the cached forward runs it (a forward pre-hook watches it through the item check's
+forwards): a dropout the cached method does not reach (a head's, under
+``forward_features``) is left alone.
 
 The item check would see their draws only where one shows in the rows it compares: a
 narrow output or a small ``p`` often drops nothing there, and a replayed mask would
@@ -21,26 +23,43 @@ follow.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["drawing_submodule"]
+__all__ = ["calls_of", "drawing_submodules"]
 
 
-def drawing_submodule(fn: Callable[..., Any]) -> str | None:
-    """The first submodule in training mode of the module ``fn`` calls that draws at random, named; else ``None``."""
+def drawing_submodules(fn: Callable[..., Any]) -> list[tuple[str, torch.nn.Module | None]]:
+    """The submodules in training mode of the module ``fn`` calls that draw at random, each with its description.
+
+    The module itself, if it draws, comes as ``None``: its forward is the one cached.
+    """
     module = _module_of(fn)
     if module is None:
-        return None
-    for name, sub in module.named_modules():
-        if sub.training and _draws(sub):
-            where = f"{name} " if name else ""
-            return f"{where}({type(sub).__name__}, p={_probability(sub)})"
-    return None
+        return []
+    return [
+        (f"{f'{name} ' if name else ''}({type(sub).__name__}, p={_probability(sub)})", sub if name else None)
+        for name, sub in module.named_modules()
+        if sub.training and _draws(sub)
+    ]
+
+
+@contextlib.contextmanager
+def calls_of(named: list[tuple[str, torch.nn.Module | None]]) -> Iterator[list[str]]:
+    """The descriptions of those of ``named`` that run while the block runs (each seen by a forward pre-hook)."""
+    called = [what for what, sub in named if sub is None]
+    hooked = [(what, sub) for what, sub in named if sub is not None]
+    handles = [sub.register_forward_pre_hook(lambda *_, what=what: called.append(what)) for what, sub in hooked]
+    try:
+        yield called
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _module_of(fn: Any) -> torch.nn.Module | None:

@@ -41,7 +41,7 @@ from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
 from .call import CallArguments
-from .draws import drawing_submodule
+from .draws import calls_of, drawing_submodules
 from .outputs import OutputPlan
 from .versions import alike
 
@@ -212,15 +212,15 @@ class ItemCheck:
             return True
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
             self.whole, whole = False, self.whole or (cached and not is_checked(call.context))
-            try:
-                if call.training and (drawing := drawing_submodule(fn)) is not None:
+            try:  # the check's forwards leave no trace in batch norm's statistics; drawing submodules watched
+                with kept, calls_of(drawing_submodules(fn) if call.training else []) as called:
+                    check_items(self.name, fn, call, plan, layout, rows, whole)
+                if called:  # whatever the rows showed
                     raise DependentItemsError(
-                        f"{self.name}: its outputs are not deterministic ({drawing} draws at random), so a cached "
+                        f"{self.name}: its outputs are not deterministic ({called[0]} draws at random), so a cached "
                         "output would replay one draw",
                         random=True,
                     )
-                with kept:  # the check's forward leaves no trace in batch norm's statistics
-                    check_items(self.name, fn, call, plan, layout, rows, whole)
             except DependentItemsError as exc:
                 if moved():  # the rows were computed from other state than the check's
                     return False
@@ -306,6 +306,8 @@ def _check_positions(
         with torch.no_grad():
             spec, leaves = flatten(fn(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 - a batch of 2 computed, a batch of 1 of its items did not
+        if positions != sorted(positions):  # it takes items in the batch's order only (pack_padded_sequence's)
+            return _check_positions(name, fn, call, plan, layout, rows, scales, sorted(positions))
         raise DependentItemsError(
             f"{name}: items {positions} computed in a batch of {len(positions)} instead of {batch} raised "
             f"{type(exc).__name__}: {str(exc)[:200]}; its outputs depend on the batch (batch statistics?), or an "
