@@ -583,7 +583,7 @@ def test_a_submodule_that_draws_in_training_mode_runs_uncached_however_rarely_it
     torch.manual_seed(0)
     model = torchcache()(make().requires_grad_(False).train())
     x = torch.randn(shape)
-    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \("):
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \(.*draws at random"):
         model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
@@ -613,33 +613,58 @@ def test_dropout_of_probability_zero_or_switched_to_eval_mode_in_a_model_in_trai
 
 
 class _FeaturesAndHead(nn.Module):
-    """timm's layout: dropout before the head alone, which ``forward_features`` does not reach."""
+    """timm's layout: dropout before the head alone, and a rate on the model, which ``forward_features`` never names."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.drop_rate = 0.1
         self.body = nn.Linear(4, 8)
-        self.head_drop = nn.Dropout(0.1)
+        self.head_drop = nn.Dropout(self.drop_rate)
         self.head = nn.Linear(8, 2)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)  # type: ignore[no-any-return]
 
+    def features_through_the_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def features_dropped_by_rate(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.body(x), self.drop_rate, self.training)
+
+    def features_by_name(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "head_" + "drop")(self.body(x))  # type: ignore[no-any-return]
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head_drop(x)  # type: ignore[no-any-return]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_drop(self.forward_features(x)))  # type: ignore[no-any-return]
 
 
-def test_a_cached_method_that_does_not_reach_the_dropout_is_cached_in_training_mode() -> None:
+@pytest.mark.parametrize(
+    "method", ["forward_features", "features_through_the_head", "features_dropped_by_rate", "features_by_name"]
+)
+def test_a_cached_method_is_run_uncached_in_training_mode_only_if_its_code_reaches_the_dropout(method: str) -> None:
     model = _FeaturesAndHead().requires_grad_(False).train()
-    features = torchcache()(model.forward_features)
+    features = torchcache()(getattr(model, method))
     x = torch.randn(8, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CacheWarning)
+    if method == "forward_features":  # the head's dropout and the rate are never named: cached
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheWarning)
+            features(x)
+            assert torch.equal(features(x), model.body(x))
+        assert features.cache_instance.stats().hits == 8  # type: ignore[attr-defined]
+        return
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \(.*draws at random"):
         features(x)
-        assert torch.equal(features(x), model.body(x))
-    assert features.cache_instance.stats().hits == 8  # type: ignore[attr-defined]
-    whole = torchcache()(_FeaturesAndHead().requires_grad_(False).train())  # its forward runs the dropout
-    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic"):
-        whole(x)
+    features(x)
+    assert features.cache_instance.stats().hits == 0  # type: ignore[attr-defined]
+
+
+def test_a_cached_forward_runs_uncached_in_training_mode_whatever_it_names() -> None:
+    whole = torchcache()(_FeaturesAndHead().requires_grad_(False).train())
+    with pytest.warns(CacheWarning, match=r"training mode: its outputs are not deterministic \(.*draws at random"):
+        whole(torch.randn(8, 4))
     assert whole.cache_instance.stats().hits == 0
 
 

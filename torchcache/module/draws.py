@@ -11,10 +11,12 @@ attribute named for dropping (below); and a module holding a float above 0 under
 with ``dropout`` or ``drop`` among its words (``dropout``, ``attention_dropout``,
 ``dropout_p``, ``dropout_rate``, ``attn_drop``, ``drop_prob``: Hugging Face's and T5's
 attention layers, which call ``F.dropout(x, p=self.dropout, training=self.training)``,
-or give ``dropout_p`` to ``scaled_dot_product_attention``). Such a submodule counts when
-the cached forward runs it (a forward pre-hook watches it through the item check's
-forwards): a dropout the cached method does not reach (a head's, under
-``forward_features``) is left alone.
+or give ``dropout_p`` to ``scaled_dot_product_attention``). For a cached method other
+than ``forward`` (``forward_features``), only what its code (and the methods of the
+class it calls by name) reaches counts: a child it names, whole, and the module's own
+attributes it reads; a head's dropout that ``forward_features`` never names is left
+alone. Code that reaches children by a name given at run time (``getattr``,
+``self.modules()``) counts every one.
 
 The item check would see their draws only where one shows in the rows it compares: a
 narrow output or a small ``p`` often drops nothing there, and a replayed mask would
@@ -23,43 +25,67 @@ follow.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["calls_of", "drawing_submodules"]
+__all__ = ["drawing_submodule"]
 
 
-def drawing_submodules(fn: Callable[..., Any]) -> list[tuple[str, torch.nn.Module | None]]:
-    """The submodules in training mode of the module ``fn`` calls that draw at random, each with its description.
-
-    The module itself, if it draws, comes as ``None``: its forward is the one cached.
-    """
+def drawing_submodule(fn: Callable[..., Any]) -> str | None:
+    """The first submodule in training mode that the cached ``fn`` may run and that draws at random, described."""
     module = _module_of(fn)
     if module is None:
-        return []
-    return [
-        (f"{f'{name} ' if name else ''}({type(sub).__name__}, p={_probability(sub)})", sub if name else None)
-        for name, sub in module.named_modules()
-        if sub.training and _draws(sub)
-    ]
+        return None
+    names = _names_read(fn, module)  # None: everything may run
+    for name, sub in module.named_modules():
+        if not (sub.training and _draws(sub)):
+            continue
+        if names is not None and (name.partition(".")[0] not in names if name else not _reads_own(sub, names)):
+            continue
+        return f"{f'{name} ' if name else ''}({type(sub).__name__}, p={_probability(sub)})"
+    return None
 
 
-@contextlib.contextmanager
-def calls_of(named: list[tuple[str, torch.nn.Module | None]]) -> Iterator[list[str]]:
-    """The descriptions of those of ``named`` that run while the block runs (each seen by a forward pre-hook)."""
-    called = [what for what, sub in named if sub is None]
-    hooked = [(what, sub) for what, sub in named if sub is not None]
-    handles = [sub.register_forward_pre_hook(lambda *_, what=what: called.append(what)) for what, sub in hooked]
-    try:
-        yield called
-    finally:
-        for handle in handles:
-            handle.remove()
+#: Names that reach a module's children by a name given at run time.
+_DYNAMIC = frozenset({"getattr", "__getattr__", "modules", "named_modules", "children", "named_children", "_modules"})
+
+
+def _names_read(fn: Any, module: torch.nn.Module) -> set[str] | None:
+    """The names a cached method other than ``forward`` reads, through the class's methods it calls by name.
+
+    ``None`` for ``forward``, or for code that reaches children by a name given at run time.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    if getattr(fn, "__name__", "forward") == "forward" or not hasattr(fn, "__code__"):
+        return None
+    names: set[str] = set()
+    todo, seen = [fn.__code__], set()
+    while todo:
+        code = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        names.update(code.co_names)
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for name in code.co_names:  # the class's methods it calls by name, each of the MRO
+            for cls in type(module).__mro__:
+                method = vars(cls).get(name)
+                code_of = getattr(getattr(method, "__func__", method), "__code__", None)
+                if isinstance(code_of, types.CodeType):
+                    todo.append(code_of)
+    return None if names & _DYNAMIC else names
+
+
+def _reads_own(module: torch.nn.Module, names: set[str]) -> bool:
+    """Whether ``names`` hold one of the module's own attributes that make it draw."""
+    return any(name in names for name in vars(module) if name in _PROBABILITIES or _names_dropping(name))
 
 
 def _module_of(fn: Any) -> torch.nn.Module | None:

@@ -41,7 +41,7 @@ from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
 from .call import CallArguments
-from .draws import calls_of, drawing_submodules
+from .draws import drawing_submodule
 from .outputs import OutputPlan
 from .versions import alike
 
@@ -212,15 +212,15 @@ class ItemCheck:
             return True
         if not is_checked(call.context) or call.context in self.passed:  # a first check, or one due again
             self.whole, whole = False, self.whole or (cached and not is_checked(call.context))
-            try:  # the check's forwards leave no trace in batch norm's statistics; drawing submodules watched
-                with kept, calls_of(drawing_submodules(fn) if call.training else []) as called:
-                    check_items(self.name, fn, call, plan, layout, rows, whole)
-                if called:  # whatever the rows showed
+            try:
+                if call.training and (drawing := drawing_submodule(fn)) is not None:  # whatever the rows would show
                     raise DependentItemsError(
-                        f"{self.name}: its outputs are not deterministic ({called[0]} draws at random), so a cached "
+                        f"{self.name}: its outputs are not deterministic ({drawing} draws at random), so a cached "
                         "output would replay one draw",
                         random=True,
                     )
+                with kept:  # the check's forwards leave no trace in batch norm's statistics
+                    check_items(self.name, fn, call, plan, layout, rows, whole)
             except DependentItemsError as exc:
                 if moved():  # the rows were computed from other state than the check's
                     return False
