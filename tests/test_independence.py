@@ -560,6 +560,18 @@ class T5Attention(nn.Module):
         return torch.nn.functional.dropout(self.proj(x), p=self.dropout_p, training=self.training)
 
 
+class GPT2Attention(nn.Module):
+    """GPT-2's naming: ``attn_pdrop``."""
+
+    def __init__(self, attn_pdrop: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.attn_pdrop = attn_pdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.proj(x), self.attn_pdrop, self.training)
+
+
 _DRAWING = [
     ("dropout rarely dropping", lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.001)), (8, 4)),
     ("dropout2d", lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout2d(0.01)), (8, 2, 3, 3)),
@@ -575,6 +587,7 @@ _DRAWING = [
     ("drop block", lambda: nn.Sequential(nn.Linear(4, 4), DropBlock2d(0.001)), (8, 4)),
     ("drop probability in a tensor", lambda: nn.Sequential(nn.Linear(4, 4), LayerSkip(torch.tensor(0.001))), (8, 4)),
     ("dropout_p as a float attribute", lambda: T5Attention(0.001), (8, 4)),
+    ("gpt-2's attn_pdrop", lambda: GPT2Attention(0.001), (8, 4)),
 ]
 
 
@@ -621,6 +634,7 @@ class _FeaturesAndHead(nn.Module):
         self.body = nn.Linear(4, 8)
         self.head_drop = nn.Dropout(self.drop_rate)
         self.head = nn.Linear(8, 2)
+        self.tail = nn.Sequential(nn.Identity(), self.head_drop)  # the head's dropout, shared under a second name
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)  # type: ignore[no-any-return]
@@ -637,18 +651,54 @@ class _FeaturesAndHead(nn.Module):
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.head_drop(x)  # type: ignore[no-any-return]
 
+    def features_through_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)  # type: ignore[no-any-return]
+
+    def features_through_a_helper(self, x: torch.Tensor) -> torch.Tensor:
+        return _dropped_by(self, x)
+
+    @torch.no_grad()
+    def features_decorated_plain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def features_decorated(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head_drop(self.body(x))  # type: ignore[no-any-return]
+
+    def features_through_the_tail(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.body(x))  # type: ignore[no-any-return]
+
+    @property
+    def dropper(self) -> nn.Module:
+        return self.head_drop
+
+    def features_through_a_property(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropper(self.body(x))  # type: ignore[no-any-return]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_drop(self.forward_features(x)))  # type: ignore[no-any-return]
 
 
+def _dropped_by(model: _FeaturesAndHead, x: torch.Tensor) -> torch.Tensor:
+    return model.head_drop(model.body(x))  # type: ignore[no-any-return]
+
+
+_METHODS = ["forward_features", "features_through_the_head", "features_dropped_by_rate", "features_by_name"]
+
+
 @pytest.mark.parametrize(
-    "method", ["forward_features", "features_through_the_head", "features_dropped_by_rate", "features_by_name"]
+    "method",
+    [
+        *_METHODS,
+        *("features_through_forward", "features_through_a_helper", "features_through_a_property"),
+        *("features_decorated", "features_through_the_tail", "features_decorated_plain"),
+    ],
 )
 def test_a_cached_method_is_run_uncached_in_training_mode_only_if_its_code_reaches_the_dropout(method: str) -> None:
     model = _FeaturesAndHead().requires_grad_(False).train()
     features = torchcache()(getattr(model, method))
     x = torch.randn(8, 4)
-    if method == "forward_features":  # the head's dropout and the rate are never named: cached
+    if method in ("forward_features", "features_decorated_plain"):  # the head's dropout, the rate never named
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
             features(x)

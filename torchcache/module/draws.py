@@ -16,7 +16,8 @@ than ``forward`` (``forward_features``), only what its code (and the methods of 
 class it calls by name) reaches counts: a child it names, whole, and the module's own
 attributes it reads; a head's dropout that ``forward_features`` never names is left
 alone. Code that reaches children by a name given at run time (``getattr``,
-``self.modules()``) counts every one.
+``self.modules()``), or uses ``self`` other than for an attribute (``self(x)``,
+``helper(self, x)``), counts every one.
 
 The item check would see their draws only where one shows in the rows it compares: a
 narrow output or a small ``p`` often drops nothing there, and a replayed mask would
@@ -25,7 +26,10 @@ follow.
 
 from __future__ import annotations
 
+import dis
 import functools
+import inspect
+import itertools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +46,7 @@ def drawing_submodule(fn: Callable[..., Any]) -> str | None:
     if module is None:
         return None
     names = _names_read(fn, module)  # None: everything may run
-    for name, sub in module.named_modules():
+    for name, sub in module.named_modules(remove_duplicate=False):  # a child shared under two names, under each
         if not (sub.training and _draws(sub)):
             continue
         if names is not None and (name.partition(".")[0] not in names if name else not _reads_own(sub, names)):
@@ -52,35 +56,57 @@ def drawing_submodule(fn: Callable[..., Any]) -> str | None:
 
 
 #: Names that reach a module's children by a name given at run time.
-_DYNAMIC = frozenset({"getattr", "__getattr__", "modules", "named_modules", "children", "named_children", "_modules"})
+_DYNAMIC = frozenset(
+    {"getattr", "__getattr__", "__dict__", "modules", "named_modules", "children", "named_children", "_modules"}
+)
+_ON_AN_OBJECT = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
 
 
 def _names_read(fn: Any, module: torch.nn.Module) -> set[str] | None:
     """The names a cached method other than ``forward`` reads, through the class's methods it calls by name.
 
-    ``None`` for ``forward``, or for code that reaches children by a name given at run time.
+    ``None`` for ``forward``; for code that reaches children by a name given at run time;
+    and for code that uses ``self`` other than to read or set an attribute (``self(x)``
+    runs ``forward``, ``helper(self)`` whatever the helper does).
     """
     while isinstance(fn, functools.partial):
         fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    if getattr(fn, "__name__", "forward") == "forward" or not hasattr(fn, "__code__"):
-        return None
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a decorated method (torch.no_grad()): its own code
+    code = getattr(fn, "__code__", None)
+    if getattr(fn, "__name__", "forward") == "forward" or not isinstance(code, types.CodeType) or not code.co_argcount:
+        return None  # forward, or a wrapper of something it does not name (*args): everything counts
     names: set[str] = set()
-    todo, seen = [fn.__code__], set()
+    todo, seen, selves = [fn.__code__], set(), set()
     while todo:
         code = todo.pop()
         if code in seen:
             continue
         seen.add(code)
+        if code.co_argcount and not code.co_name.startswith("<"):
+            selves.add(code.co_varnames[0])
+        if _uses_bare(code, selves):
+            return None
         names.update(code.co_names)
         todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        for name in code.co_names:  # the class's methods it calls by name, each of the MRO
+        for name in code.co_names:  # the class's methods (and properties) it calls by name, each of the MRO
             for cls in type(module).__mro__:
                 method = vars(cls).get(name)
-                code_of = getattr(getattr(method, "__func__", method), "__code__", None)
+                method = method.fget if isinstance(method, property) else getattr(method, "__func__", method)
+                code_of = getattr(inspect.unwrap(method) if callable(method) else method, "__code__", None)
                 if isinstance(code_of, types.CodeType):
                     todo.append(code_of)
     return None if names & _DYNAMIC else names
+
+
+def _uses_bare(code: types.CodeType, selves: set[str]) -> bool:
+    """Whether ``code`` uses one of ``selves`` other than to read or set an attribute of it."""
+    instructions = list(dis.get_instructions(code))
+    return any(
+        instruction.opname in {"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"}
+        and instruction.argval in selves
+        and (following.opname not in _ON_AN_OBJECT)
+        for instruction, following in itertools.pairwise(instructions)
+    )
 
 
 def _reads_own(module: torch.nn.Module, names: set[str]) -> bool:
@@ -114,7 +140,7 @@ def _probability(module: torch.nn.Module) -> Any:
 def _names_dropping(name: str) -> bool:
     """Whether an attribute's name has ``dropout`` or ``drop`` among its words (``attn_drop``, ``dropout_p``)."""
     words = name.lower().strip("_").split("_")
-    return "dropout" in words or "drop" in words
+    return "dropout" in words or "drop" in words or "pdrop" in words  # GPT-2's attn_pdrop
 
 
 def _number(value: object) -> float | None:
