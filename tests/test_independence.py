@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import types
 import warnings
 from typing import Any
 
@@ -739,3 +741,86 @@ def test_a_forward_that_takes_items_in_the_batchs_order_only_is_checked_in_that_
         first = model(x, lengths)
         assert torch.equal(model(x, lengths), first) and model.cache_instance.stats().hits == 6
     assert torch.allclose(first, _Packed.forward(model, x, lengths))
+
+
+class _OddAttributes(nn.Module):
+    """Attributes named for dropping that are no probability, or that raise when read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.drop_after = np.timedelta64(5, "s")
+        self.drop_phase = torch.tensor(1j)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)  # type: ignore[no-any-return]
+
+
+class _RaisingDropout(nn.Module):
+    """A dropout-named module whose attributes come from a lookup that raises KeyError."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("p", "prob", "rate"):
+            raise KeyError(name)
+        return super().__getattr__(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_attributes_that_are_no_probability_are_left_and_one_that_raises_counts_as_drawing() -> None:
+    plain = torchcache()(_OddAttributes().requires_grad_(False).train())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain(torch.randn(4, 4))
+        plain(torch.randn(4, 4))
+    raising = torchcache()(nn.Sequential(nn.Linear(4, 1), _RaisingDropout()).requires_grad_(False).train())
+    with pytest.warns(CacheWarning, match=r"1 \(_RaisingDropout, p=unknown\) draws at random"):
+        raising(torch.randn(4, 4))
+
+
+class _Helpers(nn.Module):
+    """Methods that reach the dropout through what the scan of names cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.drop = nn.Dropout(0.02)
+        self.on_instance = types.MethodType(_dropped_by_helpers, self)
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear(x))  # type: ignore[no-any-return]
+
+    partly = functools.partialmethod(dropped)
+
+    @functools.cached_property
+    def cached_drop(self) -> nn.Module:
+        return self.drop
+
+    def through_partialmethod(self, x: torch.Tensor) -> torch.Tensor:
+        return self.partly(x)  # type: ignore[no-any-return]
+
+    def through_the_instance(self, x: torch.Tensor) -> torch.Tensor:
+        return self.on_instance(x)  # type: ignore[no-any-return]
+
+    def through_a_cached_property(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cached_drop(self.linear(x))  # type: ignore[no-any-return]
+
+    def through_a_hook(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)  # type: ignore[no-any-return]
+
+
+def _dropped_by_helpers(model: _Helpers, x: torch.Tensor) -> torch.Tensor:
+    return model.dropped(x)
+
+
+@pytest.mark.parametrize(
+    "method", ["through_partialmethod", "through_the_instance", "through_a_cached_property", "through_a_hook"]
+)
+def test_a_method_reaching_dropout_where_names_cannot_be_followed_counts_every_submodule(method: str) -> None:
+    model = _Helpers().requires_grad_(False).train()
+    if method == "through_a_hook":
+        model.linear.register_forward_hook(lambda module, args, output: model.drop(output))
+    cached = torchcache()(getattr(model, method))
+    with pytest.warns(CacheWarning, match=r"drop \(Dropout, p=0.02\) draws at random"):
+        cached(torch.randn(4, 4))

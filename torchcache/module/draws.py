@@ -16,8 +16,10 @@ than ``forward`` (``forward_features``), only what its code (and the methods of 
 class it calls by name) reaches counts: a child it names, whole, and the module's own
 attributes it reads; a head's dropout that ``forward_features`` never names is left
 alone. Code that reaches children by a name given at run time (``getattr``,
-``self.modules()``), or uses ``self`` other than for an attribute (``self(x)``,
-``helper(self, x)``), counts every one.
+``self.modules()``), uses ``self`` other than for an attribute (``self(x)``,
+``helper(self, x)``), reads a member it cannot follow (a ``partialmethod``, a function
+set on the instance) or runs where a forward hook is set counts every one. A module
+that raises when looked at counts as drawing.
 
 The item check would see their draws only where one shows in the rows it compares: a
 narrow output or a small ``p`` often drops nothing there, and a replayed mask would
@@ -41,17 +43,27 @@ __all__ = ["drawing_submodule"]
 
 
 def drawing_submodule(fn: Callable[..., Any]) -> str | None:
-    """The first submodule in training mode that the cached ``fn`` may run and that draws at random, described."""
+    """The first submodule in training mode that the cached ``fn`` may run and that draws at random, described.
+
+    A module that cannot be looked at (an attribute that raises) counts as drawing.
+    """
     module = _module_of(fn)
     if module is None:
         return None
-    names = _names_read(fn, module)  # None: everything may run
+    try:
+        names = _names_read(fn, module)  # None: everything may run
+    except Exception:  # noqa: BLE001 - a class attribute that raises when read: everything may run
+        names = None
     for name, sub in module.named_modules(remove_duplicate=False):  # a child shared under two names, under each
-        if not (sub.training and _draws(sub)):
-            continue
-        if names is not None and (name.partition(".")[0] not in names if name else not _reads_own(sub, names)):
-            continue
-        return f"{f'{name} ' if name else ''}({type(sub).__name__}, p={_probability(sub)})"
+        try:
+            if not (sub.training and _draws(sub)):
+                continue
+            if names is not None and (name.partition(".")[0] not in names if name else not _reads_own(sub, names)):
+                continue
+            probability = _probability(sub)
+        except Exception:  # noqa: BLE001 - cannot be told: as if it drew
+            probability = "unknown"
+        return f"{f'{name} ' if name else ''}({type(sub).__name__}, p={probability})"
     return None
 
 
@@ -89,13 +101,35 @@ def _names_read(fn: Any, module: torch.nn.Module) -> set[str] | None:
         names.update(code.co_names)
         todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         for name in code.co_names:  # the class's methods (and properties) it calls by name, each of the MRO
-            for cls in type(module).__mro__:
-                method = vars(cls).get(name)
-                method = method.fget if isinstance(method, property) else getattr(method, "__func__", method)
-                code_of = getattr(inspect.unwrap(method) if callable(method) else method, "__code__", None)
+            found = [vars(cls)[name] for cls in type(module).__mro__ if name in vars(cls)]
+            if not found and callable(vars(module).get(name)):  # a function set on the instance: not followed
+                return None
+            for member in found:
+                code_of = _code_of(member)
+                if code_of is None:
+                    return None  # a descriptor or callable not followed (partialmethod, a wrapper of *args)
                 if isinstance(code_of, types.CodeType):
                     todo.append(code_of)
+    if any(sub._forward_hooks or sub._forward_pre_hooks for sub in module.modules()):
+        return None  # a hook on a child it names may run anything
     return None if names & _DYNAMIC else names
+
+
+def _code_of(member: object) -> types.CodeType | bool | None:
+    """The code of a class member a method reads by name: ``False`` for data, ``None`` where it cannot be followed."""
+    if isinstance(member, property):
+        member = member.fget
+    elif isinstance(member, (staticmethod, classmethod)):
+        member = member.__func__
+    if isinstance(member, type):
+        return False
+    if not callable(member):  # a descriptor (partialmethod) gives what it wants when read: not followed
+        return None if hasattr(type(member), "__get__") else False
+    member = inspect.unwrap(member)
+    code = getattr(member, "__code__", None)
+    if isinstance(code, types.CodeType) and code.co_argcount:
+        return code
+    return False if isinstance(member, types.BuiltinFunctionType) else None
 
 
 def _uses_bare(code: types.CodeType, selves: set[str]) -> bool:
@@ -145,10 +179,19 @@ def _names_dropping(name: str) -> bool:
 
 def _number(value: object) -> float | None:
     """A probability as a float (a Python or numpy number, a tensor of one element); ``None`` for anything else."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_, np.timedelta64)):
         return None
-    if isinstance(value, (int, float, np.number)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
-        return float(value)  # type: ignore[arg-type]
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.layout == torch.strided
+        and value.device.type != "meta"
+        and not value.is_nested
+        and not value.is_complex()
+    ):
+        return float(value.detach())
     return None
 
 
@@ -159,7 +202,7 @@ def _draws(module: torch.nn.Module) -> bool:
         return True
     if isinstance(module, torch.nn.MultiheadAttention):
         return bool(module.dropout > 0)
-    names = [cls.__name__ for cls in type(module).__mro__]
+    names = [cls.__name__ for cls in type(module).__mro__] + [str(getattr(module, "original_name", ""))]  # TorchScript
     if any(any(part in name for part in _NAMES) or name.endswith("Dropout") for name in names):
         p = _probability(module)
         return p is not None and p > 0
