@@ -824,3 +824,22 @@ def test_a_method_reaching_dropout_where_names_cannot_be_followed_counts_every_s
     cached = torchcache()(getattr(model, method))
     with pytest.warns(CacheWarning, match=r"drop \(Dropout, p=0.02\) draws at random"):
         cached(torch.randn(4, 4))
+
+
+class _Scripted(nn.Module):
+    """A TorchScript child holding dropout: its class is RecursiveScriptModule, its original name Dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated in this torch
+            self.inner = torch.jit.script(nn.Sequential(nn.Linear(4, 1), nn.Dropout(0.02)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+def test_dropout_inside_a_torchscript_child_is_known_by_its_original_name() -> None:
+    model = torchcache(persistent_module_hash="scripted-v1")(_Scripted().requires_grad_(False).train())
+    with pytest.warns(CacheWarning, match=r"inner.1 \(RecursiveScriptModule, p=0.02\) draws at random"):
+        model(torch.randn(4, 4))
