@@ -163,9 +163,10 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
     bound = ""  # the local name an import binds a whole module to
     previous = ""
     for instruction in dis.get_instructions(code):
-        name, before, previous = instruction.opname, previous, instruction.opname
-        if before == "IMPORT_NAME" and name.startswith("STORE_"):
+        name = instruction.opname
+        if previous == "IMPORT_NAME" and name.startswith("STORE_"):
             bound = instruction.argval
+        previous = name
         if name in _LOADS_ATTRIBUTE and chain is not None:
             chain.append(instruction.argval)
             continue

@@ -257,7 +257,8 @@ class CachedDataset(Dataset[Any]):
         before = draw_mark() if self._check else None
         samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
         moved = before is not None and before != draw_mark()
-        if (moved or self._check == "first") and samples and _draws_checked(self.dataset, indices, samples, moved):
+        due = (moved or self._check == "first") and bool(samples)
+        if due and _draws_checked(self.dataset, batched, indices, samples, moved):
             self._check = "moved"
         return samples
 
@@ -349,7 +350,7 @@ class CachedDataset(Dataset[Any]):
         self.cache.close()
 
 
-def _draws_checked(dataset: Any, indices: list[Any], samples: list[Any], moved: bool) -> bool:
+def _draws_checked(dataset: Any, batched: Any, indices: list[Any], samples: list[Any], moved: bool) -> bool:
     """Whether a computed batch was checked for random samples (:func:`~.draws.batch_draws`) and none was found.
 
     ``False`` when it could not be: a sample that cannot be cached (refused for that when
@@ -360,8 +361,7 @@ def _draws_checked(dataset: Any, indices: list[Any], samples: list[Any], moved: 
     """
     if not _cacheable(samples[0]):
         return False
-    batched = getattr(dataset, "__getitems__", None)
-    read = (lambda i: batched([i])[0]) if batched else dataset.__getitem__  # as the batch was read
+    read = (lambda i: batched([i])[0]) if batched else dataset.__getitem__  # as the batch was read (__getitems__)
     try:
         found = batch_draws(read, indices, samples, moved)
     except Exception:  # noqa: BLE001 - no verdict: the next batch is checked

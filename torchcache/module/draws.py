@@ -88,7 +88,7 @@ def _names_read(fn: Any, module: torch.nn.Module) -> set[str] | None:
     if getattr(fn, "__name__", "forward") == "forward" or not isinstance(code, types.CodeType) or not code.co_argcount:
         return None  # forward, or a wrapper of something it does not name (*args): everything counts
     names: set[str] = set()
-    todo, seen, selves = [fn.__code__], set(), set()
+    todo, seen, selves = [code], set(), set()
     while todo:
         code = todo.pop()
         if code in seen:
@@ -207,7 +207,5 @@ def _draws(module: torch.nn.Module) -> bool:
         p = _probability(module)
         return p is not None and p > 0
     return any(
-        _names_dropping(name) and (p := _number(value)) is not None and p > 0
-        for name, value in vars(module).items()
-        if not isinstance(value, torch.Tensor) or value.numel() == 1
+        _names_dropping(name) and (p := _number(value)) is not None and p > 0 for name, value in vars(module).items()
     )
