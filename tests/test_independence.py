@@ -438,6 +438,8 @@ def test_a_whole_batch_checked_after_rows_cached_one_by_one_says_so() -> None:
     with pytest.raises(DependentItemsError, match="the whole batch was computed at once") as info:
         cached(x[:2])
     assert "in a batch of" not in str(info.value)
+    assert "<lambda>: the stored rows of a batch differ from its rows computed now" in str(info.value)
+    assert "Either the batch's stored rows are stale" in str(info.value)  # as likely as rows that depend on it
 
 
 class DropPath(nn.Module):

@@ -132,6 +132,51 @@ def test_the_attention_fast_path_switch_is_keyed() -> None:
     assert torch.equal(slow, expected) and not torch.equal(fast, slow)
 
 
+@pytest.mark.parametrize("first_in_inference_mode", [False, True])
+def test_inference_mode_is_keyed(first_in_inference_mode: bool) -> None:
+    @torchcache()
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * (2 if torch.is_inference_mode_enabled() else 3)
+
+    x = torch.randn(4, 3)
+    for inference in (first_in_inference_mode, not first_in_inference_mode):
+        with torch.inference_mode(inference):
+            assert torch.equal(scaled(x), x * (2 if inference else 3))
+    assert scaled.cache_instance.stats().hits == 0
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("w", torch.randn(32, 64, generator=g) * 0.1)
+        self.register_buffer("b", torch.randn(32, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qx = torch.quantize_per_tensor(x, 0.05, 128, torch.quint8)
+        qw = torch.quantize_per_tensor(self.w, 0.01, 0, torch.qint8)
+        return torch.ao.nn.quantized.functional.linear(qx, qw, self.b, scale=0.07, zero_point=100).dequantize()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
+@pytest.mark.skipif(
+    not {"x86", "qnnpack"} <= set(torch.backends.quantized.supported_engines), reason="needs the x86 and QNNPACK engines"
+)
+def test_the_quantized_engine_is_keyed() -> None:
+    model, x = torchcache()(QuantizedLinear()), torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    was = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "x86"
+        model(x)
+        torch.backends.quantized.engine = "qnnpack"
+        expected = QuantizedLinear()(x)
+        found = model(x)
+    finally:
+        torch.backends.quantized.engine = was
+    assert not torch.equal(expected, model(x))  # the engines round differently
+    assert torch.equal(found, expected)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
 def test_inputs_carrying_a_forward_mode_tangent_run_uncached() -> None:
     model, x, v = torchcache()(Scaled()), torch.randn(4, 3), torch.randn(4, 3)
@@ -420,6 +465,40 @@ def test_a_helpers_defaults_or_code_replaced_after_the_key_is_seen(
     assert torch.equal(model(x), x + 1.0)
     change()
     assert torch.equal(model(x), expected(x))
+
+
+class ScaledByDefault(nn.Module):
+    def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x * scale
+
+    def features(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x * scale + 1
+
+
+def _scaled(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+    return x * scale - 1
+
+
+@pytest.mark.parametrize(
+    ("wrap", "function", "plain"),
+    [
+        (lambda m: torchcache()(m), lambda: ScaledByDefault.forward, lambda x, s: x * s),
+        (lambda m: torchcache()(m.features), lambda: ScaledByDefault.features, lambda x, s: x * s + 1),
+        (lambda m: torchcache()(_scaled), lambda: _scaled, lambda x, s: x * s - 1),
+    ],
+    ids=["forward", "method", "function"],
+)
+def test_the_cached_callables_own_defaults_replaced_bind_its_later_calls(
+    monkeypatch: pytest.MonkeyPatch, wrap: Any, function: Any, plain: Any
+) -> None:
+    monkeypatch.setattr(function(), "__defaults__", (2.0,))
+    module = ScaledByDefault()  # a cached method holds its module weakly
+    cached, x = wrap(module), torch.randn(4, 3)
+    assert torch.equal(cached(x), plain(x, 2.0))
+    function().__defaults__ = (5.0,)
+    assert torch.equal(cached(x), plain(x, 5.0))  # not the entries of scale=2.0
+    assert torch.equal(cached(x, scale=2.0), plain(x, 2.0))  # nor filed under them
+    assert torch.equal(cached(x), plain(x, 5.0))
 
 
 def test_a_value_a_closure_captured_rebound_after_the_key_is_seen() -> None:

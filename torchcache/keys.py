@@ -296,12 +296,19 @@ _SWITCH_GETTERS = tuple(getter for _, getter, _ in _SWITCHES)
 _OPT_EINSUM: Any = torch.backends.opt_einsum  # installed, it is on with "auto" by default
 _OPT_EINSUM_INSTALLED = bool(_OPT_EINSUM.is_available())
 _SWITCHES_AT_DEFAULTS = tuple(default for _, _, default in _SWITCHES)
+#: The quantized engine torch picks on this machine (x86 where fbgemm runs, else oneDNN, else QNNPACK):
+#: quantized operations pack and round their weights per engine.
+_QENGINES = torch.backends.quantized.supported_engines
+_QENGINE_AT_DEFAULT = next(
+    (torch.backends.quantized._get_qengine_id(name) for name in ("x86", "onednn", "qnnpack") if name in _QENGINES),
+    None,
+)
 
 
 def numerics(device_types: Iterable[str]) -> list[bytes]:
     """What changes the values a forward computes beside its inputs and code: one line each, none at the defaults.
 
-    Each autocast that is on among ``device_types`` (its dtype), torch's default dtype
+    Each autocast that is on among ``device_types`` (its dtype), inference mode, torch's default dtype
     (tensors made without one, such as ``torch.arange`` in a position encoding), the
     float32 precision of each backend and operation (``torch.set_float32_matmul_precision``
     and ``torch.backends.*.fp32_precision``), whether this thread flushes subnormal
@@ -310,6 +317,7 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     may reduce in half precision (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
     and its bfloat16 and CPU counterparts), and the backend switches that choose other kernels
     (``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled`` and ``.deterministic``,
+    ``torch.backends.quantized.engine``,
     the attention backends, ``torch.backends.mha.set_fastpath_enabled``, the preferred BLAS and
     linear algebra libraries, float16 accumulation in cuBLAS), ``opt_einsum`` turned off or given another
     strategy where it is installed, and the default device new tensors are made on, where they differ from
@@ -320,6 +328,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
         for device_type in sorted(set(device_types))
         if torch.is_autocast_enabled(device_type)
     ]
+    if torch.is_inference_mode_enabled():  # a forward may branch on it; its outputs are inference tensors
+        found.append(b"inference_mode")
     if torch.get_default_dtype() is not torch.float32:
         found.append(f"default_dtype:{torch.get_default_dtype()}".encode())
     found += _fp32_precisions()
@@ -333,6 +343,8 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
     switches = tuple(getter() for getter in _SWITCH_GETTERS)
     if switches != _SWITCHES_AT_DEFAULTS:
         found += [f"{name}:{now}".encode() for (name, _, was), now in zip(_SWITCHES, switches) if now != was]
+    if torch._C._get_qengine() != _QENGINE_AT_DEFAULT:  # torch.backends.quantized.engine set to another
+        found.append(f"qengine:{torch.backends.quantized.engine}".encode())
     if not getattr(torch.backends.mha, "_is_fastpath_enabled", True):  # the fused encoder and attention kernels
         found.append(b"mha_fastpath:False")
     if _OPT_EINSUM_INSTALLED and (_OPT_EINSUM.enabled, _OPT_EINSUM.strategy) != (True, "auto"):  # einsum's order

@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import inspect
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -247,17 +247,26 @@ class CallSplitter:
     """Splits the calls of one callable: what depends only on its signature is worked out once.
 
     Args:
-        signature: The signature of the wrapped callable (without ``self``).
+        signature: Gives the signature of the wrapped callable (without ``self``), with
+            the defaults it has now: taken again by :meth:`refresh`.
         shared: Argument names whose tensors are the same for the whole batch.
         dims: Argument names whose batch dimension is not the first.
     """
 
     def __init__(
-        self, signature: inspect.Signature, shared: Collection[str] = (), dims: Mapping[str, int] | None = None
+        self,
+        signature: Callable[[], inspect.Signature],
+        shared: Collection[str] = (),
+        dims: Mapping[str, int] | None = None,
     ) -> None:
-        self.signature = signature
+        self._signature_of = signature
         self.shared = shared
         self.dims = dims or {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the signature again (its defaults may have been replaced: ``fn.__defaults__ = ...``)."""
+        self.signature = signature = self._signature_of()
         params = list(signature.parameters.values())
         self._kinds = {p.name: p.kind for p in params}
         self._check_names(params)

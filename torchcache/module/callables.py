@@ -74,14 +74,13 @@ class CachedMethod:
             check_frozen(owner, f"the instance of {name}")
             return fingerprint_module(owner, init, key_settings, method=func.__name__, ignore=settings.key_ignore)
 
-        signature = without_self(func)
-        self.cache_instance = Cache(settings, self._name, "module", signature, fingerprint)
+        self.cache_instance = Cache(settings, self._name, "module", lambda: without_self(func), fingerprint)
         self.cache_instance.watch_weights(module, root_hooks=func.__name__ != "forward")  # self(x) runs them
         _method_caches.setdefault(module, []).append(weakref.ref(self.cache_instance))
         self._conversion: tuple[Any, ...] | None = None
         self._call = outside_compile(self._call_cached, plain=self._plain)
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
-        self.__signature__ = signature
+        self.__signature__ = without_self(func)
 
     @classmethod
     def wrap(cls, method: Any, settings: Settings) -> CachedMethod:
@@ -189,7 +188,7 @@ def decorate_function(fn: Callable[..., Any], settings: Settings) -> Callable[..
         settings,
         name,
         "function",
-        call_signature(fn),
+        lambda: call_signature(fn),
         lambda: fingerprint_function(fn, settings.key_settings(), settings.key_ignore),
     )
     cache.take_key(early=True)  # now: what cannot be keyed is refused where the function is decorated

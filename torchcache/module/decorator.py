@@ -241,11 +241,6 @@ class _Binding:
     name: str
 
 
-@functools.cache
-def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
-    return without_self(forward)
-
-
 def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
     """Make the cache of one module instance (without touching the module: it may be half-copied)."""
     module_ref = weakref.ref(module)
@@ -258,7 +253,7 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
         check_frozen(owner, type(owner).__qualname__)
         return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
 
-    cache = Cache(binding.settings, binding.name, "module", _forward_signature(forward), fingerprint)
+    cache = Cache(binding.settings, binding.name, "module", lambda: without_self(forward), fingerprint)
     cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
     cache.watch_weights(module)
     return cache

@@ -70,7 +70,7 @@ class Cache:
         settings: Validated settings.
         name: Qualified name of the class or function (for metadata and logs).
         kind: ``"module"`` or ``"function"``.
-        signature: The signature calls are bound to (without ``self``).
+        signature: Gives the signature calls are bound to (without ``self``), taken again with the key.
         fingerprint: Computes the module key at the first call (or :attr:`module_hash`), if no persistent_module_hash.
     """
 
@@ -79,13 +79,12 @@ class Cache:
         settings: Settings,
         name: str,
         kind: str,
-        signature: inspect.Signature,
+        signature: Callable[[], inspect.Signature],
         fingerprint: Callable[[], str],
     ) -> None:
         self.settings = settings
         self.name = name
         self.kind = kind
-        self._signature = signature
         self._splitter = CallSplitter(signature, settings.shared_args, settings.batch_dims)
         self._fingerprint = fingerprint
         self._rebind: Callable[[Any], Cache] | None = None
@@ -194,6 +193,7 @@ class Cache:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
+        self._splitter.refresh()  # the defaults it binds are part of the key: replaced, they are seen anew
         owner = self._watch.module() if self._watch is not None else None
         held = HeldValues(found, owner) if self.settings.persistent_module_hash is None else None
         self._held = (held.frozen(self.name) if frozen else held) if held else None

@@ -6,27 +6,26 @@ batch. Modules that compare or pool across the batch break that: CLIP's
 that normalises with the batch's statistics, attention across the batch. Their rows,
 cached from one batch and served in another, would be wrong.
 
-So the first call of each call context (the module key, the arguments but the items,
-the mode) in a process computes some of its items again in other batches (of two items,
-each alone; of more, the last and the first, in that order, then two middle ones (one
-of three), which no sort of the batch makes its largest: other sets, sizes and orders) and compares
-their rows with the rows the call returns, cached or computed. A call of one item is
-computed again (randomness shows there), and the next call of that context with two
-items or more is checked in full. A context is checked again at a call in a batch larger
-than any checked (a module may pool across the batch only from some size on: where rows
-of it came from the cache, the whole batch is computed again), and at the first call
-that computes items once :data:`SPOT_ITEMS` were
-computed since the last check (a dependence that shows only with some batches, such
-as trimming a padded batch to its longest item): the checks cost under 1 % of the
-items computed. Rows that differ element by element beyond what floating point allows
-between batch sizes (:func:`_close`; integers exactly), or
-outputs whose per-item shape depends on the batch, make the call raise
-:class:`DependentItemsError`; when the rows differ, the same items are computed once more
-in the same batch, to tell randomness (dropout in training mode) from dependence on the
-batch. In training mode, where dropout and batch statistics are expected, a module that
-fails the check is not refused: its calls in training mode run without the cache, with
-one warning. A check costs two forwards of one or two items; ``check_items=False`` turns
-them off.
+So the first call of each call context (the module key, the arguments but the items, the
+mode) in a process computes some of its items again in other batches (of two items, each
+alone; of more, the last and the first, in that order, then two middle ones (one of
+three), which no sort of the batch makes its largest: other sets, sizes and orders) and
+compares their rows with the rows the call returns, cached or computed. A call of one
+item is computed again (randomness shows there), and the next call of that context with
+two items or more is checked in full. A context is checked again at a call in a batch
+larger than any checked (a module may pool across the batch only from some size on:
+where rows of it came from the cache, the whole batch is computed again), and at the
+first call that computes items once :data:`SPOT_ITEMS` were computed since the last
+check (a dependence that shows only with some batches, such as trimming a padded batch
+to its longest item): the checks cost under 1 % of the items computed. Rows that differ
+element by element beyond what floating point allows between batch sizes
+(:func:`_close`; integers exactly), or outputs whose per-item shape depends on the
+batch, make the call raise :class:`DependentItemsError`; when the rows differ, the same
+items are computed once more in the same batch, to tell randomness (dropout in training
+mode) from dependence on the batch. In training mode, where dropout and batch statistics
+are expected, a module that fails the check is not refused: its calls in training mode
+run without the cache, with one warning. A check costs two forwards of one or two items;
+``check_items=False`` turns them off.
 """
 
 from __future__ import annotations
@@ -324,9 +323,8 @@ def _check_positions(
             f"(batch_dims={{'output[1][0]': 1, 'output[1][1]': 1}}). {_REMEDY}"
         )
     index = torch.tensor(positions)
-    for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):
+    for i, (leaf, stored, scale) in enumerate(zip(leaves, layout.leaves, scales)):
         expected = rows[i].index_select(0, index.to(rows[i].device)).to(leaf.device)
-        scale = scales[i]
         if not _close(expected, leaf, stored.dtype, scale):
             with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
                 again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
@@ -354,16 +352,18 @@ def _check_positions(
                         "of whichever mode computed them. Call it in one mode only (always under torch.no_grad(), "
                         "say), or read torch.is_grad_enabled() outside the cached callable and pass it in"
                     )
-            where = (
-                "the whole batch was computed at once; its stored rows came from other batches"
-                if len(positions) == batch
-                else f"they were computed in a batch of {len(positions)} instead of {batch}"
+            stale = (
+                "the batch's stored rows are stale: something they depend on changed without changing the key (docs: "
+                "What the key cannot see); cache_instance.clear() removes them"
             )
             raise DependentItemsError(
-                f"{name}: the outputs of a batch's items depend on the other items of the batch (output leaf {i} of "
-                f"items {positions} changed when {where}). {_REMEDY}. If its rows cannot depend on the batch, the "
-                "batch's stored rows are stale: something they depend on changed without changing the key (docs: "
-                "What the key cannot see); cache_instance.clear() removes them"
+                f"{name}: the stored rows of a batch differ from its rows computed now (output leaf {i} of items "
+                f"{positions}; the whole batch was computed at once, its stored rows came from other batches). Either "
+                f"{stale}; or the outputs of a batch's items depend on the other items of the batch. {_REMEDY}"
+                if len(positions) == batch  # every row came from storage: stale rows as likely as dependent ones
+                else f"{name}: the outputs of a batch's items depend on the other items of the batch (output leaf {i} "
+                f"of items {positions} changed when they were computed in a batch of {len(positions)} instead of "
+                f"{batch}). {_REMEDY}. If its rows cannot depend on the batch, {stale}"
             )
 
 

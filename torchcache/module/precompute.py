@@ -124,15 +124,16 @@ def _check_batch(cache: Cache, batch: Any, fn: Any, number: int) -> None:
     args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch,), {})
     if isinstance(batch, (tuple, list)):
         args = tuple(batch)
-    with_self = inspect.ismethod(fn) and len(cache._signature.parameters) > len(inspect.signature(fn).parameters)
+    signature = cache._splitter.signature
+    with_self = inspect.ismethod(fn) and len(signature.parameters) > len(inspect.signature(fn).parameters)
     bound = (fn.__self__, *args) if with_self else args
     try:
-        cache._signature.bind(*bound, **kwargs)
+        signature.bind(*bound, **kwargs)
     except TypeError as exc:
         kinds = ", ".join(type(v).__name__ for v in (kwargs.values() if kwargs else args))
         shape = f"a mapping with keys {list(kwargs)}" if kwargs else f"a {type(batch).__name__} of {len(args)}"
         raise TypeError(
-            f"precompute(): each batch is one call of {cache.name}{cache._signature}, but batch {number} is "
+            f"precompute(): each batch is one call of {cache.name}{signature}, but batch {number} is "
             f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "
             "(images for _, images in loader) for [index, images] batches, or a mapping of keyword arguments"
         ) from None
