@@ -87,11 +87,28 @@ def test_an_output_of_a_tensor_subclass_is_refused_rather_than_returned_plain_on
         return (x * 2).as_subclass(Keeping)
 
     cached = torchcache()(as_keeping)
-    with pytest.raises(KeyingError, match=r"output: is a .*Keeping, a subclass of torch.Tensor; a hit would return"):
+    with pytest.raises(KeyingError, match=r"output: is a .*Keeping, a subclass of torch.Tensor: a stored copy would"):
         cached(X)
     parameter = torchcache()(lambda x: torch.nn.Parameter(x * 2))
     with pytest.raises(KeyingError, match=r"Parameter, a subclass of torch.Tensor"):
         parameter(X)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_an_output_with_attributes_set_on_it_or_nested_is_refused_rather_than_returned_plain_on_hits() -> None:
+    def with_format(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        boxes = x * 2
+        boxes.format = "XYXY"  # type: ignore[attr-defined]
+        return x, boxes
+
+    with pytest.raises(KeyingError, match=r"output\[1\]: is a tensor with attributes set on it \(format\)"):
+        torchcache()(with_format)(X)
+
+    def nested(x: torch.Tensor) -> torch.Tensor:
+        return torch.nested.as_nested_tensor(list(x))
+
+    with pytest.raises(KeyingError, match=r"output: is a nested tensor, .*to_padded_tensor"):
+        torchcache()(nested)(X)
 
 
 def test_a_cache_dtype_that_cannot_hold_an_outputs_values_is_refused_rather_than_storing_infinities() -> None:

@@ -79,6 +79,16 @@ def test_a_dataset_drawing_from_a_generator_of_its_own_is_refused_by_its_values(
     data.close()
 
 
+@pytest.mark.parametrize("view", [torch.Tensor.conj, lambda t: t.conj().imag], ids=["conjugate", "negative"])
+def test_a_random_sample_holding_a_conjugate_or_negative_view_is_refused(view: Any, tmp_path: Any) -> None:
+    data = CachedDataset(_Reads(lambda i: [view(torch.tensor([1 + 2j])), torch.randn(3)]), tmp_path)
+    with pytest.raises(KeyingError, match="is random"):
+        data[0]
+    data.close()
+    t = torch.tensor([1 + 2j, 3j])
+    assert same_sample(view(t), view(t.clone())) and not same_sample(view(t), view(t * 2))
+
+
 @pytest.mark.parametrize("draw", [_reseeded, _own_generator])
 def test_a_dataset_seeded_by_the_index_is_cached_and_leaves_the_generators_as_a_plain_read(
     draw: Draw, tmp_path: Any

@@ -160,7 +160,8 @@ class QuantizedLinear(nn.Module):
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
 @pytest.mark.skipif(
-    not {"x86", "qnnpack"} <= set(torch.backends.quantized.supported_engines), reason="needs the x86 and QNNPACK engines"
+    not {"x86", "qnnpack"} <= set(torch.backends.quantized.supported_engines),
+    reason="needs the x86 and QNNPACK engines",
 )
 def test_the_quantized_engine_is_keyed() -> None:
     model, x = torchcache()(QuantizedLinear()), torch.randn(8, 64, generator=torch.Generator().manual_seed(1))

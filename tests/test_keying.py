@@ -434,6 +434,7 @@ BRANCHES: dict[str, tuple[Any, Any]] = {
     "array": (np.zeros(3), np.array([0.0, 0.0, 1.0])),
     "object_array": (np.array([1, "a"], dtype=object), np.array([1, "b"], dtype=object)),
     "numpy_scalar": (np.float32(1), np.float64(1)),
+    "numpy_structured_scalar": (np.zeros(1, [("a", "i4")])[0], np.zeros(1, [("b", "i4")])[0]),
     "numpy_dtype": (np.dtype("float32"), np.dtype("float64")),
     "tuple_list": ((1, 2), [1, 2]),
     "list": ([1, 2], [2, 1]),

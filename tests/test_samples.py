@@ -330,6 +330,22 @@ FakeImage.__module__ = "PIL.Image"
 Point = namedtuple("Point", "x y")
 
 
+class Boxes(torch.Tensor):
+    """A tensor subclass that holds more than its values (torchvision's ``BoundingBoxes`` holds a format)."""
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the nested tensor API is a prototype
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+def _with_attribute() -> torch.Tensor:
+    tensor = torch.ones(2)
+    tensor.format = "XYXY"  # type: ignore[attr-defined]
+    return tensor
+
+
 @pytest.mark.parametrize(
     ("sample", "path", "words"),
     [
@@ -345,6 +361,10 @@ Point = namedtuple("Point", "x y")
         ({True: 3}, "sample", ["dict keys must be str or int"]),
         (bytearray(b"x"), "sample", ["bytearray"]),
         (np.datetime64("2024-01-01"), "sample", ["datetime64"]),
+        ((torch.ones(2).as_subclass(Boxes), 1), "sample[0]", ["Boxes, a subclass of torch.Tensor", "as_subclass"]),
+        ((_with_attribute(), 1), "sample[0]", ["attributes set on it (format)", "beside it"]),
+        (_with_attribute(), "sample", ["attributes set on it (format)"]),
+        ((_nested(),), "sample[0]", ["nested tensor", "pad it"]),
     ],
 )
 def test_unsupported_values_name_their_type_path_and_fix(sample: Any, path: str, words: list[str]) -> None:
@@ -367,6 +387,9 @@ def test_check_sample_accepts_what_encodes(sample: Any) -> None:
 @pytest.mark.parametrize(
     "sample",
     [
+        (torch.ones(2).as_subclass(Boxes), 1),
+        (_with_attribute(), 1),
+        _with_attribute(),
         (torch.ones(2), {"label": FakeImage()}),
         (torch.ones(2), FakeImage()),
         [torch.ones(2), object()],

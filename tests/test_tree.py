@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from tests.helpers import python_env, run_python
 from torchcache import torchcache
 from torchcache.errors import KeyingError
-from torchcache.tree import DTYPES, MAX_DEPTH, Layout, RebuildError, describe, flatten, leaf_paths, unflatten
+from torchcache.output_types import RebuildError
+from torchcache.tree import DTYPES, MAX_DEPTH, Layout, describe, flatten, leaf_paths, unflatten
 
 # -- flatten / unflatten --------------------------------------------------------------------
 

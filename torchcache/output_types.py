@@ -51,6 +51,7 @@ __all__ = [
     "members",
     "resolve",
     "type_name",
+    "unplain_tensor",
 ]
 
 #: The node kinds of a spec that name a class.
@@ -78,6 +79,30 @@ def type_name(cls: type) -> str:
 def describe_type(cls: type) -> str:
     """A class's dotted name for messages, such as ``collections.OrderedDict``."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unplain_tensor(tensor: torch.Tensor, parameters: bool = False) -> str:
+    """What a stored copy of ``tensor`` would lose, and the way out; ``""`` for a plain tensor.
+
+    A copy is a plain ``torch.Tensor``: a subclass loses its class and what it holds
+    (torchvision's ``BoundingBoxes`` their format), a tensor its attributes set on it, and a
+    nested tensor cannot be stored as one array. ``parameters``: an ``nn.Parameter`` counts
+    as plain (a dataset sample's tensors come back as tensors that do not require grad).
+    """
+    if type(tensor) is not torch.Tensor and not (parameters and type(tensor) is torch.nn.Parameter):
+        return (
+            f"a {describe_type(type(tensor))}, a subclass of torch.Tensor: a stored copy would be a plain "
+            "torch.Tensor without its class and attributes. Return t.as_subclass(torch.Tensor) and what the "
+            "subclass holds beside it"
+        )
+    if tensor.is_nested:
+        return "a nested tensor, which is not one array: pad it (torch.nested.to_padded_tensor) or return its parts"
+    if tensor.__dict__:
+        return (
+            f"a tensor with attributes set on it ({', '.join(sorted(tensor.__dict__))}): a stored copy would have "
+            "none. Return them beside it"
+        )
+    return ""
 
 
 def is_type_name(name: object) -> bool:

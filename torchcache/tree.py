@@ -9,7 +9,7 @@ nothing), ``["tuple", [...]]``, ``["list", [...]]`` and ``["dict", [[key, ...], 
 are the plain containers, and ``[kind, "module:qualname", [[name, ...], ...]]`` is a
 namedtuple, dataclass (Hugging Face ``ModelOutput`` included) or dict subclass, rebuilt
 by :mod:`torchcache.output_types` from a class this process has already imported.
-:func:`unflatten` raises :class:`RebuildError` when that class cannot be rebuilt here:
+:func:`unflatten` raises :class:`~torchcache.output_types.RebuildError` when that class cannot be rebuilt here:
 the entry is intact, the caller should recompute. Specs read from files are validated
 strictly (known kinds, well-formed names, at most :data:`MAX_DEPTH` nested containers)
 before anything is built from them.
@@ -29,14 +29,13 @@ import torch
 from .dtypes import ALIGN, CODE_OF, MAX_DEPTH, OUTPUT_DTYPES, dtype_named
 from .dtypes import DTYPES as _ALL_DTYPES
 from .errors import KeyingError
-from .output_types import KINDS, RebuildError, build, describe_type, is_type_name, kind_of, members, type_name
+from .output_types import KINDS, build, describe_type, is_type_name, kind_of, members, type_name, unplain_tensor
 
 __all__ = [
     "DTYPES",
     "MAX_DEPTH",
     "Layout",
     "LeafSpec",
-    "RebuildError",
     "VALUE_LEAVES",
     "describe",
     "flatten",
@@ -79,12 +78,8 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
 def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor]) -> Spec:
     """The spec of ``node``; its tensor leaves are appended to ``leaves``."""
     if isinstance(node, torch.Tensor):
-        if type(node) is not torch.Tensor:
-            raise KeyingError(
-                f"{path}: is a {describe_type(type(node))}, a subclass of torch.Tensor; a hit would return a plain "
-                "torch.Tensor without its class and attributes. Return t.as_subclass(torch.Tensor), or cache a "
-                "function that returns plain tensors"
-            )
+        if type(node) is not torch.Tensor or node.is_nested or node.__dict__:
+            raise KeyingError(f"{path}: is {unplain_tensor(node)}, or cache a function that returns plain tensors")
         leaves.append(node)
         return "T"
     if node is None:

@@ -226,6 +226,8 @@ class KeyEncoder:
         if isinstance(value, slice):
             return tagged(Tag.SLICE, self.child((value.start, value.stop, value.step), path, depth))
         if isinstance(value, np.generic):
+            if value.dtype.fields is not None:  # a structured scalar: its fields' names and types, as an array's
+                return tagged(Tag.NUMPY_SCALAR, self.child(np.array(value), path, depth))
             return tagged(Tag.NUMPY_SCALAR, text(value.dtype.str) + raw(value.tobytes()))
         if isinstance(value, np.dtype):
             return tagged(Tag.NUMPY_DTYPE, repr(value).encode())

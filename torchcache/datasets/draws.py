@@ -45,7 +45,8 @@ def same_sample(a: Any, b: Any) -> bool:
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return standard_strides(tensor.detach().cpu().contiguous().reshape(-1)).view(torch.uint8)
+    resolved = tensor.detach().resolve_conj().resolve_neg()  # a conjugate or negative view has no bytes of its own
+    return standard_strides(resolved.cpu().contiguous().reshape(-1)).view(torch.uint8)
 
 
 class Generators(NamedTuple):

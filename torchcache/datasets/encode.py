@@ -25,6 +25,7 @@ import torch
 from ..codec import MAX_HEADER, encode_header, seal
 from ..dtypes import ALIGN, CODE_OF, MAX_DEPTH, NAME_OF, NUMPY_DTYPES, standard_strides
 from ..errors import KeyingError
+from ..output_types import unplain_tensor
 
 __all__ = ["MAGIC_1_2", "MAX_NODES", "SampleTypeError", "check_sample", "encode_sample", "is_sample_1_2"]
 
@@ -158,6 +159,9 @@ class _Encoder:
         raise _refuse(value, path)
 
     def tensor(self, value: torch.Tensor, path: str) -> None:
+        lost = unplain_tensor(value, parameters=True)
+        if lost:
+            raise SampleTypeError(f"{path}: {lost} (rebuild it in transform=)")
         if value.device.type != "cpu":
             raise SampleTypeError(
                 f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
@@ -213,6 +217,8 @@ def _plain_items(sample: object) -> Sequence[object] | None:
                 and tensor.is_contiguous()
                 and not tensor.is_conj()
                 and not tensor.is_neg()
+                and not tensor.is_nested
+                and not tensor.__dict__  # attributes set on it: refused by the encoder
             ):
                 return None
         elif kind is int:

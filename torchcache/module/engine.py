@@ -28,13 +28,14 @@ from ..errors import ConfigError, StoreError
 from ..faults import Fault, FaultLog
 from ..keys import FORMAT_VERSION, Context, hash_items, numerics
 from ..locations import is_object_url, resolve_local_dir, resolve_location
+from ..output_types import RebuildError
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
 from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
 from ..tiers.lookup import look_up
 from ..tiers.memory import MemoryLevel, MemoryTier
 from ..tiers.persistent import DiskLevel, PersistentTier
 from ..tiers.shared import SharedTier, open_shared_tier
-from ..tree import Layout, RebuildError, Spec, flatten
+from ..tree import Layout, Spec, flatten
 from .arguments import CallSplitter, ShapeHint, UncachedInput, list_hint
 from .call import CallArguments
 from .exit import track
