@@ -156,6 +156,7 @@ INVALID_LEVEL_SCRIPT = textwrap.dedent(
         import torchcache
     print(json.dumps({
         "warnings": [str(w.message) for w in caught if "LOUD" in str(w.message)],
+        "where": [w.filename for w in caught if "LOUD" in str(w.message)],
         "level": logging.getLogger("torchcache").getEffectiveLevel(),
     }))
     """
@@ -168,6 +169,7 @@ def test_invalid_level_in_the_environment_warns_once_and_uses_the_default() -> N
     assert result.returncode == 0, result.stderr
     state = json.loads(result.stdout)
     assert len(state["warnings"]) == 1, state["warnings"]
+    assert state["where"] == ["<string>"]  # the user's import line, not torchcache's
     assert state["level"] == logging.WARNING
 
 
@@ -293,8 +295,9 @@ def test_an_unusable_variable_warns_naming_it_and_logging_goes_on(
 ) -> None:
     monkeypatch.setenv(name, value)
     stream = io.StringIO()
-    with pytest.warns(RuntimeWarning, match=name):
+    with pytest.warns(RuntimeWarning, match=name) as caught:
         set_logger_config(stream=stream)
+    assert caught[0].filename == __file__  # the caller's line, not torchcache's
     logger.warning("still logged")
     assert "still logged" in stream.getvalue()
 

@@ -50,7 +50,7 @@ def _parse_level(level: int | str | None, source: str = "level") -> int:
         f"torchcache: invalid log level {source}={level!r}; expected one of DEBUG, INFO, WARNING, ERROR, "
         "CRITICAL or a number. Using WARNING.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
     return DEFAULT_LEVEL
 
@@ -132,8 +132,20 @@ def _bad_variable(name: str, exc: Exception) -> None:
     warnings.warn(
         f"torchcache: {name}={os.environ.get(name)!r} cannot be used ({type(exc).__name__}: {exc}); it is ignored",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=_user_stacklevel(),
     )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the user's line for a warning raised by the caller: outside torchcache and imports."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((_PACKAGE, "<frozen importlib")):
+        frame = frame.f_back
+        level += not frame.f_code.co_filename.startswith("<frozen importlib")  # warnings skips those frames
+    return level
 
 
 def _read_env() -> dict[str, str]:
