@@ -925,6 +925,7 @@ def test_unwritable_root_falls_back_to_memory_with_one_warning(
     stats = model.cache_instance.stats()
     assert stats.memory.entries == 8
     assert (stats.hits, stats.misses) == (12, 8)
+    assert stats.disk is None and model.cache_instance.cache_dir is None  # no disk tier, no directory of it
     assert blocker.read_text() == "a regular file, not a directory"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 

@@ -237,12 +237,13 @@ class Cache:
 
     @property
     def cache_dir(self) -> Path | None:
-        """Directory of this module's entries, or ``None`` when not persistent (or on a Redis server)."""
+        """Directory of this module's entries, or ``None`` when not persistent, on a server, or in memory only."""
         try:
             location = resolve_location(self.settings.persistent_cache_dir) if self.settings.persistent else ""
         except ConfigError:  # a bad $TORCHCACHE_DIR: the calls warned once and stay in memory
             return None
-        return None if isinstance(location, str) else location / self.module_hash
+        fallen = self._disk is None and self._disk_ready  # the directory could not be used
+        return None if isinstance(location, str) or fallen else location / self.module_hash
 
     def _disk_tier(self) -> PersistentTier | None:
         if not self._disk_ready:
@@ -289,14 +290,13 @@ class Cache:
     def stats(self) -> CacheStats:
         """Hits and misses (batch items, every tier together) and each tier's size."""
         disk = self._disk
-        total = self._hits + self._misses
         return CacheStats(
             hits=self._hits,
             misses=self._misses,
-            hit_rate=self._hits / total if total else 0.0,
+            hit_rate=self._hits / max(1, self._hits + self._misses),
             memory=TierStats(len(self.memory), self.memory.nbytes, self.memory.max_bytes, self._memory_hits),
             disk=None
-            if not self.settings.persistent
+            if not self.settings.persistent or (disk is None and self._disk_ready)  # fell back to memory
             else TierStats(
                 len(disk.store) if disk else 0,
                 disk.store.nbytes if disk else 0,
