@@ -178,6 +178,31 @@ def test_the_quantized_engine_is_keyed() -> None:
     assert torch.equal(found, expected)
 
 
+class PackedLinear(nn.Module):
+    """A quantized linear layer whose packed parameters keep a float bias that requires grad (as convert leaves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.ao.nn.quantized.Linear(8, 4)
+        weight = torch.quantize_per_tensor(torch.randn(4, 8), 0.05, 0, torch.qint8)
+        self.linear.set_weight_bias(weight, nn.Parameter(torch.randn(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.quantize_per_tensor(x, 0.05, 128, torch.quint8)).dequantize()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
+def test_packed_parameters_are_keyed_without_being_frozen() -> None:
+    model, x = PackedLinear().eval(), torch.randn(3, 8)
+    expected = model(x)
+    cached = torchcache()(model)
+    assert torch.equal(cached(x), expected) and torch.equal(cached(x), expected)
+    assert cached.cache_instance.stats().hits == len(x)
+    weight = torch.quantize_per_tensor(torch.randn(4, 8), 0.05, 0, torch.qint8)
+    model.linear.set_weight_bias(weight, torch.zeros(4))  # packed again: a new key
+    assert torch.equal(cached(x), PackedLinear.forward(model, x))
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
 def test_inputs_carrying_a_forward_mode_tangent_run_uncached() -> None:
     model, x, v = torchcache()(Scaled()), torch.randn(4, 3), torch.randn(4, 3)

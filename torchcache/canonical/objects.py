@@ -179,6 +179,15 @@ def encode_state(encoder: Encoder, value: Any, cls: type, path: str, depth: int)
                 "(changed whenever the scripted file changes)"
             ) from None
         raise encoder.refuse(path, f"a {_qualname(cls)} has no state that can be described ({exc})") from None
+    if isinstance(value, torch.ScriptObject):  # quantized packed parameters: no autograd through them, and what
+        with _found.block(active=False):  # they unpack is a copy: keyed, neither watched nor frozen
+            return _encode_reduced(encoder, value, cls_encoding, reduced, path, depth)
+    return _encode_reduced(encoder, value, cls_encoding, reduced, path, depth)
+
+
+def _encode_reduced(encoder: Encoder, value: Any, cls_encoding: bytes, reduced: Any, path: str, depth: int) -> bytes:
+    """An object by what ``__reduce_ex__`` gave: a singleton's name, or its constructor, arguments and state."""
+    cls = type(value)
     if isinstance(reduced, str):  # a global singleton, by its name
         named = text(f"{getattr(value, '__module__', '')}.{reduced}")
         wrapped = getattr(value, "__wrapped__", None)  # a functools.lru_cache of a function: by its code too
