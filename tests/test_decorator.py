@@ -989,6 +989,37 @@ def test_a_trainable_class_of_an_installed_package_is_refused_with_the_way_to_wr
     assert nn.Linear(3, 2).weight.requires_grad
 
 
+_REGISTERED: list[str] = []
+
+
+class _Scaling(nn.Module):
+    """Each subclass names its scale in its class statement (class Tripled(_Scaling, k=3.0)), and is registered."""
+
+    k = 1.0
+
+    def __init_subclass__(cls, k: float = 1.0, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.k = k
+        _REGISTERED.append(cls.__qualname__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class _Tripled(_Scaling, k=3.0):
+    pass
+
+
+def test_wrapping_an_instance_does_not_run_its_class_init_subclass_again() -> None:
+    registered = list(_REGISTERED)
+    model, x = torchcache()(_Tripled()), torch.randn(3, 2)
+    assert type(model) is not _Tripled and "__init_subclass__" not in _Tripled.__dict__  # put back as it was
+    assert type(model).k == 3.0 and torch.equal(model(x), x * 3)
+    own = _Scaling.__dict__["__init_subclass__"]
+    assert torch.equal(torchcache()(_Scaling())(x), x) and _Scaling.__dict__["__init_subclass__"] is own
+    assert registered == _REGISTERED
+
+
 def test_a_class_made_by_exec_without_a_module_name_is_decorated_in_place_as_the_users() -> None:
     namespace: dict[str, Any] = {}
     exec(

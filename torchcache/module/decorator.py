@@ -40,7 +40,7 @@ from .engine import Cache
 from .fingerprint import check_instance, describe_init, fingerprint_module
 from .guards import check_frozen, outside_compile, warn_if_training
 from .subclass import BINDING as _BINDING
-from .subclass import compile_graph, graph_methods, plain_namespace, rebuild_plain
+from .subclass import compile_graph, graph_methods, make_subclass, plain_namespace, rebuild_plain
 
 __all__ = ["torchcache"]
 
@@ -328,7 +328,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
     # torchcache()(nn.Linear): a cached subclass, every other nn.Linear stays plain (a class made by exec() is yours)
     library = not is_users_object(cls) and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
     if library:
-        cls = type(cls.__name__, (cls,), plain_namespace(cls))
+        cls = make_subclass(cls, plain_namespace(cls))
     decorated = _decorated.get(cls)
     if decorated is not None:  # the class is decorated in place: both names would be one class
         if decorated == settings:
@@ -388,7 +388,7 @@ def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """A subclass of ``cls`` with the cache wrappers, made once per class, named like it."""
     sub = _subclasses.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (cls,), {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
+        sub = make_subclass(cls, {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
         _patch(sub, cls.forward)
         if not issubclass(cls, torch.fx.GraphModule):  # fx makes a class per instance: not kept past it
             _subclasses[cls] = sub

@@ -23,9 +23,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["BINDING", "compile_graph", "graph_methods", "plain_namespace", "rebuild_plain"]
+__all__ = ["BINDING", "compile_graph", "graph_methods", "make_subclass", "plain_namespace", "rebuild_plain"]
 
 BINDING = "_torchcache_binding"  # the attribute of a cached instance holding its settings
+
+
+def make_subclass(cls: type[torch.nn.Module], namespace: dict[str, Any]) -> type[torch.nn.Module]:
+    """``type(cls.__name__, (cls,), namespace)``, without running the ``__init_subclass__`` ``cls`` inherits again.
+
+    A hook such as ``def __init_subclass__(cls, k=1.0): cls.K = k`` ran when ``cls`` was
+    defined (``class Sub(Base, k=3.0)``); run again for the cached subclass, without its
+    arguments, it would set ``K = 1.0`` there, or register the class twice.
+    """
+    own = cls.__dict__.get("__init_subclass__")
+    type.__setattr__(cls, "__init_subclass__", classmethod(_no_hook))  # type.__new__ runs the new class's parents'
+    try:
+        return type(cls.__name__, (cls,), namespace)
+    finally:
+        if own is None:
+            type.__delattr__(cls, "__init_subclass__")
+        else:
+            type.__setattr__(cls, "__init_subclass__", own)
+
+
+def _no_hook(cls: type, /, **kwargs: Any) -> None:
+    """What the cached subclass's creation runs in place of ``__init_subclass__``."""
 
 
 def rebuild_plain(cls: type[torch.nn.Module], state: dict[str, Any]) -> torch.nn.Module:
