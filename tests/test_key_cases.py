@@ -1353,8 +1353,13 @@ def test_a_function_of_a_users_own_compiled_extension_is_keyed_by_its_file(
 
 def test_a_method_another_package_only_adds_to_an_installed_class_keeps_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     before = KeyEncoder("remedy").encode(nn.Linear, "cls")
-    monkeypatch.setattr(nn.Module, "smart_apply", lambda self, fn: fn(self), raising=False)  # as transformers does
+    installed = str(Path(torch.__file__).with_name("smart.py"))  # a function of another installed package's file
+    smart_apply = eval(compile("lambda self, fn: fn(self)", installed, "eval"))
+    monkeypatch.setattr(nn.Module, "smart_apply", smart_apply, raising=False)  # as transformers does
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") == before
+    monkeypatch.setattr(nn.Module, "own_apply", lambda self, fn: fn(self), raising=False)  # the user's: keyed
+    assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before
+    monkeypatch.delattr(nn.Module, "own_apply")
     monkeypatch.setattr(nn.Linear, "extra_repr", lambda self: "patched")  # overrides nn.Module's: keyed
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before
 
@@ -1413,3 +1418,72 @@ def test_a_compiled_pattern_and_a_struct_are_keyed_as_pickle_would_describe_them
     )
     assert encode(struct.Struct("<I"), "packer") != encode(struct.Struct("<Q"), "packer")
     assert encode(struct.Struct("<I"), "packer") == encode(struct.Struct("<I"), "packer")
+
+
+def _keys_of_two_versions(tmp_path: Path, modules: list[str], files: dict[str, str], build: Any) -> list[str]:
+    """The module keys of ``build(loaded)`` for the files' sources with ``{}`` as 2, then as 3 (loaded in order)."""
+    keys = []
+    for version in (2, 3):
+        loaded = {
+            name: load_module(tmp_path / f"{name}.py", name, source.format(version)) for name, source in files.items()
+        }
+        model = torchcache()(_frozen(build(loaded)))
+        keys.append(model.cache_instance.module_hash)
+    modules.extend(files)
+    return keys
+
+
+_NET = "from torch import nn\n{imports}\nclass Net(nn.Module):\n    def forward(self, x):\n        return {body}\n"
+
+
+@pytest.mark.parametrize(
+    ("files", "read"),
+    [
+        (  # a name a module makes as it is read (PEP 562), from a helper edited since
+            {
+                "lazy_impl": "def act(x):\n    return x * {}\n",
+                "lazy_pkg": "def __getattr__(name):\n    import lazy_impl\n    return getattr(lazy_impl, name)\n",
+            },
+            ("import lazy_pkg", "lazy_pkg.act(x)"),
+        ),
+        (  # a module of the user's read whole, and a function it imported from another
+            {"kernels": "def act(x):\n    return x + {}\n", "reexports": "from kernels import act\n"},
+            ("import reexports", "getattr(reexports, 'act')(x)"),
+        ),
+        (  # methods of a class whose __module__ names the standard library
+            {"new_class": "import types\ndef act(s, x):\n    return x - {}\nK = types.new_class('K')\nK.act = act\n"},
+            ("from new_class import K", "K().act(x)"),
+        ),
+        (  # a property of the user's metaclass
+            {"meta": "class Meta(type):\n    @property\n    def factor(cls):\n        return {}.0\n"},
+            ("from meta import Meta", "x * type(self).factor"),
+        ),
+    ],
+    ids=["module_getattr", "reexported", "new_class", "metaclass"],
+)
+def test_code_reached_past_a_modules_names_is_keyed_by_its_code(
+    tmp_path: Path, modules: list[str], files: dict[str, str], read: tuple[str, str]
+) -> None:
+    imports, body = read
+    net = _NET.format(imports=imports, body=body).replace("{", "{{").replace("}", "}}")
+    if "Meta" in imports:
+        net = net.replace("class Net(nn.Module):", "class Net(nn.Module, metaclass=Meta):")
+    keys = _keys_of_two_versions(
+        tmp_path, modules, {**files, "uses_helper": net}, lambda loaded: loaded["uses_helper"].Net()
+    )
+    assert keys[0] != keys[1]
+
+
+def test_a_method_of_the_users_code_replaced_on_a_class_the_standard_library_made_is_seen(
+    tmp_path: Path, modules: list[str]
+) -> None:
+    modules.extend(["made_class", "uses_made"])
+    made = load_module(tmp_path / "made_class.py", "made_class", "import types\nK = types.new_class('K')\n")
+    made.K.act = lambda self, x: x * 2
+    uses = load_module(
+        tmp_path / "uses_made.py", "uses_made", _NET.format(imports="from made_class import K", body="K().act(x)")
+    )
+    model = torchcache()(_frozen(uses.Net()))
+    assert torch.equal(model(X), X * 2)
+    made.K.act = lambda self, x: x * 3
+    assert torch.equal(model(X), X * 3)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import KeyingError
 from .globals import encode_globals
 from .objects import Binding, collect
-from .origins import OWN_PACKAGE, extension_digest, is_installed_file, origin_of_module, version_of
+from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -339,7 +339,16 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             members.append(text(member) + _class_member(encoder, value, f"{where}.{member}", depth))
             collect(Binding(vars(klass), member, value))  # a method or a value rebound later (Net.K = 3): a new key
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
+    meta = type(cls)
+    if meta is not type and (is_users_object(meta) or _holds_users_code(meta)):
+        parts.append(text("metaclass") + encoder.child(meta, f"{path}.<metaclass>", depth))  # its properties, __call__
     return b"".join(parts)
+
+
+def _holds_users_code(klass: type) -> bool:
+    """Whether a class holds functions of the user's files (a metaclass ``types.new_class`` made, say)."""
+    funcs = (v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values())
+    return any(isinstance(f, types.FunctionType) and not is_installed_file(f.__code__.co_filename) for f in funcs)
 
 
 def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
@@ -347,7 +356,9 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
 
     A replaced method overrides one of a base class (``forward``, ``extra_repr``); a
     method another package only added (transformers adds ``nn.Module.smart_apply``) is
-    not keyed, so that keys stay the same whether or not that package was used.
+    not keyed, so that keys stay the same whether or not that package was used. Functions
+    of the user's files are keyed wherever they are (a class whose ``__module__`` names
+    the standard library, as ``types.new_class`` and ``make_dataclass`` give it).
     """
     top = klass.__module__.partition(".")[0]
     bases = [vars(base) for base in klass.__mro__[1:] if base is not object]
@@ -359,8 +370,10 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
         own = func.__qualname__ in (f"{klass.__qualname__}.{member}", f"{klass.__qualname__}.{func.__name__}")
         if (func.__module__ or "").partition(".")[0] == top and (own or "." not in func.__qualname__):
             continue  # its package's own (nn.GELU.forward = nn.SiLU.forward is not)
-        if member == "forward" or any(member in base for base in bases):
+        users = not is_installed_file(func.__code__.co_filename)  # the user's code, on a class types.new_class made
+        if member == "forward" or any(member in base for base in bases) or users:
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
+            collect(Binding(vars(klass), member, value))  # replaced again later: a new key
     return b"".join(parts)
 
 
@@ -382,8 +395,9 @@ def _class_member(encoder: Encoder, value: object, path: str, depth: int) -> byt
 def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, depth: int) -> bytes:
     """A Python module used as a whole: its package's version, or the members a user module defines.
 
-    A user module's functions and classes defined in it, its submodules, and its plain
-    values are keyed; names it imported from elsewhere are left to whatever reads them.
+    A user module's functions and classes (its own and those it imported from the user's
+    other modules), its submodules, and its plain values are keyed; names it imported from
+    packages and modules it imported are left to whatever reads them.
     """
     name = module.__name__
     origin = origin_of_module(name)
@@ -396,8 +410,12 @@ def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, 
         if isinstance(value, types.ModuleType):
             if not value.__name__.startswith(name + "."):
                 continue  # an imported module: keyed where it is read
-        elif isinstance(value, (type, types.FunctionType)) and getattr(value, "__module__", name) != name:
-            continue  # imported from another module
+        elif (
+            isinstance(value, (type, types.FunctionType))
+            and getattr(value, "__module__", name) != name
+            and not is_users_object(value)  # the user's, imported from another module: keyed (getattr(mod, name))
+        ):
+            continue  # imported from a package: keyed where it is read, by version
         if encoder.ignored(path, member):
             continue
         parts.append(text(member) + encoder.child(value, f"{path}.{member}", depth))

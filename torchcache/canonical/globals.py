@@ -106,6 +106,13 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 value = sys.modules[f"{value.__name__}.{attribute}"]
                 path = f"{path}.{attribute}"
                 continue
+            if callable(namespace.get("__getattr__")):  # a module that makes names as they are read (PEP 562)
+                try:
+                    value = getattr(value, attribute)
+                except Exception:  # noqa: BLE001 - not one it makes: missing, as forward would find it
+                    return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
+                path = f"{path}.{attribute}"
+                continue
             return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
         value = namespace[attribute]
         collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
