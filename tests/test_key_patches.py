@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import is_inference_mode_enabled, nn
 from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,17 +132,28 @@ def test_the_attention_fast_path_switch_is_keyed() -> None:
     assert torch.equal(slow, expected) and not torch.equal(fast, slow)
 
 
-@pytest.mark.parametrize("first_in_inference_mode", [False, True])
-def test_inference_mode_is_keyed(first_in_inference_mode: bool) -> None:
-    @torchcache()
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        return x * (2 if torch.is_inference_mode_enabled() else 3)
+def _scaled_by_mode(x: torch.Tensor) -> torch.Tensor:
+    return x * (2 if torch.is_inference_mode_enabled() else 3)
 
-    x = torch.randn(4, 3)
+
+def _scaled_by_mode_imported(x: torch.Tensor) -> torch.Tensor:
+    return x * (2 if is_inference_mode_enabled() else 3)
+
+
+@pytest.mark.parametrize("first_in_inference_mode", [False, True])
+@pytest.mark.parametrize("fn", [_scaled_by_mode, _scaled_by_mode_imported], ids=["torch", "imported"])
+def test_inference_mode_is_keyed_where_the_code_reads_it(first_in_inference_mode: bool, fn: Any) -> None:
+    scaled, x = torchcache()(fn), torch.randn(4, 3)
     for inference in (first_in_inference_mode, not first_in_inference_mode):
         with torch.inference_mode(inference):
             assert torch.equal(scaled(x), x * (2 if inference else 3))
     assert scaled.cache_instance.stats().hits == 0
+    plain = torchcache()(lambda x: x * 2)
+    with torch.no_grad():
+        plain(x)
+    with torch.inference_mode():
+        plain(x)  # computes the same: the entries of the call under no_grad serve it
+    assert plain.cache_instance.stats().hits == len(x)
 
 
 class QuantizedLinear(nn.Module):

@@ -361,7 +361,7 @@ def _with_attribute() -> torch.Tensor:
         ({True: 3}, "sample", ["dict keys must be str or int"]),
         (bytearray(b"x"), "sample", ["bytearray"]),
         (np.datetime64("2024-01-01"), "sample", ["datetime64"]),
-        ((torch.ones(2).as_subclass(Boxes), 1), "sample[0]", ["Boxes, a subclass of torch.Tensor", "as_subclass"]),
+        ((torch.ones(2).as_subclass(Boxes), 1), "sample[0]", ["Boxes, a subclass", "as_subclass", "ToPureTensor"]),
         ((_with_attribute(), 1), "sample[0]", ["attributes set on it (format)", "beside it"]),
         (_with_attribute(), "sample", ["attributes set on it (format)"]),
         ((_nested(),), "sample[0]", ["nested tensor", "pad it"]),

@@ -296,19 +296,18 @@ _SWITCH_GETTERS = tuple(getter for _, getter, _ in _SWITCHES)
 _OPT_EINSUM: Any = torch.backends.opt_einsum  # installed, it is on with "auto" by default
 _OPT_EINSUM_INSTALLED = bool(_OPT_EINSUM.is_available())
 _SWITCHES_AT_DEFAULTS = tuple(default for _, _, default in _SWITCHES)
-#: The quantized engine torch picks on this machine (x86 where fbgemm runs, else oneDNN, else QNNPACK):
-#: quantized operations pack and round their weights per engine.
+#: The quantized engine torch starts with (x86 where fbgemm runs, else oneDNN where it is built, else none), as
+#: torch chooses it, not as it is at import: quantized operations pack and round their weights per engine.
 _QENGINES = torch.backends.quantized.supported_engines
-_QENGINE_AT_DEFAULT = next(
-    (torch.backends.quantized._get_qengine_id(name) for name in ("x86", "onednn", "qnnpack") if name in _QENGINES),
-    None,
+_QENGINE_AT_DEFAULT = torch.backends.quantized._get_qengine_id(
+    next((name for name in ("x86", "onednn") if name in _QENGINES), "none")
 )
 
 
 def numerics(device_types: Iterable[str]) -> list[bytes]:
     """What changes the values a forward computes beside its inputs and code: one line each, none at the defaults.
 
-    Each autocast that is on among ``device_types`` (its dtype), inference mode, torch's default dtype
+    Each autocast that is on among ``device_types`` (its dtype), torch's default dtype
     (tensors made without one, such as ``torch.arange`` in a position encoding), the
     float32 precision of each backend and operation (``torch.set_float32_matmul_precision``
     and ``torch.backends.*.fp32_precision``), whether this thread flushes subnormal
@@ -328,8 +327,6 @@ def numerics(device_types: Iterable[str]) -> list[bytes]:
         for device_type in sorted(set(device_types))
         if torch.is_autocast_enabled(device_type)
     ]
-    if torch.is_inference_mode_enabled():  # a forward may branch on it; its outputs are inference tensors
-        found.append(b"inference_mode")
     if torch.get_default_dtype() is not torch.float32:
         found.append(f"default_dtype:{torch.get_default_dtype()}".encode())
     found += _fp32_precisions()

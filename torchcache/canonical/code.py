@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .objects import Binding, collect
+from .objects import Binding, collect, note_mode_read
 from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
 from .tags import Tag, raw, tagged, text
 
@@ -425,6 +425,7 @@ def encode_python_module(encoder: Encoder, module: types.ModuleType, path: str, 
 
 def encode_builtin(encoder: Encoder, value: Any, path: str, depth: int) -> bytes:
     """A function or method written in C (``torch.relu``, ``np.add``), with the object it is bound to."""
+    note_mode_read(value)  # from torch import is_inference_mode_enabled
     owner = getattr(value, "__self__", None)
     bound = (
         b""

@@ -13,7 +13,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KeyingError
-from .objects import Binding, collect
+from .objects import Binding, collect, note_mode_read
 from .operators import encode_operator
 from .origins import is_users_object, origin_of_module
 from .pending import import_for_key, missing_global, names_modules
@@ -99,6 +99,7 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
             if attributes[-1] in scope:  # F.gelu = F.silu after the key was taken: the key is taken again
                 collect(Binding(scope, attributes[-1], member))
+            note_mode_read(member)  # torch.is_inference_mode_enabled: its calls are keyed by the mode
             put = _put_there(member, attributes[-1], str(scope.get("__name__", "")))
             return encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
         if attribute not in namespace:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_UNKEYED",
+    "INFERENCE_MODE_READ",
     "Binding",
     "collect",
     "collecting",
@@ -42,6 +43,7 @@ __all__ = [
     "encode_state",
     "encode_tensor",
     "extra_state",
+    "note_mode_read",
     "slot_values",
     "tensor_content_digest",
 ]
@@ -228,6 +230,17 @@ def collecting() -> contextlib.AbstractContextManager[list[Any]]:
     A key covers them as they were; whoever holds the key watches them for in-place writes.
     """
     return _found.block()
+
+
+#: Noted (:func:`collect`) where the code a key covers reads ``torch.is_inference_mode_enabled``: a forward that
+#: branches on it has its calls keyed by inference mode (others share entries between it and ``no_grad``).
+INFERENCE_MODE_READ = object()
+
+
+def note_mode_read(value: object) -> None:
+    """Note :data:`INFERENCE_MODE_READ` if ``value`` is the function that reads inference mode."""
+    if value is torch.is_inference_mode_enabled:
+        collect(INFERENCE_MODE_READ)
 
 
 def collect(value: object) -> None:

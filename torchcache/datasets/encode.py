@@ -161,7 +161,7 @@ class _Encoder:
     def tensor(self, value: torch.Tensor, path: str) -> None:
         lost = unplain_tensor(value, parameters=True)
         if lost:
-            raise SampleTypeError(f"{path}: {lost} (rebuild it in transform=)")
+            raise SampleTypeError(f"{path}: {lost}, rebuilt in transform= (torchvision: v2.ToPureTensor() unwraps)")
         if value.device.type != "cpu":
             raise SampleTypeError(
                 f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "

@@ -264,8 +264,13 @@ class CallSplitter:
         self.dims = dims or {}
         self.refresh()
 
-    def refresh(self) -> None:
-        """Take the signature again (its defaults may have been replaced: ``fn.__defaults__ = ...``)."""
+    def refresh(self, inference_read: bool = False) -> None:
+        """Take the signature again (its defaults may have been replaced: ``fn.__defaults__ = ...``).
+
+        ``inference_read``: the callable's code reads ``torch.is_inference_mode_enabled()``, so
+        its calls are keyed by inference mode.
+        """
+        self._inference_read = inference_read
         self.signature = signature = self._signature_of()
         params = list(signature.parameters.values())
         self._kinds = {p.name: p.kind for p in params}
@@ -311,6 +316,8 @@ class CallSplitter:
             raise UncachedInput("forward-mode AD is active (forward_ad.dual_level): a hit would drop tangents")
         if _in_transform() is not None:
             raise UncachedInput("a torch.func transform (vmap, grad, jvp) is active: its tensors have no storage")
+        if self._inference_read and torch.is_inference_mode_enabled():  # a forward that branches on it
+            context.add(b"inference_mode")
         positional = self._positional
         passed: set[str] | None = None
         if self._simple and not kwargs and len(args) == len(positional):

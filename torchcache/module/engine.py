@@ -21,7 +21,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from .._log import logger
 from .._version import __version__
-from ..canonical import collecting
+from ..canonical import INFERENCE_MODE_READ, collecting
 from ..catalog.budget import CacheClaim, claim_module_cache, keep_root_budget
 from ..config import Settings
 from ..errors import ConfigError, StoreError
@@ -194,7 +194,7 @@ class Cache:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
-        self._splitter.refresh()  # the defaults it binds are part of the key: replaced, they are seen anew
+        self._splitter.refresh(any(v is INFERENCE_MODE_READ for v in found))  # the defaults it binds: seen anew
         owner = self._watch.module() if self._watch is not None else None
         held = HeldValues(found, owner) if self.settings.persistent_module_hash is None else None
         self._held = (held.frozen(self.name) if frozen else held) if held else None
