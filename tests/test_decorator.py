@@ -820,6 +820,17 @@ def test_persistent_module_hash_overrides_the_key_with_a_warning(cache_root: Pat
     assert [p.name for p in cache_root.iterdir()] == ["my-encoder.v1"]
 
 
+def test_persistent_module_hash_keeps_apart_what_other_storing_options_store(cache_root: Path) -> None:
+    x = torch.randn(3, 4)
+    half = cached(Counting, persistent=True, persistent_module_hash="enc", cache_dtype=torch.float16)()
+    half(x)
+    half.cache_instance.flush()
+    full = cached(Counting, persistent=True, persistent_module_hash="enc", max_memory_cache_size=0)()
+    assert_same(full(x), Counting()(x))  # not the float16 rows of the same name
+    assert full.cache_instance.module_hash == "enc" and half.cache_instance.module_hash.startswith("enc-")
+    assert sorted(p.name for p in cache_root.iterdir()) == sorted(["enc", half.cache_instance.module_hash])
+
+
 # -- cache_dtype, devices, returned tensors ------------------------------------------------
 @pytest.mark.parametrize("persistent", [False, True])
 def test_cache_dtype_stores_low_precision_and_returns_the_module_dtype(persistent: bool, cache_root: Path) -> None:
@@ -1018,6 +1029,24 @@ def test_wrapping_an_instance_does_not_run_its_class_init_subclass_again() -> No
     own = _Scaling.__dict__["__init_subclass__"]
     assert torch.equal(torchcache()(_Scaling())(x), x) and _Scaling.__dict__["__init_subclass__"] is own
     assert registered == _REGISTERED
+
+
+def test_the_cached_subclass_is_made_one_at_a_time() -> None:
+    from torchcache.module import subclass
+
+    held = []
+
+    class Watching(type):
+        def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> Any:
+            held.append(subclass._making.locked())  # another thread would take the stand-in for the class's hook
+            return super().__new__(mcs, name, bases, namespace)
+
+    class Watched(nn.Module, metaclass=Watching):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    torchcache()(Watched())
+    assert held == [False, True]
 
 
 def test_a_class_made_by_exec_without_a_module_name_is_decorated_in_place_as_the_users() -> None:

@@ -1357,9 +1357,8 @@ def test_a_method_another_package_only_adds_to_an_installed_class_keeps_keys(mon
     smart_apply = eval(compile("lambda self, fn: fn(self)", installed, "eval"))
     monkeypatch.setattr(nn.Module, "smart_apply", smart_apply, raising=False)  # as transformers does
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") == before
-    monkeypatch.setattr(nn.Module, "own_apply", lambda self, fn: fn(self), raising=False)  # the user's: keyed
-    assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before
-    monkeypatch.delattr(nn.Module, "own_apply")
+    monkeypatch.setattr(nn.Module, "log", lambda self, text: print(text), raising=False)  # a script's helper too
+    assert KeyEncoder("remedy").encode(nn.Linear, "cls") == before
     monkeypatch.setattr(nn.Linear, "extra_repr", lambda self: "patched")  # overrides nn.Module's: keyed
     assert KeyEncoder("remedy").encode(nn.Linear, "cls") != before
 
@@ -1487,3 +1486,18 @@ def test_a_method_of_the_users_code_replaced_on_a_class_the_standard_library_mad
     assert torch.equal(model(X), X * 2)
     made.K.act = lambda self, x: x * 3
     assert torch.equal(model(X), X * 3)
+
+
+def test_a_name_a_module_makes_follows_the_globals_its_getattr_reads(tmp_path: Path, modules: list[str]) -> None:
+    modules.extend(["backends", "uses_backends"])
+    source = "SCALES = {'a': 2.0, 'b': 3.0}\nBACKEND = 'a'\ndef __getattr__(name):\n    return SCALES[BACKEND]\n"
+    backends = load_module(tmp_path / "backends.py", "backends", source)
+    uses = load_module(
+        tmp_path / "uses_backends.py",
+        "uses_backends",
+        _NET.format(imports="import backends", body="x * backends.scale"),
+    )
+    model = torchcache()(_frozen(uses.Net()))
+    assert torch.equal(model(X), X * 2.0)
+    backends.BACKEND = "b"  # read by its __getattr__: seen
+    assert torch.equal(model(X), X * 3.0)

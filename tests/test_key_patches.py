@@ -140,8 +140,14 @@ def _scaled_by_mode_imported(x: torch.Tensor) -> torch.Tensor:
     return x * (2 if is_inference_mode_enabled() else 3)
 
 
+def _scaled_by_a_tensors_mode(x: torch.Tensor) -> torch.Tensor:
+    return x * (2 if (x + 0).is_inference() else 3)
+
+
 @pytest.mark.parametrize("first_in_inference_mode", [False, True])
-@pytest.mark.parametrize("fn", [_scaled_by_mode, _scaled_by_mode_imported], ids=["torch", "imported"])
+@pytest.mark.parametrize(
+    "fn", [_scaled_by_mode, _scaled_by_mode_imported, _scaled_by_a_tensors_mode], ids=["torch", "imported", "tensor"]
+)
 def test_inference_mode_is_keyed_where_the_code_reads_it(first_in_inference_mode: bool, fn: Any) -> None:
     scaled, x = torchcache()(fn), torch.randn(4, 3)
     for inference in (first_in_inference_mode, not first_in_inference_mode):

@@ -8,6 +8,7 @@ argument and says what was expected.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import warnings
@@ -137,6 +138,21 @@ class Settings:
         if self.key_ignore:
             settings["key_ignore"] = sorted(self.key_ignore)
         return settings
+
+    def fixed_key(self) -> str | None:
+        """The module key ``persistent_module_hash`` gives: its name, and the :meth:`key_settings` not at defaults.
+
+        ``cache_dtype=torch.float16`` stores other values than the default: under the same
+        name it gets a directory of its own (``name-`` and 16 hex digits).
+        """
+        name, stored = self.persistent_module_hash, self.key_settings()
+        if name is None or stored == _DEFAULT_KEY_SETTINGS:
+            return name
+        described = (name + "\n" + json.dumps(stored, sort_keys=True)).encode("utf-8", "surrogatepass")
+        return f"{name[:96]}-{xxhash.xxh3_64_hexdigest(described)}"
+
+
+_DEFAULT_KEY_SETTINGS = Settings().key_settings()
 
 
 def _bool(name: str, value: object) -> bool:

@@ -24,8 +24,16 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .objects import Binding, collect, note_mode_read
-from .origins import OWN_PACKAGE, extension_digest, is_installed_file, is_users_object, origin_of_module, version_of
+from .objects import INFERENCE_MODE_READ, Binding, collect, note_mode_read
+from .origins import (
+    OWN_PACKAGE,
+    extension_digest,
+    is_installed_file,
+    is_users_object,
+    made_elsewhere,
+    origin_of_module,
+    version_of,
+)
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -33,26 +41,11 @@ __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "enco
 _pack_double = struct.Struct("<d").pack
 _MAX_CODE_DEPTH = 100
 #: Class attributes that describe the class rather than what its instances compute.
-_CLASS_METADATA = frozenset(
-    {
-        "__module__",
-        "__qualname__",
-        "__doc__",
-        "__dict__",
-        "__weakref__",
-        "__annotations__",
-        "__slots__",
-        "__firstlineno__",
-        "__static_attributes__",
-        "__orig_bases__",
-        "__parameters__",
-        "__dataclass_fields__",
-        "__dataclass_params__",
-        "__match_args__",
-        "_abc_impl",
-        "__slotnames__",  # cached by copyreg the first time an instance is copied or pickled
-        "__torchcache_subclass__",
-    }
+_CLASS_METADATA = (  # __slotnames__: cached by copyreg the first time an instance is copied or pickled
+    frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__slots__"})
+    | frozenset({"__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__", "__match_args__"})
+    | frozenset({"__dataclass_fields__", "__dataclass_params__", "_abc_impl", "__slotnames__"})
+    | frozenset({"__torchcache_subclass__"})
 )
 _LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _LOADS_ATTRIBUTE = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
@@ -79,6 +72,7 @@ class Scan(NamedTuple):
     described: bytes
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
+    modal: bool = False  # it names a check of inference mode (is_inference_mode_enabled, is_inference)
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -93,8 +87,21 @@ def scan_code(code: types.CodeType) -> Scan:
         chains: _Chains = set()
         imports: _Imports = set()
         described = _describe(code, chains, imports, 0)
-        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)))
+        modal = any(_MODE_CHECKS & {*inner.co_names, *inner.co_consts} for inner in _codes_in(code))
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), modal)
     return found
+
+
+#: Names whose read in a user's code keys calls by inference mode (``h.is_inference()`` too).
+_MODE_CHECKS = frozenset({"is_inference_mode_enabled", "is_inference"})
+
+
+def _codes_in(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code objects nested in it (lambdas, comprehensions, inner functions)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes_in(const)
 
 
 def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: int) -> bytes:
@@ -277,7 +284,10 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
     if installed:
         parts.append(text(version_of(home.partition(".")[0]) if home else code.co_filename))
     else:
-        parts.append(scan_code(code).described)
+        scan = scan_code(code)
+        parts.append(scan.described)
+        if scan.modal:  # a branch on inference mode: its calls are keyed by it
+            collect(INFERENCE_MODE_READ)
         for member in ("__code__", "__defaults__", "__kwdefaults__"):  # replaced later: the key is taken again
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
@@ -325,7 +335,7 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             continue
         name = f"{klass.__module__}.{klass.__qualname__}"
         origin = origin_of_module(klass.__module__)
-        if origin is not None:
+        if origin is not None and not made_elsewhere(klass):
             if "forward" in vars(klass):  # nn.GELU.forward = nn.Tanh.forward later: a new key
                 collect(Binding(vars(klass), "forward", vars(klass)["forward"]))
             patched = _patched_members(encoder, klass, f"{path}.<class {klass.__qualname__}>", depth)
@@ -340,15 +350,9 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             collect(Binding(vars(klass), member, value))  # a method or a value rebound later (Net.K = 3): a new key
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     meta = type(cls)
-    if meta is not type and (is_users_object(meta) or _holds_users_code(meta)):
+    if meta is not type and (is_users_object(meta) or made_elsewhere(meta)):
         parts.append(text("metaclass") + encoder.child(meta, f"{path}.<metaclass>", depth))  # its properties, __call__
     return b"".join(parts)
-
-
-def _holds_users_code(klass: type) -> bool:
-    """Whether a class holds functions of the user's files (a metaclass ``types.new_class`` made, say)."""
-    funcs = (v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values())
-    return any(isinstance(f, types.FunctionType) and not is_installed_file(f.__code__.co_filename) for f in funcs)
 
 
 def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> bytes:
@@ -356,9 +360,7 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
 
     A replaced method overrides one of a base class (``forward``, ``extra_repr``); a
     method another package only added (transformers adds ``nn.Module.smart_apply``) is
-    not keyed, so that keys stay the same whether or not that package was used. Functions
-    of the user's files are keyed wherever they are (a class whose ``__module__`` names
-    the standard library, as ``types.new_class`` and ``make_dataclass`` give it).
+    not keyed, so that keys stay the same whether or not that package was used.
     """
     top = klass.__module__.partition(".")[0]
     bases = [vars(base) for base in klass.__mro__[1:] if base is not object]
@@ -370,8 +372,7 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
         own = func.__qualname__ in (f"{klass.__qualname__}.{member}", f"{klass.__qualname__}.{func.__name__}")
         if (func.__module__ or "").partition(".")[0] == top and (own or "." not in func.__qualname__):
             continue  # its package's own (nn.GELU.forward = nn.SiLU.forward is not)
-        users = not is_installed_file(func.__code__.co_filename)  # the user's code, on a class types.new_class made
-        if member == "forward" or any(member in base for base in bases) or users:
+        if member == "forward" or any(member in base for base in bases):
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
             collect(Binding(vars(klass), member, value))  # replaced again later: a new key
     return b"".join(parts)

@@ -107,13 +107,15 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 value = sys.modules[f"{value.__name__}.{attribute}"]
                 path = f"{path}.{attribute}"
                 continue
-            if callable(namespace.get("__getattr__")):  # a module that makes names as they are read (PEP 562)
+            maker = namespace.get("__getattr__")
+            if callable(maker):  # a module that makes names as they are read (PEP 562): by it and what it gives
                 try:
                     value = getattr(value, attribute)
                 except Exception:  # noqa: BLE001 - not one it makes: missing, as forward would find it
                     return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
-                path = f"{path}.{attribute}"
-                continue
+                collect(Binding(namespace, "__getattr__", maker))
+                made = encoder.child(maker, f"{path}.__getattr__", depth)
+                return made + _follow(encoder, value, attributes[i + 1 :], f"{path}.{attribute}", depth)
             return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
         value = namespace[attribute]
         collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again

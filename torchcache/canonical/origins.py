@@ -28,6 +28,7 @@ __all__ = [
     "file_digest",
     "is_installed_file",
     "is_users_object",
+    "made_elsewhere",
     "origin_of_module",
     "version_of",
 ]
@@ -180,6 +181,20 @@ def is_users_object(member: object) -> bool:
     """Whether a function or class comes from the user's code (not the standard library or a package)."""
     module = getattr(member, "__module__", None)
     return isinstance(module, str) and origin_of_module(module) is None
+
+
+def made_elsewhere(klass: type) -> bool:
+    """Whether a class names a module of the standard library that does not hold it: the user's.
+
+    ``types.new_class`` and ``make_dataclass`` give the classes they make such a name
+    (``types.K``): their methods are the user's code, keyed as a class of the user's is.
+    """
+    if klass.__module__.partition(".")[0] not in sys.stdlib_module_names:
+        return False
+    found: object = sys.modules.get(klass.__module__)
+    for part in klass.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is not klass
 
 
 _files: dict[tuple[str, int, int], str] = {}

@@ -98,7 +98,19 @@ class CallArguments:
         """
         args, kwargs = self.select(positions)
         self._note_versions()
-        computed = fn(*args, **kwargs)
+        try:
+            computed = fn(*args, **kwargs)
+        except Exception as exc:
+            if (self._shared or self._dims) and len(positions) < self.batch:
+                declared = ", ".join(
+                    f"{o}={sorted(n)}" for o, n in (("shared_args", self._shared), ("batch_dims", self._dims)) if n
+                )
+                exc.add_note(
+                    f"torchcache called {name} on {len(positions)} of the batch's {self.batch} items (the others were "
+                    f"cached), passing {declared} as declared: whole, or sliced on the dimension given. A tensor that "
+                    "is per item in shared_args, or a wrong batch_dims, fails this way"
+                )
+            raise
         for value, dim, index, rows in self.picked:
             if _version_of(rows) > 0 and not _holds(functools.partial(_kept, value, dim, index, rows)):
                 raise _written(name)

@@ -92,7 +92,7 @@ class Cache:
         self._watch: VersionWatch | None = None
         self._held: HeldValues | None = None  # tensors and arrays the key covers beyond the module's own
         self._owner: weakref.ref[Any] | None = None
-        self._module_hash: str | None = settings.persistent_module_hash
+        self._module_hash: str | None = settings.fixed_key()
         self._changes = self._keyed = 0  # changes seen, and those the key reflects: stale while they differ
         self._grad_refused: dict[bytes, str] = {}  # call contexts whose outputs required grad, and why refused
         if self._module_hash is not None:

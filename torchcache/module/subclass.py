@@ -18,6 +18,7 @@ cached one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,15 +36,19 @@ def make_subclass(cls: type[torch.nn.Module], namespace: dict[str, Any]) -> type
     defined (``class Sub(Base, k=3.0)``); run again for the cached subclass, without its
     arguments, it would set ``K = 1.0`` there, or register the class twice.
     """
-    own = cls.__dict__.get("__init_subclass__")
-    type.__setattr__(cls, "__init_subclass__", classmethod(_no_hook))  # type.__new__ runs the new class's parents'
-    try:
-        return type(cls.__name__, (cls,), namespace)
-    finally:
-        if own is None:
-            type.__delattr__(cls, "__init_subclass__")
-        else:
-            type.__setattr__(cls, "__init_subclass__", own)
+    with _making:  # one at a time: another would take the stand-in for the class's own
+        own = cls.__dict__.get("__init_subclass__")
+        type.__setattr__(cls, "__init_subclass__", classmethod(_no_hook))  # type.__new__ runs the parents'
+        try:
+            return type(cls.__name__, (cls,), namespace)
+        finally:
+            if own is None:
+                type.__delattr__(cls, "__init_subclass__")
+            else:
+                type.__setattr__(cls, "__init_subclass__", own)
+
+
+_making = threading.Lock()
 
 
 def _no_hook(cls: type, /, **kwargs: Any) -> None:
