@@ -461,3 +461,16 @@ def test_a_tensor_rebound_to_another_value_as_the_forward_runs_keeps_its_rows_ou
     cached, x = torchcache()(_Doubling().eval()), torch.randn(4, 3)
     assert torch.equal(cached(x), x * 2) and torch.equal(cached(x), x * 4)  # as without the cache
     assert cached.cache_instance.stats().memory.entries == 0
+
+
+def test_a_per_item_tensor_declared_shared_fails_on_a_partial_hit_saying_how_it_was_called() -> None:
+    @torchcache(shared_args=("gains",), check_items=False)
+    def scaled(x: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+        return x * gains  # gains has a row per item: it is not shared
+
+    x, gains = torch.randn(4, 3), torch.randn(4, 3)
+    scaled(x, gains)
+    with pytest.raises(RuntimeError, match="must match") as info:
+        scaled(torch.cat([x[:2], torch.randn(2, 3)]), gains)  # two hits, two items computed with all four gains
+    (note,) = info.value.__notes__
+    assert "on 2 of the batch's 4 items" in note and "shared_args=['gains']" in note
