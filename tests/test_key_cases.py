@@ -1501,3 +1501,15 @@ def test_a_name_a_module_makes_follows_the_globals_its_getattr_reads(tmp_path: P
     assert torch.equal(model(X), X * 2.0)
     backends.BACKEND = "b"  # read by its __getattr__: seen
     assert torch.equal(model(X), X * 3.0)
+
+
+def test_a_metaclass_is_keyed_only_where_it_is_the_users() -> None:
+    class Meta(type):
+        pass
+
+    class Described(metaclass=Meta):
+        pass
+
+    encode = KeyEncoder("remedy").encode
+    assert b"metaclass" in encode(Described, "cls")
+    assert b"metaclass" not in encode(torch.ScriptObject, "cls")  # pybind11's, from no module loaded: not the user's

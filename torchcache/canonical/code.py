@@ -350,7 +350,8 @@ def encode_class(encoder: Encoder, cls: type, path: str, depth: int) -> bytes:
             collect(Binding(vars(klass), member, value))  # a method or a value rebound later (Net.K = 3): a new key
         parts.append(tagged(Tag.CLASS, text(name) + b"".join(members)))
     meta = type(cls)
-    if meta is not type and (is_users_object(meta) or made_elsewhere(meta)):
+    # The user's metaclass (a C extension's, pybind11's for a ScriptObject, has no module loaded: not the user's)
+    if meta is not type and (made_elsewhere(meta) or (meta.__module__ in sys.modules and is_users_object(meta))):
         parts.append(text("metaclass") + encoder.child(meta, f"{path}.<metaclass>", depth))  # its properties, __call__
     return b"".join(parts)
 
