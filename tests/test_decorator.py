@@ -1031,6 +1031,14 @@ def test_wrapping_an_instance_does_not_run_its_class_init_subclass_again() -> No
     assert registered == _REGISTERED
 
 
+def _try_release(lock: Any) -> bool:
+    """Whether ``lock`` could be taken (and is given back at once)."""
+    taken = bool(lock.acquire(blocking=False))
+    if taken:
+        lock.release()
+    return taken
+
+
 def test_the_cached_subclass_is_made_one_at_a_time() -> None:
     from torchcache.module import subclass
 
@@ -1038,7 +1046,11 @@ def test_the_cached_subclass_is_made_one_at_a_time() -> None:
 
     class Watching(type):
         def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> Any:
-            held.append(subclass._making.locked())  # another thread would take the stand-in for the class's hook
+            free: list[bool] = []  # whether another thread could make one now (it would take the stand-in hook)
+            other = threading.Thread(target=lambda: free.append(_try_release(subclass._making)))
+            other.start()
+            other.join()
+            held.append(not free[0])
             return super().__new__(mcs, name, bases, namespace)
 
     class Watched(nn.Module, metaclass=Watching):
@@ -1047,6 +1059,24 @@ def test_the_cached_subclass_is_made_one_at_a_time() -> None:
 
     torchcache()(Watched())
     assert held == [False, True]
+
+
+def test_a_metaclass_that_wraps_a_module_while_the_cached_subclass_is_made_does_not_wait_for_itself() -> None:
+    wrapped: list[nn.Module] = []
+
+    class Wrapping(type):
+        def __init__(cls, *args: Any) -> None:
+            super().__init__(*args)
+            if wrapped == []:  # the cached subclass of Outer: wrap another module now
+                wrapped.append(torchcache()(nn.Identity()))
+
+    class Outer(nn.Module, metaclass=Wrapping):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    wrapped.clear()
+    x = torch.randn(3, 2)
+    assert torch.equal(torchcache()(Outer())(x), x * 2) and torch.equal(wrapped[0](x), x)
 
 
 def test_a_class_made_by_exec_without_a_module_name_is_decorated_in_place_as_the_users() -> None:

@@ -1513,3 +1513,85 @@ def test_a_metaclass_is_keyed_only_where_it_is_the_users() -> None:
     encode = KeyEncoder("remedy").encode
     assert b"metaclass" in encode(Described, "cls")
     assert b"metaclass" not in encode(torch.ScriptObject, "cls")  # pybind11's, from no module loaded: not the user's
+
+
+_LAZY_PACKAGE = "import importlib\ndef __getattr__(name):\n    return importlib.import_module('.' + name, __name__)\n"
+
+
+@pytest.mark.parametrize("imported_first", [False, True])
+def test_a_submodule_a_package_imports_as_it_is_read_is_keyed_as_a_submodule(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch, imported_first: bool
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "lazy_package").mkdir()
+    (tmp_path / "lazy_package" / "__init__.py").write_text(_LAZY_PACKAGE)
+    (tmp_path / "lazy_package" / "ops.py").write_text("def act(x):\n    return x * 2\n")
+    modules.extend(["lazy_package", "lazy_package.ops", "uses_lazy_package"])
+    importlib.invalidate_caches()
+    package = importlib.import_module("lazy_package")
+    if imported_first:
+        importlib.import_module("lazy_package.ops")
+    else:
+        vars(package).pop("ops", None)
+    source = _NET.format(imports="import lazy_package", body="lazy_package.ops.act(x)")
+    uses = load_module(tmp_path / "uses_lazy_package.py", "uses_lazy_package", source)
+    model = torchcache()(_frozen(uses.Net()))
+    assert torch.equal(model(X), X * 2)  # keyed by the submodule's code, in either order; its __getattr__ is not read
+    assert b"__getattr__" not in KeyEncoder("remedy").encode(uses.Net, "cls")
+
+
+def test_a_name_defined_where_a_modules_getattr_made_it_is_seen(tmp_path: Path, modules: list[str]) -> None:
+    modules.extend(["makes_names", "uses_made_names"])
+    made = load_module(tmp_path / "makes_names.py", "makes_names", "def __getattr__(name):\n    return 2.0\n")
+    source = _NET.format(imports="import makes_names", body="x * makes_names.scale")
+    uses = load_module(tmp_path / "uses_made_names.py", "uses_made_names", source)
+    model = torchcache()(_frozen(uses.Net()))
+    assert torch.equal(model(X), X * 2.0)
+    made.scale = 10.0  # now a name of the module, in front of its __getattr__
+    assert torch.equal(model(X), X * 10.0)
+
+
+def test_a_class_of_the_users_named_after_an_installed_module_is_keyed_by_its_code() -> None:
+    class Disguised(nn.Module):
+        __module__ = "torch.nn"  # for a shorter repr
+
+        def scale(self) -> float:
+            return 2.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale()
+
+    before = KeyEncoder("remedy").encode(Disguised, "cls")
+    Disguised.scale = lambda self: 3.0  # type: ignore[method-assign]
+    assert KeyEncoder("remedy").encode(Disguised, "cls") != before
+    assert KeyEncoder("remedy").encode(nn.Linear, "cls") == KeyEncoder("remedy").encode(nn.Linear, "cls")
+
+
+_HELPER_SCALE = 2.0
+
+
+def _scaled_helper(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x * _HELPER_SCALE
+
+
+class _CallsHelper(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scaled_helper(x)  # type: ignore[operator]
+
+
+class _Plain(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_helper_of_the_users_put_on_nn_module_is_keyed_where_forward_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = torchcache()(_Plain())
+    before = plain.cache_instance.module_hash
+    monkeypatch.setattr(nn.Module, "scaled_helper", _scaled_helper, raising=False)
+    assert torchcache()(_Plain()).cache_instance.module_hash == before  # not read: keys stay
+    model = torchcache()(_CallsHelper())
+    assert torch.equal(model(X), X * 2.0)
+    monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 3.0)  # a global the helper reads: seen
+    assert torch.equal(model(X), X * 3.0)

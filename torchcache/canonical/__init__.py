@@ -11,7 +11,8 @@ kind has a tag of its own in :mod:`~torchcache.canonical.tags`.
 from __future__ import annotations
 
 from .modules import MODULE_MANAGED, OBSERVER_HOOKS, module_attributes, module_hooks
-from .objects import CONFIG_UNKEYED, INFERENCE_MODE_READ, collecting, tensor_content_digest
+from .notes import INFERENCE_MODE_READ
+from .objects import CONFIG_UNKEYED, collecting, tensor_content_digest
 from .origins import origin_of_module
 from .pending import deferring
 from .values import KeyEncoder, encode_key_value

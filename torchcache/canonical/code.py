@@ -24,7 +24,8 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .objects import INFERENCE_MODE_READ, Binding, collect, note_mode_read
+from .notes import INFERENCE_MODE_READ, names_read, note_mode_read, note_names
+from .objects import Binding, collect
 from .origins import (
     OWN_PACKAGE,
     extension_digest,
@@ -73,6 +74,7 @@ class Scan(NamedTuple):
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
     modal: bool = False  # it names a check of inference mode (is_inference_mode_enabled, is_inference)
+    names: frozenset[str] = frozenset()  # the names it reads: globals and attributes (self.helper)
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -87,8 +89,10 @@ def scan_code(code: types.CodeType) -> Scan:
         chains: _Chains = set()
         imports: _Imports = set()
         described = _describe(code, chains, imports, 0)
-        modal = any(_MODE_CHECKS & {*inner.co_names, *inner.co_consts} for inner in _codes_in(code))
-        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), modal)
+        codes = list(_codes_in(code))
+        modal = any(_MODE_CHECKS & {*inner.co_names, *inner.co_consts} for inner in codes)
+        names = frozenset(name for inner in codes for name in inner.co_names)
+        found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), modal, names)
     return found
 
 
@@ -288,6 +292,7 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         parts.append(scan.described)
         if scan.modal:  # a branch on inference mode: its calls are keyed by it
             collect(INFERENCE_MODE_READ)
+        note_names(scan.names)
         for member in ("__code__", "__defaults__", "__kwdefaults__"):  # replaced later: the key is taken again
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
@@ -365,6 +370,7 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
     """
     top = klass.__module__.partition(".")[0]
     bases = [vars(base) for base in klass.__mro__[1:] if base is not object]
+    read = names_read()  # by the user's code keyed so far (self.helper(x)): a helper of the user's put there
     parts = []
     for member, value in sorted(vars(klass).items()):
         func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
@@ -373,7 +379,8 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
         own = func.__qualname__ in (f"{klass.__qualname__}.{member}", f"{klass.__qualname__}.{func.__name__}")
         if (func.__module__ or "").partition(".")[0] == top and (own or "." not in func.__qualname__):
             continue  # its package's own (nn.GELU.forward = nn.SiLU.forward is not)
-        if member == "forward" or any(member in base for base in bases):
+        users = read is not None and member in read and not is_installed_file(func.__code__.co_filename)
+        if member == "forward" or any(member in base for base in bases) or users:
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
             collect(Binding(vars(klass), member, value))  # replaced again later: a new key
     return b"".join(parts)

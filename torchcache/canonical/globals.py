@@ -13,7 +13,8 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KeyingError
-from .objects import Binding, collect, note_mode_read
+from .notes import note_mode_read
+from .objects import Binding, collect
 from .operators import encode_operator
 from .origins import is_users_object, origin_of_module
 from .pending import import_for_key, missing_global, names_modules
@@ -87,6 +88,7 @@ def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
 
 def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: str, depth: int) -> bytes:
     """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
+    made = b""  # the __getattr__ of the user modules passed through
     for i, attribute in enumerate(attributes):
         if not isinstance(value, types.ModuleType):
             break
@@ -101,26 +103,31 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 collect(Binding(scope, attributes[-1], member))
             note_mode_read(member)  # torch.is_inference_mode_enabled: its calls are keyed by the mode
             put = _put_there(member, attributes[-1], str(scope.get("__name__", "")))
-            return encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
+            found = encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
+            return made + found
         if attribute not in namespace:
-            if f"{value.__name__}.{attribute}" in sys.modules:  # a submodule not yet bound
-                value = sys.modules[f"{value.__name__}.{attribute}"]
+            submodule = f"{value.__name__}.{attribute}"
+            maker = namespace.get("__getattr__")
+            if submodule not in sys.modules and callable(maker):  # a module that makes names as read (PEP 562)
+                try:
+                    found = getattr(value, attribute)
+                except Exception:  # noqa: BLE001 - not one it makes: missing, as forward would find it
+                    return made + tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
+                if found is not sys.modules.get(submodule):  # a name it made (not a submodule it imported): by both
+                    collect(Binding(namespace, "__getattr__", maker))
+                    collect(Binding(namespace, attribute, None))  # defined there later (pkg.SCALE = 10): seen
+                    made += encoder.child(maker, f"{path}.__getattr__", depth)
+                    value, path = found, f"{path}.{attribute}"
+                    continue
+            if submodule in sys.modules:  # a submodule not yet bound
+                value = sys.modules[submodule]
                 path = f"{path}.{attribute}"
                 continue
-            maker = namespace.get("__getattr__")
-            if callable(maker):  # a module that makes names as they are read (PEP 562): by it and what it gives
-                try:
-                    value = getattr(value, attribute)
-                except Exception:  # noqa: BLE001 - not one it makes: missing, as forward would find it
-                    return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
-                collect(Binding(namespace, "__getattr__", maker))
-                made = encoder.child(maker, f"{path}.__getattr__", depth)
-                return made + _follow(encoder, value, attributes[i + 1 :], f"{path}.{attribute}", depth)
-            return tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
+            return made + tagged(Tag.GLOBAL_MISSING, ".".join(attributes[: i + 1]).encode())
         value = namespace[attribute]
         collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
         path = f"{path}.{attribute}"
-    return encoder.child(value, path, depth)
+    return made + encoder.child(value, path, depth)
 
 
 def _put_there(member: object, name: str, module: str) -> bool:

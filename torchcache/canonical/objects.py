@@ -23,7 +23,7 @@ import xxhash
 
 from ..dtypes import standard_strides
 from ..errors import KeyingError
-from .notes import Notes
+from .notes import FOUND as _found
 from .tags import Tag, raw, tagged, text
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_UNKEYED",
-    "INFERENCE_MODE_READ",
     "Binding",
     "collect",
     "collecting",
@@ -43,7 +42,6 @@ __all__ = [
     "encode_state",
     "encode_tensor",
     "extra_state",
-    "note_mode_read",
     "slot_values",
     "tensor_content_digest",
 ]
@@ -221,26 +219,12 @@ def _encode_reduced(encoder: Encoder, value: Any, cls_encoding: bytes, reduced: 
     return tagged(Tag.OBJECT, b"".join(parts))
 
 
-_found = Notes()
-
-
 def collecting() -> contextlib.AbstractContextManager[list[Any]]:
     """Collect the tensors and numpy arrays encoded by content, and modules held as values, in the block (this thread).
 
     A key covers them as they were; whoever holds the key watches them for in-place writes.
     """
     return _found.block()
-
-
-#: Noted (:func:`collect`) where the code a key covers reads ``torch.is_inference_mode_enabled``: a forward that
-#: branches on it has its calls keyed by inference mode (others share entries between it and ``no_grad``).
-INFERENCE_MODE_READ = object()
-
-
-def note_mode_read(value: object) -> None:
-    """Note :data:`INFERENCE_MODE_READ` if ``value`` is the function that reads inference mode."""
-    if value is torch.is_inference_mode_enabled:
-        collect(INFERENCE_MODE_READ)
 
 
 def collect(value: object) -> None:

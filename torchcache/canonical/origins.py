@@ -19,6 +19,7 @@ import os
 import site
 import sys
 import sysconfig
+import types
 
 import xxhash
 
@@ -184,17 +185,24 @@ def is_users_object(member: object) -> bool:
 
 
 def made_elsewhere(klass: type) -> bool:
-    """Whether a class names a module of the standard library that does not hold it: the user's.
+    """Whether a class names a module that does not hold it, and holds functions of the user's files: the user's.
 
-    ``types.new_class`` and ``make_dataclass`` give the classes they make such a name
-    (``types.K``): their methods are the user's code, keyed as a class of the user's is.
+    ``types.new_class`` and ``make_dataclass`` name the classes they make after the
+    standard library (``types.K``), and a class may say ``__module__ = "torch.nn"`` for
+    its repr: their methods are the user's code, keyed as a class of the user's is.
     """
-    if klass.__module__.partition(".")[0] not in sys.stdlib_module_names:
-        return False
     found: object = sys.modules.get(klass.__module__)
     for part in klass.__qualname__.split("."):
-        found = getattr(found, part, None)
-    return found is not klass
+        found = vars(found).get(part) if isinstance(found, (types.ModuleType, type)) else None  # no __getattr__ runs
+    if found is klass:
+        return False
+    funcs = (v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values())
+    return any(isinstance(f, types.FunctionType) and _users_file(f.__code__.co_filename) for f in funcs)
+
+
+def _users_file(filename: str) -> bool:
+    """Whether ``filename`` is a file of the user's (not one exec made, nor an installed one)."""
+    return not filename.startswith("<") and not is_installed_file(filename)
 
 
 _files: dict[tuple[str, int, int], str] = {}

@@ -48,7 +48,7 @@ def make_subclass(cls: type[torch.nn.Module], namespace: dict[str, Any]) -> type
                 type.__setattr__(cls, "__init_subclass__", own)
 
 
-_making = threading.Lock()
+_making = threading.RLock()  # a metaclass may wrap another module as the class is made
 
 
 def _no_hook(cls: type, /, **kwargs: Any) -> None:
