@@ -103,8 +103,8 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
                 collect(Binding(scope, attributes[-1], member))
             note_mode_read(member)  # torch.is_inference_mode_enabled: its calls are keyed by the mode
             put = _put_there(member, attributes[-1], str(scope.get("__name__", "")))
-            found = encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
-            return made + found
+            keyed = encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
+            return made + keyed
         if attribute not in namespace:
             submodule = f"{value.__name__}.{attribute}"
             maker = namespace.get("__getattr__")
