@@ -1453,12 +1453,16 @@ _NET = "from torch import nn\n{imports}\nclass Net(nn.Module):\n    def forward(
             {"new_class": "import types\ndef act(s, x):\n    return x - {}\nK = types.new_class('K')\nK.act = act\n"},
             ("from new_class import K", "K().act(x)"),
         ),
+        (  # a value in a class make_dataclass made (its __module__ is "types" on Python 3.11)
+            {"made_dc": "import dataclasses\nCfg = dataclasses.make_dataclass('Cfg', [], namespace={{'k': {}.0}})\n"},
+            ("from made_dc import Cfg", "x * Cfg().k"),
+        ),
         (  # a property of the user's metaclass
             {"meta": "class Meta(type):\n    @property\n    def factor(cls):\n        return {}.0\n"},
             ("from meta import Meta", "x * type(self).factor"),
         ),
     ],
-    ids=["module_getattr", "reexported", "new_class", "metaclass"],
+    ids=["module_getattr", "reexported", "new_class", "make_dataclass", "metaclass"],
 )
 def test_code_reached_past_a_modules_names_is_keyed_by_its_code(
     tmp_path: Path, modules: list[str], files: dict[str, str], read: tuple[str, str]
@@ -1579,9 +1583,14 @@ class _CallsHelper(nn.Module):
         return self.scaled_helper(x)  # type: ignore[operator]
 
 
+class _CallsHelperByName(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "scaled_helper")(x)  # type: ignore[no-any-return]  # noqa: B009 - read by its name
+
+
 class _Plain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+        return torch.log(x.exp()) * 2  # log read off torch and off a tensor, not off a module
 
 
 def test_a_helper_of_the_users_put_on_nn_module_is_keyed_where_forward_reads_it(
@@ -1590,8 +1599,16 @@ def test_a_helper_of_the_users_put_on_nn_module_is_keyed_where_forward_reads_it(
     plain = torchcache()(_Plain())
     before = plain.cache_instance.module_hash
     monkeypatch.setattr(nn.Module, "scaled_helper", _scaled_helper, raising=False)
-    assert torchcache()(_Plain()).cache_instance.module_hash == before  # not read: keys stay
-    model = torchcache()(_CallsHelper())
-    assert torch.equal(model(X), X * 2.0)
-    monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 3.0)  # a global the helper reads: seen
-    assert torch.equal(model(X), X * 3.0)
+    monkeypatch.setattr(nn.Module, "log", lambda self, text: print(text, file=sys.stderr), raising=False)
+    assert torchcache()(_Plain()).cache_instance.module_hash == before  # neither read: keys stay
+    for calls in (_CallsHelper, _CallsHelperByName):
+        monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 2.0)
+        model = torchcache()(calls())
+        unread = model.cache_instance.module_hash  # the key the first call takes, read before it
+        assert torch.equal(model(X), X * 2.0) and model.cache_instance.module_hash == unread
+        monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 3.0)  # a global the helper reads: seen
+        assert torch.equal(model(X), X * 3.0)
+    ignoring = torchcache(key_ignore=("scaled_helper",))(_CallsHelper())
+    key = ignoring.cache_instance.module_hash
+    monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 4.0)
+    assert ignoring.cache_instance.module_hash == key  # named in key_ignore: left out

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import KeyingError
 from .globals import encode_globals
-from .notes import INFERENCE_MODE_READ, names_read, note_mode_read, note_names
+from .notes import INFERENCE_MODE_READ, note_mode_read
 from .objects import Binding, collect
 from .origins import (
     OWN_PACKAGE,
@@ -35,6 +35,7 @@ from .origins import (
     origin_of_module,
     version_of,
 )
+from .reads import reads_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -65,6 +66,10 @@ class Encoder(Protocol):
     def ignored(self, path: str, name: str) -> bool:
         """Whether ``name`` at ``path`` is declared as not changing outputs."""
 
+    #: The attributes the user's code encoded so far reads (``self.helper``): such a helper of the user's put
+    #: on an installed class is keyed.
+    names: set[str]
+
 
 # -- code objects ----------------------------------------------------------------------------------------
 class Scan(NamedTuple):
@@ -74,7 +79,7 @@ class Scan(NamedTuple):
     chains: tuple[tuple[str, ...], ...]  # global names, each with the attributes read from it
     imports: tuple[tuple[str, int, tuple[str, ...]], ...]  # (module, level, names taken from it)
     modal: bool = False  # it names a check of inference mode (is_inference_mode_enabled, is_inference)
-    names: frozenset[str] = frozenset()  # the names it reads: globals and attributes (self.helper)
+    names: frozenset[str] = frozenset()  # attributes it reads off other than a global (self.helper), and strings
 
 
 _Chains = set[tuple[str, ...]]  # global names, each with the attributes read from it
@@ -89,23 +94,9 @@ def scan_code(code: types.CodeType) -> Scan:
         chains: _Chains = set()
         imports: _Imports = set()
         described = _describe(code, chains, imports, 0)
-        codes = list(_codes_in(code))
-        modal = any(_MODE_CHECKS & {*inner.co_names, *inner.co_consts} for inner in codes)
-        names = frozenset(name for inner in codes for name in inner.co_names)
+        modal, names = reads_of(code)
         found = _scans[code] = Scan(described, tuple(sorted(chains)), tuple(sorted(imports)), modal, names)
     return found
-
-
-#: Names whose read in a user's code keys calls by inference mode (``h.is_inference()`` too).
-_MODE_CHECKS = frozenset({"is_inference_mode_enabled", "is_inference"})
-
-
-def _codes_in(code: types.CodeType) -> Iterator[types.CodeType]:
-    """``code`` and the code objects nested in it (lambdas, comprehensions, inner functions)."""
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes_in(const)
 
 
 def _describe(code: types.CodeType, chains: _Chains, imports: _Imports, depth: int) -> bytes:
@@ -292,7 +283,7 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         parts.append(scan.described)
         if scan.modal:  # a branch on inference mode: its calls are keyed by it
             collect(INFERENCE_MODE_READ)
-        note_names(scan.names)
+        encoder.names.update(scan.names)
         for member in ("__code__", "__defaults__", "__kwdefaults__"):  # replaced later: the key is taken again
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))
@@ -370,7 +361,6 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
     """
     top = klass.__module__.partition(".")[0]
     bases = [vars(base) for base in klass.__mro__[1:] if base is not object]
-    read = names_read()  # by the user's code keyed so far (self.helper(x)): a helper of the user's put there
     parts = []
     for member, value in sorted(vars(klass).items()):
         func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
@@ -379,7 +369,9 @@ def _patched_members(encoder: Encoder, klass: type, path: str, depth: int) -> by
         own = func.__qualname__ in (f"{klass.__qualname__}.{member}", f"{klass.__qualname__}.{func.__name__}")
         if (func.__module__ or "").partition(".")[0] == top and (own or "." not in func.__qualname__):
             continue  # its package's own (nn.GELU.forward = nn.SiLU.forward is not)
-        users = read is not None and member in read and not is_installed_file(func.__code__.co_filename)
+        # a helper of the user's put there, that the user's code keyed so far reads (self.helper(x))
+        users = member in encoder.names and not encoder.ignored(path, member)
+        users = users and not is_installed_file(func.__code__.co_filename)
         if member == "forward" or any(member in base for base in bases) or users:
             parts.append(text(member) + _class_member(encoder, value, f"{path}.{member}", depth))
             collect(Binding(vars(klass), member, value))  # replaced again later: a new key

@@ -3,8 +3,7 @@
 Encoding a key is a deep walk; what the caller must learn from it besides the key's bytes
 (the tensors to watch for in-place writes, the globals not defined yet, a read of inference
 mode) is noted on a :class:`Notes` while a :meth:`Notes.block` is open in the thread, and
-dropped otherwise; so are the names the user's code reads, which decide whether a helper
-of the user's put on an installed class is part of the key.
+dropped otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOUND", "INFERENCE_MODE_READ", "Notes", "names_read", "note_mode_read", "note_names"]
+__all__ = ["FOUND", "INFERENCE_MODE_READ", "Notes", "note_mode_read"]
 
 
 class Notes(threading.local):
@@ -32,19 +31,16 @@ class Notes(threading.local):
     """
 
     noted: list[Any] | None = None
-    #: The names the code encoded in the open block reads (attributes and globals), if one is open.
-    names: set[str] | None = None
 
     @contextlib.contextmanager
     def block(self, active: bool = True) -> Iterator[list[Any]]:
         """Note what :meth:`add` gets in the block (if ``active``); an outer block's list comes back after it."""
-        previous, noted, names = self.noted, list[Any](), self.names
+        previous, noted = self.noted, list[Any]()
         self.noted = noted if active else None
-        self.names = set() if active else None
         try:
             yield noted
         finally:
-            self.noted, self.names = previous, names
+            self.noted = previous
 
     def add(self, value: Any) -> None:
         """Note ``value`` in the open block, if any."""
@@ -64,14 +60,3 @@ def note_mode_read(value: object) -> None:
     """Note :data:`INFERENCE_MODE_READ` if ``value`` is the function that reads inference mode."""
     if value is torch.is_inference_mode_enabled:
         FOUND.add(INFERENCE_MODE_READ)
-
-
-def note_names(names: frozenset[str]) -> None:
-    """Note the names a piece of the user's code reads (:attr:`Notes.names`), in the open block if any."""
-    if FOUND.names is not None:
-        FOUND.names.update(names)
-
-
-def names_read() -> set[str] | None:
-    """The names the user's code keyed so far in the open block reads; ``None`` outside one."""
-    return FOUND.names

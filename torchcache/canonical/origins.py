@@ -185,17 +185,19 @@ def is_users_object(member: object) -> bool:
 
 
 def made_elsewhere(klass: type) -> bool:
-    """Whether a class names a module that does not hold it, and holds functions of the user's files: the user's.
+    """Whether a class names a module that does not hold it: the user's, keyed as a class of the user's is.
 
     ``types.new_class`` and ``make_dataclass`` name the classes they make after the
-    standard library (``types.K``), and a class may say ``__module__ = "torch.nn"`` for
-    its repr: their methods are the user's code, keyed as a class of the user's is.
+    standard library (``types.K``); a class of a package named so holds functions of the
+    user's files (``__module__ = "torch.nn"`` for a shorter repr).
     """
     found: object = sys.modules.get(klass.__module__)
     for part in klass.__qualname__.split("."):
         found = vars(found).get(part) if isinstance(found, (types.ModuleType, type)) else None  # no __getattr__ runs
     if found is klass:
         return False
+    if klass.__module__.partition(".")[0] in sys.stdlib_module_names:  # types.new_class, make_dataclass
+        return True
     funcs = (v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values())
     return any(isinstance(f, types.FunctionType) and _users_file(f.__code__.co_filename) for f in funcs)
 

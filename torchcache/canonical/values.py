@@ -83,10 +83,10 @@ class KeyEncoder:
         self._memo: dict[int, bytes] = {}
         self._alive: list[object] = []  # keeps memoized objects alive, so their ids stay theirs
         self._plain: dict[type, bytes | None] = {}  # classes whose instances are their __dict__
-        self._nodes = 0
-        self._streaming = 0
+        self._nodes = self._streaming = 0
         self._root = root
         self.walked = 0  #: entries of directories keyed by their files so far (``files``)
+        self.names: set[str] = set()  #: attributes the user's code read (self.helper): helpers on installed classes
 
     # -- the entry points ---------------------------------------------------------------------------
     def encode(self, value: object, path: str) -> bytes:
