@@ -162,6 +162,19 @@ def test_inference_mode_is_keyed_where_the_code_reads_it(first_in_inference_mode
     assert plain.cache_instance.stats().hits == len(x)
 
 
+def test_an_input_made_under_inference_mode_is_keyed_apart_where_the_code_asks() -> None:
+    @torchcache(check_items=False)  # the check's rows, taken under inference mode, are inference tensors
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * (3 if x.is_inference() else 2)
+
+    plain = torch.arange(4.0).reshape(4, 1)
+    with torch.inference_mode():
+        made = torch.arange(4.0).reshape(4, 1)
+        assert torch.equal(scaled(made), plain * 3)
+        assert torch.equal(scaled(plain), plain * 2)  # the same values, not an inference tensor
+    assert scaled.cache_instance.stats().hits == 0
+
+
 class QuantizedLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()

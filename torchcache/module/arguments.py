@@ -267,8 +267,9 @@ class CallSplitter:
     def refresh(self, inference_read: bool = False) -> None:
         """Take the signature again (its defaults may have been replaced: ``fn.__defaults__ = ...``).
 
-        ``inference_read``: the callable's code reads ``torch.is_inference_mode_enabled()``, so
-        its calls are keyed by inference mode.
+        ``inference_read``: the callable's code reads ``torch.is_inference_mode_enabled()`` or
+        a tensor's ``is_inference()``, so its calls are keyed by inference mode and by which
+        of their tensors are inference tensors.
         """
         self._inference_read = inference_read
         self.signature = signature = self._signature_of()
@@ -316,8 +317,6 @@ class CallSplitter:
             raise UncachedInput("forward-mode AD is active (forward_ad.dual_level): a hit would drop tangents")
         if _in_transform() is not None:
             raise UncachedInput("a torch.func transform (vmap, grad, jvp) is active: its tensors have no storage")
-        if self._inference_read and torch.is_inference_mode_enabled():  # a forward that branches on it
-            context.add(b"inference_mode")
         positional = self._positional
         passed: set[str] | None = None
         if self._simple and not kwargs and len(args) == len(positional):
@@ -344,6 +343,9 @@ class CallSplitter:
                 splitter.add_shared(name, value)
             else:
                 splitter.add(name, name, value)
+        if self._inference_read:  # a forward that branches on inference mode, or on inputs made under it
+            inference = bytes(t.is_inference() for t in (*splitter.tensors, *splitter.shared_tensors))
+            context.add(b"inference:%d:" % torch.is_inference_mode_enabled() + inference)
         if not splitter.tensors:
             raise KeyingError(
                 "torchcache needs at least one per-item tensor argument shaped (batch, ...) to key items by"
