@@ -11,6 +11,7 @@ import gc
 import importlib.util
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -1588,6 +1589,11 @@ class _CallsHelperByName(nn.Module):
         return getattr(self, "scaled_helper")(x)  # type: ignore[no-any-return]  # noqa: B009 - read by its name
 
 
+class _CallsHelperOffTheClass(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.Module.scaled_helper(self, x)  # type: ignore[no-any-return,operator]
+
+
 class _Plain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(x.exp()) * 2  # log read off torch and off a tensor, not off a module
@@ -1601,14 +1607,32 @@ def test_a_helper_of_the_users_put_on_nn_module_is_keyed_where_forward_reads_it(
     monkeypatch.setattr(nn.Module, "scaled_helper", _scaled_helper, raising=False)
     monkeypatch.setattr(nn.Module, "log", lambda self, text: print(text, file=sys.stderr), raising=False)
     assert torchcache()(_Plain()).cache_instance.module_hash == before  # neither read: keys stay
-    for calls in (_CallsHelper, _CallsHelperByName):
-        monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 2.0)
-        model = torchcache()(calls())
+    models = [torchcache()(calls()) for calls in (_CallsHelper, _CallsHelperByName, _CallsHelperOffTheClass)]
+    for model in models:
         unread = model.cache_instance.module_hash  # the key the first call takes, read before it
         assert torch.equal(model(X), X * 2.0) and model.cache_instance.module_hash == unread
-        monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 3.0)  # a global the helper reads: seen
-        assert torch.equal(model(X), X * 3.0)
+    monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 3.0)  # a global the helper reads: seen by each
+    with pytest.warns(CacheWarning, match="'_HELPER_SCALE' .* rebound 3 times"):
+        assert all(torch.equal(model(X), X * 3.0) for model in models)
     ignoring = torchcache(key_ignore=("scaled_helper",))(_CallsHelper())
     key = ignoring.cache_instance.module_hash
     monkeypatch.setattr(f"{__name__}._HELPER_SCALE", 4.0)
     assert ignoring.cache_instance.module_hash == key  # named in key_ignore: left out
+
+
+def test_what_code_reads_by_name_and_which_classes_are_made_elsewhere() -> None:
+    from torchcache.canonical.origins import made_elsewhere
+    from torchcache.canonical.reads import reads_of
+
+    def keyed_by_strings(self: Any, x: Any) -> Any:
+        return {"log": x}["log"] + getattr(self, "helper")(x)  # noqa: B009
+
+    def dict_keys_only(x: Any) -> Any:
+        return {"log": x}["log"] + x.exp()
+
+    assert reads_of(keyed_by_strings.__code__)[1] >= {"log", "helper"}
+    assert "log" not in reads_of(dict_keys_only.__code__)[1] and "exp" in reads_of(dict_keys_only.__code__)[1]
+    made = types.new_class("Made")
+    made.act = lambda self, x: x
+    assert made_elsewhere(made)  # __module__ "types", which does not hold it
+    assert not any(made_elsewhere(t) for t in (type(None), type(lambda: 0), type(threading.Lock()), nn.Linear))

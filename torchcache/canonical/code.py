@@ -35,7 +35,7 @@ from .origins import (
     origin_of_module,
     version_of,
 )
-from .reads import reads_of
+from .reads import names_off_objects, reads_of
 from .tags import Tag, raw, tagged, text
 
 __all__ = ["Encoder", "encode_builtin", "encode_class", "encode_function", "encode_python_module", "scan_code"]
@@ -283,7 +283,7 @@ def encode_function(encoder: Encoder, fn: types.FunctionType, path: str, depth: 
         parts.append(scan.described)
         if scan.modal:  # a branch on inference mode: its calls are keyed by it
             collect(INFERENCE_MODE_READ)
-        encoder.names.update(scan.names)
+        encoder.names.update(scan.names, names_off_objects(fn.__globals__, scan.chains))
         for member in ("__code__", "__defaults__", "__kwdefaults__"):  # replaced later: the key is taken again
             collect(Binding(Attributes(fn, f"{member} of {fn.__qualname__}"), member, getattr(fn, member)))
     parts.append(encoder.child(fn.__defaults__ or (), f"{path}.__defaults__", depth))

@@ -184,6 +184,9 @@ def is_users_object(member: object) -> bool:
     return isinstance(module, str) and origin_of_module(module) is None
 
 
+_HEAP_TYPE = 1 << 9  #: Py_TPFLAGS_HEAPTYPE: a class made at run time, not one built into the interpreter
+
+
 def made_elsewhere(klass: type) -> bool:
     """Whether a class names a module that does not hold it: the user's, keyed as a class of the user's is.
 
@@ -196,9 +199,10 @@ def made_elsewhere(klass: type) -> bool:
         found = vars(found).get(part) if isinstance(found, (types.ModuleType, type)) else None  # no __getattr__ runs
     if found is klass:
         return False
+    funcs = [v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values()]
     if klass.__module__.partition(".")[0] in sys.stdlib_module_names:  # types.new_class, make_dataclass
-        return True
-    funcs = (v.__func__ if isinstance(v, (staticmethod, classmethod)) else v for v in vars(klass).values())
+        # made at run time with Python code (not NoneType, function or _thread.lock, which no module exposes)
+        return bool(klass.__flags__ & _HEAP_TYPE) and any(isinstance(f, types.FunctionType) for f in funcs)
     return any(isinstance(f, types.FunctionType) and _users_file(f.__code__.co_filename) for f in funcs)
 
 
