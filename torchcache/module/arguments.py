@@ -248,9 +248,12 @@ class CallSplitter:
 
     Args:
         signature: Gives the signature of the wrapped callable (without ``self``), with
-            the defaults it has now: taken again by :meth:`refresh`.
+            the defaults it has now: taken again by :meth:`renewed`.
         shared: Argument names whose tensors are the same for the whole batch.
         dims: Argument names whose batch dimension is not the first.
+        inference_read: The callable's code reads ``torch.is_inference_mode_enabled()`` or a
+            tensor's ``is_inference()``: its calls are keyed by inference mode and by which of
+            their tensors are inference tensors.
     """
 
     def __init__(
@@ -258,22 +261,14 @@ class CallSplitter:
         signature: Callable[[], inspect.Signature],
         shared: Collection[str] = (),
         dims: Mapping[str, int] | None = None,
+        inference_read: bool = False,
     ) -> None:
         self._signature_of = signature
         self.shared = shared
         self.dims = dims or {}
-        self.refresh()
-
-    def refresh(self, inference_read: bool = False) -> None:
-        """Take the signature again (its defaults may have been replaced: ``fn.__defaults__ = ...``).
-
-        ``inference_read``: the callable's code reads ``torch.is_inference_mode_enabled()`` or
-        a tensor's ``is_inference()``, so its calls are keyed by inference mode and by which
-        of their tensors are inference tensors.
-        """
         self._inference_read = inference_read
-        self.signature = signature = self._signature_of()
-        params = list(signature.parameters.values())
+        self.signature = self._signature_of()
+        params = list(self.signature.parameters.values())
         self._kinds = {p.name: p.kind for p in params}
         self._check_names(params)
         positional = [p.name for p in params if p.kind in _POSITIONAL]
@@ -281,6 +276,10 @@ class CallSplitter:
         self._positional = positional
         # Calls that pass every parameter positionally need no binding (the common case).
         self._simple = len(positional) == len(params)
+
+    def renewed(self, inference_read: bool) -> CallSplitter:
+        """A splitter like this one with the signature taken again (``fn.__defaults__ = ...``): swapped whole."""
+        return CallSplitter(self._signature_of, self.shared, self.dims, inference_read)
 
     def _check_names(self, params: list[inspect.Parameter]) -> None:
         """Names in ``shared_args`` and ``batch_dims`` must be arguments (a typo would slice silently)."""

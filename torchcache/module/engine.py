@@ -194,7 +194,7 @@ class Cache:
         """Fingerprint, and watch the tensors and arrays the key read by content for in-place writes."""
         with collecting() as found:
             key = self._fingerprint()
-        self._splitter.refresh(any(v is INFERENCE_MODE_READ for v in found))  # the defaults it binds: seen anew
+        self._splitter = self._splitter.renewed(any(v is INFERENCE_MODE_READ for v in found))  # defaults anew
         owner = self._watch.module() if self._watch is not None else None
         held = HeldValues(found, owner) if self.settings.persistent_module_hash is None else None
         self._held = (held.frozen(self.name) if frozen else held) if held else None
