@@ -474,3 +474,17 @@ def test_a_per_item_tensor_declared_shared_fails_on_a_partial_hit_saying_how_it_
         scaled(torch.cat([x[:2], torch.randn(2, 3)]), gains)  # two hits, two items computed with all four gains
     (note,) = info.value.__notes__
     assert "on 2 of the batch's 4 items" in note and "shared_args=['gains']" in note
+
+
+class _SeesAChangeWhileItRuns(nn.Module):
+    """As if another thread saw a change to the weights while this forward ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache_instance.weights_changed()  # what another thread's call does when it sees a write
+        return x * 2
+
+
+def test_rows_computed_while_a_change_was_seen_are_returned_but_not_stored() -> None:
+    model, x = torchcache()(_SeesAChangeWhileItRuns()), torch.randn(4, 3)
+    assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.stats().memory.entries == 0  # computed as the state moved: not under the old key

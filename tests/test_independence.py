@@ -845,3 +845,13 @@ def test_dropout_inside_a_torchscript_child_is_known_by_its_original_name() -> N
     model = torchcache(persistent_module_hash="scripted-v1")(_Scripted().requires_grad_(False).train())
     with pytest.warns(CacheWarning, match=r"inner.1 \(RecursiveScriptModule, p=0.02\) draws at random"):
         model(torch.randn(4, 4))
+
+
+def test_a_context_cleared_by_another_threads_rekey_is_checked_again_not_a_key_error() -> None:
+    from torchcache.faults import FaultLog
+    from torchcache.module.independence import ItemCheck
+
+    items = ItemCheck("model", True, FaultLog("model"))
+    items.passed[b"context"] = (4, 0)
+    items.reset()  # what a re-key on another thread does between a call's two reads
+    assert items.again(b"context", 4, 0)

@@ -459,7 +459,8 @@ class Cache:
                 call.refuse_written(self.name, unchanged)  # a hit does not run forward: the input would stay as it was
             else:
                 computed = call.compute_rows(fn, missing, self.name)
-            fresh = self._items.state_kept(self.name, (self._watch, self._held), call.training)
+            watches = (self._watch, self._held)  # and no change seen since the key was taken (another thread's re-key)
+            fresh = self._items.state_kept(self.name, watches, call.training) and call.keyed == self._changes
             if not fresh and whole:
                 self._count(misses=batch)
                 return computed
@@ -528,11 +529,10 @@ class Cache:
 
     def _check_due(self, call: CallArguments, computed: int = 0) -> bool:
         """Whether the call's items are to be checked (one item: only when computed, to see randomness)."""
-        items, context = self._items, call.context  # ItemCheck's fields: no call on the hit path
-        if context in items.passed:  # and checked again: in a larger batch, or after SPOT_ITEMS computed
-            due = computed > 0 or call.batch > items.passed[context][0]
-            return due and items.again(context, call.batch, computed)
-        return items.enabled and (call.batch > 1 or (computed > 0 and context not in items.alone))
+        found = self._items.passed.get(call.context)  # read once: another thread's re-key may clear it
+        if found is not None:  # and checked again: in a larger batch, or after SPOT_ITEMS computed
+            return (computed > 0 or call.batch > found[0]) and self._items.again(call.context, call.batch, computed)
+        return self._items.enabled and (call.batch > 1 or (computed > 0 and call.context not in self._items.alone))
 
     def _verify_items(
         self, fn: Any, call: CallArguments, layout: Layout, rows: list[Any], keys: list[bytes], cached: bool = True

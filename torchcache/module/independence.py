@@ -119,7 +119,7 @@ class ItemCheck:
 
     def again(self, context: bytes, batch: int, computed: int) -> bool:
         """Whether a call of a context that passed, computing ``computed`` of its ``batch`` items, is checked again."""
-        largest, since = self.passed[context]
+        largest, since = self.passed.get(context, (0, 0))  # cleared by another thread's re-key: checked again
         if batch > largest or since + computed >= SPOT_ITEMS:
             # rows from the cache in a larger batch: only the whole batch computed shows what it would pool
             self.whole = batch > largest and computed < batch
