@@ -104,6 +104,13 @@ def test_an_output_with_attributes_set_on_it_or_nested_is_refused_rather_than_re
     with pytest.raises(KeyingError, match=r"output\[1\]: is a tensor with attributes set on it \(format\)"):
         torchcache()(with_format)(X)
 
+    def with_compile_hints(x: torch.Tensor) -> torch.Tensor:
+        doubled = x * 2
+        doubled._dynamo_dynamic_indices = {0}  # type: ignore[attr-defined]  # torch._dynamo.mark_dynamic's: no loss
+        return doubled
+
+    assert torch.equal(torchcache()(with_compile_hints)(X), X * 2)
+
     def nested(x: torch.Tensor) -> torch.Tensor:
         return torch.nested.as_nested_tensor(list(x))
 

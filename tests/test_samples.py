@@ -554,3 +554,14 @@ def test_a_sample_header_too_large_to_keep_is_parsed_again_not_kept(monkeypatch:
     for n in range(3_000, 12_000, 1_000):  # more of them: the oldest go, the bytes kept stay bounded
         decode.decode_sample(encode_sample(tuple(float(i) for i in range(n))))
         assert decode._plan_bytes <= decode._PLAN_HEADER_BYTES
+
+
+def test_libraries_bookkeeping_flags_on_a_tensor_are_no_loss_but_an_attribute_of_yours_is() -> None:
+    flagged = torch.ones(2)
+    flagged._is_hf_initialized = True  # type: ignore[attr-defined]
+    flagged._dynamo_dynamic_indices = {0}  # type: ignore[attr-defined]  # torch._dynamo.mark_dynamic
+    assert_same(decode_sample(encode_sample((flagged, 1))), (torch.ones(2), 1))
+    flagged.scale = 2.0  # type: ignore[attr-defined]
+    with pytest.raises(SampleTypeError, match=r"attributes set on it \(scale\)") as info:
+        check_sample((flagged, 1))
+    assert "ToPureTensor" not in str(info.value)  # it unwraps subclasses, not attributes

@@ -52,6 +52,7 @@ __all__ = [
     "resolve",
     "type_name",
     "unplain_tensor",
+    "LIBRARY_FLAGS",
 ]
 
 #: The node kinds of a spec that name a class.
@@ -81,6 +82,24 @@ def describe_type(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+#: Attributes libraries set on tensors that change no value (their own bookkeeping): left out of keys, and
+#: lost on a stored copy without harm (torch.compile's hints, nn.Buffer's flags, Hugging Face's initialisation).
+LIBRARY_FLAGS = frozenset(
+    {
+        "_is_hf_initialized",
+        "_dynamo_static_input_type",
+        "_dynamo_dynamic_indices",
+        "_dynamo_weak_dynamic_indices",
+        "_dynamo_dynamic_range",
+        "_dynamo_hint_overrides",
+        "_has_dynamo_dim_marking",
+        "_specialize_on",
+        "_is_buffer",
+        "persistent",
+    }
+)
+
+
 def unplain_tensor(tensor: torch.Tensor, parameters: bool = False) -> str:
     """What a stored copy of ``tensor`` would lose, and the way out; ``""`` for a plain tensor.
 
@@ -97,10 +116,10 @@ def unplain_tensor(tensor: torch.Tensor, parameters: bool = False) -> str:
         )
     if tensor.is_nested:
         return "a nested tensor, which is not one array: pad it (torch.nested.to_padded_tensor) or return its parts"
-    if tensor.__dict__:
+    if tensor.__dict__.keys() - LIBRARY_FLAGS:
         return (
-            f"a tensor with attributes set on it ({', '.join(sorted(tensor.__dict__))}): a stored copy would have "
-            "none. Return them beside it"
+            f"a tensor with attributes set on it ({', '.join(sorted(tensor.__dict__.keys() - LIBRARY_FLAGS))}): a "
+            "stored copy would have none. Return them beside it (t.detach() drops them)"
         )
     return ""
 

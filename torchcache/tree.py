@@ -78,8 +78,9 @@ def flatten(output: object, name: str = "output") -> tuple[Spec, list[torch.Tens
 def _flatten_node(node: object, path: str, depth: int, leaves: list[torch.Tensor]) -> Spec:
     """The spec of ``node``; its tensor leaves are appended to ``leaves``."""
     if isinstance(node, torch.Tensor):
-        if type(node) is not torch.Tensor or node.is_nested or node.__dict__:
-            raise KeyingError(f"{path}: is {unplain_tensor(node)}, or cache a function that returns plain tensors")
+        lost = (type(node) is not torch.Tensor or node.is_nested or node.__dict__) and unplain_tensor(node)
+        if lost:  # libraries' bookkeeping flags (torch.compile's hints) are no loss
+            raise KeyingError(f"{path}: is {lost}, or cache a function that returns plain tensors")
         leaves.append(node)
         return "T"
     if node is None:

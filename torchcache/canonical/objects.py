@@ -23,6 +23,7 @@ import xxhash
 
 from ..dtypes import standard_strides
 from ..errors import KeyingError
+from ..output_types import LIBRARY_FLAGS
 from .notes import FOUND as _found
 from .tags import Tag, raw, tagged, text
 
@@ -232,10 +233,6 @@ def collect(value: object) -> None:
     _found.add(value)
 
 
-#: Attributes libraries set on tensors that change no output (their own bookkeeping): left out of keys.
-_LIBRARY_FLAGS = frozenset(
-    {"_is_hf_initialized", "_dynamo_static_input_type", "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"}
-)
 #: How objects that pickle cannot describe are described (a struct.Struct by its format).
 _REDUCERS: dict[type, Any] = {struct.Struct: lambda packer: (struct.Struct, (packer.format,))}
 
@@ -262,7 +259,7 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str, depth: int) 
     if value.dim() in (4, 5) and not value.is_contiguous() and value.layout == torch.strided:
         channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
         head += text("channels_last") if value.is_contiguous(memory_format=channels_last) else b""
-    attributes = {k: v for k, v in vars(value).items() if k not in _LIBRARY_FLAGS}  # mask.scale = 2
+    attributes = {k: v for k, v in vars(value).items() if k not in LIBRARY_FLAGS}  # mask.scale = 2
     return tagged(
         Tag.TENSOR, head + (encoder.child(dict(attributes), f"{path}.__dict__", depth) if attributes else b"")
     )

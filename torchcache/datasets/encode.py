@@ -161,7 +161,9 @@ class _Encoder:
     def tensor(self, value: torch.Tensor, path: str) -> None:
         lost = unplain_tensor(value, parameters=True)
         if lost:
-            raise SampleTypeError(f"{path}: {lost}, rebuilt in transform= (torchvision: v2.ToPureTensor() unwraps)")
+            subclass = type(value) is not torch.Tensor
+            unwrap = "; torchvision's v2.ToPureTensor() does, last in the dataset's own transforms" * subclass
+            raise SampleTypeError(f"{path}: {lost}{unwrap}")
         if value.device.type != "cpu":
             raise SampleTypeError(
                 f"{path}: a tensor on {value.device}; a cached sample holds CPU tensors: return CPU tensors from "
@@ -218,7 +220,7 @@ def _plain_items(sample: object) -> Sequence[object] | None:
                 and not tensor.is_conj()
                 and not tensor.is_neg()
                 and not tensor.is_nested
-                and not tensor.__dict__  # attributes set on it: refused by the encoder
+                and not tensor.__dict__  # attributes set on it: refused by the encoder, or libraries' flags
             ):
                 return None
         elif kind is int:
