@@ -488,3 +488,18 @@ def test_rows_computed_while_a_change_was_seen_are_returned_but_not_stored() -> 
     model, x = torchcache()(_SeesAChangeWhileItRuns()), torch.randn(4, 3)
     assert torch.equal(model(x), x * 2)
     assert model.cache_instance.stats().memory.entries == 0  # computed as the state moved: not under the old key
+
+
+class _SwitchedAsItRuns(nn.Module):
+    """As if another thread called ``.train()`` while this forward ran in eval mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * (3 if self.training else 2)
+        self.train()
+        return out
+
+
+def test_rows_computed_while_the_module_was_switched_to_the_other_mode_are_not_stored() -> None:
+    model, x = torchcache()(_SwitchedAsItRuns().eval()), torch.randn(4, 3)
+    assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.stats().memory.entries == 0  # not filed under eval: the mode moved as it ran

@@ -18,7 +18,7 @@ from ..errors import KeyingError
 from ..tiers.batch import index_tensor
 from .containers import map_tensors
 
-__all__ = ["CallArguments"]
+__all__ = ["CallArguments", "mode_switched"]
 
 
 @dataclass
@@ -166,3 +166,14 @@ def _holds(check: Callable[[], bool]) -> bool:
 def _version_of(tensor: torch.Tensor) -> int:
     """A tensor's version counter (-1 for an inference tensor, which counts no writes)."""
     return -1 if tensor.is_inference() else tensor._version
+
+
+def mode_switched(module: torch.nn.Module | None, training: bool | None) -> bool:
+    """Whether ``module`` was switched to the other mode (by another thread) as a call made in ``training`` ran.
+
+    A call counts as made in training mode when a submodule of an eval model was (dropout on for
+    Monte Carlo dropout, a submodule added in its default training mode): that is no switch.
+    """
+    if module is None or training is None or module.training == training:
+        return False
+    return not (training and any(sub.training for sub in module.modules()))

@@ -39,7 +39,7 @@ import torch
 from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
-from .call import CallArguments
+from .call import CallArguments, mode_switched
 from .draws import drawing_submodule
 from .outputs import OutputPlan
 from .versions import alike
@@ -128,14 +128,13 @@ class ItemCheck:
         return False
 
     def state_kept(self, name: str, watches: tuple[Any, Any], training: bool | None) -> bool:
-        """Whether a forward that just ran left the state its key covers as it was.
+        """Whether a forward that just ran left the state its key covers, and the module's mode, as they were.
 
-        ``watches`` are the module's :class:`~.versions.VersionWatch` and the
-        :class:`~.versions.HeldValues` of its key (either may be ``None``). A forward that
-        wrote state in training mode (batch norm's statistics) gives ``False``, and calls
-        in training mode run uncached from then on. So does one that rebound what the key
-        covers (``self.mu = x.mean(0)`` at its first call): its rows, made with state the
-        key does not hold, are not stored, and the next call takes the key again.
+        ``watches`` are the module's :class:`~.versions.VersionWatch` and the :class:`~.versions.HeldValues`
+        of its key (either may be ``None``). A forward that wrote state in training mode (batch norm's
+        statistics) gives ``False``, and calls in training mode run uncached from then on. So does one that
+        rebound what the key covers (``self.mu = x.mean(0)`` at its first call), or ran while another thread
+        switched the module to the other mode: its rows are not stored.
 
         Raises:
             KeyingError: Naming what it wrote, outside training mode.
@@ -145,7 +144,8 @@ class ItemCheck:
         if error is None:  # state set by assignment as it ran (from its first batch): rows not stored under this key
             watch, held = watches
             moved = held is not None and held.rebound(note=False, same=_unchanged)
-            return not (moved or (watch is not None and watch.changed(verify=False)))
+            switched = watch is not None and mode_switched(watch.module(), training)
+            return not (moved or switched or (watch is not None and watch.changed(verify=False)))
         if not training:
             raise error
         self.uncached.add(True)
