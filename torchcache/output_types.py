@@ -43,6 +43,7 @@ from .errors import KeyingError, TorchCacheError
 
 __all__ = [
     "KINDS",
+    "LIBRARY_FLAGS",
     "RebuildError",
     "build",
     "describe_type",
@@ -52,7 +53,6 @@ __all__ = [
     "resolve",
     "type_name",
     "unplain_tensor",
-    "LIBRARY_FLAGS",
 ]
 
 #: The node kinds of a spec that name a class.
@@ -116,10 +116,11 @@ def unplain_tensor(tensor: torch.Tensor, parameters: bool = False) -> str:
         )
     if tensor.is_nested:
         return "a nested tensor, which is not one array: pad it (torch.nested.to_padded_tensor) or return its parts"
-    if tensor.__dict__.keys() - LIBRARY_FLAGS:
+    own = sorted(tensor.__dict__.keys() - LIBRARY_FLAGS)
+    if own:
         return (
-            f"a tensor with attributes set on it ({', '.join(sorted(tensor.__dict__.keys() - LIBRARY_FLAGS))}): a "
-            "stored copy would have none. Return them beside it (t.detach() drops them)"
+            f"a tensor with attributes set on it ({', '.join(own)}): a stored copy would have none. Return them "
+            "beside it (t.detach() drops them)"
         )
     return ""
 

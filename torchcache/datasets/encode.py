@@ -220,7 +220,7 @@ def _plain_items(sample: object) -> Sequence[object] | None:
                 and not tensor.is_conj()
                 and not tensor.is_neg()
                 and not tensor.is_nested
-                and not tensor.__dict__  # attributes set on it: refused by the encoder, or libraries' flags
+                and not tensor.__dict__  # attributes set on it: the encoder refuses them (libraries' flags pass)
             ):
                 return None
         elif kind is int:
