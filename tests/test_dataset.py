@@ -808,6 +808,24 @@ def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(tmp
     smaller.close()
 
 
+def test_serving_without_the_dataset_under_a_lower_budget_removes_nothing(tmp_path: Path, log: Path) -> None:
+    data = CachedDataset(Numbers(200, log, (32, 32)), tmp_path, max_memory_size=0, max_disk_size="1MB")
+    data.warmup(num_workers=0, progress=False)
+    assert data.cache.directory is not None
+    directory, meta = data.cache.directory, data.cache.metadata()
+    data.close()
+    files = {path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}
+    served = CachedDataset(None, tmp_path, max_memory_size=0, max_disk_size="100kB")  # the samples cannot be made
+    assert all(torch.equal(served[i][0], expected(i, (32, 32))) for i in range(200))
+    assert served.stats().disk.entries == 200  # type: ignore[union-attr]
+    served.close()
+    assert {path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()} == files
+    again = CachedDataset(None, tmp_path, max_memory_size=0)  # nor did it record its budget for the next reader
+    assert again.cache.metadata() == meta and meta is not None and meta["max_bytes"] == 10**6
+    assert again.cache.max_disk_size == 10**6
+    again.close()
+
+
 @pytest.mark.parametrize("name", ["", 5, None])
 def test_a_sample_cache_without_a_usable_name_is_refused_naming_it(name: Any) -> None:
     with pytest.raises(ConfigError, match=r"^name must be a non-empty string"):

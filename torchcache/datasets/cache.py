@@ -61,7 +61,8 @@ class SampleCache:
             bucket. Not for a local ``cache_dir``.
         storage_options: With a bucket URL, as for :class:`~torchcache.CachedDataset`.
         max_local_size: The local copy's budget, as for :class:`~torchcache.CachedDataset`.
-        keep_budget: Keep a bucket's budget when closed (``False``: a reader leaves it to the writers).
+        keep_budget: Keep the disk tier's budget: a bucket's when closed, a directory's when
+            opened (``False``: a reader, which removes nothing and records no budget of its own).
 
     Raises:
         ConfigError: If a size or the name is invalid.
@@ -114,7 +115,7 @@ class SampleCache:
         self._pid: int | None = None
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
-        if self.directory is not None:
+        if self.directory is not None and keep_budget:  # a reader found the directory by its metadata
             self._update_meta({}, create=True)
         if self.local_directory is not None and self.url is not None:
             self._update_meta({"copy_of": redact_url(self.url)}, create=True, directory=self.local_directory)
@@ -311,7 +312,8 @@ class SampleCache:
     def _update_meta(self, fields: Mapping[str, Any], create: bool, directory: Path | None = None) -> bool:
         directory = directory or self.directory
         assert directory is not None  # callers check
-        return write_dataset_meta(directory, {**self._info, **fields}, self.max_disk_size, create, self._faults)
+        budget = self.max_disk_size if self._places.keep_budget else None  # a reader's is not recorded
+        return write_dataset_meta(directory, {**self._info, **fields}, budget, create, self._faults)
 
     def flush(self) -> None:
         """Make this process's writes durable against a killed process (they are when ``get`` returns)."""

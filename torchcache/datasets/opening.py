@@ -66,7 +66,8 @@ class Places:
     max_local_size: int | None = None
     #: Options for the filesystem of a bucket URL (``None``: from the environment).
     storage_options: dict[str, Any] | None = None
-    #: Whether a bucket's store keeps its budget when closed (``False``: a process that only reads).
+    #: Whether the disk tier is brought within its budget: a bucket's when closed, a directory's
+    #: when opened (``False``: a process that only reads, which removes nothing).
     keep_budget: bool = True
     #: What a bucket's ``torchcache.json`` records about the cache (kind, name, length...).
     info: dict[str, Any] = field(default_factory=dict)
@@ -165,7 +166,7 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
             if isinstance(location, str):  # a Redis or bucket URL: the namespace is the cache's name
                 store = _remote_store(places, location, size, faults)
             else:
-                store = functools.partial(_open_store, location, size, name, faults)
+                store = functools.partial(_open_store, location, size, name, faults, places.keep_budget)
                 if not with_slots:  # a RAM tier with slots opens its store when a sample is not in them
                     store = store()
         except (StoreError, ConfigError) as exc:
@@ -186,14 +187,14 @@ def open_tiers(places: Places, length: int | None, faults: FaultLog) -> list[Sam
                     "memory",
                 )
                 size = slots.max_bytes = min(size, slots.file.size)  # the samples its store takes too
-                store = functools.partial(_open_store, location, size, name, faults)
+                store = functools.partial(_open_store, location, size, name, faults, places.keep_budget)
         reserve_in = location if name == "memory" and isinstance(location, Path) else None
         tiers.append(SampleTier(name, store, size, faults, slots, reserve_in))
     return tiers
 
 
-def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> PackedStore:
-    """A tier's packed store, within its budget (a later run may give it a smaller one)."""
+def _open_store(location: Path, size: int, name: str, faults: FaultLog, trim: bool = True) -> PackedStore:
+    """A tier's packed store, within its budget (a later run may give it a smaller one) unless ``trim`` is off."""
     from ..tiers.local import trimmed
 
     if name == "disk" and not location.is_dir():  # made with its metadata, then removed: not made again
@@ -201,18 +202,18 @@ def _open_store(location: Path, size: int, name: str, faults: FaultLog) -> Packe
     report = _reporter(faults, name)
     store = PackedStore(location, size, evict="none", segment_bytes=segment_bytes(size), report=report)
     held = len(store)
-    if name == "disk" and len(trimmed(store, report)) < held:  # samples went: no longer every sample
+    if name == "disk" and trim and len(trimmed(store, report)) < held:  # samples went: no longer every sample
         write_dataset_meta(location, {"complete": False}, size, create=False, faults=faults)
     return store
 
 
 def write_dataset_meta(
-    directory: Path, fields: Mapping[str, Any], max_bytes: int, create: bool, faults: FaultLog
+    directory: Path, fields: Mapping[str, Any], max_bytes: int | None, create: bool, faults: FaultLog
 ) -> bool:
     """Record ``fields`` in the ``torchcache.json`` of a dataset's disk tier; return whether it holds them.
 
     Without ``create``, a directory whose metadata is missing or not a dataset's is left
-    alone. A write that fails is one warning.
+    alone; ``max_bytes`` ``None`` keeps the budget recorded. A write that fails is one warning.
     """
     old, problem = load_meta(directory)
     if unreadable(problem):  # permissions or I/O, not damage: left as it is
@@ -225,7 +226,9 @@ def write_dataset_meta(
             return False
         old = {"created": time.time()}
     meta = {**old, **fields}
-    meta.update(torchcache_version=__version__, kind="dataset", max_bytes=max_bytes)
+    meta.update(torchcache_version=__version__, kind="dataset")
+    if max_bytes is not None:
+        meta["max_bytes"] = max_bytes
     if meta == old:
         return True
     try:
