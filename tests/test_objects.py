@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -252,6 +254,24 @@ def test_a_deleted_entry_stays_deleted_for_other_readers_until_written_again(buc
     assert bytes(_store(bucket).get(key(1)) or b"") == b"again"
 
 
+def test_a_delete_reaches_an_entry_another_writer_made_since_the_listing(bucket: str) -> None:
+    deleter, writer = _store(bucket), _store(bucket)
+    deleter.put_many([(key(1), b"one")])
+    assert key(1) in deleter  # listed
+    writer.put_many([(key(2), b"two")])
+    assert deleter.delete_many([key(2), key(3)]) == 1
+    assert _store(bucket).get(key(2)) is None and bytes(_store(bucket).get(key(1)) or b"") == b"one"
+
+
+def test_an_empty_value_is_not_stored_so_that_every_reader_misses_it_alike(bucket: str) -> None:
+    store = _store(bucket)
+    assert store.put_many([(key(0), b""), (key(1), b"one")]) == 1
+    for i in range(2, 40):  # enough manifests for a checkpoint, which a reader starting from nothing reads
+        store.put_many([(key(i), value(i))])
+    for reader in (store, _store(bucket)):
+        assert key(0) not in reader and reader.get(key(0)) is None and bytes(reader.get(key(1)) or b"") == b"one"
+
+
 def _checkpoints(fs: Any, bucket: str) -> list[str]:
     return [name for name in _objects(fs, bucket) if name.endswith(".tci")]
 
@@ -400,6 +420,35 @@ def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tm
     assert other.cache_instance.stats().disk.hits == 8
 
 
+@pytest.mark.slow
+def test_forked_dataloader_workers_read_the_decorators_bucket(bucket: str, tmp_path: Path) -> None:
+    url, x = f"{bucket}/modules", torch.randn(16, 4)
+
+    def machine(copy: str) -> Any:
+        options = {"persistent_cache_dir": url, "local_cache_dir": str(tmp_path / copy), "max_memory_cache_size": 0}
+        return cached(Counting, persistent=True, **options)()
+
+    warm = machine("one")
+    expected = warm(x)
+    warm.cache_instance.flush()
+    model = machine("two")
+    model(torch.randn(1, 4))  # the bucket is opened here, before the workers are forked
+
+    class Rows(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return len(x)
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return model(x[i : i + 1])[0], model.items  # items computed in this worker, with the parent's one
+
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        got = list(loader)
+    assert torch.equal(torch.cat([rows for rows, _ in got]), expected)
+    assert torch.cat([items for _, items in got]).tolist() == [1] * len(x)  # every row read, none computed
+
+
 def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
@@ -416,6 +465,41 @@ def test_every_store_of_a_url_shares_one_filesystem_and_its_session(bucket: str)
     first.put_many([(key(1), value(1))])  # the library rewrites the client options it is given
     assert open_filesystem(bucket)[0] is first.bucket.fs
     assert ObjectStore(bucket, "c3d4", 1 << 20).bucket.fs is first.bucket.fs
+
+
+@pytest.mark.slow
+def test_a_forked_child_reads_and_writes_with_a_filesystem_of_its_own_while_a_thread_held_the_store(
+    bucket: str,
+) -> None:
+    store = _store(bucket)
+    store.put_many([(key(i), value(i)) for i in range(4)])
+    assert [bytes(v or b"") for v in store.get_many([key(0)])] == [value(0)]
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    held, forked = threading.Event(), threading.Event()
+
+    def holder() -> None:  # as a background writer listing the bucket when a DataLoader worker is forked
+        with store._lock, store._known._lock, store.bucket._stamp_lock:
+            held.set()
+            forked.wait(30)
+
+    def child() -> None:
+        got = [bytes(v or b"") for v in store.get_many([key(i) for i in range(4)])]
+        store.put_many([(key(9), value(9))])
+        writer.send((got, store.bucket.fs is not parent_fs, store.reads_failing()))
+
+    thread, parent_fs = threading.Thread(target=holder), store.bucket.fs
+    thread.start()
+    assert held.wait(30)
+    process = multiprocessing.get_context("fork").Process(target=child)
+    try:
+        process.start()
+    finally:
+        forked.set()
+        thread.join(30)
+    assert reader.poll(60), "the child hung"
+    assert reader.recv() == ([value(i) for i in range(4)], True, False)
+    process.join(30)
+    assert [bytes(v or b"") for v in _store(bucket).get_many([key(9)])] == [value(9)]
 
 
 @pytest.mark.parametrize("url", ["s3://", "s3:///abs", "gs://"])

@@ -133,7 +133,7 @@ def test_the_index_keeps_no_python_object_per_entry() -> None:
 
 
 def test_a_cache_folder_cleared_while_the_bucket_is_listed_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchcache.stores.objects import store as object_store
+    from torchcache.stores.objects import bucket as object_store
 
     class Listing:
         """A bucket with two cache folders, one of which another process clears as it is listed."""

@@ -88,7 +88,7 @@ def _find_bucket_cache(url: str, storage_options: Mapping[str, Any] | None) -> t
     Raises:
         ConfigError: If there is none, several, or the bucket cannot be read.
     """
-    from ..stores.objects.store import find_caches
+    from ..stores.objects.bucket import find_caches
 
     try:
         metas = find_caches(url, storage_options)

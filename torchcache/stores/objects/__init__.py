@@ -1,7 +1,8 @@
 """Caches in object store buckets (S3, GCS and others fsspec reaches): :class:`ObjectStore`."""
 
+from .bucket import bucket_namespaces, find_caches
 from .filesystem import OBJECT_SCHEMES, open_filesystem
-from .store import ObjectStore, bucket_namespaces, find_caches, remove_segments, segments_of
+from .store import ObjectStore, remove_segments, segments_of
 
 __all__ = [
     "OBJECT_SCHEMES",

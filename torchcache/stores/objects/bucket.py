@@ -1,21 +1,25 @@
-"""The objects of one cache in a bucket: requests with a backoff, faults reported once per outage."""
+"""The objects of one cache in a bucket (requests with a backoff, faults reported once an outage); the caches in one."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from ..._fork import renew_lock_after_fork
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from ...policy import plural
+from .filesystem import open_filesystem
 from .manifests import CHECKPOINT, MANIFEST, SEGMENT, TOMBSTONE
 
-__all__ = ["META_NAME", "Bucket", "is_own"]
+__all__ = ["META_NAME", "Bucket", "bucket_namespaces", "find_caches", "is_own"]
 
 #: The object that describes a cache (its kind, name, length), beside its segments.
 META_NAME = "torchcache.json"
@@ -37,10 +41,12 @@ class Bucket:
     starts a backoff (0.5 s doubling to 30 s) during which requests fail at once; a
     success ends it. Reads and writes back off apart: a bucket that refuses writes (read-only
     credentials) is still read. ``requests`` counts the requests sent, ``received`` the bytes of entries read.
+    With ``reopen``, a forked child (a DataLoader worker) opens a filesystem of its own with
+    it: fsspec's are not fork-safe.
     """
 
-    def __init__(self, fs: Any, prefix: str, url: str, report: Report) -> None:
-        self.fs = fs
+    def __init__(self, fs: Any, prefix: str, url: str, report: Report, reopen: Callable[[], Any] | None = None) -> None:
+        self._fs, self._reopen, self._pid = fs, reopen, os.getpid()
         self.prefix = prefix
         self.url = url
         self.requests = 0
@@ -52,8 +58,16 @@ class Bucket:
         self._troubled = False
         self._next_sweep = float("-inf")  # see abort_stale_uploads
         self._last_stamp = 0
-        self._stamp_lock = threading.Lock()
+        self._stamp_lock = threading.RLock()
+        renew_lock_after_fork(self, "_stamp_lock")
         self._replaced: list[str] = []  # see replace()
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (this process's own: a forked child opens one with ``reopen``)."""
+        if self._pid != os.getpid() and self._reopen is not None:
+            self._fs, self._pid = self._reopen(), os.getpid()
+        return self._fs
 
     def new_name(self) -> str:
         """A new object name: a stamp that grows in this process (names sort by age), then a random id."""
@@ -220,3 +234,45 @@ class Bucket:
     def remove_all(self) -> None:
         """Remove the cache's objects under the prefix; other objects put there are left alone."""
         self.remove(sorted(name for name in self.names() if is_own(name)))
+
+
+def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The ``torchcache.json`` of every cache under ``url`` (invalid ones are left out).
+
+    Raises:
+        ConfigError: If the URL is invalid or a package is missing.
+        StoreUnavailableError: If the bucket cannot be listed or read.
+    """
+    fs, root = open_filesystem(url, storage_options)
+    bucket = Bucket(fs, root, url, lambda kind, message: None)
+    paths = bucket.call(lambda: list(fs.glob(f"{root}/*/{META_NAME}")), "list caches")
+    found = bucket.call(lambda: fs.cat(paths, on_error="return"), "read cache descriptions") if paths else {}
+    metas = []
+    for body in found.values():
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
+            meta = json.loads(body)
+            if isinstance(meta, dict):
+                metas.append(meta)
+    return metas
+
+
+def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The caches (namespaces) under ``url``: its folders that hold what torchcache writes (others are not caches).
+
+    Raises:
+        ConfigError: If the URL is invalid or a package is missing.
+        StoreUnavailableError: If the bucket cannot be listed.
+    """
+    fs, root = open_filesystem(url, storage_options)
+    bucket = Bucket(fs, root, url, lambda kind, message: None)
+    found = bucket.call(lambda: fs.ls(root, detail=True) if fs.exists(root) else [], "list caches")
+    folders = sorted(str(item["name"]) for item in found if item.get("type") == "directory")
+
+    def holds_a_cache(folder: str) -> bool:
+        try:
+            return bool(fs.exists(f"{folder}/{META_NAME}")) or any(map(is_own, fs.ls(folder, detail=False)))
+        except FileNotFoundError:  # cleared since the listing
+            return False
+
+    held = [folder for folder in folders if bucket.call(functools.partial(holds_a_cache, folder), "list a cache")]
+    return [folder.rsplit("/", 1)[-1] for folder in held]

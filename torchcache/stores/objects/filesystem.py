@@ -10,7 +10,7 @@ from typing import Any
 
 from ...errors import ConfigError
 
-__all__ = ["OBJECT_SCHEMES", "open_filesystem"]
+__all__ = ["OBJECT_SCHEMES", "filesystem_only", "open_filesystem"]
 
 #: URL schemes of object stores (through fsspec and the scheme's package).
 OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
@@ -53,6 +53,11 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     except Exception as exc:  # noqa: BLE001 - a filesystem that cannot be made is a configuration problem
         raise ConfigError(f"cannot use {scheme}:// ({type(exc).__name__}: {exc})") from None
     return fs, url.split("://", 1)[1].strip("/")
+
+
+def filesystem_only(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of ``url`` (:func:`open_filesystem`'s first part)."""
+    return open_filesystem(url, storage_options)[0]
 
 
 def storage_options_from_env() -> dict[str, Any]:

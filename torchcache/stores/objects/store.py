@@ -32,20 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..._fork import renew_lock_after_fork
 from ..._gc import collector_paused
 from ..._log import logger
 from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
-from .bucket import META_NAME, Bucket, is_own
-from .filesystem import open_filesystem
+from .bucket import Bucket
+from .filesystem import filesystem_only, open_filesystem
 from .index import Index
 from .manifests import (
     CHECKPOINT,
@@ -99,8 +99,11 @@ class ObjectStore(BatchedStore):
         fs, root = open_filesystem(url, storage_options)
         self.url, self.max_bytes, self.refresh_seconds = url, max_bytes, refresh_seconds
         self._report = report or (lambda kind, message: logger.warning("%s", message))
-        self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report)
+        reopen = functools.partial(filesystem_only, url, dict(storage_options or {}))
+        self.bucket = Bucket(fs, f"{root}/{namespace}", url, self._report, reopen)
         self._lock, self._known = threading.RLock(), Index()
+        renew_lock_after_fork(self, "_lock")  # a child forked while a thread read the bucket must not hang
+        renew_lock_after_fork(self._known, "_lock")
         self._listed_at = float("-inf")
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
@@ -214,13 +217,15 @@ class ObjectStore(BatchedStore):
 
     # -- writes -------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
-        """Upload the entries as one segment, then its manifest; then keep the budget.
+        """Upload the entries as one segment, then its manifest; then keep the budget; return how many.
+
+        An empty value is not stored (a segment of nothing reads as one removed).
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
             StoreUnavailableError: If the bucket cannot be written (nothing is visible then).
         """
-        todo = {key: data for key, data in items if encode_key(key) and len(data) <= self.max_bytes}
+        todo = {key: data for key, data in items if encode_key(key) and 0 < len(data) <= self.max_bytes}
         if not todo:
             return 0
         with self._lock:
@@ -242,7 +247,7 @@ class ObjectStore(BatchedStore):
         return len(todo)
 
     def delete_many(self, keys: Sequence[str]) -> int:
-        """Hide entries behind a tombstone; return how many were visible.
+        """Hide entries behind a tombstone; return how many were visible (listed again for keys not in the index).
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
@@ -250,8 +255,9 @@ class ObjectStore(BatchedStore):
         """
         list(map(encode_key, keys))  # each key checked
         with self._lock:
-            self._index()
             asked = list(dict.fromkeys(keys))
+            if self._listed_at == float("-inf") or self._known.missing(asked):  # another writer's since the listing
+                self.refresh()
             present = [key for key, entry in zip(asked, self._known.find(asked)) if entry is not None]
         if present:
             _hide(self, present)
@@ -406,45 +412,3 @@ def _fetch(
             store._known.forget(set(), taken.damaged)
             store._partial = True
     return taken.gone
-
-
-def find_caches(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The ``torchcache.json`` of every cache under ``url`` (invalid ones are left out).
-
-    Raises:
-        ConfigError: If the URL is invalid or a package is missing.
-        StoreUnavailableError: If the bucket cannot be listed or read.
-    """
-    fs, root = open_filesystem(url, storage_options)
-    bucket = Bucket(fs, root, url, lambda kind, message: None)
-    paths = bucket.call(lambda: list(fs.glob(f"{root}/*/{META_NAME}")), "list caches")
-    found = bucket.call(lambda: fs.cat(paths, on_error="return"), "read cache descriptions") if paths else {}
-    metas = []
-    for body in found.values():
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            meta = json.loads(body)
-            if isinstance(meta, dict):
-                metas.append(meta)
-    return metas
-
-
-def bucket_namespaces(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """The caches (namespaces) under ``url``: its folders that hold what torchcache writes (others are not caches).
-
-    Raises:
-        ConfigError: If the URL is invalid or a package is missing.
-        StoreUnavailableError: If the bucket cannot be listed.
-    """
-    fs, root = open_filesystem(url, storage_options)
-    bucket = Bucket(fs, root, url, lambda kind, message: None)
-    found = bucket.call(lambda: fs.ls(root, detail=True) if fs.exists(root) else [], "list caches")
-    folders = sorted(str(item["name"]) for item in found if item.get("type") == "directory")
-
-    def holds_a_cache(folder: str) -> bool:
-        try:
-            return bool(fs.exists(f"{folder}/{META_NAME}")) or any(map(is_own, fs.ls(folder, detail=False)))
-        except FileNotFoundError:  # cleared since the listing
-            return False
-
-    held = [folder for folder in folders if bucket.call(functools.partial(holds_a_cache, folder), "list a cache")]
-    return [folder.rsplit("/", 1)[-1] for folder in held]
