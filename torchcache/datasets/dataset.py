@@ -119,11 +119,12 @@ class CachedDataset(Dataset[Any]):
         cache_dir: The directory of disk caches (one subdirectory per dataset fingerprint).
             Giving it turns the disk tier on.
         max_memory_size: The RAM tier's budget (bytes, or a string such as ``"8GB"``); by
-            default a quarter of the RAM, at most half of ``/dev/shm`` and at most 32 GB;
-            0 turns the RAM tier off.
+            default a quarter of the RAM (or of a container's memory limit), at most half of
+            ``/dev/shm`` and at most 32 GB; 0 turns the RAM tier off.
         max_disk_size: The disk tier's budget; by default 50 GB when ``cache_dir`` is given
             and no disk tier otherwise (a size with no ``cache_dir`` uses ``$TORCHCACHE_DIR``
-            or the user cache directory); 0 turns it off.
+            or the user cache directory); 0 turns it off. Without a dataset the cache is only
+            read: nothing is removed to fit it (what went could not be computed again).
         version: Part of the fingerprint: change it when the data changed in a way the
             fingerprint cannot see (files edited on disk are not seen).
         transform: Applied to every sample after the cache, at every access.

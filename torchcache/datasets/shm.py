@@ -39,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from .._cgroup import memory_limit
 from .._fork import after_fork
 from .._log import logger
 from ..errors import StoreError
@@ -393,6 +394,9 @@ def usable_bytes(vfs: os.statvfs_result) -> int:
 def default_memory_size(directory: Path | None = None) -> int:
     """The default RAM tier budget: a quarter of the RAM, at most half the RAM file system, at most 32 GB.
 
+    In a container (a cgroup with a memory limit) the RAM is that limit: the RAM file
+    system's files count against it.
+
     Args:
         directory: A directory on the file system that holds RAM tiers (the default root if ``None``).
 
@@ -400,8 +404,8 @@ def default_memory_size(directory: Path | None = None) -> int:
         Bytes.
     """
     candidates = [_MAX_DEFAULT]
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    if (memory := memory_limit()) is not None:
+        candidates.append(memory // 4)
     with contextlib.suppress(OSError, StoreError):
         vfs = os.statvfs(directory if directory is not None else ram_root())
         if vfs.f_blocks:  # none: a file system without a size (ramfs, tmpfs with size=0)
