@@ -8,6 +8,7 @@ import math
 import struct
 import warnings
 from collections import namedtuple
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -365,6 +366,7 @@ def _with_attribute() -> torch.Tensor:
         ((_with_attribute(), 1), "sample[0]", ["attributes set on it (format)", "beside it"]),
         (_with_attribute(), "sample", ["attributes set on it (format)"]),
         ((_nested(),), "sample[0]", ["nested tensor", "pad it"]),
+        ({"m": np.ma.masked_array([1, 2], mask=[0, 1])}, "sample['m']", ["MaskedArray", "np.asarray(x)", "mask"]),
     ],
 )
 def test_unsupported_values_name_their_type_path_and_fix(sample: Any, path: str, words: list[str]) -> None:
@@ -565,3 +567,14 @@ def test_libraries_bookkeeping_flags_on_a_tensor_are_no_loss_but_an_attribute_of
     with pytest.raises(SampleTypeError, match=r"attributes set on it \(scale\)") as info:
         check_sample((flagged, 1))
     assert "ToPureTensor" not in str(info.value)  # it unwraps subclasses, not attributes
+
+
+def test_a_memmap_is_stored_as_its_values_and_comes_back_as_an_array(tmp_path: Path) -> None:
+    rows = np.lib.format.open_memmap(tmp_path / "rows.npy", "w+", np.float32, (4, 3))
+    rows[:] = np.arange(12, dtype=np.float32).reshape(4, 3)
+    rows.flush()
+    sample = (np.load(tmp_path / "rows.npy", mmap_mode="r")[2], 2)
+    assert type(sample[0]) is np.memmap
+    check_sample(sample)
+    image, label = decode_sample(encode_sample(sample))
+    assert type(image) is np.ndarray and image.tolist() == [6.0, 7.0, 8.0] and label == 2

@@ -82,6 +82,8 @@ def _refuse(value: object, path: str) -> SampleTypeError:
         hint = "convert PIL images with torchvision.transforms.functional.pil_to_tensor or numpy.asarray"
     elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
         hint = "convert it to a plain tuple or dict (namedtuple._asdict(), dataclasses.asdict())"
+    elif isinstance(value, np.ndarray):  # a masked array, np.matrix...: what the subclass adds would be lost
+        hint = "convert it with np.asarray(x) and keep what its type adds (a mask) as fields of their own"
     elif isinstance(value, (int, float, str, dict, list)):
         hint = "convert it to the plain builtin type (int(x), float(x), str(x), dict(x), list(x))"
     else:
@@ -136,8 +138,8 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             self.tensor(value, path)
             return "T"
-        if isinstance(value, np.ndarray) and cls is np.ndarray:
-            self.array(value, path)
+        if cls is np.ndarray or cls is np.memmap:  # a memmap's values (np.load(mmap_mode=...)): an ndarray on hits
+            self.array(value, path)  # type: ignore[arg-type]
             return "A"
         if isinstance(value, np.generic) and value.dtype.str in NUMPY_DTYPES:
             self.put([value.dtype.str, []], np.asarray(value).tobytes())
