@@ -92,32 +92,6 @@ def test_an_index_given_twice_is_written_once_and_rows_keep_their_order(tmp_path
     file.close()
 
 
-def test_a_blank_rows_buffer_and_its_slices_write_as_plain_rows_do(tmp_path: Path) -> None:
-    (tmp_path / "plain").mkdir(), (tmp_path / "laid").mkdir()
-    plain, laid = make(tmp_path / "plain"), make(tmp_path / "laid")
-    buffer = laid.blank_rows(8)
-    assert buffer.shape == (8, SIZE) and not buffer.any()
-    for indices in ([7, 2, 30], [11, 12, 13, 14, 15]):  # slices of one buffer, the start of it each time
-        rows = buffer[: len(indices)]
-        rows[:] = rows_of(indices)
-        assert laid.write(np.asarray(indices), rows) == 0
-        plain.write(np.asarray(indices), rows_of(indices))
-    buffer[1:4] = rows_of([40, 41, 42])  # a slice that does not start at the buffer's first line
-    laid.write(np.asarray([40, 41, 42]), buffer[1:4])
-    plain.write(np.asarray([40, 41, 42]), rows_of([40, 41, 42]))
-    assert laid.row_at > 0 and laid.row_at + SIZE < laid.stride
-    for k, at in enumerate((0, laid.row_at + 1)):  # lines of the file's stride holding rows elsewhere: copied
-        other, indices = np.zeros((2, laid.stride), np.uint8)[:, at : at + SIZE], [44 + k, 46 + k]
-        other[:] = rows_of(indices)
-        laid.write(np.asarray(indices), other)
-        plain.write(np.asarray(indices), rows_of(indices))
-    wanted = [2, 7, 11, 12, 13, 14, 15, 30, 40, 41, 42, 44, 45, 46, 47]
-    assert read_all(laid, wanted) == read_all(plain, wanted) == {i: bytes(row(i)) for i in wanted}
-    assert (tmp_path / "laid" / "rows.tcrows").read_bytes() == (tmp_path / "plain" / "rows.tcrows").read_bytes()
-    for file in (plain, laid):
-        file.close()
-
-
 def test_slots_stop_at_the_capacity_and_at_a_smaller_limit(tmp_path: Path) -> None:
     geometry = Geometry.of(50, SIZE, 35, HEADER)
     budget = geometry.rows_at + 10 * geometry.stride + geometry.stride // 2

@@ -111,12 +111,8 @@ class BatchWriter:
         layout, indices, features, columns, digests, inputs = batch
         assert self.file is not None
         count = len(indices)
-        if len(self._rows) < count or self._rows.shape[1] != layout.stride:  # laid out as the file's lines
-            self._rows = (
-                self.file.blank_rows(count)
-                if self.file.row_size == layout.stride
-                else np.zeros((count, layout.stride), np.uint8)
-            )
+        if len(self._rows) < count or self._rows.shape[1] != layout.stride:
+            self._rows = np.zeros((count, layout.stride), np.uint8)
         rows = self._rows[:count]
         layout.fill(rows, features, columns)
         try:

@@ -318,11 +318,9 @@ class RowsFile:
                 self._write_column(self.geometry.slots_at, 4, targets[new], (slots[new] + 1).astype("<u4"))
             if not len(todo):
                 return unstored
-            block = _laid_out(rows, self.stride, self.row_at) if len(todo) == len(rows) else None
-            if block is None:
-                block = np.zeros((len(todo), self.stride), np.uint8)
-                block[:, self.row_at : self.row_at + self.row_size] = rows if len(todo) == len(rows) else rows[todo]
+            block = np.zeros((len(todo), self.stride), np.uint8)
             lines = block[:, self.row_at : self.row_at + self.row_size]
+            lines[:] = rows if len(todo) == len(rows) else rows[todo]
             checks = np.fromiter(map(digest, lines, targets.tolist()), np.uint64, len(todo))
             order = np.argsort(slots, kind="stable")  # rows by slot (new ones are consecutive), then checks
             for start, stop in runs(slots[order]):
@@ -330,13 +328,6 @@ class RowsFile:
                 self._write_at(self.geometry.rows_at + int(slots[picked[0]]) * self.stride, block[picked])
             self._write_column(self.geometry.checks_at, 8, targets, checks.astype("<u8"))
         return unstored
-
-    def blank_rows(self, count: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """A zeroed ``(count, row_size)`` buffer laid out as the file's lines: :meth:`write` writes it without a copy.
-
-        Slices of it (``buffer[:k]``) keep the layout; the bytes between rows must stay zero.
-        """
-        return np.zeros((count, self.stride), np.uint8)[:, self.row_at : self.row_at + self.row_size]
 
     def unmark(self, indices: list[int] | np.ndarray[Any, Any]) -> None:
         """Mark rows as not written (damaged ones), so that they are written again.
@@ -395,19 +386,6 @@ def _failing(
     rows = [view[start : start + size] for start in starts.tolist()]  # one call per row, nothing else per row
     got = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, indices.tolist()), np.uint64, len(rows))
     return np.flatnonzero((got | np.uint64(1)) != checks).tolist()  # type: ignore[no-any-return]
-
-
-def _laid_out(rows: np.ndarray[Any, Any], stride: int, row_at: int) -> np.ndarray[Any, Any] | None:
-    """The ``stride``-byte lines holding ``rows`` at ``row_at`` (a :meth:`RowsFile.blank_rows` buffer), or ``None``."""
-    base = rows.base
-    if not isinstance(base, np.ndarray) or rows.dtype != np.uint8 or rows.strides != (stride, 1):
-        return None
-    if base.dtype != np.uint8 or base.ndim != 2 or base.shape[1] != stride or not base.flags.c_contiguous:
-        return None
-    first, at = divmod(rows.ctypes.data - base.ctypes.data, stride)
-    if at != row_at or first < 0 or first + len(rows) > len(base):
-        return None
-    return base[first : first + len(rows)]
 
 
 def _reuse_slots(
