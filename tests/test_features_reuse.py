@@ -69,18 +69,30 @@ def test_reordered_samples_are_found_by_their_input_and_match_bit_for_bit(cache_
 
 
 class DoublesItsInput(torch.nn.Module):
-    """Changes its input in place, as a first ``ReLU(inplace=True)`` or ``x.div_(255)`` would."""
+    """Changes its input in place, as a first ``ReLU(inplace=True)`` or ``x.div_(255)`` would.
 
-    def __init__(self) -> None:
+    ``how``: ``"op"`` (an in-place op, which torch counts), ``"data"`` (through ``x.data``)
+    or ``"numpy"`` (through a numpy view): these two torch does not count.
+    """
+
+    def __init__(self, how: str = "op") -> None:
         super().__init__()
+        self.how = how
         self.w = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(3)), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mul_(2) * self.w
+        if self.how == "data":
+            x.data.mul_(2)
+        elif self.how == "numpy":
+            x.numpy()[...] *= 2
+        else:
+            x.mul_(2)
+        return x * self.w
 
 
-def test_a_backbone_that_changes_its_inputs_in_place_gives_no_rows_to_other_inputs(cache_root: Path) -> None:
-    net, x = DoublesItsInput(), torch.randn(20, 6)
+@pytest.mark.parametrize("how", ["op", "data", "numpy"])
+def test_a_backbone_that_changes_its_inputs_in_place_gives_no_rows_to_other_inputs(cache_root: Path, how: str) -> None:
+    net, x = DoublesItsInput(how), torch.randn(20, 6)
     extract(net, torch.utils.data.TensorDataset(x.clone(), torch.arange(20)))
     doubled = torch.utils.data.TensorDataset(x * 2, torch.arange(20))  # what the backbone turned the inputs into
     after = extract(net, doubled)

@@ -241,9 +241,10 @@ def _extract_features(
                         batch_size=batch_size,
                         sampler=todo.tolist(),
                         num_workers=num_workers,
-                        # Inputs are hashed in the workers, if any, or before the backbone runs
-                        # when older caches may hold their rows; else in the writer's thread.
-                        collate_fn=_Collate(layout, hash_inputs=num_workers > 0 or donors is not None),
+                        # Inputs are hashed as they are collated (in the workers, if any), before the
+                        # backbone runs: one that changes them in place through .data or numpy is not
+                        # seen by torch's count of in-place changes.
+                        collate_fn=_Collate(layout),
                         pin_memory=False,
                     )
                     file = _extract(backbone, loader, todo, layout, file, directory, header, faults, progress, donors)
@@ -299,25 +300,22 @@ def _check_arguments(backbone: object, batch_size: object, num_workers: object, 
 
 
 class _Collate:
-    """A DataLoader's collate function: the inputs collated, the other fields as they are.
+    """A DataLoader's collate function: the inputs collated, the other fields as they are, the inputs' digests.
 
     Args:
         layout: The samples' layout.
-        hash_inputs: Give the input digest of each sample (else ``None`` for the batch).
     """
 
-    def __init__(self, layout: SampleLayout, *, hash_inputs: bool) -> None:
+    def __init__(self, layout: SampleLayout) -> None:
         self.layout = layout
-        self.hash_inputs = hash_inputs
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None] | None]:
+    def __call__(self, samples: list[Any]) -> tuple[Any, list[list[Any]], int, list[bytes | None]]:
         inputs, columns = self.layout.split(samples)
         try:
             batch = default_collate(inputs)  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             raise VariableLayoutError(f"the inputs of a batch cannot be stacked ({exc})") from None
-        digests = batch_digests(batch, len(samples)) if self.hash_inputs else None  # in the workers, if any
-        return batch, columns, len(samples), digests
+        return batch, columns, len(samples), batch_digests(batch, len(samples))
 
 
 def _extract(
@@ -340,17 +338,13 @@ def _extract(
         for inputs, columns, count, digests in loader:
             indices = todo[done : done + count]
             known = layout.features if layout.fields and layout.fields[0].kind == "features" else None
-            version = getattr(inputs, "_version", None)  # torch counts in-place changes of a tensor
             output = outputs(backbone, inputs, count, digests, donors, known)
             if writer.file is None:
                 layout = layout.with_features(output[0])
                 writer.start(_create(directory, {**header, "layout": layout.to_json()}, faults))
             elif known is None:
                 layout = layout_of(writer.file)
-            if digests is None and getattr(inputs, "_version", None) != version:
-                digests = [None] * count  # the backbone changed its inputs in place: their digests are unknown
-            later = inputs if digests is None else None  # hashed in the writer's thread
-            writer.submit(Batch(layout, indices, output, columns, digests, later))
+            writer.submit(Batch(layout, indices, output, columns, digests))
             done += count
             if bar is not None:
                 bar.update(count)

@@ -1,9 +1,9 @@
 """The rows of an extraction, written in a thread of their own while the next batch is computed.
 
-Filling a batch's rows, hashing their checks, writing them and their input digests
-(hashing the inputs too, when neither DataLoader workers nor the wait for older caches'
-rows did) is CPU work of the main process that the backbone would otherwise wait for (a
-GPU idles through it). :class:`BatchWriter` does it in one background thread, one batch
+Filling a batch's rows, hashing their checks, writing them and their input digests is
+CPU work of the main process that the backbone would otherwise wait for (a GPU idles
+through it). (The inputs are hashed before the backbone runs, as they are collated: a
+backbone may change them.) :class:`BatchWriter` does it in one background thread, one batch
 at a time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
 raised), so writes keep their order, the rows buffer is reused, and at most one batch
 of outputs is held beside the one being computed. The order within a batch is that of
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..faults import Fault, FaultLog
-from ..stores.features.digests import DigestFile, batch_digests, pack_digests
+from ..stores.features.digests import DigestFile, pack_digests
 from ..stores.features.file import features_in_memory
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
@@ -32,18 +32,13 @@ __all__ = ["Batch", "BatchWriter"]
 
 
 class Batch(NamedTuple):
-    """A batch to write: its samples' indices, the backbone's outputs, their other fields and input digests.
-
-    ``digests`` is ``None`` when they are to be computed here, from ``inputs`` (the
-    collated inputs as the backbone got them, unchanged).
-    """
+    """A batch to write: its samples' indices, the backbone's outputs, their other fields and input digests."""
 
     layout: SampleLayout
     indices: np.ndarray[Any, Any]
     features: torch.Tensor
     columns: list[list[Any]]
-    digests: list[bytes | None] | None
-    inputs: Any
+    digests: list[bytes | None]
 
 
 class BatchWriter:
@@ -108,7 +103,7 @@ class BatchWriter:
             pending.result()
 
     def _write(self, batch: Batch) -> None:
-        layout, indices, features, columns, digests, inputs = batch
+        layout, indices, features, columns, digests = batch
         assert self.file is not None
         count = len(indices)
         if len(self._rows) < count or self._rows.shape[1] != layout.stride:
@@ -125,8 +120,6 @@ class BatchWriter:
                 self._digests.close()
                 self._digests = None
         if self._digests is not None:  # once the rows are marked: each entry names its row's check
-            if digests is None:
-                digests = batch_digests(inputs, count)
             try:
                 self._digests.write(indices, pack_digests(digests), self.file.checks(indices))
             except OSError as exc:
