@@ -36,6 +36,8 @@ def tree(root: Path, files: dict[str, str], groups: str) -> Path:
         ({"memory.max": "max"}, "0::/\n", None),
         ({"memory.max": "garbage"}, "0::/../..\nnot a line\n", None),  # nothing usable: the RAM
         ({"memory/memory.limit_in_bytes": str(GIB)}, "4:cpu:/\n", None),  # no memory controller named
+        ({"cpu,memory/job/memory.limit_in_bytes": str(GIB)}, "4:cpu,memory:/job\n", GIB),  # mounted together
+        ({"sib/memory.max": str(GIB), "../sib/memory.max": str(GIB)}, "0::/../sib\n", None),  # outside the namespace
     ],
 )
 def test_the_limit_is_the_lowest_of_the_ram_and_the_groups_on_the_way_up(

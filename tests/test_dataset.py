@@ -596,6 +596,37 @@ def test_fingerprints_follow_class_attributes_length_and_version(tmp_path: Path,
         each.close()
 
 
+class Mapped(Dataset[Any]):
+    """Rows of an ``np.load(path, mmap_mode="r")`` array."""
+
+    def __init__(self, rows: np.ndarray[Any, Any]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        return self.rows[i]
+
+
+def test_fingerprints_of_a_memory_mapped_file_follow_the_file_then_what_it_maps_once_removed(tmp_path: Path) -> None:
+    def mapped(name: str, values: Any) -> np.ndarray[Any, Any]:
+        np.save(tmp_path / name, np.asarray(values, np.float32))
+        return np.load(tmp_path / name, mmap_mode="r")  # type: ignore[no-any-return]
+
+    one = mapped("one.npy", [[1, 2], [3, 4]])
+    base = fingerprint_dataset(Mapped(one))
+    assert fingerprint_dataset(Mapped(np.load(tmp_path / "one.npy", mmap_mode="r"))) == base  # by the file
+    assert fingerprint_dataset(Mapped(one[1:])) != base  # another view of it
+    rewritten = mapped("one.npy", [[1, 2], [3, 5]])
+    assert fingerprint_dataset(Mapped(rewritten)) != base
+    (tmp_path / "one.npy").unlink()  # removed while mapped: its content keys it, as an array's would
+    other = mapped("other.npy", [[1, 2], [3, 6]])
+    (tmp_path / "other.npy").unlink()
+    keys = {fingerprint_dataset(Mapped(rows)) for rows in (rewritten, rewritten, other)}
+    assert len(keys) == 2 and base not in keys
+
+
 class FromFolder(Dataset[Any]):
     """Reads its samples from files in a folder it holds as a ``Path``."""
 
@@ -808,19 +839,31 @@ def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(tmp
     smaller.close()
 
 
-def test_serving_without_the_dataset_under_a_lower_budget_removes_nothing(tmp_path: Path, log: Path) -> None:
+def test_serving_without_the_dataset_under_lower_budgets_removes_and_rewrites_nothing(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def files_under(root: Path) -> dict[str, bytes]:
+        return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
     data = CachedDataset(Numbers(200, log, (32, 32)), tmp_path, max_memory_size=0, max_disk_size="1MB")
     data.warmup(num_workers=0, progress=False)
     assert data.cache.directory is not None
     directory, meta = data.cache.directory, data.cache.metadata()
     data.close()
-    files = {path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}
-    served = CachedDataset(None, tmp_path, max_memory_size=0, max_disk_size="100kB")  # the samples cannot be made
+    other = CachedDataset(Numbers(50, log, (16, 16)), tmp_path / "other", max_memory_size=0)
+    other.warmup(num_workers=0, progress=False)
+    other.close()
+    shutil.move(str(tmp_path / "other" / other.fingerprint), tmp_path / other.fingerprint)  # two caches, one root
+    files = files_under(tmp_path)
+    monkeypatch.setenv("TORCHCACHE_MAX_SIZE", "100kB")  # the root's budget: below either cache
+    served = CachedDataset(None, directory, max_memory_size=0, max_disk_size="100kB")  # the samples cannot be made
     assert all(torch.equal(served[i][0], expected(i, (32, 32))) for i in range(200))
     assert served.stats().disk.entries == 200  # type: ignore[union-attr]
+    served.warmup(progress=False)  # has every sample: nothing to record either
     served.close()
-    assert {path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()} == files
-    again = CachedDataset(None, tmp_path, max_memory_size=0)  # nor did it record its budget for the next reader
+    assert files_under(tmp_path) == files  # neither cache touched, nor either's torchcache.json
+    monkeypatch.delenv("TORCHCACHE_MAX_SIZE")
+    again = CachedDataset(None, directory, max_memory_size=0)  # nor did it record its budget for the next reader
     assert again.cache.metadata() == meta and meta is not None and meta["max_bytes"] == 10**6
     assert again.cache.max_disk_size == 10**6
     again.close()

@@ -1041,10 +1041,21 @@ def test_a_manifest_claiming_a_huge_segment_counts_its_real_bytes_and_a_reader_r
     assert reader.disk_bytes == 4_000  # what the bucket holds, not what the manifest claims
     reader.close()
     assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 4
-    inspector = _store(bucket, max_bytes=1_000, prune_on_close=False)  # torchcache ls: over its budget, it reads
+    inspector = _store(bucket, max_bytes=1_000, keep_budget=False)  # torchcache ls: over its budget, it reads
     assert len(inspector) == 4
     inspector.close()
     assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 4
+
+
+def test_a_readers_store_over_its_budget_removes_nothing_even_as_it_writes(bucket: str, s3fs_of: Any) -> None:
+    writer = _store(bucket)
+    for batch in range(4):
+        writer.put_many([(key(batch), value(batch, 1000))])
+    reader = _store(bucket, max_bytes=1_000, keep_budget=False)  # CachedDataset(None, url) sending unsent entries
+    assert reader.put_many([(key(9), value(9, 900))]) == 1
+    reader.close()
+    assert sum(name.endswith(".tcs") for name in _objects(s3fs_of, bucket)) == 5
+    assert [bytes(v or b"") for v in _store(bucket).get_many([key(0), key(9)])] == [value(0, 1000), value(9, 900)]
 
 
 def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(

@@ -36,11 +36,14 @@ def _group_limits(groups: str, root: Path) -> list[int]:
         _, controllers, path = fields
         if controllers == "":  # v2: one hierarchy
             base, name = root, "memory.max"
-        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
-            base, name = root / "memory", "memory.limit_in_bytes"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's hierarchy, maybe mounted with others
+            base = root / "memory" if (root / "memory").is_dir() else root / controllers
+            name = "memory.limit_in_bytes"
         else:
             continue
-        parts = [part for part in path.strip().split("/") if part not in ("", ".", "..")]
+        parts = [part for part in path.strip().split("/") if part not in ("", ".")]
+        if ".." in parts:  # a group outside this cgroup namespace: not under the mount
+            continue
         for depth in range(len(parts), -1, -1):  # the group, then each above it (a container sees its own as /)
             with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
                 text = (base.joinpath(*parts[:depth]) / name).read_text().strip()

@@ -273,11 +273,13 @@ def encode_array(encoder: Encoder, array: np.ndarray[Any, Any], path: str, depth
     view = _place_in_mapping(array) if encoder.files and isinstance(array, np.memmap) else None
     if isinstance(array, np.memmap) and view is not None:
         # A memory-mapped file by name, place, size and modification time (and where in the
-        # mapping this view starts, with its strides): its content stays unread.
+        # mapping this view starts, with its strides): its content stays unread. A file
+        # removed (or renamed) since it was mapped is keyed by the content it still maps.
         filename = os.fspath(array.filename)  # type: ignore[arg-type]
-        stat = os.stat(filename)
-        where = f"{filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}|{view}"
-        return tagged(Tag.MEMMAP, head + text(where))
+        with contextlib.suppress(OSError):
+            stat = os.stat(filename)
+            where = f"{filename}|{array.offset}|{stat.st_size}|{stat.st_mtime_ns}|{view}"
+            return tagged(Tag.MEMMAP, head + text(where))
     collect(array)
     h = xxhash.xxh3_128()
     h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)

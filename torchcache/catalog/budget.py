@@ -364,7 +364,7 @@ def _warn_once(root: Path, kind: str, message: str, warn: Report) -> None:
 
 
 def claim_module_cache(
-    location: Path | str, key: str, warn: Report, local: Path | None = None, create: bool = True
+    location: Path | str, key: str, warn: Report, local: Path | None = None, create: bool = True, keep: bool = True
 ) -> CacheClaim | None:
     """Claim a module cache's directory as this process opens it, then keep its root under budget.
 
@@ -380,6 +380,7 @@ def claim_module_cache(
         local: With a Redis URL, the root of the local copies of its entries.
         create: Make the directory if it is missing (``False``: it was made with the
             cache, and a missing one was removed while in use).
+        keep: Keep the root's budget (``False``: a process that only reads removes nothing).
 
     Returns:
         The claim, to keep while the cache is used (``None`` if there is no local
@@ -390,7 +391,8 @@ def claim_module_cache(
         return None
     directory = local_copy_dir(root, key, location) if isinstance(location, str) else root / key
     claim = claim_directory(directory, create=create)
-    keep_root_budget(root, warn)
+    if keep:
+        keep_root_budget(root, warn)
     return claim
 
 

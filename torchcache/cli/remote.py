@@ -41,7 +41,7 @@ def open_remote(url: str, namespace: str) -> BatchedStore:
     Its ``close`` removes nothing: ``torchcache ls`` and ``info`` write nothing, and
     ``prune`` removes what it is asked to.
     """
-    return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None, prune_on_close=False)
+    return open_remote_store(url, namespace, _UNLIMITED, report=lambda kind, message: None, keep_budget=False)
 
 
 def remote_namespaces(url: str, prefix: str | None = None) -> list[str]:

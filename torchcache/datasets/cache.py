@@ -115,7 +115,7 @@ class SampleCache:
         self._pid: int | None = None
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
-        if self.directory is not None and keep_budget:  # a reader found the directory by its metadata
+        if self.directory is not None:
             self._update_meta({}, create=True)
         if self.local_directory is not None and self.url is not None:
             self._update_meta({"copy_of": redact_url(self.url)}, create=True, directory=self.local_directory)
@@ -182,7 +182,8 @@ class SampleCache:
 
     def _open_tiers(self) -> None:
         if (where := self.directory) is not None and self.max_disk_size:  # held while used; made with its metadata
-            self._root_claim = claim_module_cache(where.parent, where.name, self._faults.warn, create=False)
+            keep = self._places.keep_budget  # a reader removes no other cache either
+            self._root_claim = claim_module_cache(where.parent, where.name, self._faults.warn, create=False, keep=keep)
         if self._hold is not None and not self._hold.here:
             try:
                 self._hold.take()
@@ -312,8 +313,9 @@ class SampleCache:
     def _update_meta(self, fields: Mapping[str, Any], create: bool, directory: Path | None = None) -> bool:
         directory = directory or self.directory
         assert directory is not None  # callers check
-        budget = self.max_disk_size if self._places.keep_budget else None  # a reader's is not recorded
-        return write_dataset_meta(directory, {**self._info, **fields}, budget, create, self._faults)
+        if directory == self.directory and not self._places.keep_budget:  # a reader writes only its local copy
+            return False
+        return write_dataset_meta(directory, {**self._info, **fields}, self.max_disk_size, create, self._faults)
 
     def flush(self) -> None:
         """Make this process's writes durable against a killed process (they are when ``get`` returns)."""

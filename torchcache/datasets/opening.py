@@ -208,12 +208,12 @@ def _open_store(location: Path, size: int, name: str, faults: FaultLog, trim: bo
 
 
 def write_dataset_meta(
-    directory: Path, fields: Mapping[str, Any], max_bytes: int | None, create: bool, faults: FaultLog
+    directory: Path, fields: Mapping[str, Any], max_bytes: int, create: bool, faults: FaultLog
 ) -> bool:
     """Record ``fields`` in the ``torchcache.json`` of a dataset's disk tier; return whether it holds them.
 
     Without ``create``, a directory whose metadata is missing or not a dataset's is left
-    alone; ``max_bytes`` ``None`` keeps the budget recorded. A write that fails is one warning.
+    alone. A write that fails is one warning.
     """
     old, problem = load_meta(directory)
     if unreadable(problem):  # permissions or I/O, not damage: left as it is
@@ -226,9 +226,7 @@ def write_dataset_meta(
             return False
         old = {"created": time.time()}
     meta = {**old, **fields}
-    meta.update(torchcache_version=__version__, kind="dataset")
-    if max_bytes is not None:
-        meta["max_bytes"] = max_bytes
+    meta.update(torchcache_version=__version__, kind="dataset", max_bytes=max_bytes)
     if meta == old:
         return True
     try:
@@ -253,8 +251,9 @@ def _remote_store(places: Places, url: str, max_bytes: int, faults: FaultLog) ->
     meta = {**places.info, "kind": "dataset", "cache": places.dirname, "torchcache_version": __version__}
     meta["max_bytes"] = max_bytes  # CachedDataset(None, url): the default budget of its local copy
     store = open_remote_store(
-        url, namespace, max_bytes, report, meta=meta, storage_options=places.storage_options,
-        prune_on_close=places.keep_budget,
+        url, namespace, max_bytes, report, meta=meta if places.keep_budget else None,  # a reader describes nothing
+        storage_options=places.storage_options,
+        keep_budget=places.keep_budget,
     )  # fmt: skip
     if places.local_directory is None:
         return store

@@ -207,7 +207,7 @@ class FeaturesBucket:
             storage_options=self.storage_options,
             report=self._reported,
             meta=meta,
-            prune_on_close=meta is not None,  # a writer sweeps what killed uploads left
+            keep_budget=meta is not None,  # a writer sweeps what killed uploads left
         )
 
     def _reported(self, kind: Fault, message: str) -> None:

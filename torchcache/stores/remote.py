@@ -39,14 +39,14 @@ def open_remote_store(
     report: Report,
     meta: dict[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    prune_on_close: bool = True,
+    keep_budget: bool = True,
 ) -> BatchedStore:
     """The store at ``url`` for the cache ``namespace`` (nothing is sent yet).
 
     Object store URLs (``s3://``, ``gs://``...) take fsspec ``storage_options``, over those
     of ``$TORCHCACHE_STORAGE_OPTIONS`` (a JSON object), beside the filesystem's own chain;
     ``meta`` is what their ``torchcache.json`` records (Redis stores keep none);
-    ``prune_on_close=False`` opens a bucket's store for inspection: its ``close`` removes nothing.
+    ``keep_budget=False`` opens a bucket's store for a reader or an inspector: it removes nothing.
 
     Raises:
         ConfigError: If the URL is invalid or its package is missing.
@@ -59,7 +59,7 @@ def open_remote_store(
             storage_options=storage_options,
             report=report,
             meta=meta,
-            prune_on_close=prune_on_close,
+            keep_budget=keep_budget,
         )
     from .redis.store import RedisStore
 

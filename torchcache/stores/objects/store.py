@@ -75,8 +75,8 @@ class ObjectStore(BatchedStore):
         report: Called with ``(kind, message)`` for faults.
         refresh_seconds: A miss lists the manifests again at most this often.
         meta: What the namespace's ``torchcache.json`` records, written with the first entries.
-        prune_on_close: Keep the budget and sweep leftovers at :meth:`close` (``False``:
-            an inspector that writes nothing, ``torchcache ls``).
+        keep_budget: Keep the budget after writes and at :meth:`close`, and sweep leftovers
+            then (``False``: a reader or an inspector, ``torchcache ls``, which removes nothing).
 
     Raises:
         ConfigError: If the URL is invalid or a package is missing.
@@ -94,7 +94,7 @@ class ObjectStore(BatchedStore):
         report: Report | None = None,
         refresh_seconds: float = 30.0,
         meta: Mapping[str, Any] | None = None,
-        prune_on_close: bool = True,
+        keep_budget: bool = True,
     ) -> None:
         fs, root = open_filesystem(url, storage_options)
         self.url, self.max_bytes, self.refresh_seconds = url, max_bytes, refresh_seconds
@@ -108,7 +108,7 @@ class ObjectStore(BatchedStore):
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
         self._partial = False  # entries left out for faults of this process's reads: it uploads no checkpoint
-        self._prune_on_close = prune_on_close
+        self._keep_budget = keep_budget
         self._removing: list[str] = []  # segments whose manifests went but whose own removal failed
         self._damaged: list[str] | None = None  # keys whose bytes fail their digest, while verify() collects them
 
@@ -237,7 +237,7 @@ class ObjectStore(BatchedStore):
         if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
             self.bucket.describe(self._meta)
             self._meta = None
-        if self.disk_bytes > self.max_bytes:
+        if self._keep_budget and self.disk_bytes > self.max_bytes:
             _keep_budget(self)
         with self._lock:
             checkpoint = self._known.checkpoint() if self._known.checkpoint_due() and not self._partial else None
@@ -301,7 +301,7 @@ class ObjectStore(BatchedStore):
     def close(self) -> None:
         """Keep the budget over a fresh listing (DataLoader workers and other writers wrote too); forget the index."""
         with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
-            if self._prune_on_close:
+            if self._keep_budget:
                 self.prune(self.max_bytes)
         with self._lock:
             self._known.clear()
