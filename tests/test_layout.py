@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "core",
         {
             "torchcache._buffers",
+            "torchcache._cgroup",
             "torchcache._fork",
             "torchcache._gc",
             "torchcache._log",

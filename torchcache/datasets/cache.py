@@ -182,8 +182,9 @@ class SampleCache:
 
     def _open_tiers(self) -> None:
         if (where := self.directory) is not None and self.max_disk_size:  # held while used; made with its metadata
-            keep = self._places.keep_budget  # a reader removes no other cache either
-            self._root_claim = claim_module_cache(where.parent, where.name, self._faults.warn, create=False, keep=keep)
+            self._root_claim = claim_module_cache(  # a reader keeps no budget: it removes no other cache either
+                where.parent, where.name, self._faults.warn, create=False, keep=self._places.keep_budget
+            )
         if self._hold is not None and not self._hold.here:
             try:
                 self._hold.take()
@@ -301,9 +302,7 @@ class SampleCache:
 
     def metadata(self) -> dict[str, Any] | None:
         """The disk tier's ``torchcache.json`` (``None`` without a disk tier or a valid file)."""
-        if self.directory is None:
-            return None
-        meta, problem = load_meta(self.directory)
+        meta, problem = load_meta(self.directory) if self.directory is not None else (None, "no disk tier")
         return meta if problem is None else None
 
     def update_metadata(self, fields: Mapping[str, Any]) -> bool:
@@ -313,8 +312,8 @@ class SampleCache:
     def _update_meta(self, fields: Mapping[str, Any], create: bool, directory: Path | None = None) -> bool:
         directory = directory or self.directory
         assert directory is not None  # callers check
-        if directory == self.directory and not self._places.keep_budget:  # a reader writes only its local copy
-            return False
+        if directory == self.directory and not self._places.keep_budget:
+            return False  # a reader writes only its local copy's
         return write_dataset_meta(directory, {**self._info, **fields}, self.max_disk_size, create, self._faults)
 
     def flush(self) -> None:
