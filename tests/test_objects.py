@@ -401,18 +401,18 @@ def test_a_bucket_url_is_never_taken_for_a_local_path(
     assert not (tmp_path / "s3:").exists()
 
 
+def _machine(bucket: str, copy: Path) -> Any:
+    """A decorated module keeping its outputs in ``bucket``, with its own local copy (a machine of its own)."""
+    options = {"persistent_cache_dir": f"{bucket}/modules", "local_cache_dir": str(copy), "max_memory_cache_size": 0}
+    return cached(Counting, persistent=True, **options)()
+
+
 def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tmp_path: Path) -> None:
-    url = f"{bucket}/modules"
     x = torch.randn(8, 4)
-
-    def machine(copy: str) -> Any:
-        options = {"persistent_cache_dir": url, "local_cache_dir": str(tmp_path / copy), "max_memory_cache_size": 0}
-        return cached(Counting, persistent=True, **options)()
-
-    model = machine("one")
+    model = _machine(bucket, tmp_path / "one")
     expected = model(x)
     model.cache_instance.flush()
-    other = machine("two")
+    other = _machine(bucket, tmp_path / "two")
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
         out = other(x)
@@ -422,16 +422,11 @@ def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tm
 
 @pytest.mark.slow
 def test_forked_dataloader_workers_read_the_decorators_bucket(bucket: str, tmp_path: Path) -> None:
-    url, x = f"{bucket}/modules", torch.randn(16, 4)
-
-    def machine(copy: str) -> Any:
-        options = {"persistent_cache_dir": url, "local_cache_dir": str(tmp_path / copy), "max_memory_cache_size": 0}
-        return cached(Counting, persistent=True, **options)()
-
-    warm = machine("one")
+    x = torch.randn(16, 4)
+    warm = _machine(bucket, tmp_path / "one")
     expected = warm(x)
     warm.cache_instance.flush()
-    model = machine("two")
+    model = _machine(bucket, tmp_path / "two")
     model(torch.randn(1, 4))  # the bucket is opened here, before the workers are forked
 
     class Rows(torch.utils.data.Dataset[Any]):
