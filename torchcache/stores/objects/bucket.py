@@ -1,4 +1,4 @@
-"""The objects of one cache in a bucket (requests with a backoff, faults reported once an outage); the caches in one."""
+"""A cache's objects in a bucket (requests with a backoff, one report per outage); the caches under a URL."""
 
 from __future__ import annotations
 
