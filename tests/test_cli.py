@@ -127,6 +127,9 @@ def test_usage_errors_are_one_line_with_status_2(capsys: pytest.CaptureFixture[s
     for option, value in (("--older-than", "-3d"), ("--keep", "-1"), ("--max", "-5")):  # a negative value, named
         code, _, err = run(capsys, "prune", option, value)
         assert code == 2 and f"{value}'" in err.splitlines()[-1] and "expected one argument" not in err
+    for digits in ("\u00b2", "\u0663"):  # a superscript two and an Arabic-Indic three: digits to str.isdigit()
+        code, _, err = run(capsys, "prune", "--keep", digits)
+        assert code == 2 and err.splitlines()[-1].endswith(f"expected a whole number (0 or more), got {digits!r}")
 
 
 def test_parse_duration() -> None:

@@ -625,6 +625,48 @@ def test_an_index_of_larger_pages_is_walked_at_its_own_page_size(root: Path) -> 
     assert unsound_pages(str(path)) is None
 
 
+def test_an_index_a_writer_grows_as_it_is_walked_is_not_called_damaged(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.stores.packed import mappable
+
+    store = PackedStore(root, 10**8)
+    fill(store, range(50), 100)
+    path = str(root / INDEX_NAME)
+    before = os.stat(path).st_size
+    fill(store, range(50, 3000), 100)  # the file grows, then a newer header names the pages past its old end
+    store.close()
+    assert os.stat(path).st_size > before
+    read, stat = os.pread, os.fstat
+    headers: list[int] = []
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        headers.append(offset)
+        return read(fd, n, offset)
+
+    def fstat(fd: int) -> os.stat_result:  # the size as it was before the writer's last commit, until a header is read
+        real = stat(fd)
+        return real if headers else os.stat_result((*real[:6], before, *real[7:]))
+
+    monkeypatch.setattr(mappable.os, "pread", pread)
+    monkeypatch.setattr(mappable.os, "fstat", fstat)
+    assert mappable._unsound_once(path, None) is None  # one walk: its size is measured after the header
+
+
+@pytest.mark.parametrize("txnid", [None, 7])
+def test_a_problem_outside_a_transaction_counts_only_if_each_walk_finds_it(
+    monkeypatch: pytest.MonkeyPatch, txnid: int | None
+) -> None:
+    from torchcache.stores.packed import mappable
+
+    found = iter(["a tree points to page 9, outside its 8 pages", None, None])
+    monkeypatch.setattr(mappable, "_unsound_once", lambda path, txnid: next(found))
+    problem = unsound_pages("index.lmdb", txnid)  # with no transaction, a writer may reuse pages as they are walked
+    assert problem == (None if txnid is None else "a tree points to page 9, outside its 8 pages")
+    monkeypatch.setattr(mappable, "_unsound_once", lambda path, txnid: "a page has a node outside it")
+    assert unsound_pages("index.lmdb", txnid) == "a page has a node outside it"
+
+
 def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:
     store = PackedStore(root, 10**8, report=reports)
     fill(store, range(20))

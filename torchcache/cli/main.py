@@ -126,7 +126,7 @@ def _duration(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() and "٣".isdigit() are true
         raise argparse.ArgumentTypeError(f"expected a whole number (0 or more), got {text!r}")
     return int(text)
 

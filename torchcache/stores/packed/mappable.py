@@ -58,14 +58,23 @@ def unsound_pages(path: str, txnid: int | None = None) -> str | None:
     newest meta page with ``pread`` (nothing mapped) and checks that every page, node,
     key and value it reaches lies inside the file. A store runs it when it opens its
     index, inside a read transaction whose id is ``txnid`` (its pages cannot be reused
-    meanwhile); ``torchcache verify`` runs it before it opens the index.
+    meanwhile); ``torchcache verify`` and ``ls`` run it before they open the index,
+    outside one: a writer may then reuse pages as they are walked, so a problem counts
+    only if it is found again in each of three walks.
     """
+    for _ in range(1 if txnid is not None else 3):
+        problem = _unsound_once(path, txnid)
+        if problem is None:
+            return None
+    return problem
+
+
+def _unsound_once(path: str, txnid: int | None) -> str | None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
         first = os.pread(fd, 16 + _META.size, 0)
         if len(first) < 16 + _META.size:
             return None
@@ -83,6 +92,7 @@ def unsound_pages(path: str, txnid: int | None = None) -> str | None:
                 return None  # written over since the transaction began: nothing to check against
         meta = max(found, key=lambda m: m[4])
         raw = next(m for m in metas if len(m) == 16 + _META.size and _META.unpack_from(m, 16) == meta)
+        size = os.fstat(fd).st_size  # after the header: a writer grows the file before it commits one
         npages = min(size // psize, meta[3] + 1)
         main_root = struct.unpack_from("<Q", raw, 16 + 24 + 48 + _DB_ROOT_AT)[0]
         return _walk(fd, psize, npages, [main_root])
