@@ -667,6 +667,22 @@ def test_a_problem_outside_a_transaction_counts_only_if_each_walk_finds_it(
     assert unsound_pages("index.lmdb", txnid) == "a page has a node outside it"
 
 
+def test_the_command_lines_check_walks_a_snapshot_no_writer_can_reuse(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.stores.packed import mappable
+
+    store = PackedStore(root, 10**8)
+    fill(store, range(300), 100)
+    path, walked = str(root / INDEX_NAME), []
+    real = mappable.unsound_pages
+    monkeypatch.setattr(mappable, "unsound_pages", lambda p, txnid=None: walked.append(txnid) or real(p, txnid))
+    assert mappable.unsound_snapshot(path) is None  # open in this process: LMDB opens it once, walked outside
+    store.close()
+    assert mappable.unsound_snapshot(path) is None  # as torchcache ls or verify finds it: inside a read transaction
+    assert len(walked) == 2 and walked[0] is None and isinstance(walked[1], int)
+
+
 def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:
     store = PackedStore(root, 10**8, report=reports)
     fill(store, range(20))

@@ -25,7 +25,7 @@ from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
 from ..stores.packed.format import parse_segment_name
 from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_index
-from ..stores.packed.mappable import cut_short, unsound_pages
+from ..stores.packed.mappable import cut_short, unsound_snapshot
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
 from ..stores.unsent import count_unsent
@@ -129,7 +129,7 @@ def index_problem(directory: Path) -> str | None:
             return "not a regular file"
     except OSError:
         return None
-    return cut_short(os.fspath(path)) or unsound_pages(os.fspath(path))
+    return cut_short(os.fspath(path)) or unsound_snapshot(os.fspath(path))
 
 
 def open_store(directory: Path, max_bytes: int | None = None, readonly: bool = False) -> PackedStore | None:

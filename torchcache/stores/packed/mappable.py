@@ -8,7 +8,7 @@ import struct
 
 import lmdb
 
-__all__ = ["cut_short", "unsound_pages"]
+__all__ = ["cut_short", "unsound_pages", "unsound_snapshot"]
 
 _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
@@ -67,6 +67,24 @@ def unsound_pages(path: str, txnid: int | None = None) -> str | None:
         if problem is None:
             return None
     return problem
+
+
+def unsound_snapshot(path: str) -> str | None:
+    """:func:`unsound_pages` of the index at ``path``, walked as a reader its lock file counts.
+
+    A writer cannot reuse the pages of that reader's snapshot while they are walked. Where
+    the lock file cannot be used (a read-only directory, the index open in this process),
+    the walk is outside a transaction.
+    """
+    try:  # read-only: nothing is written but this reader's slot in the lock file
+        env = lmdb.open(path, subdir=False, readonly=True, lock=True, max_dbs=3)
+    except lmdb.Error:
+        return unsound_pages(path)
+    try:
+        with env.begin() as txn:
+            return unsound_pages(path, txn.id())
+    finally:
+        env.close()
 
 
 def _unsound_once(path: str, txnid: int | None) -> str | None:
