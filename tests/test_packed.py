@@ -681,6 +681,15 @@ def test_the_command_lines_check_walks_a_snapshot_no_writer_can_reuse(
     store.close()
     assert mappable.unsound_snapshot(path) is None  # as torchcache ls or verify finds it: inside a read transaction
     assert len(walked) == 2 and walked[0] is None and isinstance(walked[1], int)
+    lock = root / (INDEX_NAME + "-lock")
+    elsewhere = root.parent / "elsewhere"
+    elsewhere.write_bytes(b"a file of the user's")
+    lock.unlink()
+    lock.symlink_to(elsewhere)  # a lock file that is not one: not followed, nothing written through it
+    assert mappable.unsound_snapshot(path) is None and walked[-1] is None
+    lock.unlink()  # none: none is made by a check
+    assert mappable.unsound_snapshot(path) is None and walked[-1] is None and not lock.exists()
+    assert elsewhere.read_bytes() == b"a file of the user's"
 
 
 def test_a_fifo_or_directory_where_a_segment_should_be(root: Path, reports: Reports) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "Segment",
     "map_size_for",
     "open_index",
+    "reserve_lock_file",
     "unpack_entry",
 ]
 
@@ -227,7 +228,7 @@ def _close_quietly(index: Index) -> None:
 after_fork(_forget_shared)
 
 
-def _reserve_lock_file(path: str) -> None:
+def reserve_lock_file(path: str) -> None:
     """Give LMDB's lock file its pages before LMDB maps and writes it (a hole would be a SIGBUS).
 
     Allocating pages leaves what they hold as it is, so this is safe while other
@@ -273,7 +274,7 @@ class Index:
         with contextlib.suppress(OSError):
             map_size = max(map_size, 2 * os.stat(path).st_size)  # room to grow beyond what it holds
         if lock:  # readers write their slot in it too
-            _reserve_lock_file(path + "-lock")
+            reserve_lock_file(path + "-lock")
         self.env = lmdb.open(
             path,
             map_size=_blocks(map_size),

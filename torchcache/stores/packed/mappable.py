@@ -8,6 +8,8 @@ import struct
 
 import lmdb
 
+from .index import reserve_lock_file
+
 __all__ = ["cut_short", "unsound_pages", "unsound_snapshot"]
 
 _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
@@ -73,12 +75,16 @@ def unsound_snapshot(path: str) -> str | None:
     """:func:`unsound_pages` of the index at ``path``, walked as a reader its lock file counts.
 
     A writer cannot reuse the pages of that reader's snapshot while they are walked. Where
-    the lock file cannot be used (a read-only directory, the index open in this process),
-    the walk is outside a transaction.
+    the lock file cannot be used (none yet, not a regular file, a read-only directory, the
+    index open in this process), the walk is outside a transaction. Nothing is created.
     """
-    try:  # read-only: nothing is written but this reader's slot in the lock file
-        env = lmdb.open(path, subdir=False, readonly=True, lock=True, max_dbs=3)
-    except lmdb.Error:
+    lock = path + "-lock"
+    try:
+        if not stat.S_ISREG(os.lstat(lock).st_mode):
+            return unsound_pages(path)
+        reserve_lock_file(lock)  # its pages allocated first, as a store does: a hole LMDB writes is a SIGBUS
+        env = lmdb.open(path, subdir=False, readonly=True, lock=True, max_dbs=3)  # writes only its reader slot
+    except (OSError, lmdb.Error):
         return unsound_pages(path)
     try:
         with env.begin() as txn:
