@@ -231,10 +231,9 @@ after_fork(_forget_shared)
 def reserve_lock_file(path: str) -> None:
     """Give LMDB's lock file its pages before LMDB maps and writes it (a hole would be a SIGBUS).
 
-    Allocating pages leaves what they hold as it is, so this is safe while other
-    processes use the file. Where the file cannot be opened for writing, LMDB fails the
-    same way (and the index is read without the lock); a file system without
-    ``fallocate`` is left to LMDB as before.
+    Allocating pages leaves what they hold as it is: safe while other processes use the
+    file. Where it cannot be opened for writing, LMDB fails the same way (and the index is
+    read without the lock); a file system without ``fallocate`` is left to LMDB.
 
     Raises:
         StoreError: If the file system has no room for the pages (``ENOSPC``).
