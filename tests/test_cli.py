@@ -26,7 +26,7 @@ from tests.store_helpers import poison_index_leaves
 from torchcache import CacheWarning, torchcache
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
-from torchcache.cli.output import short_keys
+from torchcache.cli.output import iso, short_keys
 from torchcache.cli.verify import TMP_GRACE_SECONDS
 from torchcache.codec import encode_frame
 from torchcache.meta import META_NAME
@@ -642,12 +642,16 @@ def test_damaged_metadata_never_hides_a_cache(
     model, x, directory = make_cache(items=5)
     _, _, healthy = make_cache(out=2, items=2)
     DAMAGES[damage](directory / META_NAME)
+    used = time.time() - 3600  # an hour ago: looking at a cache must not make it look used
+    for path in directory.iterdir():
+        os.utime(path, (used, used))
 
     code, out, _ = run(capsys, "ls")
     assert code == 0 and "2 module caches, 7 entries" in out
     assert "(damaged metadata)" in out and "1 module cache with damaged metadata" in out
     listed = {c["key"]: c for c in json.loads(run(capsys, "ls", "--json")[1])["caches"]}
     assert listed[directory.name]["entries"] == 5 and listed[directory.name]["metadata_problem"]
+    assert listed[directory.name]["last_used"] == iso(used)
     assert listed[healthy.name]["metadata_problem"] is None
     assert run(capsys, "info", directory.name)[0] == 0
 

@@ -139,8 +139,12 @@ def list_files(directory: Path) -> CacheFiles:
     return CacheFiles(entries, temporaries, sorted(shards), sorted(store, key=lambda f: f.path), sorted(irregular))
 
 
+#: Lock files: readers write them too (LMDB's reader table), so their times say nothing of use.
+LOCK_FILES = frozenset((INDEX_NAME + "-lock", *LOCK_NAMES))
+
+
 def _is_store_file(name: str) -> bool:
-    known = (INDEX_NAME, INDEX_NAME + "-lock", *LOCK_NAMES, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
+    known = (INDEX_NAME, *LOCK_FILES, FEATURES_NAME, LEGACY_FEATURES_NAME, DIGESTS_NAME)
     return name in known or parse_segment_name(name) is not None or is_unsent_file(name)
 
 

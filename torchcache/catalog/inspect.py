@@ -29,7 +29,7 @@ from ..stores.packed.mappable import cut_short, unsound_snapshot
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
 from ..stores.unsent import count_unsent
-from .files import ENTRY_SUFFIX, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
+from .files import ENTRY_SUFFIX, LOCK_FILES, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -208,7 +208,8 @@ def _meta_stat(directory: Path, files: CacheFiles) -> tuple[os.stat_result | Non
     """The metadata file's ``lstat`` (``None`` if there is none), and when the cache was last used.
 
     That is the metadata's modification time where it is a regular file (or the cache has
-    no other file), else the newest of its files'.
+    no other file), else the newest of its files' but its lock files, which readers
+    write (``torchcache ls`` too).
     """
     try:
         st: os.stat_result | None = os.lstat(directory / META_NAME)
@@ -217,7 +218,7 @@ def _meta_stat(directory: Path, files: CacheFiles) -> tuple[os.stat_result | Non
     own = [*files.entries, *files.temporaries, *files.store]
     if st is not None and (stat.S_ISREG(st.st_mode) or not own):
         return st, st.st_mtime
-    return st, max((f.mtime for f in own), default=0.0)
+    return st, max((f.mtime for f in own if f.path.name not in LOCK_FILES), default=0.0)
 
 
 def read_usage(directory: Path) -> CacheUsage | None:
