@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from tests.helpers import RAMP_DATASET, Counting, cached, run_python
-from tests.store_helpers import ReferenceStore, Reports, key, value
+from tests.store_helpers import ReferenceStore, Reports, charged, key, value
 from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
 from torchcache.cli.main import main
 from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.meta import load_meta
 from torchcache.stores.packed.store import PackedStore
-from torchcache.stores.unsent import Unsent
+from torchcache.stores.unsent import Unsent, count_unsent
 from torchcache.tiers import layered as layered_module
 from torchcache.tiers.layered import LayeredStore
 
@@ -103,8 +103,46 @@ def test_what_the_shared_store_did_not_take_is_sent_up_after_its_next_write(tmp_
     store.put_many([(key(10), value(10))])  # the server takes writes again: what it missed follows
     assert sorted(far.keys()) == sorted(key(i) for i in range(11))
     assert [bytes(v or b"") for v in far.get_many([key(i) for i in range(10)])] == [value(i) for i in range(10)]
+    assert not list((tmp_path / "near").glob("unsent-*"))  # all sent: no file names them
     store.close()
     assert not list((tmp_path / "near").glob("unsent-*"))
+
+
+def test_the_copy_never_evicts_what_the_shared_store_did_not_take(tmp_path: Path) -> None:
+    far = AwayStore(10**7)
+    near = PackedStore(tmp_path / "near", 60_000, segment_bytes=10_000)
+    store = LayeredStore(near, far, Reports())
+    far.away = True
+    taken: list[str] = []
+    for start in range(0, 200, 10):  # 200 kB through a 60 kB copy while the server is away
+        with pytest.raises(StoreUnavailableError):
+            store.put_many([(key(i), value(i)) for i in range(start, start + 10)])
+        taken += [key(i) for i in range(start, start + 10) if key(i) in near]
+        assert charged(near) <= 60_000
+    assert len(taken) >= 40 and all(k in near for k in taken)  # their only copy: kept, later writes refused
+    far.away = False
+    store.put_many([(key(999), value(999))])  # the server is back: every entry the copy took reaches it
+    assert set(taken) <= set(far.keys()) and store.unsent.dropped == 200 - len(taken)
+    for start in range(300, 400, 10):  # sent: the copy evicts them as it needs again
+        store.put_many([(key(i), value(i)) for i in range(start, start + 10)])
+    assert not set(taken) <= set(near.keys()) and charged(near) <= 60_000
+    store.close()
+
+
+def test_the_copy_keeps_entries_another_process_has_not_sent_yet(tmp_path: Path) -> None:
+    far = ReferenceStore(10**7)
+    near = PackedStore(tmp_path / "near", 60_000, segment_bytes=10_000)
+    store = LayeredStore(near, far, Reports())
+    store.put_many([(key(i), value(i)) for i in range(30)])
+    other = Unsent(tmp_path / "near")  # as another process sharing the copy: its server refused these
+    others = [key(i) for i in range(30, 45)]
+    store.put_many([(k, value(30 + n)) for n, k in enumerate(others)])
+    other.add(others[:5])  # named in its file at once, not at its next save
+    other.add(others[5:])  # appended to it
+    for start in range(100, 200, 5):  # the newest segments first (MRU): those holding the other's entries
+        store.put_many([(key(i), value(i)) for i in range(start, start + 5)])
+    assert all(k in near for k in others) and charged(near) <= 60_000
+    store.close()
 
 
 def test_what_the_shared_store_did_not_take_waits_in_the_copy_for_a_later_process(tmp_path: Path) -> None:
@@ -223,18 +261,19 @@ def test_keys_left_to_send_are_claimed_by_one_process_and_sent_once(tmp_path: Pa
 def test_a_forked_child_holds_none_of_its_parents_keys_to_send(tmp_path: Path) -> None:
     held = Unsent(tmp_path)
     held.add([key(i) for i in range(5)])
+    parents = sorted(p.name for p in tmp_path.glob("unsent-*"))  # named as they came
     reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
 
     def child() -> None:
-        held.save()  # nothing of the parent's to save or send
+        held.save()  # nothing of the parent's to save or send, nor to remove
         writer.send((len(held), sorted(p.name for p in tmp_path.glob("unsent-*"))))
 
     process = multiprocessing.get_context("fork").Process(target=child)
     process.start()
     assert reader.poll(60)
-    assert reader.recv() == (0, [])
+    assert reader.recv() == (0, parents) and len(parents) == 1
     process.join(30)
-    assert len(held) == 5
+    assert len(held) == 5 and count_unsent(tmp_path.glob("unsent-*")) == 5
 
 
 def test_writes_reach_both_and_the_shared_store_is_the_authority(
@@ -718,7 +757,7 @@ def test_the_exit_warning_counts_what_waits_in_the_copy_apart_from_what_it_evict
     from torchcache.module.exit import _tell_unstored
 
     store = LayeredStore(PackedStore(tmp_path / "near", 10**7), AwayStore(10**7), Reports())
-    store.unsent.add([key(i) for i in range(3)])  # never in the copy: evicted before they could be sent
+    store.unsent.add([key(i) for i in range(3)])  # never in the copy: it had no room for them
     store.flush()  # the server is there: sent, or dropped
     cache = SimpleNamespace(faults=FaultLog("t"))
     disk = SimpleNamespace(store=store, where="s3://b/x", unstored=[])
@@ -726,5 +765,5 @@ def test_the_exit_warning_counts_what_waits_in_the_copy_apart_from_what_it_evict
         warnings.simplefilter("always")
         _tell_unstored(cache, disk)  # type: ignore[arg-type]
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 1 and "3 entries could not be stored" in messages[0] and "no longer kept" in messages[0]
+    assert len(messages) == 1 and "3 entries could not be stored" in messages[0] and "not kept to send" in messages[0]
     store.close()

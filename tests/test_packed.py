@@ -58,7 +58,7 @@ def fill(store: PackedStore, ids: range, size: int = 1000) -> None:
 
 
 def locate(store: PackedStore, i: int) -> tuple[int, int, int]:
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None
     with index.begin() as txn:
         raw = txn.get(bytes.fromhex(key(i)), db=index.entries)
@@ -72,7 +72,7 @@ def test_a_batch_costs_one_transaction_and_few_system_calls(root: Path, monkeypa
     store = PackedStore(root, 10**9)
     fill(store, range(10))  # the segment and the index exist
     calls: dict[str, int] = {"change": 0, "pwritev": 0, "pread": 0, "fstat": 0, "begin": 0}
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None
 
     def counting(name: str, real: Any) -> Any:
@@ -100,7 +100,7 @@ def test_the_length_check_follows_the_file_the_index_maps_not_its_path(root: Pat
 
     store = PackedStore(root, 10**9)
     fill(store, range(50))
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None
     mapped = root / INDEX_NAME
     os.replace(mapped, root / "kept")  # another program renames the file and puts a short one in its place
@@ -193,7 +193,7 @@ def test_a_dead_writers_segment_evicted_while_it_is_sealed_stays_gone(
     """Sealing what a dead writer left must not bring back a row another process dropped meanwhile."""
     store = PackedStore(root, 10**8)
     fill(store, range(50))
-    index = store._ensure(write=True)
+    index = store._handle.ensure(write=True)
     assert index is not None and store._files.writer is not None
     dead = store._files.seal_writer()  # its lock goes, its row stays unsealed: a writer that died
     assert dead is not None
@@ -250,7 +250,7 @@ def test_a_sweep_keeps_a_segment_indexed_after_its_first_look(root: Path) -> Non
     """A segment indexed (and let go of) by another writer after the sweep's first look is not an orphan."""
     store = PackedStore(root, 10**8)
     fill(store, range(10))
-    index = store._ensure(write=True)
+    index = store._handle.ensure(write=True)
     assert index is not None
     before = packed_upkeep.known_segments(index)
     store._files.seal_writer()
@@ -335,7 +335,7 @@ def test_kill_9_loses_nothing_committed(root: Path, budget: int) -> None:
             assert all(found[i] is not None for i in kept)
         assert store.verify().ok and not reports.seen
         fill(store, range(100_000, 100_050), 700)  # the next writer seals the dead one's segment
-        index = store._ensure(write=False)
+        index = store._handle.ensure(write=False)
         assert index is not None
         with index.begin() as txn:
             unsealed = [seg for seg, row in index.segment_table(txn).items() if not row.sealed]
@@ -575,7 +575,7 @@ def test_an_index_that_lies_is_bounds_checked(root: Path, reports: Reports) -> N
     store = PackedStore(root, 10**12, report=reports)
     fill(store, range(10))
     seg, _, _ = locate(store, 1)
-    index = store._ensure(write=True)
+    index = store._handle.ensure(write=True)
     assert index is not None
     lies = {2: (seg, 0, 900), 3: (seg, 1 << 31, 1000), 4: (seg, 0, (1 << 32) - 1), 5: (seg + 77, 0, 1000)}
     with index.env.begin(write=True) as txn:
@@ -905,6 +905,34 @@ def test_compaction_gives_space_back_and_readers_follow(root: Path) -> None:
     assert fresh.verify().ok
 
 
+@pytest.mark.parametrize("evict", ["mru", "lru"])
+def test_eviction_keeps_pinned_entries_and_refuses_a_write_with_no_other_room(root: Path, evict: str) -> None:
+    budget = 60_000
+    store = PackedStore(root, budget, segment_bytes=10_000, evict=evict)
+    pins: set[str] = set()
+    store.pinned = lambda: pins
+    for start in range(0, 150, 10):  # 150 kB through a 60 kB budget: segments go as the batches come
+        store.put_many([(key(i), value(i)) for i in range(start, start + 10)])
+        if start in (20, 70):  # entries the copy's server did not take: their only copy
+            pins.update(key(i) for i in range(start, start + 10) if key(i) in store)
+        assert charged(store) <= budget
+    assert len(pins) >= 15 and all(key in store for key in pins) and len(store) < 100
+    pinned = [i for i in range(150) if key(i) in pins]
+    assert [bytes(v or b"") for v in store.get_many([key(i) for i in pinned])] == [value(i) for i in pinned]
+
+    pins.update(store.keys())  # nothing left that may go: a write finds no room
+    held = sorted(store.keys())
+    assert store.put_many([(key(i), value(i)) for i in range(500, 520)]) == 0
+    assert sorted(store.keys()) == held and charged(store) <= budget
+    assert store.put_many([(key(600), b"x" * 10)]) == 1  # what fits beside them is still stored
+    pins.clear()  # sent: evicted again as the budget needs
+    for start in range(700, 760, 10):
+        store.put_many([(key(i), value(i)) for i in range(start, start + 10)])
+    assert sum(key(i) in store for i in range(700, 760)) >= 10 and charged(store) <= budget
+    assert not set(held) <= set(store.keys())
+    store.close()
+
+
 # -- failing disks ------------------------------------------------------------------------
 @pytest.fixture
 def mount_point(tmp_path: Path) -> Iterator[Path]:
@@ -1059,7 +1087,7 @@ def test_a_batch_over_several_segments_is_counted_in_each(root: Path) -> None:
     store = PackedStore(root, 10**8, segment_bytes=20_000)
     store.put_many([(key(i), value(i, 1000 + i)) for i in range(60)])  # one call, several segments
     store.put_many([(key(i), value(i, 500)) for i in range(5)])  # replaces five, in the open segment
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None
     with index.begin() as txn:
         table = index.segment_table(txn)
@@ -1171,7 +1199,7 @@ def test_a_map_found_full_grows_and_the_write_goes_through(root: Path) -> None:
     store._handle.map_size = 1 << 18  # a map far too small for what follows
     store.close()
     fill(store, range(2000), size=10)  # small entries: the index outgrows its map several times
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None and index.map_size > 1 << 18
     got = store.get_many([key(i) for i in range(2000)])
     assert all(bytes(v or b"") == value(i, 10) for i, v in enumerate(got))

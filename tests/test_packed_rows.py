@@ -51,7 +51,7 @@ def _locate(store: PackedStore, i: int) -> tuple[int, int, int]:
     from torchcache.stores.packed.format import encode_key
     from torchcache.stores.packed.index import ENTRY
 
-    index = store._ensure(write=False)
+    index = store._handle.ensure(write=False)
     assert index is not None
     with index.begin() as txn:
         raw = txn.get(encode_key(key(i)))

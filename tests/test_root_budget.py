@@ -30,6 +30,7 @@ from torchcache.catalog.inspect import CacheUsage
 from torchcache.catalog.removal import select_for_prune
 from torchcache.config import DEFAULT_ROOT_BUDGET, resolve_root_budget
 from torchcache.meta import META_NAME
+from torchcache.stores.unsent import Unsent, count_unsent
 
 #: Output width of the modules that fill caches: 512 items of 256 float32 take 512 kB, far
 #: more than a store's index and lock files (about 120 kB).
@@ -170,6 +171,19 @@ def test_enforcing_removes_the_least_recently_used_caches_no_process_holds(cache
     assert enforce_root_budget(cache_root, 0) and list(scan_root(cache_root)) == []
     assert (cache_root / "notes" / "todo.txt").read_text() == "not a module cache"
     assert enforce_root_budget(cache_root / "missing", 0) == []
+
+
+def test_a_local_copy_holding_entries_its_server_did_not_take_is_never_removed(cache_root: Path) -> None:
+    copy, other = filled_here(1), filled_here(2)
+    set_last_used(copy, 200)
+    set_last_used(other, 100)
+    waiting = Unsent(copy)  # as a process whose server refused these: their only copy is here
+    waiting.add([format(i, "032x") for i in range(3)])
+    del waiting  # that process ended before its server came back
+    gc.collect()
+    assert [c.directory for c in scan_root(cache_root) if c.unsent] == [copy]
+    assert [r.directory for r in enforce_root_budget(cache_root, 0)] == [other]
+    assert copy.exists() and count_unsent(copy.glob("unsent-*")) == 3
 
 
 def test_a_budget_set_by_the_api_is_kept_when_a_cache_opens(cache_root: Path) -> None:

@@ -301,8 +301,9 @@ def scan_root(root: Path) -> list[CacheUsage]:
 def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheUsage]:
     """Remove module caches under ``root``, least recently used first, until they fit its budget.
 
-    A cache that a live process has open is never removed (see :func:`cache_in_use`);
-    when those alone take more than the budget, the root stays over it. Only one process
+    A cache that a live process has open is never removed (see :func:`cache_in_use`),
+    nor a local copy holding entries its server did not take (their only copy); when
+    those alone take more than the budget, the root stays over it. Only one process
     at a time enforces the budget of a root: if another is doing it, this returns at once,
     and so it does where the root cannot be opened or locked (missing, not a directory,
     some network file systems).
@@ -336,7 +337,9 @@ def enforce_root_budget(root: Path, max_bytes: int | None = None) -> list[CacheU
         caches = scan_root(root)
         if sum(c.nbytes for c in caches) <= max_bytes:
             return removed
-        victims = select_for_prune(caches, time.time(), max_bytes=max_bytes, in_use=lambda c: cache_in_use(c.directory))
+        victims = select_for_prune(
+            caches, time.time(), max_bytes=max_bytes, in_use=lambda c: c.unsent or cache_in_use(c.directory)
+        )
         failure: OSError | None = None
         for victim in victims:
             try:

@@ -28,7 +28,7 @@ from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_inde
 from ..stores.packed.mappable import cut_short, unsound_snapshot
 from ..stores.packed.store import PackedStore
 from ..stores.packed.upkeep import index_damage
-from ..stores.unsent import count_unsent
+from ..stores.unsent import count_unsent, is_unsent_file
 from .files import ENTRY_SUFFIX, LOCK_FILES, TMP_SUFFIX, CacheFiles, FileInfo, disk_bytes, has_cache_files, list_files
 
 __all__ = [
@@ -51,11 +51,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CacheUsage:
-    """What a budget needs of one module cache: its directory, when it was last used, its bytes."""
+    """What a budget needs of one module cache: its directory, when it was last used, its bytes.
+
+    ``unsent`` says whether it is a local copy holding entries its server did not take
+    (their only copy: no budget removes it).
+    """
 
     directory: Path
     last_used: float
     nbytes: int
+    unsent: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,8 @@ def read_usage(directory: Path) -> CacheUsage | None:
     st, last_used = _meta_stat(directory, files)
     meta_bytes = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else 0
     own = [*files.entries, *files.temporaries, *files.store]
-    return CacheUsage(directory, last_used, meta_bytes + sum(f.size for f in own))
+    unsent = any(is_unsent_file(f.path.name) and f.path.suffix == ".keys" for f in files.store)
+    return CacheUsage(directory, last_used, meta_bytes + sum(f.size for f in own), unsent)
 
 
 def _segment_bytes(files: CacheFiles) -> int:

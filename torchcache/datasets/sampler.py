@@ -4,7 +4,7 @@ A cache in a bucket is read in whole segments (a few megabytes of samples each).
 plain shuffled epoch asks every batch for a few samples of every segment, so when the
 local copy cannot hold the whole cache, each batch fetches most segments again (ten
 times the cache's bytes per epoch). :class:`WindowSampler` shuffles the segments, cuts
-them into windows of :data:`~torchcache.tiers.layered.STASH_BYTES`, and shuffles the
+them into windows of :data:`~torchcache.tiers.stash.STASH_BYTES`, and shuffles the
 samples within each window (the samples held on this machine are spread over all
 windows): the batches of a window ask for its segments alone, the first batch fetches
 them, and the next ones find the rest in the RAM stash. That is how streaming
@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 
 from ..errors import ConfigError
 from ..policy import parse_size
-from ..tiers.layered import STASH_BYTES
+from ..tiers.stash import STASH_BYTES
 
 __all__ = ["WindowSampler", "window_order"]
 
@@ -97,7 +97,7 @@ class WindowSampler(Sampler[int]):
             (seeded by ``torch.manual_seed``), or is 0 with several replicas (every rank
             needs the same orders).
         window_bytes: The bytes of segments in a window (bytes or a size such as ``"32MB"``); default the stash's,
-            :data:`~torchcache.tiers.layered.STASH_BYTES` (64 MiB). Smaller windows mix less.
+            :data:`~torchcache.tiers.stash.STASH_BYTES` (64 MiB). Smaller windows mix less.
         num_replicas: The processes sharing each epoch; default the world size of
             ``torch.distributed`` when it is initialized, else 1.
         rank: This process's share; default its rank in ``torch.distributed``, else 0.

@@ -56,8 +56,8 @@ def _tell_unstored(cache: Cache, disk: PersistentTier) -> None:
     if unsent is not None and unsent.dropped:
         cache.faults.warn(
             Fault.UNSTORED,
-            f"{plural(unsent.dropped, 'entry')} {cause}, and are no longer kept to send (evicted from the local "
-            "copy first): other machines compute them again",
+            f"{plural(unsent.dropped, 'entry')} {cause}, and are not kept to send (the local copy had no room "
+            "beside the entries it keeps to send, or they were removed from it): other machines compute them again",
             "dropped",
         )
     elif unsent is None and disk.unstored:

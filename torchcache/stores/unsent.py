@@ -3,13 +3,15 @@
 A write to a Redis server or a bucket that fails (the server away, full or refusing)
 while the local copy takes it leaves the entry on this machine only: its hits are served
 by the copy, so nothing computes it again, and other machines would miss it for good.
-:class:`Unsent` keeps those keys: in RAM while the process runs, and at each flush in a
-file of the copy's directory (``unsent-<pid>-<token>.keys``, one key a line, locked by
-the process while it lives). The layered store sends them from the copy after a write
-the server took, at each flush, and as the process ends; the next process to open the
-copy claims the files that no live process holds and sends their keys, each once. A key
-the copy no longer holds (evicted) is dropped and counted. The file is ASCII text whose
-lines are checked as keys: nothing in it runs, and a line that is not a key is skipped.
+:class:`Unsent` keeps those keys: in RAM while the process runs, and in a file of the
+copy's directory (``unsent-<pid>-<token>.keys``, one key a line, locked by the process
+while it lives), appended to as keys come and rewritten at each flush. The copy evicts
+none of them (:meth:`Unsent.pinned`: this process's, and those every file names). The
+layered store sends them from the copy after a write the server took, at each flush, and
+as the process ends; the next process to open the copy claims the files that no live
+process holds and sends their keys, each once. A key the copy no longer holds (removed
+by ``clear``) is dropped and counted. The file is ASCII text whose lines are checked as
+keys: nothing in it runs, and a line that is not a key is skipped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from .._fork import at_process_end
 from ..errors import StoreError
-from .files import open_regular, pwrite_all, read_at
+from .files import open_regular, read_at
 from .packed.format import is_key
 
 __all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file"]
@@ -72,6 +74,15 @@ def count_unsent(paths: Iterable[Path]) -> int:
         2
     """
     keys: set[str] = set()
+    for key in _keys_of(paths):
+        keys.add(key)
+        if len(keys) >= MAX_KEYS:  # no process holds more
+            break
+    return len(keys)
+
+
+def _keys_of(paths: Iterable[Path]) -> Iterator[str]:
+    """The keys the unsent files at ``paths`` name (other names, saves in progress and unreadable files skipped)."""
     for path in paths:
         if not is_unsent_file(path.name) or path.name.endswith(".tmp"):
             continue
@@ -80,13 +91,9 @@ def count_unsent(paths: Iterable[Path]) -> int:
             if opened is None:
                 continue
             try:
-                for key in _keys_in(opened[0]):
-                    keys.add(key)
-                    if len(keys) >= MAX_KEYS:  # no process holds more
-                        return len(keys)
+                yield from _keys_in(opened[0])
             finally:
                 os.close(opened[0])
-    return len(keys)
 
 
 def _keys_in(fd: int) -> Iterator[str]:
@@ -128,6 +135,7 @@ class Unsent:
         self.dropped = 0
         #: The files this process holds (locked), its own and those it claimed, by path.
         self._held: dict[Path, int] = {}
+        self._own: int | None = None  # the descriptor of the file its new keys are appended to
         self._retry_at = float("-inf")
         self._lock = threading.RLock()
         self._sending = threading.Lock()  # one send at a time: a key is never sent twice
@@ -172,16 +180,55 @@ class Unsent:
             self._held[claimed] = fd  # locked until its keys are sent or saved in this process's file
 
     def add(self, keys: Sequence[str]) -> None:
-        """Hold ``keys`` (past :data:`MAX_KEYS`, the rest are not held)."""
+        """Hold ``keys`` (past :data:`MAX_KEYS`, the rest are not held), and name them in this process's file."""
         self._mine()
         with self._lock:
+            new = []
             for key in keys:
+                if key in self._keys:
+                    continue
                 if len(self._keys) >= MAX_KEYS:
                     self.dropped += 1
                 else:
                     self._keys[key] = None
+                    new.append(key)
+            if new and self._dir is not None:
+                with contextlib.suppress(OSError):  # then named at the next save
+                    if self._own is None:
+                        path, self._own = self._create(self._dir, new)
+                        self._held[path] = self._own
+                    else:
+                        _append(self._own, new)
         if self._keys and self._dir is not None:
             _live.add(self)
+
+    def _create(self, directory: Path, keys: Sequence[str]) -> tuple[Path, int]:
+        """A new file of this process's naming ``keys``, and its descriptor: locked, open to append.
+
+        Raises:
+            OSError: If it cannot be written.
+        """
+        path = directory / f"unsent-{self._pid}-{secrets.token_hex(4)}.keys"
+        partial = path.with_name(path.name + ".tmp")  # a save in progress: never claimed, never read
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: no other claims the file
+            _append(fd, keys)
+            os.rename(partial, path)
+        except OSError:
+            os.close(fd)
+            raise
+        return path, fd
+
+    def pinned(self) -> set[str]:
+        """The keys the copy must not evict: this process's, and those the other processes' files name."""
+        self._mine()
+        with self._lock:
+            keys, held = set(self._keys), set(self._held)
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                keys.update(_keys_of(path for path in self._dir.glob("unsent-*.keys") if path not in held))
+        return keys
 
     def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
         """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
@@ -211,9 +258,11 @@ class Unsent:
                     write(items)
                 sent += len(items)
                 with self._lock:
-                    self.dropped += len(chunk) - len(items)  # evicted from the copy before it was sent
+                    self.dropped += len(chunk) - len(items)  # removed from the copy before it was sent
                     for key in chunk:  # sent, or no longer in the copy: nothing to send
                         self._keys.pop(key, None)
+            if not self._keys:
+                self.save()  # every key sent: the files go, and the copy may evict them
             return sent
         except StoreError:
             self._retry_at = time.monotonic() + RETRY_SECONDS
@@ -231,25 +280,29 @@ class Unsent:
         self._mine()
         if self._dir is None:
             return
-        path = self._dir / f"unsent-{self._pid}-{secrets.token_hex(4)}.keys"
         with self._lock:
             keys = list(self._keys)
             with contextlib.suppress(OSError):
-                fd = -1
+                newer: dict[Path, int] = {}
+                own = None
                 if keys:
-                    partial = path.with_name(path.name + ".tmp")
-                    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: no other claims the file
-                    try:
-                        pwrite_all(fd, memoryview(("\n".join(keys) + "\n").encode("ascii")), 0)
-                        os.rename(partial, path)
-                    except OSError:
-                        os.close(fd)
-                        raise
-                for held, old in list(self._held.items()):  # the older files: their keys are in the new one
+                    path, own = self._create(self._dir, keys)
+                    newer = {path: own}
+                older, self._held, self._own = self._held, newer, own
+                for held, old in older.items():  # the older files: their keys are in the new one
                     held.unlink(missing_ok=True)
                     os.close(old)
-                self._held = {path: fd} if keys else {}
+
+
+def _append(fd: int, keys: Sequence[str]) -> None:
+    """Name ``keys`` at the end of the file open at ``fd`` (opened to append), a line each.
+
+    Raises:
+        OSError: If it cannot be written.
+    """
+    data = memoryview(("\n".join(keys) + "\n").encode("ascii"))
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _save_all() -> None:

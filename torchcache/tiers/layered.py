@@ -8,12 +8,13 @@ copy. Writes go to both.
 
 The shared store is the authority on what the cache holds (``len``, ``keys``, its
 budget); the local copy holds a subset, under its own budget, with its own MRU
-eviction. An entry is the output of a keyed computation, so a copy is never stale: an
-entry the server evicted or another job cleared is still correct where a copy has it.
+eviction (never of an entry the shared store did not take: :mod:`~torchcache.stores.unsent`).
+An entry is the output of a keyed computation, so a copy is never stale: an entry the
+server evicted or another job cleared is still correct where a copy has it.
 
 A shared store may read more than a batch asks for (a bucket's whole segments): the local
 copy keeps the rest while it has room. Once it is full, the rest waits in a small
-*stash* in RAM (:data:`STASH_BYTES`, oldest out first), where the next batches of a
+*stash* in RAM (:mod:`~torchcache.tiers.stash`, oldest out first), where the next batches of a
 windowed order (:class:`~torchcache.datasets.sampler.WindowSampler`) find it: each
 segment is then fetched once per epoch, not once per batch. While the local copy has
 room, those entries are written to it by a background thread, and the next batches find
@@ -32,21 +33,20 @@ import contextlib
 import multiprocessing
 import os
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from .._gc import collector_paused
 from ..errors import StoreError
 from ..faults import Fault, Report
 from ..stores.batched import BatchedStore, VerifyReport
+from ..stores.packed.store import PackedStore
 from ..stores.unsent import Unsent
 from .lookup import hits_of, look_up
+from .stash import STASH_BYTES, Stash
 
-__all__ = ["PENDING_BYTES", "STASH_BYTES", "LayeredStore"]
+__all__ = ["PENDING_BYTES", "LayeredStore"]
 
-#: Bytes of entries a layered store holds in RAM, read with a batch's segments but not
-#: asked for, while its local copy is full.
-STASH_BYTES = 64 << 20
 #: Bytes of such entries waiting to be written to the local copy before a read that
 #: fetched more waits for the writer.
 PENDING_BYTES = 256 << 20
@@ -71,13 +71,15 @@ class LayeredStore(BatchedStore):
         self._report = report
         self._near_on = True
         self._lock = threading.Lock()
-        self.stash = _Stash(stash_bytes)
+        self.stash = Stash(stash_bytes)
         self.pending = _Pending(self)
         #: Hits served by the local copy and by the shared store, in this process.
         self.served = [0, 0]
         #: What the local copy holds and the shared store did not take: sent up once it takes writes.
         self.unsent = Unsent(getattr(near, "directory", None))
         self.unsent.sender = self._send_unsent
+        if isinstance(near, PackedStore):  # the only copy of an unsent entry: the copy's eviction keeps it
+            near.pinned = self.unsent.pinned
 
     def __repr__(self) -> str:
         return f"LayeredStore(near={self.near!r}, far={self.far!r})"
@@ -270,51 +272,6 @@ class _Near:
                 self.layered.near.put_many(list(zip(keys, values)))
             except StoreError as exc:
                 self.layered._near_failed(exc, "write")
-
-
-class _Stash:
-    """Entries read with a batch's segments but not asked for, in RAM, oldest out first; a hit takes one out.
-
-    Each is a copy of its bytes, so the stash holds what it counts and no segment behind it.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, extras: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        with self._lock:
-            for key, data in extras:
-                if len(data) > self.max_bytes:
-                    continue
-                old = self._entries.pop(key, None)
-                self.nbytes += len(data) - (0 if old is None else len(old))
-                self._entries[key] = bytes(data)
-            while self.nbytes > self.max_bytes:
-                self.nbytes -= len(self._entries.popitem(last=False)[1])
-
-    def drop(self, keys: Sequence[str] | None) -> None:
-        """Forget ``keys`` (``None``: everything)."""
-        with self._lock:
-            if keys is None:
-                self._entries.clear()
-                self.nbytes = 0
-            for key in keys or ():
-                data = self._entries.pop(key, None)
-                self.nbytes -= 0 if data is None else len(data)
-
-    def find(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes | memoryview]]]:
-        if not self._entries:
-            return []
-        with self._lock:
-            taken = [self._entries.pop(key, None) for key in keys]
-            self.nbytes -= sum(len(data) for data in taken if data is not None)
-        return hits_of(taken)
-
-    def keep(self, keys: Sequence[str], values: list[bytes | memoryview]) -> None:
-        """Entries the shared store served are served: nothing to keep."""
 
 
 class _Pending:

@@ -5,6 +5,8 @@ index file's real size past its empty size, whichever is larger). Eviction drops
 segments, most recently written first (MRU) or least (LRU): its file goes at once, so
 eviction never leaves dead bytes behind. A segment that another live process still
 writes to is left alone; this process's own is evicted only when nothing else is left.
+A segment holding a *pinned* entry (a local copy's entry its shared store has not taken
+yet: its only copy) is never evicted; a write that cannot fit otherwise is not stored.
 Deletions and replaced entries do leave dead bytes: compaction gives them back once
 the files pass the budget by 5 %.
 """
@@ -13,23 +15,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Set
 
 import lmdb
 
 from ...faults import Report
 from ..files import open_regular
 from . import upkeep
-from .format import record_size, scan_keys
+from .format import encode_key, record_size, scan_keys
 from .index import Change, Index, IndexReplacedError
 from .segments import SegmentFiles
 
-__all__ = ["INDEX_BASE_BYTES", "INDEX_ENTRY_BYTES", "evict", "fitting", "keep_within_bounds", "release"]
+__all__ = [
+    "INDEX_BASE_BYTES",
+    "INDEX_ENTRY_BYTES",
+    "NoRoom",
+    "Pinned",
+    "evict",
+    "fitting",
+    "keep_within_bounds",
+    "release",
+]
 
 #: Index bytes charged to the budget per entry (measured: 55 to 70 with 32-digit keys).
 INDEX_ENTRY_BYTES = 96
 #: Index file bytes not charged to the budget: an empty index and its lock file take 68 KiB.
 INDEX_BASE_BYTES = 1 << 17
 Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclusive lock (None: our own)
+Pinned = Callable[[], Set[str]]  # the keys whose entries are not to be evicted
+
+
+class NoRoom(Exception):
+    """The budget holds only if entries ``pinned`` names are evicted: nothing is."""
 
 
 def index_charge(index_bytes: int, count: int) -> int:
@@ -72,22 +89,26 @@ def index_bloated(index_bytes: int, count: int, max_bytes: int) -> bool:
 
 
 def evict(
-    index: Index, change: Change, files: SegmentFiles, max_bytes: int, recent: bool
+    index: Index, change: Change, files: SegmentFiles, max_bytes: int, recent: bool, pinned: Pinned | None = None
 ) -> tuple[Victims, set[bytes]]:
-    """Evict whole segments in ``change`` until the budget holds.
+    """Evict whole segments in ``change`` until the budget holds, none holding an entry ``pinned`` names.
 
     Returns:
         The evicted segments (each with the descriptor that locks it, to close once its
         file is removed after the commit) and the keys evicted.
 
     Raises:
+        NoRoom: If the budget would still not hold, with segments holding pinned entries
+            kept (the segments are left as they were; the caller aborts ``change``).
         OSError: If a segment cannot be read.
     """
     index_bytes = index.file_bytes()
     victims: Victims = []
     evicted: set[bytes] = set()
+    kept = False
     if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
         return victims, evicted
+    pins: set[bytes] | None = None
     mine = files.own()
     table = change.table()
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
@@ -107,12 +128,23 @@ def evict(
                 continue  # a live writer's, or being compacted
             fd = lock
         try:
-            evicted.update(change.remove_segment_entries(seg, scan_keys(fd, table[seg].end)))
+            kbs = scan_keys(fd, table[seg].end)
+            if pinned is not None:
+                pins = {encode_key(key) for key in pinned()} if pins is None else pins
+                if any(kb in pins and (entry := change.lookup(kb)) is not None and entry.seg == seg for kb in kbs):
+                    kept = True  # the only copy of an entry: this segment stays
+                    if lock is not None:
+                        os.close(lock)
+                    continue
+            evicted.update(change.remove_segment_entries(seg, kbs))
         finally:
             if lock is None:
                 os.close(fd)
         change.drop_segment(seg)
         victims.append((seg, lock))
+    if kept and change.records + write_charge(index_bytes, change.count, max_bytes) > max_bytes:
+        release(files, victims, remove=False)
+        raise NoRoom
     return victims, evicted
 
 
@@ -130,12 +162,15 @@ def release(files: SegmentFiles, victims: Victims, remove: bool) -> None:
                 os.close(lock)
 
 
-def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: bool) -> None:
+def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, pinned: Pinned | None) -> None:
     change = index.change()
     victims: Victims = []
     try:
-        victims, _ = evict(index, change, files, max_bytes, recent)
+        victims, _ = evict(index, change, files, max_bytes, recent, pinned)
         change.commit()
+    except NoRoom:
+        change.abort()
+        return
     except BaseException:
         with contextlib.suppress(lmdb.Error):
             change.abort()
@@ -144,7 +179,9 @@ def _evict_to_fit(index: Index, files: SegmentFiles, max_bytes: int, recent: boo
     release(files, victims, remove=True)
 
 
-def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
+def keep_within_bounds(
+    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report, pinned: Pinned | None = None
+) -> None:
     """Compact a bloated index; evict if the index grew past its share; compact once the files pass the budget by 5 %.
 
     Compaction goes back to 2 % over the budget where it can (segments that live
@@ -157,12 +194,14 @@ def keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent
         OSError: If a file cannot be read, written or removed.
     """
     try:
-        _keep_within_bounds(index, files, max_bytes, recent, report)
+        _keep_within_bounds(index, files, max_bytes, recent, report, pinned)
     except IndexReplacedError:
         return  # another process compacted the index: the next call opens the new one
 
 
-def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report) -> None:
+def _keep_within_bounds(
+    index: Index, files: SegmentFiles, max_bytes: int, recent: bool, report: Report, pinned: Pinned | None
+) -> None:
     limit = max_bytes + INDEX_BASE_BYTES
     for _ in range(3):
         with index.begin() as txn:
@@ -172,7 +211,7 @@ def _keep_within_bounds(index: Index, files: SegmentFiles, max_bytes: int, recen
             upkeep.compact_index(index, files.root, report)
             return  # the next call opens the new index
         if totals[b"records"] + index_charge(index_bytes, count) > max_bytes:
-            _evict_to_fit(index, files, max_bytes, recent)  # a large transaction grew the index
+            _evict_to_fit(index, files, max_bytes, recent, pinned)  # a large transaction grew the index
         elif totals[b"files"] + index_bytes <= limit * 1.05 or not upkeep.compact(
             index, files, int(limit * 1.02), report
         ):

@@ -32,7 +32,7 @@ from ...faults import Fault, Report, full_hint
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, Rows, VerifyReport
 from . import upkeep
-from .evict import INDEX_ENTRY_BYTES, Victims, evict, fitting, index_charge, keep_within_bounds, release
+from .evict import INDEX_ENTRY_BYTES, NoRoom, Pinned, Victims, evict, fitting, index_charge, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
 from .index import Change, Index, IndexReplacedError, map_size_for
 from .opening import IndexHandle
@@ -111,6 +111,8 @@ class PackedStore(BatchedStore):
         self._report_fn = report if report is not None else _default_report
         self._recent = evict != "lru"
         self._keep = evict == "none"
+        #: The keys whose entries eviction keeps (a local copy's, not yet in its shared store).
+        self.pinned: Pinned | None = None
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
@@ -125,7 +127,7 @@ class PackedStore(BatchedStore):
         except OSError as exc:
             raise StoreError(f"cannot create the store directory {self._root}: {exc}") from exc
         with self._lock:
-            self._ensure(write=False)
+            self._handle.ensure(write=False)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -148,14 +150,6 @@ class PackedStore(BatchedStore):
     def _forget_doomed(self) -> None:
         self._reader.doomed = {}
 
-    def _ensure(self, write: bool) -> Index | None:
-        """The open index (see :meth:`IndexHandle.ensure`).
-
-        Raises:
-            StoreError: If ``write`` and the store cannot be written.
-        """
-        return self._handle.ensure(write)
-
     # -- reads --------------------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The stored bytes of each key (a view of the record read), ``None`` for a miss.
@@ -167,7 +161,7 @@ class PackedStore(BatchedStore):
         if not kbs:
             return []
         with self._lock:
-            index = self._ensure(write=False)
+            index = self._handle.ensure(write=False)
             if index is not None:
                 try:
                     return self._reader.read(index, kbs)
@@ -183,7 +177,7 @@ class PackedStore(BatchedStore):
         """
         kbs = encode_keys(list(keys))
         with self._lock:
-            index = self._ensure(write=False)
+            index = self._handle.ensure(write=False)
             if index is not None:
                 try:
                     return self._reader.read_rows(index, kbs, head_of)
@@ -197,7 +191,7 @@ class PackedStore(BatchedStore):
         except (TypeError, ValueError):
             return False
         with self._lock:
-            index = self._ensure(write=False)
+            index = self._handle.ensure(write=False)
             if index is None:
                 return False
             try:
@@ -212,7 +206,7 @@ class PackedStore(BatchedStore):
         start = b""
         while True:
             with self._lock:
-                index = self._ensure(write=False)
+                index = self._handle.ensure(write=False)
                 if index is None:
                     return
                 chunk: list[bytes] = []
@@ -244,7 +238,7 @@ class PackedStore(BatchedStore):
             the budget).
         """
         with self._lock:
-            index = self._ensure(write=False)
+            index = self._handle.ensure(write=False)
             if index is None:
                 return {"entries": 0, "payload": 0, "records": 0, "files": 0, "index": 0}
             with index.begin() as txn:
@@ -269,7 +263,7 @@ class PackedStore(BatchedStore):
             StoreError: If the store cannot be written.
         """
         for attempt in range(3):
-            opened = self._ensure(write=True)
+            opened = self._handle.ensure(write=True)
             assert opened is not None  # _ensure(write=True) raises instead
             index = opened
             try:
@@ -309,6 +303,7 @@ class PackedStore(BatchedStore):
         Every item is appended, then whole segments are evicted until the budget holds
         (with MRU, the most recently written first, which may be this batch's own); with
         ``evict="none"``, only the first ones that fit, checked in the write transaction.
+        Where only segments of :attr:`pinned` entries are left to evict, nothing is stored.
 
         Raises:
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
@@ -336,13 +331,15 @@ class PackedStore(BatchedStore):
                         return 0
                     places = self._files.append(change, encode_records(kbs, datas))
                     change.add_many(kbs, places, list(map(len, datas)))
-                    victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent)
+                    victims, evicted = evict(index, change, self._files, self.max_bytes, self._recent, self.pinned)
                     self._commit(change)
                 except BaseException as exc:
                     with contextlib.suppress(lmdb.Error):
                         change.abort()
                     self._files.aborted()
                     release(self._files, victims, remove=False)
+                    if isinstance(exc, NoRoom):  # no room but the only copies of other entries
+                        return 0
                     if isinstance(exc, lmdb.MapFullError) and attempt + 1 < _GROW_TRIES and self._grow(index):
                         continue  # the index outgrew its map: write the batch again in a larger one
                     if isinstance(exc, (OSError, lmdb.Error)):
@@ -359,8 +356,8 @@ class PackedStore(BatchedStore):
         try:
             for _ in range(2):
                 if index is not None:
-                    keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report)
-                    index = self._ensure(write=True) if index.replaced() else None
+                    keep_within_bounds(index, self._files, self.max_bytes, self._recent, self._report, self.pinned)
+                    index = self._handle.ensure(write=True) if index.replaced() else None
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot compact the store {self._root}: {exc}") from exc
 
@@ -371,7 +368,7 @@ class PackedStore(BatchedStore):
             StoreError: If the store cannot be written.
         """
         with self._lock:
-            self._trim(self._ensure(write=True))
+            self._trim(self._handle.ensure(write=True))
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove entries; return how many were present.
@@ -458,7 +455,7 @@ class PackedStore(BatchedStore):
             StoreError: If ``fix`` is set and the store cannot be written.
         """
         with self._lock:
-            index = self._ensure(write=fix)
+            index = self._handle.ensure(write=fix)
             if index is None:
                 problem = "the index cannot be opened" if os.path.isdir(self._root) else f"{self._root} is gone"
                 return VerifyReport(problems=[problem])
