@@ -104,6 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     now = time.time()
     total += sum(cache.entries - cache.legacy_entries for cache in caches)
     progress = Progress(total, "verify")
+    total = 0  # what is checked, which the listing only estimated (an index rebuilt by --fix, a writer meanwhile)
     problems: list[Problem] = []
     damaged: dict[Path, ModuleCache] = {}
     removed: list[Problem] = []
@@ -123,7 +124,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 damage = [Problem(cache.directory / INDEX_NAME, "store", note, 0)]
                 problems.extend(damage)
             try:
-                _, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
+                checked, found, fixed = verify_store(cache.directory, args.fix, progress.update, cache.meta.get("kind"))
+                total += checked
                 removed.extend(damage if args.fix else ())
             except StoreError as exc:
                 found, fixed = [Problem(cache.directory, "store", str(exc), 0)], False
@@ -133,6 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 removed.extend(found)
                 from_stores.extend(found)
             found, in_progress = verify_files(files, now, progress.update)
+            total += len(files.entries)
             problems.extend(found)
             busy += len(in_progress)
     finally:
