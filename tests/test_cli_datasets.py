@@ -76,6 +76,8 @@ def test_verify_fix_keeps_the_samples_of_a_dataset_cache_whose_metadata_is_damag
     with PackedStore(dataset_dir, 1 << 30) as store:
         keys = sorted(store.keys())
     (dataset_dir / "torchcache.json").write_text("{not json")
+    assert main(["info", str(dataset_dir)]) == 0
+    assert "unreadable header" not in capsys.readouterr().out  # samples, not output frames with bad headers
     status, report = _json(capsys, "verify", str(dataset_dir.parent))
     assert status == 1 and [p["kind"] for p in report["problems"]] == ["metadata"]  # the samples are intact
     assert main(["verify", "--fix", str(dataset_dir.parent)]) == 0

@@ -13,6 +13,7 @@ from ..locations import is_url
 from ..policy import format_size, plural
 from .commands import command_root
 from .output import cache_json, print_json, table, visible, when
+from .verify import stored_kind
 
 __all__ = ["cmd_info"]
 
@@ -36,7 +37,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     root = command_root(args.root)
     cache = resolve_cache(root, args.target, root_given=args.root is not None)
     files = list_files(cache.directory)
-    dataset = cache.meta.get("kind") == "dataset"  # its entries are samples, not output frames
+    kind = cache.meta.get("kind")
+    if kind is None and cache.meta_problem is not None:  # damaged metadata: what the store holds tells
+        kind = stored_kind(cache.directory)
+    dataset = kind == "dataset"  # its entries are samples, not output frames
     layouts = [] if dataset else summarize_layouts(cache.directory, files, args.sample)
     sampled = sum(s.entries for s in layouts)
     settings = cache.meta.get("settings")

@@ -198,7 +198,7 @@ def _check_either(data: bytes | memoryview) -> str | None:
     return None if problem is None or check_sample(data) is None else problem
 
 
-def _stored_kind(directory: Path) -> str | None:
+def stored_kind(directory: Path) -> str | None:
     """``"dataset"`` if the first entry of the store at ``directory`` is a sample and not a frame."""
     store = open_store(directory, readonly=True)
     if store is None:
@@ -369,7 +369,7 @@ def rebuild_meta(cache: ModuleCache) -> None:
     for field in ("name", "kind"):
         if isinstance(cache.meta.get(field), str):
             meta[field] = cache.meta[field]
-    if "kind" not in meta and (kind := _stored_kind(cache.directory)) is not None:
+    if "kind" not in meta and (kind := stored_kind(cache.directory)) is not None:
         meta["kind"] = kind  # a dataset cache stays one
     remove_planted(cache.directory / META_NAME)  # an empty directory or a FIFO there: the rename would fail on it
     write_json_atomic(cache.directory / META_NAME, meta)
