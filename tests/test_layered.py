@@ -120,6 +120,7 @@ def test_the_copy_never_evicts_what_the_shared_store_did_not_take(tmp_path: Path
         taken += [key(i) for i in range(start, start + 10) if key(i) in near]
         assert charged(near) <= 60_000
     assert len(taken) >= 40 and all(k in near for k in taken)  # their only copy: kept, later writes refused
+    assert len(store.unsent) == len(taken) and store.unsent.dropped == 200 - len(taken)
     far.away = False
     store.put_many([(key(999), value(999))])  # the server is back: every entry the copy took reaches it
     assert set(taken) <= set(far.keys()) and store.unsent.dropped == 200 - len(taken)

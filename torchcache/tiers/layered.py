@@ -171,7 +171,9 @@ class LayeredStore(BatchedStore):
             stored = self.far.put_many(items)
         except StoreError:
             if self._near_on:  # on this machine only: sent up once the shared store takes writes again
-                self.unsent.add([key for key, _ in items])
+                kept = [key for key, _ in items if key in self.near]
+                self.unsent.add(kept)
+                self.unsent.dropped += len(items) - len(kept)  # the copy had no room for them either
             raise
         self._send_unsent(limit=4096)
         return stored
