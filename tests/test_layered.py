@@ -12,6 +12,7 @@ import shutil
 import signal
 import stat
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import redirect_stderr, redirect_stdout
@@ -27,8 +28,10 @@ from torchcache import CachedDataset, CacheWarning, ConfigError, torchcache
 from torchcache.cli.main import main
 from torchcache.errors import StoreError, StoreUnavailableError
 from torchcache.meta import load_meta
+from torchcache.stores import unsent as unsent_module
+from torchcache.stores.packed.format import encode_key
 from torchcache.stores.packed.store import PackedStore
-from torchcache.stores.unsent import Unsent, count_unsent
+from torchcache.stores.unsent import Unsent, count_unsent, named_keys
 from torchcache.tiers import layered as layered_module
 from torchcache.tiers.layered import LayeredStore
 
@@ -146,6 +149,126 @@ def test_the_copy_keeps_entries_another_process_has_not_sent_yet(tmp_path: Path)
     store.close()
 
 
+def test_a_copy_opened_over_its_budget_keeps_what_an_ended_process_left_unsent(tmp_path: Path) -> None:
+    from torchcache.tiers.local import trimmed
+
+    first = PackedStore(tmp_path / "near", 200_000, segment_bytes=10_000)
+    first.put_many([(key(i), value(i)) for i in range(100)])
+    left = Unsent(tmp_path / "near")
+    left.add([key(i) for i in range(100)])  # its server was away; then the process ended
+    del left
+    gc.collect()
+    first.close()
+    near = trimmed(PackedStore(tmp_path / "near", 40_000, segment_bytes=10_000), Reports())  # a smaller budget
+    assert all(key(i) in near for i in range(100))  # the only copies: kept over the budget
+    far = ReferenceStore(10**7)
+    store = LayeredStore(near, far, Reports())
+    store.flush()  # the server takes them; then the budget holds again
+    assert sorted(far.keys()) == sorted(key(i) for i in range(100)) and store.unsent.dropped == 0
+    store.put_many([(key(500), value(500))])
+    assert charged(near) <= 40_000
+    store.close()
+
+
+class SlowAwayStore(AwayStore):
+    """A server away whose writes fail only after the copy was written meanwhile (another thread's reads)."""
+
+    meanwhile: Any = None
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
+        self.meanwhile()
+        return super().put_many(items)
+
+
+def test_a_batch_on_its_way_to_the_shared_store_is_not_evicted_meanwhile(tmp_path: Path) -> None:
+    far = SlowAwayStore(10**7)
+    far.away = True
+    near = PackedStore(tmp_path / "near", 60_000, segment_bytes=10_000)
+    store = LayeredStore(near, far, Reports())
+    far.meanwhile = lambda: None
+    near.put_many([(key(i), value(i)) for i in range(40)])  # sent long ago: the copy may evict these
+    batch = [(key(i), value(i)) for i in range(100, 130)]
+
+    def fill() -> None:  # the local copy's background writer, keeping what reads fetched
+        for start in range(200, 300, 5):
+            store.pending.add([(key(i), value(i)) for i in range(start, start + 5)])
+        store.pending.drain()
+
+    far.meanwhile = fill
+    with pytest.raises(StoreUnavailableError):
+        store.put_many(batch)
+    assert all(k in near for k, _ in batch) and len(store.unsent) == 30 and store.unsent.dropped == 0
+    store.close()
+
+
+def test_a_file_that_could_not_be_written_is_written_whole_with_the_next_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = Unsent(tmp_path)
+    real = unsent_module._append
+    monkeypatch.setattr(unsent_module, "_append", lambda fd, keys: (_ for _ in ()).throw(OSError(28, "full")))
+    held.add([key(1), key(2)])  # the disk was full: named nowhere
+    assert not list(tmp_path.glob("unsent-*.keys")) and len(held) == 2
+    monkeypatch.setattr(unsent_module, "_append", real)
+    held.add([key(3)])
+    (named,) = tmp_path.glob("unsent-*.keys")
+    assert sorted(named.read_text().split()) == sorted(key(i) for i in (1, 2, 3))
+
+
+def test_a_file_naming_mostly_sent_keys_is_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(unsent_module, "_SLACK", 10)
+    held = Unsent(tmp_path)
+    for i in range(0, 100, 10):
+        held.add([key(j) for j in range(i, i + 10)])
+    copy = {key(i): value(i) for i in range(100)}
+    sent: list[str] = []
+    held.send(lambda keys: [copy[k] for k in keys], lambda items: sent.extend(k for k, _ in items) or 0, limit=30)
+    (named,) = tmp_path.glob("unsent-*.keys")
+    assert len(named.read_text().split()) == 100  # 100 named, 70 held: within twice and the slack
+    held.send(lambda keys: [copy[k] for k in keys], lambda items: sent.extend(k for k, _ in items) or 0, limit=30)
+    (named,) = tmp_path.glob("unsent-*.keys")
+    assert sorted(named.read_text().split()) == sorted(set(copy) - set(sent)) and len(sent) == 60
+
+
+def test_the_keys_other_files_name_are_read_again_only_when_a_file_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = Unsent(tmp_path)
+    other.add([key(1)])
+    reads: list[Path] = []
+    real = unsent_module._read_keys
+    monkeypatch.setattr(unsent_module, "_read_keys", lambda path: reads.append(path) or real(path))
+    assert named_keys(tmp_path) == {encode_key(key(1))} and len(reads) == 1
+    assert named_keys(tmp_path) == {encode_key(key(1))} and len(reads) == 1  # unchanged: not read again
+    other.add([key(2)])
+    assert named_keys(tmp_path) == {encode_key(key(1)), encode_key(key(2))} and len(reads) == 2
+    assert named_keys(tmp_path, list(tmp_path.glob("unsent-*"))) == frozenset()
+
+
+@pytest.mark.slow
+def test_a_forked_child_lets_go_of_its_parents_files(tmp_path: Path) -> None:
+    held = Unsent(tmp_path)
+    held.add([key(i) for i in range(5)])
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    wait, go = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def child() -> None:
+        writer.send(len(held))  # the child looks at what it holds: none of its parent's
+        wait.poll(60)  # and lives on, as a long-lived worker, after its parent ends
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    try:
+        assert reader.poll(60) and reader.recv() == 0
+        for fd in held._held.values():  # as the parent ends
+            os.close(fd)
+        held._held.clear()
+        assert len(Unsent(tmp_path)) == 5  # free to claim: the child keeps no lock of its parent's
+    finally:
+        go.send(None)
+        process.join(30)
+
+
 def test_what_the_shared_store_did_not_take_waits_in_the_copy_for_a_later_process(tmp_path: Path) -> None:
     far = AwayStore(10**7)
     far.away = True
@@ -189,6 +312,9 @@ def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed
     os.mkfifo(near / f"unsent-{DEAD_PID}-0a1b2c3d.keys")  # opened for reading, it would block until a writer came
     stale = near / f"unsent-{DEAD_PID}-1a1b2c3d.keys.tmp"
     stale.write_text(key(1) + "\n")  # a save whose process ended before its rename
+    os.utime(stale, (time.time() - 120, time.time() - 120))
+    racing = near / f"unsent-{os.getpid()}-3a1b2c3d.keys.tmp"
+    racing.write_text(key(3) + "\n")  # created a moment ago, its process about to lock it
     fresh = near / f"unsent-{os.getpid()}-2a1b2c3d.keys.tmp"
     fresh.write_text(key(2) + "\n")  # one a live process is writing now: it holds a lock on it
     writing = os.open(fresh, os.O_RDONLY)
@@ -201,6 +327,7 @@ def test_a_planted_fifo_or_an_old_partial_file_of_unsent_keys_is_left_or_removed
     thread.join(timeout=30)
     assert opened and len(opened[0].unsent) == 0
     assert not stale.exists() and fresh.exists() and (near / f"unsent-{DEAD_PID}-0a1b2c3d.keys").exists()
+    assert racing.exists()
     opened[0].close()
     os.close(writing)
 

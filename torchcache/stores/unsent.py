@@ -5,11 +5,14 @@ while the local copy takes it leaves the entry on this machine only: its hits ar
 by the copy, so nothing computes it again, and other machines would miss it for good.
 :class:`Unsent` keeps those keys: in RAM while the process runs, and in a file of the
 copy's directory (``unsent-<pid>-<token>.keys``, one key a line, locked by the process
-while it lives), appended to as keys come and rewritten at each flush. The copy evicts
-none of them (:meth:`Unsent.pinned`: this process's, and those every file names). The
-layered store sends them from the copy after a write the server took, at each flush, and
-as the process ends; the next process to open the copy claims the files that no live
-process holds and sends their keys, each once. A key the copy no longer holds (removed
+while it lives), appended to as keys come and rewritten at each flush (and once it
+names twice the keys held). The copy evicts none of them: a packed store keeps what the
+files in its directory name (:func:`named_keys`), and a layered store's copy this
+process's keys too, those on their way to the server included (:meth:`Unsent.pinned`).
+The layered store sends them from the copy after a write the server took, at each flush,
+and as the process ends; the next process to open the copy claims the files that no live
+process holds and sends their keys, one process each (a killed process's file may name
+keys it had sent already: sent again, the same bytes). A key the copy no longer holds (removed
 by ``clear``) is dropped and counted. The file is ASCII text whose lines are checked as
 keys: nothing in it runs, and a line that is not a key is skipped.
 """
@@ -28,21 +31,26 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .._fork import at_process_end
 from ..errors import StoreError
 from .files import open_regular, read_at
-from .packed.format import is_key
+from .packed.format import encode_key, is_key
 
-__all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file"]
+__all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file", "named_keys"]
 
 #: Keys held at most (past them, a long outage's entries stay on this machine only).
 MAX_KEYS = 1 << 18
 #: Seconds before keys whose sending failed are tried again (a flush tries at once).
 RETRY_SECONDS = 10.0
 _CHUNK = 256
+#: Lines a process's file names beyond twice the keys it holds before it is rewritten.
+_SLACK = 4096
+#: Seconds a file being written (``.tmp``) is left alone, before it counts as a save its process did not finish.
+_TMP_GRACE = 60.0
 _NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _live: weakref.WeakSet[Unsent] = weakref.WeakSet()  # holding keys: saved when the process ends
@@ -81,24 +89,71 @@ def count_unsent(paths: Iterable[Path]) -> int:
     return len(keys)
 
 
+_named: dict[Path, tuple[object, frozenset[bytes]]] = {}  # by directory: its files' sizes and times, their keys
+_named_lock = threading.Lock()
+
+
+def named_keys(directory: Path, skip: Collection[Path] = ()) -> frozenset[bytes]:
+    """The keys (in the index's form) the unsent files in ``directory`` name, but those at ``skip``.
+
+    Read again only when a file's name, size or time changed: a store calls this at
+    each eviction. A directory that cannot be listed names none.
+    """
+    keys: set[bytes] = set()
+    for _ in range(3):  # a file renamed (claimed) or replaced (rewritten) between the listing and its read: again
+        signature = []
+        try:
+            with os.scandir(directory) as items:
+                for item in items:
+                    if is_unsent_file(item.name) and not item.name.endswith(".tmp") and Path(item.path) not in skip:
+                        with contextlib.suppress(FileNotFoundError):
+                            st = item.stat(follow_symlinks=False)
+                            signature.append((item.path, st.st_size, st.st_mtime_ns))
+        except OSError:
+            return frozenset()
+        signature.sort()
+        with _named_lock:
+            cached = _named.get(directory)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        keys.clear()
+        read = [_read_keys(Path(path)) for path, _, _ in signature]
+        keys.update(encode_key(key) for found in read for key in found or ())
+        if None not in read:
+            with _named_lock:
+                _named[directory] = (signature, frozenset(keys))
+            break
+    return frozenset(keys)
+
+
 def _keys_of(paths: Iterable[Path]) -> Iterator[str]:
     """The keys the unsent files at ``paths`` name (other names, saves in progress and unreadable files skipped)."""
     for path in paths:
-        if not is_unsent_file(path.name) or path.name.endswith(".tmp"):
-            continue
-        with contextlib.suppress(OSError):
-            opened = open_regular(path, follow_symlinks=False)
-            if opened is None:
-                continue
-            try:
-                yield from _keys_in(opened[0])
-            finally:
-                os.close(opened[0])
+        if is_unsent_file(path.name) and not path.name.endswith(".tmp"):
+            yield from _read_keys(path) or ()
+
+
+def _read_keys(path: Path) -> list[str] | None:
+    """The keys the file at ``path`` names (none if it is not a regular file or cannot be read; ``None``: gone)."""
+    try:
+        opened = open_regular(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return []
+    if opened is None:
+        return []
+    try:
+        return list(_keys_in(opened[0]))
+    except OSError:
+        return []
+    finally:
+        os.close(opened[0])
 
 
 def _keys_in(fd: int) -> Iterator[str]:
     """The keys of an unsent file, a line at a time (a planted file of short lines stays small); others skipped."""
-    for line in io.BytesIO(read_at(fd, MAX_KEYS * 65)):
+    for line in io.BytesIO(read_at(fd, (2 * MAX_KEYS + _SLACK) * 65)):
         key = line.strip().decode("ascii", "replace")
         if is_key(key):
             yield key
@@ -136,12 +191,20 @@ class Unsent:
         #: The files this process holds (locked), its own and those it claimed, by path.
         self._held: dict[Path, int] = {}
         self._own: int | None = None  # the descriptor of the file its new keys are appended to
+        self._lines = 0  # the keys that file names, sent ones too
+        self._flying: Counter[str] = Counter()  # keys on their way to the shared store
+        self._pins: tuple[int, frozenset[bytes]] = (0, frozenset())  # this process's pins, at a version
+        self._all: tuple[int, frozenset[bytes], frozenset[bytes]] = (0, frozenset(), frozenset())  # with others'
+        self._version = 1
         self._retry_at = float("-inf")
         self._lock = threading.RLock()
         self._sending = threading.Lock()  # one send at a time: a key is never sent twice
 
     def _mine(self) -> None:
         if self._pid != os.getpid():  # the parent's files stay locked by the descriptors it keeps
+            for fd in self._held.values():  # a child's copies would keep its lock once the parent ends
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self._start()
 
     def __del__(self) -> None:
@@ -167,8 +230,9 @@ class Unsent:
                 if not stat.S_ISREG(opened[1].st_mode):
                     raise BlockingIOError
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its process lives, and sends them itself
-                if path.name.endswith(".tmp"):  # a save its process did not finish
-                    path.unlink()
+                if path.name.endswith(".tmp"):  # a save its process did not finish, or one about to lock it
+                    if time.time() - opened[1].st_mtime > _TMP_GRACE:
+                        path.unlink()
                     raise BlockingIOError
                 claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
                 os.rename(path, claimed)  # claimed first by another process: FileNotFoundError
@@ -192,15 +256,32 @@ class Unsent:
                 else:
                     self._keys[key] = None
                     new.append(key)
+            self._version += 1
             if new and self._dir is not None:
                 with contextlib.suppress(OSError):  # then named at the next save
-                    if self._own is None:
-                        path, self._own = self._create(self._dir, new)
-                        self._held[path] = self._own
+                    if self._own is None:  # every key held: some may have missed a file that failed
+                        path, self._own = self._create(self._dir, list(self._keys))
+                        self._held[path], self._lines = self._own, len(self._keys)
                     else:
                         _append(self._own, new)
+                        self._lines += len(new)
         if self._keys and self._dir is not None:
             _live.add(self)
+
+    @contextlib.contextmanager
+    def flying(self, keys: Sequence[str]) -> Iterator[None]:
+        """Pin ``keys`` while they are written to the shared store (this process's eviction keeps them)."""
+        self._mine()
+        with self._lock:
+            self._flying.update(keys)
+            self._version += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._flying.subtract(keys)
+                self._flying = +self._flying
+                self._version += 1
 
     def _create(self, directory: Path, keys: Sequence[str]) -> tuple[Path, int]:
         """A new file of this process's naming ``keys``, and its descriptor: locked, open to append.
@@ -220,15 +301,21 @@ class Unsent:
             raise
         return path, fd
 
-    def pinned(self) -> set[str]:
-        """The keys the copy must not evict: this process's, and those the other processes' files name."""
+    def pinned(self) -> frozenset[bytes]:
+        """The keys (in the index's form) the copy must not evict: this process's, and those other files name."""
         self._mine()
         with self._lock:
-            keys, held = set(self._keys), set(self._held)
-        if self._dir is not None:
-            with contextlib.suppress(OSError):
-                keys.update(_keys_of(path for path in self._dir.glob("unsent-*.keys") if path not in held))
-        return keys
+            if self._pins[0] != self._version:
+                self._pins = (self._version, frozenset(encode_key(key) for key in [*self._keys, *self._flying]))
+            (at, own), held = self._pins, list(self._held)
+        if self._dir is None:
+            return own
+        others = named_keys(self._dir, held)
+        version, named, union = self._all
+        if version != at or named is not others:
+            union = own | others
+            self._all = (at, others, union)
+        return union
 
     def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
         """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
@@ -261,8 +348,9 @@ class Unsent:
                     self.dropped += len(chunk) - len(items)  # removed from the copy before it was sent
                     for key in chunk:  # sent, or no longer in the copy: nothing to send
                         self._keys.pop(key, None)
-            if not self._keys:
-                self.save()  # every key sent: the files go, and the copy may evict them
+                    self._version += 1
+            if self._lines > 2 * len(self._keys) + _SLACK or not self._keys:
+                self.save()  # a file naming mostly sent keys is rewritten; none left: the files go
             return sent
         except StoreError:
             self._retry_at = time.monotonic() + RETRY_SECONDS
@@ -288,7 +376,7 @@ class Unsent:
                 if keys:
                     path, own = self._create(self._dir, keys)
                     newer = {path: own}
-                older, self._held, self._own = self._held, newer, own
+                older, self._held, self._own, self._lines = self._held, newer, own, len(keys)
                 for held, old in older.items():  # the older files: their keys are in the new one
                     held.unlink(missing_ok=True)
                     os.close(old)

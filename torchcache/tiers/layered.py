@@ -162,19 +162,21 @@ class LayeredStore(BatchedStore):
             KeyingError: If a key is not 4 to 64 lowercase hex digits.
             StoreError: As the shared store's ``put_many`` (the local copy has them).
         """
-        if self._near_on:
+        keys = [key for key, _ in items]
+        with self.unsent.flying(keys):  # until the shared store has them, the copy's eviction keeps them
+            if self._near_on:
+                try:
+                    self.near.put_many(items)
+                except StoreError as exc:
+                    self._near_failed(exc, "write")
             try:
-                self.near.put_many(items)
-            except StoreError as exc:
-                self._near_failed(exc, "write")
-        try:
-            stored = self.far.put_many(items)
-        except StoreError:
-            if self._near_on:  # on this machine only: sent up once the shared store takes writes again
-                kept = [key for key, _ in items if key in self.near]
-                self.unsent.add(kept)
-                self.unsent.dropped += len(items) - len(kept)  # the copy had no room for them either
-            raise
+                stored = self.far.put_many(items)
+            except StoreError:
+                if self._near_on:  # on this machine only: sent up once the shared store takes writes again
+                    kept = [key for key in keys if key in self.near]
+                    self.unsent.add(kept)
+                    self.unsent.dropped += len(keys) - len(kept)  # the copy had no room for them either
+                raise
         self._send_unsent(limit=4096)
         return stored
 

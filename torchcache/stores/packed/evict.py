@@ -22,7 +22,7 @@ import lmdb
 from ...faults import Report
 from ..files import open_regular
 from . import upkeep
-from .format import encode_key, record_size, scan_keys
+from .format import record_size, scan_keys
 from .index import Change, Index, IndexReplacedError
 from .segments import SegmentFiles
 
@@ -42,7 +42,7 @@ INDEX_ENTRY_BYTES = 96
 #: Index file bytes not charged to the budget: an empty index and its lock file take 68 KiB.
 INDEX_BASE_BYTES = 1 << 17
 Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclusive lock (None: our own)
-Pinned = Callable[[], Set[str]]  # the keys whose entries are not to be evicted
+Pinned = Callable[[], Set[bytes]]  # the keys (in the index's form) whose entries are not to be evicted
 
 
 class NoRoom(Exception):
@@ -108,7 +108,7 @@ def evict(
     kept = False
     if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
         return victims, evicted
-    pins: set[bytes] | None = None
+    pins: Set[bytes] | None = None
     mine = files.own()
     table = change.table()
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
@@ -130,7 +130,7 @@ def evict(
         try:
             kbs = scan_keys(fd, table[seg].end)
             if pinned is not None:
-                pins = {encode_key(key) for key in pinned()} if pins is None else pins
+                pins = pinned() if pins is None else pins
                 if any(kb in pins and (entry := change.lookup(kb)) is not None and entry.seg == seg for kb in kbs):
                     kept = True  # the only copy of an entry: this segment stays
                     if lock is not None:

@@ -18,6 +18,7 @@ stays within 1.1 times the budget. ``docs/how-it-works.md`` (The packed disk sto
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from ...errors import ConfigError, StoreError
 from ...faults import Fault, Report, full_hint
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, Rows, VerifyReport
+from ..unsent import named_keys
 from . import upkeep
 from .evict import INDEX_ENTRY_BYTES, NoRoom, Pinned, Victims, evict, fitting, index_charge, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
@@ -111,8 +113,8 @@ class PackedStore(BatchedStore):
         self._report_fn = report if report is not None else _default_report
         self._recent = evict != "lru"
         self._keep = evict == "none"
-        #: The keys whose entries eviction keeps (a local copy's, not yet in its shared store).
-        self.pinned: Pinned | None = None
+        #: The keys whose entries eviction keeps: by default, those unsent files here name (a local copy's).
+        self.pinned: Pinned | None = functools.partial(named_keys, self.directory)
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
