@@ -24,6 +24,7 @@ from torch import nn
 from tests.helpers import refuse_reading, stored_entries
 from tests.store_helpers import poison_index_leaves
 from torchcache import CacheWarning, torchcache
+from torchcache.catalog.removal import remove_cache
 from torchcache.cli.main import main, parse_duration
 from torchcache.cli.output import Progress as _Progress
 from torchcache.cli.output import iso, short_keys
@@ -283,6 +284,39 @@ def test_verify_finds_an_index_whose_pages_point_outside_it_and_fix_rebuilds_it(
     assert code == 0 and len(stored_keys(directory)) == 400 and out.startswith("checked 400 entries")
     code, out, _ = run(capsys, "verify", str(directory))
     assert code == 0 and "no problems found" in out
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_verify_reports_a_link_or_fifo_at_a_segment_name_and_fix_unlinks_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, planted: str
+) -> None:
+    directory = make_dir(items=4)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"someone's file")
+    name = directory / "seg-00000099.tcs"
+    name.symlink_to(outside) if planted == "link" else os.mkfifo(name)
+    code, out, _ = run(capsys, "verify", str(directory))
+    assert code == 1 and f"{name} is a link or special file at a segment's name" in out
+    code, out, _ = run(capsys, "verify", "--fix", str(directory))
+    assert code == 0 and not os.path.lexists(name) and outside.read_bytes() == b"someone's file"
+    assert run(capsys, "verify", str(directory))[0] == 0
+
+
+@pytest.mark.parametrize("command", [["clear", "-y"], ["info"], ["verify", "--fix"], ["migrate"], ["ls"]])
+def test_a_module_directory_that_is_a_link_is_never_followed(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, tmp_path: Path, command: list[str]
+) -> None:
+    directory = make_dir(items=4)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(directory, elsewhere)  # a cache outside the root, and a link to it planted inside
+    directory.symlink_to(elsewhere)
+    before = sorted((p.name, p.stat().st_size) for p in elsewhere.iterdir())
+    code, _, err = run(capsys, command[0], str(directory), *command[1:])
+    assert code != 0 and "is a link: torchcache does not follow links" in err
+    assert sorted((p.name, p.stat().st_size) for p in elsewhere.iterdir()) == before and directory.is_symlink()
+    with pytest.raises(OSError, match="is a link"):
+        remove_cache(directory)  # nor by the removal itself, whoever calls it
+    assert sorted((p.name, p.stat().st_size) for p in elsewhere.iterdir()) == before
 
 
 def stored_keys(directory: Path) -> list[str]:

@@ -303,10 +303,10 @@ CASES: dict[str, Case] = {
     "segment: extended to 1 GiB": Case(SEGMENT, _extended, **HARMLESS),
     # (a segment file the index does not know is reported, and removed by `verify --fix` or the next writer)
     "unknown segment: random bytes": Case(UNKNOWN_SEGMENT, _bytes(lambda: os.urandom(5000)), **UNKNOWN),
-    "unknown segment: FIFO": Case(UNKNOWN_SEGMENT, _fifo, **HARMLESS),
+    "unknown segment: FIFO": Case(UNKNOWN_SEGMENT, _fifo, **UNKNOWN),  # reported, and unlinked by --fix
     "unknown segment: directory": Case(UNKNOWN_SEGMENT, _directory, **HARMLESS),
     "unknown segment: link to random bytes outside": Case(
-        UNKNOWN_SEGMENT, _link_outside(lambda p: p.write_bytes(os.urandom(3000))), **HARMLESS
+        UNKNOWN_SEGMENT, _link_outside(lambda p: p.write_bytes(os.urandom(3000))), **UNKNOWN
     ),
     "unknown segment: 1 GiB sparse file": Case(UNKNOWN_SEGMENT, lambda p, s: _sparse(p, GIB), **UNKNOWN),
     # module metadata

@@ -289,13 +289,15 @@ def find_caches(path: Path) -> list[ModuleCache]:
     """The module caches under a root, most recently used first.
 
     If ``path`` is itself a module cache, it is the only one. A missing root holds none;
-    a directory under it that cannot be listed is left out.
+    a directory under it that cannot be listed is left out, and so is a link.
 
     Raises:
+        CacheLookupError: If ``path`` is a link to a module cache.
         OSError: If the root cannot be listed.
     """
     own = load_cache(path)
     if own is not None:
+        _not_a_link(path)
         return [own]
     try:
         children = sorted(os.scandir(path), key=lambda e: e.name)
@@ -311,6 +313,15 @@ def find_caches(path: Path) -> list[ModuleCache]:
             caches.append(cache)
     caches.sort(key=lambda c: c.last_used, reverse=True)
     return caches
+
+
+def _not_a_link(path: Path) -> None:
+    """Refuse a module cache reached through a link: what it names is not this path's to change."""
+    if path.is_symlink():
+        raise CacheLookupError(
+            f"{path} is a link: torchcache does not follow links to module caches (give the directory it names, "
+            f"{os.path.realpath(path)})"
+        )
 
 
 def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> ModuleCache:
@@ -330,6 +341,7 @@ def resolve_cache(root: Path, target: str, *, root_given: bool = False) -> Modul
     if (is_path or not root_given) and path.is_dir():
         own = load_cache(path)
         if own is not None:
+            _not_a_link(path)
             return own
     if is_path:
         if not path.exists():

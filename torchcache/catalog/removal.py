@@ -81,6 +81,8 @@ def remove_cache(directory: Path) -> tuple[int, Path | None]:
     Raises:
         OSError: If a file cannot be removed.
     """
+    if directory.is_symlink():  # its target is not this cache's to empty
+        raise OSError(errno.ELOOP, f"{directory} is a link, not a module cache's directory")
     before = list_files(directory)
     seen = {f.path: f.size for f in (*before.entries, *before.store, *before.temporaries)}
     try:

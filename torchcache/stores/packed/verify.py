@@ -39,11 +39,33 @@ def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -
     if not bad:
         result.problems.extend(_count_problems(index))
     result.problems.extend(_file_problems(index, files))
+    result.problems.extend(
+        f"{files.path(seg)} is a link or special file at a segment's name" for seg in _planted(index, files)
+    )
     if fix and not result.ok:
         _repair(index, files, bad)
         remove_unindexed(index, files, wait=True)
+        for seg in _planted(index, files):  # those whose rows the repair dropped too
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(files.path(seg))  # the link itself, never what it names
         result.fixed = True
     return result
+
+
+def _planted(index: Index, files: SegmentFiles) -> list[int]:
+    """The segment names the index does not know held by a link or a special file (never opened; not directories)."""
+    with index.begin() as txn:
+        table = index.segment_table(txn)
+    planted = []
+    for seg, entry in sorted(files.listed().items()):
+        with contextlib.suppress(OSError):
+            if (
+                seg not in table
+                and not entry.is_file(follow_symlinks=False)
+                and not entry.is_dir(follow_symlinks=False)
+            ):
+                planted.append(seg)
+    return planted
 
 
 def _file_problems(index: Index, files: SegmentFiles) -> list[str]:
