@@ -7,7 +7,7 @@ by the copy, so nothing computes it again, and other machines would miss it for 
 copy's directory (``unsent-<pid>-<token>.keys``, one key a line, locked by the process
 while it lives), appended to as keys come and rewritten at each flush (and once it
 names twice the keys held). The copy evicts none of them: a packed store keeps what the
-files in its directory name (:func:`named_keys`), and a layered store's copy this
+files in its directory name (:mod:`~torchcache.stores.pins`), and a layered store's copy this
 process's keys too, those on their way to the server included (:meth:`Unsent.pinned`).
 The layered store sends them from the copy after a write the server took, at each flush,
 and as the process ends; the next process to open the copy claims the files that no live
@@ -22,36 +22,30 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import io
 import itertools
 import os
-import re
 import secrets
 import stat
 import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .._fork import at_process_end
 from ..errors import StoreError
 from .files import open_regular, read_at
-from .packed.format import encode_key, is_key
+from .packed.format import encode_key
+from .pins import MAX_FILE_BYTES, MAX_KEYS, SLACK, Pins, is_unsent_file, keys_in, named_pins
 
-__all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file", "named_keys"]
+__all__ = ["MAX_KEYS", "Unsent", "count_unsent", "is_unsent_file"]
 
-#: Keys held at most (past them, a long outage's entries stay on this machine only).
-MAX_KEYS = 1 << 18
 #: Seconds before keys whose sending failed are tried again (a flush tries at once).
 RETRY_SECONDS = 10.0
 _CHUNK = 256
-#: Lines a process's file names beyond twice the keys it holds before it is rewritten.
-_SLACK = 4096
 #: Seconds a file being written (``.tmp``) is left alone, before it counts as a save its process did not finish.
 _TMP_GRACE = 60.0
-_NAME = re.compile(r"unsent-[0-9]+-[0-9a-f]{8}\.keys(?:\.tmp)?")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _live: weakref.WeakSet[Unsent] = weakref.WeakSet()  # holding keys: saved when the process ends
 
@@ -59,20 +53,11 @@ Read = Callable[[list[str]], Sequence[bytes | memoryview | None]]
 Write = Callable[[list[tuple[str, bytes | memoryview]]], int]
 
 
-def is_unsent_file(name: str) -> bool:
-    """Whether ``name`` is that of a file of unsent keys (or of one being written).
-
-    Example:
-        >>> is_unsent_file("unsent-4242-0a1b2c3d.keys"), is_unsent_file("unsent.txt")
-        (True, False)
-    """
-    return _NAME.fullmatch(name) is not None
-
-
 def count_unsent(paths: Iterable[Path]) -> int:
-    """How many keys the unsent files at ``paths`` hold, up to :data:`MAX_KEYS` (read only: nothing is claimed).
+    """How many keys the unsent files at ``paths`` name, up to :data:`MAX_KEYS` (read only: nothing is claimed).
 
-    Names that are not those of unsent files, and saves in progress, are skipped.
+    Names that are not those of unsent files, and saves in progress, are skipped. (A file
+    names the keys its process sent too, until it is rewritten: an upper bound.)
 
     Example:
         >>> import tempfile
@@ -82,81 +67,19 @@ def count_unsent(paths: Iterable[Path]) -> int:
         2
     """
     keys: set[str] = set()
-    for key in _keys_of(paths):
-        keys.add(key)
-        if len(keys) >= MAX_KEYS:  # no process holds more
-            break
-    return len(keys)
-
-
-_named: dict[Path, tuple[object, frozenset[bytes]]] = {}  # by directory: its files' sizes and times, their keys
-_named_lock = threading.Lock()
-
-
-def named_keys(directory: Path, skip: Collection[Path] = ()) -> frozenset[bytes]:
-    """The keys (in the index's form) the unsent files in ``directory`` name, but those at ``skip``.
-
-    Read again only when a file's name, size or time changed: a store calls this at
-    each eviction. A directory that cannot be listed names none.
-    """
-    keys: set[bytes] = set()
-    for _ in range(3):  # a file renamed (claimed) or replaced (rewritten) between the listing and its read: again
-        signature = []
-        try:
-            with os.scandir(directory) as items:
-                for item in items:
-                    if is_unsent_file(item.name) and not item.name.endswith(".tmp") and Path(item.path) not in skip:
-                        with contextlib.suppress(FileNotFoundError):
-                            st = item.stat(follow_symlinks=False)
-                            signature.append((item.path, st.st_size, st.st_mtime_ns))
-        except OSError:
-            return frozenset()
-        signature.sort()
-        with _named_lock:
-            cached = _named.get(directory)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        keys.clear()
-        read = [_read_keys(Path(path)) for path, _, _ in signature]
-        keys.update(encode_key(key) for found in read for key in found or ())
-        if None not in read:
-            with _named_lock:
-                _named[directory] = (signature, frozenset(keys))
-            break
-    return frozenset(keys)
-
-
-def _keys_of(paths: Iterable[Path]) -> Iterator[str]:
-    """The keys the unsent files at ``paths`` name (other names, saves in progress and unreadable files skipped)."""
     for path in paths:
         if is_unsent_file(path.name) and not path.name.endswith(".tmp"):
-            yield from _read_keys(path) or ()
-
-
-def _read_keys(path: Path) -> list[str] | None:
-    """The keys the file at ``path`` names (none if it is not a regular file or cannot be read; ``None``: gone)."""
-    try:
-        opened = open_regular(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return []
-    if opened is None:
-        return []
-    try:
-        return list(_keys_in(opened[0]))
-    except OSError:
-        return []
-    finally:
-        os.close(opened[0])
-
-
-def _keys_in(fd: int) -> Iterator[str]:
-    """The keys of an unsent file, a line at a time (a planted file of short lines stays small); others skipped."""
-    for line in io.BytesIO(read_at(fd, (2 * MAX_KEYS + _SLACK) * 65)):
-        key = line.strip().decode("ascii", "replace")
-        if is_key(key):
-            yield key
+            with contextlib.suppress(OSError):
+                opened = open_regular(path, follow_symlinks=False)
+                if opened is None:
+                    continue
+                try:
+                    keys.update(keys_in(read_at(opened[0], MAX_FILE_BYTES)))
+                finally:
+                    os.close(opened[0])
+        if len(keys) >= MAX_KEYS:  # no process holds more
+            return MAX_KEYS
+    return len(keys)
 
 
 class Unsent:
@@ -192,10 +115,8 @@ class Unsent:
         self._held: dict[Path, int] = {}
         self._own: int | None = None  # the descriptor of the file its new keys are appended to
         self._lines = 0  # the keys that file names, sent ones too
-        self._flying: Counter[str] = Counter()  # keys on their way to the shared store
-        self._pins: tuple[int, frozenset[bytes]] = (0, frozenset())  # this process's pins, at a version
-        self._all: tuple[int, frozenset[bytes], frozenset[bytes]] = (0, frozenset(), frozenset())  # with others'
-        self._version = 1
+        self._encoded: set[bytes] = set()  # the keys held, in the index's form
+        self._flying: Counter[bytes] = Counter()  # keys on their way to the shared store, in the index's form
         self._retry_at = float("-inf")
         self._lock = threading.RLock()
         self._sending = threading.Lock()  # one send at a time: a key is never sent twice
@@ -236,11 +157,11 @@ class Unsent:
                     raise BlockingIOError
                 claimed = path.with_name(f"unsent-{self._pid}-{secrets.token_hex(4)}.keys")
                 os.rename(path, claimed)  # claimed first by another process: FileNotFoundError
-                keys = list(_keys_in(fd))
+                keys = list(keys_in(read_at(fd, MAX_FILE_BYTES)))
             except OSError:
                 os.close(fd)
                 return
-            self.add(keys)
+            self.add(keys[::-1])  # newest first: those it had sent (the oldest) go past MAX_KEYS, if any
             self._held[claimed] = fd  # locked until its keys are sent or saved in this process's file
 
     def add(self, keys: Sequence[str]) -> None:
@@ -255,15 +176,19 @@ class Unsent:
                     self.dropped += 1
                 else:
                     self._keys[key] = None
+                    self._encoded.add(encode_key(key))
                     new.append(key)
-            self._version += 1
             if new and self._dir is not None:
                 with contextlib.suppress(OSError):  # then named at the next save
                     if self._own is None:  # every key held: some may have missed a file that failed
                         path, self._own = self._create(self._dir, list(self._keys))
                         self._held[path], self._lines = self._own, len(self._keys)
                     else:
-                        _append(self._own, new)
+                        try:
+                            _append(self._own, new)
+                        except OSError:
+                            self._own = None  # the next keys go to a new file, with every key held
+                            raise
                         self._lines += len(new)
         if self._keys and self._dir is not None:
             _live.add(self)
@@ -272,16 +197,17 @@ class Unsent:
     def flying(self, keys: Sequence[str]) -> Iterator[None]:
         """Pin ``keys`` while they are written to the shared store (this process's eviction keeps them)."""
         self._mine()
+        encoded = [encode_key(key) for key in keys]
         with self._lock:
-            self._flying.update(keys)
-            self._version += 1
+            self._flying.update(encoded)
         try:
             yield
         finally:
             with self._lock:
-                self._flying.subtract(keys)
-                self._flying = +self._flying
-                self._version += 1
+                for kb in encoded:
+                    self._flying[kb] -= 1
+                    if self._flying[kb] <= 0:
+                        del self._flying[kb]
 
     def _create(self, directory: Path, keys: Sequence[str]) -> tuple[Path, int]:
         """A new file of this process's naming ``keys``, and its descriptor: locked, open to append.
@@ -301,21 +227,13 @@ class Unsent:
             raise
         return path, fd
 
-    def pinned(self) -> frozenset[bytes]:
+    def pinned(self) -> Pins:
         """The keys (in the index's form) the copy must not evict: this process's, and those other files name."""
         self._mine()
         with self._lock:
-            if self._pins[0] != self._version:
-                self._pins = (self._version, frozenset(encode_key(key) for key in [*self._keys, *self._flying]))
-            (at, own), held = self._pins, list(self._held)
-        if self._dir is None:
-            return own
-        others = named_keys(self._dir, held)
-        version, named, union = self._all
-        if version != at or named is not others:
-            union = own | others
-            self._all = (at, others, union)
-        return union
+            held = list(self._held)
+        others = named_pins(self._dir, held) if self._dir is not None else Pins()
+        return Pins(self._encoded, self._flying, others)
 
     def send(self, read: Read, write: Write, limit: int | None = None, now: bool = False) -> int:
         """Send up to ``limit`` keys (all: ``None``), read from the copy with ``read``, stored with ``write``.
@@ -348,8 +266,8 @@ class Unsent:
                     self.dropped += len(chunk) - len(items)  # removed from the copy before it was sent
                     for key in chunk:  # sent, or no longer in the copy: nothing to send
                         self._keys.pop(key, None)
-                    self._version += 1
-            if self._lines > 2 * len(self._keys) + _SLACK or not self._keys:
+                        self._encoded.discard(encode_key(key))
+            if self._lines > 2 * len(self._keys) + SLACK or not self._keys:
                 self.save()  # a file naming mostly sent keys is rewritten; none left: the files go
             return sent
         except StoreError:
@@ -389,8 +307,14 @@ def _append(fd: int, keys: Sequence[str]) -> None:
         OSError: If it cannot be written.
     """
     data = memoryview(("\n".join(keys) + "\n").encode("ascii"))
-    while data:
-        data = data[os.write(fd, data) :]
+    size = os.fstat(fd).st_size
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)  # no half line: the next keys would run into it
+        raise
 
 
 def _save_all() -> None:

@@ -163,12 +163,12 @@ class LayeredStore(BatchedStore):
             StoreError: As the shared store's ``put_many`` (the local copy has them).
         """
         keys = [key for key, _ in items]
+        if self._near_on:
+            try:
+                self.near.put_many(items)
+            except StoreError as exc:
+                self._near_failed(exc, "write")
         with self.unsent.flying(keys):  # until the shared store has them, the copy's eviction keeps them
-            if self._near_on:
-                try:
-                    self.near.put_many(items)
-                except StoreError as exc:
-                    self._near_failed(exc, "write")
             try:
                 stored = self.far.put_many(items)
             except StoreError:

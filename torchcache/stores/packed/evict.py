@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Set
+from collections.abc import Callable, Container
 
 import lmdb
 
@@ -42,7 +42,7 @@ INDEX_ENTRY_BYTES = 96
 #: Index file bytes not charged to the budget: an empty index and its lock file take 68 KiB.
 INDEX_BASE_BYTES = 1 << 17
 Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclusive lock (None: our own)
-Pinned = Callable[[], Set[bytes]]  # the keys (in the index's form) whose entries are not to be evicted
+Pinned = Callable[[], Container[bytes]]  # the keys (in the index's form) whose entries are not to be evicted
 
 
 class NoRoom(Exception):
@@ -108,7 +108,7 @@ def evict(
     kept = False
     if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
         return victims, evicted
-    pins: Set[bytes] | None = None
+    pins: Container[bytes] | None = None
     mine = files.own()
     table = change.table()
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)

@@ -32,7 +32,7 @@ from ...errors import ConfigError, StoreError
 from ...faults import Fault, Report, full_hint
 from ...policy import format_size, parse_size
 from ..batched import BatchedStore, Rows, VerifyReport
-from ..unsent import named_keys
+from ..pins import named_pins
 from . import upkeep
 from .evict import INDEX_ENTRY_BYTES, NoRoom, Pinned, Victims, evict, fitting, index_charge, keep_within_bounds, release
 from .format import decode_key, encode_key, encode_keys, encode_records, record_size
@@ -114,7 +114,7 @@ class PackedStore(BatchedStore):
         self._recent = evict != "lru"
         self._keep = evict == "none"
         #: The keys whose entries eviction keeps: by default, those unsent files here name (a local copy's).
-        self.pinned: Pinned | None = functools.partial(named_keys, self.directory)
+        self.pinned: Pinned | None = functools.partial(named_pins, self.directory)
         self._lock = threading.RLock()
         renew_lock_after_fork(self, "_lock")
         self._files = SegmentFiles(self._root, self.segment_bytes)
