@@ -269,12 +269,61 @@ def test_an_append_that_fails_halfway_leaves_no_half_line_and_the_next_file_name
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(unsent_module.os, "write", half)
-    held.add([key(2), key(3)])  # the disk filled up halfway through the line
+    held.add([key(2), key(3)])  # the disk full halfway through the line, and still full
     monkeypatch.setattr(unsent_module.os, "write", real)
-    assert [p.read_text() for p in tmp_path.glob("unsent-*.keys")] == [key(1) + "\n"]
+    assert [p.read_text() for p in tmp_path.glob("unsent-*")] == [key(1) + "\n"]  # cut back, no partial file
     held.add([key(4)])
     lines = [line for p in tmp_path.glob("unsent-*.keys") for line in p.read_text().splitlines()]
     assert set(lines) == {key(i) for i in (1, 2, 3, 4)}  # every line a whole key, every key held named
+
+    failed: list[int] = []
+
+    def once(fd: int, data: Any) -> int:
+        if failed:
+            return real(fd, data)
+        failed.append(real(fd, bytes(data[:10])))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(unsent_module.os, "write", once)
+    held.add([key(5)])  # space came back at once: a new file names every key now, not at the next add
+    lines = [line for p in tmp_path.glob("unsent-*.keys") for line in p.read_text().splitlines()]
+    assert set(lines) == {key(i) for i in (1, 2, 3, 4, 5)}
+
+
+def test_a_file_is_rewritten_after_sends_that_fail_partway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(unsent_module, "SLACK", 10)
+    monkeypatch.setattr(unsent_module, "_CHUNK", 10)
+    held = Unsent(tmp_path)
+    held.add([key(i) for i in range(100)])
+    calls: list[int] = []
+
+    def flapping(items: list[tuple[str, bytes | memoryview]]) -> int:  # takes one chunk a send, then goes away
+        calls.append(len(items))
+        if len(calls) % 2 == 0:
+            raise StoreUnavailableError("away again")
+        return len(items)
+
+    for _ in range(6):
+        with pytest.raises(StoreUnavailableError):
+            held.send(lambda keys: [value(0)] * len(keys), flapping, now=True)
+    (named,) = tmp_path.glob("unsent-*.keys")
+    assert len(held) == 40 and sorted(named.read_text().split()) == sorted(key(i) for i in range(60, 100))
+
+
+def test_two_readers_of_one_directory_skipping_different_files_read_each_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one, two = Unsent(tmp_path), Unsent(tmp_path)
+    one.add([key(1)])
+    two.add([key(2)])
+    asked: list[int] = []
+    real = pins_module.read_at
+    monkeypatch.setattr(pins_module, "read_at", lambda fd, size, offset=0: asked.append(size) or real(fd, size, offset))
+    for _ in range(3):
+        assert encode_key(key(2)) in one.pinned() and encode_key(key(1)) in two.pinned()
+    assert sum(asked) == 66  # each file read once, whichever reader skipped it
+    shutil.rmtree(tmp_path)
+    assert encode_key(key(2)) not in pins_module.named_pins(tmp_path) and tmp_path not in pins_module._read
 
 
 def test_a_claimed_file_is_held_newest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from tests.helpers import fault_under, run_python, traced_memory
 from tests.store_helpers import Reports, charged, key, poison_index_leaves, value
 from torchcache.errors import KeyingError, StoreError
+from torchcache.stores.packed import evict as packed_evict
 from torchcache.stores.packed import index as packed_index
 from torchcache.stores.packed import segments as packed_segments
 from torchcache.stores.packed import upkeep as packed_upkeep
@@ -906,7 +907,9 @@ def test_compaction_gives_space_back_and_readers_follow(root: Path) -> None:
 
 
 @pytest.mark.parametrize("evict", ["mru", "lru"])
-def test_eviction_keeps_pinned_entries_and_refuses_a_write_with_no_other_room(root: Path, evict: str) -> None:
+def test_eviction_keeps_pinned_entries_and_refuses_a_write_with_no_other_room(
+    root: Path, evict: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     budget = 60_000
     store = PackedStore(root, budget, segment_bytes=10_000, evict=evict)
     pins: set[bytes] = set()
@@ -922,8 +925,14 @@ def test_eviction_keeps_pinned_entries_and_refuses_a_write_with_no_other_room(ro
 
     pins.update(encode_keys(list(store.keys())))  # nothing left that may go: a write finds no room
     held = sorted(store.keys())
+    scans: list[int] = []
+    real_scan = packed_evict.scan_keys
+    monkeypatch.setattr(packed_evict, "scan_keys", lambda fd, end: scans.append(end) or real_scan(fd, end))
     assert store.put_many([(key(i), value(i)) for i in range(500, 520)]) == 0
     assert sorted(store.keys()) == held and charged(store) <= budget
+    first, scans[:] = len(scans), []
+    assert store.put_many([(key(i), value(i)) for i in range(520, 540)]) == 0
+    assert len(scans) <= 2 < first  # the batch's own two segments: those found kept are not read again
     assert store.put_many([(key(600), b"x" * 10)]) == 1  # what fits beside them is still stored
     pins.clear()  # sent: evicted again as the budget needs
     for start in range(700, 760, 10):

@@ -94,9 +94,9 @@ def named_pins(directory: Path, skip: Collection[Path] = ()) -> Pins:
     """The keys the files of unsent keys in ``directory`` name (but those at ``skip``), as :class:`Pins`.
 
     Each file is read from where the last call ended (a file rewritten in place, which
-    torchcache never does, is read again whole). A file claimed (renamed) between the
-    listing and its read is looked for again, up to three times. A directory that cannot
-    be listed names none.
+    torchcache never does, is read again whole), whatever ``skip``. A file claimed
+    (renamed) between the listing and its read is looked for again, up to three times. A
+    directory that cannot be listed names none (and what was read of it is let go).
     """
     with _lock:
         for _ in range(3):
@@ -105,16 +105,18 @@ def named_pins(directory: Path, skip: Collection[Path] = ()) -> Pins:
                     listing = [
                         (Path(item.path), item.inode())
                         for item in items
-                        if is_unsent_file(item.name) and not item.name.endswith(".tmp") and Path(item.path) not in skip
+                        if is_unsent_file(item.name) and not item.name.endswith(".tmp")
                     ]
             except OSError:
+                _read.pop(directory, None)
                 return Pins()
             known = _read.get(directory, {})
             now = {path: _more(path, known.get(path), inode) for path, inode in listing}
             _read[directory] = {path: read for path, read in now.items() if read is not None}
             if None not in now.values():
                 break
-        return Pins(*(read.keys for read in _read[directory].values()))
+        files = _read[directory] if _read[directory] else _read.pop(directory)
+        return Pins(*(read.keys for path, read in files.items() if path not in skip))
 
 
 def _more(path: Path, read: _Read | None, inode: int) -> _Read | None:

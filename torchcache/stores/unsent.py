@@ -186,10 +186,12 @@ class Unsent:
                     else:
                         try:
                             _append(self._own, new)
-                        except OSError:
-                            self._own = None  # the next keys go to a new file, with every key held
-                            raise
-                        self._lines += len(new)
+                        except OSError:  # a new file, naming every key held (the disk full: at the next add)
+                            self._own = None
+                            path, self._own = self._create(self._dir, list(self._keys))
+                            self._held[path], self._lines = self._own, len(self._keys)
+                        else:
+                            self._lines += len(new)
         if self._keys and self._dir is not None:
             _live.add(self)
 
@@ -224,6 +226,7 @@ class Unsent:
             os.rename(partial, path)
         except OSError:
             os.close(fd)
+            partial.unlink(missing_ok=True)
             raise
         return path, fd
 
@@ -267,14 +270,14 @@ class Unsent:
                     for key in chunk:  # sent, or no longer in the copy: nothing to send
                         self._keys.pop(key, None)
                         self._encoded.discard(encode_key(key))
-            if self._lines > 2 * len(self._keys) + SLACK or not self._keys:
-                self.save()  # a file naming mostly sent keys is rewritten; none left: the files go
             return sent
         except StoreError:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             raise
         finally:
             self._sending.release()
+            if self._lines > 2 * len(self._keys) + SLACK or (self._held and not self._keys):
+                self.save()  # a file naming mostly sent keys is rewritten (a send that failed too); none left: gone
 
     def save(self) -> None:
         """Leave the keys not sent in a new file of this process's, locked, in place of those it held (none: no file).

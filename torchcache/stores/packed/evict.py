@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Container
 
 import lmdb
@@ -43,6 +44,9 @@ INDEX_ENTRY_BYTES = 96
 INDEX_BASE_BYTES = 1 << 17
 Victims = list[tuple[int, int | None]]  # segment, descriptor holding its exclusive lock (None: our own)
 Pinned = Callable[[], Container[bytes]]  # the keys (in the index's form) whose entries are not to be evicted
+
+
+_holding: weakref.WeakKeyDictionary[SegmentFiles, dict[int, bytes]] = weakref.WeakKeyDictionary()
 
 
 class NoRoom(Exception):
@@ -111,11 +115,20 @@ def evict(
     pins: Container[bytes] | None = None
     mine = files.own()
     table = change.table()
+    memo = _holding.setdefault(files, {})  # segments found holding a pinned entry, and that entry's key
+    for seg in [seg for seg in memo if seg not in table]:
+        del memo[seg]
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
     order = [seg for seg in by_time if table[seg].sealed] + [seg for seg in by_time if seg in mine]
     for seg in dict.fromkeys(order):
         if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
             break
+        if pinned is not None and seg in memo:  # no scan again while the entry it was kept for is pinned there
+            pins = pinned() if pins is None else pins
+            if memo[seg] in pins and (entry := change.lookup(memo[seg])) is not None and entry.seg == seg:
+                kept = True
+                continue
+            del memo[seg]
         lock: int | None = None
         if seg in mine:
             opened = open_regular(files.path(seg), follow_symlinks=False)
@@ -131,8 +144,11 @@ def evict(
             kbs = scan_keys(fd, table[seg].end)
             if pinned is not None:
                 pins = pinned() if pins is None else pins
-                if any(kb in pins and (entry := change.lookup(kb)) is not None and entry.seg == seg for kb in kbs):
-                    kept = True  # the only copy of an entry: this segment stays
+                hold = next(
+                    (kb for kb in kbs if kb in pins and (e := change.lookup(kb)) is not None and e.seg == seg), None
+                )
+                if hold is not None:  # the only copy of an entry: this segment stays
+                    kept, memo[seg] = True, hold
                     if lock is not None:
                         os.close(lock)
                     continue
