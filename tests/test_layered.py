@@ -326,6 +326,16 @@ def test_two_readers_of_one_directory_skipping_different_files_read_each_file_on
     assert encode_key(key(2)) not in pins_module.named_pins(tmp_path) and tmp_path not in pins_module._read
 
 
+def test_sending_up_keys_the_copy_lacks_holds_none_of_them(tmp_path: Path) -> None:
+    far = ReferenceStore(10**7)
+    store = LayeredStore(PackedStore(tmp_path / "near", 10**7), far, Reports())
+    store.near.put_many([(key(1), value(1))])
+    assert store.send_up([key(i) for i in range(1, 50)]) == 1  # the one the copy holds: the others are computed later
+    assert store.unsent.dropped == 0 and len(store.unsent) == 0 and sorted(far.keys()) == [key(1)]
+    assert not list((tmp_path / "near").glob("unsent-*"))
+    store.close()
+
+
 def test_a_claimed_file_is_held_newest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / f"unsent-{DEAD_PID}-0a1b2c3d.keys").write_text("".join(key(i) + "\n" for i in range(20)))
     monkeypatch.setattr(unsent_module, "MAX_KEYS", 10)  # the oldest lines are those its process had sent

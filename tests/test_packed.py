@@ -935,6 +935,14 @@ def test_eviction_keeps_pinned_entries_and_refuses_a_write_with_no_other_room(
     assert len(scans) <= 2 < first  # the batch's own two segments: those found kept are not read again
     assert store.put_many([(key(600), b"x" * 10)]) == 1  # what fits beside them is still stored
     pins.clear()  # sent: evicted again as the budget needs
+    monkeypatch.setattr(packed_evict, "scan_keys", lambda fd, end: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(StoreError):
+        store.put_many([(key(i), value(i)) for i in range(540, 560)])  # a segment that cannot be read
+    monkeypatch.setattr(packed_evict, "scan_keys", real_scan)
+    for seg in store._files.listed():  # no lock of a failed eviction outlives it
+        lock = store._files.lock(seg)
+        assert lock is not None or seg in store._files.own()
+        os.close(lock) if lock is not None else None
     for start in range(700, 760, 10):
         store.put_many([(key(i), value(i)) for i in range(start, start + 10)])
     assert sum(key(i) in store for i in range(700, 760)) >= 10 and charged(store) <= budget

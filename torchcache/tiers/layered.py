@@ -191,7 +191,7 @@ class LayeredStore(BatchedStore):
         """
         if not self._near_on:
             return 0
-        self.unsent.add(keys)
+        self.unsent.add([key for key in keys if key in self.near])  # those it lacks are not the copy's to send
         return self.unsent.send(self.near.get_many, self.far.put_many, now=True)
 
     def _send_unsent(self, limit: int | None = None) -> None:

@@ -153,6 +153,10 @@ def evict(
                         os.close(lock)
                     continue
             evicted.update(change.remove_segment_entries(seg, kbs))
+        except BaseException:
+            if lock is not None:  # not a victim yet: its lock is this loop's to let go
+                os.close(lock)
+            raise
         finally:
             if lock is None:
                 os.close(fd)
