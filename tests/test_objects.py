@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import socket
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -451,6 +453,36 @@ def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else real(name, *a))
     with pytest.raises(ConfigError, match=r"torchcache\[gcs\]"):
         CachedDataset(Images(), "gs://bucket/prefix")
+
+
+def test_a_gcs_server_that_is_away_costs_two_bounded_tries_not_gcsfs_six(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("gcsfs")
+    import gcsfs
+
+    from torchcache.stores.objects import filesystem as filesystem_module
+    from torchcache.stores.objects import open_filesystem
+
+    raw = gcsfs.GCSFileSystem._request.__wrapped__
+    tries: list[str] = []
+
+    async def counted(fs: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        tries.append(method)
+        return await raw(fs, method, path, *args, **kwargs)
+
+    decorated = gcsfs.GCSFileSystem._request
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_request", lambda *a, **k: decorated(*a, **k))
+    gcsfs.GCSFileSystem._request.__wrapped__ = counted  # type: ignore[attr-defined]
+    monkeypatch.setattr(filesystem_module, "_GCS_PAUSE", 0.0)
+    with socket.socket() as closed:  # a port nobody listens on: every connection is refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    options = {"token": "anon", "project": f"p{uuid.uuid4().hex[:8]}", "endpoint_url": endpoint}
+    fs, _ = open_filesystem("gs://away/prefix", options)
+    assert fs.requests_timeout == 15  # a server that hangs costs seconds, not aiohttp's 300
+    with pytest.raises(Exception):  # noqa: B017 - whatever gcsfs raises for a refused connection
+        fs.ls("away/prefix")
+    assert tries == ["GET", "GET"]
 
 
 def test_every_store_of_a_url_shares_one_filesystem_and_its_session(bucket: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -19,6 +20,11 @@ _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempt
 #: s3fs's own retries of a request botocore gave up on (5 by default): with botocore's two attempts and
 #: the read timeout, a server that accepts connections but never answers costs about a minute per try.
 _S3FS_RETRIES = 2
+#: Seconds a gcsfs request may take (its default: aiohttp's 300), and the tries of one that fails
+#: (gcsfs's own: 6, about 31 s of backoff between them, fixed when its class is made).
+_GCS_TIMEOUT = 15
+_GCS_TRIES = 2
+_GCS_PAUSE = 0.5
 
 
 def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -40,12 +46,16 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
         # a copy each time: botocore rewrites the dict it is given, and fsspec keys its instances by these
         # options, so a shared dict would make every later call a new filesystem with a new session
         options.setdefault("config_kwargs", copy.deepcopy(_S3_CONFIG))
+    elif extra == "gcs":
+        options.setdefault("requests_timeout", _GCS_TIMEOUT)
     try:
         import fsspec
 
         fs = fsspec.filesystem(scheme, **options)
         if extra == "s3" and getattr(fs, "retries", 0) > _S3FS_RETRIES:
             fs.retries = _S3FS_RETRIES
+        elif extra == "gcs":
+            _bound_gcs_tries(fs)
     except ImportError as exc:
         raise ConfigError(
             f"{scheme}:// caches need fsspec and the package of the scheme ({exc}): pip install 'torchcache[{extra}]'"
@@ -53,6 +63,35 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     except Exception as exc:  # noqa: BLE001 - a filesystem that cannot be made is a configuration problem
         raise ConfigError(f"cannot use {scheme}:// ({type(exc).__name__}: {exc})") from None
     return fs, url.split("://", 1)[1].strip("/")
+
+
+def _bound_gcs_tries(fs: Any) -> None:
+    """Make ``fs`` (a gcsfs filesystem) try a failing request :data:`_GCS_TRIES` times, not gcsfs's six.
+
+    gcsfs fixes its tries and backoff when its class is made (a decorator on ``_request``),
+    so this instance's ``_request`` is the undecorated one, tried here. Left as it is if
+    gcsfs no longer has that shape.
+    """
+    raw = getattr(type(fs)._request, "__wrapped__", None)
+    if raw is None or getattr(fs, "_torchcache_tries", False):
+        return
+    try:
+        from gcsfs.retry import is_retriable  # type: ignore[import-untyped]
+    except ImportError:
+        return
+
+    async def request(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(_GCS_TRIES):
+            try:
+                return await raw(fs, *args, **kwargs)
+            except Exception as exc:
+                if attempt + 1 == _GCS_TRIES or not is_retriable(exc):
+                    raise
+            await asyncio.sleep(_GCS_PAUSE)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    fs._request = request
+    fs._torchcache_tries = True
 
 
 def filesystem_only(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
