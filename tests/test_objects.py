@@ -1085,6 +1085,23 @@ def test_a_readers_store_over_its_budget_removes_nothing_even_as_it_writes(bucke
     assert [bytes(v or b"") for v in _store(bucket).get_many([key(0), key(9)])] == [value(0, 1000), value(9, 900)]
 
 
+def test_a_read_whose_every_range_timed_out_starts_the_backoff(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _store(bucket).put_many([(key(i), value(i)) for i in range(4)])
+    reports = Reports()
+    reader = _store(bucket, reports=reports)
+    reader.placement([key(0)])  # listed while the server answers
+    sent: list[int] = []
+
+    def hung(paths: list[str], starts: Any, ends: Any, on_error: str = "raise") -> list[object]:
+        sent.append(len(paths))  # each range answered with its timeout, as a server that hangs makes them
+        return [TimeoutError("timed out")] * len(paths)
+
+    monkeypatch.setattr(reader.bucket.fs, "cat_ranges", hung)
+    assert reader.get_many([key(i) for i in range(4)]) == [None] * 4 and reader.reads_failing()
+    assert reader.get_many([key(i) for i in range(4)]) == [None] * 4 and len(sent) == 1  # backing off: not sent
+    assert len(reports.seen) == 1
+
+
 def test_verify_fix_hides_only_damaged_entries_never_those_a_fault_left_unread(
     bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -130,10 +130,22 @@ class Bucket:
         return {name: found.get(path) for name, path in zip(names, paths)}
 
     def ranges(self, names: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[object]:
-        """One byte range of each object (in one call; the library sends them concurrently)."""
+        """One byte range of each object (in one call; the library sends them concurrently).
+
+        A call whose every range failed (but for objects gone) is a failed request: the
+        backoff starts, as it does for a call that raises (a server that hangs answers
+        each range with its timeout).
+        """
         paths = [self.path(name) for name in names]
-        op = lambda: self.fs.cat_ranges(paths, starts, ends, on_error="return")  # noqa: E731
-        blobs = list(self.call(op, "read entries", requests=len(paths)))
+
+        def op() -> list[object]:
+            blobs = list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
+            failed = [b for b in blobs if isinstance(b, Exception) and not isinstance(b, FileNotFoundError)]
+            if failed and len(failed) == len(blobs):
+                raise failed[0]
+            return blobs
+
+        blobs = self.call(op, "read entries", requests=len(paths))
         self.received += sum(len(blob) for blob in blobs if isinstance(blob, bytes))
         return blobs
 
