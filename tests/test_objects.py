@@ -409,15 +409,19 @@ def _machine(bucket: str, copy: Path) -> Any:
     return cached(Counting, persistent=True, **options)()
 
 
-def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tmp_path: Path) -> None:
-    x = torch.randn(8, 4)
-    model = _machine(bucket, tmp_path / "one")
+def _outputs_kept(bucket: str, copy: Path, x: torch.Tensor) -> torch.Tensor:
+    """The outputs of ``x``, computed on a machine of their own and kept in ``bucket``."""
+    model = _machine(bucket, copy)
     expected = model(x)
     model.cache_instance.flush()
+    return expected
+
+
+def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tmp_path: Path) -> None:
+    x = torch.randn(8, 4)
+    expected = _outputs_kept(bucket, tmp_path / "one", x)
     other = _machine(bucket, tmp_path / "two")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CacheWarning)
-        out = other(x)
+    out = other(x)  # a CacheWarning is an error here (the tests' filterwarnings)
     assert torch.equal(out, expected) and list(other.seen) == []
     assert other.cache_instance.stats().disk.hits == 8
 
@@ -425,9 +429,7 @@ def test_the_decorator_keeps_outputs_in_a_bucket_across_machines(bucket: str, tm
 @pytest.mark.slow
 def test_forked_dataloader_workers_read_the_decorators_bucket(bucket: str, tmp_path: Path) -> None:
     x = torch.randn(16, 4)
-    warm = _machine(bucket, tmp_path / "one")
-    expected = warm(x)
-    warm.cache_instance.flush()
+    expected = _outputs_kept(bucket, tmp_path / "one", x)
     model = _machine(bucket, tmp_path / "two")
     model(torch.randn(1, 4))  # the bucket is opened here, before the workers are forked
 
@@ -439,9 +441,7 @@ def test_forked_dataloader_workers_read_the_decorators_bucket(bucket: str, tmp_p
             return model(x[i : i + 1])[0], model.items  # items computed in this worker, with the parent's one
 
     loader = torch.utils.data.DataLoader(Rows(), batch_size=4, num_workers=2, multiprocessing_context="fork")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CacheWarning)
-        got = list(loader)
+    got = list(loader)  # a CacheWarning is an error here (the tests' filterwarnings)
     assert torch.equal(torch.cat([rows for rows, _ in got]), expected)
     assert torch.cat([items for _, items in got]).tolist() == [1] * len(x)  # every row read, none computed
 
