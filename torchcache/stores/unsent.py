@@ -180,18 +180,15 @@ class Unsent:
                     new.append(key)
             if new and self._dir is not None:
                 with contextlib.suppress(OSError):  # then named at the next save
+                    if self._own is not None:
+                        try:
+                            _append(self._own, new)
+                            self._lines += len(new)
+                        except OSError:  # cut back to whole lines: a new file names every key held
+                            self._own = None
                     if self._own is None:  # every key held: some may have missed a file that failed
                         path, self._own = self._create(self._dir, list(self._keys))
                         self._held[path], self._lines = self._own, len(self._keys)
-                    else:
-                        try:
-                            _append(self._own, new)
-                        except OSError:  # a new file, naming every key held (the disk full: at the next add)
-                            self._own = None
-                            path, self._own = self._create(self._dir, list(self._keys))
-                            self._held[path], self._lines = self._own, len(self._keys)
-                        else:
-                            self._lines += len(new)
         if self._keys and self._dir is not None:
             _live.add(self)
 

@@ -112,10 +112,14 @@ def evict(
     kept = False
     if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
         return victims, evicted
-    pins: Container[bytes] | None = None
+    pins = pinned() if pinned is not None else None
     mine = files.own()
     table = change.table()
     memo = _holding.setdefault(files, {})  # segments found holding a pinned entry, and that entry's key
+
+    def pinned_in(seg: int, kb: bytes) -> bool:
+        return pins is not None and kb in pins and (entry := change.lookup(kb)) is not None and entry.seg == seg
+
     for seg in [seg for seg in memo if seg not in table]:
         del memo[seg]
     by_time = sorted(table, key=lambda seg: (table[seg].stamp, seg), reverse=recent)
@@ -123,9 +127,8 @@ def evict(
     for seg in dict.fromkeys(order):
         if change.records + write_charge(index_bytes, change.count, max_bytes) <= max_bytes:
             break
-        if pinned is not None and seg in memo:  # no scan again while the entry it was kept for is pinned there
-            pins = pinned() if pins is None else pins
-            if memo[seg] in pins and (entry := change.lookup(memo[seg])) is not None and entry.seg == seg:
+        if pins is not None and seg in memo:  # no scan again while the entry it was kept for is pinned there
+            if pinned_in(seg, memo[seg]):
                 kept = True
                 continue
             del memo[seg]
@@ -142,11 +145,8 @@ def evict(
             fd = lock
         try:
             kbs = scan_keys(fd, table[seg].end)
-            if pinned is not None:
-                pins = pinned() if pins is None else pins
-                hold = next(
-                    (kb for kb in kbs if kb in pins and (e := change.lookup(kb)) is not None and e.seg == seg), None
-                )
+            if pins is not None:
+                hold = next((kb for kb in kbs if pinned_in(seg, kb)), None)
                 if hold is not None:  # the only copy of an entry: this segment stays
                     kept, memo[seg] = True, hold
                     if lock is not None:
