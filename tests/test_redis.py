@@ -383,6 +383,108 @@ def test_cluster_node_killed(reports: Reports) -> None:
         servers.remove()
 
 
+@pytest.fixture
+def timeouts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The replies that timed out, by every Redis connection of the process (the address of each)."""
+    from redis.connection import AbstractConnection
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    seen: list[str] = []
+    read = AbstractConnection.read_response
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return read(self, *args, **kwargs)
+        except RedisTimeout:
+            seen.append(f"{self.host}:{self.port}")
+            raise
+
+    monkeypatch.setattr(AbstractConnection, "read_response", counted)
+    return seen
+
+
+@pytest.mark.slow
+def test_cluster_node_paused_costs_a_batch_one_timeout(reports: Reports, timeouts: list[str]) -> None:
+    """A node that hangs fails all a batch's commands on it together (redis-py alone re-sent each, each timing out)."""
+    require_redis()
+    clock = Clock()
+    servers = RedisClusterServers().start()
+    try:
+        store = RedisStore(servers.url, "paused", "10MB", report=reports, clock=clock, timeout=0.5)
+        keys = [key(i) for i in range(96)]  # about 32 on each node
+        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 96
+        servers.nodes[1].pause()
+        try:
+            assert store.get_many(keys) == [None] * 96
+            assert timeouts == [f"127.0.0.1:{servers.nodes[1].port}"]
+            clock.now += BACKOFF_MAX
+            with pytest.raises(StoreUnavailableError, match="Timeout"):
+                store.put_many([(key(i), value(i)) for i in range(100, 196)])
+            assert 1 <= len(timeouts) - 1 <= 2  # the write, and its undo if it reached the node again
+        finally:
+            servers.nodes[1].resume()
+        clock.now += BACKOFF_MAX
+        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(96)]
+        assert reports.kinds() == ["unavailable"]
+    finally:
+        servers.remove()
+
+
+@pytest.mark.slow
+def test_cluster_slot_moved_is_followed(reports: Reports) -> None:
+    """A batch that meets a slot moved to another node after the client learnt the slots reads it there."""
+    require_redis()
+    servers = RedisClusterServers().start()
+    try:
+        store = RedisStore(servers.url, "moved", "10MB", report=reports)
+        keys = [key(i) for i in range(60)]
+        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
+        with servers.client() as client:
+            name = store._space.name(keys[0])
+            slot = client.keyslot(name)
+            owner = client.get_node_from_key(name)
+            source = next(n for n in servers.nodes if n.port == owner.port)
+            target = next(n for n in servers.nodes if n.port != owner.port)
+        with source.client() as src, target.client() as dst:
+            src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            moving = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moving)
+            for node in servers.nodes:
+                with node.client() as each:
+                    each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        assert [bytes(m) if isinstance(m, bytes) else m.encode() for m in moving] == [name.encode()]
+        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
+        assert reports.kinds() == []
+        assert store.verify().ok
+    finally:
+        servers.remove()
+
+
+def test_cluster_error_reply_is_not_taken_for_damage(
+    cluster: RedisClusterServers, reports: Reports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a key of another type is damage: another error reply (a slot moving) fails the read, deletes nothing."""
+    from redis.exceptions import ResponseError
+
+    from torchcache.stores.redis import namespace
+
+    store = RedisStore(cluster.url, "odd", "1MB", report=reports)
+    assert store.put_many([(key(i), value(i)) for i in range(4)]) == 4
+    sent = namespace.run_pipeline
+
+    def moving(pipe: Any, cluster: bool, raise_on_error: bool = True) -> list[Any]:
+        return [ResponseError("ASK 866 127.0.0.1:7001"), *sent(pipe, cluster, raise_on_error)[1:]]
+
+    with monkeypatch.context() as patched:
+        patched.setattr(namespace, "run_pipeline", moving)
+        assert store.get_many([key(i) for i in range(4)]) == [None] * 4
+    assert reports.kinds() == ["unavailable"] and "ASK 866" in reports.seen[0][1]
+    assert as_bytes(store.get_many([key(i) for i in range(4)])) == [value(i) for i in range(4)]
+    assert len(store) == 4
+
+
 def test_backoff_doubles_up_to_its_cap(reports: Reports) -> None:
     require_redis()
     from tests.redis_servers import free_port

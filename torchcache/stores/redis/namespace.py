@@ -16,7 +16,7 @@ import contextlib
 
 from ..packed.format import encode_records, is_key
 from .keys import FORGET, PUT, Keyspace, parse_count
-from .link import Client, RedisLink, node_clients
+from .link import Client, RedisLink, node_clients, run_pipeline
 
 __all__ = ["SCAN_COUNT", "Namespace"]
 
@@ -47,8 +47,9 @@ class Namespace:
     def fetch(self, client: Client, names: list[str]) -> list[object]:
         """The values of entries (``None`` where absent): one round trip, one per node on a cluster.
 
-        On a cluster a value may be an exception (a key of another type); an exception
-        that means a node is away is raised instead.
+        On a cluster a value may be an exception: a key of another type (``WRONGTYPE``) is
+        left in the list, to be reported and removed; any other (a node away, a slot
+        still moving after its redirection was followed) is raised, and nothing is removed.
         """
         if not self.link.cluster:
             self.link.count(1)
@@ -57,9 +58,9 @@ class Namespace:
         pipe = client.pipeline()
         for name in names:
             pipe.get(name)
-        values = list(pipe.execute(raise_on_error=False))
+        values = run_pipeline(pipe, cluster=True, raise_on_error=False)
         for value in values:
-            if isinstance(value, BaseException) and self.link.is_away(value):
+            if isinstance(value, BaseException) and (self.link.is_away(value) or "WRONGTYPE" not in str(value)):
                 raise value
         return values
 
@@ -80,7 +81,7 @@ class Namespace:
         pipe = client.pipeline(transaction=False)
         pipe.zcard(order)
         pipe.hmget(stats, "bytes", "payload")
-        count, (used_raw, payload_raw) = pipe.execute()
+        count, (used_raw, payload_raw) = run_pipeline(pipe, self.link.cluster)
         entries = parse_count(count) or 0
         used, payload = parse_count(used_raw or 0), parse_count(payload_raw or 0)
         if (
@@ -115,7 +116,7 @@ class Namespace:
         self._eval(client, pipe, PUT, *self._put_args([(key, len(data)) for key, _, data in batch]))
         names = [space.name(key) for key, _, _ in batch]
         self.link.count(1 if not cluster else self.nodes_of(client, [*names, space.meta[0]]))
-        results = pipe.execute(raise_on_error=False)
+        results = run_pipeline(pipe, cluster, raise_on_error=False)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # undo what was written, if the server lets us: a transaction that failed while it ran
             with contextlib.suppress(*self.link.errors):  # (bookkeeping another client replaced) keeps its SETs
@@ -147,7 +148,7 @@ class Namespace:
             pipe.delete(name)
         self._eval(client, pipe, FORGET, len(self.space.prefix), *keys)
         self.link.count(self.nodes_of(client, [*names, self.space.meta[0]]))
-        return sum(int(r) for r in pipe.execute()[:-1])
+        return sum(r for r in run_pipeline(pipe, cluster=True)[:-1] if isinstance(r, int))
 
     def clear(self, client: Client) -> None:
         """Delete the bookkeeping, then every entry found on every node.
@@ -194,7 +195,7 @@ class Namespace:
             for name in names:
                 pipe.unlink(name)
             self.link.count(self.nodes_of(client, names))
-            pipe.execute()
+            run_pipeline(pipe, cluster=True)
         return victims
 
     def _eval(self, client: Client, pipe: Client, script: str, *args: str | int) -> None:

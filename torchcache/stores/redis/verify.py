@@ -20,7 +20,7 @@ from ...errors import ConfigError, KeyingError
 from ..batched import VerifyReport
 from ..packed.format import check_record, encode_key, is_key
 from .keys import REBUILD, STATS_PATTERN, charge, parse_count
-from .link import Client, RedisLink, fetch_on_node, node_clients
+from .link import Client, RedisLink, fetch_on_node, node_clients, run_pipeline
 from .namespace import Namespace
 from .url import RedisAddress, check_namespace
 
@@ -72,7 +72,7 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
     types = client.pipeline(transaction=False)
     for meta_name in space.meta:
         types.type(meta_name)
-    kinds = [_text_of(kind) for kind in types.execute()]
+    kinds = [_text_of(kind) for kind in run_pipeline(types, link.cluster)]
     wanted = ("zset", "hash", "hash")
     replaced = [meta for meta, want, got in zip(space.meta, wanted, kinds) if got not in (want, "none")]
     if replaced:  # another client's values under the bookkeeping's names: unreadable until removed
@@ -85,7 +85,7 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
     pipe = client.pipeline(transaction=False)
     pipe.zcard(space.meta[0])
     pipe.hmget(space.meta[2], "bytes", "payload")
-    count, (used, payload) = pipe.execute()
+    count, (used, payload) = run_pipeline(pipe, link.cluster)
     gone = [key for key in sizes if key not in found and key not in result.bad]
     unaccounted = [key for key in found if key not in sizes]
     mismatched = [key for key in found if key in sizes and sizes[key] != found[key]]
@@ -163,7 +163,7 @@ def _repair(client: Client, namespace: Namespace, bad_names: list[bytes], keys: 
         for name in bad_names[start : start + _PAGE]:
             pipe.unlink(name)
         link.count(1)
-        pipe.execute()
+        run_pipeline(pipe, link.cluster)
     keys = keys + [key for key in (space.key_of(name) or "" for name in bad_names) if is_key(key)]
     keys = list(dict.fromkeys(keys))
     for start in range(0, len(keys), _PAGE):
