@@ -669,7 +669,7 @@ def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) ->
 
 
 def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
-    bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from torchcache.cli.main import main
 
@@ -683,6 +683,9 @@ def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
     assert main(["ls", url, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["caches"]
     assert sorted(c["entries"] for c in listed) == [8, 12]
+    described = [p for p in s3fs_of.find(url.removeprefix("s3://")) if p.endswith("/torchcache.json")]
+    kinds = sorted(json.loads(s3fs_of.cat_file(p))["kind"] for p in described)
+    assert kinds == ["dataset", "module"]  # each cache says what it holds: verify checks a module's frames
     assert main(["verify", url]) == 0 and "no problems found" in capsys.readouterr().out
     assert main(["prune", url, "--max-size", "0", "--dry-run"]) == 0
     assert "would remove 2 segments" in capsys.readouterr().out
@@ -728,6 +731,20 @@ def test_verify_fix_of_a_dataset_cache_whose_description_is_gone_keeps_its_entri
     capsys.readouterr()
     assert main(["ls", url, "--json"]) == 0
     assert [c["entries"] for c in json.loads(capsys.readouterr().out)["caches"]] == [4]
+
+
+def test_the_command_line_reports_a_damaged_manifest_and_its_fix(
+    bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+
+    url = _four_samples(f"{bucket}/damaged", tmp_path)
+    (manifest,) = [path for path in s3fs_of.find(url.removeprefix("s3://")) if path.endswith(".tcm")]
+    s3fs_of.pipe_file(manifest, b"{not json")
+    assert main(["verify", url]) == 1 and "is not a valid index object" in capsys.readouterr().out
+    assert main(["verify", "--fix", url]) == 0 and capsys.readouterr().out.rstrip().endswith("fixed")
+    assert main(["verify", url]) == 0 and "no problems found" in capsys.readouterr().out
+    assert not [path for path in s3fs_of.find(url.removeprefix("s3://")) if path.endswith((".tcm", ".tcs"))]
 
 
 def test_the_command_line_on_a_bucket_that_does_not_exist_says_so(
@@ -1149,6 +1166,40 @@ def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_f
     assert _store(bucket, reports=Reports()).verify(fix=True).fixed
     again = _store(bucket, reports=Reports()).verify()
     assert again.ok and again.entries == 4
+
+
+@pytest.mark.parametrize("damage", ["manifest", "tombstone"])
+def test_verify_reports_a_damaged_index_object_and_a_fix_removes_it_with_its_segment(
+    bucket: str, s3fs_of: Any, damage: str
+) -> None:
+    store = _store(bucket)
+    for batch in range(3):
+        store.put_many([(key(batch * 4 + i), value(batch * 4 + i)) for i in range(4)])
+    store.delete_many([key(0)])  # a tombstone
+    suffix = ".tcm" if damage == "manifest" else ".tcd"
+    damaged = sorted(name for name in _objects(s3fs_of, bucket) if name.endswith(suffix))[-1]
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/{damaged}", b"{not json")
+    reports = Reports()
+    checker = _store(bucket, reports=reports)
+    report = checker.verify()
+    assert not report.ok and len(report.problems) == 1 and "is not a valid index object" in report.problems[0]
+    assert damaged in report.problems[0] and reports.kinds() == [Fault.INDEX]
+    read, cat = [], checker.bucket.cat
+    checker.bucket.cat = lambda names: read.extend(names) or cat(names)  # type: ignore[method-assign]
+    assert not checker.verify().ok and read == []  # objects never change: not read again, still reported
+    fixed = _store(bucket, reports=Reports()).verify(fix=True)
+    assert fixed.fixed
+    left = _objects(s3fs_of, bucket)
+    assert damaged not in left
+    if damage == "manifest":  # its segment cannot be read without it: gone with it
+        assert damaged.removesuffix(".tcm") + ".tcs" not in left
+    again = _store(bucket, reports=Reports()).verify()
+    assert again.ok and again.problems == [] and checker.verify().ok  # what another process removed is gone here too
+    expected = 7 if damage == "manifest" else 12  # a lost tombstone shows the entry it hid again, intact
+    assert again.entries == expected
+    reader = _store(bucket, reports=Reports())
+    read = reader.get_many([key(i) for i in range(12)])
+    assert sum(bytes(v or b"") == value(i) for i, v in enumerate(read)) == expected
 
 
 def test_verify_of_a_url_says_what_it_could_not_check_and_fails_even_with_fix(

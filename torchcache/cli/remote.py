@@ -125,31 +125,33 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
     """``torchcache verify URL``: every namespace's bookkeeping, record checksums and (module caches) frames."""
     problems: list[tuple[str, str]] = []
     unsure: list[tuple[str, str]] = []  # checks the server did not let run: no fix helps
-    checked = 0
+    checked, fixed = 0, False
     for namespace in remote_namespaces(url):
         with open_remote(url, namespace) as store:
             report = store.verify(args.fix)
             checked += report.entries
+            fixed = fixed or report.fixed
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
             problems += [(namespace, line) for line in report.problems]
             unsure += [(namespace, line) for line in report.unsure]
             if _holds_module_outputs(store):
                 for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
                     problems.append((namespace, f"entry {key}: {reason}"))
+                    fixed = fixed or args.fix
     if args.json:
         print_json(
             {
                 "root": redact_url(url),
                 "entries_checked": checked,
                 "problems": [{"key": ns, "reason": why} for ns, why in problems + unsure],
-                "ok": (not problems or args.fix) and not unsure,
+                "ok": (not problems or fixed) and not unsure,
             }
         )
     else:
         print(f"checked {plural(checked, 'entry', 'entries')} on {redact_url(url)}")
         if problems or unsure:
             print(table(["KEY", "PROBLEM"], [list(p) for p in problems + unsure]))
-        print("fixed" if problems and args.fix else "no problems found" if not problems and not unsure else "")
+        print("fixed" if fixed else "no problems found" if not problems and not unsure else "")
     if problems and not args.fix:
         error(f"{plural(len(problems), 'problem')} found; run `torchcache verify --fix` to fix them")
         return 1

@@ -142,7 +142,7 @@ def open_remote_tier(
     from .layered import LayeredStore
 
     where = f"{redact_url(url)} (namespace {namespace})"
-    store: BatchedStore = open_remote_store(url, namespace, max_bytes, report, storage_options=storage_options)
+    store: BatchedStore = open_remote_store(url, namespace, max_bytes, report, meta, storage_options)
     touch = None
     if local is not None:
         directory = local_copy_dir(local, namespace, url)
