@@ -430,6 +430,31 @@ def test_cluster_node_paused_costs_a_batch_one_timeout(reports: Reports, timeout
         servers.remove()
 
 
+def _move_slot(servers: RedisClusterServers, name: str, finish: bool = True) -> tuple[Any, Any]:
+    """Move the slot of ``name`` (and its keys) to another node, as a resharding does; ``finish=False`` stops midway.
+
+    Returns the source and the target node's servers. Midway, the source answers ``ASK``
+    for the keys moved and the target ``MOVED`` to plain reads.
+    """
+    with servers.client() as client:
+        slot = client.keyslot(name)
+        port = client.get_node_from_key(name).port
+    source = next(n for n in servers.nodes if n.port == port)
+    target = next(n for n in servers.nodes if n.port != port)
+    with source.client() as src, target.client() as dst:
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moving = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moving)
+    assert [m if isinstance(m, bytes) else m.encode() for m in moving] == [name.encode()]
+    if finish:
+        for node in servers.nodes:
+            with node.client() as each:
+                each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return source, target
+
+
 @pytest.mark.slow
 def test_cluster_slot_moved_is_followed(reports: Reports) -> None:
     """A batch that meets a slot moved to another node after the client learnt the slots reads it there."""
@@ -439,25 +464,29 @@ def test_cluster_slot_moved_is_followed(reports: Reports) -> None:
         store = RedisStore(servers.url, "moved", "10MB", report=reports)
         keys = [key(i) for i in range(60)]
         assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
-        with servers.client() as client:
-            name = store._space.name(keys[0])
-            slot = client.keyslot(name)
-            owner = client.get_node_from_key(name)
-            source = next(n for n in servers.nodes if n.port == owner.port)
-            target = next(n for n in servers.nodes if n.port != owner.port)
-        with source.client() as src, target.client() as dst:
-            src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
-            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
-            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
-            moving = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
-            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moving)
-            for node in servers.nodes:
-                with node.client() as each:
-                    each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
-        assert [bytes(m) if isinstance(m, bytes) else m.encode() for m in moving] == [name.encode()]
+        _move_slot(servers, store._space.name(keys[0]))
         assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
         assert reports.kinds() == []
         assert store.verify().ok
+    finally:
+        servers.remove()
+
+
+@pytest.mark.slow
+def test_cluster_verify_fix_while_a_slot_moves_deletes_nothing(reports: Reports) -> None:
+    """Midway through a resharding an entry answers MOVED where it was listed: unsure, never damaged."""
+    require_redis()
+    servers = RedisClusterServers().start()
+    try:
+        store = RedisStore(servers.url, "moving", "10MB", report=reports)
+        keys = [key(i) for i in range(60)]
+        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
+        _move_slot(servers, store._space.name(keys[0]), finish=False)
+        assert store.verify().problems == []  # not taken for an entry gone from the server either
+        report = store.verify(fix=True)
+        assert report.bad == [] and not report.fixed and report.unsure and "moving" in report.unsure[0]
+        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
+        assert len(store) == 60 and reports.kinds() == []
     finally:
         servers.remove()
 
