@@ -612,6 +612,41 @@ def server() -> Iterator[Any]:
         yield running
 
 
+class _Wide(torch.utils.data.Dataset[torch.Tensor]):
+    """Samples of 20 KB, counting how many are made."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def __len__(self) -> int:
+        return 200
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.made += 1
+        return torch.full((5000,), float(i))
+
+
+@pytest.mark.slow
+def test_a_dataset_cache_whose_server_is_full_keeps_caching_in_its_local_copy(tmp_path: Path) -> None:
+    from tests.redis_servers import own_server
+
+    with own_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as full:
+        data = _Wide()
+        cache = CachedDataset(data, full.url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
+        made = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                for start in range(0, 200, 20):
+                    batch = cache.__getitems__(list(range(start, start + 20)))
+                    assert all(torch.equal(x, torch.full((5000,), float(i))) for i, x in enumerate(batch, start))
+                made.append(data.made)
+            cache.close()
+        assert made[0] >= 200 and made[1] == made[0]  # epoch 2 read the copy: the server took part of epoch 1
+        messages = [str(w.message) for w in caught]
+        assert len(messages) <= 2 and not any("from now on" in m for m in messages), messages
+
+
 _MODULE = """
 import json, sys, warnings, torch
 from tests.helpers import Counting, cached

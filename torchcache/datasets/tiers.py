@@ -256,9 +256,13 @@ class SampleTier:
                 self.full = True
                 logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
-            retried = isinstance(exc, StoreUnavailableError) and bool(getattr(self.store, "remote", False))
+            remote = bool(getattr(self.store, "remote", False))
+            copied = remote and bool(getattr(self.store, "near_enabled", False))  # the local copy kept them
+            retried = remote and (isinstance(exc, StoreUnavailableError) or copied)
             self.writable = retried  # a server that is away may come back; a disk that failed does not
-            later = "retried later" if retried else "samples are computed, not cached there, from now on"
+            later = "samples are computed, not cached there, from now on"
+            if retried:
+                later = "the local copy keeps them, sent up later" if copied else "retried later"
             self.faults.warn(Fault.WRITE, f"cannot write to the {self.name} tier ({exc}); {later}", self.name)
 
     def _put_rows(
