@@ -297,3 +297,56 @@ def test_with_the_server_away_the_stats_keep_the_last_count() -> None:
             summary = model.cache_instance.summary()
         assert after is not None and (after.entries, after.bytes) == (8, before.bytes)
         assert "8 entries" in summary
+
+
+def test_entries_read_back_from_the_server_are_not_counted_as_unstored_at_exit(
+    server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.errors import StoreUnavailableError
+
+    model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
+    x = torch.randn(4, 4)
+    model(x)
+    model.cache_instance.flush()
+    disk = model.cache_instance._disk
+    store = disk.store
+
+    def away(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the server is away")
+
+    with monkeypatch.context() as outage, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        outage.setattr(store, "get_many", lambda keys: [None] * len(keys))  # reads miss, as while it is away
+        outage.setattr(store, "put_many", away)
+        model(x)  # computed again; the write is refused
+        model.cache_instance.flush()
+    assert len(disk.unstored) == 4
+    model(x)  # the server answers: its entries were there all along
+    assert model.items == 8 and len(disk.unstored) == 0
+
+
+def test_hits_of_the_local_copy_leave_what_the_server_did_not_take_counted(
+    server_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from torchcache.errors import StoreUnavailableError
+
+    model = cached(
+        Counting, persistent=True, persistent_cache_dir=server_url, local_cache_dir=tmp_path, max_memory_cache_size=0
+    )()
+    x = torch.randn(4, 4)
+
+    def away(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the server is away")
+
+    with monkeypatch.context() as outage, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        model(torch.randn(1, 4))  # the tier opens
+        disk = model.cache_instance._disk
+        far = disk.store.far
+        outage.setattr(far, "get_many", lambda keys: [None] * len(keys))
+        outage.setattr(far, "put_many", away)
+        model(x)
+        model.cache_instance.flush()
+        unstored = len(disk.unstored)
+        model(x)  # a hit of the copy: the server still lacks them
+        assert model.items == 5 and unstored >= 4 and len(disk.unstored) == unstored

@@ -433,7 +433,9 @@ class DiskLevel:
     def find(self, keys: Sequence[bytes]) -> list[tuple[list[int], tuple[Layout, list[torch.Tensor]]]]:
         """The rows stored for ``keys`` (of this level's layout, if it has one)."""
         try:
-            found_at, layout, leaves = self.disk.read(list(map(bytes.hex, keys)))
+            hexed = list(map(bytes.hex, keys))
+            found_at, layout, leaves = self.disk.read(hexed)
+            self.disk.unstored.found(hexed, found_at, self.disk.store)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
             self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
             return []

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._fork import after_fork, at_process_end, renew_lock_after_fork
@@ -358,6 +358,14 @@ class Unstored:
         if self._keys:
             with self._lock:
                 self._keys.difference_update(keys)
+
+    def found(self, keys: Sequence[str], positions: Sequence[int], store: object) -> None:
+        """Note the keys at ``positions`` read from ``store``: its server holds them after all.
+
+        A hit of a local copy (a store with a ``near`` one) proves nothing: it is not noted.
+        """
+        if self._keys and getattr(store, "near", None) is None:
+            self.stored([keys[i] for i in positions])
 
 
 atexit.register(_at_exit)
