@@ -42,6 +42,7 @@ class Index:
     def __init__(self) -> None:
         self.segments: dict[str, int] = {}  # segment name -> bytes
         self.seen: set[str] = set()  # manifests and tombstones read
+        self.invalid: dict[str, str] = {}  # index objects read that cannot be used, and why (not read again)
         self.deleted: dict[str, int] = {}  # key -> stamp of the latest tombstone naming it
         self.covered: set[str] = set()  # what the newest checkpoint read or written covers
         self._names: list[str] = []  # segment names by number
@@ -133,7 +134,16 @@ class Index:
 
     # -- merging ------------------------------------------------------------------
     def apply(self, name: str, body: object) -> str | None:
-        """Merge one manifest, tombstone or checkpoint; return what is wrong with it instead, if anything."""
+        """Merge one manifest, tombstone or checkpoint; return what is wrong with it instead, if anything.
+
+        An object that is not valid is remembered (:attr:`invalid`): objects never change.
+        """
+        problem = self._apply(name, body)
+        if problem is not None:
+            self.invalid[name] = problem
+        return problem
+
+    def _apply(self, name: str, body: object) -> str | None:
         if name.endswith(CHECKPOINT):
             return self.load(body)
         stamp = _stamp(name)
@@ -218,9 +228,10 @@ class Index:
         A reader starting from nothing first reads the newest checkpoint, then the
         manifests and tombstones that it does not cover.
         """
+        self.invalid = {name: why for name, why in self.invalid.items() if name in names}
         if not self.seen:
-            yield sorted(n for n in names if n.endswith(CHECKPOINT))[-1:]
-        yield sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self.seen)
+            yield sorted(n for n in names if n.endswith(CHECKPOINT) and n not in self.invalid)[-1:]
+        yield sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self.seen | self.invalid.keys())
 
     def forget(self, segments: set[str], keys: Sequence[str] = ()) -> None:
         """Drop segments (removed from the bucket) and the entries they held, and the entries of ``keys``."""
@@ -266,6 +277,7 @@ class Index:
         with self._lock:
             self.segments.clear()
             self.seen.clear()
+            self.invalid.clear()
             self.deleted.clear()
             self.covered.clear()
             self._names.clear()

@@ -111,7 +111,6 @@ class ObjectStore(BatchedStore):
         self._keep_budget = keep_budget
         self._removing: list[str] = []  # segments whose manifests went but whose own removal failed
         self._damaged: list[str] | None = None  # keys whose bytes fail their digest, while verify() collects them
-        self._invalid: dict[str, str] = {}  # index objects listed that cannot be used, and why (not read again)
 
     def __repr__(self) -> str:
         namespace, entries = self.bucket.prefix.rsplit("/", 1)[-1], len(self._known)
@@ -126,9 +125,7 @@ class ObjectStore(BatchedStore):
         """
         with self._lock, collector_paused():  # thousands of entries made and kept: see torchcache._gc
             names = self.bucket.names()
-            self._invalid = {name: why for name, why in self._invalid.items() if name in names}
-            for unread in self._known.unread(names):
-                new = [name for name in unread if name not in self._invalid]  # objects never change: still invalid
+            for new in self._known.unread(names):
                 for name, body in self.bucket.cat(new).items() if new else ():
                     if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
                         self._apply(name, body)
@@ -140,7 +137,6 @@ class ObjectStore(BatchedStore):
     def _apply(self, name: str, body: object) -> None:
         problem = self._known.apply(name, body)
         if problem is not None:
-            self._invalid[name] = problem
             self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid index object ({problem}); not used")
 
     def _index(self, refresh_if_missing: Sequence[str] = (), stale: bool = False) -> None:
@@ -377,7 +373,7 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     if gone:  # a manifest whose segment object was removed: its entries can never be read
         problems.append(f"{len(gone)} entries are in segments removed from the bucket")
     with store._lock:
-        invalid = dict(store._invalid)
+        invalid = dict(store._known.invalid)
     problems += [
         f"{store.bucket.path(name)} is not a valid index object ({why})" for name, why in sorted(invalid.items())
     ]
@@ -392,7 +388,7 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
         store.bucket.remove([n for n in segments if n in store.bucket.sizes])
         with store._lock:
             for name in invalid:
-                store._invalid.pop(name, None)
+                store._known.invalid.pop(name, None)
     return VerifyReport(len(keys), bad, problems, fixed=bool(fix and (bad or gone or invalid)), unsure=unsure)
 
 
