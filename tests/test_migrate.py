@@ -195,6 +195,65 @@ def test_migrate_packs_every_entry_and_removes_the_1_0_files(legacy: Legacy) -> 
     assert cli("verify", str(legacy.root))[0] == 0
 
 
+def test_a_migration_the_disk_stops_says_what_it_packed_and_why_and_finishes_when_run_again(
+    legacy: Legacy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.cli import migrate
+    from torchcache.errors import StoreError
+
+    put_many, calls = PackedStore.put_many, []
+
+    def filling(self: PackedStore, items: Any) -> int:
+        calls.append(len(items))
+        if len(calls) == 3:
+            self._report("write", "cannot write the segment: [Errno 27] File too large")
+            raise StoreError("the store directory cannot be written")
+        return put_many(self, items)
+
+    monkeypatch.setattr(migrate, "_MIGRATE_BATCH", 8)
+    with monkeypatch.context() as full:
+        full.setattr(PackedStore, "put_many", filling)
+        code, out, err = cli("migrate", str(legacy.root))
+    assert code == 1 and out.startswith("packed 16 entries of 1 module cache")
+    assert "File too large" in err and "run `torchcache migrate` again" in err
+    assert len(packed(legacy.directory)) == 16 and len(legacy.files()) == ITEMS - 16  # each file gone once packed
+    assert cli("migrate", str(legacy.root))[:2] == (
+        0,
+        f"packed {ITEMS - 16} entries of 1 module cache under {legacy.root}\n",
+    )
+    assert packed(legacy.directory) == legacy.frames
+
+
+def test_ls_counts_an_entry_packed_by_a_migration_killed_before_it_removed_its_file_once(legacy: Legacy) -> None:
+    kept = {path: path.read_bytes() for path in legacy.files()[:10]}
+    assert cli("migrate", str(legacy.root))[0] == 0
+    for path, frame in kept.items():  # as a kill -9 between a batch's commit and its files' removal leaves them
+        write_legacy_entry(legacy.directory, path.name.removesuffix(".tce"), frame)
+    listed = json.loads(cli("ls", str(legacy.root), "--json")[1])["caches"]
+    assert [(c["entries"], c["legacy_entries"]) for c in listed] == [(ITEMS, 10)]
+    assert cli("migrate", str(legacy.root))[0] == 0 and legacy.files() == []
+
+
+def test_large_entries_are_migrated_in_batches_of_bounded_bytes(
+    legacy: Legacy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.cli import migrate
+
+    sizes: list[int] = []
+    put_many = PackedStore.put_many
+
+    def counting(self: PackedStore, items: Any) -> int:
+        sizes.append(sum(len(frame) for _, frame in items))
+        return put_many(self, items)
+
+    frame = len(next(iter(legacy.frames.values())))
+    monkeypatch.setattr(migrate, "_BATCH_BYTES", 3 * frame)
+    monkeypatch.setattr(PackedStore, "put_many", counting)
+    assert cli("migrate", str(legacy.root))[0] == 0
+    assert len(sizes) == -(-ITEMS // 3) and max(sizes) <= 3 * frame
+    assert packed(legacy.directory) == legacy.frames
+
+
 def test_migrate_twice_is_a_no_op(legacy: Legacy) -> None:
     assert cli("migrate", str(legacy.directory))[0] == 0  # a module directory works as well as a root
     before = packed(legacy.directory)

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CacheLookupError, CorruptEntryError
 from ..meta import META_NAME, load_meta, meta_size, meta_time
 from ..stores.features.file import FEATURES_NAME, LEGACY_FEATURES_NAME, open_features
-from ..stores.packed.format import parse_segment_name
+from ..stores.packed.format import encode_key, is_key, parse_segment_name
 from ..stores.packed.index import INDEX_NAME, Index, IndexDamageError, open_index
 from ..stores.packed.mappable import cut_short, unsound_snapshot
 from ..stores.packed.store import PackedStore
@@ -176,7 +176,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
     if problem is not None and not has_cache_files(directory, files):
         return None
     damage = index_damage(os.fspath(directory))
-    usage = _store_usage(directory)
+    usage = _store_usage(directory, [f.path.name.removesuffix(ENTRY_SUFFIX) for f in files.entries])
     st, last_used = _meta_stat(directory, files)
     meta_file = st is not None and stat.S_ISREG(st.st_mode)
     own = [*files.entries, *files.temporaries, *files.store]
@@ -195,7 +195,7 @@ def load_cache(directory: Path) -> ModuleCache | None:
         version=version if isinstance(version, str) else None,
         last_used=last_used,
         entries=len(files.entries)
-        + (usage["entries"] if usage else 0)
+        + (usage["entries"] - usage["packed_legacy"] if usage else 0)
         + (_feature_rows(directory) if meta.get("kind") == "features" else 0),
         legacy_entries=len(files.entries),
         live_bytes=usage["records"] if usage else 0,
@@ -254,8 +254,11 @@ def _segment_bytes(files: CacheFiles) -> int:
     return sum(f.size for f in files.store if parse_segment_name(f.path.name) is not None)
 
 
-def _store_usage(directory: Path) -> dict[str, int] | None:
+def _store_usage(directory: Path, legacy: list[str]) -> dict[str, int] | None:
     """The entries and live record bytes the store's index counts, or ``None`` if it cannot be read.
+
+    ``packed_legacy`` counts the keys of ``legacy`` (1.0 entry files) the index holds too:
+    a migration interrupted after it packed them and before it removed their files.
 
     The index is opened for reading: what a store does when it opens for writing (seal
     what dead writers left, remove orphaned files, rebuild a damaged index) is left to
@@ -267,18 +270,19 @@ def _store_usage(directory: Path) -> dict[str, int] | None:
         index = open_index(os.fspath(directory), readonly=True)
     except IndexDamageError:  # its lock file is not a regular file: read without it
         with contextlib.suppress(Exception):
-            return _counted(Index(os.fspath(directory / INDEX_NAME), readonly=True, lock=False))
+            return _counted(Index(os.fspath(directory / INDEX_NAME), readonly=True, lock=False), legacy)
         return None
     except Exception:  # noqa: BLE001 - an unreadable index is a problem for verify, not for ls
         return None
-    return _counted(index)
+    return _counted(index, legacy)
 
 
-def _counted(index: Index) -> dict[str, int] | None:
+def _counted(index: Index, legacy: list[str]) -> dict[str, int] | None:
     """The entries and live record bytes ``index`` counts (then it is closed), or ``None``."""
     try:
         with index.begin() as txn:
-            return {"entries": index.count(txn), "records": index.totals(txn)[b"records"]}
+            packed = sum(txn.get(encode_key(key), db=index.entries) is not None for key in legacy if is_key(key))
+            return {"entries": index.count(txn), "records": index.totals(txn)[b"records"], "packed_legacy": packed}
     except Exception:  # noqa: BLE001 - an unreadable index is a problem for verify, not for ls
         return None
     finally:

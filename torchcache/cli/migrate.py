@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ __all__ = ["Migration", "cmd_migrate", "migrate_cache", "migrate_features"]
 
 
 _MIGRATE_BATCH = 256
+#: Bytes of frames read before they are packed (1.0 entries may be large).
+_BATCH_BYTES = 64 << 20
 _LEGACY_HEAD = struct.Struct("<8sIIQQQQQ")  # magic, version, JSON length, length, stride, checks at, rows at, size
 _PAGE = 4096
 
@@ -54,6 +56,8 @@ class Migration:
     moved: int
     dropped: int
     damaged: list[Problem]
+    #: Why the store could not be written, if it could not (``moved``: the entries packed before).
+    failed: str | None = None
 
 
 def _read_entry(path: Path) -> bytes | str:
@@ -74,51 +78,73 @@ def _read_entry(path: Path) -> bytes | str:
 def migrate_cache(cache: ModuleCache, tick: Callable[[int], None] | None = None) -> Migration:
     """Pack a module cache's torchcache 1.0 entry files into its packed store, then remove them.
 
-    Entries are added in batches, each file removed once its entry is in the store; the
-    store's budget (the metadata's ``max_bytes``) still holds, so entries beyond it are
-    evicted: ``moved`` counts the entries migrated that the store holds at the end, and
-    ``dropped`` every entry the migration left out or evicted (a later batch can evict an
-    earlier one, or entries the store held before). Damaged files are left in place and
-    reported (``torchcache verify --fix`` removes them). Safe to interrupt and run again.
+    Entries are added in batches (of :data:`_MIGRATE_BATCH` entries or :data:`_BATCH_BYTES`),
+    each file removed once its entry is in the store; the store's budget (the metadata's
+    ``max_bytes``) still holds, so entries beyond it are evicted: ``moved`` counts the
+    entries migrated that the store holds at the end, and ``dropped`` every entry the
+    migration left out or evicted (a later batch can evict an earlier one, or entries the
+    store held before). Damaged files are left in place and reported (``torchcache verify
+    --fix`` removes them). A store that cannot be written (a full disk) ends the migration
+    with ``failed`` set and ``moved`` the entries packed until then. Safe to interrupt and
+    run again.
 
     Raises:
-        StoreError: If the store cannot be opened (its index must be rebuilt first) or written.
+        StoreError: If the store's index must be rebuilt first.
         OSError: If a file cannot be removed.
     """
     broken = index_problem(cache.directory)
     if broken is not None:
         raise StoreError(f"the index of {cache.directory} is {broken}; run `torchcache verify --fix` to rebuild it")
     files = list_files(cache.directory)
-    store = open_store(cache.directory)
-    if store is None:
-        store = PackedStore(cache.directory, max(cache.max_bytes or UNLIMITED, 1 << 16), report=lambda k, m: None)
+    told: list[str] = []  # what the store reported: the cause of an error it raises
     migrated: set[str] = set()
     damaged = [Problem(path, "not a file", UNMIGRATED, 0) for path in files.unmigrated]
-    with store:
-        before = set(store.keys())
-        for start in range(0, len(files.entries), _MIGRATE_BATCH):
-            batch: list[tuple[str, bytes]] = []
-            paths: list[Path] = []
-            for entry in files.entries[start : start + _MIGRATE_BATCH]:
-                data = _read_entry(entry.path)
-                if isinstance(data, str):
-                    if data != "removed meanwhile":
-                        damaged.append(Problem(entry.path, "corrupt", data, entry.size))
-                    continue
-                batch.append((entry.path.name.removesuffix(ENTRY_SUFFIX), data))
-                paths.append(entry.path)
-            if batch:
-                store.put_many(batch)
-                migrated.update(key for key, _ in batch)
-            for path in paths:
-                remove_file(path)
-            if tick is not None:
-                tick(len(files.entries[start : start + _MIGRATE_BATCH]))
-        after = set(store.keys())
+    budget = max(cache.max_bytes or UNLIMITED, 1 << 16)
+    try:
+        with PackedStore(cache.directory, budget, report=lambda kind, message: told.append(message)) as store:
+            before = set(store.keys())
+            for batch, paths, seen in _batches(files.entries, damaged):
+                if batch:
+                    store.put_many(batch)
+                    migrated.update(key for key, _ in batch)
+                for path in paths:
+                    remove_file(path)
+                if tick is not None:
+                    tick(seen)
+            after = set(store.keys())
+    except StoreError as exc:
+        cause = next((f" ({m})" for m in reversed(told) if m not in str(exc)), "")
+        return Migration(len(migrated), 0, damaged, failed=f"{exc}{cause}")
     for shard in files.shards:
         with contextlib.suppress(OSError):  # damaged files left, or unknown ones
             os.rmdir(shard)
     return Migration(len(migrated & after), len((migrated | before) - after), damaged)
+
+
+def _batches(entries: list[Any], damaged: list[Problem]) -> Iterator[tuple[list[tuple[str, bytes]], list[Path], int]]:
+    """``(key, frame)`` pairs of the entry files, their paths, and how many files each batch looked at.
+
+    A batch ends at :data:`_MIGRATE_BATCH` entries or :data:`_BATCH_BYTES` of frames, so
+    that large entries never pile up in memory; damaged files go to ``damaged``.
+    """
+    batch: list[tuple[str, bytes]] = []
+    paths: list[Path] = []
+    seen = size = 0
+    for entry in entries:
+        seen += 1
+        data = _read_entry(entry.path)
+        if isinstance(data, str):
+            if data != "removed meanwhile":
+                damaged.append(Problem(entry.path, "corrupt", data, entry.size))
+        else:
+            batch.append((entry.path.name.removesuffix(ENTRY_SUFFIX), data))
+            paths.append(entry.path)
+            size += len(data)
+        if len(batch) >= _MIGRATE_BATCH or size >= _BATCH_BYTES or seen >= _MIGRATE_BATCH * 4:
+            yield batch, paths, seen
+            batch, paths, seen, size = [], [], 0, 0
+    if seen:
+        yield batch, paths, seen
 
 
 def _up(value: int) -> int:
@@ -309,7 +335,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             print(f"moved {plural(done.moved, 'row')} of {relative(directory, root)} into its rows file")
         if done.dropped:
             print(f"{plural(done.dropped, 'damaged row')} of {relative(directory, root)} left out")
-    before = len(failures)
+    reached = 0  # caches migrated, whole or in part
     progress = Progress(sum(c.legacy_entries for c in caches), "migrate")
     try:
         for cache in caches:
@@ -319,12 +345,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 failures.append(f"cannot migrate {cache.directory}: {exc}")
                 continue
             moved, dropped = moved + done.moved, dropped + done.dropped
+            reached += done.failed is None or done.moved > 0
             damaged.extend(done.damaged)
+            if done.failed is not None:
+                again = "the rest wait in their files: run `torchcache migrate` again once it can be written"
+                failures.append(f"cannot migrate {cache.directory}: {done.failed}; {again}")
     finally:
         progress.close()
-    migrated = len(caches) - (len(failures) - before)
     if caches:
-        print(f"packed {plural(moved, 'entry', 'entries')} of {plural(migrated, 'module cache')} under {root}")
+        print(f"packed {plural(moved, 'entry', 'entries')} of {plural(reached, 'module cache')} under {root}")
     if dropped:
         print(f"{plural(dropped, 'entry', 'entries')} did not fit the size limit and were dropped")
     if damaged:
