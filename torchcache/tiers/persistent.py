@@ -15,8 +15,8 @@ Entries queued for writing are readable at once: until the writer has stored the
 Faults are reported through ``report(kind, message)``: a damaged entry is removed and
 becomes a miss; a read error becomes a miss; a store that refuses writes as a whole (no
 space, read-only, gone) turns writes off for this tier; a server that is away for now
-(:class:`~torchcache.errors.StoreUnavailableError`) loses that job's entries, reported,
-and is tried again by the next one. The engine turns each kind of report into one warning.
+(:class:`~torchcache.errors.StoreUnavailableError`) loses that job's entries, reported, and
+is tried again by the next one. The engine turns each kind of report into one warning.
 """
 
 from __future__ import annotations
@@ -433,9 +433,9 @@ class DiskLevel:
     def find(self, keys: Sequence[bytes]) -> list[tuple[list[int], tuple[Layout, list[torch.Tensor]]]]:
         """The rows stored for ``keys`` (of this level's layout, if it has one)."""
         try:
-            hexed = list(map(bytes.hex, keys))
-            found_at, layout, leaves = self.disk.read(hexed)
-            self.disk.unstored.found(hexed, found_at, self.disk.store)
+            found_at, layout, leaves = self.disk.read(hexed := list(map(bytes.hex, keys)))
+            if self.disk.unstored.held:  # keys whose writes a server refused: found there after all?
+                self.disk.unstored.found(hexed, found_at, self.disk.store)
         except Exception as exc:  # noqa: BLE001 - a fault of the cache never fails the call
             self.faults.warn(Fault.READ, f"cannot read cache entries, recomputing: {type(exc).__name__}: {exc}")
             return []

@@ -336,35 +336,36 @@ class Unstored:
     """The keys whose writes a server refused, until a later write stores them (past ``bound``, only counted)."""
 
     def __init__(self, bound: int = 1 << 18) -> None:
-        self._keys: set[str] = set()
+        #: The keys held (at most ``bound``; more are only counted).
+        self.held: set[str] = set()
         self._more = 0
         self._bound = bound
         self._lock = threading.Lock()
         renew_lock_after_fork(self, "_lock")
 
     def __len__(self) -> int:
-        return len(self._keys) + self._more
+        return len(self.held) + self._more
 
     def refused(self, keys: list[str]) -> None:
         """Note keys whose write failed."""
         with self._lock:
-            if len(self._keys) < self._bound:
-                self._keys.update(keys)
+            if len(self.held) < self._bound:
+                self.held.update(keys)
             else:  # a long outage: counted, not held
                 self._more += len(set(keys))
 
     def stored(self, keys: list[str]) -> None:
         """Note keys written since."""
-        if self._keys:
+        if self.held:
             with self._lock:
-                self._keys.difference_update(keys)
+                self.held.difference_update(keys)
 
     def found(self, keys: Sequence[str], positions: Sequence[int], store: object) -> None:
         """Note the keys at ``positions`` read from ``store``: its server holds them after all.
 
         A hit of a local copy (a store with a ``near`` one) proves nothing: it is not noted.
         """
-        if self._keys and getattr(store, "near", None) is None:
+        if self.held and getattr(store, "near", None) is None:
             self.stored([keys[i] for i in positions])
 
 
