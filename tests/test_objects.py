@@ -1168,6 +1168,39 @@ def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_f
     assert again.ok and again.entries == 4
 
 
+@pytest.mark.parametrize("kind", [".tcm", ".tcd"])
+def test_an_index_object_whose_read_failed_is_read_again_never_taken_for_damage(
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    from torchcache.stores.objects.bucket import Bucket
+
+    store = _store(bucket)
+    for batch in range(3):
+        store.put_many([(key(batch * 4 + i), value(batch * 4 + i)) for i in range(4)])
+    store.delete_many([key(0)])  # a tombstone
+    flaky = sorted(name for name in _objects(s3fs_of, bucket) if name.endswith(kind))[-1]
+    cat = Bucket.cat
+
+    def throttled(self: Bucket, names: Any) -> dict[str, object]:
+        found = cat(self, names)
+        return {name: OSError("503 SlowDown") if name == flaky else body for name, body in found.items()}
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Bucket, "cat", throttled)
+        reports = Reports()
+        reader = _store(bucket, reports=reports)
+        reader.get_many([key(1)])
+        report = _store(bucket, reports=Reports()).verify(fix=True)
+    assert reports.kinds() == [Fault.UNAVAILABLE]
+    assert not report.ok and not report.fixed and report.problems == []
+    assert report.unsure and "index objects could not be read" in report.unsure[-1]
+    assert flaky in _objects(s3fs_of, bucket)  # nothing removed
+    reader._listed_at = float("-inf")  # the next listing, once the bucket answers
+    got = reader.get_many([key(i) for i in range(12)])
+    assert [bytes(v) if v is not None else None for v in got] == [None] + [value(i) for i in range(1, 12)]
+    assert _store(bucket, reports=Reports()).verify().ok
+
+
 @pytest.mark.parametrize("damage", ["manifest", "tombstone"])
 def test_verify_reports_a_damaged_index_object_and_a_fix_removes_it_with_its_segment(
     bucket: str, s3fs_of: Any, damage: str

@@ -108,6 +108,8 @@ class ObjectStore(BatchedStore):
         self._meta = None if meta is None else dict(meta)
         self._extras: list[tuple[str, bytes | memoryview]] = []
         self._partial = False  # entries left out for faults of this process's reads: it uploads no checkpoint
+        #: Index objects whose read failed at the latest listing (not judged: read again at the next).
+        self.unreadable: set[str] = set()
         self._keep_budget = keep_budget
         self._removing: list[str] = []  # segments whose manifests went but whose own removal failed
         self._damaged: list[str] | None = None  # keys whose bytes fail their digest, while verify() collects them
@@ -125,10 +127,7 @@ class ObjectStore(BatchedStore):
         """
         with self._lock, collector_paused():  # thousands of entries made and kept: see torchcache._gc
             names = self.bucket.names()
-            for new in self._known.unread(names):
-                for name, body in self.bucket.cat(new).items() if new else ():
-                    if not isinstance(body, FileNotFoundError):  # else pruned since it was listed
-                        self._apply(name, body)
+            _read_index_objects(self, names)
             self._known.drop_gone(names)
             self._known.sized(self.bucket.sizes)  # a manifest may claim any size: the budget counts real bytes
             self._listed_at = time.monotonic()
@@ -316,6 +315,23 @@ class ObjectStore(BatchedStore):
         return _verify(self, fix)
 
 
+def _read_index_objects(store: ObjectStore, names: set[str]) -> None:
+    """Read and apply the index objects of a listing not read yet.
+
+    One whose read fails is not judged: it is read again at the next listing, and its
+    entries are left out until then (a checkpoint covers only the objects read).
+    """
+    store.unreadable = set()
+    for new in store._known.unread(names):
+        for name, body in store.bucket.cat(new).items() if new else ():
+            if isinstance(body, bytes):
+                store._apply(name, body)
+            elif not isinstance(body, FileNotFoundError):  # else pruned since it was listed
+                store.unreadable.add(name)
+    if store.unreadable:
+        store.bucket.read_failed(StoreUnavailableError(f"cannot read {len(store.unreadable)} index objects"))
+
+
 def remove_segments(store: ObjectStore, segments: Sequence[str], others: Sequence[str] = ()) -> None:
     """Remove segments (their manifests first: no entry is left without its segment), and other objects.
 
@@ -380,6 +396,8 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     unsure = (
         [f"{unread} entries could not be read (the bucket refused or was away); verify again"] if unread > 0 else []
     )
+    if store.unreadable:
+        unsure.append(f"{len(store.unreadable)} index objects could not be read (the bucket refused); verify again")
     if fix and (bad or gone):  # hidden whatever the index says
         _hide(store, bad + gone)
     if fix and invalid:  # a damaged manifest's segment cannot be read without it: both go
