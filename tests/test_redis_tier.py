@@ -350,3 +350,36 @@ def test_hits_of_the_local_copy_leave_what_the_server_did_not_take_counted(
         unstored = len(disk.unstored)
         model(x)  # a hit of the copy: the server still lacks them
         assert model.items == 5 and unstored >= 4 and len(disk.unstored) == unstored
+
+
+def test_with_the_local_copy_off_hits_of_the_server_are_not_counted_as_unstored(
+    server_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from torchcache.errors import StoreError, StoreUnavailableError
+
+    model = cached(
+        Counting, persistent=True, persistent_cache_dir=server_url, local_cache_dir=tmp_path, max_memory_cache_size=0
+    )()
+    x = torch.randn(4, 4)
+    model(x)
+    model.cache_instance.flush()
+    disk = model.cache_instance._disk
+    layered = disk.store
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("no space left on the local disk")
+
+    def away(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the server is away")
+
+    with monkeypatch.context() as outage, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        outage.setattr(layered.near, "get_many", failing)  # the copy fails: off for this process
+        outage.setattr(layered.near, "put_many", failing)
+        outage.setattr(layered.far, "get_many", lambda keys: [None] * len(keys))
+        outage.setattr(layered.far, "put_many", away)
+        model(x)
+        model.cache_instance.flush()
+    assert not layered.near_enabled and len(disk.unstored) == 4
+    model(x)  # read from the server, which held them all along
+    assert model.items == 8 and len(disk.unstored) == 0

@@ -363,9 +363,9 @@ class Unstored:
     def found(self, keys: Sequence[str], positions: Sequence[int], store: object) -> None:
         """Note the keys at ``positions`` read from ``store``: its server holds them after all.
 
-        A hit of a local copy (a store with a ``near`` one) proves nothing: it is not noted.
+        A hit of a local copy in use (a store whose ``near_enabled``) proves nothing: it is not noted.
         """
-        if self.held and getattr(store, "near", None) is None:
+        if self.held and not getattr(store, "near_enabled", False):
             self.stored([keys[i] for i in positions])
 
 
