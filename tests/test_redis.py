@@ -491,6 +491,29 @@ def test_cluster_verify_fix_while_a_slot_moves_deletes_nothing(reports: Reports)
         servers.remove()
 
 
+def test_cluster_verify_fix_keeps_an_entry_whose_slot_moved_between_the_scans_of_two_nodes(
+    cluster: RedisClusterServers, reports: Reports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scanned on neither node (it moved from one not scanned yet to one scanned): looked up again, kept."""
+    from torchcache.stores.redis.namespace import Namespace
+
+    store = RedisStore(cluster.url, "between", "10MB", report=reports)
+    assert store.put_many([(key(i), value(i)) for i in range(20)]) == 20
+    moving = store._space.name(key(0)).encode()
+    scan = Namespace.scan
+
+    def missed(self: Namespace, node: Any, cursor: int) -> tuple[int, list[bytes]]:
+        cursor, names = scan(self, node, cursor)
+        return cursor, [name for name in names if name != moving]
+
+    with monkeypatch.context() as racing:
+        racing.setattr(Namespace, "scan", missed)
+        report = store.verify(fix=True)
+    assert report.problems == [] and not report.fixed and report.unsure
+    assert as_bytes(store.get_many([key(i) for i in range(20)])) == [value(i) for i in range(20)]
+    assert len(store) == 20 and store.verify().ok
+
+
 def test_cluster_error_reply_is_not_taken_for_damage(
     cluster: RedisClusterServers, reports: Reports, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,6 +91,10 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
     pipe.hmget(space.meta[2], "bytes", "payload")
     count, (used, payload) = run_pipeline(pipe, link.cluster)
     gone = [key for key in sizes if key not in found and key not in result.bad and key not in unread]
+    if gone and link.cluster:  # a slot that moved between the nodes' scans: its keys were on none when scanned
+        moved = _present(client, namespace, gone)
+        unread |= moved
+        gone = [key for key in gone if key not in moved]
     unaccounted = [key for key in found if key not in sizes]
     mismatched = [key for key in found if key in sizes and sizes[key] != found[key]]
     if gone:
@@ -126,6 +130,21 @@ def verify(client: Client, namespace: Namespace, fix: bool) -> VerifyReport:
         client.eval(REBUILD, 3, *space.meta, len(space.prefix))
         result.fixed = True
     return result
+
+
+def _present(client: Client, namespace: Namespace, keys: list[str]) -> set[str]:
+    """Those of ``keys`` whose entry a cluster still has (asked where the slot is now), or whose answer was an error."""
+    present: set[str] = set()
+    for start in range(0, len(keys), _PAGE):
+        page = keys[start : start + _PAGE]
+        pipe = client.pipeline()
+        for key in page:
+            pipe.exists(namespace.space.name(key))
+        namespace.link.count(1)
+        for key, reply in zip(page, run_pipeline(pipe, cluster=True, raise_on_error=False)):
+            if not isinstance(reply, int) or reply:
+                present.add(key)
+    return present
 
 
 def _text_of(value: object) -> str:
