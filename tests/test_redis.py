@@ -514,6 +514,37 @@ def test_cluster_verify_fix_keeps_an_entry_whose_slot_moved_between_the_scans_of
     assert len(store) == 20 and store.verify().ok
 
 
+def test_a_redirected_command_whose_new_node_is_away_gets_the_error_as_its_reply() -> None:
+    """The replies of the first pass stand (a write undoes from them), whatever the second pass meets."""
+    from types import SimpleNamespace
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import MovedError
+
+    from torchcache.stores.redis.link import run_pipeline
+
+    class Pipe:
+        def __init__(self) -> None:
+            self._execution_strategy = SimpleNamespace(command_queue=["get a", "get b", "get c"])
+            self.sent: list[tuple[list[str], bool]] = []
+
+        def send_cluster_commands(self, stack: list[str], raise_on_error: bool, allow_redirections: bool = True) -> Any:
+            self.sent.append((stack, allow_redirections))
+            if len(self.sent) == 1:
+                return [b"a", MovedError("866 127.0.0.1:7001"), b"c"]
+            raise RedisConnectionError("Connection refused")
+
+        def reset(self) -> None:
+            pass
+
+    pipe = Pipe()
+    replies = run_pipeline(pipe, cluster=True, raise_on_error=False)
+    assert replies[0] == b"a" and isinstance(replies[1], RedisConnectionError) and replies[2] == b"c"
+    assert pipe.sent == [(["get a", "get b", "get c"], False), (["get b"], True)]  # only the redirected one again
+    with pytest.raises(RedisConnectionError):
+        run_pipeline(Pipe(), cluster=True)
+
+
 def test_cluster_error_reply_is_not_taken_for_damage(
     cluster: RedisClusterServers, reports: Reports, monkeypatch: pytest.MonkeyPatch
 ) -> None:

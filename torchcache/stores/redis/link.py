@@ -318,7 +318,11 @@ def run_pipeline(pipe: Client, cluster: bool, raise_on_error: bool = True) -> li
         replies = list(pipe.send_cluster_commands(queued, raise_on_error=False, allow_redirections=False))
         moved = [i for i, reply in enumerate(replies) if isinstance(reply, _redirections())]
         if moved:
-            again = pipe.send_cluster_commands([queued[i] for i in moved], raise_on_error=False)
+            errors = import_redis().exceptions
+            try:
+                again = list(pipe.send_cluster_commands([queued[i] for i in moved], raise_on_error=False))
+            except (errors.RedisError, errors.RedisClusterException, OSError) as exc:  # the others stand: callers
+                again = [exc] * len(moved)  # undo what they must from the replies
             for i, reply in zip(moved, again):
                 replies[i] = reply
     finally:
