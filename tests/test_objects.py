@@ -1168,6 +1168,38 @@ def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_f
     assert again.ok and again.entries == 4
 
 
+def test_verify_beside_a_process_that_prunes_counts_nothing_as_unread(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(bucket)
+    for batch in range(4):
+        store.put_many([(key(batch * 4 + i), value(batch * 4 + i)) for i in range(4)])
+    get_many, pruned = ObjectStore.get_many, []
+
+    def pruning_meanwhile(self: ObjectStore, keys: Any) -> list[Any]:
+        if not pruned:  # after verify listed the bucket, before it reads: another process keeps its budget
+            pruned.append(_store(bucket).prune(2 * len(value(0)) * 4, sweep_seconds=None))
+        return get_many(self, keys)
+
+    monkeypatch.setattr(ObjectStore, "get_many", pruning_meanwhile)
+    report = _store(bucket, reports=Reports()).verify()
+    assert pruned == [2] and report.ok, report
+
+
+def test_a_writer_describes_the_cache_again_once_a_clear_removed_its_description(bucket: str, s3fs_of: Any) -> None:
+    writer = _store(bucket, meta={"kind": "dataset"}, refresh_seconds=0)
+    writer.put_many([(key(0), value(0))])
+    _store(bucket).clear()  # `torchcache clear` from another machine while the writer warms the cache
+    writer.put_many([(key(1), value(1))])
+    writer.put_many([(key(2), value(2))])  # the listing this write makes sees the description gone
+    assert "torchcache.json" in _objects(s3fs_of, bucket)
+    later = _store(f"{bucket}/fresh", meta={"kind": "dataset"})  # lists the bucket at its first write only
+    later.put_many([(key(3), value(3))])  # described
+    requests = later.bucket.requests
+    later.put_many([(key(4), value(4))])
+    assert later.bucket.requests - requests == 2  # a segment and its manifest: the description is not looked for
+
+
 @pytest.mark.parametrize("kind", [".tcm", ".tcd"])
 def test_an_index_object_whose_read_failed_is_read_again_never_taken_for_damage(
     bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch, kind: str

@@ -44,7 +44,7 @@ from ...errors import StoreError, StoreUnavailableError
 from ...faults import Fault, Report
 from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
-from .bucket import Bucket
+from .bucket import META_NAME, Bucket
 from .filesystem import filesystem_only, open_filesystem
 from .index import Index
 from .manifests import (
@@ -105,7 +105,7 @@ class ObjectStore(BatchedStore):
         renew_lock_after_fork(self, "_lock")  # a child forked while a thread read the bucket must not hang
         renew_lock_after_fork(self._known, "_lock")
         self._listed_at = float("-inf")
-        self._meta = None if meta is None else dict(meta)
+        self._meta, self._described_at = None if meta is None else dict(meta), float("-inf")
         self._extras: list[tuple[str, bytes | memoryview]] = []
         self._partial = False  # entries left out for faults of this process's reads: it uploads no checkpoint
         #: Index objects whose read failed at the latest listing (not judged: read again at the next).
@@ -233,9 +233,9 @@ class ObjectStore(BatchedStore):
         self.bucket.upload(name, segment, body, len(todo))
         with self._lock:
             self._apply(name + MANIFEST, body)
-        if self._meta is not None:  # once, with the first entries: what CachedDataset(None, url) finds
-            self.bucket.describe(self._meta)
-            self._meta = None
+        if self._meta is not None and META_NAME not in self.bucket.sizes and self._listed_at > self._described_at:
+            self.bucket.describe(self._meta)  # what CachedDataset(None, url) finds (again after a clear)
+            self._described_at = time.monotonic()
         if self._keep_budget and self.disk_bytes > self.max_bytes:
             _keep_budget(self)
         with self._lock:
@@ -384,7 +384,9 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
         bad = sorted(set(store._damaged))  # their bytes fail the digest: only those are hidden by a fix
     finally:
         store._damaged = None
-    unread = sum(1 for data in read if data is None) - len(bad) - len(gone)
+    # Unread: not found though still in the index (a segment another process removed meanwhile is not)
+    judged = set(bad) | set(gone)
+    unread = sum(1 for key, data in zip(keys, read) if data is None and key in store._known and key not in judged)
     problems = [f"{len(bad)} entries fail their checksum"] if bad else []
     if gone:  # a manifest whose segment object was removed: its entries can never be read
         problems.append(f"{len(gone)} entries are in segments removed from the bucket")
