@@ -221,6 +221,21 @@ def test_stats_disk_tier(cache_root: Path) -> None:
     assert (stats.hits, stats.misses) == (6, 0)
     assert stats.disk is not None and stats.disk.hits == 6
     assert stats.memory.hits == 0
+    fresh(x)  # memory hits now
+    stats = fresh.cache_instance.stats()
+    assert stats.memory.hits == 6 and stats.disk is not None and stats.disk.hits == 6
+
+
+def test_the_disk_hits_of_one_instance_are_not_anothers(cache_root: Path) -> None:
+    cls = cached(Counting, persistent=True, max_memory_cache_size=0)
+    first, second = cls(), cls()  # one key: one disk tier
+    x = torch.randn(6, 4)
+    first(x)
+    first.cache_instance.flush()
+    second(x)
+    second(x)
+    disks = [m.cache_instance.stats().disk for m in (first, second)]
+    assert [d.hits if d is not None else None for d in disks] == [0, 12]
 
 
 def test_a_lower_disk_budget_on_a_later_run_holds_before_anything_is_written(cache_root: Path) -> None:

@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -51,13 +51,6 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 _FIXED_KEY = (
     "%s uses persistent_module_hash=%r: changes to its code, init arguments or weights will not invalidate its cache"
 )
-
-
-class _HitsSeen(NamedTuple):
-    """A disk tier and its hit count when the counters were last reset (a tier may be shared)."""
-
-    tier: PersistentTier | None
-    hits: int
 
 
 class _KeyRetakeError(Exception):
@@ -110,7 +103,6 @@ class Cache:
         #: Whether the cached module holds dropout or batch-norm layers (``None``: not known yet).
         self.stochastic: bool | None = None
         self._hits = self._misses = self._memory_hits = 0
-        self._disk_hits_seen = _HitsSeen(None, 0)
         #: The devices of a call's output leaves, by its context and input device (f(x, "cuda"), a leaf on the CPU).
         self._devices: dict[tuple[bytes, torch.device], tuple[torch.device, ...]] = {}
         self._summaries = PeriodicSummary()
@@ -301,7 +293,7 @@ class Cache:
                 len(disk.store) if disk else 0,
                 disk.store.nbytes if disk else 0,
                 self.settings.max_persistent_cache_size,
-                (disk.hits - (self._disk_hits_seen.hits if self._disk_hits_seen.tier is disk else 0)) if disk else 0,
+                self._hits - self._memory_hits,  # this cache's: the tier is shared by every cache of its key
             ),
         )
 
@@ -327,7 +319,6 @@ class Cache:
                 self.memory.clear()
             self._grad_refused.clear()  # what made outputs require grad may be gone
             disk = self._disk_tier() if self.settings.persistent else None
-            self._disk_hits_seen = _HitsSeen(disk, disk.hits if disk is not None else 0)
             try:
                 disk.clear() if disk is not None else None
             except StoreError as exc:

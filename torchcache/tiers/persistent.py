@@ -112,7 +112,6 @@ class PersistentTier:
         self.store = store
         self.where = where
         self.codec = FrameCodec(quality)
-        self.hits = 0
         self._report = report
         self._touch = touch
         self._last_touch = time.monotonic()
@@ -313,7 +312,6 @@ class PersistentTier:
             else torch.empty((len(positions), *leaf.shape), dtype=leaf.dtype)  # no bytes to view
             for leaf, off in zip(layout.leaves, layout.offsets)
         ]
-        self.hits += len(positions)
         self._touch_now_and_then()
         return positions, layout, leaves
 
