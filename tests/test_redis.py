@@ -403,31 +403,39 @@ def timeouts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-@pytest.mark.slow
-def test_cluster_node_paused_costs_a_batch_one_timeout(reports: Reports, timeouts: list[str]) -> None:
-    """A node that hangs fails all a batch's commands on it together (redis-py alone re-sent each, each timing out)."""
+@pytest.fixture
+def own_cluster() -> Iterator[RedisClusterServers]:
+    """A 3-node cluster of the test's own (paused, resharded), removed afterwards."""
     require_redis()
-    clock = Clock()
     servers = RedisClusterServers().start()
     try:
-        store = RedisStore(servers.url, "paused", "10MB", report=reports, clock=clock, timeout=0.5)
-        keys = [key(i) for i in range(96)]  # about 32 on each node
-        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 96
-        servers.nodes[1].pause()
-        try:
-            assert store.get_many(keys) == [None] * 96
-            assert timeouts == [f"127.0.0.1:{servers.nodes[1].port}"]
-            clock.now += BACKOFF_MAX
-            with pytest.raises(StoreUnavailableError, match="Timeout"):
-                store.put_many([(key(i), value(i)) for i in range(100, 196)])
-            assert 1 <= len(timeouts) - 1 <= 2  # the write, and its undo if it reached the node again
-        finally:
-            servers.nodes[1].resume()
-        clock.now += BACKOFF_MAX
-        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(96)]
-        assert reports.kinds() == ["unavailable"]
+        yield servers
     finally:
         servers.remove()
+
+
+@pytest.mark.slow
+def test_cluster_node_paused_costs_a_batch_one_timeout(
+    own_cluster: RedisClusterServers, reports: Reports, timeouts: list[str]
+) -> None:
+    """A node that hangs fails all a batch's commands on it together (redis-py alone re-sent each, each timing out)."""
+    clock = Clock()
+    store = RedisStore(own_cluster.url, "paused", "10MB", report=reports, clock=clock, timeout=0.5)
+    keys = [key(i) for i in range(96)]  # about 32 on each node
+    assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 96
+    own_cluster.nodes[1].pause()
+    try:
+        assert store.get_many(keys) == [None] * 96
+        assert timeouts == [f"127.0.0.1:{own_cluster.nodes[1].port}"]
+        clock.now += BACKOFF_MAX
+        with pytest.raises(StoreUnavailableError, match="Timeout"):
+            store.put_many([(key(i), value(i)) for i in range(100, 196)])
+        assert 1 <= len(timeouts) - 1 <= 2  # the write, and its undo if it reached the node again
+    finally:
+        own_cluster.nodes[1].resume()
+    clock.now += BACKOFF_MAX
+    assert as_bytes(store.get_many(keys)) == [value(i) for i in range(96)]
+    assert reports.kinds() == ["unavailable"]
 
 
 def _move_slot(servers: RedisClusterServers, name: str, finish: bool = True) -> tuple[Any, Any]:
@@ -456,39 +464,31 @@ def _move_slot(servers: RedisClusterServers, name: str, finish: bool = True) -> 
 
 
 @pytest.mark.slow
-def test_cluster_slot_moved_is_followed(reports: Reports) -> None:
+def test_cluster_slot_moved_is_followed(own_cluster: RedisClusterServers, reports: Reports) -> None:
     """A batch that meets a slot moved to another node after the client learnt the slots reads it there."""
-    require_redis()
-    servers = RedisClusterServers().start()
-    try:
-        store = RedisStore(servers.url, "moved", "10MB", report=reports)
-        keys = [key(i) for i in range(60)]
-        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
-        _move_slot(servers, store._space.name(keys[0]))
-        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
-        assert reports.kinds() == []
-        assert store.verify().ok
-    finally:
-        servers.remove()
+    store = RedisStore(own_cluster.url, "moved", "10MB", report=reports)
+    keys = [key(i) for i in range(60)]
+    assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
+    _move_slot(own_cluster, store._space.name(keys[0]))
+    assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
+    assert reports.kinds() == []
+    assert store.verify().ok
 
 
 @pytest.mark.slow
-def test_cluster_verify_fix_while_a_slot_moves_deletes_nothing(reports: Reports) -> None:
+def test_cluster_verify_fix_while_a_slot_moves_deletes_nothing(
+    own_cluster: RedisClusterServers, reports: Reports
+) -> None:
     """Midway through a resharding an entry answers MOVED where it was listed: unsure, never damaged."""
-    require_redis()
-    servers = RedisClusterServers().start()
-    try:
-        store = RedisStore(servers.url, "moving", "10MB", report=reports)
-        keys = [key(i) for i in range(60)]
-        assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
-        _move_slot(servers, store._space.name(keys[0]), finish=False)
-        assert store.verify().problems == []  # not taken for an entry gone from the server either
-        report = store.verify(fix=True)
-        assert report.bad == [] and not report.fixed and report.unsure and "moving" in report.unsure[0]
-        assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
-        assert len(store) == 60 and reports.kinds() == []
-    finally:
-        servers.remove()
+    store = RedisStore(own_cluster.url, "moving", "10MB", report=reports)
+    keys = [key(i) for i in range(60)]
+    assert store.put_many([(k, value(i)) for i, k in enumerate(keys)]) == 60
+    _move_slot(own_cluster, store._space.name(keys[0]), finish=False)
+    assert store.verify().problems == []  # not taken for an entry gone from the server either
+    report = store.verify(fix=True)
+    assert report.bad == [] and not report.fixed and report.unsure and "moving" in report.unsure[0]
+    assert as_bytes(store.get_many(keys)) == [value(i) for i in range(60)]
+    assert len(store) == 60 and reports.kinds() == []
 
 
 def test_cluster_verify_fix_keeps_an_entry_whose_slot_moved_between_the_scans_of_two_nodes(

@@ -299,25 +299,33 @@ def test_with_the_server_away_the_stats_keep_the_last_count() -> None:
         assert "8 entries" in summary
 
 
+def _server_away(patch: pytest.MonkeyPatch, store: Any) -> None:
+    """``store``'s reads miss and its writes fail, as while its server is away."""
+    from torchcache.errors import StoreUnavailableError
+
+    def away(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the server is away")
+
+    patch.setattr(store, "get_many", lambda keys: [None] * len(keys))
+    patch.setattr(store, "put_many", away)
+
+
+def _with_a_copy(url: str, local: Any) -> Any:
+    """A decorated module on the server at ``url``, with a local copy in ``local`` and no memory tier."""
+    return cached(Counting, persistent=True, persistent_cache_dir=url, local_cache_dir=local, max_memory_cache_size=0)()
+
+
 def test_entries_read_back_from_the_server_are_not_counted_as_unstored_at_exit(
     server_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchcache.errors import StoreUnavailableError
-
     model = cached(Counting, persistent=True, persistent_cache_dir=server_url, max_memory_cache_size=0)()
     x = torch.randn(4, 4)
     model(x)
     model.cache_instance.flush()
     disk = model.cache_instance._disk
-    store = disk.store
-
-    def away(*args: Any, **kwargs: Any) -> Any:
-        raise StoreUnavailableError("the server is away")
-
     with monkeypatch.context() as outage, warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheWarning)
-        outage.setattr(store, "get_many", lambda keys: [None] * len(keys))  # reads miss, as while it is away
-        outage.setattr(store, "put_many", away)
+        _server_away(outage, disk.store)
         model(x)  # computed again; the write is refused
         model.cache_instance.flush()
     assert len(disk.unstored) == 4
@@ -328,23 +336,13 @@ def test_entries_read_back_from_the_server_are_not_counted_as_unstored_at_exit(
 def test_hits_of_the_local_copy_leave_what_the_server_did_not_take_counted(
     server_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from torchcache.errors import StoreUnavailableError
-
-    model = cached(
-        Counting, persistent=True, persistent_cache_dir=server_url, local_cache_dir=tmp_path, max_memory_cache_size=0
-    )()
+    model = _with_a_copy(server_url, tmp_path)
     x = torch.randn(4, 4)
-
-    def away(*args: Any, **kwargs: Any) -> Any:
-        raise StoreUnavailableError("the server is away")
-
     with monkeypatch.context() as outage, warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheWarning)
         model(torch.randn(1, 4))  # the tier opens
         disk = model.cache_instance._disk
-        far = disk.store.far
-        outage.setattr(far, "get_many", lambda keys: [None] * len(keys))
-        outage.setattr(far, "put_many", away)
+        _server_away(outage, disk.store.far)
         model(x)
         model.cache_instance.flush()
         unstored = len(disk.unstored)
@@ -355,11 +353,9 @@ def test_hits_of_the_local_copy_leave_what_the_server_did_not_take_counted(
 def test_with_the_local_copy_off_hits_of_the_server_are_not_counted_as_unstored(
     server_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from torchcache.errors import StoreError, StoreUnavailableError
+    from torchcache.errors import StoreError
 
-    model = cached(
-        Counting, persistent=True, persistent_cache_dir=server_url, local_cache_dir=tmp_path, max_memory_cache_size=0
-    )()
+    model = _with_a_copy(server_url, tmp_path)
     x = torch.randn(4, 4)
     model(x)
     model.cache_instance.flush()
@@ -369,15 +365,11 @@ def test_with_the_local_copy_off_hits_of_the_server_are_not_counted_as_unstored(
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise StoreError("no space left on the local disk")
 
-    def away(*args: Any, **kwargs: Any) -> Any:
-        raise StoreUnavailableError("the server is away")
-
     with monkeypatch.context() as outage, warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheWarning)
         outage.setattr(layered.near, "get_many", failing)  # the copy fails: off for this process
         outage.setattr(layered.near, "put_many", failing)
-        outage.setattr(layered.far, "get_many", lambda keys: [None] * len(keys))
-        outage.setattr(layered.far, "put_many", away)
+        _server_away(outage, layered.far)
         model(x)
         model.cache_instance.flush()
     assert not layered.near_enabled and len(disk.unstored) == 4
