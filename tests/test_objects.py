@@ -1168,6 +1168,18 @@ def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_f
     assert again.ok and again.entries == 4
 
 
+def test_an_index_object_of_a_newer_torchcache_is_never_removed_by_verify(bucket: str, s3fs_of: Any) -> None:
+    store = _store(bucket)
+    store.put_many([(key(0), value(0))])
+    newer = {"format": "torchcache-objects", "version": 3, "bytes": 4, "entries": [], "what": "a later layout"}
+    name = "00000000000000000002-0123456789abcdef.tcm"
+    s3fs_of.pipe_file(f"{store.bucket.prefix}/{name}", json.dumps(newer).encode())
+    report = _store(bucket, reports=Reports()).verify(fix=True)
+    assert report.problems == [] and not report.fixed and not report.ok
+    assert "written by a newer torchcache (format version 3)" in report.unsure[0]
+    assert name in _objects(s3fs_of, bucket)
+
+
 def test_verify_beside_a_process_that_prunes_counts_nothing_as_unread(
     bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

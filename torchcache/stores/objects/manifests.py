@@ -29,6 +29,7 @@ __all__ = [
     "CHECKPOINT",
     "FORMAT",
     "MANIFEST",
+    "NEWER",
     "SEGMENT",
     "TOMBSTONE",
     "VERSION",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 FORMAT = "torchcache-objects"
+#: What an index object of a later format version is: left for the torchcache that wrote it.
+NEWER = "written by a newer torchcache"
 #: Version 2 binds each digest to its key; objects of version 1 (no binding) are not read.
 VERSION = 2
 SEGMENT, MANIFEST, TOMBSTONE, CHECKPOINT = ".tcs", ".tcm", ".tcd", ".tci"
@@ -208,7 +211,10 @@ def _read(body: object, limit: int, what: str) -> dict[str, Any] | str:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # a planted object nested past the parser's depth
         return f"not JSON: {type(exc).__name__}"
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+    version = data.get("version") if isinstance(data, dict) else None
+    if isinstance(data, dict) and data.get("format") == FORMAT and type(version) is int and version > VERSION:
+        return f"{NEWER} (format version {version})"
+    if not isinstance(data, dict) or data.get("format") != FORMAT or version != VERSION:
         return f"not a torchcache {what} of a known version"
     return data
 

@@ -50,6 +50,7 @@ from .index import Index
 from .manifests import (
     CHECKPOINT,
     MANIFEST,
+    NEWER,
     SEGMENT,
     TOMBSTONE,
     pack,
@@ -390,8 +391,9 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     problems = [f"{len(bad)} entries fail their checksum"] if bad else []
     if gone:  # a manifest whose segment object was removed: its entries can never be read
         problems.append(f"{len(gone)} entries are in segments removed from the bucket")
-    with store._lock:
-        invalid = dict(store._known.invalid)
+    with store._lock:  # one of a newer torchcache is not damage: not removed, and verify cannot vouch for it
+        newer = {name: why for name, why in store._known.invalid.items() if why.startswith(NEWER)}
+        invalid = {name: why for name, why in store._known.invalid.items() if name not in newer}
     problems += [
         f"{store.bucket.path(name)} is not a valid index object ({why})" for name, why in sorted(invalid.items())
     ]
@@ -400,6 +402,7 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     )
     if store.unreadable:
         unsure.append(f"{len(store.unreadable)} index objects could not be read (the bucket refused); verify again")
+    unsure += [f"{store.bucket.path(name)} is {why}: not checked" for name, why in sorted(newer.items())]
     if fix and (bad or gone):  # hidden whatever the index says
         _hide(store, bad + gone)
     if fix and invalid:  # a damaged manifest's segment cannot be read without it: both go
