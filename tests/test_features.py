@@ -944,6 +944,37 @@ def test_an_unusable_cache_dir_keeps_features_in_memory(tmp_path: Path) -> None:
     assert all(torch.equal(features[i][0], net(data[i][0])) for i in range(10))
 
 
+def test_a_link_planted_at_the_features_file_is_removed_and_the_file_made_again(cache_root: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    net = Scale()
+    made = extract(net, data)
+    assert made.path is not None
+    path, outside = made.path, cache_root.parent / "elsewhere"
+    outside.write_bytes(b"the user's")
+    made.close()
+    path.unlink()
+    path.symlink_to(outside)
+    with pytest.warns(CacheWarning, match="is a link"):
+        again = extract(net, data)
+    assert again.path == path and path.is_file() and not path.is_symlink()
+    assert outside.read_bytes() == b"the user's"  # never followed
+    assert all(torch.equal(again[i][0], net(data[i][0])) for i in range(10))
+
+
+def test_features_kept_in_memory_load_in_this_process_where_workers_would_be_spawned(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
+    net = Scale()
+    with pytest.warns(CacheWarning, match="kept in memory"):
+        features = extract(net, data, cache_dir=blocker)
+    with pytest.warns(CacheWarning, match="loading them in this process"):
+        loader = features.loader(4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+    assert loader.num_workers == 0
+    (got,) = zip(*loader)
+    assert torch.equal(torch.cat(got), net(data.tensors[0]))
+
+
 def test_exports() -> None:
     for name in ("extract_features", "FeatureDataset", "MissingFeatureError"):
         assert name in torchcache.__all__ and getattr(torchcache, name) is not None

@@ -10,12 +10,15 @@ with ``batch_size=None`` so that nothing is collated again.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..errors import CacheWarning
 
 if TYPE_CHECKING:
     from .dataset import FeatureDataset
@@ -79,6 +82,20 @@ class BatchOrder(Sampler[np.ndarray[Any, np.dtype[np.int64]]]):
             torch.randperm(self.length, generator=generator)  # ... else as the next batch is asked for
 
 
+#: DataLoader options that only workers take (refused with ``num_workers=0``).
+_WORKER_OPTIONS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context", "worker_init_fn")
+
+
+def _start_method(loader_options: dict[str, Any]) -> str:
+    """How the DataLoader's workers would be started: its ``multiprocessing_context``, else the default."""
+    context = loader_options.get("multiprocessing_context")
+    if isinstance(context, str):
+        return context
+    if context is not None:
+        return str(context.get_start_method())
+    return str(torch.multiprocessing.get_start_method(allow_none=False))
+
+
 def _as_fetched(batch: Any) -> Any:
     """The batch as :class:`Batches` made it (the DataLoader's default would turn tuples into lists)."""
     return batch
@@ -113,6 +130,14 @@ def make_loader(
     if taken:
         raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")
     batches = BatchOrder(len(features), batch_size, shuffle, drop_last, generator)
+    if features.path is None and loader_options.get("num_workers") and _start_method(loader_options) != "fork":
+        warnings.warn(  # kept in memory when the cache could not be written: only a forked worker shares it
+            f"torchcache: the features are kept in memory (their cache could not be written), which workers "
+            f"started by {_start_method(loader_options)!r} cannot reach: loading them in this process (num_workers=0)",
+            CacheWarning,
+            stacklevel=3,
+        )
+        loader_options = {k: v for k, v in loader_options.items() if k not in _WORKER_OPTIONS}
     return DataLoader(  # the generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn
         Batches(features, collate_fn),
         batch_size=None,

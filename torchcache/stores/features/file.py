@@ -118,6 +118,10 @@ def open_existing(path: Path, header: dict[str, Any], warn: Warn) -> RowsFile | 
         remove_features(path)
         return None
     except OSError as exc:
+        if path.is_symlink():  # planted: the link goes (never what it names), and the file is made again
+            warn(Fault.CORRUPT, f"the features file {path} is a link ({exc}): removed, computed again")
+            remove_features(path)
+            return None
         warn(Fault.OPEN, f"cannot open the features file {path} ({exc}): computed again")
         return None
     if not same_header(file.header, header):
