@@ -166,6 +166,24 @@ def test_a_damaged_digest_file_never_gives_a_wrong_row(cache_root: Path, damage:
     assert all(not torch.equal(direct[1], direct[6]) for _ in [0])  # a row taken for the other would show
 
 
+def test_a_digest_file_that_cannot_be_made_is_a_warning(cache_root: Path) -> None:
+    from torchcache import CacheWarning
+    from torchcache.stores.features.file import FEATURES_NAME
+
+    net, data = Net(), Images(16)
+    made = extract(net, data)
+    assert made.path is not None
+    made.close()
+    folder = made.path.parent
+    (folder / FEATURES_NAME).unlink()
+    (folder / DIGESTS_NAME).unlink()
+    (folder / DIGESTS_NAME).mkdir()  # where the file would go: as a full disk, nothing can be made there
+    with pytest.warns(CacheWarning, match="rows are kept without their input digests"):
+        again = extract(net, data)
+    with torch.no_grad():
+        assert all(torch.allclose(again[i][0], net(data.images[i : i + 1])[0], atol=1e-6) for i in range(16))
+
+
 def test_digests_name_the_input_exactly() -> None:
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert input_digest(x) == input_digest(x.clone()) == input_digest(x.t().contiguous().t())

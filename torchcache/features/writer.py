@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..faults import Fault, FaultLog
-from ..stores.features.digests import DigestFile, pack_digests
+from ..stores.features.digests import DIGESTS_NAME, DigestFile, pack_digests
 from ..stores.features.file import features_in_memory
 from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
@@ -55,7 +55,7 @@ class BatchWriter:
         self.file = file
         self._given = file
         self._faults = faults
-        self._digests: DigestFile | None = None if file is None else open_digests(file)
+        self._digests: DigestFile | None = None if file is None else self._open_digests(file)
         self._rows = np.zeros((0, 0), np.uint8)  # a batch's rows, filled again for each (the gaps stay zero)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchcache-features")
         self._pending: Future[None] | None = None
@@ -63,7 +63,15 @@ class BatchWriter:
     def start(self, file: RowsFile) -> None:
         """Write to ``file``, made once the first batch's outputs were known."""
         self.file = file
-        self._digests = open_digests(file)
+        self._digests = self._open_digests(file)
+
+    def _open_digests(self, file: RowsFile) -> DigestFile | None:
+        """The input digests beside ``file``; one that cannot be made or used is a warning."""
+        digests = open_digests(file)
+        if digests is None and file.path is not None:
+            where = file.path.with_name(DIGESTS_NAME)
+            self._faults.warn(Fault.DIGESTS, f"cannot make or use {where}: rows are kept without their input digests")
+        return digests
 
     def submit(self, batch: Batch) -> None:
         """Write a batch: once the one before is written, in the background.
