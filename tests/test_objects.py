@@ -1168,16 +1168,36 @@ def test_entries_of_a_segment_removed_from_the_bucket_are_reported_hidden_by_a_f
     assert again.ok and again.entries == 4
 
 
-def test_an_index_object_of_a_newer_torchcache_is_never_removed_by_verify(bucket: str, s3fs_of: Any) -> None:
+@pytest.mark.parametrize("kind", ["newer", "larger"])
+def test_an_index_object_of_a_newer_torchcache_is_never_removed_by_verify(
+    bucket: str, s3fs_of: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    from torchcache.stores.objects import manifests
+
     store = _store(bucket)
     store.put_many([(key(0), value(0))])
     newer = {"format": "torchcache-objects", "version": 3, "bytes": 4, "entries": [], "what": "a later layout"}
+    if kind == "larger":  # past what this version reads: perhaps a later one reads more
+        monkeypatch.setattr(manifests, "_MAX_MANIFEST", 1 << 16)
+        newer = {**newer, "version": 2, "padding": "x" * (1 << 17)}
     name = "00000000000000000002-0123456789abcdef.tcm"
     s3fs_of.pipe_file(f"{store.bucket.prefix}/{name}", json.dumps(newer).encode())
-    report = _store(bucket, reports=Reports()).verify(fix=True)
+    reports = Reports()
+    report = _store(bucket, reports=reports).verify(fix=True)
     assert report.problems == [] and not report.fixed and not report.ok
-    assert "written by a newer torchcache (format version 3)" in report.unsure[0]
+    said = "written by a newer torchcache (format version 3)"
+    said = said if kind == "newer" else "larger than this torchcache reads"
+    assert said in report.unsure[0] and said in reports.seen[0][1] and "not a valid" not in reports.seen[0][1]
     assert name in _objects(s3fs_of, bucket)
+
+
+def test_a_writer_that_clears_its_cache_describes_it_again_at_its_next_write(bucket: str, s3fs_of: Any) -> None:
+    writer = _store(bucket, meta={"kind": "dataset"})
+    writer.put_many([(key(0), value(0))])
+    writer.clear()
+    assert _objects(s3fs_of, bucket) == []
+    writer.put_many([(key(1), value(1))])
+    assert "torchcache.json" in _objects(s3fs_of, bucket)
 
 
 def test_verify_beside_a_process_that_prunes_counts_nothing_as_unread(
@@ -1297,7 +1317,7 @@ def test_verify_of_a_url_says_what_it_could_not_check_and_fails_even_with_fix(
     monkeypatch.setattr(remote, "_holds_module_outputs", lambda store: False)
     assert main(["verify", "s3://bucket/cache", "--fix"]) == 1  # nothing was fixed: no "fixed", no success
     out, err = capsys.readouterr()
-    assert "could not be read" in out and "fixed" not in out and "verify again once the server answers" in err
+    assert "could not be read" in out and "fixed" not in out and "could not be made" in err
 
 
 def test_caches_of_one_name_at_two_urls_keep_separate_local_copies(bucket: str, tmp_path: Path) -> None:

@@ -156,7 +156,7 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
         error(f"{plural(len(problems), 'problem')} found; run `torchcache verify --fix` to fix them")
         return 1
     if unsure:
-        error(f"{plural(len(unsure), 'check')} could not be made; verify again once the server answers")
+        error(f"{plural(len(unsure), 'check')} could not be made (each line above says why)")
         return 1
     return 0
 

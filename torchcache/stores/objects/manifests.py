@@ -29,7 +29,7 @@ __all__ = [
     "CHECKPOINT",
     "FORMAT",
     "MANIFEST",
-    "NEWER",
+    "UNJUDGED",
     "SEGMENT",
     "TOMBSTONE",
     "VERSION",
@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 FORMAT = "torchcache-objects"
-#: What an index object of a later format version is: left for the torchcache that wrote it.
-NEWER = "written by a newer torchcache"
+#: What an index object of a later format version, or larger than this version reads, is: left
+#: for the torchcache that wrote it (never removed as damaged).
+UNJUDGED = ("written by a newer torchcache", "larger than this torchcache reads")
 #: Version 2 binds each digest to its key; objects of version 1 (no binding) are not read.
 VERSION = 2
 SEGMENT, MANIFEST, TOMBSTONE, CHECKPOINT = ".tcs", ".tcm", ".tcd", ".tci"
@@ -205,15 +206,17 @@ def tombstone(keys: list[str]) -> bytes:
 
 def _read(body: object, limit: int, what: str) -> dict[str, Any] | str:
     """The JSON object of a manifest, tombstone or checkpoint of this format, or what is wrong with it."""
-    if not isinstance(body, bytes) or len(body) > limit:
-        return "unreadable or too large"
+    if not isinstance(body, bytes):
+        return "unreadable"
+    if len(body) > limit:  # perhaps a newer torchcache's: not read, never judged damaged
+        return f"{UNJUDGED[1]} ({len(body)} bytes)"
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # a planted object nested past the parser's depth
         return f"not JSON: {type(exc).__name__}"
     version = data.get("version") if isinstance(data, dict) else None
     if isinstance(data, dict) and data.get("format") == FORMAT and type(version) is int and version > VERSION:
-        return f"{NEWER} (format version {version})"
+        return f"{UNJUDGED[0]} (format version {version})"
     if not isinstance(data, dict) or data.get("format") != FORMAT or version != VERSION:
         return f"not a torchcache {what} of a known version"
     return data

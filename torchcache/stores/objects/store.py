@@ -50,9 +50,9 @@ from .index import Index
 from .manifests import (
     CHECKPOINT,
     MANIFEST,
-    NEWER,
     SEGMENT,
     TOMBSTONE,
+    UNJUDGED,
     pack,
     ranged_reads,
     take_all,
@@ -136,8 +136,8 @@ class ObjectStore(BatchedStore):
 
     def _apply(self, name: str, body: object) -> None:
         problem = self._known.apply(name, body)
-        if problem is not None:
-            self._report(Fault.INDEX, f"{self.bucket.path(name)} is not a valid index object ({problem}); not used")
+        if problem is not None:  # damaged, planted, or a newer torchcache's
+            self._report(Fault.INDEX, f"{self.bucket.path(name)} is not used: {problem}")
 
     def _index(self, refresh_if_missing: Sequence[str] = (), stale: bool = False) -> None:
         """List the bucket at first use, and again once ``refresh_seconds`` passed at a miss (or with ``stale``)."""
@@ -286,7 +286,7 @@ class ObjectStore(BatchedStore):
         return len(oldest) + sum(1 for n in left if n.endswith(SEGMENT))
 
     def clear(self) -> None:
-        """Remove every object under the namespace.
+        """Remove every object under the namespace (the next write lists it again, and describes it).
 
         Raises:
             StoreUnavailableError: If the bucket cannot be written.
@@ -294,6 +294,7 @@ class ObjectStore(BatchedStore):
         self.bucket.remove_all()
         with self._lock:
             self._known.clear()
+            self._listed_at = float("-inf")
 
     def flush(self) -> None:
         """Nothing to do: every write is visible when ``put_many`` returns."""
@@ -392,7 +393,7 @@ def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
     if gone:  # a manifest whose segment object was removed: its entries can never be read
         problems.append(f"{len(gone)} entries are in segments removed from the bucket")
     with store._lock:  # one of a newer torchcache is not damage: not removed, and verify cannot vouch for it
-        newer = {name: why for name, why in store._known.invalid.items() if why.startswith(NEWER)}
+        newer = {name: why for name, why in store._known.invalid.items() if why.startswith(UNJUDGED)}
         invalid = {name: why for name, why in store._known.invalid.items() if name not in newer}
     problems += [
         f"{store.bucket.path(name)} is not a valid index object ({why})" for name, why in sorted(invalid.items())
