@@ -961,7 +961,15 @@ def test_a_link_planted_at_the_features_file_is_removed_and_the_file_made_again(
     assert all(torch.equal(again[i][0], net(data[i][0])) for i in range(10))
 
 
-def test_features_kept_in_memory_load_in_this_process_where_workers_would_be_spawned(tmp_path: Path) -> None:
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_features_kept_in_memory_load_in_this_process_where_workers_would_be_spawned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import multiprocessing.context
+
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     data = torch.utils.data.TensorDataset(torch.randn(10, 6))
@@ -969,10 +977,22 @@ def test_features_kept_in_memory_load_in_this_process_where_workers_would_be_spa
     with pytest.warns(CacheWarning, match="kept in memory"):
         features = extract(net, data, cache_dir=blocker)
     with pytest.warns(CacheWarning, match="loading them in this process"):
-        loader = features.loader(4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+        loader = features.loader(4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True, timeout=5)
     assert loader.num_workers == 0
     (got,) = zip(*loader)
     assert torch.equal(torch.cat(got), net(data.tensors[0]))
+    with pytest.raises(ValueError):  # what a DataLoader refuses is still refused
+        features.loader(4, num_workers=2, multiprocessing_context="no such method")
+    with monkeypatch.context() as unset:  # a process that chose no start method yet keeps its choice open
+        unset.setattr(multiprocessing.context._default_context, "_actual_context", None)
+        with pytest.warns(CacheWarning, match="loading them in this process"):
+            features.loader(4, num_workers=1, multiprocessing_context="spawn")
+        features.loader(4, num_workers=1)  # forked, where fork is the default: the workers share the rows
+        assert torch.multiprocessing.get_start_method(allow_none=True) is None
+    ordered = features.loader(4, shuffle=True, generator=_seeded(3))
+    with pytest.warns(CacheWarning, match="loading them in this process"):
+        again = features.loader(4, shuffle=True, num_workers=1, multiprocessing_context="spawn", generator=_seeded(3))
+    assert [b[0].tolist() for b in ordered] == [b[0].tolist() for b in again]  # the generator is kept
 
 
 def test_exports() -> None:

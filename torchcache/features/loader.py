@@ -10,6 +10,7 @@ with ``batch_size=None`` so that nothing is collated again.
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -83,17 +84,18 @@ class BatchOrder(Sampler[np.ndarray[Any, np.dtype[np.int64]]]):
 
 
 #: DataLoader options that only workers take (refused with ``num_workers=0``).
-_WORKER_OPTIONS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context", "worker_init_fn")
+_WORKER_OPTIONS = (
+    "num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context", "worker_init_fn", "timeout"
+)  # fmt: skip
 
 
-def _start_method(loader_options: dict[str, Any]) -> str:
-    """How the DataLoader's workers would be started: its ``multiprocessing_context``, else the default."""
-    context = loader_options.get("multiprocessing_context")
-    if isinstance(context, str):
-        return context
+def _start_method(loader: DataLoader[Any]) -> str:
+    """How ``loader``'s workers would be started: its context's method, else the default (which stays unset)."""
+    context = loader.multiprocessing_context
     if context is not None:
         return str(context.get_start_method())
-    return str(torch.multiprocessing.get_start_method(allow_none=False))
+    chosen = torch.multiprocessing.get_start_method(allow_none=True)
+    return str(chosen or multiprocessing.get_all_start_methods()[0])
 
 
 def _as_fetched(batch: Any) -> Any:
@@ -130,19 +132,17 @@ def make_loader(
     if taken:
         raise TypeError(f"FeatureDataset.loader() sets {', '.join(taken)} itself; pass batch_size=, shuffle= instead")
     batches = BatchOrder(len(features), batch_size, shuffle, drop_last, generator)
-    if features.path is None and loader_options.get("num_workers") and _start_method(loader_options) != "fork":
+    fixed: dict[str, Any] = {"batch_size": None, "sampler": batches, "collate_fn": _as_fetched, "generator": generator}
+    # The generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn.
+    loader = DataLoader(Batches(features, collate_fn), **fixed, **loader_options)
+    method = _start_method(loader)
+    if features.path is None and loader.num_workers > 0 and method != "fork":
         warnings.warn(  # kept in memory when the cache could not be written: only a forked worker shares it
             f"torchcache: the features are kept in memory (their cache could not be written), which workers "
-            f"started by {_start_method(loader_options)!r} cannot reach: loading them in this process (num_workers=0)",
+            f"started by {method!r} cannot reach: loading them in this process (num_workers=0)",
             CacheWarning,
             stacklevel=3,
         )
-        loader_options = {k: v for k, v in loader_options.items() if k not in _WORKER_OPTIONS}
-    return DataLoader(  # the generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn
-        Batches(features, collate_fn),
-        batch_size=None,
-        sampler=batches,
-        collate_fn=_as_fetched,
-        generator=generator,
-        **loader_options,
-    )
+        alone = {k: v for k, v in loader_options.items() if k not in _WORKER_OPTIONS}
+        return DataLoader(Batches(features, collate_fn), **fixed, **alone)
+    return loader
