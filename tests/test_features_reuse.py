@@ -184,6 +184,35 @@ def test_a_digest_file_that_cannot_be_made_is_a_warning(cache_root: Path) -> Non
         assert all(torch.allclose(again[i][0], net(data.images[i : i + 1])[0], atol=1e-6) for i in range(16))
 
 
+@pytest.mark.parametrize("planted", ["link", "cut short"])
+def test_a_digest_file_planted_or_damaged_before_a_resumed_extraction_is_made_again(
+    cache_root: Path, planted: str
+) -> None:
+    from torchcache.stores.features.file import FEATURES_NAME
+
+    net, data = Net(), Images(16)
+    made = extract(net, data)
+    assert made.path is not None
+    made.close()
+    folder, outside = made.path.parent, cache_root.parent / "elsewhere"
+    outside.write_bytes(b"the user's")
+    digests = folder / DIGESTS_NAME
+    (folder / FEATURES_NAME).unlink()
+    if planted == "link":
+        digests.unlink()
+        digests.symlink_to(outside)
+    else:
+        digests.write_bytes(digests.read_bytes()[:100])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # made again: nothing to warn about
+        extract(net, data)
+    assert digests.is_file() and not digests.is_symlink() and outside.read_bytes() == b"the user's"
+    assert DigestFile.open(digests, 16, create=False) is not None
+    seen = net.seen[0]
+    extract(net, edited(data, changed=[], added=1))
+    assert net.seen[0] - seen == 1  # the other rows are found again by their inputs' digests
+
+
 def test_digests_name_the_input_exactly() -> None:
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert input_digest(x) == input_digest(x.clone()) == input_digest(x.t().contiguous().t())

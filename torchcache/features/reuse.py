@@ -24,7 +24,7 @@ import torch
 from ..dtypes import DTYPES
 from ..errors import ConfigError, CorruptEntryError, StoreError
 from ..stores.features.digests import DIGESTS_NAME, DigestFile, bindings, pack_digests
-from ..stores.features.file import FEATURES_NAME, layout_of, open_features
+from ..stores.features.file import FEATURES_NAME, layout_of, open_features, remove_features
 from ..stores.features.layout import Field, SampleLayout, VariableLayoutError
 from ..stores.rows import RowsFile
 from .backbone import run_backbone
@@ -211,7 +211,15 @@ def outputs(
 
 
 def open_digests(file: RowsFile) -> DigestFile | None:
-    """The input digests beside a features file (made when missing; none for rows in memory)."""
+    """The input digests beside a features file (made when missing, or in place of a damaged or planted one).
+
+    None for rows in memory, or where none can be made.
+    """
     if file.path is None:
         return None
-    return DigestFile.open(file.path.with_name(DIGESTS_NAME), file.length, create=True)
+    path = file.path.with_name(DIGESTS_NAME)
+    opened = DigestFile.open(path, file.length, create=True)
+    if opened is None and DigestFile.planted_or_damaged(path, file.length):  # a link goes, never what it names
+        remove_features(path)
+        opened = DigestFile.open(path, file.length, create=True)
+    return opened

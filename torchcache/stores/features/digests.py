@@ -173,6 +173,27 @@ class DigestFile:
             return cls.open(path, length, create=False)
         return cls(path, made, length)
 
+    @staticmethod
+    def planted_or_damaged(path: Path, length: int) -> bool:
+        """Whether ``path`` holds a link (or another non-file), or a file not a whole digest file of ``length`` rows.
+
+        A file is whole from the moment it appears (:func:`~torchcache.stores.files.create_whole`),
+        so one that is not is damaged; what cannot be looked at (no permission) is not said to be.
+        """
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return not stat.S_ISDIR(st.st_mode)  # a directory is left to `torchcache verify`
+            fd = os.open(path, (_O_OPEN & ~os.O_RDWR) | os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return st.st_size < _AT + _ENTRY * length or read_at(fd, _HEAD_BYTES) != _head(length)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def write(self, indices: np.ndarray[Any, Any], digests: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> None:
         """Write the entries of ascending ``indices``: digests (``(n, 16)`` uint8) bound to their rows' checks.
 
