@@ -213,6 +213,26 @@ def test_a_digest_file_planted_or_damaged_before_a_resumed_extraction_is_made_ag
     assert net.seen[0] - seen == 1  # the other rows are found again by their inputs' digests
 
 
+def test_a_digest_file_made_again_by_another_process_is_not_removed_as_the_damaged_one(cache_root: Path) -> None:
+    from types import SimpleNamespace
+
+    from torchcache.features.reuse import open_digests
+    from torchcache.stores.features.file import remove_features
+
+    made = extract(Net(), Images(16))
+    assert made.path is not None
+    made.close()
+    digests = made.path.with_name(DIGESTS_NAME)
+    digests.write_bytes(digests.read_bytes()[:100])
+    judged = DigestFile.planted_or_damaged(digests, 16)  # a second extraction finds it damaged ...
+    assert judged is not None
+    first = open_digests(SimpleNamespace(path=made.path, length=16))  # type: ignore[arg-type]  # ... the first remade it
+    assert first is not None
+    remove_features(digests, judged)  # ... and the second's removal comes now
+    assert os.lstat(digests).st_ino == os.fstat(first._fd).st_ino and os.fstat(first._fd).st_nlink == 1
+    first.close()
+
+
 def test_digests_name_the_input_exactly() -> None:
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert input_digest(x) == input_digest(x.clone()) == input_digest(x.t().contiguous().t())

@@ -219,7 +219,8 @@ def open_digests(file: RowsFile) -> DigestFile | None:
         return None
     path = file.path.with_name(DIGESTS_NAME)
     opened = DigestFile.open(path, file.length, create=True)
-    if opened is None and DigestFile.planted_or_damaged(path, file.length):  # a link goes, never what it names
-        remove_features(path)
+    judged = DigestFile.planted_or_damaged(path, file.length) if opened is None else None
+    if judged is not None:  # that file (or link) goes, never what a link names, nor one made since
+        remove_features(path, judged)
         opened = DigestFile.open(path, file.length, create=True)
     return opened

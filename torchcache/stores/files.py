@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["allocate", "create_whole", "open_regular", "pwrite_all", "read_at", "read_bounded"]
+__all__ = ["allocate", "create_whole", "identity", "open_regular", "pwrite_all", "read_at", "read_bounded"]
 
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOTHING_THERE = (errno.ENOENT, errno.ENOTDIR, errno.ENXIO)
@@ -118,6 +118,14 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if written <= 0:  # no progress: the file system has no room
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a write made no progress)")
         data, offset = data[written:], offset + written
+
+
+def identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a file from one made at its path since: device, inode, size and modification time.
+
+    An inode number alone does not: a file removed frees it for the next one made.
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def create_whole(path: Path, size: int, head: bytes, allocated: int | None = None, mode: int = 0o644) -> int | None:

@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from ...dtypes import standard_strides
-from ..files import create_whole, pwrite_all, read_at
+from ..files import create_whole, identity, pwrite_all, read_at
 from ..rows import runs
 
 __all__ = ["DIGESTS_NAME", "DigestFile", "batch_digests", "bindings", "input_digest", "pack_digests"]
@@ -174,23 +174,30 @@ class DigestFile:
         return cls(path, made, length)
 
     @staticmethod
-    def planted_or_damaged(path: Path, length: int) -> bool:
-        """Whether ``path`` holds a link (or another non-file), or a file not a whole digest file of ``length`` rows.
+    def planted_or_damaged(path: Path, length: int) -> tuple[int, ...] | None:
+        """The :func:`~torchcache.stores.files.identity` of a planted or damaged file at ``path``, else ``None``.
 
-        A file is whole from the moment it appears (:func:`~torchcache.stores.files.create_whole`),
-        so one that is not is damaged; what cannot be looked at (no permission) is not said to be.
+        Planted: a link or another non-file (a directory is left to ``torchcache verify``);
+        damaged: a file that is not a whole digest file of ``length`` rows. A file is whole
+        from the moment it appears (:func:`~torchcache.stores.files.create_whole`), so one
+        that is not is damaged; what cannot be looked at (no permission) is not said to be.
         """
         try:
             st = os.lstat(path)
+            judged = identity(st)
             if not stat.S_ISREG(st.st_mode):
-                return not stat.S_ISDIR(st.st_mode)  # a directory is left to `torchcache verify`
+                return None if stat.S_ISDIR(st.st_mode) else judged
             fd = os.open(path, (_O_OPEN & ~os.O_RDWR) | os.O_RDONLY)
         except OSError:
-            return False
+            return None
         try:
-            return st.st_size < _AT + _ENTRY * length or read_at(fd, _HEAD_BYTES) != _head(length)
+            opened = os.fstat(fd)
+            if identity(opened) != judged:  # replaced since: judged again at the next open
+                return None
+            whole = opened.st_size >= _AT + _ENTRY * length and read_at(fd, _HEAD_BYTES) == _head(length)
+            return None if whole else judged
         except OSError:
-            return False
+            return None
         finally:
             os.close(fd)
 

@@ -18,6 +18,7 @@ import numpy as np
 from ..._gc import collector_paused
 from ...errors import CorruptEntryError
 from ...faults import Fault, Report
+from ..files import identity
 from ..rows import RowsFile
 from .layout import SampleLayout
 
@@ -118,9 +119,10 @@ def open_existing(path: Path, header: dict[str, Any], warn: Warn) -> RowsFile | 
         remove_features(path)
         return None
     except OSError as exc:
-        if path.is_symlink():  # planted: the link goes (never what it names), and the file is made again
+        st = os.lstat(path) if path.is_symlink() else None
+        if st is not None:  # planted: the link goes (never what it names), and the file is made again
             warn(Fault.CORRUPT, f"the features file {path} is a link ({exc}): removed, computed again")
-            remove_features(path)
+            remove_features(path, identity(st))
             return None
         warn(Fault.OPEN, f"cannot open the features file {path} ({exc}): computed again")
         return None
@@ -159,9 +161,18 @@ def forget_damaged(file: RowsFile, indices: list[int], warn: Warn) -> None:
         file.unmark(indices)
 
 
-def remove_features(path: Path) -> None:
-    """Remove a features file (renamed aside first, so that no process opens it half removed)."""
+def remove_features(path: Path, judged: tuple[int, ...] | None = None) -> None:
+    """Remove a features file (renamed aside first, so that no process opens it half removed).
+
+    With ``judged``, the :func:`~torchcache.stores.files.identity` of the file found damaged (or a link), only
+    that one goes: a file another process made there since is put back.
+    """
     with contextlib.suppress(OSError):
         aside = path.with_name(f".{path.name}.{os.getpid()}.damaged")
         os.rename(path, aside)
-        os.unlink(aside)
+        try:
+            st = os.lstat(aside)
+            if judged is not None and identity(st) != judged:
+                os.link(aside, path, follow_symlinks=False)  # fails if yet another file is there now
+        finally:
+            os.unlink(aside)
