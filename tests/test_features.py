@@ -933,13 +933,19 @@ def test_hostile_headers_are_refused(tmp_path: Path) -> None:
             open_features(path)
 
 
-def test_an_unusable_cache_dir_keeps_features_in_memory(tmp_path: Path) -> None:
+def _in_memory(tmp_path: Path) -> tuple[FeatureDataset, torch.utils.data.TensorDataset, Scale]:
+    """Features extracted where no cache can be made (its directory is a file): kept in memory, with a warning."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     data = torch.utils.data.TensorDataset(torch.randn(10, 6))
     net = Scale()
     with pytest.warns(CacheWarning, match="kept in memory"):
         features = extract(net, data, cache_dir=blocker)
+    return features, data, net
+
+
+def test_an_unusable_cache_dir_keeps_features_in_memory(tmp_path: Path) -> None:
+    features, data, net = _in_memory(tmp_path)
     assert features.path is None
     assert all(torch.equal(features[i][0], net(data[i][0])) for i in range(10))
 
@@ -970,12 +976,7 @@ def test_features_kept_in_memory_load_in_this_process_where_workers_would_be_spa
 ) -> None:
     import multiprocessing.context
 
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    data = torch.utils.data.TensorDataset(torch.randn(10, 6))
-    net = Scale()
-    with pytest.warns(CacheWarning, match="kept in memory"):
-        features = extract(net, data, cache_dir=blocker)
+    features, data, net = _in_memory(tmp_path)
     with pytest.warns(CacheWarning, match="loading them in this process"):
         loader = features.loader(4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True, timeout=5)
     assert loader.num_workers == 0
