@@ -675,6 +675,29 @@ def test_a_folder_attribute_is_keyed_by_every_file_in_it_and_a_huge_one_asks_for
     assert fingerprint_dataset(FromFolder(folder), version=1) != fingerprint_dataset(FromFolder(folder), version=2)
 
 
+def test_a_folder_attribute_is_keyed_by_its_subfolders_too_an_empty_one_included(tmp_path: Path) -> None:
+    folder = tmp_path / "classes"
+    (folder / "cat").mkdir(parents=True)
+    (folder / "cat" / "0.jpg").write_bytes(b"an image")
+    before = fingerprint_dataset(FromFolder(folder))
+    (folder / "bird").mkdir()  # a new class, no images yet: the labels a dataset makes of the folders change
+    assert fingerprint_dataset(FromFolder(folder)) != before
+
+
+def test_a_path_attribute_under_home_or_a_variable_is_keyed_by_the_file_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TC_DATA", str(tmp_path))
+    labels = tmp_path / "labels.txt"
+    labels.write_text("cat")
+    for written in ("~/labels.txt", "$TC_DATA/labels.txt"):
+        before = fingerprint_dataset(FromFolder(Path(written)))  # read as Path(...).expanduser() by the dataset
+        labels.write_text("emu, a longer label")
+        assert fingerprint_dataset(FromFolder(Path(written))) != before
+        labels.write_text("cat")
+
+
 def test_a_disk_tiers_metadata_that_cannot_be_read_is_left_as_it_is(
     tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -475,8 +475,13 @@ def _install_fake(site: Path, factor: int, direct: str) -> None:
 
 @pytest.mark.parametrize(
     ("direct", "follows_files"),
-    [('{"url": "file:///src/builtlocally", "dir_info": {}}', True), ("{}", False)],
-    ids=["built-from-a-directory", "from-an-index"],
+    [
+        ('{"url": "file:///src/builtlocally", "dir_info": {}}', True),
+        ('{"url": "file:///src/dist/builtlocally-0.1.0-py3-none-any.whl", "archive_info": {}}', True),
+        ('{"url": "https://files.example/builtlocally-0.1.0.tar.gz", "archive_info": {}}', False),
+        ("{}", False),
+    ],
+    ids=["built-from-a-directory", "from-a-local-wheel", "from-a-url", "from-an-index"],
 )
 def test_a_package_built_from_a_directory_is_keyed_by_its_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str, follows_files: bool

@@ -315,24 +315,31 @@ def encode_path(encoder: Encoder, value: PurePath, path: str) -> bytes:
     where = f"{type(value).__name__}|{value}"
     if not encoder.files:
         return tagged(Tag.PATH, text(where))
+    target = os.fspath(value)
     try:
-        stat = os.stat(value)
-    except OSError:
-        return tagged(Tag.PATH, text(where + "|missing"))
+        stat = os.stat(target)
+    except OSError:  # "~/x" or "$DATA/x": the file a dataset reads once it expands them
+        target = os.path.expandvars(os.path.expanduser(target))
+        try:
+            stat = os.stat(target)
+        except OSError:
+            return tagged(Tag.PATH, text(where + "|missing"))
     if not S_ISDIR(stat.st_mode):
         return tagged(Tag.PATH, text(where + f"|{stat.st_size}|{stat.st_mtime_ns}"))
     # A file rewritten in place changes neither the directory's size nor its time: its own do.
     # Folders of torchcache's own caches are left out (their files change as they are used).
     entries: list[str] = []
     seen: set[tuple[int, int]] = set()  # folders linked in are followed, each once
-    walk = os.walk(value, onerror=lambda exc: entries.append(f"|unreadable {exc.errno}"), followlinks=True)
+    walk = os.walk(target, onerror=lambda exc: entries.append(f"|unreadable {exc.errno}"), followlinks=True)
     for folder, dirs, files in walk:
         st = os.stat(folder)
-        if (_META in files and folder != os.fspath(value)) or (st.st_dev, st.st_ino) in seen:
+        if (_META in files and folder != target) or (st.st_dev, st.st_ino) in seen:
             dirs.clear()
             continue
         seen.add((st.st_dev, st.st_ino))
         dirs.sort()
+        if not dirs and not files and folder != target:  # an empty folder too (a class with no images yet)
+            entries.append(f"|{os.path.relpath(folder, target)}/")
         encoder.walked += len(dirs) + len(files)
         if encoder.walked > DIRECTORY_ENTRIES:
             raise encoder.refuse(
@@ -345,9 +352,9 @@ def encode_path(encoder: Encoder, value: PurePath, path: str) -> bytes:
             try:
                 st = os.stat(os.path.join(folder, name))
             except OSError:
-                entries.append(f"|{os.path.relpath(folder, value)}/{name}|missing")
+                entries.append(f"|{os.path.relpath(folder, target)}/{name}|missing")
             else:
-                entries.append(f"|{os.path.relpath(folder, value)}/{name}|{st.st_size}|{st.st_mtime_ns}")
+                entries.append(f"|{os.path.relpath(folder, target)}/{name}|{st.st_size}|{st.st_mtime_ns}")
     return tagged(Tag.PATH, text(where + "|dir" + "".join(entries)))
 
 

@@ -138,12 +138,19 @@ def _distribution(top: str, scan: bool) -> importlib.metadata.Distribution | Non
 
 
 def _built_locally(distribution: importlib.metadata.Distribution) -> str:
-    """``|files-<digest>`` of the file hashes in ``RECORD`` for a package built from a directory or repository."""
+    """``|files-<digest>`` of the file hashes in ``RECORD`` for a package built or installed from this machine.
+
+    That is one installed from a directory, a repository or a local archive (a wheel or
+    sdist rebuilt under the same version): its version does not tell its code.
+    """
     try:
         direct = json.loads(distribution.read_text("direct_url.json") or "{}")
     except (ValueError, OSError):
         direct = {}
-    if not isinstance(direct, dict) or not ("dir_info" in direct or "vcs_info" in direct):
+    if not isinstance(direct, dict):
+        return ""
+    local = str(direct.get("url", "")).startswith("file:")
+    if not ("dir_info" in direct or "vcs_info" in direct or local):
         return ""
     record = distribution.read_text("RECORD") or ""
     lines = sorted(
