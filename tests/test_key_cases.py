@@ -16,7 +16,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import pytest
@@ -271,6 +271,33 @@ def test_a_tensor_subclass_is_keyed_apart_from_a_plain_tensor() -> None:
 
     assert torch.equal(scale(X), X * 2)
     assert torch.equal(scale(X.as_subclass(_Doubled)), X * 3)
+
+
+_PAIR_SCALE = 2.0
+
+
+class _Pair(NamedTuple):
+    """An input container whose method reads a global."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def total(self) -> torch.Tensor:
+        return (self.a + self.b) * _PAIR_SCALE
+
+
+def test_a_global_or_method_of_an_input_type_rebound_after_a_call_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    @torchcache()
+    def total(pair: _Pair) -> torch.Tensor:
+        return pair.total()
+
+    pair = _Pair(X, X.flip(1))
+    assert torch.equal(total(pair), (X + X.flip(1)) * 2)
+    monkeypatch.setattr(sys.modules[__name__], "_PAIR_SCALE", 3.0)
+    assert torch.equal(total(pair), (X + X.flip(1)) * 3)  # the type's key is taken again
+    monkeypatch.setattr(_Pair, "total", lambda self: self.a - self.b)
+    assert torch.equal(total(pair), X - X.flip(1))
+    assert total.cache_instance.stats().hits == 0
 
 
 # 10 ------------------------------------------------------------------------------------------------

@@ -39,11 +39,12 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..canonical import KeyEncoder
+from ..canonical import KeyEncoder, collecting
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from .call import CallArguments
 from .containers import MAX_DEPTH, container_state, holds_tensor, map_tensors
+from .versions import HeldValues
 
 __all__ = ["PASSED_ON", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint"]
 
@@ -61,7 +62,7 @@ _SHARED_REMEDY = (
 )
 #: How the key names the type of a container of per-item tensors (built-in ones by a letter).
 _CONTAINERS: dict[type, bytes] = {tuple: b"t", list: b"l", dict: b"d", collections.OrderedDict: b"o"}
-_types: weakref.WeakKeyDictionary[type, bytes] = weakref.WeakKeyDictionary()
+_types: weakref.WeakKeyDictionary[type, tuple[bytes, HeldValues | None]] = weakref.WeakKeyDictionary()
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _PLAIN_FUNCTION = torch._C._disabled_torch_function_impl
 
@@ -231,16 +232,19 @@ def _quantization(label: str, dim: int, tensor: torch.Tensor) -> bytes:
 def _type_key(cls: type, label: str) -> bytes:
     """The key of a type that holds or is a per-item tensor: a letter for built-in containers, else its code.
 
-    Taken once per type and process (a class is not expected to change while it is in use).
+    Taken once per type and process, and again once a global or attribute it read was
+    rebound, or a tensor it read written (what the module key's check watches, watched here).
     """
     known = _CONTAINERS.get(cls)
     if known is not None:
         return known
     found = _types.get(cls)
-    if found is None:
-        encoded = KeyEncoder(_SHARED_REMEDY, tensors=False).encode(cls, f"argument {label!r} type")
-        found = _types[cls] = b"c" + encoded
-    return found
+    if found is None or (found[1] is not None and found[1].changed()):
+        with collecting() as read:
+            encoded = b"c" + KeyEncoder(_SHARED_REMEDY, tensors=False).encode(cls, f"argument {label!r} type")
+        held = HeldValues(read)
+        found = _types[cls] = (encoded, held if held else None)
+    return found[0]
 
 
 class CallSplitter:
