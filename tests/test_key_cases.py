@@ -300,6 +300,21 @@ def test_a_global_or_method_of_an_input_type_rebound_after_a_call_is_seen(monkey
     assert total.cache_instance.stats().hits == 0
 
 
+def test_an_input_type_is_checked_once_per_call_however_many_items_hold_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchcache.module import versions
+
+    @torchcache()
+    def totals(pairs: list[_Pair]) -> torch.Tensor:
+        return torch.stack([pair.total() for pair in pairs]).sum(0)
+
+    pairs = [_Pair(X, X * i) for i in range(8)]
+    totals(pairs)
+    checks, changed = [], versions.HeldValues.changed
+    monkeypatch.setattr(versions.HeldValues, "changed", lambda self: checks.append(1) or changed(self))
+    totals(pairs)
+    assert len(checks) <= 2  # the module key's check and the type's, not one per pair
+
+
 # 10 ------------------------------------------------------------------------------------------------
 def test_shared_arguments_keep_where_their_tensors_sit() -> None:
     @torchcache(shared_args=("masks",))
@@ -487,7 +502,7 @@ def test_outputs_that_cannot_be_cached_say_the_way_out() -> None:
 
 
 # a package installed with `pip install .` keeps its version while its code changes ----------------
-def _install_fake(site: Path, factor: int, direct: str) -> None:
+def _install_fake(site: Path, factor: int, direct: str, script: str = "") -> None:
     package = site / "builtlocally"
     package.mkdir(parents=True, exist_ok=True)
     source = f"def scale(x):\n    return x * {factor}\n"
@@ -496,7 +511,10 @@ def _install_fake(site: Path, factor: int, direct: str) -> None:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: builtlocally\nVersion: 0.1.0\n")
     digest = __import__("hashlib").sha256(source.encode()).hexdigest()
-    (info / "RECORD").write_text(f"builtlocally/__init__.py,sha256={digest},{len(source)}\n")
+    record = f"builtlocally/__init__.py,sha256={digest},{len(source)}\n"
+    if script:  # pip writes a console script with the environment's interpreter in it, outside the package
+        record += f"../../../bin/builtlocally,sha256={script},99\n"
+    (info / "RECORD").write_text(record)
     (info / "direct_url.json").write_text(direct)
 
 
@@ -527,6 +545,26 @@ def test_a_package_built_from_a_directory_is_keyed_by_its_files(
         keys.append(KeyEncoder("remedy").encode(module.scale, "scale"))
     monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
     assert (keys[0] != keys[1]) == follows_files
+
+
+def test_a_local_wheel_installed_in_two_environments_keeps_one_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.canonical import origins
+
+    direct = '{"url": "file:///src/dist/builtlocally-0.1.0-py3-none-any.whl", "archive_info": {}}'
+    keys = []
+    for env in ("a", "b"):  # its console script differs (each names its own interpreter); its package does not
+        site = tmp_path / env / "site-packages"
+        monkeypatch.syspath_prepend(str(site))
+        _install_fake(site, 2, direct, script=env * 64)
+        monkeypatch.setattr(origins, "_versions", {})
+        monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
+        importlib.invalidate_caches()
+        keys.append(KeyEncoder("remedy").encode(importlib.import_module("builtlocally").scale, "scale"))
+        monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
+        sys.path.remove(str(site))
+    assert keys[0] == keys[1]
 
 
 def test_a_list_of_strings_as_long_as_the_batch_is_pointed_out_once() -> None:

@@ -153,9 +153,9 @@ def _built_locally(distribution: importlib.metadata.Distribution) -> str:
     if not ("dir_info" in direct or "vcs_info" in direct or local):
         return ""
     record = distribution.read_text("RECORD") or ""
-    lines = sorted(
-        line for line in record.splitlines() if ",sha256=" in line and ".dist-info/" not in line.split(",", 1)[0]
-    )
+    # Files outside the package (scripts pip writes with this environment's interpreter in them) left out.
+    paths = ((line, line.split(",", 1)[0]) for line in record.splitlines() if ",sha256=" in line)
+    lines = sorted(line for line, path in paths if ".dist-info/" not in path and not path.startswith("../"))
     return "|files-" + xxhash.xxh3_128_hexdigest("\n".join(lines).encode())
 
 

@@ -114,6 +114,13 @@ class _Splitter:
         self.first_label = ""
         self.sequences: list[tuple[str, int]] = []  # non-tensor lists keyed whole, with their lengths
         self.shared_tensors: list[torch.Tensor] = []
+        self.types: dict[type, bytes] = {}  # each type's key, checked once per call
+
+    def type_key(self, cls: type, label: str) -> bytes:
+        found = self.types.get(cls)
+        if found is None:
+            found = self.types[cls] = _type_key(cls, label)
+        return found
 
     def add(self, label: str, name: str, value: Any) -> None:
         self.context.add(label.encode())
@@ -142,7 +149,7 @@ class _Splitter:
         if isinstance(value, torch.Tensor):
             self._add_tensor(label, dim, value)
         elif depth < MAX_DEPTH and isinstance(value, (tuple, list)) and holds_tensor(value):
-            self.context.add(b"(" + _type_key(type(value), label) + str(len(value)).encode())
+            self.context.add(b"(" + self.type_key(type(value), label) + str(len(value)).encode())
             if type(value) is not tuple and type(value) is not list:
                 self.context.add(container_state(value, label))
             for i, item in enumerate(value):
@@ -152,7 +159,7 @@ class _Splitter:
             if not all(isinstance(k, str) for k in keys):
                 raise KeyingError(f"argument {label!r}: a mapping that holds tensors must have str keys, got {keys!r}")
             # In their order (a forward may concatenate the values), and a subclass's own state with its class.
-            self.context.add(_MAPPING + _type_key(type(value), label) + str(len(keys)).encode())
+            self.context.add(_MAPPING + self.type_key(type(value), label) + str(len(keys)).encode())
             if type(value) is not dict:
                 self.context.add(container_state(value, label))
             for key in keys:
@@ -179,7 +186,7 @@ class _Splitter:
                 "shared_args if it is the same for the whole batch"
             )
         if tensor.__dict__ or type(tensor) is not torch.Tensor:  # its class and attributes count
-            self.context.add(_TENSOR_TYPE + _type_key(type(tensor), label) + _tensor_state(label, dim, tensor))
+            self.context.add(_TENSOR_TYPE + self.type_key(type(tensor), label) + _tensor_state(label, dim, tensor))
         if dim:
             tensor = tensor.movedim(dim, 0)
         if self.batch < 0:
