@@ -14,7 +14,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -565,29 +565,6 @@ def test_a_local_wheel_installed_in_two_environments_keeps_one_key(
         monkeypatch.delitem(sys.modules, "builtlocally", raising=False)
         sys.path.remove(str(site))
     assert keys[0] == keys[1]
-
-
-def _gelu_imported_inside(x: torch.Tensor) -> torch.Tensor:
-    import torch.nn.functional as F
-
-    return F.gelu(x)
-
-
-def _gelu_by_its_name(x: torch.Tensor) -> torch.Tensor:
-    import torch.nn.functional as F
-
-    return getattr(F, "gelu")(x)  # noqa: B009 - the string the key reads as the attribute
-
-
-@pytest.mark.parametrize("fn", [_gelu_imported_inside, _gelu_by_its_name])
-def test_a_function_replaced_in_a_module_imported_inside_forward_is_seen(
-    monkeypatch: pytest.MonkeyPatch, fn: Callable[[torch.Tensor], torch.Tensor]
-) -> None:
-    cached_fn = torchcache()(fn)
-    assert torch.equal(cached_fn(X), nn.functional.gelu(X))
-    monkeypatch.setattr(nn.functional, "gelu", torch.tanh)
-    assert torch.equal(cached_fn(X), torch.tanh(X))
-    assert cached_fn.cache_instance.stats().hits == 0
 
 
 def test_a_list_of_strings_as_long_as_the_batch_is_pointed_out_once() -> None:

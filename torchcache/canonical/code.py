@@ -163,15 +163,11 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
     pending_import: tuple[str, int] | None = None
     taken: list[str] = []
     bound = ""  # the local name an import binds a whole module to
-    named = ""  # the module that local names: the top one (import a.b), or the one named (import a.b as c)
-    whole = False  # the import statement has no names list (import a.b [as c])
     previous = ""
     for instruction in dis.get_instructions(code):
         name = instruction.opname
-        if previous == "IMPORT_NAME" and name.startswith("STORE_") and pending_import is not None:
-            bound, named = instruction.argval, pending_import[0].partition(".")[0]
-        elif previous == "IMPORT_FROM" and name.startswith("STORE_") and whole and pending_import is not None:
-            bound, named = instruction.argval, pending_import[0]
+        if previous == "IMPORT_NAME" and name.startswith("STORE_"):
+            bound = instruction.argval
         previous = name
         if name in _LOADS_ATTRIBUTE and chain is not None:
             chain.append(instruction.argval)
@@ -185,16 +181,15 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
             constants = [*constants[-1:], instruction.argval]
         elif name == "IMPORT_NAME":
             if pending_import is not None:
-                imports.update(_imported(code, *pending_import, taken, bound, named))
+                imports.update(_imported(code, *pending_import, taken, bound))
             level = constants[0] if len(constants) == 2 and type(constants[0]) is int else 0
-            whole = len(constants) == 2 and constants[1] is None
-            pending_import, taken, bound, named = (instruction.argval, level), [], "", ""
+            pending_import, taken, bound = (instruction.argval, level), [], ""
         elif name == "IMPORT_FROM":
             taken.append(instruction.argval)
     if chain is not None:
         chains.add(tuple(chain))
     if pending_import is not None:
-        imports.update(_imported(code, *pending_import, taken, bound, named))
+        imports.update(_imported(code, *pending_import, taken, bound))
 
 
 #: Modules whose attribute reaches modules named at run time, when a function imports them whole.
@@ -203,37 +198,32 @@ _LOADS_LOCAL = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLOSURE"
 
 
 def _imported(
-    code: types.CodeType, module: str, level: int, taken: list[str], bound: str, named: str = ""
+    code: types.CodeType, module: str, level: int, taken: list[str], bound: str
 ) -> list[tuple[str, int, tuple[str, ...]]]:
-    """An import statement's entries, and those of the attributes the code reads from the module it binds.
+    """An import statement's entries, with the attribute that names modules at run time if the code reads it.
 
-    A module imported whole inside a function is a local variable (``bound``, naming the
-    module ``named``): each attribute read from it by name, or named by the string that
-    follows it (``getattr(F, "gelu")``), is an entry as ``from named import attribute``
-    would be, so a function put in its place (``F.gelu = torch.tanh``) is keyed as it is
-    there. ``import_module`` of ``import importlib`` and ``modules`` of ``import sys``
-    name modules at run time: an entry each too.
+    A module imported whole inside a function is a local variable (``bound``): the
+    attributes read from it are not followed, except ``import_module`` of ``import
+    importlib`` (or of ``import importlib.util``, which binds ``importlib`` too) and
+    ``modules`` of ``import sys``, read from that local by name or as the string that
+    follows it (``getattr(importlib, "import_module")``).
     """
     entries = [(module, level, tuple(taken))]
     top = module.partition(".")[0]
     attribute = _NAMING_MODULES.get(top) if not level else None
-    read = _attributes_read(code, bound) if bound else set()
-    if not taken and attribute is not None and attribute in read:
+    if not taken and attribute is not None and bound and _reads_attribute(code, bound, attribute):
         entries.append((top, 0, (attribute,)))
-    if named and not level:
-        entries += [(named, 0, (name,)) for name in sorted(read) if name.isidentifier() and name != attribute]
     return entries
 
 
-def _attributes_read(code: types.CodeType, local: str) -> set[str]:
-    """The attributes ``code`` reads from its local variable ``local`` (or names by the string right after it)."""
-    found: set[str] = set()
+def _reads_attribute(code: types.CodeType, local: str, attribute: str) -> bool:
+    """Whether ``code`` reads ``attribute`` from its local variable ``local`` (or names it right after loading it)."""
     after = False
     for instruction in dis.get_instructions(code):
-        if after and instruction.opname in {*_LOADS_ATTRIBUTE, "LOAD_CONST"} and type(instruction.argval) is str:
-            found.add(instruction.argval)
+        if after and instruction.argval == attribute and instruction.opname in {*_LOADS_ATTRIBUTE, "LOAD_CONST"}:
+            return True
         after = instruction.opname in _LOADS_LOCAL and instruction.argval == local
-    return found
+    return False
 
 
 # -- functions -----------------------------------------------------------------------------------------
