@@ -171,8 +171,7 @@ def remove_features(path: Path, judged: tuple[int, ...] | None = None) -> None:
         aside = path.with_name(f".{path.name}.{os.getpid()}.damaged")
         os.rename(path, aside)
         try:
-            st = os.lstat(aside)
-            if judged is not None and identity(st) != judged:
+            if judged is not None and identity(os.lstat(aside)) != judged:
                 os.link(aside, path, follow_symlinks=False)  # fails if yet another file is there now
         finally:
             os.unlink(aside)

@@ -316,9 +316,10 @@ def run_pipeline(pipe: Client, cluster: bool, raise_on_error: bool = True) -> li
     queued = list(strategy.command_queue if strategy is not None else pipe.command_stack)
     try:
         replies = list(pipe.send_cluster_commands(queued, raise_on_error=False, allow_redirections=False))
-        moved = [i for i, reply in enumerate(replies) if isinstance(reply, _redirections())]
+        errors = import_redis().exceptions
+        redirected = (errors.MovedError, errors.AskError, errors.TryAgainError)
+        moved = [i for i, reply in enumerate(replies) if isinstance(reply, redirected)]
         if moved:
-            errors = import_redis().exceptions
             try:
                 again = list(pipe.send_cluster_commands([queued[i] for i in moved], raise_on_error=False))
             except (errors.RedisError, errors.RedisClusterException, OSError) as exc:  # the others stand: callers
@@ -332,11 +333,6 @@ def run_pipeline(pipe: Client, cluster: bool, raise_on_error: bool = True) -> li
             if isinstance(reply, BaseException):
                 raise reply
     return replies
-
-
-def _redirections() -> tuple[type[BaseException], ...]:
-    exceptions = import_redis().exceptions
-    return (exceptions.MovedError, exceptions.AskError, exceptions.TryAgainError)
 
 
 def node_clients(client: Client, cluster: bool) -> list[Client]:
