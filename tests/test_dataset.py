@@ -792,6 +792,31 @@ def test_a_full_tier_encodes_no_sample_but_still_refuses_bad_ones(log: Path, mon
     data.close()
 
 
+class Collating(Dataset[dict[str, Any]]):
+    """A dataset whose ``__getitems__`` gives a collated batch (a dict), not a list of samples."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.tensor([i]), "i": i}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        return {"x": torch.stack([torch.tensor([i]) for i in indices]), "i": list(indices)}
+
+
+def test_a_getitems_that_collates_is_not_split_into_wrong_samples(tmp_path: Path) -> None:
+    data = CachedDataset(Collating(), tmp_path / "cache", max_memory_size=0)
+    with pytest.warns(CacheWarning, match=r"Collating\.__getitems__ gave a dict for 2 indices"):
+        first = data.__getitems__([2, 3])  # two keys, as two indices: list() of the dict gave the keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        later = [data[2], data[5], *data.__getitems__([6, 7])]
+    for sample, i in zip([*first, *later], [2, 3, 2, 5, 6, 7]):
+        assert sample["i"] == i and torch.equal(sample["x"], torch.tensor([i]))
+    data.close()
+
+
 def test_a_dataset_pickles_without_its_open_files(log: Path) -> None:
     data = CachedDataset(Numbers(6, log), max_memory_size="1MB")
     data[1]

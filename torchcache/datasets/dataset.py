@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,14 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..config import module_dir_name
-from ..errors import ConfigError, KeyingError, StoreError, StoreUnavailableError, TorchCacheError
+from ..errors import CacheWarning, ConfigError, StoreError, StoreUnavailableError, TorchCacheError
+from ..faults import user_stacklevel
 from ..locations import check_local_dir, is_object_url, resolve_root
 from ..meta import read_meta
 from ..stats import CacheStats
 from ..stores.redis.url import redact_url
 from .cache import DEFAULT_DISK_SIZE, SampleCache
-from .draws import batch_draws, draw_mark
-from .encode import check_sample
+from .draws import checked_for_draws, draw_mark
 from .keys import fingerprint_dataset
 
 __all__ = ["CachedDataset", "MissingSampleError"]
@@ -233,6 +234,7 @@ class CachedDataset(Dataset[Any]):
         self.length = length
         # "first": the first sample this process computes is read again; "moved": a batch that moved a generator
         self._check = "first" if check_samples else ""
+        self._batched = hasattr(dataset, "__getitems__")  # False once it gave no list of samples
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, fingerprint={self.fingerprint}, cache={self.cache!r})"
@@ -254,12 +256,12 @@ class CachedDataset(Dataset[Any]):
     def _compute(self, indices: list[Any]) -> Sequence[Any]:
         if self.dataset is None:
             return self._when_back(indices)
-        batched = getattr(self.dataset, "__getitems__", None)
+        batched = getattr(self.dataset, "__getitems__", None) if self._batched else None
         before = draw_mark() if self._check else None
-        samples = list(batched(indices)) if batched else [self.dataset[i] for i in indices]
+        samples, self._batched = _read_samples(self.dataset, batched, indices)
         moved = before is not None and before != draw_mark()
         due = (moved or self._check == "first") and bool(samples)
-        if due and _draws_checked(self.dataset, batched, indices, samples, moved):
+        if due and checked_for_draws(self.dataset, batched if self._batched else None, indices, samples, moved):
             self._check = "moved"
         return samples
 
@@ -351,39 +353,24 @@ class CachedDataset(Dataset[Any]):
         self.cache.close()
 
 
-def _draws_checked(dataset: Any, batched: Any, indices: list[Any], samples: list[Any], moved: bool) -> bool:
-    """Whether a computed batch was checked for random samples (:func:`~.draws.batch_draws`) and none was found.
+def _read_samples(dataset: Any, batched: Any, indices: list[Any]) -> tuple[list[Any], bool]:
+    """The samples at ``indices``, and whether ``__getitems__`` is to read the next ones.
 
-    ``False`` when it could not be: a sample that cannot be cached (refused for that when
-    stored), or a read again that failed (a file away for a moment).
-
-    Raises:
-        KeyingError: If a sample is random.
+    A ``__getitems__`` that gives no list of one sample per index (a collated batch, which
+    cannot be split into samples) is not called again: samples are read one by one.
     """
-    if not _cacheable(samples[0]):
-        return False
-    read = (lambda i: batched([i])[0]) if batched else dataset.__getitem__  # as the batch was read (__getitems__)
-    try:
-        found = batch_draws(read, indices, samples, moved)
-    except Exception:  # noqa: BLE001 - no verdict: the next batch is checked
-        return False
-    if found is not None:
-        raise KeyingError(
-            f"{type(dataset).__qualname__}[{found[0]}] is random (read again, it gave {found[1]}): a cache would "
-            "serve its first draw at every epoch. Run the random part in transform= (applied after the cache, at "
-            "every access), draw from a generator seeded by the index (np.random.default_rng(index)), or pass "
-            "check_samples=False to cache its first draws"
+    if batched:
+        samples = batched(indices)
+        if isinstance(samples, (list, tuple)) and len(samples) == len(indices):
+            return list(samples), True
+        warnings.warn(
+            f"torchcache: {type(dataset).__qualname__}.__getitems__ gave a {type(samples).__name__} for "
+            f"{len(indices)} indices, not a list of one sample per index (what a Dataset's __getitems__ "
+            "returns): CachedDataset reads its samples one by one with __getitem__",
+            CacheWarning,
+            stacklevel=user_stacklevel(),
         )
-    return True
-
-
-def _cacheable(sample: Any) -> bool:
-    """Whether a sample can be cached (one that cannot is refused for that when it is stored)."""
-    try:
-        check_sample(sample)
-    except KeyingError:
-        return False
-    return True
+    return [dataset[i] for i in indices], False
 
 
 class _Filler(Dataset[int]):

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 
 from ..dtypes import standard_strides
+from ..errors import KeyingError
+from .encode import check_sample
 
-__all__ = ["Generators", "batch_draws", "draw_mark", "random_reads", "same_sample"]
+__all__ = ["Generators", "batch_draws", "checked_for_draws", "draw_mark", "random_reads", "same_sample"]
 
 
 def same_sample(a: Any, b: Any) -> bool:
@@ -168,3 +170,38 @@ def random_reads(read: Callable[[int], Any], index: int, sample: Any) -> str | N
         return None
     finally:
         before.restore()
+
+
+def checked_for_draws(dataset: Any, batched: Any, indices: list[Any], samples: list[Any], moved: bool) -> bool:
+    """Whether a computed batch was checked for random samples (:func:`batch_draws`) and none was found.
+
+    ``False`` when it could not be: a sample that cannot be cached (refused for that when
+    stored), or a read again that failed (a file away for a moment).
+
+    Raises:
+        KeyingError: If a sample is random.
+    """
+    if not _cacheable(samples[0]):
+        return False
+    read = (lambda i: batched([i])[0]) if batched else dataset.__getitem__  # as the batch was read (__getitems__)
+    try:
+        found = batch_draws(read, indices, samples, moved)
+    except Exception:  # noqa: BLE001 - no verdict: the next batch is checked
+        return False
+    if found is not None:
+        raise KeyingError(
+            f"{type(dataset).__qualname__}[{found[0]}] is random (read again, it gave {found[1]}): a cache would "
+            "serve its first draw at every epoch. Run the random part in transform= (applied after the cache, at "
+            "every access), draw from a generator seeded by the index (np.random.default_rng(index)), or pass "
+            "check_samples=False to cache its first draws"
+        )
+    return True
+
+
+def _cacheable(sample: Any) -> bool:
+    """Whether a sample can be cached (one that cannot is refused for that when it is stored)."""
+    try:
+        check_sample(sample)
+    except KeyingError:
+        return False
+    return True
