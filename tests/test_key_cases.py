@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import cmath
 import collections
 import contextlib
@@ -9,6 +10,7 @@ import copy
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import sys
 import threading
 import types
@@ -1292,6 +1294,23 @@ def _by_name(x: torch.Tensor) -> torch.Tensor:
     return x * globals()["_TABLE"]
 
 
+def _reads_its_own_globals(x: torch.Tensor) -> torch.Tensor:
+    return x * _reads_its_own_globals.__globals__["_TABLE"]
+
+
+def _reads_a_frames_globals(x: torch.Tensor) -> torch.Tensor:
+    return x * sys._getframe(0).f_globals["_TABLE"]
+
+
+def _reads_a_frames_locals(x: torch.Tensor) -> torch.Tensor:
+    scale = _TABLE  # noqa: F841 - read through the frame
+    return x * inspect.currentframe().f_locals["scale"]  # type: ignore[union-attr]
+
+
+def _reads_globals_through_a_lambda(x: torch.Tensor) -> torch.Tensor:
+    return x * (lambda: 0).__globals__["_TABLE"]
+
+
 def _imports_by_name(x: torch.Tensor) -> torch.Tensor:
     return importlib.import_module("math").pi * x
 
@@ -1348,11 +1367,70 @@ def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
         (_module_by_name_imported_whole, "sys.modules"),
         (_imports_by_name_through_a_submodule, "importlib"),
         (_imports_by_name_through_getattr, "importlib"),
+        (_reads_its_own_globals, "__globals__"),
+        (_reads_a_frames_globals, "f_globals"),
+        (_reads_a_frames_locals, "f_locals"),
+        (_reads_globals_through_a_lambda, "__globals__"),
     ],
 )
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
     with pytest.raises(KeyingError, match=f"{named}.*known only when it runs"):
         torchcache()(fn)(X)
+
+
+def _abs_of_minus_two(x: torch.Tensor) -> torch.Tensor:
+    return x * abs(-2)
+
+
+def test_a_builtin_put_in_pythons_place_is_keyed_and_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    cached = torchcache()(_abs_of_minus_two)
+    assert torch.equal(cached(X), X * 2)
+    plain = cached.cache_instance.module_hash
+    monkeypatch.setattr(builtins, "abs", lambda value: 5)
+    assert torch.equal(cached(X), X * 5)  # rebound after the first call: the key is taken again
+    fresh = torchcache()(_abs_of_minus_two)
+    assert torch.equal(fresh(X), X * 5)
+    assert fresh.cache_instance.module_hash not in (plain, None)  # put there before the key: keyed by its code
+
+
+_READS_DICT = "import holds_scale\n\ndef scaled(x):\n    return x * holds_scale.__dict__['T']\n"
+
+
+def test_a_user_modules_dict_is_keyed_as_the_module(
+    tmp_path: Path, modules: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules += ["holds_scale", "reads_dict"]
+    held = load_module(tmp_path / "holds_scale.py", "holds_scale", "T = 2.0\n")
+    cached = torchcache()(load_module(tmp_path / "reads_dict.py", "reads_dict", _READS_DICT).scaled)
+    assert torch.equal(cached(X), X * 2)
+    held.T = 3.0
+    assert torch.equal(cached(X), X * 3)
+
+
+@torchcache()
+class _Doubles(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requires_grad_(False)
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.times(x)
+
+
+class _Triples(_Doubles):
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+def test_the_modules_own_class_swapped_after_a_call_takes_the_key_again() -> None:
+    model = _Doubles()
+    assert torch.equal(model(X), X * 2)
+    model.__class__ = _Triples
+    assert torch.equal(model(X), X * 3)
 
 
 _OPTIONS = {"modules": 2.0, "import_module": 3.0}

@@ -8,6 +8,7 @@ counter) is keyed as it first was.
 
 from __future__ import annotations
 
+import builtins as builtins_module
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ __all__ = ["encode_globals"]
 #: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
 _DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
 _DYNAMIC = "it {what}, so what it reads is known only when it runs"
+#: Attributes that are a namespace read as a dict (``fn.__globals__["SCALE"]``, ``frame.f_globals``): no name is seen.
+_NAMESPACES = frozenset({"__globals__", "f_globals", "f_locals", "f_builtins"})
 
 
 def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: str, depth: int) -> bytes:
@@ -38,6 +41,8 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
         builtins = vars(builtins)
     parts = []
     where = f"{path}.__globals__"
+    if read := _NAMESPACES.intersection([*scan.names, *(name for chain in scan.chains for name in chain[1:])]):
+        raise encoder.refuse(path, _DYNAMIC.format(what=f"reads names from {min(read)}, a namespace"))
     for chain in scan.chains:
         name = chain[0]
         if encoder.ignored(where, name):
@@ -50,8 +55,11 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
         elif name in builtins:
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
-            parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
-            continue
+            value = builtins[name]
+            collect(Binding(builtins, name, value))  # builtins.abs = other later: the key is taken again
+            if _as_shipped(name, value):
+                parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
+                continue  # one put in its place is keyed as a global is
         else:
             missing_global(f"{where}.{name}")
             parts.append(tagged(Tag.GLOBAL_MISSING, name.encode()))
@@ -77,6 +85,16 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
     return tagged(Tag.GLOBALS, b"".join(parts))
 
 
+#: The builtins as torchcache found them (``open``, ``exit``: not of the builtins module, and as shipped).
+_SHIPPED = dict(vars(builtins_module))
+
+
+def _as_shipped(name: str, value: object) -> bool:
+    """Whether builtin ``name`` is Python's own (a function or class of the builtins module), not one put there."""
+    own = getattr(value, "__module__", None) == "builtins" and getattr(value, "__name__", None) == name
+    return own or value is _SHIPPED.get(name)
+
+
 def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:
     """The absolute name of the module an import statement inside a function names."""
     if level:
@@ -90,7 +108,7 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
     """A global, and the attributes read from it as long as it is a user module (``helpers.scale``)."""
     made = b""  # the __getattr__ of the user modules passed through
     for i, attribute in enumerate(attributes):
-        if not isinstance(value, types.ModuleType):
+        if not isinstance(value, types.ModuleType) or attribute == "__dict__":  # helpers.__dict__: all of it, as vars()
             break
         namespace = vars(value)
         if origin_of_module(value.__name__) is not None:  # installed: by version, unless what is read was put there

@@ -180,7 +180,7 @@ class VersionWatch:
         self._registries_held = [r for r in self._registries if r]  # the identity check skips empty ones
         self._values = list(itertools.chain.from_iterable(map(dict.values, self._registries_held)))
         self._held = [value for value in self._values if value is not None]  # a bias=None is registered too
-        self._sub_classes = list(map(type, self._submodules))  # sub.__class__ = Other: no hook sees it
+        self._sub_classes = list(map(type, submodules))  # sub.__class__ = Other (the module's own too): no hook sees it
         held = list(_tensors(module, self._ignore))
         self._tensors = [t for t in held if t.layout == torch.strided]  # sparse ones have no data pointer
         self._ids = list(map(id, held))
@@ -211,7 +211,7 @@ class VersionWatch:
             if [id(t) for t in _tensors(module, self._ignore)] != self._ids or _module_ids(module) != self._modules:
                 return True
             self._generation = _Generation.value  # registrations elsewhere: nothing changed here
-        if list(map(type, self._submodules)) != self._sub_classes:
+        if list(map(type, [self._module(), *self._submodules])) != self._sub_classes:
             return True
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
