@@ -8,9 +8,11 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import importlib.util
 import inspect
+import math
 import sys
 import threading
 import types
@@ -29,6 +31,7 @@ from tests.helpers import fake_extension, load_module
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.keys import numerics
+from torchcache.module import versions
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -1307,6 +1310,18 @@ def _reads_a_frames_locals(x: torch.Tensor) -> torch.Tensor:
     return x * inspect.currentframe().f_locals["scale"]  # type: ignore[union-attr]
 
 
+def _reads_the_callers_locals(x: torch.Tensor) -> torch.Tensor:
+    return x * sys._getframe(1).f_locals.get("scale", 1.0)
+
+
+def _reads_a_module_found_at_run_time(x: torch.Tensor) -> torch.Tensor:
+    return x * inspect.getmodule(_reads_a_module_found_at_run_time)._TABLE  # type: ignore[union-attr]
+
+
+def _reads_the_builtins_namespace(x: torch.Tensor) -> torch.Tensor:
+    return x * builtins.__dict__["abs"](-2)
+
+
 def _reads_globals_through_a_lambda(x: torch.Tensor) -> torch.Tensor:
     return x * (lambda: 0).__globals__["_TABLE"]
 
@@ -1369,7 +1384,10 @@ def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
         (_imports_by_name_through_getattr, "importlib"),
         (_reads_its_own_globals, "__globals__"),
         (_reads_a_frames_globals, "f_globals"),
-        (_reads_a_frames_locals, "f_locals"),
+        (_reads_a_frames_locals, "reads frames"),
+        (_reads_the_callers_locals, "reads frames"),
+        (_reads_a_module_found_at_run_time, "the module of an object"),
+        (_reads_the_builtins_namespace, "builtins' namespace"),
         (_reads_globals_through_a_lambda, "__globals__"),
     ],
 )
@@ -1382,15 +1400,61 @@ def _abs_of_minus_two(x: torch.Tensor) -> torch.Tensor:
     return x * abs(-2)
 
 
-def test_a_builtin_put_in_pythons_place_is_keyed_and_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("put", "gives"),
+    [
+        (lambda value: 5, 5),
+        (functools.wraps(abs)(lambda value: 5), 5),  # with abs's name and module
+        (round, -2),  # a builtin of another name
+        (math.floor, -2),  # a function of C from another module
+    ],
+)
+def test_a_builtin_put_in_pythons_place_is_keyed_and_watched(
+    put: Any, gives: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(versions, "_rebound", collections.Counter())  # other tests rebound abs too
     cached = torchcache()(_abs_of_minus_two)
     assert torch.equal(cached(X), X * 2)
     plain = cached.cache_instance.module_hash
-    monkeypatch.setattr(builtins, "abs", lambda value: 5)
-    assert torch.equal(cached(X), X * 5)  # rebound after the first call: the key is taken again
+    monkeypatch.setattr(builtins, "abs", put)
+    assert torch.equal(cached(X), X * gives)  # rebound after the first call: the key is taken again
     fresh = torchcache()(_abs_of_minus_two)
-    assert torch.equal(fresh(X), X * 5)
+    assert torch.equal(fresh(X), X * gives)
     assert fresh.cache_instance.module_hash not in (plain, None)  # put there before the key: keyed by its code
+
+
+def _prints_and_doubles(x: torch.Tensor) -> torch.Tensor:
+    if x.isnan().any():
+        print("nan in", x.shape)
+    return x * 2
+
+
+def test_print_wrapped_per_process_keeps_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = []
+    for is_main in (True, False):  # setup_for_distributed of many training scripts: prints on one rank only
+        shown = builtins.print
+        monkeypatch.setattr(builtins, "print", lambda *args, main=is_main, show=shown: show(*args) if main else None)
+        cached = torchcache()(_prints_and_doubles)
+        assert torch.equal(cached(X), X * 2)
+        keys.append(cached.cache_instance.module_hash)
+        monkeypatch.undo()
+    assert keys[0] == keys[1] is not None
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.f_locals = 2.0  # an attribute that happens to share a frame's name
+
+
+_RECORD = _Record()
+
+
+def _reads_an_attribute_named_like_a_frames(x: torch.Tensor) -> torch.Tensor:
+    return x * _RECORD.f_locals
+
+
+def test_an_attribute_named_like_a_frames_namespace_is_keyed() -> None:
+    assert torch.equal(torchcache()(_reads_an_attribute_named_like_a_frames)(X), X * 2)
 
 
 _READS_DICT = "import holds_scale\n\ndef scaled(x):\n    return x * holds_scale.__dict__['T']\n"

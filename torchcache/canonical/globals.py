@@ -30,7 +30,13 @@ __all__ = ["encode_globals"]
 _DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
 _DYNAMIC = "it {what}, so what it reads is known only when it runs"
 #: Attributes that are a namespace read as a dict (``fn.__globals__["SCALE"]``, ``frame.f_globals``): no name is seen.
-_NAMESPACES = frozenset({"__globals__", "f_globals", "f_locals", "f_builtins"})
+#: (A frame's ``f_locals``: the functions that hand out frames are refused.)
+_NAMESPACES = frozenset({"__globals__", "__builtins__", "f_globals", "f_builtins"})
+#: Builtins whose replacements do nothing to outputs (``print`` wrapped to print on one rank only): keyed by name.
+_UNKEYED_BUILTINS = frozenset({"print", "breakpoint", "help", "exit", "quit", "copyright", "credits", "license", "_"})
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not one of C
+#: The few builtin classes made as heap types (ExceptionGroup), as torchcache found them.
+_HEAP_CLASSES = {k: v for k, v in vars(builtins_module).items() if isinstance(v, type) and v.__flags__ & _HEAPTYPE}
 
 
 def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: str, depth: int) -> bytes:
@@ -41,7 +47,8 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
         builtins = vars(builtins)
     parts = []
     where = f"{path}.__globals__"
-    if read := _NAMESPACES.intersection([*scan.names, *(name for chain in scan.chains for name in chain[1:])]):
+    roots = [chain[0] for chain in scan.chains if chain[0] == "__builtins__"]  # __builtins__["abs"]
+    if read := _NAMESPACES.intersection([*roots, *scan.names, *(name for chain in scan.chains for name in chain[1:])]):
         raise encoder.refuse(path, _DYNAMIC.format(what=f"reads names from {min(read)}, a namespace"))
     for chain in scan.chains:
         name = chain[0]
@@ -56,8 +63,9 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
             if name in _DYNAMIC_BUILTINS:
                 raise encoder.refuse(f"{where}.{name}", _DYNAMIC.format(what=f"calls {name}()"))
             value = builtins[name]
-            collect(Binding(builtins, name, value))  # builtins.abs = other later: the key is taken again
-            if _as_shipped(name, value):
+            if name not in _UNKEYED_BUILTINS:
+                collect(Binding(builtins, name, value))  # builtins.abs = other later: the key is taken again
+            if name in _UNKEYED_BUILTINS or _as_shipped(name, value):
                 parts.append(tagged(Tag.BUILTIN_NAME, name.encode()))
                 continue  # one put in its place is keyed as a global is
         else:
@@ -85,14 +93,13 @@ def encode_globals(encoder: Encoder, fn: types.FunctionType, scan: Scan, path: s
     return tagged(Tag.GLOBALS, b"".join(parts))
 
 
-#: The builtins as torchcache found them (``open``, ``exit``: not of the builtins module, and as shipped).
-_SHIPPED = dict(vars(builtins_module))
-
-
 def _as_shipped(name: str, value: object) -> bool:
-    """Whether builtin ``name`` is Python's own (a function or class of the builtins module), not one put there."""
-    own = getattr(value, "__module__", None) == "builtins" and getattr(value, "__name__", None) == name
-    return own or value is _SHIPPED.get(name)
+    """Whether builtin ``name`` is Python's own, not one put there: a class or function of C, or a constant."""
+    if isinstance(value, type):  # int, OSError as IOError
+        return not value.__flags__ & _HEAPTYPE or value is _HEAP_CLASSES.get(name)
+    if isinstance(value, types.BuiltinFunctionType):  # abs, or open of io; not functools.wraps(abs)(mine)
+        return value.__name__ == name and getattr(value.__self__, "__name__", None) in ("builtins", "io", "_io")
+    return value is None or value is Ellipsis or value is NotImplemented or type(value) in (bool, str)
 
 
 def _absolute(name: str, level: int, namespace: dict[str, Any]) -> str:

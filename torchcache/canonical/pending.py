@@ -15,9 +15,11 @@ provisional: :func:`deferring` notes them, and the key is taken again at the fir
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import sys
 import types
 from typing import Protocol
@@ -89,10 +91,29 @@ def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType 
         raise encoder.refuse(path, f"importing it to key its code failed ({type(exc).__name__}: {exc})") from exc
 
 
+_FRAME_GETTERS = (
+    (sys, "_getframe"),
+    (inspect, "currentframe"),
+    (inspect, "stack"),
+    (inspect, "trace"),
+    (inspect, "getouterframes"),
+    (inspect, "getinnerframes"),
+)
+
+
+#: What reaches modules, frames or namespaces named only at run time: ``(module, name, what it does)``.
+_AT_RUN_TIME = (
+    (importlib, "import_module", "imports a module named at run time"),
+    (sys, "modules", "reads modules from sys.modules"),
+    (inspect, "getmodule", "reads the module of an object"),
+    (builtins, "__dict__", "reads names from the builtins' namespace"),
+    *((module, name, "reads frames, and with them their names") for module, name in _FRAME_GETTERS),
+)
+
+
 def names_modules(value: object, attribute: tuple[str, ...]) -> str | None:
-    """How ``value`` (with ``attribute`` read from it) reaches modules named at run time, if it does."""
-    if value is importlib.import_module or (value is importlib and attribute == ("import_module",)):
-        return "imports a module named at run time"
-    if value is sys.modules or (value is sys and attribute == ("modules",)):
-        return "reads modules from sys.modules"
+    """How ``value`` (with ``attribute`` read from it) reaches modules, frames or namespaces named at run time."""
+    for module, name, what in _AT_RUN_TIME:
+        if (value is module and attribute == (name,)) or (name != "__dict__" and value is getattr(module, name)):
+            return what
     return None

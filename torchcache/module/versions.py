@@ -291,7 +291,7 @@ def _note_rebound(binding: Binding) -> None:
     where = (getattr(space, "ident", ident), binding.name)
     _rebound[where] += 1
     if _rebound[where] == REBOUND_WARN:
-        kind = "global" if "__builtins__" in binding.namespace else "attribute"
+        kind = "global" if any(k in binding.namespace for k in ("__builtins__", "__build_class__")) else "attribute"
         what, ignore = getattr(space, "what", f"{kind} {binding.name!r}"), getattr(space, "ignore", binding.name)
         warnings.warn(
             f"torchcache: the {what} that a cached forward reads was rebound {REBOUND_WARN} times; each time the "
