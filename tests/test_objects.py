@@ -128,6 +128,18 @@ def test_damaged_segment_bytes_are_misses_never_wrong_bytes(bucket: str, s3fs_of
     assert reports.kinds() == [Fault.CORRUPT]
 
 
+def test_a_segment_cut_short_is_damage_not_a_bucket_away(bucket: str, s3fs_of: Any) -> None:
+    _store(bucket).put_many([(key(i), value(i)) for i in range(4)])
+    segment = next(p for p in s3fs_of.find(bucket.removeprefix("s3://")) if p.endswith(".tcs"))
+    s3fs_of.pipe_file(segment, s3fs_of.cat_file(segment)[: 3 * len(value(0))])  # the last entry cut off
+    reports = Reports()
+    store = _store(bucket, reports=reports)
+    store.prefetch = False  # no local copy with room: the last entry's range starts past the end (416)
+    assert store.get_many([key(3)]) == [None]
+    assert reports.kinds() == [Fault.CORRUPT] and not store.reads_failing()
+    assert bytes(store.get(key(0)) or b"") == value(0)
+
+
 @pytest.mark.parametrize(
     "manifest",
     [
