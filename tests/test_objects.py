@@ -627,6 +627,28 @@ def test_warmup_uploads_what_the_bucket_missed_while_it_was_away(
     served.close()
 
 
+def test_closing_soon_after_an_outage_sends_what_waited(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, images = f"{bucket}/back-at-close", Images(16)
+    cached = CachedDataset(images, url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
+    bucket_of = _far(cached).bucket
+    pipe_file = bucket_of.fs.pipe_file
+
+    def away(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the bucket is away")
+
+    monkeypatch.setattr(bucket_of.fs, "pipe_file", away)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        cached.__getitems__(list(range(16)))  # kept in the local copy; the bucket's writes back off
+    monkeypatch.setattr(bucket_of.fs, "pipe_file", pipe_file)  # back, within the backoff
+    cached.close()  # one try now, whatever the backoff
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert [label for _, label in served.__getitems__(list(range(16)))] == list(range(16))
+    served.close()
+
+
 def test_a_bucket_that_refuses_writes_is_still_read(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

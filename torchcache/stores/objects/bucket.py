@@ -93,10 +93,10 @@ class Bucket:
         return result
 
     def reads_failing(self, retry: bool = False) -> bool:
-        """Whether the last read failed; ``retry`` ends the read backoff, so that the next read is sent."""
+        """Whether the last read failed; ``retry`` ends the backoffs, so that the next read and write are sent."""
         failing = self._delay[False] > 0
         if retry:
-            self._retry_at[False] = float("-inf")
+            self._retry_at = [float("-inf")] * 2
         return failing
 
     def read_failed(self, exc: StoreError) -> None:
