@@ -541,7 +541,7 @@ def test_a_forked_child_reads_and_writes_with_a_filesystem_of_its_own_while_a_th
     assert [bytes(v or b"") for v in _store(bucket).get_many([key(9)])] == [value(9)]
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3:///abs", "gs://"])
+@pytest.mark.parametrize("url", ["s3://", "s3:///abs", "gs://", "s3://b//x", "gs://b/x//y/"])
 def test_a_url_without_a_bucket_is_refused_naming_the_argument(url: str) -> None:
     with pytest.raises(ConfigError, match="cache_dir"):
         CachedDataset(Images(), url)

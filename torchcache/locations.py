@@ -77,8 +77,10 @@ def check_url(value: str, name: str = "persistent_cache_dir") -> str:
     if not is_object_url(value):
         return check_redis_url(value, name)
     scheme, _, path = value.partition("://")
-    if not path.strip("/") or path.startswith("/") or "?" in path:  # s3fs reads ?versionId=: one object
-        raise ConfigError(f"{name} must be {scheme}://bucket/prefix without a query, got {value!r}")
+    if not path.strip("/") or path.startswith("/") or "?" in path or "//" in path.rstrip("/"):  # s3fs: ?versionId=
+        raise ConfigError(
+            f"{name} must be {scheme}://bucket/prefix without a query or an empty folder name (//), got {value!r}"
+        )
     package = _OBJECT_PACKAGES.get(scheme.lower())
     for module in ("fsspec", package):
         if module is not None and importlib.util.find_spec(module) is None:

@@ -36,9 +36,11 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
         ConfigError: If ``url`` is not an object store URL, or fsspec or the scheme's package is missing.
     """
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if not url.lower().startswith(OBJECT_SCHEMES) or not url.split("://", 1)[1].strip("/"):
+    path = url.split("://", 1)[1].strip("/") if "://" in url else ""
+    if not url.lower().startswith(OBJECT_SCHEMES) or not path or "//" in path:  # b//x: listed as b/x by some
         raise ConfigError(
-            f"an object store URL is scheme://bucket/prefix with scheme one of {OBJECT_SCHEMES}, got {url!r}"
+            f"an object store URL is scheme://bucket/prefix with scheme one of {OBJECT_SCHEMES} and no empty "
+            f"folder name (//), got {url!r}"
         )
     extra = _EXTRAS.get(scheme, scheme)
     options = {**storage_options_from_env(), **(storage_options or {})}
@@ -62,7 +64,7 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
         ) from None
     except Exception as exc:  # noqa: BLE001 - a filesystem that cannot be made is a configuration problem
         raise ConfigError(f"cannot use {scheme}:// ({type(exc).__name__}: {exc})") from None
-    return fs, url.split("://", 1)[1].strip("/")
+    return fs, path
 
 
 def _bound_gcs_tries(fs: Any) -> None:
