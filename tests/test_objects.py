@@ -649,6 +649,20 @@ def test_closing_soon_after_an_outage_sends_what_waited(
     served.close()
 
 
+def test_a_cache_cleared_while_it_was_warmed_is_described_again_at_close(
+    bucket: str, s3fs_of: Any, tmp_path: Path
+) -> None:
+    url, images = f"{bucket}/cleared-warming", Images(16)
+    cached = CachedDataset(images, url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
+    cached.__getitems__(list(range(8)))
+    s3fs_of.rm(url.removeprefix("s3://"), recursive=True)  # torchcache clear, from another machine
+    cached.__getitems__(list(range(8, 16)))  # not listed again so soon: nothing describes the cache yet
+    cached.close()
+    served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
+    assert [label for _, label in served.__getitems__(list(range(8, 16)))] == list(range(8, 16))
+    served.close()
+
+
 def test_a_bucket_that_refuses_writes_is_still_read(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -234,9 +234,7 @@ class ObjectStore(BatchedStore):
         self.bucket.upload(name, segment, body, len(todo))
         with self._lock:
             self._apply(name + MANIFEST, body)
-        if self._meta is not None and META_NAME not in self.bucket.sizes and self._listed_at > self._described_at:
-            self.bucket.describe(self._meta)  # what CachedDataset(None, url) finds (again after a clear)
-            self._described_at = time.monotonic()
+        _describe_again(self)
         if self._keep_budget and self.disk_bytes > self.max_bytes:
             _keep_budget(self)
         with self._lock:
@@ -304,6 +302,8 @@ class ObjectStore(BatchedStore):
         with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
             if self._keep_budget:
                 self.prune(self.max_bytes)
+            if len(self._known):  # cleared since this process last listed it: described again for its readers
+                _describe_again(self)
         with self._lock:
             self._known.clear()
             self._listed_at = float("-inf")
@@ -315,6 +315,13 @@ class ObjectStore(BatchedStore):
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
         return _verify(self, fix)
+
+
+def _describe_again(store: ObjectStore) -> None:
+    """Write what ``CachedDataset(None, url)`` finds where the latest listing lacks it (again after a clear)."""
+    if store._meta is not None and META_NAME not in store.bucket.sizes and store._listed_at > store._described_at:
+        store.bucket.describe(store._meta)
+        store._described_at = time.monotonic()
 
 
 def _read_index_objects(store: ObjectStore, names: set[str]) -> None:
