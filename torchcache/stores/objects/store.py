@@ -51,14 +51,12 @@ from .manifests import (
     CHECKPOINT,
     MANIFEST,
     SEGMENT,
-    TOMBSTONE,
-    UNJUDGED,
     pack,
     ranged_reads,
     take_all,
     to_sweep,
-    tombstone,
 )
+from .verify import hide, verify_store
 
 __all__ = ["ObjectStore", "remove_segments", "segments_of"]
 
@@ -258,7 +256,7 @@ class ObjectStore(BatchedStore):
                 self.refresh()
             present = [key for key, entry in zip(asked, self._known.find(asked)) if entry is not None]
         if present:
-            _hide(self, present)
+            hide(self, present)
         return len(present)
 
     def prune(self, max_bytes: int, sweep_seconds: float | None = _STALE_UPLOAD_SECONDS, dry_run: bool = False) -> int:
@@ -314,7 +312,7 @@ class ObjectStore(BatchedStore):
         Raises:
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
-        return _verify(self, fix)
+        return verify_store(self, fix)
 
 
 def _describe_again(store: ObjectStore) -> None:
@@ -362,65 +360,12 @@ def segments_of(store: ObjectStore) -> list[str]:
         return sorted(store._known.segments)
 
 
-def _hide(store: ObjectStore, keys: list[str]) -> None:
-    """Upload a tombstone of ``keys`` and apply it.
-
-    Raises:
-        StoreUnavailableError: If the bucket cannot be written.
-    """
-    name = store.bucket.new_name() + TOMBSTONE
-    body = tombstone(keys)
-    store.bucket.put(name, body, "write a tombstone")
-    with store._lock:
-        store._apply(name, body)
-
-
 def _keep_budget(store: ObjectStore) -> None:
     """Prune to the budget after a write (and sweep what killed writers left an hour ago or more)."""
     try:
         store.prune(store.max_bytes)
     except StoreError as exc:  # the entries are visible: the budget is kept at the next write
         store._report(Fault.BUDGET, f"cannot keep the budget of {store.bucket.prefix} ({exc}); tried again later")
-
-
-def _verify(store: ObjectStore, fix: bool) -> VerifyReport:
-    store.refresh()
-    keys = store._known.keys()
-    gone = sorted(k for s, size in store._known.segments.items() if not size for k, *_ in store._known.members(s))
-    store._damaged = []
-    try:
-        read = store.get_many(keys)
-        bad = sorted(set(store._damaged))  # their bytes fail the digest: only those are hidden by a fix
-    finally:
-        store._damaged = None
-    # Unread: not found though still in the index (a segment another process removed meanwhile is not)
-    judged = set(bad) | set(gone)
-    unread = sum(1 for key, data in zip(keys, read) if data is None and key in store._known and key not in judged)
-    problems = [f"{len(bad)} entries fail their checksum"] if bad else []
-    if gone:  # a manifest whose segment object was removed: its entries can never be read
-        problems.append(f"{len(gone)} entries are in segments removed from the bucket")
-    with store._lock:  # one of a newer torchcache is not damage: not removed, and verify cannot vouch for it
-        newer = {name: why for name, why in store._known.invalid.items() if why.startswith(UNJUDGED)}
-        invalid = {name: why for name, why in store._known.invalid.items() if name not in newer}
-    problems += [
-        f"{store.bucket.path(name)} is not a valid index object ({why})" for name, why in sorted(invalid.items())
-    ]
-    unsure = (
-        [f"{unread} entries could not be read (the bucket refused or was away); verify again"] if unread > 0 else []
-    )
-    if store.unreadable:
-        unsure.append(f"{len(store.unreadable)} index objects could not be read (the bucket refused); verify again")
-    unsure += [f"{store.bucket.path(name)} is {why}: not checked" for name, why in sorted(newer.items())]
-    if fix and (bad or gone):  # hidden whatever the index says
-        _hide(store, bad + gone)
-    if fix and invalid:  # a damaged manifest's segment cannot be read without it: both go
-        store.bucket.remove(sorted(invalid))
-        segments = [n.removesuffix(MANIFEST) + SEGMENT for n in invalid if n.endswith(MANIFEST)]
-        store.bucket.remove([n for n in segments if n in store.bucket.sizes])
-        with store._lock:
-            for name in invalid:
-                store._known.invalid.pop(name, None)
-    return VerifyReport(len(keys), bad, problems, fixed=bool(fix and (bad or gone or invalid)), unsure=unsure)
 
 
 def _fetch(
