@@ -716,6 +716,16 @@ def test_serving_an_empty_bucket_without_a_dataset_names_the_url(bucket: str) ->
         CachedDataset(None, f"{bucket}/empty")
 
 
+@pytest.mark.slow  # the GCS emulator
+@pytest.mark.parametrize("server", ["s3", "gcs"])
+def test_serving_a_bucket_that_does_not_exist_is_a_configuration_error(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("bucket" if server == "s3" else "gcs_bucket")
+    with pytest.raises(ConfigError, match=r"CachedDataset\(None, .*(no such bucket|holds none)"):
+        CachedDataset(None, f"{url}-missing/x")  # gcsfs raises FileNotFoundError, s3fs lists nothing
+
+
 def test_the_command_line_lists_verifies_prunes_and_clears_a_bucket(
     bucket: str, s3fs_of: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -95,6 +95,8 @@ def _find_bucket_cache(url: str, storage_options: Mapping[str, Any] | None) -> t
         metas = find_caches(url, storage_options)
     except StoreError as exc:
         raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): {exc}") from None
+    except FileNotFoundError:  # gcsfs: no such bucket (a name in capitals, a typo)
+        raise ConfigError(f"CachedDataset(None, {redact_url(url)!r}): there is no such bucket") from None
     found = [m for m in metas if m.get("kind") == "dataset" and isinstance(m.get("cache"), str)]
     if len(found) != 1:
         listed = "; ".join(f"{m['cache']} ({m.get('name')})" for m in found)
