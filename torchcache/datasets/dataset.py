@@ -269,7 +269,8 @@ class CachedDataset(Dataset[Any]):
 
     def _when_back(self, indices: list[Any]) -> Sequence[Any]:
         """Samples not found without a dataset: read again while the bucket is away, for up to :data:`SERVE_WAIT` s."""
-        deadline = time.monotonic() + SERVE_WAIT
+        start = time.monotonic()
+        deadline = start + SERVE_WAIT
         while self.cache.reads_failing(retry=True):  # a read every _RETRY_EVERY s, whatever the backoff
             try:
                 return self.cache.get_many(indices, _still_missing)
@@ -280,8 +281,8 @@ class CachedDataset(Dataset[Any]):
         where = self.cache.directory or redact_url(self.cache.url or "")
         if self.cache.reads_failing():
             raise StoreUnavailableError(
-                f"sample {indices[0]} cannot be read: {where} has not answered for {SERVE_WAIT:.0f} s, and there is "
-                "no dataset to compute it"
+                f"sample {indices[0]} cannot be read: {where} has not answered for {time.monotonic() - start:.0f} s, "
+                "and there is no dataset to compute it"
             )
         raise MissingSampleError(
             f"sample {indices[0]} is not in the cache at {where} and there is no dataset to compute it; warm the "
