@@ -228,6 +228,10 @@ def test_a_reader_that_left_entries_out_for_its_own_faults_uploads_no_checkpoint
     for i in range(2, 40):  # past the manifests that make a checkpoint due
         reader.put_many([(key(i), value(i))])
     assert not [name for name in _objects(s3fs_of, bucket) if name.endswith(".tci")]
+    reader.clear()  # what it left out is gone: its index is whole again
+    for i in range(40, 60):
+        reader.put_many([(key(i), value(i))])
+    assert [name for name in _objects(s3fs_of, bucket) if name.endswith(".tci")]
 
 
 def test_a_segment_whose_manifest_could_not_be_uploaded_is_removed(

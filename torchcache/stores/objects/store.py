@@ -290,7 +290,7 @@ class ObjectStore(BatchedStore):
         self.bucket.remove_all()
         with self._lock:
             self._known.clear()
-            self._listed_at = float("-inf")
+            self._listed_at, self._partial = float("-inf"), False  # what it left out for faults is gone too
 
     def flush(self) -> None:
         """Nothing to do: every write is visible when ``put_many`` returns."""
