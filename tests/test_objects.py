@@ -1253,6 +1253,19 @@ def test_an_index_object_of_a_newer_torchcache_is_never_removed_by_verify(
     assert name in _objects(s3fs_of, bucket)
 
 
+def test_prune_leaves_a_newer_torchcaches_checkpoint(bucket: str, s3fs_of: Any) -> None:
+    writer = _store(bucket)
+    newer = {"format": "torchcache-objects", "version": 3, "covers": [], "segments": [], "deleted": []}
+    name = "00000000000000000002-0123456789abcdef.tci"
+    s3fs_of.pipe_file(f"{writer.bucket.prefix}/{name}", json.dumps(newer).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the newer checkpoint is reported as not used
+        for i in range(20):  # a checkpoint of its own, which is the newest
+            writer.put_many([(key(i), value(i))])
+        writer.prune(10**7)
+    assert name in _objects(s3fs_of, bucket) and len(_checkpoints(s3fs_of, bucket)) == 2
+
+
 def test_a_writer_that_clears_its_cache_describes_it_again_at_its_next_write(bucket: str, s3fs_of: Any) -> None:
     writer = _store(bucket, meta={"kind": "dataset"})
     writer.put_many([(key(0), value(0))])

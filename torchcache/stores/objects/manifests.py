@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -166,14 +167,17 @@ def ranged_reads(keys: Sequence[str], index: Index, whole: bool = True, gap: int
     return reads
 
 
-def to_sweep(names: set[str], older_than_ns: int | None) -> list[str]:
+def to_sweep(names: set[str], older_than_s: float | None, invalid: dict[str, str] | None = None) -> list[str]:
     """What ``prune`` sweeps: every checkpoint but the newest, and the segments a killed writer left.
 
-    Those are segments without a manifest stamped before ``older_than_ns`` (``None``: none).
+    Those are segments without a manifest stamped over ``older_than_s`` seconds ago (``None``:
+    none). A checkpoint ``invalid`` names as a newer torchcache's (:data:`UNJUDGED`) stays.
     """
-    found = sorted(n for n in names if n.endswith(CHECKPOINT))[:-1]
-    if older_than_ns is None:
+    newer = {name for name, why in (invalid or {}).items() if why.startswith(UNJUDGED)}
+    found = [n for n in sorted(n for n in names if n.endswith(CHECKPOINT))[:-1] if n not in newer]
+    if older_than_s is None:
         return found
+    older_than_ns = time.time_ns() - int(older_than_s * 1e9)
     for name in names:
         base = name.removesuffix(SEGMENT)
         if name.endswith(SEGMENT) and base + MANIFEST not in names:

@@ -274,7 +274,7 @@ class ObjectStore(BatchedStore):
             oldest = self._known.oldest_over(max_bytes)
             if dry_run:
                 return len(oldest)
-            left = to_sweep(names, None if sweep_seconds is None else time.time_ns() - int(sweep_seconds * 1e9))
+            left = to_sweep(names, sweep_seconds, self._known.invalid)
             left += [name for name in self._removing if name in names and name not in left]
         remove_segments(self, oldest, left)
         if sweep_seconds is not None:  # the parts of a large segment whose writer was killed
