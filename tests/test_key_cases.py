@@ -1490,6 +1490,29 @@ class _Triples(_Doubles):
         return x * 3
 
 
+class _Offset(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def _offset_by_100(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x + 100
+
+
+@pytest.mark.parametrize("how", ["instance", "class of a package"])
+def test_a_classs_forward_replaced_after_wrapping_is_the_one_that_runs(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls: type[nn.Module] = _Offset if how == "instance" else nn.Identity
+    before = cls.forward
+    model = torchcache()(cls()) if how == "instance" else torchcache()(cls)()
+    assert torch.equal(model(X), before(model, X))
+    monkeypatch.setattr(cls, "forward", _offset_by_100)
+    assert torch.equal(model(X), X + 100)
+    fresh = torchcache()(cls()) if how == "instance" else torchcache()(cls)()
+    assert torch.equal(fresh(X), X + 100)
+
+
 def test_the_modules_own_class_swapped_after_a_call_takes_the_key_again() -> None:
     model = _Doubles()
     assert torch.equal(model(X), X * 2)

@@ -239,6 +239,7 @@ class _Binding:
     settings: Settings
     init_digest: bytes
     name: str
+    base: type[torch.nn.Module] | None = None  #: whose ``forward`` runs, looked up at each call (one set later)
 
 
 def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
@@ -253,7 +254,10 @@ def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..
         check_frozen(owner, type(owner).__qualname__)
         return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
 
-    cache = Cache(binding.settings, binding.name, "module", lambda: without_self(forward), fingerprint)
+    base = binding.base
+    cache = Cache(
+        binding.settings, binding.name, "module", lambda: without_self(base.forward if base else forward), fingerprint
+    )
     cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
     cache.watch_weights(module)
     return cache
@@ -283,16 +287,16 @@ def _cached_forward(
     return cache(functools.partial(forward, module), args, kwargs, module.training)
 
 
-def _cached_method(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _cached_forward(self, forward, args, kwargs)
+def _cached_method(forward: Callable[..., Any], base: type[torch.nn.Module] | None = None) -> Callable[..., Any]:
+    def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:  # base.forward = other later: that runs
+        return _cached_forward(self, forward if base is None else base.forward, args, kwargs)
 
     return functools.update_wrapper(outside_compile(cached, plain=forward), forward)
 
 
-def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any]) -> None:
-    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a per-class subclass)."""
-    cached = _cached_method(forward)
+def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any], base: type[torch.nn.Module] | None) -> None:
+    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a subclass of ``base``)."""
+    cached = _cached_method(forward, base)
     original_apply: Callable[..., Any] = cls._apply
     original_train: Callable[..., Any] = cls.train
 
@@ -327,6 +331,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
         )
     # torchcache()(nn.Linear): a cached subclass, every other nn.Linear stays plain (a class made by exec() is yours)
     library = not is_users_object(cls) and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
+    base = cls if library else None
     if library:
         cls = make_subclass(cls, plain_namespace(cls))
     decorated = _decorated.get(cls)
@@ -372,14 +377,14 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             init_digest = describe_init(args, kwargs, ignore)
             check_instance(self, ignore)  # a refusal comes now, not at the first call
         try:
-            _bind(self, _Binding(instance_settings, init_digest, name), original_forward)
+            _bind(self, _Binding(instance_settings, init_digest, name, base), original_forward)
         except ConfigError as exc:  # trainable: a class of a package cannot be frozen in its __init__
             if library:
                 wrap = f"wrap a frozen instance instead, torchcache()({cls.__name__}(...).requires_grad_(False).eval())"
                 raise ConfigError(f"{exc}. {name} is a class of an installed package: {wrap}") from None
             raise
 
-    _patch(cls, original_forward)
+    _patch(cls, original_forward, base)
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
@@ -389,7 +394,7 @@ def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     sub = _subclasses.get(cls)
     if sub is None:
         sub = make_subclass(cls, {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
-        _patch(sub, cls.forward)
+        _patch(sub, cls.forward, cls)
         if not issubclass(cls, torch.fx.GraphModule):  # fx makes a class per instance: not kept past it
             _subclasses[cls] = sub
     return sub
@@ -435,7 +440,7 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key
         check_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
-    binding = _Binding(settings, b"", name)
+    binding = _Binding(settings, b"", name, cls)
     compile_graph(module)
     module.__class__ = _cached_subclass(cls)
     _bind(module, binding, cls.forward)
