@@ -31,7 +31,7 @@ from tests.helpers import fake_extension, load_module
 from torchcache import CacheWarning, KeyingError, torchcache
 from torchcache.canonical import KeyEncoder
 from torchcache.keys import numerics
-from torchcache.module import versions
+from torchcache.module import rebinding
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -1412,7 +1412,7 @@ def _abs_of_minus_two(x: torch.Tensor) -> torch.Tensor:
 def test_a_builtin_put_in_pythons_place_is_keyed_and_watched(
     put: Any, gives: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(versions, "_rebound", collections.Counter())  # other tests rebound abs too
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # other tests rebound abs too
     cached = torchcache()(_abs_of_minus_two)
     assert torch.equal(cached(X), X * 2)
     plain = cached.cache_instance.module_hash
@@ -1488,6 +1488,33 @@ class _Doubles(nn.Module):
 class _Triples(_Doubles):
     def times(self, x: torch.Tensor) -> torch.Tensor:
         return x * 3
+
+
+_HEAD = nn.Linear(4, 4).requires_grad_(False)
+
+
+class _UsesAGlobalHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = [nn.Identity()]  # a module held in a plain list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra[0](_HEAD(x))
+
+
+@pytest.mark.parametrize("where", ["global", "list"])
+def test_a_hook_added_to_a_module_held_as_a_value_takes_the_key_again(where: str) -> None:
+    model = torchcache()(_UsesAGlobalHead())
+    twin = _UsesAGlobalHead()
+    assert torch.equal(model(X), twin(X))
+    held = _HEAD if where == "global" else model.extra[0]
+    handle = held.register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    try:
+        twin.extra = model.extra
+        assert torch.equal(model(X), twin(X))
+    finally:
+        handle.remove()
+    assert torch.equal(model(X), _UsesAGlobalHead()(X))  # removed: seen too
 
 
 class _Offset(nn.Module):

@@ -653,6 +653,46 @@ def test_closing_soon_after_an_outage_sends_what_waited(
     served.close()
 
 
+def test_a_close_whose_last_send_failed_does_not_wait_on_the_bucket_again(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cached = CachedDataset(Images(16), f"{bucket}/away-at-close", max_memory_size=0, local_cache_dir=tmp_path / "c")
+    store = _far(cached)
+
+    def away(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the bucket is away")
+
+    monkeypatch.setattr(store.bucket.fs, "pipe_file", away)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        cached.__getitems__(list(range(16)))
+    listed: list[int] = []
+    monkeypatch.setattr(store.bucket, "names", lambda: listed.append(1) or set())
+    before = store.bucket.requests
+    cached.close()  # one try to send what waited, which fails: no prune, no listing after it
+    assert store.bucket.requests == before + 1 and listed == []
+
+
+def test_only_a_range_past_the_listed_end_of_an_object_is_taken_for_damage(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket_of = _store(bucket).bucket
+    bucket_of.sizes = {"a.tcs": 100, "b.tcs": 1000}
+    no_answer = [TimeoutError("the server does not answer")] * 2
+    monkeypatch.setattr(bucket_of.fs, "cat_ranges", lambda *args, **kwargs: no_answer)
+    with pytest.raises(StoreUnavailableError):  # a timed out past a's end, b timed out: the bucket is away
+        bucket_of.ranges(["a.tcs", "b.tcs"], [0, 0], [200, 50])
+    assert bucket_of.reads_failing(retry=True)
+    with pytest.raises(StoreUnavailableError):  # a's range starts past its end: damage; b's alone failed
+        bucket_of.ranges(["a.tcs", "b.tcs"], [100, 0], [200, 50])
+    bucket_of.reads_failing(retry=True)
+    monkeypatch.setattr(bucket_of.fs, "cat_ranges", lambda *args, **kwargs: [no_answer[0], b"x" * 50])
+    assert bucket_of.ranges(["a.tcs", "b.tcs"], [100, 0], [200, 50]) == [b"", b"x" * 50]
+    assert not bucket_of.reads_failing()
+    inside = bucket_of.ranges(["a.tcs", "b.tcs"], [50, 0], [100, 50])  # within a: its failure is no damage
+    assert isinstance(inside[0], TimeoutError) and inside[1] == b"x" * 50
+
+
 def test_a_cache_cleared_while_it_was_warmed_is_described_again_at_close(
     bucket: str, s3fs_of: Any, tmp_path: Path
 ) -> None:

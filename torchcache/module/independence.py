@@ -42,7 +42,7 @@ from ..tree import Layout, flatten
 from .call import CallArguments, mode_switched
 from .draws import drawing_submodule
 from .outputs import OutputPlan
-from .versions import alike
+from .rebinding import alike
 
 __all__ = [
     "DependentItemsError",

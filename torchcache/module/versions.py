@@ -17,14 +17,10 @@ tensors; ``verify_weights=N`` hashes the weights every N calls for those.
 
 from __future__ import annotations
 
-import collections
 import itertools
-import math
 import operator
-import warnings
 import weakref
 from collections.abc import Callable, Collection
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -34,13 +30,13 @@ import xxhash
 from ..canonical.code import EMPTY
 from ..canonical.modules import WeakState
 from ..canonical.objects import Binding
-from ..errors import CacheWarning, ConfigError, KeyingError
-from ..faults import user_stacklevel
+from ..errors import ConfigError, KeyingError
 from ..keys import tensor_digest
 from ..policy import plural
 from .fingerprint import tensor_attributes, unignored
+from .rebinding import alike, note_rebound
 
-__all__ = ["HeldValues", "VersionWatch", "alike"]
+__all__ = ["HeldValues", "VersionWatch"]
 
 _version, _training = operator.attrgetter("_version"), operator.attrgetter("training")
 _requires_grad, _children = operator.attrgetter("requires_grad"), operator.attrgetter("_modules")
@@ -264,44 +260,6 @@ class VersionWatch:
         return b"" if flags.count(training) == len(flags) else flags
 
 
-_rebound: collections.Counter[tuple[object, str]] = collections.Counter()
-#: Rebinding a global this often takes the key as often: a warning says so, once.
-REBOUND_WARN = 3
-
-
-#: Immutable types whose equal values are encoded alike: rebinding one to an equal value changes no key.
-_ALIKE = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
-
-
-def alike(was: Any, now: Any) -> bool:
-    """Whether ``now`` is a value equal to ``was`` and of its type, which a key encodes alike (``-0.0`` apart)."""
-    if type(was) is not type(now):
-        return False
-    if isinstance(was, tuple):
-        return len(was) == len(now) and all(map(alike, was, now))
-    if isinstance(was, (float, complex)):  # -0.0 and 0.0 are equal, and encoded apart
-        signs = [math.copysign(1.0, x) for x in (was.real, was.imag, now.real, now.imag)]
-        return bool(was == now and signs[:2] == signs[2:])
-    return type(was) in _ALIKE and bool(was == now)
-
-
-def _note_rebound(binding: Binding) -> None:
-    space = binding.namespace  # the same at each key: a class's by its name (vars() makes a new proxy)
-    ident = (space.get("__module__"), space.get("__qualname__")) if isinstance(space, MappingProxyType) else id(space)
-    where = (getattr(space, "ident", ident), binding.name)
-    _rebound[where] += 1
-    if _rebound[where] == REBOUND_WARN:
-        kind = "global" if any(k in binding.namespace for k in ("__builtins__", "__build_class__")) else "attribute"
-        what, ignore = getattr(space, "what", f"{kind} {binding.name!r}"), getattr(space, "ignore", binding.name)
-        warnings.warn(
-            f"torchcache: the {what} that a cached forward reads was rebound {REBOUND_WARN} times; each time the "
-            "module key is taken again (its weights hashed) and earlier entries no longer match"
-            + (f". If outputs do not depend on it, name it in key_ignore ({ignore!r})" if ignore else ""),
-            CacheWarning,
-            stacklevel=user_stacklevel(),
-        )
-
-
 def _read(get: Callable[[str], Any], name: str) -> Any:
     try:
         return get(name)
@@ -330,6 +288,8 @@ class HeldValues:
         "_flags",
         "_generation",
         "_graded",
+        "_hook_dicts",
+        "_hooks",
         "_lookups",
         "_members",
         "_modules",
@@ -359,6 +319,9 @@ class HeldValues:
         self._graded = [*self._versioned, *(t for module in self._modules for t in _tensors(module))]
         self._flags = bytes(map(_training, self._modules)) + bytes(map(_requires_grad, self._graded))  # unfrozen later
         self._types = list(map(type, self._modules))  # a class swapped (m.__class__ = Other): no hook sees it
+        # their forward hooks, registered, removed or replaced (HEAD.register_forward_pre_hook(f) after a call)
+        self._hook_dicts = [h for held in self._modules for m in held.modules() for h in _hook_dicts(m)]
+        self._hooks = list(itertools.chain.from_iterable(map(dict.values, self._hook_dicts)))
         self._generation = _Generation.value
         self._members = self._held_members()
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
@@ -394,6 +357,8 @@ class HeldValues:
             or self._types != [*map(type, self._modules)]
         ):
             return True
+        if self._hook_dicts and not _same_hooks(self._hook_dicts, self._hooks):
+            return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
             if self._held_members() != self._members:
                 return True
@@ -413,7 +378,7 @@ class HeldValues:
         now = self._now()
         changed = [b for b, value in zip(self._bindings, now) if value is not b.value and not same(b.value, value)]
         if changed and note:
-            _note_rebound(changed[0])
+            note_rebound(changed[0])
         elif note:
             self._settle()
         return bool(changed)
@@ -444,6 +409,16 @@ class HeldValues:
             "global; a cached call does not run forward, so hits would leave it as it was and later outputs would "
             f"differ from uncached ones. Keep such state outside the cached module. {_OVERLAP}"
         )
+
+
+def _hook_dicts(module: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+def _same_hooks(dicts: list[dict[int, Any]], hooks: list[Any]) -> bool:
+    """Whether ``dicts`` hold ``hooks`` (in order), as when they were collected."""
+    now = list(itertools.chain.from_iterable(map(dict.values, dicts)))
+    return len(now) == len(hooks) and all(map(operator.is_, now, hooks))
 
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:

@@ -192,6 +192,9 @@ class BatchedStore(ABC):
         """
         return False
 
+    def end_write_backoff(self) -> None:  # noqa: B027 - a store with no backoff has nothing to end
+        """Send the next write of a remote store whatever its backoff (a flush at the end: the outage may be over)."""
+
     # -- helpers written once -----------------------------------------------------
     def get(self, key: str) -> bytes | memoryview | None:
         """The stored bytes of one key, or ``None``."""

@@ -198,7 +198,7 @@ class LayeredStore(BatchedStore):
         """Send what the shared store did not take (its faults are its own to report; the keys wait)."""
         if self._near_on and len(self.unsent):
             if limit is None:  # a flush, or the end: one try now, whatever the backoff of an outage just over
-                self.far.reads_failing(retry=True)
+                self.far.end_write_backoff()
             with contextlib.suppress(StoreError):
                 self.unsent.send(self.near.get_many, self.far.put_many, limit, now=limit is None)
 

@@ -93,11 +93,19 @@ class Bucket:
         return result
 
     def reads_failing(self, retry: bool = False) -> bool:
-        """Whether the last read failed; ``retry`` ends the backoffs, so that the next read and write are sent."""
+        """Whether the last read failed; ``retry`` ends the read backoff, so that the next read is sent."""
         failing = self._delay[False] > 0
         if retry:
-            self._retry_at = [float("-inf")] * 2
+            self._retry_at[False] = float("-inf")
         return failing
+
+    def end_write_backoff(self) -> None:
+        """Send the next write whatever the backoff (a flush at the end: the outage may be over)."""
+        self._retry_at[True] = float("-inf")
+
+    def writes_backing_off(self) -> bool:
+        """Whether a write failed less than its backoff ago (the bucket away, or refusing writes)."""
+        return self._retry_at[True] > time.monotonic()
 
     def read_failed(self, exc: StoreError) -> None:
         """Report a failed read, once until a request succeeds again."""
@@ -132,7 +140,8 @@ class Bucket:
     def ranges(self, names: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[object]:
         """One byte range of each object (in one call; the library sends them concurrently).
 
-        A call whose every range failed (but for objects gone) is a failed request: the
+        A call whose every range failed (but for objects gone, and ranges that start past
+        the end of the object listed, which are damage: ``b""``) is a failed request: the
         backoff starts, as it does for a call that raises (a server that hangs answers
         each range with its timeout).
         """
@@ -140,13 +149,14 @@ class Bucket:
 
         def op() -> list[object]:
             blobs = list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
-            for j, (name, end, blob) in enumerate(zip(names, ends, blobs)):
-                if isinstance(blob, Exception) and self.sizes.get(name, end) < end:  # a range past its end (416)
-                    blobs[j] = b""  # an object shorter than its manifest says: damaged, not a bucket away
-            failed = [b for b in blobs if isinstance(b, Exception) and not isinstance(b, FileNotFoundError)]
-            if failed and len(failed) == len(blobs):
+            past = {j for j, (name, start) in enumerate(zip(names, starts)) if self.sizes.get(name, start + 1) <= start}
+            failed = [
+                b for j, b in enumerate(blobs) if j not in past and isinstance(b, Exception)
+                and not isinstance(b, FileNotFoundError)
+            ]  # fmt: skip
+            if failed and len(failed) == len(blobs) - len(past):
                 raise failed[0]
-            return blobs
+            return [b"" if j in past and isinstance(b, Exception) else b for j, b in enumerate(blobs)]  # the 416s
 
         blobs = self.call(op, "read entries", requests=len(paths))
         self.received += sum(len(blob) for blob in blobs if isinstance(blob, bytes))

@@ -174,21 +174,12 @@ class ObjectStore(BatchedStore):
             extras, self._extras = self._extras, []
         return extras
 
-    def _listed(self) -> Index:
-        """The index, the bucket listed first if it was not (if it cannot be, the fault is reported)."""
-        try:
-            with self._lock:
-                self._index()
-        except StoreError as exc:
-            self.bucket.read_failed(exc)
-        return self._known
-
     def placement(self, keys: Sequence[str], shared: bool = False) -> list[tuple[str, int] | None]:
         """Each key's segment and its bytes (``None``: not in the bucket as far as it could be listed)."""
-        return self._listed().placement(keys)
+        return _listed(self).placement(keys)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and is_key(key) and key in self._listed()
+        return isinstance(key, str) and is_key(key) and key in _listed(self)
 
     def keys(self) -> Iterator[str]:
         """The keys of the manifests read so far (the bucket is listed once first)."""
@@ -197,7 +188,7 @@ class ObjectStore(BatchedStore):
 
     def __len__(self) -> int:
         """Entries of the manifests read so far (a bucket that cannot be listed: those, and the fault reported)."""
-        return len(self._listed())
+        return len(_listed(self))
 
     @property
     def nbytes(self) -> int:
@@ -212,6 +203,10 @@ class ObjectStore(BatchedStore):
     def reads_failing(self, retry: bool = False) -> bool:
         """Whether the last read of the bucket failed (``retry``: send the next read whatever the backoff)."""
         return self.bucket.reads_failing(retry)
+
+    def end_write_backoff(self) -> None:
+        """Send the next write whatever the backoff (a flush at the end: the outage may be over)."""
+        self.bucket.end_write_backoff()
 
     # -- writes -------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
@@ -298,7 +293,7 @@ class ObjectStore(BatchedStore):
     def close(self) -> None:
         """Keep the budget over a fresh listing (DataLoader workers and other writers wrote too); forget the index."""
         with contextlib.suppress(StoreError):  # a bucket away, or read-only: the next writer keeps it
-            if self._keep_budget:
+            if self._keep_budget and not self.bucket.writes_backing_off():  # a send at the end just failed
                 self.prune(self.max_bytes)
             if len(self._known):  # cleared since this process last listed it: described again for its readers
                 _describe_again(self)
@@ -313,6 +308,16 @@ class ObjectStore(BatchedStore):
             StoreError: If ``fix`` is set and the bucket cannot be written.
         """
         return verify_store(self, fix)
+
+
+def _listed(store: ObjectStore) -> Index:
+    """The index, the bucket listed first if it was not (if it cannot be, the fault is reported)."""
+    try:
+        with store._lock:
+            store._index()
+    except StoreError as exc:
+        store.bucket.read_failed(exc)
+    return store._known
 
 
 def _describe_again(store: ObjectStore) -> None:

@@ -1,0 +1,55 @@
+"""Values a key read that were rebound: which rebindings change nothing, and the warning for those that recur."""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..canonical.objects import Binding
+from ..errors import CacheWarning
+from ..faults import user_stacklevel
+
+__all__ = ["REBOUND_WARN", "alike", "note_rebound"]
+
+_rebound: collections.Counter[tuple[object, str]] = collections.Counter()
+#: Rebinding a global this often takes the key as often: a warning says so, once.
+REBOUND_WARN = 3
+
+
+#: Immutable types whose equal values are encoded alike: rebinding one to an equal value changes no key.
+_ALIKE = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
+
+
+def alike(was: Any, now: Any) -> bool:
+    """Whether ``now`` is a value equal to ``was`` and of its type, which a key encodes alike (``-0.0`` apart)."""
+    if type(was) is not type(now):
+        return False
+    if isinstance(was, tuple):
+        return len(was) == len(now) and all(map(alike, was, now))
+    if isinstance(was, (float, complex)):  # -0.0 and 0.0 are equal, and encoded apart
+        signs = [math.copysign(1.0, x) for x in (was.real, was.imag, now.real, now.imag)]
+        return bool(was == now and signs[:2] == signs[2:])
+    return type(was) in _ALIKE and bool(was == now)
+
+
+def note_rebound(binding: Binding) -> None:
+    """Count a rebinding of what a key read; warn once it was rebound :data:`REBOUND_WARN` times."""
+    space = binding.namespace  # the same at each key: a class's by its name (vars() makes a new proxy)
+    ident = (space.get("__module__"), space.get("__qualname__")) if isinstance(space, MappingProxyType) else id(space)
+    where = (getattr(space, "ident", ident), binding.name)
+    _rebound[where] += 1
+    if _rebound[where] == REBOUND_WARN:
+        kind = "global" if any(k in binding.namespace for k in ("__builtins__", "__build_class__")) else "attribute"
+        what, ignore = getattr(space, "what", f"{kind} {binding.name!r}"), getattr(space, "ignore", binding.name)
+        warnings.warn(
+            f"torchcache: the {what} that a cached forward reads was rebound {REBOUND_WARN} times; each time the "
+            "module key is taken again (its weights hashed) and earlier entries no longer match"
+            + (f". If outputs do not depend on it, name it in key_ignore ({ignore!r})" if ignore else ""),
+            CacheWarning,
+            stacklevel=user_stacklevel(),
+        )
