@@ -1512,9 +1512,61 @@ def test_a_hook_added_to_a_module_held_as_a_value_takes_the_key_again(where: str
     try:
         twin.extra = model.extra
         assert torch.equal(model(X), twin(X))
+        held._forward_pre_hooks[handle.id] = lambda module, args: (args[0] * 5,)  # one put in its place
+        assert torch.equal(model(X), twin(X))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(10):  # then nothing changes: the key is not taken again (a warning would say so)
+                assert torch.equal(model(X), twin(X))
+        assert not [w for w in seen if "taken again" in str(w.message)]
     finally:
         handle.remove()
     assert torch.equal(model(X), _UsesAGlobalHead()(X))  # removed: seen too
+
+
+_TRUNK = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).requires_grad_(False)
+
+
+def _through_the_trunk(x: torch.Tensor) -> torch.Tensor:
+    return _TRUNK(x)
+
+
+def test_a_submodule_deleted_from_a_module_held_as_a_value_takes_the_key_again() -> None:
+    cached = torchcache()(_through_the_trunk)
+    assert torch.equal(cached(X), _TRUNK(X))
+    relu = _TRUNK[1]
+    del _TRUNK[1]  # no registration hook sees a deletion
+    try:
+        assert torch.equal(cached(X), _TRUNK(X))
+    finally:
+        _TRUNK.append(relu)
+
+
+class _HookedAtEachStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4).requires_grad_(False)
+
+    def scale(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * 2,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_a_key_taken_again_alike_at_every_call_is_pointed_out_once() -> None:
+    model = torchcache()(_HookedAtEachStep())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(12):  # a new bound method registered each step: the key is taken again each time
+            handle = model.linear.register_forward_pre_hook(model.scale)
+            assert torch.equal(
+                model(X),
+                nn.functional.linear(X * 2, model.linear.weight, model.linear.bias),
+            )
+            handle.remove()
+    alike = [w for w in seen if "taken again 8 times in a row" in str(w.message)]
+    assert len(alike) == 1 and issubclass(alike[0].category, CacheWarning)
 
 
 class _Offset(nn.Module):
@@ -1538,6 +1590,57 @@ def test_a_classs_forward_replaced_after_wrapping_is_the_one_that_runs(
     assert torch.equal(model(X), X + 100)
     fresh = torchcache()(cls()) if how == "instance" else torchcache()(cls)()
     assert torch.equal(fresh(X), X + 100)
+
+
+class _PlusOne(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+@torchcache()
+class _InheritsForward(_PlusOne):
+    pass
+
+
+class _DoublesInner(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+def test_a_decorated_class_that_inherits_forward_runs_its_bases_forward_as_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _InheritsForward()
+    assert torch.equal(model(X), X + 1)
+    monkeypatch.setattr(_PlusOne, "forward", _offset_by_100)
+    assert torch.equal(model(X), X + 100)
+
+
+def test_fx_traces_the_forward_a_wrapped_module_runs_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    outer = _DoublesInner(torchcache()(_PlusOne()))
+    assert torch.equal(outer(X), (X + 1) * 2)
+    monkeypatch.setattr(_PlusOne, "forward", _offset_by_100)
+    assert torch.equal(torch.fx.symbolic_trace(outer)(X), (X + 100) * 2)
+
+
+def test_a_copy_of_a_wrapped_graph_module_keeps_its_own_forward_when_the_original_is_recompiled() -> None:
+    original = torchcache()(torch.fx.symbolic_trace(_PlusOne()))
+    original(X)
+    copied = copy.deepcopy(original)
+    graph = original.graph
+    placeholder = next(node for node in graph.nodes if node.op == "placeholder")
+    with graph.inserting_after(placeholder):
+        scale = graph.placeholder("scale")
+    output = next(node for node in graph.nodes if node.op == "output")
+    with graph.inserting_before(output):
+        output.args = (graph.call_function(torch.mul, (output.args[0], scale)),)
+    original.recompile()
+    assert torch.equal(copied(X), X + 1) and torch.equal(copied(x=X), X + 1)
+    assert torch.equal(original(X, 3.0), (X + 1) * 3)
 
 
 def test_the_modules_own_class_swapped_after_a_call_takes_the_key_again() -> None:

@@ -25,7 +25,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -35,12 +34,12 @@ from ..canonical.origins import is_users_object
 from ..codec import DEFAULT_QUALITY
 from ..config import LEGACY_OPTIONS, Settings, legacy_note
 from ..errors import ConfigError
-from .callables import CachedMethod, decorate_function, weights_loaded, without_self
+from .callables import CachedMethod, decorate_function
 from .engine import Cache
-from .fingerprint import check_instance, describe_init, fingerprint_module
-from .guards import check_frozen, outside_compile, warn_if_training
-from .subclass import BINDING as _BINDING
-from .subclass import compile_graph, graph_methods, make_subclass, plain_namespace, rebuild_plain
+from .fingerprint import check_instance, describe_init
+from .guards import check_frozen
+from .instances import InstanceBinding, attach, bind, cached_method, forwards, patch
+from .subclass import BINDING, compile_graph, graph_methods, make_subclass, plain_namespace, rebuild_plain
 
 __all__ = ["torchcache"]
 
@@ -51,8 +50,6 @@ _OPTION_NAMES = tuple(f.name for f in Settings.__dataclass_fields__.values())
 _decorated: weakref.WeakKeyDictionary[type, Settings] = weakref.WeakKeyDictionary()
 _initializing = threading.local()
 _subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-#: The forward each fx graph module's cache was made for (a call begun before a recompile runs the old one uncached).
-_forwards: weakref.WeakKeyDictionary[Cache, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 @overload
@@ -232,95 +229,7 @@ def torchcache(
 
 
 # -- modules ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Binding:
-    """What a module instance needs to (re)make its cache: picklable, copied with the module."""
-
-    settings: Settings
-    init_digest: bytes
-    name: str
-    base: type[torch.nn.Module] | None = None  #: whose ``forward`` runs, looked up at each call (one set later)
-
-
-def _make_cache(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
-    """Make the cache of one module instance (without touching the module: it may be half-copied)."""
-    module_ref = weakref.ref(module)
-    key_settings = binding.settings.key_settings()
-
-    def fingerprint() -> str:
-        owner = module_ref()
-        if owner is None:  # pragma: no cover - the cache lives on the module
-            raise ReferenceError("the cached module no longer exists")
-        check_frozen(owner, type(owner).__qualname__)
-        return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
-
-    base = binding.base
-    cache = Cache(
-        binding.settings, binding.name, "module", lambda: without_self(base.forward if base else forward), fingerprint
-    )
-    cache.bind_owner(module, lambda owner: _make_cache(owner, binding, forward))
-    cache.watch_weights(module)
-    return cache
-
-
-def _attach(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> Cache:
-    """Make the cache of one module instance and store it as ``module.cache_instance``."""
-    check_frozen(module, type(module).__qualname__)
-    cache = module.__dict__["cache_instance"] = _make_cache(module, binding, forward)
-    if binding.settings.keep_eval:
-        module.train(False)
-    return cache
-
-
-def _cached_forward(
-    module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    cache = module.__dict__.get("cache_instance")
-    if cache is None or not cache.belongs_to(module):
-        binding: _Binding | None = module.__dict__.get(_BINDING)
-        if binding is None:  # caching is off for this instance
-            return forward(module, *args, **kwargs)
-        cache = _attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
-    elif _forwards.get(cache, forward) is not forward:  # begun before an fx recompile made a cache for new code
-        return forward(module, *args, **kwargs)
-    warn_if_training(cache, module)
-    return cache(functools.partial(forward, module), args, kwargs, module.training)
-
-
-def _cached_method(forward: Callable[..., Any], base: type[torch.nn.Module] | None = None) -> Callable[..., Any]:
-    def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:  # base.forward = other later: that runs
-        return _cached_forward(self, forward if base is None else base.forward, args, kwargs)
-
-    return functools.update_wrapper(outside_compile(cached, plain=forward), forward)
-
-
-def _patch(cls: type[torch.nn.Module], forward: Callable[..., Any], base: type[torch.nn.Module] | None) -> None:
-    """Set the wrappers of cached instances on ``cls`` (a decorated class, or a subclass of ``base``)."""
-    cached = _cached_method(forward, base)
-    original_apply: Callable[..., Any] = cls._apply
-    original_train: Callable[..., Any] = cls.train
-
-    @functools.wraps(original_apply)
-    def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        # .to(), .half(), .cuda() and the like: a dtype change gives other outputs.
-        result = original_apply(self, fn, *args, **kwargs)
-        cache = self.__dict__.get("cache_instance")
-        if isinstance(cache, Cache):
-            cache.weights_changed()
-        return result
-
-    @functools.wraps(original_train)
-    def train(self: torch.nn.Module, mode: bool = True) -> Any:
-        binding: _Binding | None = self.__dict__.get(_BINDING)
-        return original_train(self, False if binding is not None and binding.settings.keep_eval else mode)
-
-    cls.forward, cls._apply, cls.train = cached, _apply, train  # type: ignore[method-assign]
-
-
-def _bind(module: torch.nn.Module, binding: _Binding, forward: Callable[..., Any]) -> None:
-    module.__dict__[_BINDING] = binding
-    module.register_load_state_dict_post_hook(weights_loaded)  # type: ignore[no-untyped-call]
-    _attach(module, binding, forward)
+_Binding = InstanceBinding  # the name copies and pickles made by 1.3 hold
 
 
 def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torch.nn.Module]:
@@ -331,7 +240,6 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
         )
     # torchcache()(nn.Linear): a cached subclass, every other nn.Linear stays plain (a class made by exec() is yours)
     library = not is_users_object(cls) and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
-    base = cls if library else None
     if library:
         cls = make_subclass(cls, plain_namespace(cls))
     decorated = _decorated.get(cls)
@@ -377,14 +285,14 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             init_digest = describe_init(args, kwargs, ignore)
             check_instance(self, ignore)  # a refusal comes now, not at the first call
         try:
-            _bind(self, _Binding(instance_settings, init_digest, name, base), original_forward)
+            bind(self, InstanceBinding(instance_settings, init_digest, name), original_forward)
         except ConfigError as exc:  # trainable: a class of a package cannot be frozen in its __init__
             if library:
                 wrap = f"wrap a frozen instance instead, torchcache()({cls.__name__}(...).requires_grad_(False).eval())"
                 raise ConfigError(f"{exc}. {name} is a class of an installed package: {wrap}") from None
             raise
 
-    _patch(cls, original_forward, base)
+    patch(cls, original_forward, "forward" not in cls.__dict__)
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
@@ -394,7 +302,7 @@ def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     sub = _subclasses.get(cls)
     if sub is None:
         sub = make_subclass(cls, {**plain_namespace(cls), **graph_methods(cls, _rewrap)})
-        _patch(sub, cls.forward, cls)
+        patch(sub, cls.forward, not issubclass(cls, torch.fx.GraphModule))  # fx: recompile() wraps again
         if not issubclass(cls, torch.fx.GraphModule):  # fx makes a class per instance: not kept past it
             _subclasses[cls] = sub
     return sub
@@ -402,15 +310,15 @@ def _cached_subclass(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
 
 def _rewrap(module: torch.nn.Module, like: torch.nn.Module) -> None:
     """Wrap ``module`` (an fx graph module recompiled, or a copy of one) as ``like`` is, with a new cache."""
-    binding, kind = like.__dict__[_BINDING], type(module)
+    binding, kind = like.__dict__[BINDING], type(module)
     if module is like:  # recompiled: its plain class has a new forward
         plain: type[torch.nn.Module] = kind.__bases__[0]
-        kind.forward = _cached_method(plain.forward)  # type: ignore[method-assign]
+        kind.forward = cached_method(plain.forward)  # type: ignore[method-assign]
     else:  # a copy, of a class fx made for it
         plain = kind
         module.__class__ = _cached_subclass(plain)
-    module.__dict__[_BINDING] = binding
-    _forwards[_attach(module, binding, plain.forward)] = plain.forward
+    module.__dict__[BINDING] = binding
+    forwards[attach(module, binding, plain.forward)] = plain.forward
 
 
 _rebuild_plain = rebuild_plain  # the name pickles of whole models made by 1.3 hold
@@ -440,8 +348,8 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key
         check_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped
-    binding = _Binding(settings, b"", name, cls)
+    binding = InstanceBinding(settings, b"", name)
     compile_graph(module)
     module.__class__ = _cached_subclass(cls)
-    _bind(module, binding, cls.forward)
+    bind(module, binding, cls.forward)
     return module

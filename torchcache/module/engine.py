@@ -41,6 +41,7 @@ from .call import CallArguments
 from .exit import track
 from .independence import ItemCheck
 from .outputs import GradOutputError, OutputPlan, UnbatchedOutputError
+from .rebinding import note_alike
 from .traceless import traceless
 from .versions import HeldValues, VersionWatch
 
@@ -86,7 +87,7 @@ class Cache:
         self._held: HeldValues | None = None  # tensors and arrays the key covers beyond the module's own
         self._owner: weakref.ref[Any] | None = None
         self._module_hash: str | None = settings.fixed_key()
-        self._changes = self._keyed = 0  # changes seen, and those the key reflects: stale while they differ
+        self._changes = self._keyed = self._alike = 0  # changes seen, those the key reflects; retakes alike in a row
         self._grad_refused: dict[bytes, str] = {}  # call contexts whose outputs required grad, and why refused
         if self._module_hash is not None:
             logger.warning(_FIXED_KEY, name, self._module_hash)
@@ -214,6 +215,7 @@ class Cache:
                 key = self._take_key()
             except Exception as exc:
                 raise _KeyRetakeError(f"{type(exc).__name__}: {exc}") from exc
+            self._alike = note_alike(self.name, self._alike) if key == self._module_hash else 0
             if key != self._module_hash:  # switched whole before the key counts as fresh
                 logger.info("%s changed its weights; new module key %s", self.name, key)
                 if self._disk is not None:

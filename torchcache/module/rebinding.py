@@ -1,4 +1,4 @@
-"""Values a key read that were rebound: which rebindings change nothing, and the warning for those that recur."""
+"""Values a key read that were rebound: which rebindings change nothing, and the warnings for those that recur."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..canonical.objects import Binding
 from ..errors import CacheWarning
 from ..faults import user_stacklevel
 
-__all__ = ["REBOUND_WARN", "alike", "note_rebound"]
+__all__ = ["ALIKE_WARN", "REBOUND_WARN", "alike", "note_alike", "note_rebound"]
 
 _rebound: collections.Counter[tuple[object, str]] = collections.Counter()
 #: Rebinding a global this often takes the key as often: a warning says so, once.
@@ -53,3 +53,21 @@ def note_rebound(binding: Binding) -> None:
             CacheWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+#: Key retakes in a row that gave the same key, after which a warning says what they cost.
+ALIKE_WARN = 8
+
+
+def note_alike(name: str, before: int) -> int:
+    """Count a key of ``name`` taken again alike (``before`` in a row until now); warn at :data:`ALIKE_WARN`."""
+    if before + 1 == ALIKE_WARN:
+        warnings.warn(
+            f"torchcache: the key of {name} was taken again {ALIKE_WARN} times in a row and came out the same: "
+            "something it watches is replaced by an equal one at each call (a hook removed and registered again, "
+            "as a new bound method or functools.partial each time), and each time its weights are hashed again. "
+            "Register such a hook once and keep it",
+            CacheWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return before + 1

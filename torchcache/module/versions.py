@@ -285,10 +285,13 @@ class HeldValues:
     __slots__ = (
         "_arrays",
         "_bindings",
+        "_child_values",
+        "_children",
         "_flags",
         "_generation",
         "_graded",
         "_hook_dicts",
+        "_hooked",
         "_hooks",
         "_lookups",
         "_members",
@@ -319,9 +322,14 @@ class HeldValues:
         self._graded = [*self._versioned, *(t for module in self._modules for t in _tensors(module))]
         self._flags = bytes(map(_training, self._modules)) + bytes(map(_requires_grad, self._graded))  # unfrozen later
         self._types = list(map(type, self._modules))  # a class swapped (m.__class__ = Other): no hook sees it
-        # their forward hooks, registered, removed or replaced (HEAD.register_forward_pre_hook(f) after a call)
-        self._hook_dicts = [h for held in self._modules for m in held.modules() for h in _hook_dicts(m)]
-        self._hooks = list(itertools.chain.from_iterable(map(dict.values, self._hook_dicts)))
+        # their forward hooks and submodules, registered, removed or replaced (HEAD.register_forward_pre_hook(f),
+        # del seq[1]: no registration hook sees those), as the module's own are watched
+        subs = [sub for held in self._modules for sub in held.modules()]
+        self._hook_dicts = [hooks for sub in subs for hooks in (sub._forward_pre_hooks, sub._forward_hooks)]
+        self._hooked = [hooks for hooks in self._hook_dicts if hooks]  # the counts cover the others
+        self._hooks = list(itertools.chain.from_iterable(map(dict.values, self._hooked)))
+        self._children = list(map(_children, subs))
+        self._child_values = list(itertools.chain.from_iterable(map(dict.values, self._children)))
         self._generation = _Generation.value
         self._members = self._held_members()
         self._arrays: list[tuple[np.ndarray[Any, Any], int]] = []
@@ -357,7 +365,10 @@ class HeldValues:
             or self._types != [*map(type, self._modules)]
         ):
             return True
-        if self._hook_dicts and not _same_hooks(self._hook_dicts, self._hooks):
+        if self._hook_dicts and not (
+            _same(self._hook_dicts, self._hooked, self._hooks)
+            and _same(self._children, self._children, self._child_values)
+        ):
             return True
         if self._modules and _Generation.value != self._generation:  # a parameter or submodule registered
             if self._held_members() != self._members:
@@ -411,14 +422,10 @@ class HeldValues:
         )
 
 
-def _hook_dicts(module: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
-    return module._forward_pre_hooks, module._forward_hooks
-
-
-def _same_hooks(dicts: list[dict[int, Any]], hooks: list[Any]) -> bool:
-    """Whether ``dicts`` hold ``hooks`` (in order), as when they were collected."""
-    now = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-    return len(now) == len(hooks) and all(map(operator.is_, now, hooks))
+def _same(dicts: list[dict[Any, Any]], held: list[dict[Any, Any]], values: list[Any]) -> bool:
+    """Whether ``dicts`` hold as many values as when collected, and those that held any (``held``) the same ones."""
+    now = itertools.chain.from_iterable(map(dict.values, held))
+    return sum(map(len, dicts)) == len(values) and all(map(operator.is_, now, values))
 
 
 def _array_digest(array: np.ndarray[Any, Any]) -> int:
