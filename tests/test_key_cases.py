@@ -1582,6 +1582,7 @@ def _offset_by_100(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def test_a_classs_forward_replaced_after_wrapping_is_the_one_that_runs(
     how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # other tests replace it too
     cls: type[nn.Module] = _Offset if how == "instance" else nn.Identity
     before = cls.forward
     model = torchcache()(cls()) if how == "instance" else torchcache()(cls)()
@@ -1614,13 +1615,82 @@ class _DoublesInner(nn.Module):
 def test_a_decorated_class_that_inherits_forward_runs_its_bases_forward_as_replaced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # other tests replace it too
     model = _InheritsForward()
     assert torch.equal(model(X), X + 1)
     monkeypatch.setattr(_PlusOne, "forward", _offset_by_100)
     assert torch.equal(model(X), X + 100)
 
 
+class _PlusFifty(_PlusOne):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 50
+
+
+class _AfterInheritsForward(_InheritsForward, _PlusFifty):  # its order: _InheritsForward, _PlusFifty, _PlusOne
+    pass
+
+
+def test_the_forward_past_a_decorated_class_follows_the_instances_class_order() -> None:
+    assert torch.equal(_AfterInheritsForward()(X), X + 50)
+
+
+class _TimesTwo(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+@torchcache()
+class _InheritsScaled(_TimesTwo):
+    pass
+
+
+class _UnderInheritsScaled(_InheritsScaled):
+    pass
+
+
+def test_an_undecorated_subclass_splits_arguments_by_the_forward_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # other tests replace it too
+    model = _UnderInheritsScaled()
+    assert torch.equal(model(X), X * 2)
+
+    def shifted(self: nn.Module, x: torch.Tensor, shift: float = 0.0, scale: float = 2.0) -> torch.Tensor:
+        return x * scale + shift
+
+    monkeypatch.setattr(_TimesTwo, "forward", shifted)
+    assert torch.equal(model(X, 5.0), X * 2 + 5) and torch.equal(model(X, scale=3.0), X * 3)
+
+
+@torchcache()
+class _Base(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+@torchcache()
+class _CallsItsBase(_Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_a_decorated_class_calling_a_decorated_bases_forward_caches_its_own_outputs() -> None:
+    model = _CallsItsBase()
+    for _ in range(3):  # the base's rows were stored under the same key as the outer call's, and won
+        assert torch.equal(model(X), (X + 1) * 2)
+    assert model.cache_instance.stats().hits == 2 * len(X)
+
+
+def test_moving_a_model_at_every_step_does_not_warn_of_keys_taken_again() -> None:
+    model = torchcache()(nn.Linear(4, 4).requires_grad_(False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(12):  # asked for (.to, load_state_dict): the key is taken again, as it should be
+            model.to("cpu")
+            model(X)
+
+
 def test_fx_traces_the_forward_a_wrapped_module_runs_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # other tests replace it too
     outer = _DoublesInner(torchcache()(_PlusOne()))
     assert torch.equal(outer(X), (X + 1) * 2)
     monkeypatch.setattr(_PlusOne, "forward", _offset_by_100)

@@ -202,7 +202,7 @@ class Cache:
         the disk directory of the new key.
         """
         if self.settings.persistent_module_hash is None and self._module_hash is not None:
-            self._changes += 1
+            self._changes, self._alike = self._changes + 1, 0  # asked for: not a key retaken alike unasked
 
     def _rekey(self) -> None:
         with self._lock:

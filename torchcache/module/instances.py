@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from .subclass import BINDING
 
 __all__ = ["InstanceBinding", "attach", "bind", "cached_forward", "cached_method", "forwards", "make_cache", "patch"]
 
+#: The modules whose cached call runs in each thread (a call of one inside it runs uncached: the outer one is cached).
+_calling = threading.local()
 #: The forward each fx graph module's cache was made for (a call begun before a recompile runs the old one uncached).
 forwards: weakref.WeakKeyDictionary[Cache, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
@@ -51,8 +54,9 @@ def make_cache(module: torch.nn.Module, binding: InstanceBinding, forward: Calla
         return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
 
     def signature() -> inspect.Signature:  # of the forward that runs now (one set on a base class later)
-        current = getattr(type(module_ref()).__dict__.get("forward"), "torchcache_plain", None)
-        return without_self(current() if current is not None else forward)
+        kind = type(module_ref())
+        current = getattr(getattr(kind, "forward", None), "torchcache_plain", None)
+        return without_self(current(kind) if current is not None else forward)
 
     cache = Cache(binding.settings, binding.name, "module", signature, fingerprint)
     cache.bind_owner(module, lambda owner: make_cache(owner, binding, forward))
@@ -81,21 +85,28 @@ def cached_forward(
         cache = attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
     elif forwards.get(cache, forward) is not forward:  # begun before an fx recompile made a cache for new code
         return forward(module, *args, **kwargs)
+    active: set[int] = _calling.__dict__.setdefault("ids", set())
+    if id(module) in active:  # a forward calling super().forward() of a decorated base: its outer call is cached
+        return forward(module, *args, **kwargs)
     warn_if_training(cache, module)
-    return cache(functools.partial(forward, module), args, kwargs, module.training)
+    active.add(id(module))
+    try:
+        return cache(functools.partial(forward, module), args, kwargs, module.training)
+    finally:
+        active.discard(id(module))
 
 
 def cached_method(forward: Callable[..., Any], owner: type[torch.nn.Module] | None = None) -> Callable[..., Any]:
     """The wrapper of ``forward`` set on ``owner``; with one, the forward past it runs (looked up at each call)."""
 
-    def current() -> Callable[..., Any]:
-        return forward if owner is None else super(owner, owner).forward  # type: ignore[misc,no-any-return]
+    def current(kind: type[torch.nn.Module]) -> Callable[..., Any]:  # past owner in the instance's class's order
+        return forward if owner is None else super(owner, kind).forward  # type: ignore[misc,no-any-return]
 
     def cached(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return cached_forward(self, current(), args, kwargs)
+        return cached_forward(self, current(type(self)), args, kwargs)
 
     def plain(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:  # traced by fx
-        return current()(self, *args, **kwargs)
+        return current(type(self))(self, *args, **kwargs)
 
     wrapper = functools.update_wrapper(outside_compile(cached, plain=plain), forward)
     wrapper.torchcache_plain = current  # type: ignore[attr-defined]

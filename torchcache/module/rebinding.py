@@ -64,9 +64,9 @@ def note_alike(name: str, before: int) -> int:
     if before + 1 == ALIKE_WARN:
         warnings.warn(
             f"torchcache: the key of {name} was taken again {ALIKE_WARN} times in a row and came out the same: "
-            "something it watches is replaced by an equal one at each call (a hook removed and registered again, "
-            "as a new bound method or functools.partial each time), and each time its weights are hashed again. "
-            "Register such a hook once and keep it",
+            "something it covers is replaced or written at each call without changing (a hook removed and "
+            "registered again as a new bound method or functools.partial, a weight copied in place with the same "
+            "values), and each time its weights are hashed again. Register such a hook once, or skip the write",
             CacheWarning,
             stacklevel=user_stacklevel(),
         )
