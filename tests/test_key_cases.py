@@ -1680,6 +1680,42 @@ def test_a_decorated_class_calling_a_decorated_bases_forward_caches_its_own_outp
     assert model.cache_instance.stats().hits == 2 * len(X)
 
 
+class _ScaledPlusFifty(_PlusOne):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale + 50
+
+
+class _OwnForwardCallsPastADecoratedClass(_InheritsForward, _ScaledPlusFifty):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, scale=2.0)  # the decorated class's wrapper, then _ScaledPlusFifty's forward
+
+
+def test_a_subclasss_own_forward_calling_a_decorated_class_splits_by_the_forward_past_it() -> None:
+    model = _OwnForwardCallsPastADecoratedClass()
+    for _ in range(2):
+        assert torch.equal(model(X), X * 2 + 50)
+
+
+class _PerSequence(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.layout != torch.strided:  # cannot be keyed per item: runs plain, its dense form through the cache
+            return self(x.to_dense())
+        return self.linear(x)
+
+
+def test_calls_of_a_module_inside_its_own_uncached_call_are_still_cached() -> None:
+    model = torchcache()(_PerSequence())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)  # a sparse tensor cannot be keyed per item
+        for _ in range(2):
+            assert torch.equal(model(X.to_sparse()), model.linear(X))
+    assert model.cache_instance.stats().hits == len(X)
+
+
 def test_moving_a_model_at_every_step_does_not_warn_of_keys_taken_again() -> None:
     model = torchcache()(nn.Linear(4, 4).requires_grad_(False))
     with warnings.catch_warnings():

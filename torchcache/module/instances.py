@@ -26,7 +26,7 @@ from .subclass import BINDING
 
 __all__ = ["InstanceBinding", "attach", "bind", "cached_forward", "cached_method", "forwards", "make_cache", "patch"]
 
-#: The modules whose cached call runs in each thread (a call of one inside it runs uncached: the outer one is cached).
+#: The forward of each module whose cached call runs, per thread (another forward of it called inside runs plain).
 _calling = threading.local()
 #: The forward each fx graph module's cache was made for (a call begun before a recompile runs the old one uncached).
 forwards: weakref.WeakKeyDictionary[Cache, Callable[..., Any]] = weakref.WeakKeyDictionary()
@@ -55,7 +55,8 @@ def make_cache(module: torch.nn.Module, binding: InstanceBinding, forward: Calla
 
     def signature() -> inspect.Signature:  # of the forward that runs now (one set on a base class later)
         kind = type(module_ref())
-        current = getattr(getattr(kind, "forward", None), "torchcache_plain", None)
+        wrappers = (getattr(k.__dict__.get("forward"), "torchcache_plain", None) for k in kind.__mro__)
+        current = next((found for found in wrappers if found is not None), None)  # under a subclass's own forward
         return without_self(current(kind) if current is not None else forward)
 
     cache = Cache(binding.settings, binding.name, "module", signature, fingerprint)
@@ -85,15 +86,17 @@ def cached_forward(
         cache = attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
     elif forwards.get(cache, forward) is not forward:  # begun before an fx recompile made a cache for new code
         return forward(module, *args, **kwargs)
-    active: set[int] = _calling.__dict__.setdefault("ids", set())
-    if id(module) in active:  # a forward calling super().forward() of a decorated base: its outer call is cached
-        return forward(module, *args, **kwargs)
+    running: dict[int, Callable[..., Any]] = _calling.__dict__.setdefault("forwards", {})
+    outer = running.get(id(module))
+    if outer is not None and outer is not forward:  # in a cached call of another forward (super().forward() of
+        return forward(module, *args, **kwargs)  # a decorated base): its rows are not the module's
     warn_if_training(cache, module)
-    active.add(id(module))
+    running[id(module)] = forward
     try:
         return cache(functools.partial(forward, module), args, kwargs, module.training)
     finally:
-        active.discard(id(module))
+        if outer is None:
+            del running[id(module)]
 
 
 def cached_method(forward: Callable[..., Any], owner: type[torch.nn.Module] | None = None) -> Callable[..., Any]:
