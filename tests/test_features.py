@@ -649,6 +649,34 @@ def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
             assert torch.allclose(x, net(data.images[i : i + 1])[0], atol=1e-6) and y == data.labels[i]
 
 
+def test_features_of_varying_shape_that_cannot_be_stored_are_kept_in_memory(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.stores.packed.store import PackedStore
+
+    class Named(Images):
+        def __getitem__(self, i: int) -> Any:
+            return self.images[i], ["cat", None][i % 2]  # a None field: kept whole
+
+    def full(self: PackedStore, items: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PackedStore, "put_many", full)
+    net, named = Net(), Named(n=16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        features = extract(net, named, batch_size=4)
+    assert any("kept in memory" in str(w.message) for w in seen)
+    computed = net.seen[0]
+    with torch.no_grad():
+        for _ in range(2):  # read from memory: the backbone does not run again
+            for i in range(16):
+                x, label = features[i]
+                assert torch.allclose(x, net(named.images[i : i + 1])[0], atol=1e-6) and label == named[i][1]
+                net.seen[0] -= 1  # the check's own call
+    assert net.seen[0] == computed
+
+
 @pytest.mark.slow
 def test_two_processes_extracting_at_once_agree(tmp_path: Path) -> None:
     script = tmp_path / "kit.py"

@@ -162,10 +162,11 @@ class FeatureDataset(Dataset[Any]):
         self._faults = FaultLog(self._module)
 
     def __repr__(self) -> str:
+        where = "in memory" if self.path is None else repr(str(self.path))
         if self.layout is None:
-            return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features vary in shape)"
+            return f"FeatureDataset({where}, {self.length} samples, features vary in shape)"
         f = self.layout.features
-        return f"FeatureDataset({str(self.path)!r}, {self.length} samples, features {f.dtype} {f.shape})"
+        return f"FeatureDataset({where}, {self.length} samples, features {f.dtype} {f.shape})"
 
     @property
     def path(self) -> Path | None:

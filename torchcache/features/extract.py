@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import time
 from pathlib import Path
@@ -273,7 +274,8 @@ def _extract_features(
     if file is None:
         if claim is not None:
             claim.release()  # the dataset cache takes its own
-        return variable()
+        gc.collect()  # workers of the loader the layout error left in a traceback cycle: shut down here, not by
+        return variable()  # the garbage collection of the workers forked next (an AssertionError printed there)
     if remote is not None and file.path is not None and file.count() == length:
         remote.upload(folder, file.path, _meta(file.header, file.size), replace=fetched and bool(len(todo)))
     return FeatureDataset(file, backbone, dataset, claim, version=version)

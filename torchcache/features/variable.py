@@ -15,6 +15,7 @@ the backbone in groups of one shape.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from ..datasets.cache import SampleCache
-from ..errors import ConfigError
+from ..errors import CacheWarning, ConfigError
+from ..faults import user_stacklevel
 from ..meta import load_meta
 from .backbone import run_backbone
 
@@ -33,6 +35,8 @@ __all__ = ["WholeSamples", "extract_variable", "is_variable_cache", "made_for", 
 
 #: The field of ``torchcache.json`` that marks a dataset cache as variable features.
 MARK = "features_of"
+#: Said once when samples cannot be stored in the cache's directory.
+KEPT = "torchcache: the features cannot be stored in {directory}: those not stored are kept in memory for this process"
 
 
 def _field(sample: Any, input: int | str) -> Any:
@@ -87,6 +91,16 @@ def _pick(by_index: dict[Any, Any], indices: list[Any]) -> list[Any]:
     return [by_index[i] for i in indices]
 
 
+_NOT_KEPT = object()
+
+
+def _keeping(compute: Callable[[list[Any]], list[Any]], kept: dict[int, Any], indices: list[Any]) -> list[Any]:
+    """``compute(indices)``, each sample kept in ``kept`` too (the cache cannot store them)."""
+    samples = compute(indices)
+    kept.update(zip(indices, samples))
+    return samples
+
+
 def is_variable_cache(directory: Path) -> bool:
     """Whether ``directory`` holds features kept whole in a dataset cache."""
     return made_for(directory) is not None
@@ -116,10 +130,12 @@ class WholeSamples:
         header: What the cache was made from (backbone, dataset, keys, input, length).
     """
 
-    def __init__(self, cache: SampleCache, header: dict[str, Any]) -> None:
+    def __init__(self, cache: SampleCache, header: dict[str, Any], kept: dict[int, Any] | None = None) -> None:
         self.cache = cache
         self.header = header
         self.length: int = header["length"]
+        #: Samples the cache could not store (its directory full or read-only), kept for this process.
+        self.kept = kept
 
     @classmethod
     def open(cls, directory: Path) -> WholeSamples:
@@ -144,7 +160,16 @@ class WholeSamples:
 
     def read(self, indices: list[int], compute: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """The samples at ``indices`` (in range), in one batched lookup; ``compute`` makes those missing or damaged."""
-        return self.cache.get_many(indices, compute)
+        kept = self.kept
+        if kept is None:
+            return self.cache.get_many(indices, compute)
+        here = [kept.get(i, _NOT_KEPT) for i in indices]
+        rest = [i for i, sample in zip(indices, here) if sample is _NOT_KEPT]
+        if rest:
+            found = self.cache.get_many(rest, functools.partial(_keeping, compute, kept))
+            iterator = iter(found)
+            here = [next(iterator) if sample is _NOT_KEPT else sample for sample in here]
+        return here
 
     def features(self, sample: Any) -> torch.Tensor:
         """The backbone's output in ``sample``."""
@@ -174,6 +199,7 @@ def extract_variable(
     length = header["length"]
     cache = _open_cache(directory, header)
     todo = cache.missing(list(range(length)), tier="disk")
+    kept: dict[int, Any] | None = None
     if todo:
         check(np.asarray(todo, np.int64))
         loader = DataLoader(dataset, batch_size=batch_size, sampler=todo, num_workers=num_workers, collate_fn=list)
@@ -182,8 +208,13 @@ def extract_variable(
             indices = todo[done : done + len(samples)]
             by_index = dict(zip(indices, run_samples(backbone, samples, header["input"]), strict=True))
             cache.get_many(indices, functools.partial(_pick, by_index))
+            if lost := cache.missing(indices, tier="disk"):  # not stored: the directory full or read-only
+                if kept is None:
+                    warnings.warn(KEPT.format(directory=directory), CacheWarning, stacklevel=user_stacklevel())
+                    kept = {}
+                kept.update((int(i), by_index[i]) for i in lost)
             done += len(samples)
             if progress is not None:
                 progress(len(samples))
         cache.flush()
-    return WholeSamples(cache, header)
+    return WholeSamples(cache, header, kept)
