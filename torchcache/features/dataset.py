@@ -163,10 +163,8 @@ class FeatureDataset(Dataset[Any]):
 
     def __repr__(self) -> str:
         where = "in memory" if self.path is None else repr(str(self.path))
-        if self.layout is None:
-            return f"FeatureDataset({where}, {self.length} samples, features vary in shape)"
-        f = self.layout.features
-        return f"FeatureDataset({where}, {self.length} samples, features {f.dtype} {f.shape})"
+        what = "vary in shape" if self.layout is None else f"{self.layout.features.dtype} {self.layout.features.shape}"
+        return f"FeatureDataset({where}, {self.length} samples, features {what})"
 
     @property
     def path(self) -> Path | None:
