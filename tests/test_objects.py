@@ -631,22 +631,28 @@ def test_warmup_uploads_what_the_bucket_missed_while_it_was_away(
     served.close()
 
 
-def test_closing_soon_after_an_outage_sends_what_waited(
-    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url, images = f"{bucket}/back-at-close", Images(16)
-    cached = CachedDataset(images, url, max_memory_size=0, local_cache_dir=tmp_path / "copy")
-    bucket_of = _far(cached).bucket
-    pipe_file = bucket_of.fs.pipe_file
+def _warmed_while_writes_fail(url: str, local: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[CachedDataset, Any]:
+    """16 samples warmed while every write to the bucket failed (the local copy keeps them); the real upload."""
+    cached = CachedDataset(Images(16), url, max_memory_size=0, local_cache_dir=local)
+    fs = _far(cached).bucket.fs
+    pipe_file = fs.pipe_file
 
     def away(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("the bucket is away")
 
-    monkeypatch.setattr(bucket_of.fs, "pipe_file", away)
+    monkeypatch.setattr(fs, "pipe_file", away)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheWarning)
-        cached.__getitems__(list(range(16)))  # kept in the local copy; the bucket's writes back off
-    monkeypatch.setattr(bucket_of.fs, "pipe_file", pipe_file)  # back, within the backoff
+        cached.__getitems__(list(range(16)))  # the bucket's writes back off
+    return cached, pipe_file
+
+
+def test_closing_soon_after_an_outage_sends_what_waited(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/back-at-close"
+    cached, pipe_file = _warmed_while_writes_fail(url, tmp_path / "copy", monkeypatch)
+    monkeypatch.setattr(_far(cached).bucket.fs, "pipe_file", pipe_file)  # back, within the backoff
     cached.close()  # one try now, whatever the backoff
     served = CachedDataset(None, url, max_memory_size=0, local_cache_dir=tmp_path / "fresh")
     assert [label for _, label in served.__getitems__(list(range(16)))] == list(range(16))
@@ -656,16 +662,8 @@ def test_closing_soon_after_an_outage_sends_what_waited(
 def test_a_close_whose_last_send_failed_does_not_wait_on_the_bucket_again(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cached = CachedDataset(Images(16), f"{bucket}/away-at-close", max_memory_size=0, local_cache_dir=tmp_path / "c")
+    cached, _ = _warmed_while_writes_fail(f"{bucket}/away-at-close", tmp_path / "c", monkeypatch)
     store = _far(cached)
-
-    def away(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("the bucket is away")
-
-    monkeypatch.setattr(store.bucket.fs, "pipe_file", away)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CacheWarning)
-        cached.__getitems__(list(range(16)))
     listed: list[int] = []
     monkeypatch.setattr(store.bucket, "names", lambda: listed.append(1) or set())
     before = store.bucket.requests
