@@ -675,6 +675,10 @@ def test_features_of_varying_shape_that_cannot_be_stored_are_kept_in_memory(
                 assert torch.allclose(x, net(named.images[i : i + 1])[0], atol=1e-6) and label == named[i][1]
                 net.seen[0] -= 1  # the check's own call
     assert net.seen[0] == computed
+    assert pickle.loads(pickle.dumps(features.file)).kept is None  # a spawned worker computes what it reads
+    with pytest.warns(CacheWarning, match="loading them in this process"):
+        loader = features.loader(8, num_workers=2, multiprocessing_context="spawn", collate_fn=list)
+    assert [label for batch in loader for _, label in batch] == [named[i][1] for i in range(16)]
 
 
 @pytest.mark.slow

@@ -135,7 +135,8 @@ def make_loader(
     fixed: dict[str, Any] = {"batch_size": None, "sampler": batches, "collate_fn": _as_fetched, "generator": generator}
     # The generator seeds workers too, as DataLoader(generator=g) does: no global RNG drawn.
     loader = DataLoader(Batches(features, collate_fn), **fixed, **loader_options)
-    if features.path is None and loader.num_workers > 0 and (method := _start_method(loader)) != "fork":
+    kept = features.path is None or bool(getattr(features.file, "kept", None))  # some or all in memory
+    if kept and loader.num_workers > 0 and (method := _start_method(loader)) != "fork":
         warnings.warn(  # kept in memory when the cache could not be written: only a forked worker shares it
             f"torchcache: the features are kept in memory (their cache could not be written), which workers "
             f"started by {method!r} cannot reach: loading them in this process (num_workers=0)",

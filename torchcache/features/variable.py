@@ -153,6 +153,11 @@ class WholeSamples:
             raise ConfigError(f"{directory} is not a usable features cache: its torchcache.json has no valid header")
         return cls(cache, header)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Samples kept in memory stay in this process: a spawned worker computes those it reads (each kept
+        # tensor sent would hold a file descriptor); a forked one shares them.
+        return {**self.__dict__, "kept": None}
+
     @property
     def path(self) -> Path | None:
         """The cache's directory."""
