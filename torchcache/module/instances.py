@@ -26,8 +26,15 @@ from .subclass import BINDING
 
 __all__ = ["InstanceBinding", "attach", "bind", "cached_forward", "cached_method", "forwards", "make_cache", "patch"]
 
-#: The forward of each module whose cached call runs, per thread (another forward of it called inside runs plain).
-_calling = threading.local()
+
+class _Running(threading.local):
+    """The forward of each module whose cached call runs, per thread (another forward of it called inside runs plain)."""
+
+    def __init__(self) -> None:
+        self.forwards: dict[int, Callable[..., Any]] = {}
+
+
+_calling = _Running()
 #: The forward each fx graph module's cache was made for (a call begun before a recompile runs the old one uncached).
 forwards: weakref.WeakKeyDictionary[Cache, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
@@ -86,7 +93,7 @@ def cached_forward(
         cache = attach(module, binding, forward)  # an unpickled module, or a copy.copy() of one
     elif forwards.get(cache, forward) is not forward:  # begun before an fx recompile made a cache for new code
         return forward(module, *args, **kwargs)
-    running: dict[int, Callable[..., Any]] = _calling.__dict__.setdefault("forwards", {})
+    running = _calling.forwards
     outer = running.get(id(module))
     if outer is not None and outer is not forward:  # in a cached call of another forward (super().forward() of
         return forward(module, *args, **kwargs)  # a decorated base): its rows are not the module's
