@@ -28,7 +28,7 @@ __all__ = ["InstanceBinding", "attach", "bind", "cached_forward", "cached_method
 
 
 class _Running(threading.local):
-    """The forward of each module whose cached call runs, per thread (another forward of it called inside runs plain)."""
+    """The forward each module's cached call runs, per thread (another forward of it called inside runs plain)."""
 
     def __init__(self) -> None:
         self.forwards: dict[int, Callable[..., Any]] = {}
