@@ -16,6 +16,7 @@ import atexit
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -128,6 +129,7 @@ def gcs_endpoint() -> str:
         server = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )
+        atexit.register(shutil.rmtree, root, ignore_errors=True)  # runs after the kill below
         atexit.register(server.kill)
         deadline = time.monotonic() + 20
         while True:  # until it answers (a readiness check, not a timing)
