@@ -93,3 +93,32 @@ def test_disk_hits_held_by_the_caller_are_never_overwritten_by_later_ones(
         assert torch.equal(got, want)
     assert len(_buffers._kept) == KEPT  # the rows came from the kept buffers
     assert len({t.untyped_storage().data_ptr() for t in held}) == len(held)  # four batches alive: four buffers
+
+
+class Flipped(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flip(x, [-1])  # any dtype, kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.bool, torch.complex64])
+def test_memory_hits_come_in_kept_buffers_and_those_held_are_never_overwritten(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 1024)  # every batch of hits through the kept buffers
+    drawn = [torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(i)) * 4 for i in range(4)]
+    batches = [x > 0 if dtype is torch.bool else x.to(dtype) for x in drawn]
+    model = cached(Flipped)()
+    for x in batches:
+        model(x)
+    held = [model(x) for x in batches]  # all hits, each still referenced while the next ones are read
+    assert model.cache_instance.stats().memory.hits == 32
+    for got, x in zip(held, batches):
+        assert torch.equal(got, torch.flip(x, [-1])) and got.dtype == dtype and got.is_contiguous()
+    assert len({t.untyped_storage().data_ptr() for t in held}) == len(held)  # four alive: four buffers
+    assert len(_buffers._kept) == KEPT and held[-1].untyped_storage().data_ptr() == _buffers._kept[-1].ctypes.data
+    first = held[0].untyped_storage().data_ptr()
+    del held
+    again = model(batches[1])
+    assert torch.equal(again, torch.flip(batches[1], [-1]))
+    assert again.untyped_storage().data_ptr() != first  # the oldest buffer was let go, the kept ones are used
+    assert again.untyped_storage().data_ptr() in {b.ctypes.data for b in _buffers._kept}

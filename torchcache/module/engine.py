@@ -30,7 +30,7 @@ from ..keys import FORMAT_VERSION, Context, hash_items, numerics
 from ..locations import is_object_url, resolve_local_dir, resolve_location
 from ..output_types import RebuildError
 from ..stats import CacheStats, PeriodicSummary, TierStats, format_summary
-from ..tiers.batch import cast_returned, gather_hits, index_tensor, merge_parts
+from ..tiers.batch import cast_returned, gather_hits, gather_rows, index_tensor, merge_parts
 from ..tiers.lookup import look_up
 from ..tiers.memory import MemoryLevel, MemoryTier
 from ..tiers.persistent import DiskLevel, PersistentTier
@@ -380,7 +380,7 @@ class Cache:
             whole: list[torch.Tensor] | None = None
             if len(hit_rows) == batch and slab is not None:  # every item, from one slab
                 rows = index_tensor(hit_rows, slab.device)
-                whole = cast_returned([t.index_select(0, rows) for t in slab.leaves], slab.layout, device)
+                whole = cast_returned([gather_rows(t, rows) for t in slab.leaves], slab.layout, device)
                 layout: Layout | None = slab.layout
             else:
                 layout, parts = gather_hits(found)
