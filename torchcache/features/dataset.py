@@ -6,8 +6,7 @@ vary in shape, one batched lookup of whole samples, :mod:`.variable`). A row tha
 written or fails its check is computed again with the backbone and the dataset when
 the object holds them (one :class:`~torchcache.errors.CacheWarning` per kind of fault),
 and is an error otherwise (a cache opened without its backbone). Samples come back as
-the dataset gave them, the backbone's output in place of its input; tensors are copies
-of the file's bytes, never views of the map.
+the dataset gave them, the backbone's output in place of its input; tensors are copies.
 """
 
 from __future__ import annotations
@@ -410,8 +409,10 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
     if getattr(indices, "ndim", 1) != 1:  # a 2-D array or tensor is not a batch of positions
         raise TypeError(f"FeatureDataset indices must be one list of integers, got shape {np.shape(indices)}")
     if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array: nothing per index
-        if len(indices) and indices.max() >= length:  # before a uint64 wraps to a negative int64
-            raise IndexError(f"index {indices.max()} is out of range for {length} samples")
+        if len(indices) and (top := indices.max()) >= length:  # before a uint64 wraps to a negative int64
+            raise IndexError(f"index {top} is out of range for {length} samples")
+        if not len(indices) or indices.min() >= 0:  # the largest was checked: all in range
+            return indices.astype(np.int64, copy=False)
         given = indices.astype(np.int64, copy=False)
     else:
         given = _as_positions(indices, length)

@@ -221,17 +221,17 @@ class RowsFile:
         mapped = self._views()
         checks = mapped.checks[indices]
         present = np.flatnonzero(checks)
-        missing = np.flatnonzero(checks == 0).tolist()
+        missing = np.flatnonzero(checks == 0).tolist() if len(present) < len(indices) else []  # usually none
         if not len(present):
             return RowsRead(present, np.empty((0, self.stride), np.uint8), missing, [])
-        wanted = indices if len(present) == len(indices) else indices[present]
+        wanted, checks = (indices[present], checks[present]) if missing else (indices, checks)
         slots = mapped.slots[wanted].astype(np.int64) - 1
         if self.capacity:  # a slot of -1 (none) or past the end reads another row, which fails its check
             rows = np.take(mapped.rows, slots, axis=0, mode="clip")
         else:
             rows = np.zeros((len(present), self.stride), np.uint8)
         starts = np.arange(len(rows)) * self.stride + self.row_at
-        bad = _failing(rows.reshape(-1).data, wanted, checks[present], starts, self.row_size)
+        bad = _failing(rows.reshape(-1).data, wanted, checks, starts, self.row_size)
         if not bad:
             return RowsRead(present, rows, missing, [])
         damaged: list[int] = []
