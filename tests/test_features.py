@@ -528,7 +528,7 @@ class Images(Dataset):
     def __len__(self):
         return len(self.x)
     def __getitem__(self, i):
-        if os.environ.get("KILL_AT") == str(i):
+        if sys.argv[4:] == [str(i)]:  # the index to be killed at (an argument: the environment is not keyed)
             os.kill(os.getpid(), signal.SIGKILL)
         return self.x[i], self.y[i]
 
@@ -554,10 +554,10 @@ print(json.dumps({"computed": SEEN[0], "digest": digest.hexdigest(), "path": str
 """
 
 
-def run_kit(script: Path, root: Path, n: int, batch: int, **env: str) -> zygote.Process:
+def run_kit(script: Path, root: Path, n: int, batch: int, kill_at: int | None = None) -> zygote.Process:
     return zygote.start(
-        [str(script), str(root), str(n), str(batch)],
-        env=python_env(**env),
+        [str(script), str(root), str(n), str(batch), *([] if kill_at is None else [str(kill_at)])],
+        env=python_env(),
         cwd=os.getcwd(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -575,7 +575,7 @@ def test_a_run_killed_mid_extraction_resumes_with_what_was_missing(tmp_path: Pat
     script = tmp_path / "kit.py"
     script.write_text(KIT)
     root, n, batch, kill_at = tmp_path / "root", 40, 8, 27
-    killed = run_kit(script, root, n, batch, KILL_AT=str(kill_at))
+    killed = run_kit(script, root, n, batch, kill_at=kill_at)
     killed.communicate(timeout=300)
     assert killed.returncode == -9
     (directory,) = feature_dirs(root)

@@ -13,6 +13,7 @@ import gc
 import importlib.util
 import inspect
 import math
+import os
 import sys
 import threading
 import types
@@ -455,6 +456,21 @@ def test_inputs_in_a_channels_last_layout_are_keyed_apart_from_contiguous_ones()
     miss, hit = net(last), net(last)
     assert net.cache_instance.stats().hits == 2 and torch.equal(miss, conv(last)) and torch.equal(hit, miss)
     assert miss.stride() == hit.stride() == conv(last).stride() and net(x).stride() == conv(x).stride()
+
+
+@pytest.mark.parametrize("dims", [4, 5])
+def test_the_misses_of_a_channels_last_batch_are_computed_channels_last(dims: int) -> None:
+    layout = torch.channels_last if dims == 4 else torch.channels_last_3d
+    conv = _frozen(nn.Conv2d(3, 4, 3) if dims == 4 else nn.Conv3d(3, 4, 3))
+    seen: list[bool] = []
+    conv.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=layout)))
+    net = torchcache()(copy.deepcopy(conv))
+    x = torch.randn(4, 3, *[6] * (dims - 2)).to(memory_format=layout)
+    net(x[:2])
+    mixed, hit = net(x), net(x)  # two items computed, then none
+    assert net.cache_instance.stats().hits == 2 + 4 and all(seen) and len(seen) >= 2  # the copy's hook (and checks)
+    assert torch.equal(mixed, conv(x)) and torch.equal(hit, mixed)
+    assert mixed.stride() == hit.stride() == conv(x).stride()
 
 
 class _FormatByBatch(nn.Module):
@@ -1370,9 +1386,28 @@ def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
     return getattr(importlib, "import_module")("math").pi * x  # noqa: B009 - the case under test
 
 
+def _reads_the_environment(x: torch.Tensor) -> torch.Tensor:
+    return x * float(os.environ.get("TORCHCACHE_TEST_SCALE", "1"))
+
+
+def _reads_the_environment_by_getenv(x: torch.Tensor) -> torch.Tensor:
+    import os
+
+    return x * float(os.getenv("TORCHCACHE_TEST_SCALE", "1"))
+
+
+def _reads_the_environment_imported(x: torch.Tensor) -> torch.Tensor:
+    from os import environ
+
+    return x * float(environ.get("TORCHCACHE_TEST_SCALE", "1"))
+
+
 @pytest.mark.parametrize(
     ("fn", "named"),
     [
+        (_reads_the_environment, "environment variables"),
+        (_reads_the_environment_by_getenv, "environment variables"),
+        (_reads_the_environment_imported, "environment variables"),
         (_by_name, "globals"),
         (_imports_by_name, "importlib"),
         (_module_by_name, "sys.modules"),
@@ -1394,6 +1429,11 @@ def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
     with pytest.raises(KeyingError, match=f"{named}.*known only when it runs"):
         torchcache()(fn)(X)
+
+
+def test_the_environment_left_out_of_the_key_by_name_is_not_refused() -> None:
+    cached = torchcache(key_ignore=("os",))(_reads_the_environment)
+    assert torch.equal(cached(X), X) and cached.cache_instance.stats().misses == len(X)
 
 
 def _abs_of_minus_two(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ __all__ = [
     "NUMPY_DTYPES",
     "NUMPY_OF",
     "OUTPUT_DTYPES",
+    "channels_last_format",
     "dtype_named",
     "standard_strides",
 ]
@@ -126,3 +127,13 @@ def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
         step *= max(size, 1)
     wanted = tuple(reversed(strides))
     return tensor if tensor.stride() == wanted else tensor.as_strided(tensor.shape, wanted, tensor.storage_offset())
+
+
+def channels_last_format(tensor: torch.Tensor) -> torch.memory_format | None:
+    """``torch.channels_last`` (4-D) or ``channels_last_3d`` (5-D) where ``tensor`` is so and not also contiguous."""
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    return (
+        layout
+        if layout is not None and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=layout)
+        else None
+    )

@@ -26,7 +26,7 @@ from typing import Any, Union
 
 import torch
 
-from .dtypes import ALIGN, CODE_OF, MAX_DEPTH, OUTPUT_DTYPES, dtype_named
+from .dtypes import ALIGN, CODE_OF, MAX_DEPTH, OUTPUT_DTYPES, channels_last_format, dtype_named
 from .dtypes import DTYPES as _ALL_DTYPES
 from .errors import KeyingError
 from .output_types import KINDS, build, describe_type, is_type_name, kind_of, members, type_name, unplain_tensor
@@ -300,7 +300,7 @@ class Layout:
                     f"cache_dtype={dtype} cannot hold values of this output (beyond {torch.finfo(dtype).max:g}); use "
                     + ("torch.bfloat16 (float32's exponent range) or None" if dtype == torch.float16 else "None")
                 )
-            specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype, _is_channels_last(leaf)))
+            specs.append(LeafSpec(tuple(leaf.shape[1:]), dtype, out_dtype, channels_last_format(leaf) is not None))
         return cls(json.dumps(spec, separators=(",", ":")), tuple(specs))
 
     def to_header(self) -> dict[str, Any]:
@@ -368,15 +368,6 @@ class Layout:
         if count != len(leaves):
             raise ValueError("the structure does not match the number of leaves")
         return layout
-
-
-def _is_channels_last(leaf: torch.Tensor) -> bool:
-    """Whether a batch of images (4-D) or volumes (5-D) is laid out channels-last and not also contiguous."""
-    if leaf.dim() == 4:
-        return not leaf.is_contiguous() and leaf.is_contiguous(memory_format=torch.channels_last)
-    if leaf.dim() == 5:
-        return not leaf.is_contiguous() and leaf.is_contiguous(memory_format=torch.channels_last_3d)
-    return False
 
 
 def leaf_kinds(tree: object, values: bool = False) -> list[str]:

@@ -40,6 +40,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..canonical import KeyEncoder, collecting
+from ..dtypes import channels_last_format
 from ..errors import ConfigError, KeyingError
 from ..keys import Context, encode_value, tensor_digest
 from .call import CallArguments
@@ -51,8 +52,6 @@ __all__ = ["PASSED_ON", "CallSplitter", "ShapeHint", "UncachedInput", "list_hint
 _TENSOR = b"\x00T"
 _SHARED = b"\x00S"
 _TENSOR_TYPE = b"\x00C"
-#: Inputs in a channels-last layout: the kernels that run, and the layout of the outputs, follow it.
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 #: A mapping of tensors, its items in order (with ``_KEYWORDS``: apart from keys of 1.2, which sorted them).
 _MAPPING = b"{="
 _KEYWORDS = b"\x00K"
@@ -198,8 +197,7 @@ class _Splitter:
                 "A tensor that is the same for the whole batch (a shared mask) belongs in shared_args"
             )
         self.context.add(_TENSOR + str(tensor.dtype).encode() + repr(tuple(tensor.shape[1:])).encode())
-        layout = _CHANNELS_LAST.get(tensor.dim())
-        if layout is not None and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=layout):
+        if channels_last_format(tensor) is not None:  # the kernels that run and the outputs' layout follow it
             self.context.add(b"channels_last")
         if tensor.is_quantized:
             self.context.add(_quantization(label, dim, tensor))

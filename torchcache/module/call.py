@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import standard_strides
+from ..dtypes import channels_last_format, standard_strides
 from ..errors import KeyingError
 from ..tiers.batch import index_tensor
 from .containers import map_tensors
@@ -127,6 +127,8 @@ class CallArguments:
             if index is None:
                 index = indices[value.device] = index_tensor(positions, value.device)
             picked = value.index_select(dim, index)
+            if (layout := channels_last_format(value)) is not None:  # keyed so: computed as the whole batch is
+                picked = picked.contiguous(memory_format=layout)
             if value.__dict__:  # attributes set on the caller's tensor (keyed): the rows carry them
                 picked.__dict__.update({k: v for k, v in value.__dict__.items() if k not in picked.__dict__})
             self.picked.append((value, dim, index, picked))
