@@ -247,3 +247,47 @@ def own_server(*args: str, password: str | None = None) -> Any:
         yield server.start()
     finally:
         server.remove()
+
+
+@contextlib.contextmanager
+def another_protocol_server() -> Any:
+    """``redis://`` URL of a loopback server that speaks Redis's protocol but is no Redis (it answers ``["hello"]``)."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def commands(buffer: bytes) -> tuple[int, bytes]:
+        count = 0
+        while buffer.startswith(b"*"):
+            try:
+                head, rest = buffer.split(b"\r\n", 1)
+                for _ in range(int(head[1:])):
+                    size, rest = rest.split(b"\r\n", 1)
+                    if len(rest) < int(size[1:]) + 2:
+                        return count, buffer
+                    rest = rest[int(size[1:]) + 2 :]
+            except ValueError:
+                return count, buffer
+            buffer, count = rest, count + 1
+        return count, buffer
+
+    def answer(connection: socket.socket) -> None:
+        buffer = b""
+        with contextlib.suppress(OSError), connection:
+            while data := connection.recv(65536):
+                count, buffer = commands(buffer + data)
+                connection.sendall(b"*1\r\n$5\r\nhello\r\n" * count)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                connection, _ = listener.accept()
+                threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    finally:
+        stop.set()
+        listener.close()

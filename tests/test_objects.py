@@ -1427,7 +1427,7 @@ def test_verify_of_a_url_says_what_it_could_not_check_and_fails_even_with_fix(
 
     monkeypatch.setattr(remote, "remote_namespaces", lambda url: ["ns"])
     monkeypatch.setattr(remote, "open_remote", lambda url, namespace: contextlib.nullcontext(Away()))
-    monkeypatch.setattr(remote, "_holds_module_outputs", lambda store: False)
+    monkeypatch.setattr(remote, "_entry_check", lambda store: None)
     assert main(["verify", "s3://bucket/cache", "--fix"]) == 1  # nothing was fixed: no "fixed", no success
     out, err = capsys.readouterr()
     assert "could not be read" in out and "fixed" not in out and "could not be made" in err

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import RAMP_DATASET, Counting, cached, run_python
-from tests.redis_servers import RedisClusterServers, RedisServer, own_server, shared
+from tests.redis_servers import RedisClusterServers, RedisServer, another_protocol_server, own_server, shared
 from torchcache import CacheWarning, ConfigError, torchcache
 
 _SCRIPT = """
@@ -236,6 +236,53 @@ def test_a_dataset_cache_on_a_server_serves_a_second_process(target: RedisServer
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0] == {"calls": 24, "disk_hits": 0}
     assert runs[1] == {"calls": 0, "disk_hits": 24}  # every sample from the server
+
+
+@pytest.mark.slow
+def test_verify_checks_a_dataset_cache_on_a_server_as_samples_and_fix_keeps_them(
+    server_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchcache.cli.main import main
+    from torchcache.stores.redis.store import RedisStore
+
+    done = run_python(RAMP_DATASET, server_url)  # samples of a tensor and an int label
+    assert done.returncode == 0, done.stderr[-3000:]
+    (namespace,) = RedisStore.namespaces(server_url)
+    assert main(["verify", server_url]) == 0 and "no problems found" in capsys.readouterr().out
+    with RedisStore(server_url, namespace, 1 << 30) as store:
+        victim = sorted(store.keys())[0]
+        store.put_many([(victim, b"neither a frame nor a sample")])
+    assert main(["verify", server_url]) == 1 and victim in capsys.readouterr().out
+    assert main(["verify", "--fix", server_url]) == 0
+    with RedisStore(server_url, namespace, 1 << 30) as store:
+        assert len(store) == 23 and victim not in store  # the damaged one only
+    again = run_python(RAMP_DATASET, server_url)
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == {"calls": 1, "disk_hits": 23}
+
+
+@pytest.mark.slow
+def test_a_server_of_another_kind_on_the_port_never_breaks_a_read_a_call_or_the_stats() -> None:
+    from torchcache import CachedDataset
+
+    samples = [(torch.arange(6.0) * i, i) for i in range(16)]
+    with another_protocol_server() as url, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = CachedDataset(samples, url, max_memory_size=0, check_samples=False)
+        data.warmup()
+        for i in (*range(16), *range(16)):
+            x, y = data[i]
+            assert torch.equal(x, samples[i][0]) and y == i
+        assert data.stats().disk is not None
+        data.close()
+        model = cached(Counting, persistent=True, persistent_cache_dir=url, max_memory_cache_size=0)()
+        x = torch.randn(4, 4)
+        for _ in range(2):
+            assert torch.equal(model(x), Counting()(x))
+        model.cache_instance.flush()
+        stats = model.cache_instance.stats()
+        assert (stats.misses, stats.hits) == (4, 4)  # the second call from the local copy
+    assert caught and all(issubclass(w.category, CacheWarning) for w in caught)
+    assert any("not as Redis does" in str(w.message) for w in caught)
 
 
 def test_planted_bookkeeping_never_breaks_a_call_or_the_stats(server_url: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, StoreError, StoreUnavailableError
@@ -20,7 +21,7 @@ from ..stores.objects import ObjectStore, bucket_namespaces, open_filesystem
 from ..stores.redis.url import redact_url
 from ..stores.remote import open_remote_store
 from .output import error, print_json, table
-from .verify import check_entries, check_frame
+from .verify import check_entries, check_frame, check_frame_or_sample
 
 __all__ = [
     "open_remote",
@@ -113,7 +114,7 @@ def remote_info(url: str, args: argparse.Namespace) -> int:
     else:
         for label, value in (
             ("server", described["server"]),
-            ("module key", namespace),
+            ("key", namespace),
             ("entries", f"{described['entries']:,}"),
             ("size", format_size(described["bytes"])),
         ):
@@ -134,8 +135,9 @@ def remote_verify(url: str, args: argparse.Namespace) -> int:
             problems += [(namespace, f"entry {key}: record failed its checks") for key in report.bad]
             problems += [(namespace, line) for line in report.problems]
             unsure += [(namespace, line) for line in report.unsure]
-            if _holds_module_outputs(store):
-                for key, reason, _ in check_entries(store, check_frame, set(report.bad), args.fix):
+            check = _entry_check(store)
+            if check is not None:
+                for key, reason, _ in check_entries(store, check, set(report.bad), args.fix):
                     problems.append((namespace, f"entry {key}: {reason}"))
                     fixed = fixed or args.fix
     if args.json:
@@ -184,11 +186,16 @@ def remote_clear(url: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _holds_module_outputs(store: BatchedStore) -> bool:
-    """Whether a namespace's entries are output frames (a bucket's dataset and features caches hold others)."""
+def _entry_check(store: BatchedStore) -> Callable[[bytes | memoryview], str | None] | None:
+    """How a namespace's entries are checked (``None``: they are not).
+
+    A bucket's cache says what it holds; a server's holds module outputs or dataset samples
+    (it keeps no description), each of which is intact as one or the other.
+    """
     if not isinstance(store, ObjectStore):
-        return True
-    return store.bucket.description().get("kind") in ("module", "function")  # none: it cannot be told, not checked
+        return check_frame_or_sample
+    kind = store.bucket.description().get("kind")  # none: it cannot be told, not checked
+    return check_frame if kind in ("module", "function") else None
 
 
 def remote_prune(url: str, args: argparse.Namespace) -> int:

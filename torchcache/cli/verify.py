@@ -192,7 +192,7 @@ def check_sample(data: bytes | memoryview) -> str | None:
     return None
 
 
-def _check_either(data: bytes | memoryview) -> str | None:
+def check_frame_or_sample(data: bytes | memoryview) -> str | None:
     """:func:`check_frame`, or :func:`check_sample` for a cache whose metadata no longer says which it holds."""
     problem = check_frame(data)
     return None if problem is None or check_sample(data) is None else problem
@@ -243,7 +243,9 @@ def verify_store(
     store = open_store(directory, readonly=not fix)
     if store is None:
         return 0, problems, fix
-    check = check_sample if kind == "dataset" else check_frame if kind in ("module", "function") else _check_either
+    check = (
+        check_sample if kind == "dataset" else check_frame if kind in ("module", "function") else check_frame_or_sample
+    )
     with store:
         report = store.verify(fix)
         problems.extend(Problem(directory / key, "corrupt", "record failed its checks", 0) for key in report.bad)

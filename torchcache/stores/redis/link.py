@@ -136,6 +136,7 @@ class RedisLink:
             exceptions.RedisError,
             exceptions.RedisClusterException,
             OSError,
+            *_GARBLED,
         )
         self._full: tuple[type[BaseException], ...] = tuple(
             error for error in (getattr(exceptions, "OutOfMemoryError", None),) if error is not None
@@ -152,6 +153,7 @@ class RedisLink:
             exceptions.TryAgainError,
             exceptions.RedisClusterException,
             OSError,
+            *_GARBLED,  # another server on the port: waited for, as one that is away
         )
         password = address.password or ""
         self._secrets = sorted({s for s in (password, quote(password, safe="")) if s}, key=len, reverse=True)
@@ -268,6 +270,8 @@ class RedisLink:
         # A pipeline's error quotes the failed command, payload bytes and all: only the reply is kept.
         reply = _PIPELINE_COMMAND.sub("", str(exc))
         detail = self.redact(f"{type(exc).__name__}: {reply}")[:500]
+        if isinstance(exc, _GARBLED):
+            detail = f"it answers, but not as Redis does: {detail}"
         where = self.address.safe_url
         if not self.is_away(exc):
             hint = ""
@@ -296,6 +300,10 @@ class RedisLink:
                 return
             self._troubled = True
         self._report(Fault.UNAVAILABLE, str(exc))
+
+
+#: What redis-py raises on replies that are not Redis's (a server of another kind on the port).
+_GARBLED = (AttributeError, TypeError, ValueError, IndexError, KeyError)
 
 
 def run_pipeline(pipe: Client, cluster: bool, raise_on_error: bool = True) -> list[Any]:
