@@ -209,6 +209,31 @@ def test_a_larger_batch_served_from_the_cache_is_checked_in_whole() -> None:
         model(x)  # all hits; an uncached batch of four pools
 
 
+def _centred_or_doubled(x: torch.Tensor, centre: bool = False) -> torch.Tensor:
+    return x - x.mean(0, keepdim=True) if centre else x * 2  # depends on the batch in one context only
+
+
+def test_a_context_refused_at_its_first_check_leaves_the_entries_of_the_others(tmp_path: Any) -> None:
+    cached = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_centred_or_doubled)
+    x = torch.randn(6, 4)
+    cached(x)
+    cached.cache_instance.flush()
+    with pytest.raises(DependentItemsError):
+        cached(x, centre=True)  # its rows were computed here and never stored: nothing to remove
+    assert torch.equal(cached(x), x * 2) and cached.cache_instance.stats().hits == 6
+    assert cached.cache_instance.stats().disk.entries == 6  # type: ignore[union-attr]
+
+
+def test_a_context_refused_at_a_later_check_removes_the_entries_stored_until_then(tmp_path: Any) -> None:
+    model = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_PoolsFromFour().eval())
+    model(torch.randn(2, 4))  # passes and is stored: batches of two are per item
+    with pytest.raises(DependentItemsError):
+        model(torch.randn(4, 4))  # the context checked again, in a larger batch: its rows may be wrong
+    model.cache_instance.flush()
+    assert len(model.cache_instance.memory) == 0
+    assert model.cache_instance.stats().disk.entries == 0  # type: ignore[union-attr]
+
+
 class _TrimsToTheLongest(nn.Module):
     """Mean-pools over the positions up to the longest item of the batch (zeros pad the rest)."""
 
@@ -318,7 +343,7 @@ def test_rows_cached_one_item_at_a_time_are_checked_as_a_whole_batch_at_the_firs
         first.cache_instance.flush()
         independence.forget_checks()  # as in a new process
         reader = torchcache(persistent=True, persistent_cache_dir=tmp_path, max_memory_cache_size=0)(pooled)
-    with pytest.raises(DependentItemsError, match="shape of an item's output depends on the batch"):
+    with pytest.raises(DependentItemsError, match=r"in a batch of 2, in 1 rows, not one per item"):
         reader(x[:2])  # all hits: computed whole, as an uncached call would be
 
 
@@ -855,3 +880,16 @@ def test_a_context_cleared_by_another_threads_rekey_is_checked_again_not_a_key_e
     items.passed[b"context"] = (4, 0)
     items.reset()  # what a re-key on another thread does between a call's two reads
     assert items.again(b"context", 4, 0)
+
+
+def test_an_output_of_as_many_rows_as_the_first_batch_by_chance_is_named_as_not_per_item() -> None:
+    table = torch.randn(4, 2)
+
+    def fixed(x: torch.Tensor) -> torch.Tensor:  # four rows whatever the batch
+        return table + 0 * x.sum()
+
+    with pytest.raises(
+        DependentItemsError,
+        match=r"gave \[2\] in a batch of 4 and \[2\] in a batch of 2, in 4 rows, not one per item",
+    ):
+        torchcache()(fixed)(torch.randn(4, 8))

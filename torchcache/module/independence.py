@@ -22,10 +22,8 @@ element by element beyond what floating point allows between batch sizes
 (:func:`_close`; integers exactly), or outputs whose per-item shape depends on the
 batch, make the call raise :class:`DependentItemsError`; when the rows differ, the same
 items are computed once more in the same batch, to tell randomness (dropout in training
-mode) from dependence on the batch. In training mode, where dropout and batch statistics
-are expected, a module that fails the check is not refused: its calls in training mode
-run without the cache, with one warning. A check costs two forwards of one or two items;
-``check_items=False`` turns them off.
+mode) from dependence on the batch. In training mode a module that fails the check runs
+uncached, with one warning. A check costs two forwards of one or two items.
 """
 
 from __future__ import annotations
@@ -158,10 +156,8 @@ class ItemCheck:
 
     def reset(self) -> None:
         """Check again at the next call (the module key changed)."""
-        self.passed.clear()
-        self.alone.clear()
-        self.repeats.clear()
-        self.uncached.clear()
+        for seen in (self.passed, self.alone, self.repeats, self.uncached):
+            seen.clear()
 
     def verify(
         self,
@@ -203,8 +199,8 @@ class ItemCheck:
             on the batch: passing, it is not marked, and the next batch is checked too.
 
         Raises:
-            DependentItemsError: If they do outside training mode; the entries cached so
-                far under this key are removed.
+            DependentItemsError: If they do outside training mode; the key's entries are
+                removed where rows of this context were stored (cached, or checked before).
         """
         repeated = all(k == keys[0] for k in keys)
         if repeated and (call.context, keys[0]) in self.repeats:  # that item again: its check showed all it can
@@ -232,7 +228,8 @@ class ItemCheck:
                         "keep_eval=True keeps it in eval mode)",
                     )
                     return False
-                clear()
+                if cached or call.context in self.passed:  # rows of this context were stored: they may be wrong
+                    clear()
                 raise
             if repeated:  # randomness shows; dependence on the batch cannot
                 self.alone.add(call.context)
@@ -315,12 +312,14 @@ def _check_positions(
     leaves = plan.to_items(spec, leaves)
     other = Layout.of(spec, leaves, None)
     same_shapes = [leaf.shape for leaf in other.leaves] == [leaf.shape for leaf in layout.leaves]
-    if other.spec_json != layout.spec_json or not same_shapes or any(t.shape[:1] != (len(positions),) for t in leaves):
+    short = next((t.shape[:1] for t in leaves if t.shape[:1] != (len(positions),)), None)  # not a row per item
+    if other.spec_json != layout.spec_json or not same_shapes or short is not None:
         raise DependentItemsError(
             f"{name}: the shape of an item's output depends on the batch (an item gave {_shapes(layout)} in a batch "
-            f"of {batch} and {_shapes(other)} in a batch of {len(positions)}). An output whose batch is not its "
-            "first dimension (an LSTM's h_n and c_n put the layers first) is named in batch_dims "
-            f"(batch_dims={{'output[1][0]': 1, 'output[1][1]': 1}}). {_REMEDY}"
+            f"of {batch} and {_shapes(other)} in a batch of {len(positions)}"
+            f"{'' if short is None else f', in {short[0] if short else 0} rows, not one per item'}). An output "
+            "whose batch is not its first dimension (an LSTM's h_n and c_n put the layers first) is named in "
+            f"batch_dims (batch_dims={{'output[1][0]': 1, 'output[1][1]': 1}}). {_REMEDY}"
         )
     index = torch.tensor(positions)
     for i, (leaf, stored, scale) in enumerate(zip(leaves, layout.leaves, scales)):
