@@ -108,8 +108,8 @@ def test_basic_caching():
     assert torch.equal(output, output_cached[:2])
 
     # 0.6 raised ValueError for zstd_compression without persistence. The zstd options
-    # are now accepted and ignored with a DeprecationWarning (documented).
-    with pytest.warns(DeprecationWarning, match="zstd_compression"):
+    # are now accepted and ignored with a FutureWarning (documented).
+    with pytest.warns(FutureWarning, match="zstd_compression"):
 
         @torchcache(persistent=False, zstd_compression=True)
         class CachedModule(SimpleModule):
@@ -212,10 +212,10 @@ def test_hashing():
 def test_compression(tmp_path):
     """From 0.6 ``test_compression``: the persistent round trip with ``zstd_compression=True``.
 
-    ``zstd_compression`` is accepted and ignored with a DeprecationWarning (entries are
+    ``zstd_compression`` is accepted and ignored with a FutureWarning (entries are
     brotli frames; documented). The rest is adapted as in ``test_persistent_caching``.
     """
-    with pytest.warns(DeprecationWarning, match="zstd_compression"):
+    with pytest.warns(FutureWarning, match="zstd_compression"):
 
         @torchcache(persistent=True, persistent_cache_dir=tmp_path, zstd_compression=True)
         class CachedModule(SimpleModule):
@@ -238,7 +238,7 @@ def test_compression(tmp_path):
 
     # Now create a new instance of the model and check if the cache is loaded from disk
     # We re-define the class to flush the cache in memory
-    with pytest.warns(DeprecationWarning, match="zstd_compression"):
+    with pytest.warns(FutureWarning, match="zstd_compression"):
 
         @torchcache(persistent=True, persistent_cache_dir=tmp_path, zstd_compression=True)
         class CachedModule(SimpleModule):
@@ -557,9 +557,9 @@ def test_persistent_module_hash(tmp_path):
 def test_mmap_on_load(tmp_path):
     """From 0.6 ``test_mmap_on_load``: ``use_mmap_on_load=True`` still caches.
 
-    ``use_mmap_on_load`` is accepted and ignored with a DeprecationWarning (documented).
+    ``use_mmap_on_load`` is accepted and ignored with a FutureWarning (documented).
     """
-    with pytest.warns(DeprecationWarning, match="use_mmap_on_load"):
+    with pytest.warns(FutureWarning, match="use_mmap_on_load"):
 
         @torchcache(
             persistent=True,
@@ -892,5 +892,5 @@ def test_a_class_decorated_again_with_other_settings_is_refused(tmp_path):
 
 
 def test_an_option_of_0_6_set_to_false_is_still_said_to_be_ignored() -> None:
-    with pytest.warns(DeprecationWarning, match=r"zstd_compression, use_mmap_on_load are accepted .* and ignored"):
+    with pytest.warns(FutureWarning, match=r"zstd_compression, use_mmap_on_load are accepted .* and ignored"):
         torchcache(zstd_compression=False, use_mmap_on_load=False)

@@ -465,6 +465,18 @@ def test_invalid_instance_override_raises_config_error() -> None:
         decorated()
 
 
+def test_an_invalid_override_is_named_past_a_valid_one_whose_name_begins_it() -> None:
+    class Bad(Counting):
+        torchcache_persistent = True  # valid, and a prefix of the option at fault
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.torchcache_persistent_module_hash = 123
+
+    with pytest.raises(ConfigError, match=r"Bad\.torchcache_persistent_module_hash: persistent_module_hash must"):
+        torchcache()(Bad)()
+
+
 def test_unknown_option_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="max_cache_size"):
         torchcache(max_cache_size=10)  # type: ignore[call-arg]
@@ -479,8 +491,8 @@ def test_unknown_option_is_a_type_error() -> None:
         ("use_mmap_on_load", True),
     ],
 )
-def test_legacy_options_are_accepted_with_a_deprecation_warning(name: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning, match=name):
+def test_legacy_options_are_accepted_with_a_future_warning(name: str, value: Any) -> None:
+    with pytest.warns(FutureWarning, match=name):
         decorate = torchcache(check_items=False, **{name: value})
     model = decorate(type("Legacy", (Counting,), {}))()
     x = torch.randn(3, 4)

@@ -841,6 +841,13 @@ def test_fullgraph_compile_cannot_include_a_cached_module(dynamo: Any) -> None:
     assert backbone.cache_instance.stats().hits == 3
 
 
+def test_a_compiled_module_is_refused_with_the_order_that_caches(dynamo: Any) -> None:
+    compiled = torch.compile(_mlp(seed=0), backend="eager")
+    with pytest.raises(ConfigError, match=r"torch.compile\(\) cannot be cached itself: wrap the module, then compile"):
+        torchcache()(compiled)
+    assert "cache_instance" not in vars(compiled) and "cache_instance" not in vars(compiled._orig_mod)
+
+
 # -- 8. copies: EMA and teacher-student ------------------------------------------------------------------------
 def test_deepcopy_of_a_model_holding_a_cached_backbone() -> None:
     backbone = torchcache()(resnet_tiny().eval().requires_grad_(False))

@@ -111,7 +111,7 @@ class Settings:
         for name in legacy:
             del options[name]
         if legacy:
-            warnings.warn(legacy_note(legacy), DeprecationWarning, stacklevel=stacklevel)
+            warnings.warn(legacy_note(legacy), FutureWarning, stacklevel=stacklevel)
         values = {name: _validate(name, value) for name, value in options.items()}
         return cls(**values)
 

@@ -161,7 +161,7 @@ def torchcache(
             cached per item. Costs two forwards of one or two items per context.
         **legacy: ``zstd_compression``, ``zstd_compression_level``,
             ``zstd_compression_threads`` and ``use_mmap_on_load`` of torchcache 0.6 are
-            accepted and ignored, with a ``DeprecationWarning``.
+            accepted and ignored, with a ``FutureWarning`` (shown by default, wherever the decorator is).
 
     Returns:
         A decorator for a module class, a module instance, a method or a function; or,
@@ -269,12 +269,12 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             active.discard(id(self))
         legacy = [n for n in LEGACY_OPTIONS if hasattr(self, _PREFIX + n)]
         if legacy:
-            warnings.warn(legacy_note([_PREFIX + n for n in legacy]), DeprecationWarning, stacklevel=2)
+            warnings.warn(legacy_note([_PREFIX + n for n in legacy]), FutureWarning, stacklevel=2)
         overrides = {n: getattr(self, _PREFIX + n) for n in _OPTION_NAMES if hasattr(self, _PREFIX + n)}
         try:
             instance_settings = settings.override(**overrides)
         except ConfigError as exc:  # a torchcache_<option> attribute, of the class or set in __init__
-            named = next((n for n in overrides if str(exc).startswith(n)), "<option>")
+            named = max((n for n in overrides if str(exc).startswith(n)), key=len, default="<option>")
             raise ConfigError(f"{type(self).__qualname__}.{_PREFIX}{named}: {exc}") from None
         if not instance_settings.enabled:
             self.__dict__["cache_instance"] = None
@@ -344,6 +344,12 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
     cls = type(module)
     if isinstance(module, torch.jit.ScriptModule):
         raise ConfigError(f"a TorchScript module cannot be cached itself: {_SCRIPTED}")
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(module, dynamo.OptimizedModule):
+        raise ConfigError(  # its compiled forward would run in place of the cached one
+            "a module compiled with torch.compile() cannot be cached itself: wrap the module, then compile "
+            "(torch.compile(torchcache()(model)), or model.compile() after wrapping it)"
+        )
     name = f"{cls.__module__}.{cls.__qualname__}"
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key
