@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,18 @@ def test_a_bound_method_is_keyed_by_its_instance(tmp_path: Path) -> None:
     assert cached_a.cache_instance.module_hash != cached_b.cache_instance.module_hash
     assert_same(cached_b(x), b.features(x))
     assert cached_b.cache_instance.stats().hits == 0
+
+
+def test_a_cached_method_holds_its_model_and_pickles_as_the_model_and_the_methods_name(tmp_path: Path) -> None:
+    cached = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Features(seed=3).features)  # no other owner
+    gc.collect()
+    x = torch.randn(5, 4)
+    assert_same(cached(x), Features(seed=3).features(x))
+    cached.cache_instance.flush()
+    loaded = pickle.loads(pickle.dumps(cached))  # as a spawned DataLoader worker gets a dataset holding it
+    assert loaded is not cached and loaded.cache_instance.module_hash == cached.cache_instance.module_hash
+    assert_same(loaded(x), Features(seed=3).features(x))
+    assert loaded.cache_instance.stats().disk.hits == 5  # type: ignore[union-attr]
 
 
 def test_a_method_of_a_trainable_instance_is_refused() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,20 @@ def test_fills_a_persistent_cache_that_a_fresh_instance_hits(cache_root: Path) -
     after = fresh.cache_instance.stats()
     assert (after.hits, after.misses) == (40, 0)
     assert after.disk is not None and after.disk.hits == 40
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_an_unpickled_instance_not_called_yet_is_filled_and_then_hit(cache_root: Path, wrapped: bool) -> None:
+    model = torchcache(persistent=True)(Plain()) if wrapped else Encoder()
+    batches = [torch.randn(8, 4) for _ in range(2)]
+    loaded = pickle.loads(pickle.dumps(model))  # as torch.load or a spawned worker gets it: no cache yet
+    if wrapped:  # a wrapped instance pickles as its plain class (docs: Several processes)
+        with pytest.raises(TypeError, match="needs a cached module"):
+            precompute(loaded, batches, progress=False)
+        return
+    assert loaded.cache_instance is None
+    assert precompute(loaded, batches, progress=False).misses == 16
+    assert precompute(pickle.loads(pickle.dumps(model)), batches, progress=False).hits == 16
 
 
 def test_batches_of_tuples_dicts_and_a_dataloader(cache_root: Path) -> None:

@@ -59,6 +59,7 @@ class CachedMethod:
     """
 
     def __init__(self, module: torch.nn.Module, func: Callable[..., Any], settings: Settings, init: bytes) -> None:
+        self._owner = module  # held, as a bound method holds its instance (the cache's closures do not hold it)
         self._module = weakref.ref(module)
         self._func = func
         self._settings = settings
@@ -102,6 +103,10 @@ class CachedMethod:
         if settings.persistent_module_hash is None:  # else the user gave the key
             check_instance(module, settings.key_ignore)  # a refusal comes when the method is wrapped
         return cls(module, method.__func__, settings, b"")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the module and the method's name: unpickled (a spawned worker), it is cached again."""
+        return (_cached_again, (self._owner, self._func.__name__, self._settings))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method through the cache."""
@@ -169,6 +174,11 @@ def _free(name: str, taken: set[str]) -> str:
     while name in taken:
         name = "_" + name
     return name
+
+
+def _cached_again(module: torch.nn.Module, name: str, settings: Settings) -> CachedMethod:
+    """The method ``name`` of ``module`` cached with ``settings`` (what a pickled :class:`CachedMethod` gives)."""
+    return CachedMethod.wrap(getattr(module, name), settings)
 
 
 def _alive(ref: weakref.ref[torch.nn.Module], name: str) -> torch.nn.Module:

@@ -81,6 +81,19 @@ def attach(module: torch.nn.Module, binding: InstanceBinding, forward: Callable[
     return cache
 
 
+def cache_of(module: torch.nn.Module) -> Cache | None:
+    """The module's cache, made now for an instance unpickled or copied since it was cached (``None``: none)."""
+    cache = module.__dict__.get("cache_instance")
+    if isinstance(cache, Cache) and cache.belongs_to(module):
+        return cache
+    binding: InstanceBinding | None = module.__dict__.get(BINDING)
+    wrappers = (getattr(k.__dict__.get("forward"), "torchcache_plain", None) for k in type(module).__mro__)
+    current = next((found for found in wrappers if found is not None), None)
+    if binding is None or current is None:  # caching is off for this instance, or it is not cached
+        return None
+    return attach(module, binding, current(type(module)))
+
+
 def cached_forward(
     module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -19,6 +19,7 @@ import torch
 
 from ..stats import CacheStats
 from .engine import Cache
+from .instances import cache_of
 
 __all__ = ["precompute"]
 
@@ -93,8 +94,8 @@ def _cache_of(obj: object) -> Cache:
             f"precompute() needs a module instance, got the class {obj.__qualname__}; "
             f"pass an instance: precompute({obj.__qualname__}(...), batches)"
         )
-    cache = obj.__dict__.get("cache_instance") if hasattr(obj, "__dict__") else None
-    if isinstance(cache, Cache):
+    cache = cache_of(obj) if isinstance(obj, torch.nn.Module) else getattr(obj, "__dict__", {}).get("cache_instance")
+    if isinstance(cache, Cache):  # an instance unpickled or loaded since it was cached gets its cache now
         return cache
     if isinstance(obj, torch.nn.Module):
         if "cache_instance" in obj.__dict__:
