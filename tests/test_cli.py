@@ -286,6 +286,20 @@ def test_verify_finds_an_index_whose_pages_point_outside_it_and_fix_rebuilds_it(
     assert code == 0 and "no problems found" in out
 
 
+def test_ls_and_info_name_an_index_that_cannot_be_opened(capsys: pytest.CaptureFixture[str]) -> None:
+    directory = make_dir(items=30)
+    index = directory / INDEX_NAME
+    index.write_bytes(os.urandom(index.stat().st_size))  # garbage: its entries cannot be counted
+    code, out, _ = run(capsys, "ls", str(directory.parent))
+    assert code == 0 and "(damaged index)" in out and "1 module cache with a damaged index" in out
+    code, out, _ = run(capsys, "info", str(directory))
+    index_line = next(line for line in out.splitlines() if line.startswith("index "))
+    assert code == 0 and "`torchcache verify --fix` rebuilds it" in index_line
+    assert run(capsys, "verify", "--fix", str(directory))[0] == 0 and len(stored_keys(directory)) == 30
+    code, out, _ = run(capsys, "ls", str(directory.parent))
+    assert "damaged" not in out
+
+
 @pytest.mark.parametrize("planted", ["link", "fifo"])
 def test_verify_reports_a_link_or_fifo_at_a_segment_name_and_fix_unlinks_it(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, planted: str
@@ -836,7 +850,7 @@ def test_prune_max_size_with_a_unit_it_cannot_read_says_how_to_write_it(
         assert code == 2 and out == "" and "has no unit: write 20GB, 500MiB, or 20B for bytes" in err
     assert directory.is_dir()
     code, _, err = run(capsys, "prune", "--max-size", "20gigs")
-    assert code == 2 and "write a number and its unit as one word: 20GB, 500MiB" in err.splitlines()[-1]
+    assert code == 2 and "(no unit 'gigs': B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)" in err.splitlines()[-1]
     for size, said in (("-1", "a size of 0 or more"), ("-1B", "a size of 0 or more"), ("nan", "with its unit")):
         code, _, err = run(capsys, "prune", "--max-size", size)  # a unit would not help
         assert code == 2 and said in err and "1e9" not in err and "one word" not in err

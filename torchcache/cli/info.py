@@ -78,6 +78,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             + (" (read once `torchcache migrate` packs them)" if cache.legacy_entries else ""),
         ),
         ("metadata", cache.meta_problem or "ok"),
+        (
+            "index",
+            "ok" if cache.index_damage is None else f"{cache.index_damage}; `torchcache verify --fix` rebuilds it",
+        ),
     ]
     copy_of, module_key = cache.meta.get("copy_of"), cache.meta.get("module_key")
     if isinstance(copy_of, str) or cache.unsent:  # a local copy of a Redis server or a bucket

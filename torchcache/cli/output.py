@@ -230,7 +230,9 @@ def cache_table(caches: Sequence[ModuleCache], among: Sequence[ModuleCache] = ()
     rows = [
         [
             short,
-            c.name if c.meta_problem is None else f"{c.name} (damaged metadata)",
+            c.name
+            + ("" if c.meta_problem is None else " (damaged metadata)")
+            + ("" if c.index_damage is None else " (damaged index)"),
             "features" if product(c) == "feature" else c.meta["kind"] if isinstance(c.meta.get("kind"), str) else "-",
             f"{c.entries:,}",
             format_size(c.nbytes),
@@ -269,7 +271,10 @@ def totals(caches: Sequence[ModuleCache]) -> str:
 
 
 def damaged_note(caches: Sequence[ModuleCache]) -> None:
-    """Print how many of the caches have damaged metadata, and the fix, if any do."""
+    """Print how many of the caches have damaged metadata or a damaged index, and the fix, if any do."""
     damaged = [c for c in caches if c.meta_problem is not None]
     if damaged:
         print(f"{count_caches(damaged)} with damaged metadata; `torchcache verify --fix` rebuilds it")
+    unindexed = [c for c in caches if c.index_damage is not None]  # its entries cannot be counted: 0 shown
+    if unindexed:
+        print(f"{count_caches(unindexed)} with a damaged index; `torchcache verify --fix` rebuilds it")
