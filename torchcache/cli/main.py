@@ -112,7 +112,7 @@ def _size(text: str) -> int:
             raise argparse.ArgumentTypeError(f"--max-size must be a size of 0 or more, got {text!r}") from None
         words = re.fullmatch(r"\s*[+]?[\d.]+\s*([A-Za-z]+)\s*", text)
         unknown = words is not None and not _is_size("1" + words[1])  # 20gigs
-        hint = f" (no unit {words[1]!r}: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)" if unknown else ""
+        hint = f" (no unit {words[1]!r}: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)" if words and unknown else ""
         raise argparse.ArgumentTypeError(
             f"--max-size must be a size with its unit such as 20GB, 500MiB or 1000000B, got {text!r}{hint}"
         ) from None
