@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import platformdirs
 import pytest
 import torch
@@ -475,6 +476,16 @@ def test_an_invalid_override_is_named_past_a_valid_one_whose_name_begins_it() ->
 
     with pytest.raises(ConfigError, match=r"Bad\.torchcache_persistent_module_hash: persistent_module_hash must"):
         torchcache()(Bad)()
+
+
+def test_numpy_flags_and_counts_are_taken_as_pythons_and_key_alike() -> None:
+    as_numpy = cached(Counting, persistent=np.bool_(False), subsample_count=np.int64(10_000))()
+    as_python = cached(Counting, persistent=False, subsample_count=10_000)()
+    settings = as_numpy.cache_instance.settings
+    assert type(settings.persistent) is bool and type(settings.subsample_count) is int
+    assert settings == as_python.cache_instance.settings
+    with pytest.raises(ConfigError, match="subsample_count must be an int >= 64"):
+        torchcache(subsample_count=np.float64(10_000.0))
 
 
 def test_unknown_option_is_a_type_error() -> None:

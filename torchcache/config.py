@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -158,6 +159,8 @@ _DEFAULT_KEY_SETTINGS = Settings().key_settings()
 def _bool(name: str, value: object) -> bool:
     if type(value) is int and value in (0, 1):  # 0.6 took persistent=1
         return bool(value)
+    if isinstance(value, np.bool_):  # a flag read from a numpy array or a config library
+        return bool(value)
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
@@ -183,6 +186,8 @@ def _validate(name: str, value: Any) -> Any:
     if name == "subsample_count":
         if value is None:
             return None
+        if isinstance(value, np.integer):  # numpy's, as a plain int (the settings are keyed)
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 64:
             raise ConfigError(f"subsample_count must be an int >= 64 or None (hash every element), got {value!r}")
         return value
