@@ -91,10 +91,11 @@ def fresh_subclass(base: type[nn.Module]) -> type[nn.Module]:
 def checked_items(side: str, calls: int = 1, batch: int = 4) -> int:
     """Items the new torchcache computes again to check that items are independent (none for the old one).
 
-    At a module's first call in a process, it computes two pairs of the batch's items (four
-    items from batches of four on) again; and again at the first call that computes items
-    once ``SPOT_ITEMS`` were computed since the last check. ``calls`` calls of ``batch``
-    items that compute them all.
+    At a module's first call in a process, it computes some of the batch's items again in
+    other batches (the last and the first, then one to three middle ones: five items of an
+    even batch of six or more); and again at the first call that computes items once
+    ``SPOT_ITEMS`` were computed since the last check. ``calls`` calls of ``batch`` items
+    that compute them all.
     """
     if side != "new":
         return 0
@@ -103,7 +104,15 @@ def checked_items(side: str, calls: int = 1, batch: int = 4) -> int:
     checks, since = 1, 0
     for _ in range(calls - 1):
         checks, since = (checks + 1, 0) if since + batch >= SPOT_ITEMS else (checks, since + batch)
-    return checks * min(batch, 4)
+    return checks * _items_per_check(batch)
+
+
+def _items_per_check(batch: int) -> int:
+    """Items one check of a call of ``batch`` computes again (``torchcache.module.independence.check_items``)."""
+    if batch <= 2:
+        return batch
+    middle = 3 if batch % 2 == 0 and batch > 4 else 2 if batch > 3 else 1
+    return 2 + middle + (1 if batch == 3 else 3 if batch == 4 else 0)
 
 
 def cached(side: str, kind: str, act: str = "relu", **kwargs: Any) -> nn.Module:
