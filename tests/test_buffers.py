@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,3 +123,27 @@ def test_memory_hits_come_in_kept_buffers_and_those_held_are_never_overwritten(
     assert torch.equal(again, torch.flip(batches[1], [-1]))
     assert again.untyped_storage().data_ptr() != first  # the oldest buffer was let go, the kept ones are used
     assert again.untyped_storage().data_ptr() in {b.ctypes.data for b in _buffers._kept}
+
+
+def _check_held(held: torch.Tensor, want: torch.Tensor, pipe: Any) -> None:
+    pipe.recv()  # once the parent made its later calls
+    pipe.send(bool(torch.equal(held, want)))
+
+
+@pytest.mark.slow
+def test_a_forked_child_keeps_its_copy_of_a_hit_while_the_parent_reads_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 1024)
+    batches = [torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = cached(Flipped)()
+    for x in batches:
+        model(x)
+    held, want = model(batches[0]), torch.flip(batches[0], [-1])
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_check_held, args=(held, want, theirs))
+    child.start()
+    del held  # the parent's buffer is free to it again: its next hits may use it
+    for x in batches[1:] * 2:
+        model(x)
+    ours.send("go")
+    assert ours.poll(60) and ours.recv() is True  # the child's pages are its own
+    child.join(60)

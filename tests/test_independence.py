@@ -209,21 +209,6 @@ def test_a_larger_batch_served_from_the_cache_is_checked_in_whole() -> None:
         model(x)  # all hits; an uncached batch of four pools
 
 
-def _centred_or_doubled(x: torch.Tensor, centre: bool = False) -> torch.Tensor:
-    return x - x.mean(0, keepdim=True) if centre else x * 2  # depends on the batch in one context only
-
-
-def test_a_context_refused_at_its_first_check_leaves_the_entries_of_the_others(tmp_path: Any) -> None:
-    cached = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_centred_or_doubled)
-    x = torch.randn(6, 4)
-    cached(x)
-    cached.cache_instance.flush()
-    with pytest.raises(DependentItemsError):
-        cached(x, centre=True)  # its rows were computed here and never stored: nothing to remove
-    assert torch.equal(cached(x), x * 2) and cached.cache_instance.stats().hits == 6
-    assert cached.cache_instance.stats().disk.entries == 6  # type: ignore[union-attr]
-
-
 def test_a_context_refused_at_a_later_check_removes_the_entries_stored_until_then(tmp_path: Any) -> None:
     model = torchcache(persistent=True, persistent_cache_dir=tmp_path)(_PoolsFromFour().eval())
     model(torch.randn(2, 4))  # passes and is stored: batches of two are per item

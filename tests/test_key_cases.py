@@ -13,7 +13,6 @@ import gc
 import importlib.util
 import inspect
 import math
-import os
 import sys
 import threading
 import types
@@ -1386,28 +1385,9 @@ def _imports_by_name_through_getattr(x: torch.Tensor) -> torch.Tensor:
     return getattr(importlib, "import_module")("math").pi * x  # noqa: B009 - the case under test
 
 
-def _reads_the_environment(x: torch.Tensor) -> torch.Tensor:
-    return x * float(os.environ.get("TORCHCACHE_TEST_SCALE", "1"))
-
-
-def _reads_the_environment_by_getenv(x: torch.Tensor) -> torch.Tensor:
-    import os
-
-    return x * float(os.getenv("TORCHCACHE_TEST_SCALE", "1"))
-
-
-def _reads_the_environment_imported(x: torch.Tensor) -> torch.Tensor:
-    from os import environ
-
-    return x * float(environ.get("TORCHCACHE_TEST_SCALE", "1"))
-
-
 @pytest.mark.parametrize(
     ("fn", "named"),
     [
-        (_reads_the_environment, "environment variables"),
-        (_reads_the_environment_by_getenv, "environment variables"),
-        (_reads_the_environment_imported, "environment variables"),
         (_by_name, "globals"),
         (_imports_by_name, "importlib"),
         (_module_by_name, "sys.modules"),
@@ -1429,11 +1409,6 @@ def _reads_the_environment_imported(x: torch.Tensor) -> torch.Tensor:
 def test_code_that_names_what_it_reads_at_run_time_is_refused(fn: Any, named: str) -> None:
     with pytest.raises(KeyingError, match=f"{named}.*known only when it runs"):
         torchcache()(fn)(X)
-
-
-def test_the_environment_left_out_of_the_key_by_name_is_not_refused() -> None:
-    cached = torchcache(key_ignore=("os",))(_reads_the_environment)
-    assert torch.equal(cached(X), X) and cached.cache_instance.stats().misses == len(X)
 
 
 def _abs_of_minus_two(x: torch.Tensor) -> torch.Tensor:

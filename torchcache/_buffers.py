@@ -37,8 +37,12 @@ _lock = threading.Lock()
 
 
 def _new_buffer(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """A buffer of ``nbytes`` in plain pages (every view made of it has it as its ``base``)."""
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    """A buffer of ``nbytes`` in plain pages (every view made of it has it as its ``base``).
+
+    Private: a forked child gets its own copy of the pages, as of memory from malloc (a
+    shared map would let the parent's later hits write into a batch the child holds).
+    """
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
 def _count_when_alone() -> int:

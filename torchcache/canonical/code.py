@@ -35,7 +35,6 @@ from .origins import (
     origin_of_module,
     version_of,
 )
-from .pending import ENVIRONMENT_READERS
 from .reads import names_off_objects, reads_of
 from .tags import Tag, raw, tagged, text
 
@@ -193,8 +192,8 @@ def _read_globals(code: types.CodeType, chains: _Chains, imports: _Imports) -> N
         imports.update(_imported(code, *pending_import, taken, bound))
 
 
-#: Modules whose attributes reach what is named at run time, when a function imports them whole.
-_NAMING_MODULES = {"importlib": ("import_module",), "sys": ("modules",), "os": ENVIRONMENT_READERS}
+#: Modules whose attribute reaches modules named at run time, when a function imports them whole.
+_NAMING_MODULES = {"importlib": "import_module", "sys": "modules"}
 _LOADS_LOCAL = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLOSURE", "LOAD_FAST_CHECK"})
 
 
@@ -205,14 +204,15 @@ def _imported(
 
     A module imported whole inside a function is a local variable (``bound``): the
     attributes read from it are not followed, except ``import_module`` of ``import
-    importlib`` (or of ``import importlib.util``, which binds ``importlib`` too),
-    ``modules`` of ``import sys`` and the environment of ``import os``, read from that
-    local by name or as the string that follows it (``getattr(importlib, "import_module")``).
+    importlib`` (or of ``import importlib.util``, which binds ``importlib`` too) and
+    ``modules`` of ``import sys``, read from that local by name or as the string that
+    follows it (``getattr(importlib, "import_module")``).
     """
     entries = [(module, level, tuple(taken))]
     top = module.partition(".")[0]
-    if not taken and not level and bound:
-        entries += [(top, 0, (name,)) for name in _NAMING_MODULES.get(top, ()) if _reads_attribute(code, bound, name)]
+    attribute = _NAMING_MODULES.get(top) if not level else None
+    if not taken and attribute is not None and bound and _reads_attribute(code, bound, attribute):
+        entries.append((top, 0, (attribute,)))
     return entries
 
 

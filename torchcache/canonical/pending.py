@@ -20,7 +20,6 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-import os
 import sys
 import types
 from typing import Protocol
@@ -29,7 +28,7 @@ from ..errors import KeyingError
 from .notes import Notes
 from .origins import is_installed_file, origin_of_module, version_of
 
-__all__ = ["ENVIRONMENT_READERS", "deferring", "import_for_key", "missing_global", "names_modules"]
+__all__ = ["deferring", "import_for_key", "missing_global", "names_modules"]
 
 _missing = Notes()
 
@@ -92,9 +91,6 @@ def import_for_key(name: str, encoder: _Refuses, path: str) -> types.ModuleType 
         raise encoder.refuse(path, f"importing it to key its code failed ({type(exc).__name__}: {exc})") from exc
 
 
-#: What reads the process's environment (``os.environ["MODE"]``, ``os.getenv("MODE")``).
-ENVIRONMENT_READERS = ("environ", "environb", "getenv", "getenvb")
-
 _FRAME_GETTERS = (
     (sys, "_getframe"),
     (inspect, "currentframe"),
@@ -112,7 +108,6 @@ _AT_RUN_TIME = (
     (inspect, "getmodule", "reads the module of an object"),
     (builtins, "__dict__", "reads names from the builtins' namespace"),
     *((module, name, "reads frames, and with them their names") for module, name in _FRAME_GETTERS),
-    *((os, name, "reads environment variables") for name in ENVIRONMENT_READERS if hasattr(os, name)),
 )
 
 

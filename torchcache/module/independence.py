@@ -199,8 +199,8 @@ class ItemCheck:
             on the batch: passing, it is not marked, and the next batch is checked too.
 
         Raises:
-            DependentItemsError: If they do outside training mode; the key's entries are
-                removed where rows of this context were stored (cached, or checked before).
+            DependentItemsError: If they do outside training mode; the entries cached so
+                far under this key are removed.
         """
         repeated = all(k == keys[0] for k in keys)
         if repeated and (call.context, keys[0]) in self.repeats:  # that item again: its check showed all it can
@@ -228,8 +228,7 @@ class ItemCheck:
                         "keep_eval=True keeps it in eval mode)",
                     )
                     return False
-                if cached or call.context in self.passed:  # rows of this context were stored: they may be wrong
-                    clear()
+                clear()  # rows another process stored unchecked may be wrong too: all of the key's go
                 raise
             if repeated:  # randomness shows; dependence on the batch cannot
                 self.alone.add(call.context)
