@@ -260,8 +260,11 @@ def test_a_method_decorated_in_its_class_is_precomputed_on_its_instance() -> Non
 
 def test_a_batch_that_does_not_fit_the_call_is_named_before_it_runs() -> None:
     encoder, x = Encoder(), torch.randn(4, 4)
-    with pytest.raises(TypeError, match=r"but batch 1 is a tuple of 3 \(Tensor, float, int\), which does not fit"):
+    with pytest.raises(
+        TypeError, match=r"but batch 1 is a tuple of 3 \(Tensor, float, int\), which does not fit"
+    ) as info:
         precompute(encoder, [(x,), (x, 2.0, 3)], progress=False)
+    assert "(x for x, _ in loader) for (inputs, labels) batches" in str(info.value)
     assert encoder.cache_instance.stats().misses == 4  # the batch before it ran, and is kept
 
 

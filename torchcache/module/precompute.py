@@ -136,7 +136,7 @@ def _check_batch(cache: Cache, batch: Any, fn: Any, number: int) -> None:
         raise TypeError(
             f"precompute(): each batch is one call of {cache.name}{signature}, but batch {number} is "
             f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "
-            "(images for _, images in loader) for [index, images] batches, or a mapping of keyword arguments"
+            "(x for x, _ in loader) for (inputs, labels) batches, or a mapping of keyword arguments"
         ) from None
 
 
