@@ -459,7 +459,7 @@ def test_a_shallow_copy_of_a_wrapped_instance_is_a_plain_module() -> None:
 def test_precompute_names_a_batch_that_does_not_fit_the_call() -> None:
     model = torchcache()(Counting())
     loader = [[torch.arange(4), torch.randn(4, 4)]]
-    with pytest.raises(TypeError, match=r"\[index, images\]"):
+    with pytest.raises(TypeError, match=r"\(x for _, x in loader\) for \(index, inputs\) batches"):
         precompute(model, loader, progress=False)
 
 

@@ -136,7 +136,8 @@ def _check_batch(cache: Cache, batch: Any, fn: Any, number: int) -> None:
         raise TypeError(
             f"precompute(): each batch is one call of {cache.name}{signature}, but batch {number} is "
             f"{shape} ({kinds}), which does not fit it ({exc}). Pass only the inputs of the call, e.g. "
-            "(x for x, _ in loader) for (inputs, labels) batches, or a mapping of keyword arguments"
+            "(x for x, _ in loader) for (inputs, labels) batches, (x for _, x in loader) for (index, inputs) "
+            "batches, or a mapping of keyword arguments"
         ) from None
 
 
