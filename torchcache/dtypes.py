@@ -129,9 +129,12 @@ def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride() == wanted else tensor.as_strided(tensor.shape, wanted, tensor.storage_offset())
 
 
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def channels_last_format(tensor: torch.Tensor) -> torch.memory_format | None:
     """``torch.channels_last`` (4-D) or ``channels_last_3d`` (5-D) where ``tensor`` is so and not also contiguous."""
-    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    layout = _CHANNELS_LAST.get(tensor.dim())
     return (
         layout
         if layout is not None and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=layout)

@@ -36,7 +36,7 @@ from torch.utils._device import DeviceContext as _DeviceContext
 from .canonical import encode_key_value, tensor_content_digest
 from .canonical.objects import host_bytes
 from .device_digest import device_row_digests
-from .dtypes import standard_strides
+from .dtypes import channels_last_format, standard_strides
 
 __all__ = ["FORMAT_VERSION", "Context", "encode_value", "hash_items", "numerics", "tag", "tensor_digest"]
 
@@ -193,9 +193,6 @@ def hash_items(context: bytes, tensors: Sequence[torch.Tensor], subsample_count:
     return [digest(prefix + b"".join(parts)) for parts in zip(*row_digests)]
 
 
-_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
 def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A 128-bit digest of named tensors: names, dtypes, shapes, a channels-last layout and exact contents."""
     h = xxhash.xxh3_128()
@@ -209,7 +206,7 @@ def tensor_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         data = tensor.detach()
         if data.is_sparse or data.layout != torch.strided:
             data = data.to_dense()
-        elif data.dim() in (4, 5) and not data.is_contiguous() and data.is_contiguous(memory_format=_LAST[data.dim()]):
+        elif channels_last_format(data) is not None:
             h.update(tag(b"m", b"channels_last"))  # weights in that layout run other kernels (last bits differ)
         if data.numel():  # not through numpy: Tensor.numpy() would make a buffer's storage unresizable
             h.update(host_bytes(_row_bytes(data.reshape(1, -1), None)[0].reshape(-1)))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..dtypes import standard_strides
+from ..dtypes import channels_last_format, standard_strides
 from ..errors import KeyingError
 from ..output_types import LIBRARY_FLAGS
 from .notes import FOUND as _found
@@ -256,9 +256,8 @@ def encode_tensor(encoder: Encoder, value: torch.Tensor, path: str, depth: int) 
         raise encoder.refuse(path, "a tensor on the meta device has no content to key by")
     collect(value)
     head = text(_qualname(type(value))) + raw(tensor_content_digest(value, path))
-    if value.dim() in (4, 5) and not value.is_contiguous() and value.layout == torch.strided:
-        channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
-        head += text("channels_last") if value.is_contiguous(memory_format=channels_last) else b""
+    if value.layout == torch.strided and channels_last_format(value) is not None:
+        head += text("channels_last")
     attributes = {k: v for k, v in vars(value).items() if k not in LIBRARY_FLAGS}  # mask.scale = 2
     return tagged(
         Tag.TENSOR, head + (encoder.child(dict(attributes), f"{path}.__dict__", depth) if attributes else b"")

@@ -411,9 +411,9 @@ def _checked_indices(indices: Sequence[int], length: int) -> np.ndarray[Any, np.
     if isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":  # a sampler's array: nothing per index
         if len(indices) and (top := indices.max()) >= length:  # before a uint64 wraps to a negative int64
             raise IndexError(f"index {top} is out of range for {length} samples")
-        if not len(indices) or indices.min() >= 0:  # the largest was checked: all in range
-            return indices.astype(np.int64, copy=False)
         given = indices.astype(np.int64, copy=False)
+        if not len(given) or given.min() >= 0:  # the largest was checked: all in range
+            return given
     else:
         given = _as_positions(indices, length)
     wanted = given
