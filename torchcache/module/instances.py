@@ -61,15 +61,19 @@ def make_cache(module: torch.nn.Module, binding: InstanceBinding, forward: Calla
         return fingerprint_module(owner, binding.init_digest, key_settings, ignore=binding.settings.key_ignore)
 
     def signature() -> inspect.Signature:  # of the forward that runs now (one set on a base class later)
-        kind = type(module_ref())
-        wrappers = (getattr(k.__dict__.get("forward"), "torchcache_plain", None) for k in kind.__mro__)
-        current = next((found for found in wrappers if found is not None), None)  # under a subclass's own forward
-        return without_self(current(kind) if current is not None else forward)
+        return without_self(_running_forward(type(module_ref())) or forward)
 
     cache = Cache(binding.settings, binding.name, "module", signature, fingerprint)
     cache.bind_owner(module, lambda owner: make_cache(owner, binding, forward))
     cache.watch_weights(module)
     return cache
+
+
+def _running_forward(kind: type) -> Callable[..., Any] | None:
+    """The forward a cached instance of ``kind`` runs now (under a subclass's own), or ``None``: it is not cached."""
+    wrappers = (getattr(k.__dict__.get("forward"), "torchcache_plain", None) for k in kind.__mro__)
+    current = next((found for found in wrappers if found is not None), None)
+    return None if current is None else current(kind)  # type: ignore[no-any-return]
 
 
 def attach(module: torch.nn.Module, binding: InstanceBinding, forward: Callable[..., Any]) -> Cache:
@@ -87,11 +91,10 @@ def cache_of(module: torch.nn.Module) -> Cache | None:
     if isinstance(cache, Cache) and cache.belongs_to(module):
         return cache
     binding: InstanceBinding | None = module.__dict__.get(BINDING)
-    wrappers = (getattr(k.__dict__.get("forward"), "torchcache_plain", None) for k in type(module).__mro__)
-    current = next((found for found in wrappers if found is not None), None)
-    if binding is None or current is None:  # caching is off for this instance, or it is not cached
+    forward = _running_forward(type(module))
+    if binding is None or forward is None:  # caching is off for this instance, or it is not cached
         return None
-    return attach(module, binding, current(type(module)))
+    return attach(module, binding, forward)
 
 
 def cached_forward(
