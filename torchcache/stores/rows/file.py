@@ -19,7 +19,7 @@ import contextlib
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -230,8 +230,7 @@ class RowsFile:
             rows = np.take(mapped.rows, slots, axis=0, mode="clip")
         else:
             rows = np.zeros((len(present), self.stride), np.uint8)
-        starts = np.arange(len(rows)) * self.stride + self.row_at
-        bad = _failing(rows.reshape(-1).data, wanted, checks, starts, self.row_size)
+        bad = _failing(rows[:, self.row_at : self.row_at + self.row_size], wanted, checks)  # a view per row
         if not bad:
             return RowsRead(present, rows, missing, [])
         damaged: list[int] = []
@@ -261,7 +260,9 @@ class RowsFile:
         outside = (slots < 0) | (slots >= self.capacity)
         starts = np.where(outside, 0, slots) * self.stride + self.row_at
         with mapped.rows.reshape(-1).data as view:  # hashed in the map, no copy; released before a close
-            failing = _failing(view, written, mapped.checks[written], starts, self.row_size) if self.capacity else []
+            rows = [view[start : start + self.row_size] for start in starts.tolist()]
+            failing = _failing(rows, written, mapped.checks[written]) if self.capacity else []
+            del rows
         again = written[sorted({*failing, *np.flatnonzero(outside).tolist()})]
         return np.asarray(again[self.read(again).damaged], np.int64)  # read again, as read() does
 
@@ -375,16 +376,13 @@ class RowsFile:
                 self._fd = -1
 
 
-def _failing(
-    view: memoryview,
-    indices: np.ndarray[Any, Any],
-    checks: np.ndarray[Any, Any],
-    starts: np.ndarray[Any, Any],
-    size: int,
-) -> list[int]:
-    """The positions ``j`` whose row, ``size`` bytes at ``starts[j]`` of ``view``, does not match ``checks[j]``."""
-    rows = [view[start : start + size] for start in starts.tolist()]  # one call per row, nothing else per row
-    got = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, indices.tolist()), np.uint64, len(rows))
+def _failing(rows: Iterable[Any], indices: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> list[int]:
+    """The positions ``j`` whose row (the ``j``-th buffer of ``rows``) does not match ``checks[j]``.
+
+    ``rows`` is a 2-d array (hashed row by row: iterating it makes the views in C) or a list
+    of buffers; one hash call per row, nothing else per row.
+    """
+    got = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, indices.tolist()), np.uint64, len(indices))
     return np.flatnonzero((got | np.uint64(1)) != checks).tolist()  # type: ignore[no-any-return]
 
 
