@@ -258,11 +258,8 @@ class RowsFile:
         written = self.written()
         slots = mapped.slots[written].astype(np.int64) - 1
         outside = (slots < 0) | (slots >= self.capacity)
-        starts = np.where(outside, 0, slots) * self.stride + self.row_at
-        with mapped.rows.reshape(-1).data as view:  # hashed in the map, no copy; released before a close
-            rows = [view[start : start + self.row_size] for start in starts.tolist()]
-            failing = _failing(rows, written, mapped.checks[written]) if self.capacity else []
-            del rows
+        in_map = map(mapped.rows[:, self.row_at : self.row_at + self.row_size].__getitem__, np.where(outside, 0, slots))
+        failing = _failing(in_map, written, mapped.checks[written]) if self.capacity else []  # hashed in the map
         again = written[sorted({*failing, *np.flatnonzero(outside).tolist()})]
         return np.asarray(again[self.read(again).damaged], np.int64)  # read again, as read() does
 
