@@ -536,6 +536,78 @@ def test_verify_while_another_process_evicts_a_segment_reports_no_missing_file(
     assert evicted and report.ok, report.problems
 
 
+@pytest.mark.parametrize("fix", [False, True])
+def test_verify_while_another_process_writes_then_evicts_new_segments_reports_no_damage(
+    root: Path, monkeypatch: pytest.MonkeyPatch, fix: bool
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(100))
+    checker.flush()
+    before = set(checker._files.listed())
+    other = PackedStore(root, 10**8, segment_bytes=20_000)
+
+    def write() -> None:  # entries in segments that verify's first look at the rows did not see
+        fill(other, range(100, 200))
+        other.flush()
+
+    wrote = once_after_segment_table(monkeypatch, write)
+    real, evicted = packed_segments.SegmentFiles.read, []
+
+    def read(self: Any, seg: int, *args: Any) -> Any:
+        if seg not in before and not evicted:  # rows dropped, then files removed: before verify reads them
+            evicted.append(True)
+            other.clear()
+        return real(self, seg, *args)
+
+    monkeypatch.setattr(packed_segments.SegmentFiles, "read", read)
+    report = checker.verify(fix=fix)
+    assert wrote and evicted and report.ok and report.bad == [] and not report.fixed, (report.bad, report.problems)
+
+
+def test_verify_while_a_writer_evicts_its_own_segment_reports_no_stray_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = PackedStore(root, 30_000, segment_bytes=100_000)  # one segment, the writer's own, over the budget
+    checker = PackedStore(root, 30_000, segment_bytes=100_000)
+    real, mine, reports = packed_segments.SegmentFiles.remove, [], []
+
+    def remove(self: Any, seg: int) -> None:
+        if self is writer._files and seg in mine and not reports:  # its row dropped, its file not yet removed
+            reports.append(checker.verify())
+        real(self, seg)
+
+    monkeypatch.setattr(packed_segments.SegmentFiles, "remove", remove)
+    for start in range(0, 100, 10):
+        if writer._files.writer is not None:
+            mine.append(writer._files.writer.seg)
+        writer.put_many([(key(i), value(i)) for i in range(start, start + 10)])
+        writer.flush()
+    assert reports and reports[0].ok, reports[0].problems
+
+
+@pytest.mark.parametrize("fix", [False, True])
+def test_verify_while_another_process_compacts_the_index_then_clears_reads_the_new_index(
+    root: Path, monkeypatch: pytest.MonkeyPatch, fix: bool
+) -> None:
+    checker = PackedStore(root, 10**8, segment_bytes=20_000)
+    fill(checker, range(100))
+    checker.flush()
+    other = PackedStore(root, 10**8, segment_bytes=20_000)
+
+    def compact_then_clear() -> None:  # the index file replaced, then changed where verify's old one cannot see
+        index = other._handle.ensure(write=True)
+        assert index is not None
+        packed_upkeep.compact_index(index, str(root), lambda kind, message: None)
+        assert index.replaced()
+        other.clear()
+
+    ran = once_after_segment_table(monkeypatch, compact_then_clear, caller="_bad_records")
+    report = checker.verify(fix=fix)
+    assert ran and report.ok and report.bad == [] and not report.fixed, (report.bad, report.problems)
+    monkeypatch.undo()
+    assert len(checker) == 0 and checker.verify().ok
+
+
 def test_verify_fix_keeps_a_damaged_entry_written_again_since_it_was_checked(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

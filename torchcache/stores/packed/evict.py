@@ -173,10 +173,10 @@ def release(files: SegmentFiles, victims: Victims, remove: bool) -> None:
     for seg, lock in victims:
         try:
             if remove:
+                with contextlib.suppress(OSError):  # before this process's writer lets go of its lock: a file
+                    files.remove(seg)  # no one locks and no row names is an orphan to a verify looking now
                 if files.writer is not None and files.writer.seg == seg:
                     files.seal_writer()
-                with contextlib.suppress(OSError):
-                    files.remove(seg)
         finally:
             if lock is not None:
                 os.close(lock)

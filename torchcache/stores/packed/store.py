@@ -40,7 +40,7 @@ from .index import Change, Index, IndexReplacedError, map_size_for
 from .opening import IndexHandle
 from .read import EntryReader
 from .segments import SegmentFiles
-from .verify import verify
+from .verify import verify_settled
 
 __all__ = ["INDEX_ENTRY_BYTES", "MAX_ENTRY_BYTES", "PackedStore"]
 
@@ -464,6 +464,6 @@ class PackedStore(BatchedStore):
             if fix:
                 self._flush_quietly()
             try:
-                return verify(index, self._files, fix)
+                return verify_settled(index, lambda: self._handle.ensure(write=fix), self._files, fix)
             except (lmdb.Error, OSError) as exc:
                 raise StoreError(f"cannot verify the store {self._root}: {exc}") from exc

@@ -10,16 +10,46 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from collections.abc import Callable
 
 import lmdb
 
 from ..batched import VerifyReport
 from .format import check_record, decode_key, record_size
-from .index import Entry, Index, Segment, unpack_entry
+from .index import Entry, Index, IndexReplacedError, Segment, unpack_entry
 from .segments import SegmentFiles
 from .upkeep import known_segments, remove_unindexed
 
-__all__ = ["verify"]
+__all__ = ["verify", "verify_settled"]
+
+
+def verify_settled(
+    index: Index, reopen: Callable[[], Index | None], files: SegmentFiles, fix: bool, tries: int = 3
+) -> VerifyReport:
+    """:func:`verify`, again on the index ``reopen`` gives where another process replaced (compacted) it meanwhile.
+
+    What was read of a replaced index may be stale: entries evicted since, which would
+    read as damaged, and segments made since, which would look unindexed.
+
+    Raises:
+        IndexReplacedError: If the index was replaced at each of ``tries`` attempts to repair it.
+        lmdb.Error: If the index cannot be read or (with ``fix``) written.
+        OSError: If a segment file cannot be read.
+    """
+    for last in [False] * (tries - 1) + [True]:
+        try:
+            report = verify(index, files, fix)
+        except IndexReplacedError:  # found by the repair, before it changed anything
+            if last:
+                raise
+        else:
+            if report.ok or last or not index.replaced():
+                return report
+        again = reopen()
+        if again is None:
+            return VerifyReport(problems=["the index cannot be opened"])
+        index = again
+    raise ValueError(f"tries must be positive, got {tries}")
 
 
 def verify(index: Index, files: SegmentFiles, fix: bool, chunk: int = 1 << 16) -> VerifyReport:
@@ -80,8 +110,9 @@ def _file_problems(index: Index, files: SegmentFiles) -> list[str]:
     with index.begin() as txn:
         table = index.segment_table(txn)
     missing = [seg for seg in table if not os.path.isfile(files.path(seg))]
-    if missing:  # evicted meanwhile: its row went first
-        missing = [seg for seg in missing if seg in known_segments(index) and not os.path.isfile(files.path(seg))]
+    if missing:  # evicted meanwhile: its row went before its file, so a row still there after the look is not
+        known = known_segments(index)
+        missing = [seg for seg in missing if seg in known]
     orphans = set(files.orphans(set(table)))
     if orphans:
         orphans &= set(files.orphans(known_segments(index)))
@@ -109,18 +140,23 @@ def _bad_records(index: Index, files: SegmentFiles, chunk: int) -> tuple[list[tu
                 suspects.append((kb, entry))
     if not suspects:
         return [], seen
+    # Read again, then look: eviction drops a segment's row before it removes the file, and
+    # compaction moves an entry before it removes the old file, so a record that cannot be
+    # read is damage only if its entry and segment row are still there after the read.
+    unread = [(kb, entry) for kb, entry in suspects if not _readable(files, kb, entry)]
     with index.begin() as txn:  # written again, moved by compaction or removed since: not damage
         table = index.segment_table(txn)
-        now = [unpack_entry(txn.get(kb, db=index.entries)) for kb, _ in suspects]
-    return [
-        (kb, entry)
-        for (kb, entry), current in zip(suspects, now)
-        if current == entry and not _intact(files, table, kb, entry)
-    ], seen
+        now = [unpack_entry(txn.get(kb, db=index.entries)) for kb, _ in unread]
+    return [(kb, entry) for (kb, entry), current in zip(unread, now) if current == entry], seen
 
 
 def _intact(files: SegmentFiles, table: dict[int, Segment], kb: bytes, entry: Entry | None) -> bool:
-    if entry is None or entry.seg not in table:
+    return entry is not None and entry.seg in table and _readable(files, kb, entry)
+
+
+def _readable(files: SegmentFiles, kb: bytes, entry: Entry | None) -> bool:
+    """Whether the record of ``entry`` reads back whole (``None``, an entry that cannot be decoded, does not)."""
+    if entry is None:
         return False
     data = files.read(entry.seg, entry.offset, record_size(kb, entry.length))
     return not isinstance(data, str) and check_record(data, kb, entry.length) is not None
