@@ -422,3 +422,30 @@ def test_with_the_local_copy_off_hits_of_the_server_are_not_counted_as_unstored(
     assert not layered.near_enabled and len(disk.unstored) == 4
     model(x)  # read from the server, which held them all along
     assert model.items == 8 and len(disk.unstored) == 0
+
+
+def test_a_redis_tier_fed_one_sample_at_a_time_stops_writing_once_it_evicts(
+    server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache import CachedDataset
+    from torchcache.stores.redis.store import RedisStore
+
+    real, evictions = RedisStore.put_many, []
+
+    def put_many(self: RedisStore, items: Any) -> int:
+        kept = real(self, items)
+        evictions.append(self.evicted_by_last_put)
+        return kept
+
+    monkeypatch.setattr(RedisStore, "put_many", put_many)
+    samples = [torch.full((1000,), float(i)) for i in range(40)]  # about 4 KB each, 10 to a 40 KB budget
+    data = CachedDataset(samples, server_url, max_memory_size=0, max_disk_size="40KB", check_samples=False)
+    for i in range(40):  # no DataLoader: one sample per write
+        assert torch.equal(data[i], samples[i])
+    assert 5 < len(evictions) < 40 and evictions[-1] > 0 and not any(evictions[:-1]), evictions
+    writes = len(evictions)
+    for i in range(40):  # what the server kept is read back whole; nothing more is written
+        assert torch.equal(data[i], samples[i])
+    stats = data.stats()
+    assert stats.disk is not None and 5 < stats.disk.hits < 12 and len(evictions) == writes, (stats, evictions)
+    data.close()

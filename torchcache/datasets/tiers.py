@@ -6,7 +6,7 @@ holds and takes no more, so with more samples than room a fixed subset stays cac
 the hit rate is the fraction cached, and a full tier costs no write work. (Evicting
 instead, with shuffled epochs, would rewrite the tier all the time for the same hit
 rate.) A shared store (Redis, a bucket) keeps its own policy; a write it did not keep
-whole also marks the tier full. A tier that fails to write warns once and is only read
+whole, or kept by evicting others, also marks the tier full. A tier that fails to write warns once and is only read
 from then on, in that process.
 
 The RAM tier of a dataset of known length keeps the samples whose frames share the
@@ -252,7 +252,7 @@ class SampleTier:
             rows = self._rows()
             if rows is not None and isinstance(store, PackedStore):
                 store.max_bytes = max(0, self.budget - rows.nbytes)  # what the rows file leaves
-            if store.put_many(items) < len({key for key, _ in items}) and _crowded(store, items):
+            if _full_after(store, items, store.put_many(items)):
                 self.full = True
                 logger.info("the %s tier %s is full: later samples are not cached there", self.name, store)
         except (OSError, lmdb.Error) as exc:  # StoreError is an OSError
@@ -441,6 +441,8 @@ def _leaves_room(directory: Path, nbytes: int) -> bool:
     return not vfs.f_blocks or (vfs.f_bavail * vfs.f_frsize - nbytes) * 4 >= usable_bytes(vfs)  # 0: no limit
 
 
-def _crowded(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]]) -> bool:
-    """Whether a store left out a sample of an ordinary size (not one too large for its budget alone)."""
+def _full_after(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]], kept: int) -> bool:
+    """Whether a write shows the store full: it evicted others, or left out a sample not too large for its budget."""
+    if store.evicted_by_last_put or kept >= len({key for key, _ in items}):
+        return bool(store.evicted_by_last_put)
     return any(len(data) <= store.max_bytes // 2 and key not in store for key, data in items)

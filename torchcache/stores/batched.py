@@ -64,6 +64,9 @@ class BatchedStore(ABC):
     #: Whether the store is a server that may refuse writes for a while (full, away) and
     #: accept them again later; a local store that refuses writes stays refused.
     remote: bool = False
+    #: How many entries written before the last :meth:`put_many` evicted to make room for it
+    #: (0 where the store does not count them).
+    evicted_by_last_put: int = 0
 
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:

@@ -287,6 +287,7 @@ class RedisStore(BatchedStore):
             if len(batch) >= _CHUNK_KEYS or size >= _CHUNK_BYTES or i == len(plan):
                 evicted |= self._link.call(partial(self._ns.write, batch=batch), f"write {plural(len(batch), 'entry')}")
                 batch, size = [], 0
+        self.evicted_by_last_put = len(evicted.difference(plan))
         return len(plan) - len(evicted.intersection(plan))
 
     def delete_many(self, keys: Sequence[str]) -> int:
