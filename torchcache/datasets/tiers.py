@@ -443,6 +443,8 @@ def _leaves_room(directory: Path, nbytes: int) -> bool:
 
 def _full_after(store: BatchedStore, items: Sequence[tuple[str, bytes | memoryview]], kept: int) -> bool:
     """Whether a write shows the store full: it evicted others, or left out a sample not too large for its budget."""
-    if store.evicted_by_last_put or kept >= len({key for key, _ in items}):
-        return bool(store.evicted_by_last_put)
+    if store.evicted_by_last_put:
+        return True
+    if kept >= len({key for key, _ in items}):
+        return False
     return any(len(data) <= store.max_bytes // 2 and key not in store for key, data in items)
