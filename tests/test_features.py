@@ -610,7 +610,44 @@ def _writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("torchcache-features")]
 
 
-def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_kept(cache_root: Path) -> None:
+@pytest.fixture(params=["background", "in line"])
+def writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Rows written by the writer's thread, or in line (as on a CPU whose every core runs torch's threads)."""
+    from torchcache.features import writer
+
+    monkeypatch.setattr(writer, "background_pays", lambda features: request.param == "background")
+    return str(request.param)
+
+
+def test_rows_are_written_in_line_when_the_backbone_takes_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchcache.features.writer import background_pays
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    cpu = torch.zeros(2, 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not background_pays(cpu)  # torch's threads on every core: a writer thread would preempt one
+    assert background_pays(torch.zeros(2, 3, device="meta"))  # the backbone ran elsewhere: the CPU waits on it
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert background_pays(cpu)  # a core torch leaves free
+
+
+def test_rows_written_in_line_or_in_the_background_are_the_backbones(cache_root: Path, writes: str) -> None:
+    data, net = Images(n=40), Net()
+    features = extract(net, data, batch_size=8)
+    assert not _writer_threads()
+    reopened = extract(net, data, batch_size=8)
+    assert net.seen[0] == 40 + PROBE_INPUTS  # found: not computed again
+    with torch.no_grad():
+        expected = net(data.images)
+    for i in range(40):
+        x, y = reopened[i]
+        assert torch.equal(x, features[i][0]) and torch.allclose(x, expected[i], atol=1e-6) and y == data.labels[i]
+
+
+def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_kept(
+    cache_root: Path, writes: str
+) -> None:
     data, net = Images(n=40), FailsOnCall()
     FAIL_ON[id(net)] = 24 + PROBE_INPUTS  # the fourth batch of 8, after the check of a first extraction
     with pytest.raises(RuntimeError, match="out of memory"):
@@ -628,7 +665,7 @@ def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_ke
 
 
 def test_a_disk_that_fails_mid_extraction_keeps_every_row_in_memory(
-    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch, writes: str
 ) -> None:
     real_write, calls = RowsFile.write, [0]
 

@@ -6,7 +6,14 @@ through it). (The inputs are hashed before the backbone runs, as they are collat
 backbone may change them.) :class:`BatchWriter` does it in one background thread, one batch
 at a time: :meth:`BatchWriter.submit` first waits for the batch before (and raises what it
 raised), so writes keep their order, the rows buffer is reused, and at most one batch
-of outputs is held beside the one being computed. The order within a batch is that of
+of outputs is held beside the one being computed.
+
+A backbone that runs on the CPU with torch's threads on every core leaves no core for
+that thread: it would take one from torch's thread pool, whose every parallel region
+then waits for the thread it preempted (an extraction of 100,000 samples on 2 cores
+took 1.23x an uncached epoch with the thread and 1.14x writing in line, measured in
+``benchmarks/linear_probe.py``'s setting). Such batches are written in line, between
+the backbone's batches (:func:`background_pays`). The order within a batch is that of
 :class:`~torchcache.stores.rows.RowsFile`: rows, then their checks, then the
 digests that name those checks, so a process killed at any point leaves no entry
 without its row.
@@ -15,6 +22,7 @@ without its row.
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -28,7 +36,7 @@ from ..stores.features.layout import SampleLayout
 from ..stores.rows import RowsFile
 from .reuse import open_digests
 
-__all__ = ["Batch", "BatchWriter"]
+__all__ = ["Batch", "BatchWriter", "background_pays"]
 
 
 class Batch(NamedTuple):
@@ -74,14 +82,17 @@ class BatchWriter:
         return digests
 
     def submit(self, batch: Batch) -> None:
-        """Write a batch: once the one before is written, in the background.
+        """Write a batch: once the one before is written, in the background (or now: :func:`background_pays`).
 
         Raises:
-            ConfigError: (or what else the batch before raised) If its samples did not fit
-                the layout.
+            ConfigError: (or what else the batch before raised) If its samples, or the
+                batch before's, did not fit the layout.
         """
         self._wait()
-        self._pending = self._pool.submit(self._write, batch)
+        if background_pays(batch.features):
+            self._pending = self._pool.submit(self._write, batch)
+        else:
+            self._write(batch)
 
     def close(self, *, failed: bool = False) -> RowsFile | None:
         """Wait for the batch being written and let go of the thread; the file the rows went to.
@@ -135,6 +146,18 @@ class BatchWriter:
                 self._faults.warn(Fault.DIGESTS, f"cannot write to {path} ({exc}): rows are kept without them")
                 self._digests.close()
                 self._digests = None
+
+
+def background_pays(features: torch.Tensor) -> bool:
+    """Whether a batch's rows are better written in the background than in line.
+
+    They are, unless the backbone ran on the CPU with as many torch threads as this
+    process has cores (then a writer thread would preempt one of them).
+    """
+    if features.device.type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return torch.get_num_threads() < cores
 
 
 def keep_in_memory(file: RowsFile) -> RowsFile:
