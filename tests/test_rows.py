@@ -82,13 +82,29 @@ def test_a_second_opener_sees_the_rows_and_a_second_maker_opens_the_first_file(t
         file.close()
 
 
-def test_an_index_given_twice_is_written_once_and_rows_keep_their_order(tmp_path: Path) -> None:
-    file = make(tmp_path)
-    assert file.write(np.asarray([9, 3, 9, 5]), rows_of([9, 3, 9, 5])) == 0
-    assert read_all(file, [3, 5, 9]) == {i: bytes(row(i)) for i in (3, 5, 9)}
+@pytest.mark.parametrize("size", [SIZE, 96], ids=["padded lines", "rows as lines"])
+def test_an_index_given_twice_is_written_once_and_rows_keep_their_order(tmp_path: Path, size: int) -> None:
+    file = RowsFile.create(tmp_path / "rows.tcrows", HEADER, 50, size, head=0)
+    assert (file.row_at, file.stride == size) == (0, size == 96)  # 96 bytes: a batch of rows is its lines
+    assert file.write(np.asarray([9, 3, 9, 5]), rows_of([9, 3, 9, 5], size)) == 0
+    assert read_all(file, [3, 5, 9]) == {i: bytes(row(i, size)) for i in (3, 5, 9)}
     assert file.nbytes == file.geometry.rows_at + 3 * file.stride  # three slots, not four
-    assert file.write(np.asarray([5, 6]), rows_of([5, 6])) == 0  # 5 is written: only 6 is
-    assert read_all(file, [5, 6]) == {5: bytes(row(5)), 6: bytes(row(6))}
+    assert file.write(np.asarray([5, 6]), rows_of([5, 6], size)) == 0  # 5 is written: only 6 is
+    assert file.write(np.asarray([7, 8]), rows_of([7, 8], size)) == 0
+    assert read_all(file, [5, 6, 7, 8]) == {i: bytes(row(i, size)) for i in (5, 6, 7, 8)}
+    assert file.read(np.arange(50)).damaged == []
+    file.close()
+
+
+def test_rows_written_again_out_of_slot_order_land_in_their_own_slots(tmp_path: Path) -> None:
+    file = make(tmp_path)
+    file.write(np.asarray([4, 7, 8]), rows_of([4, 7, 8]))  # slots 0, 1, 2
+    file.unmark([4, 7, 8])  # as damaged rows are: written again into their own slots
+    assert file.write(np.asarray([8, 4, 7, 9]), rows_of([8, 4, 7, 9])) == 0  # slots 2, 0, 1, then a new one
+    got = file.read(np.asarray([4, 7, 8, 9]))
+    assert got.damaged == [] and got.missing == []
+    assert read_all(file, [4, 7, 8, 9]) == {i: bytes(row(i)) for i in (4, 7, 8, 9)}
+    assert file.nbytes == file.geometry.rows_at + 4 * file.stride
     file.close()
 
 

@@ -316,14 +316,15 @@ class RowsFile:
                 self._write_column(self.geometry.slots_at, 4, targets[new], (slots[new] + 1).astype("<u4"))
             if not len(todo):
                 return unstored
-            block = np.zeros((len(todo), self.stride), np.uint8)
-            lines = block[:, self.row_at : self.row_at + self.row_size]
-            lines[:] = rows if len(todo) == len(rows) else rows[todo]
+            if self.row_at == 0 and rows.shape == (len(todo), self.stride) and rows.flags.c_contiguous:
+                block = lines = rows  # every row, laid out as the file's lines: written as given
+            else:
+                block = np.zeros((len(todo), self.stride), np.uint8)
+                lines = block[:, self.row_at : self.row_at + self.row_size]
+                lines[:] = rows if len(todo) == len(rows) else rows[todo]
             checks = np.fromiter(map(digest, lines, targets.tolist()), np.uint64, len(todo))
-            order = np.argsort(slots, kind="stable")  # rows by slot (new ones are consecutive), then checks
-            for start, stop in runs(slots[order]):
-                picked = order[start:stop]
-                self._write_at(self.geometry.rows_at + int(slots[picked[0]]) * self.stride, block[picked])
+            for start, stop in runs(slots):  # rows, a run of consecutive slots at a time (new ones: one run)
+                self._write_at(self.geometry.rows_at + int(slots[start]) * self.stride, block[start:stop])
             self._write_column(self.geometry.checks_at, 8, targets, checks.astype("<u8"))
         return unstored
 

@@ -224,7 +224,7 @@ def digest(row: Any, index: int) -> int:
 
 
 def runs(indices: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
-    """``(start, stop)`` positions of the runs of consecutive values in ascending ``indices``.
+    """``(start, stop)`` positions of the runs of consecutive values in ``indices`` (each one more than the last).
 
     Example:
         >>> runs(np.array([3, 4, 5, 9, 10, 20]))
