@@ -501,6 +501,20 @@ def test_a_gcs_server_that_is_away_costs_two_bounded_tries_not_gcsfs_six(monkeyp
     assert tries == ["GET", "GET"]
 
 
+def test_s3_responses_are_checked_once_by_the_entries_digests_not_again_by_botocore(bucket: str) -> None:
+    from torchcache.stores.objects import open_filesystem
+
+    fs, _ = open_filesystem(bucket)
+    assert fs.config_kwargs["response_checksum_validation"] == "when_required"
+    assert fs.config_kwargs["read_timeout"] == 15
+    own, _ = open_filesystem(bucket, {"config_kwargs": {"read_timeout": 60}})  # the user's client options win
+    assert own.config_kwargs == {"read_timeout": 60}
+    store = ObjectStore(bucket, "e5f6", 1 << 20)
+    store.put_many([(key(1), value(1))])
+    fresh = ObjectStore(bucket, "e5f6", 1 << 20)
+    assert fresh.get_many([key(1)]) == [value(1)]
+
+
 def test_every_store_of_a_url_shares_one_filesystem_and_its_session(bucket: str) -> None:
     from torchcache.stores.objects import open_filesystem
 

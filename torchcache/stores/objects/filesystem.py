@@ -16,7 +16,14 @@ __all__ = ["OBJECT_SCHEMES", "filesystem_only", "open_filesystem"]
 #: URL schemes of object stores (through fsspec and the scheme's package).
 OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2, "mode": "standard"}}
+_S3_CONFIG: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 15,
+    "retries": {"max_attempts": 2, "mode": "standard"},
+}
+#: botocore validates the CRC of a response that carries one (some servers send it with a byte range):
+#: every entry read is checked against its own digest before it is used, so that would be done twice.
+_S3_READ_CHECK = {"response_checksum_validation": "when_required"}
 #: s3fs's own retries of a request botocore gave up on (5 by default): with botocore's two attempts and
 #: the read timeout, a server that accepts connections but never answers costs about a minute per try.
 _S3FS_RETRIES = 2
@@ -47,7 +54,7 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     if extra == "s3":  # bounded retries: a bucket that is away costs seconds, not minutes
         # a copy each time: botocore rewrites the dict it is given, and fsspec keys its instances by these
         # options, so a shared dict would make every later call a new filesystem with a new session
-        options.setdefault("config_kwargs", copy.deepcopy(_S3_CONFIG))
+        options.setdefault("config_kwargs", copy.deepcopy({**_S3_CONFIG, **_s3_read_check()}))
     elif extra == "gcs":
         options.setdefault("requests_timeout", _GCS_TIMEOUT)
     try:
@@ -65,6 +72,15 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     except Exception as exc:  # noqa: BLE001 - a filesystem that cannot be made is a configuration problem
         raise ConfigError(f"cannot use {scheme}:// ({type(exc).__name__}: {exc})") from None
     return fs, path
+
+
+def _s3_read_check() -> dict[str, str]:
+    """:data:`_S3_READ_CHECK` where botocore has the setting (1.36 and later), else nothing."""
+    try:
+        from botocore.config import Config  # type: ignore[import-untyped]
+    except ImportError:
+        return {}
+    return _S3_READ_CHECK if set(_S3_READ_CHECK) <= set(getattr(Config, "OPTION_DEFAULTS", {})) else {}
 
 
 def _bound_gcs_tries(fs: Any) -> None:
