@@ -322,7 +322,8 @@ class RowsFile:
                 block = np.zeros((len(todo), self.stride), np.uint8)
                 lines = block[:, self.row_at : self.row_at + self.row_size]
                 lines[:] = rows if len(todo) == len(rows) else rows[todo]
-            checks = np.fromiter(map(digest, lines, targets.tolist()), np.uint64, len(todo))
+            checks = np.fromiter(map(xxhash.xxh3_64_intdigest, lines, targets.tolist()), np.uint64, len(todo))
+            checks |= np.uint64(1)  # each row's digest (format.digest), one hash call per row
             for start, stop in runs(slots):  # rows, a run of consecutive slots at a time (new ones: one run)
                 self._write_at(self.geometry.rows_at + int(slots[start]) * self.stride, block[start:stop])
             self._write_column(self.geometry.checks_at, 8, targets, checks.astype("<u8"))
