@@ -645,6 +645,35 @@ def test_rows_written_in_line_or_in_the_background_are_the_backbones(cache_root:
         assert torch.equal(x, features[i][0]) and torch.allclose(x, expected[i], atol=1e-6) and y == data.labels[i]
 
 
+def test_a_ctrl_c_inside_a_write_between_batches_leaves_those_rows_to_the_next_call(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchcache.features import writer
+
+    monkeypatch.setattr(writer, "background_pays", lambda features: False)
+    real, marks = RowsFile._write_column, [0]
+
+    def interrupted_marking(self: RowsFile, at: int, width: int, indices: Any, values: Any) -> None:
+        if width == 8 and self.path is not None:  # the checks: the rows are written, none marked yet
+            marks[0] += 1
+            if marks[0] == 3:
+                raise KeyboardInterrupt
+        real(self, at, width, indices, values)
+
+    monkeypatch.setattr(RowsFile, "_write_column", interrupted_marking)
+    data, net = Images(n=40), Net()
+    with pytest.raises(KeyboardInterrupt):
+        extract(net, data, batch_size=8)
+    monkeypatch.undo()
+    (directory,) = feature_dirs(cache_root)
+    file = open_features(directory / FEATURES_NAME)
+    assert file.missing().tolist() == list(range(16, 40))  # the third batch's rows unmarked, the rest not run
+    file.close()
+    features = extract(net, data, batch_size=8)
+    with torch.no_grad():
+        assert all(torch.allclose(features[i][0], net(data.images[i : i + 1])[0], atol=1e-6) for i in range(40))
+
+
 def test_a_backbone_error_mid_extraction_is_raised_with_the_batches_before_it_kept(
     cache_root: Path, writes: str
 ) -> None:
