@@ -25,6 +25,7 @@ from tests.helpers import REPO, fault_under, pwrite_fault
 from torchcache.errors import CorruptEntryError, StoreError
 from torchcache.stores.rows import Geometry, RowsFile
 from torchcache.stores.rows import file as rows_module
+from torchcache.stores.rows.format import digest
 
 SIZE = 100
 HEADER = {"kind": "test"}
@@ -93,6 +94,8 @@ def test_an_index_given_twice_is_written_once_and_rows_keep_their_order(tmp_path
     assert file.write(np.asarray([7, 8]), rows_of([7, 8], size)) == 0
     assert read_all(file, [5, 6, 7, 8]) == {i: bytes(row(i, size)) for i in (5, 6, 7, 8)}
     assert file.read(np.arange(50)).damaged == []
+    written = np.asarray([3, 5, 6, 7, 8, 9])
+    assert file.checks(written).tolist() == [digest(row(i, size), i) for i in written.tolist()]  # the format's
     file.close()
 
 

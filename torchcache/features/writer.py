@@ -13,10 +13,11 @@ that thread: it would take one from torch's thread pool, whose every parallel re
 then waits for the thread it preempted (an extraction of 100,000 samples on 2 cores,
 in ``benchmarks/linear_probe.py``'s setting, took a median 1.17x an uncached epoch with
 the thread and 1.14x writing in line, over six alternating rounds). Such batches are
-written in line, between the backbone's batches (:func:`background_pays`). The order within a batch is that of
-:class:`~torchcache.stores.rows.RowsFile`: rows, then their checks, then the
-digests that name those checks, so a process killed at any point leaves no entry
-without its row.
+written in line, between the backbone's batches (:func:`background_pays`).
+
+The order within a batch is that of :class:`~torchcache.stores.rows.RowsFile`: rows,
+then their checks, then the digests that name those checks, so a process killed at any
+point leaves no entry without its row.
 """
 
 from __future__ import annotations

@@ -16,11 +16,7 @@ __all__ = ["OBJECT_SCHEMES", "filesystem_only", "open_filesystem"]
 #: URL schemes of object stores (through fsspec and the scheme's package).
 OBJECT_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "oss://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-_S3_CONFIG: dict[str, Any] = {
-    "connect_timeout": 5,
-    "read_timeout": 15,
-    "retries": {"max_attempts": 2, "mode": "standard"},
-}
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2, "mode": "standard"}}
 #: botocore validates the CRC of a response that carries one (some servers send it with a byte range):
 #: every entry read is checked against its own digest before it is used, so that would be done twice.
 _S3_READ_CHECK = {"response_checksum_validation": "when_required"}

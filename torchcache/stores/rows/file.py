@@ -322,8 +322,7 @@ class RowsFile:
                 block = np.zeros((len(todo), self.stride), np.uint8)
                 lines = block[:, self.row_at : self.row_at + self.row_size]
                 lines[:] = rows if len(todo) == len(rows) else rows[todo]
-            checks = np.fromiter(map(xxhash.xxh3_64_intdigest, lines, targets.tolist()), np.uint64, len(todo))
-            checks |= np.uint64(1)  # each row's digest (format.digest), one hash call per row
+            checks = _checks(lines, targets)
             for start, stop in runs(slots):  # rows, a run of consecutive slots at a time (new ones: one run)
                 self._write_at(self.geometry.rows_at + int(slots[start]) * self.stride, block[start:stop])
             self._write_column(self.geometry.checks_at, 8, targets, checks.astype("<u8"))
@@ -375,14 +374,19 @@ class RowsFile:
                 self._fd = -1
 
 
-def _failing(rows: Iterable[Any], indices: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> list[int]:
-    """The positions ``j`` whose row (the ``j``-th buffer of ``rows``) does not match ``checks[j]``.
+def _checks(rows: Iterable[Any], indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """Each row's check (:func:`~.format.digest`), one hash call per row and nothing else per row.
 
     ``rows`` is a 2-d array (hashed row by row: iterating it makes the views in C) or a list
-    of buffers; one hash call per row, nothing else per row.
+    of buffers.
     """
     got = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, indices.tolist()), np.uint64, len(indices))
-    return np.flatnonzero((got | np.uint64(1)) != checks).tolist()  # type: ignore[no-any-return]
+    return got | np.uint64(1)
+
+
+def _failing(rows: Iterable[Any], indices: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> list[int]:
+    """The positions ``j`` whose row (the ``j``-th buffer of ``rows``) does not match ``checks[j]``."""
+    return np.flatnonzero(_checks(rows, indices) != checks).tolist()  # type: ignore[no-any-return]
 
 
 def _reuse_slots(
