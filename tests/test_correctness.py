@@ -563,6 +563,21 @@ def test_hits_are_merged_onto_the_device_of_each_leaf() -> None:
     assert [t.device.type for t in cast_returned(leaves, layout, (torch.device("meta"),))] == ["meta", "meta"]
 
 
+@pytest.mark.parametrize(
+    "split", [[[0, 1, 2], [3, 4, 5]], [[3, 4, 5], [0, 1, 2]], [[0, 2, 4], [1, 3, 5]], [[1, 2], [0, 3, 4, 5]]]
+)
+def test_parts_are_merged_in_input_order_whether_their_positions_are_runs_or_not(split: list[list[int]]) -> None:
+    from torchcache.tiers.batch import merge_parts
+    from torchcache.tree import Layout, flatten
+
+    expected = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3)
+    spec, leaves = flatten((expected, expected.double()))
+    layout = Layout.of(spec, leaves, None)
+    parts = [(positions, [expected[positions], expected[positions].double()]) for positions in split]
+    merged = merge_parts(parts, 6, layout, (torch.device("cpu"),))
+    assert torch.equal(merged[0], expected) and torch.equal(merged[1], expected.double())
+
+
 def test_an_output_that_requires_grad_with_no_input_that_does_is_refused_not_cached_without_grad() -> None:
     @torchcache()
     def scaled(x: torch.Tensor) -> torch.Tensor:

