@@ -302,10 +302,15 @@ def test_a_reader_starting_from_nothing_reads_the_newest_checkpoint_and_the_mani
         writer.put_many([(key(batch * 3 + i), value(batch * 3 + i)) for i in range(3)])
     assert len(_checkpoints(s3fs_of, bucket)) == 1
     reader = _store(bucket)
+    reads: list[list[str]] = []
+    cat = reader.bucket.cat
+    reader.bucket.cat = lambda names: reads.append(list(names)) or cat(names)  # type: ignore[method-assign]
     keys = [key(i) for i in range(120)]
     assert [bytes(v or b"") for v in reader.get_many(keys)] == [value(i) for i in range(120)]
     # one listing, the checkpoint, one read of the 8 manifests it does not cover, one ranged read per segment
     assert reader.bucket.requests == 1 + 1 + 8 + 40
+    # the manifests named after the checkpoint are read with it, in one round trip
+    assert len(reads) == 1 and len(reads[0]) == 9 and reads[0][0].endswith(".tci")
 
 
 def test_a_checkpoint_keeps_tombstones_and_forgets_segments_pruned_after_it(bucket: str, s3fs_of: Any) -> None:

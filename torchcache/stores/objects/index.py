@@ -231,7 +231,12 @@ class Index:
         self.invalid = {name: why for name, why in self.invalid.items() if name in names}
         if not self.seen:
             yield sorted(n for n in names if n.endswith(CHECKPOINT) and n not in self.invalid)[-1:]
-        yield sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in self.seen | self.invalid.keys())
+        yield self.pending(names)
+
+    def pending(self, names: set[str]) -> list[str]:
+        """The manifests and tombstones of a listing not read yet (nor found invalid)."""
+        done = self.seen | self.invalid.keys()
+        return sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in done)
 
     def forget(self, segments: set[str], keys: Sequence[str] = ()) -> None:
         """Drop segments (removed from the bucket) and the entries they held, and the entries of ``keys``."""

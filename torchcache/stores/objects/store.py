@@ -330,12 +330,20 @@ def _describe_again(store: ObjectStore) -> None:
 def _read_index_objects(store: ObjectStore, names: set[str]) -> None:
     """Read and apply the index objects of a listing not read yet.
 
-    One whose read fails is not judged: it is read again at the next listing, and its
-    entries are left out until then (a checkpoint covers only the objects read).
+    A checkpoint is applied before the manifests and tombstones it does not cover; those
+    named after it (later, by their writers' clocks) are read with it, in one round trip,
+    and any others it does not cover after it. One whose read fails is not judged: it is
+    read again at the next listing, and its entries are left out until then (a checkpoint
+    covers only the objects read).
     """
     store.unreadable = set()
+    fetched: dict[str, object] = {}
     for new in store._known.unread(names):
-        for name, body in store.bucket.cat(new).items() if new else ():
+        if wanted := [name for name in new if name not in fetched]:
+            if len(wanted) == 1 and wanted[0].endswith(CHECKPOINT):  # those named after it: not covered, likely
+                wanted += [name for name in store._known.pending(names) if name > wanted[0]]
+            fetched.update(store.bucket.cat(wanted))
+        for name, body in ((name, fetched[name]) for name in new):
             if isinstance(body, bytes):
                 store._apply(name, body)
             elif not isinstance(body, FileNotFoundError):  # else pruned since it was listed
