@@ -18,7 +18,7 @@ import numpy as np
 
 from .manifests import CHECKPOINT, FORMAT, MANIFEST, SEGMENT, TOMBSTONE, VERSION, Entry, parse, parse_checkpoint
 
-__all__ = ["Index"]
+__all__ = ["Index", "pending"]
 
 
 class _Columns(NamedTuple):
@@ -231,12 +231,7 @@ class Index:
         self.invalid = {name: why for name, why in self.invalid.items() if name in names}
         if not self.seen:
             yield sorted(n for n in names if n.endswith(CHECKPOINT) and n not in self.invalid)[-1:]
-        yield self.pending(names)
-
-    def pending(self, names: set[str]) -> list[str]:
-        """The manifests and tombstones of a listing not read yet (nor found invalid)."""
-        done = self.seen | self.invalid.keys()
-        return sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in done)
+        yield pending(self, names)
 
     def forget(self, segments: set[str], keys: Sequence[str] = ()) -> None:
         """Drop segments (removed from the bucket) and the entries they held, and the entries of ``keys``."""
@@ -321,3 +316,9 @@ def _stamp(name: str) -> int | None:
         return None
     stamp = int(head)
     return stamp if stamp < 1 << 63 else None
+
+
+def pending(index: Index, names: set[str]) -> list[str]:
+    """The manifests and tombstones of a listing that ``index`` has not read yet (nor found invalid)."""
+    done = index.seen | index.invalid.keys()
+    return sorted(n for n in names if n.endswith((MANIFEST, TOMBSTONE)) and n not in done)

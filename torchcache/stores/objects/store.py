@@ -46,7 +46,7 @@ from ..batched import BatchedStore, VerifyReport
 from ..packed.format import encode_key, is_key
 from .bucket import META_NAME, Bucket
 from .filesystem import filesystem_only, open_filesystem
-from .index import Index
+from .index import Index, pending
 from .manifests import (
     CHECKPOINT,
     MANIFEST,
@@ -341,7 +341,7 @@ def _read_index_objects(store: ObjectStore, names: set[str]) -> None:
     for new in store._known.unread(names):
         if wanted := [name for name in new if name not in fetched]:
             if len(wanted) == 1 and wanted[0].endswith(CHECKPOINT):  # those named after it: not covered, likely
-                wanted += [name for name in store._known.pending(names) if name > wanted[0]]
+                wanted += [name for name in pending(store._known, names) if name > wanted[0]]
             fetched.update(store.bucket.cat(wanted))
         for name, body in ((name, fetched[name]) for name in new):
             if isinstance(body, bytes):
