@@ -28,7 +28,7 @@ BUDGET = 20_000_000
 #: What a cached call may hold beyond the memory tier's budget: 10% of it, and 50 MB for the
 #: allocator's free lists, torch's own caches and the interpreter.
 OVERHEAD = BUDGET // 10 + 50_000_000
-BATCHES = 300
+BATCHES = 150  # a leak of every batch would hold about 150 MB, three times what OVERHEAD allows
 
 
 def _rss() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,16 @@ LONG_UNITS = {
 
 @functools.cache
 def _parsed(path: Path) -> tuple[str, ast.Module]:
-    """A module's source and its syntax tree, read once per test process (never changed by a test)."""
+    """A module's source and its syntax tree, read once while this file's tests run (never changed by a test)."""
     source = path.read_text()
     return source, ast.parse(source, str(path))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_the_trees() -> Iterator[None]:
+    """The trees go once this file's tests have run (300,000 objects every later collection would walk)."""
+    yield
+    _parsed.cache_clear()
 
 
 def module_name(path: Path) -> str:
