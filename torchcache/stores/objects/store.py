@@ -343,7 +343,8 @@ def _read_index_objects(store: ObjectStore, names: set[str]) -> None:
             if len(wanted) == 1 and wanted[0].endswith(CHECKPOINT):  # those named after it: not covered, likely
                 wanted += [name for name in pending(store._known, names) if name > wanted[0]]
             fetched.update(store.bucket.cat(wanted))
-        for name, body in ((name, fetched[name]) for name in new):
+        for name in new:
+            body = fetched[name]
             if isinstance(body, bytes):
                 store._apply(name, body)
             elif not isinstance(body, FileNotFoundError):  # else pruned since it was listed
