@@ -21,7 +21,9 @@ is a ``DataLoader(batch_size=256, num_workers=--workers)`` pass, timed from
   with one shuffled pass over the features it returns (what a training loop's first
   epoch costs); run in ``--rounds`` pairs with an uncached epoch, back to back in
   alternating order, after the untimed pass that warms the process up, and
-  judged on the median of the pairs' ratios;
+  judged on the median of the pairs' ratios; then again in ``--busy-rounds`` pairs while
+  ``--busy`` processes (default one per core) spin in pure Python, as other jobs on a
+  shared machine would (the extra work of an extraction shows when cores are scarce);
 - memmap: the hand-written alternative, the same features written to an ``np.memmap``
   with the labels in an array, read by a ``Dataset`` whose ``__getitem__`` copies one
   row, through the same DataLoader settings, ``shuffle=True``;
@@ -52,8 +54,9 @@ checksum) without a backbone call, and the changed dataset's rows equal the firs
 cache's where the input is unchanged and the backbone's (up to batch rounding) where it
 changed. The run exits 1 if a check failed (2 with ``--strict`` if a target was
 missed). Targets: later epochs within 1.5x of the memmap, the first epoch (the
-extraction) within 1.1x of uncached, the second process's first epoch within 1.5x of
-the memmap.
+extraction) within 1.1x of uncached, quiet and with every core busy, the second
+process's first epoch within 1.5x of the memmap, and ``features.loader`` epochs within
+1.5x of the batched gather.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ from _meta import write_results
 from torchcache import extract_features
 
 BATCH = 256
-TARGETS = {"later": 1.5, "extract": 1.1, "second": 1.5}
+TARGETS = {"later": 1.5, "extract": 1.1, "busy": 1.1, "second": 1.5, "loader": 1.5}
 
 
 class Images(Dataset[Any]):
@@ -254,47 +257,86 @@ def second_process(root: Path, n: int, workers: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def run_size(
-    n: int, workers: int, epochs: int, rounds: int, children: int, scratch: Path
-) -> tuple[dict[str, Any], list[str]]:
-    failures: list[str] = []
-    data, backbone = Images(n), make_backbone()
-    labels = np.asarray(data.labels, np.int64)
-    label_sum = int(labels.sum())
-    uncached_times, firsts, extracts, first_ratios, extract_ratios = [], [], [], [], []
+class Busy:
+    """``count`` processes spinning in pure Python, one core each, while the block runs (other work on the machine)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.spinners: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Busy:
+        self.spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for spinner in self.spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def first_epochs(
+    n: int, data: Images, backbone: Backbone, workers: int, rounds: int, scratch: Path, tag: str, failures: list[str]
+) -> tuple[dict[str, list[float]], Any]:
+    """``rounds`` pairs of an uncached epoch and an extraction (with one read epoch over its output).
+
+    Back to back, in alternating order: a slow spell weighs on both. Returns the times
+    (``uncached``, ``extract``, ``first``, and the pairs' ratios ``first_ratio`` and
+    ``extract_ratio``) and the last round's features (open; the others closed and removed).
+    """
+    times: dict[str, list[float]] = {k: [] for k in ("uncached", "extract", "first", "first_ratio", "extract_ratio")}
+    label_sum = sum(data.labels)
     features = None
-    # Untimed, and the reference outputs: the process's first pass over the data pays for
-    # warming the allocator (page faults on every new buffer until the heap has grown) and
-    # torch's kernels; whichever side ran first would pay it.
-    _, reference = uncached_epoch(backbone, data, workers, keep=True)
-    for r in range(rounds):  # back to back, in alternating order: a slow spell weighs on both
+    for r in range(rounds):
         pair = {}
         for name in ("uncached", "first") if r % 2 == 0 else ("first", "uncached"):
             if name == "uncached":
                 seconds, _ = uncached_epoch(backbone, data, workers)
-                uncached_times.append(seconds)
+                times["uncached"].append(seconds)
             else:
                 if features is not None:  # the previous round's cache: closed and removed, untimed
                     features.close()
-                    shutil.rmtree(scratch / f"root-{n}-{r - 1}")
+                    shutil.rmtree(scratch / f"root-{tag}{n}-{r - 1}")
                 start = time.perf_counter()
                 features = extract_features(
                     backbone,
                     data,
                     batch_size=BATCH,
                     num_workers=workers,
-                    cache_dir=scratch / f"root-{n}-{r}",
+                    cache_dir=scratch / f"root-{tag}{n}-{r}",
                     progress=False,
                 )
-                extracts.append(time.perf_counter() - start)
+                times["extract"].append(time.perf_counter() - start)
                 _, seen = epoch(features, workers)
                 seconds = time.perf_counter() - start
-                firsts.append(seconds)
+                times["first"].append(seconds)
                 if seen != label_sum:
                     failures.append(f"{n}: the first epoch over the features did not see every label once")
             pair[name] = seconds
-        first_ratios.append(pair["first"] / pair["uncached"])
-        extract_ratios.append(extracts[-1] / pair["uncached"])
+        times["first_ratio"].append(pair["first"] / pair["uncached"])
+        times["extract_ratio"].append(times["extract"][-1] / pair["uncached"])
+    return times, features
+
+
+def run_size(
+    n: int, workers: int, epochs: int, rounds: int, children: int, scratch: Path, busy: int, busy_rounds: int
+) -> tuple[dict[str, Any], list[str]]:
+    failures: list[str] = []
+    data, backbone = Images(n), make_backbone()
+    labels = np.asarray(data.labels, np.int64)
+    label_sum = int(labels.sum())
+    # Untimed, and the reference outputs: the process's first pass over the data pays for
+    # warming the allocator (page faults on every new buffer until the heap has grown) and
+    # torch's kernels; whichever side ran first would pay it.
+    _, reference = uncached_epoch(backbone, data, workers, keep=True)
+    loaded: dict[str, list[float]] = {}
+    if busy and busy_rounds:  # every core busy with other work: extraction must not cost more than it does quiet
+        with Busy(busy):
+            loaded, features = first_epochs(n, data, backbone, workers, busy_rounds, scratch, "busy-", failures)
+        assert features is not None
+        features.close()
+    quiet, features = first_epochs(n, data, backbone, workers, rounds, scratch, "", failures)
+    uncached_times, firsts, extracts = quiet["uncached"], quiet["first"], quiet["extract"]
+    first_ratios, extract_ratios = quiet["first_ratio"], quiet["extract_ratio"]
     assert features is not None and features.path is not None
     root = features.path.parent.parent
     uncached, first = statistics.median(uncached_times), statistics.median(firsts)
@@ -387,6 +429,11 @@ def run_size(
         "first_epochs_s": firsts,
         "extracts_s": extracts,
         "extract_over_uncached": statistics.median(extract_ratios),
+        "busy_processes": busy if loaded else 0,
+        "busy_uncached_epochs_s": loaded.get("uncached", []),
+        "busy_extracts_s": loaded.get("extract", []),
+        "busy_extract_over_uncached": statistics.median(loaded["extract_ratio"]) if loaded else None,
+        "busy_first_over_uncached": statistics.median(loaded["first_ratio"]) if loaded else None,
         "first_over_uncached": statistics.median(first_ratios),
         "memmap_epoch_s": memmap_median,
         "features_epoch_s": statistics.median(times["features"]),
@@ -420,6 +467,10 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, help="rounds of later epochs (default 8; 4 with --quick)")
     parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 9; 1 with --quick)")
     parser.add_argument("--children", type=int, help="second processes, each timed once (default 5; 1 with --quick)")
+    parser.add_argument(
+        "--busy", type=int, help="processes spinning while extractions are timed again (default: one per core; 0: none)"
+    )
+    parser.add_argument("--busy-rounds", type=int, help="pairs of epochs timed while they spin (default 5; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2,000 samples, 3 pairs")
     parser.add_argument("--json", help="default: benchmarks/results/linear_probe.json")
     parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
@@ -438,13 +489,16 @@ def main() -> int:
         for n in sizes:
             rounds = args.rounds or (1 if args.quick else 9)
             children = args.children or (1 if args.quick else 5)
-            result, failed = run_size(n, args.workers, epochs, rounds, children, Path(scratch))
+            busy = len(os.sched_getaffinity(0)) if args.busy is None else args.busy
+            busy_rounds = args.busy_rounds or (1 if args.quick else 5)
+            result, failed = run_size(n, args.workers, epochs, rounds, children, Path(scratch), busy, busy_rounds)
             failures += failed
             results[str(n)] = result
             print(
                 f"{n:>7,} samples: uncached epoch {result['uncached_epoch_s']:.2f} s | extraction "
                 f"{result['extract_s']:.2f} s ({result['extract_over_uncached']:.2f}x uncached; with a read epoch "
-                f"{result['first_epoch_s']:.2f} s, {result['first_over_uncached']:.2f}x) | later epochs: memmap "
+                f"{result['first_epoch_s']:.2f} s, {result['first_over_uncached']:.2f}x; with {busy} cores busy "
+                f"{result['busy_extract_over_uncached'] or float('nan'):.2f}x) | later epochs: memmap "
                 f"{result['memmap_epoch_s'] * 1e3:.1f} ms, "
                 f"features {result['features_epoch_s'] * 1e3:.1f} ms ({result['later_over_memmap']:.2f}x); batched: "
                 f"gather {result['gather_epoch_s'] * 1e3:.1f} ms, loader {result['loader_epoch_s'] * 1e3:.1f} ms "
@@ -457,8 +511,12 @@ def main() -> int:
             for key, target in (
                 ("later_over_memmap", "later"),
                 ("extract_over_uncached", "extract"),
+                ("busy_extract_over_uncached", "busy"),
                 ("second_over_memmap", "second"),
+                ("loader_over_gather", "loader"),
             ):
+                if result[key] is None:  # not measured (--busy 0)
+                    continue
                 met = result[key] <= TARGETS[target]
                 results[f"{n} {key}"] = result[key]
                 if not met:
@@ -466,7 +524,9 @@ def main() -> int:
     results["targets"] = {
         "later epochs within 1.5x of the memmap": TARGETS["later"],
         "first epoch (extraction) within 1.1x of uncached": TARGETS["extract"],
+        "first epoch (extraction) within 1.1x of uncached, every core busy with other work": TARGETS["busy"],
         "second process's first epoch within 1.5x of the memmap": TARGETS["second"],
+        "features.loader epochs within 1.5x of the batched memmap gather": TARGETS["loader"],
     }
     results["missed"] = missed
     results["correct"] = not failures

@@ -90,6 +90,8 @@ TARGETS = {
     "linear_probe later epochs within 1.5x of the np.memmap": (1.5, "max"),
     "linear_probe first epoch (extraction) within 1.1x of uncached": (1.1, "max"),
     "linear_probe second process's first epoch within 1.5x of the np.memmap's": (1.5, "max"),
+    "linear_probe first epoch (extraction) within 1.1x of uncached, every core busy with other work": (1.1, "max"),
+    "linear_probe features.loader epochs within 1.5x of the batched np.memmap gather": (1.5, "max"),
     "object_store first epoch from the bucket within 2x of a local disk cache's": (2.0, "max"),
     "object_store later epochs from the bucket within 1.1x of a local disk cache's": (1.1, "max"),
     "object_store half a local copy: at least 0.45 of the hits local in epochs 2-4": (0.45, "min"),
@@ -559,6 +561,23 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                 f"{n}: {x['second_over_memmap']:.2f}x, backbone calls {x['second_process_backbone_calls']}",
             ),
         ]
+        if x.get("busy_extract_over_uncached") is not None:
+            checks.append(
+                (
+                    "linear_probe first epoch (extraction) within 1.1x of uncached, every core busy with other work",
+                    x["busy_extract_over_uncached"],
+                    f"{n}: {x['busy_extract_over_uncached']:.2f}x with {x['busy_processes']} spinning processes "
+                    f"(uncached {spread(x['busy_uncached_epochs_s'])} s, extraction {spread(x['busy_extracts_s'])} s)",
+                )
+            )
+        if "loader_over_gather" in x:
+            checks.append(
+                (
+                    "linear_probe features.loader epochs within 1.5x of the batched np.memmap gather",
+                    x["loader_over_gather"],
+                    f"{n}: {x['loader_over_gather']:.2f}x",
+                )
+            )
     wrong = sum(not x["correct"] for x in sizes)
     head = (
         f"Features of (512,) float32, DataLoader batch 256, {sizes[0]['workers'] if sizes else 0} workers; "
