@@ -17,7 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 from ..datasets.draws import random_reads
 from ..dtypes import standard_strides
 from ..errors import ConfigError
-from ..module.independence import rows_agree
+from ..module.closeness import rows_agree
 from ..stores.features.layout import SampleLayout
 from .backbone import run_backbone
 

@@ -19,7 +19,7 @@ first call that computes items once :data:`SPOT_ITEMS` were computed since the l
 check (a dependence that shows only with some batches, such as trimming a padded batch
 to its longest item): the checks cost under 1 % of the items computed. Rows that differ
 element by element beyond what floating point allows between batch sizes
-(:func:`_close`; integers exactly), or outputs whose per-item shape depends on the
+(:func:`~.closeness.close`; integers exactly), or outputs whose per-item shape depends on the
 batch, make the call raise :class:`DependentItemsError`; when the rows differ, the same
 items are computed once more in the same batch, to tell randomness (dropout in training
 mode) from dependence on the batch. In training mode a module that fails the check runs
@@ -38,6 +38,7 @@ from ..errors import KeyingError
 from ..faults import Fault, FaultLog
 from ..tree import Layout, flatten
 from .call import CallArguments, mode_switched
+from .closeness import Scales, close
 from .draws import drawing_submodule
 from .outputs import OutputPlan
 from .rebinding import alike
@@ -49,7 +50,6 @@ __all__ = [
     "forget_checks",
     "is_checked",
     "mark_checked",
-    "rows_agree",
 ]
 
 #: Call contexts (module key, arguments but the items, mode) whose items were seen to be independent here.
@@ -279,7 +279,7 @@ def check_items(
         middle = [half - 1, half, half + 1] if batch % 2 == 0 and batch > 4 else [half - 1, half] if batch > 3 else [1]
         sets = [[batch - 1, 0], middle, *([[0]] if batch == 3 else [[2, 1, 0]] if batch == 4 else [])]
     checks = [list(range(batch))] if whole else sets
-    scales = [_column_scale(leaf_rows) for leaf_rows in rows]  # once per check: copies of the whole batch
+    scales = Scales(rows)
     for positions in checks:
         _check_positions(name, fn, call, plan, layout, rows, scales, positions)
 
@@ -291,7 +291,7 @@ def _check_positions(
     plan: OutputPlan,
     layout: Layout,
     rows: list[torch.Tensor],
-    scales: list[torch.Tensor],
+    scales: Scales,
     positions: list[int],
 ) -> None:
     """Compute the items at ``positions`` in a batch of their own and compare them with their ``rows``."""
@@ -321,12 +321,15 @@ def _check_positions(
             f"batch_dims (batch_dims={{'output[1][0]': 1, 'output[1][1]': 1}}). {_REMEDY}"
         )
     index = torch.tensor(positions)
-    for i, (leaf, stored, scale) in enumerate(zip(leaves, layout.leaves, scales)):
+    for i, (leaf, stored) in enumerate(zip(leaves, layout.leaves)):
         expected = rows[i].index_select(0, index.to(rows[i].device)).to(leaf.device)
-        if not _close(expected, leaf, stored.dtype, scale):
+        if expected.dtype == leaf.dtype and torch.equal(expected, leaf):  # the same bits: close at any scale
+            continue
+        scale = scales[i]
+        if not close(expected, leaf, stored.dtype, scale):
             with torch.no_grad():  # the same items in the same batch again: random, or dependent on the batch?
                 again = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
-            if not _close(leaf, again, stored.dtype, scale):
+            if not close(leaf, again, stored.dtype, scale):
                 remedy = (
                     "Call the module in eval mode (model.eval(); keep_eval=True keeps it there), or cache a "
                     "deterministic function"
@@ -343,7 +346,7 @@ def _check_positions(
             if torch.is_grad_enabled():  # the check computes without gradients: the call computed with them
                 with torch.enable_grad():
                     graded = plan.to_items(spec, flatten(fn(*args, **kwargs))[1])[i]
-                if _close(expected, graded, stored.dtype, scale):
+                if close(expected, graded, stored.dtype, scale):
                     raise DependentItemsError(
                         f"{name}: its outputs depend on whether gradients are on (output leaf {i} of items "
                         f"{positions} changed when computed under torch.no_grad()), so a hit would return the rows "
@@ -367,70 +370,6 @@ def _check_positions(
 
 def _shapes(layout: Layout) -> str:
     return ", ".join(str(list(leaf.shape)) for leaf in layout.leaves) or "no tensor"
-
-
-_OUTLIER = 10.0  #: rows this many times the typical row's size are left out of the columns' scale
-
-
-def rows_agree(expected: torch.Tensor, found: torch.Tensor, batch_rows: torch.Tensor) -> bool:
-    """Whether rows computed in another batch equal ``expected`` up to the noise of floating point.
-
-    Args:
-        expected: Rows as computed in a batch.
-        found: The same items' rows computed in another batch.
-        batch_rows: All the rows of the batch ``expected`` comes from (the scale of each column).
-    """
-    return _close(expected, found, expected.dtype, _column_scale(batch_rows))
-
-
-def _column_scale(rows: torch.Tensor) -> torch.Tensor:
-    """The root mean square of each column of a batch's rows (one row per item), and of all its values, last.
-
-    Rows far larger than the batch's typical row (an outlier image) are left out: they
-    would make every column's scale theirs, and a dependence on the batch small beside
-    them but large beside the other rows would pass.
-    """
-    if not (rows.is_floating_point() or rows.is_complex()):
-        return torch.zeros(1, dtype=torch.float64)
-    magnitude = rows.detach().abs().to(torch.float64).reshape(len(rows), -1)
-    special = magnitude.isnan() | magnitude.isinf()
-    squares = magnitude.masked_fill(special, 0.0).square()
-    size = squares.mean(dim=1).sqrt()  # each row's
-    typical = float(size.median())  # the lower median: one outlier of two or three rows is not typical
-    usual = size <= _OUTLIER * typical if typical > 0 else torch.ones_like(size, dtype=torch.bool)
-    squares = squares[usual]
-    return torch.cat([squares.mean(dim=0).sqrt(), squares.mean().sqrt().reshape(1)])
-
-
-def _close(expected: torch.Tensor, found: torch.Tensor, stored: torch.dtype, scale: torch.Tensor) -> bool:
-    """Whether two sets of rows are equal up to the noise of floating point between batch sizes.
-
-    Element by element: within a relative tolerance (0.1 %, or 4 units in the last place
-    of a low-precision dtype) of the larger of its value and a floor (an element near zero
-    may come from large terms that cancel, whose rounding is what varies between batch
-    sizes). The floor is a tenth of the root mean square of its column over the rows of
-    the whole batch, and at least a hundredth of that of all its values (``scale``, from
-    :func:`_column_scale`). So a value that is small beside the rest of its row (a score
-    beside an embedding, a column a thousand times smaller than the others) is still
-    compared on its own scale.
-    """
-    if not (expected.is_floating_point() or expected.is_complex()):
-        return torch.equal(expected, found.to(expected.dtype))
-    if stored.is_floating_point and expected.is_floating_point():  # both on the grid of what is stored
-        expected, found = expected.to(stored), found.to(stored)
-    a = expected.detach().to(torch.complex128 if expected.is_complex() else torch.float64).reshape(len(expected), -1)
-    b = found.detach().to(a.dtype).reshape(len(found), -1)
-    special = a.isnan() | a.isinf() | b.isnan() | b.isinf()
-    if special.any():
-        if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a[a.isinf()], b[a.isinf()])):
-            return False
-        a, b = a.masked_fill(special, 0.0), b.masked_fill(special, 0.0)
-    info = torch.finfo(stored if stored.is_floating_point else torch.float32)
-    tolerance = max(1e-3, 4 * info.eps)
-    columns, overall = scale[:-1].to(a.device), float(scale[-1])
-    floor = (0.1 * columns).clamp_min(0.01 * overall + torch.finfo(torch.float64).tiny)  # each column on its own scale
-    spacing = 2 * info.smallest_normal * info.eps  # a step of the stored dtype's subnormals, where steps are fixed
-    return bool(((a - b).abs() <= tolerance * torch.maximum(a.abs(), b.abs()).clamp_min(floor) + spacing).all())
 
 
 def _unchanged(was: Any, now: Any) -> bool:
