@@ -403,7 +403,8 @@ def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
     if f.kind in ("features", "tensor"):
         if not f.nbytes:
             return torch.zeros((count, *f.shape), dtype=_TENSOR[f.dtype])
-        return torch.from_numpy(np.ascontiguousarray(raw)).view(_TENSOR[f.dtype]).reshape(count, *f.shape)
+        copied = torch.from_numpy(rows)[:, f.offset : f.offset + f.nbytes].contiguous()  # on torch's threads
+        return copied.view(_TENSOR[f.dtype]).reshape(count, *f.shape)
     if not f.nbytes:
         return torch.from_numpy(np.zeros((count, *f.shape), f.numpy_dtype))
     values = np.ascontiguousarray(raw).view(f.numpy_dtype)

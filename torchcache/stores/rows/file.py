@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 import xxhash
 
 from ...errors import CorruptEntryError, StoreError
@@ -220,16 +221,15 @@ class RowsFile:
         """
         mapped = self._views()
         checks = mapped.checks[indices]
-        present = np.flatnonzero(checks)
-        missing = np.flatnonzero(checks == 0).tolist() if len(present) < len(indices) else []  # usually none
-        if not len(present):
-            return RowsRead(present, np.empty((0, self.stride), np.uint8), missing, [])
-        wanted, checks = (indices[present], checks[present]) if missing else (indices, checks)
-        slots = mapped.slots[wanted].astype(np.int64) - 1
-        if self.capacity:  # a slot of -1 (none) or past the end reads another row, which fails its check
-            rows = np.take(mapped.rows, slots, axis=0, mode="clip")
+        if checks.all():  # usually: every row written
+            present, missing, wanted = np.arange(len(indices)), [], indices
         else:
-            rows = np.zeros((len(present), self.stride), np.uint8)
+            present = np.flatnonzero(checks)
+            missing = np.flatnonzero(checks == 0).tolist()
+            if not len(present):
+                return RowsRead(present, np.empty((0, self.stride), np.uint8), missing, [])
+            wanted, checks = indices[present], checks[present]
+        rows = _gather(mapped, mapped.slots[wanted], self.capacity)
         bad = _failing(rows[:, self.row_at : self.row_at + self.row_size], wanted, checks)  # a view per row
         if not bad:
             return RowsRead(present, rows, missing, [])
@@ -374,6 +374,18 @@ class RowsFile:
                 self._fd = -1
 
 
+def _gather(mapped: Mapped, slots: np.ndarray[Any, Any], capacity: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A new array of the rows in ``slots`` (each the slot + 1, as the table holds them), in one gather.
+
+    A slot of 0 (none) or past the end reads another row, which fails its check.
+    """
+    if not capacity:
+        return np.zeros((len(slots), mapped.rows.shape[1]), np.uint8)
+    at = slots.astype(np.int64)
+    np.clip(at - 1, 0, capacity - 1, out=at)
+    return torch.index_select(mapped.gatherable, 0, torch.from_numpy(at)).numpy()  # type: ignore[no-any-return]
+
+
 def _checks(rows: Iterable[Any], indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint64]]:
     """Each row's check (:func:`~.format.digest`), one hash call per row and nothing else per row.
 
@@ -386,7 +398,8 @@ def _checks(rows: Iterable[Any], indices: np.ndarray[Any, Any]) -> np.ndarray[An
 
 def _failing(rows: Iterable[Any], indices: np.ndarray[Any, Any], checks: np.ndarray[Any, Any]) -> list[int]:
     """The positions ``j`` whose row (the ``j``-th buffer of ``rows``) does not match ``checks[j]``."""
-    return np.flatnonzero(_checks(rows, indices) != checks).tolist()  # type: ignore[no-any-return]
+    differ = _checks(rows, indices) != checks
+    return np.flatnonzero(differ).tolist() if differ.any() else []  # type: ignore[no-any-return]
 
 
 def _reuse_slots(

@@ -26,10 +26,12 @@ import mmap
 import os
 import stat
 import struct
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 import xxhash
 
 from ...errors import CorruptEntryError
@@ -165,6 +167,7 @@ class Mapped(NamedTuple):
     checks: np.ndarray[Any, np.dtype[np.uint64]]
     slots: np.ndarray[Any, np.dtype[np.uint32]]
     rows: np.ndarray[Any, np.dtype[np.uint8]]
+    gatherable: torch.Tensor  # ``rows`` as a tensor: gathered on every core torch has (``np.take`` uses one)
 
 
 def map_file(fd: int, path: Path | None, g: Geometry, length: int, capacity: int) -> Mapped:
@@ -183,12 +186,17 @@ def map_file(fd: int, path: Path | None, g: Geometry, length: int, capacity: int
         if st.st_size < size:
             raise CorruptEntryError(f"{path} is cut short ({st.st_size:,} of {size:,} bytes)")
         whole = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    rows = np.ndarray((capacity, g.stride), np.uint8, buffer=whole, offset=g.rows_at)
+    with warnings.catch_warnings():  # the map is read-only, and the tensor is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        gatherable = torch.from_numpy(rows)
     return Mapped(
         whole,
         np.ndarray((1,), np.uint64, buffer=whole, offset=g.claimed_at),
         np.ndarray((length,), np.uint64, buffer=whole, offset=g.checks_at),
         np.ndarray((length,), np.uint32, buffer=whole, offset=g.slots_at),
-        np.ndarray((capacity, g.stride), np.uint8, buffer=whole, offset=g.rows_at),
+        rows,
+        gatherable,
     )
 
 
