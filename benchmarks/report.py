@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -179,6 +180,52 @@ def target_rows(checks: list[tuple[str, float | None, str]]) -> list[list[str]]:
         met = value >= limit if kind == "min" else value <= limit
         rows.append([name, shown, "met" if met else "**not met**"])
     return rows
+
+
+Check = tuple[str, float | None, str]
+
+
+def judged(rec: dict[str, Any], checks_of: Callable[[dict[str, Any]], list[Check]]) -> list[Check]:
+    """The target checks of ``rec``'s run or, where it has repeats (``repeat.py``), of the median of the runs.
+
+    A repeated check shows the median, then every run's figure in the order they ran; a
+    size label (``10,000: ...``) is kept.
+    """
+    repeats = rec.get("repeats") or []
+    if len(repeats) < 2:
+        return checks_of(rec["results"])
+    each = [checks_of(run["results"]) for run in repeats]
+    out: list[Check] = []
+    for i, (name, _, shown) in enumerate(each[-1]):
+        values = [c[i][1] for c in each if len(c) > i and c[i][0] == name and c[i][1] is not None]
+        head, sep, _ = shown.partition(": ")
+        label = f"{head}: " if sep and head.replace(",", "").isdigit() else ""
+        if not values:
+            out.append((name, None, shown))
+            continue
+        unit = re.match(r"[\d.,]+(x| us| ms| s)?", shown[len(label) :])
+        suffix = unit.group(1) or "" if unit else ""
+        middle = statistics.median(values)
+        runs = ", ".join(fmt(v) + suffix for v in values)
+        out.append((name, middle, f"{label}median {fmt(middle)}{suffix} of {len(values)} runs ({runs})"))
+    return out
+
+
+def repeats_line(rec: dict[str, Any]) -> list[str]:
+    """What the runs behind a repeated benchmark's targets were (none: nothing)."""
+    repeats = rec.get("repeats") or []
+    if len(repeats) < 2:
+        return []
+    runs = "; ".join(
+        f"{run['date'][11:16]} ({run['seconds']:.0f} s, load {run.get('load_average', {}).get('before') or 0:.2f}, "
+        f"commit {run['versions']['commit']})"
+        for run in repeats
+    )
+    return [
+        f"Targets are judged on the median of {len(repeats)} runs (`python benchmarks/repeat.py {rec['benchmark']} "
+        f"--runs {len(repeats)}`, one process after another; the tables show the last): {runs}.",
+        "",
+    ]
 
 
 def provenance(rec: dict[str, Any]) -> list[str]:
@@ -355,10 +402,23 @@ def render_disk_tier(rec: dict[str, Any], every: dict[str, Any]) -> list[str]:
         ["read floor in the same round (read_floor.py's steps), ms", figure("floor_ms") if "floor_ms" in r else "-"],
         ["hits / read floor", figure("floor_ratio") if "floor_ratio" in r else "-"],
     ]
-    checks = [
+    head = (
+        f"{r['items']:,} items of (768,) float32, `max_memory_cache_size=0`, {r.get('rounds', 1)} rounds, each "
+        "with a new cache; every hit checked against its row."
+    )
+    checks = judged(rec, _disk_tier_checks)
+    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def _disk_tier_checks(r: dict[str, Any]) -> list[Check]:
+    def figure(key: str) -> str:
+        values = r.get(f"{key}_rounds")
+        return spread(values) if values else fmt(r[key])
+
+    return [
         ("disk_tier fill, incl. flush, at most 25 us per item", r["fill_us"], f"{r['fill_us']:.1f} us"),
         ("disk_tier bytes on disk at most 1.05x raw", r["disk_ratio"], f"{r['disk_ratio']:.3f}x"),
-        ("disk_tier open (first call + flush) at most 0.5 s", r["open_s"], f"{r['open_s'] * 1e3:.0f} ms"),
+        ("disk_tier open (first call + flush) at most 0.5 s", r["open_s"], f"{fmt(r['open_s'])} s"),
         ("disk_tier 1,024 hits within 4x of the memmap gather", r["hit_ratio"], f"{r['hit_ratio']:.1f}x"),
         (
             "disk_tier 1,024 hits within 1.3x of the read floor (same round)",
@@ -366,11 +426,6 @@ def render_disk_tier(rec: dict[str, Any], every: dict[str, Any]) -> list[str]:
             f"{r['floor_ratio']:.2f}x (rounds {figure('floor_ratio')})" if "floor_ratio" in r else "",
         ),
     ]
-    head = (
-        f"{r['items']:,} items of (768,) float32, `max_memory_cache_size=0`, {r.get('rounds', 1)} rounds, each "
-        "with a new cache; every hit checked against its row."
-    )
-    return [head, "", *table(rows), "", *table(target_rows(checks)), ""]
 
 
 def render_packed(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
@@ -520,7 +575,6 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
             "changed dataset s",
         ]
     ]
-    checks: list[tuple[str, float | None, str]] = []
     for x in sizes:
         later = x["later_epochs_s"]
         rows.append(
@@ -543,6 +597,18 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                 f"{x['changed_backbone_samples']:,} of {x['changed_items']:,})",
             ]
         )
+    wrong = sum(not x["correct"] for x in sizes)
+    head = (
+        f"Features of (512,) float32, DataLoader batch 256, {sizes[0]['workers'] if sizes else 0} workers; "
+        f"times in seconds, median [min-max]; sizes with a wrong sample: {wrong}."
+    )
+    checks = judged(rec, _linear_probe_checks)
+    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def _linear_probe_checks(r: dict[str, Any]) -> list[Check]:
+    checks: list[Check] = []
+    for x in (x for x in r.values() if isinstance(x, dict) and "items" in x):
         n = f"{x['items']:,}"
         checks += [
             (
@@ -578,12 +644,7 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
                     f"{n}: {x['loader_over_gather']:.2f}x",
                 )
             )
-    wrong = sum(not x["correct"] for x in sizes)
-    head = (
-        f"Features of (512,) float32, DataLoader batch 256, {sizes[0]['workers'] if sizes else 0} workers; "
-        f"times in seconds, median [min-max]; sizes with a wrong sample: {wrong}."
-    )
-    return [head, "", *table(rows), "", *table(target_rows(checks)), ""]
+    return checks
 
 
 def render_gpu(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
@@ -738,6 +799,9 @@ def main() -> int:
             print(f"skipped {path}: not written by benchmarks/_meta.py", file=sys.stderr)
             continue
         every[rec.get("benchmark", path.stem)] = rec
+    for name, rec in every.items():  # repeat.py's runs: the targets are judged on their median
+        runs = sorted((args.results / "runs").glob(f"{name}-*.json"), key=lambda p: int(p.stem.rpartition("-")[2]))
+        rec["repeats"] = [json.loads(run.read_text()) for run in runs]
     if not every:
         print(f"no results in {args.results}: run the benchmarks first", file=sys.stderr)
         return 1
