@@ -32,14 +32,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="a benchmark's name: the stem of its script in benchmarks/")
     parser.add_argument("--runs", type=int, default=5, help="runs, one after another (default 5)")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: options passed to every run")
-    args = parser.parse_args()
+    own, extra = sys.argv[1:], []
+    if "--" in own:  # what follows goes to every run, untouched
+        cut = own.index("--")
+        own, extra = own[:cut], own[cut + 1 :]
+    args = parser.parse_args(own)
     script = HERE / f"{args.name}.py"
     if not script.is_file() or args.name in ("repeat", "report") or args.name.startswith("_"):
         parser.error(f"name must be a benchmark in {HERE}, got {args.name!r}")
     if args.runs < 1:
         parser.error(f"--runs must be a positive int, got {args.runs}")
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     RUNS.mkdir(parents=True, exist_ok=True)
     for old in RUNS.glob(f"{args.name}-*.json"):
         old.unlink()
