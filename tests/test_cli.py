@@ -792,6 +792,20 @@ def test_metadata_that_is_not_a_file_is_damage_that_verify_fix_rebuilds(
     assert json.loads(path.read_text())["rebuilt"] is True and run(capsys, "verify")[0] == 0
 
 
+@pytest.mark.parametrize(("budget", "kept"), [(123_456_789, 123_456_789), ("a lot", None), (-1, None)])
+def test_verify_fix_keeps_the_budget_damaged_metadata_still_names(
+    capsys: pytest.CaptureFixture[str], cache_root: Path, budget: object, kept: int | None
+) -> None:
+    _, _, directory = make_cache(items=3)
+    path = directory / META_NAME
+    path.write_text(json.dumps({"name": "x", "max_bytes": budget}))  # no torchcache_version: damaged
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 0 and "rebuilt the metadata of 1 module cache" in out
+    meta = json.loads(path.read_text())
+    assert meta["rebuilt"] is True and meta["name"] == "x" and meta.get("max_bytes") == kept
+    assert run(capsys, "verify")[0] == 0
+
+
 @pytest.mark.parametrize("command", ["clear", "info"])
 def test_a_key_with_root_is_looked_up_under_that_root_only(
     capsys: pytest.CaptureFixture[str], cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str

@@ -29,7 +29,7 @@ from ..catalog.inspect import (
 from ..catalog.removal import remove_file, remove_planted
 from ..codec import PREFIX_SIZE, frame_length, parse_header, split_frame
 from ..errors import CorruptEntryError, StoreError
-from ..meta import META_NAME, meta_time, write_json_atomic
+from ..meta import META_NAME, meta_size, meta_time, write_json_atomic
 from ..stores.batched import BatchedStore
 from ..stores.features.digests import DIGESTS_NAME, DigestFile
 from ..stores.features.file import FEATURES_NAME, open_features
@@ -355,7 +355,7 @@ def verify_files(
 def rebuild_meta(cache: ModuleCache) -> None:
     """Write fresh metadata for a cache whose metadata is damaged, from what its entries tell.
 
-    The name and kind are kept where the damaged metadata still has them; ``created`` is
+    The name, kind and budget (``max_bytes``) are kept where the damaged metadata still has them; ``created`` is
     the modification time of the oldest entry; the last-used time is kept.
 
     Raises:
@@ -371,6 +371,8 @@ def rebuild_meta(cache: ModuleCache) -> None:
     for field in ("name", "kind"):
         if isinstance(cache.meta.get(field), str):
             meta[field] = cache.meta[field]
+    if (size := meta_size(cache.meta.get("max_bytes"))) is not None:
+        meta["max_bytes"] = size  # the budget it was made with: a dataset reopened without one keeps it
     if "kind" not in meta and (kind := stored_kind(cache.directory)) is not None:
         meta["kind"] = kind  # a dataset cache stays one
     remove_planted(cache.directory / META_NAME)  # an empty directory or a FIFO there: the rename would fail on it
