@@ -187,8 +187,8 @@ def map_file(fd: int, path: Path | None, g: Geometry, length: int, capacity: int
             raise CorruptEntryError(f"{path} is cut short ({st.st_size:,} of {size:,} bytes)")
         whole = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     rows = np.ndarray((capacity, g.stride), np.uint8, buffer=whole, offset=g.rows_at)
-    with warnings.catch_warnings():  # the map is read-only, and the tensor is only ever read
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # torch says once that the map is read-only; the tensor is only ever read
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
         gatherable = torch.from_numpy(rows)
     return Mapped(
         whole,
