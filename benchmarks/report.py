@@ -51,6 +51,8 @@ ABOUT = {
     "batches of hits",
     "linear_probe": "extract_features against a hand-written np.memmap of the same features and the uncached "
     "backbone: first epoch, later epochs, a second process",
+    "probe_training": "later epochs of a linear probe's training loop (a linear head's step each batch) over "
+    "`features.loader` against a hand-written batched np.memmap gather of the same features, heads checked equal",
     "side_by_side": "two commits side by side (the working tree against `--base`): dataset_cache, disk_tier, "
     "linear_probe and compare run on both in turns, on one machine at one time",
     "gpu": "a torchvision ResNet-50 at 224 px, batch 256, on CUDA, fp32 and bf16 autocast: keying, hits from the "
@@ -93,6 +95,7 @@ TARGETS = {
     "linear_probe second process's first epoch within 1.5x of the np.memmap's": (1.5, "max"),
     "linear_probe first epoch (extraction) within 1.1x of uncached, every core busy with other work": (1.1, "max"),
     "linear_probe features.loader epochs within 1.5x of the batched np.memmap gather": (1.5, "max"),
+    "probe_training later epochs of a training loop within 1.2x of the batched np.memmap gather": (1.2, "max"),
     "object_store first epoch from the bucket within 2x of a local disk cache's": (2.0, "max"),
     "object_store later epochs from the bucket within 1.1x of a local disk cache's": (1.1, "max"),
     "object_store half a local copy: at least 0.45 of the hits local in epochs 2-4": (0.45, "min"),
@@ -647,6 +650,40 @@ def _linear_probe_checks(r: dict[str, Any]) -> list[Check]:
     return checks
 
 
+def render_probe_training(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
+    r = rec["results"]
+    sizes = [x for x in r.values() if isinstance(x, dict) and "items" in x]
+    rows = [["samples", "batched gather epoch, ms", "features.loader epoch, ms", "loader / gather, median of rounds"]]
+    for x in sizes:
+        rows.append(
+            [
+                f"{x['items']:,}",
+                spread([t * 1e3 for t in x["gather_epochs_s"]]),
+                spread([t * 1e3 for t in x["loader_epochs_s"]]),
+                f"{spread(x['ratios'])}x",
+            ]
+        )
+    wrong = sum(not x["correct"] for x in sizes)
+    head = (
+        f"Features of (512,) float32, batch 256, {sizes[0]['epochs'] if sizes else 0} rounds of one epoch each, "
+        f"a linear head trained every epoch; sizes with a check failed (labels, trained heads): {wrong}."
+    )
+    checks = judged(rec, _probe_training_checks)
+    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+
+
+def _probe_training_checks(r: dict[str, Any]) -> list[Check]:
+    return [
+        (
+            "probe_training later epochs of a training loop within 1.2x of the batched np.memmap gather",
+            x["loader_over_gather"],
+            f"{x['items']:,}: {x['loader_over_gather']:.2f}x",
+        )
+        for x in r.values()
+        if isinstance(x, dict) and "items" in x
+    ]
+
+
 def render_gpu(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
     r = rec["results"]
     rows = [["figure (ms per batch, median [min-max])", *(p for p in ("fp32", "bf16_autocast") if p in r)]]
@@ -740,6 +777,7 @@ RENDER: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
     "object_store": render_object_store,
     "gpu": render_gpu,
     "linear_probe": render_linear_probe,
+    "probe_training": render_probe_training,
     "compare": render_compare,
     "keys_and_versions": render_keys,
     "read_floor": render_read_floor,
