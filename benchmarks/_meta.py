@@ -112,3 +112,22 @@ def write_results(name: str, results: Any, path: str | Path | None = None) -> Pa
     target.write_text(json.dumps(record, indent=1) + "\n")
     print(f"results written to {target}")
     return target
+
+
+def finish(
+    name: str, results: dict[str, Any], path: str | Path | None, failures: list[str], missed: list[str], strict: bool
+) -> int:
+    """Record the failed checks and missed targets in ``results``, write them, print them; the exit status.
+
+    1 if a check failed (a wrong result), else 2 if a target was missed and ``strict``, else 0.
+    """
+    results["missed"] = missed
+    results["correct"] = not failures
+    write_results(name, results, path)
+    for line in failures:
+        print("WRONG:", line)
+    for line in missed:
+        print("target missed:", line)
+    if failures:
+        return 1
+    return 2 if missed and strict else 0

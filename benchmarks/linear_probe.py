@@ -80,7 +80,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _meta import write_results
+from _meta import finish
 
 from torchcache import extract_features
 
@@ -528,16 +528,7 @@ def main() -> int:
         "second process's first epoch within 1.5x of the memmap": TARGETS["second"],
         "features.loader epochs within 1.5x of the batched memmap gather": TARGETS["loader"],
     }
-    results["missed"] = missed
-    results["correct"] = not failures
-    write_results("linear_probe", results, args.json)
-    for line in failures:
-        print("WRONG:", line)
-    for line in missed:
-        print("target missed:", line)
-    if failures:
-        return 1
-    return 2 if missed and args.strict else 0
+    return finish("linear_probe", results, args.json, failures, missed, args.strict)
 
 
 if __name__ == "__main__":

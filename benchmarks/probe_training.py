@@ -38,7 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _meta import write_results
+from _meta import finish
 from linear_probe import BATCH, Images, MemmapBatches, make_backbone
 
 from torchcache import extract_features
@@ -140,16 +140,7 @@ def main() -> int:
             if ratio > TARGET:
                 missed.append(f"{n}: loader_over_gather {ratio:.2f} > {TARGET}")
     results["target"] = TARGET
-    results["missed"] = missed
-    results["correct"] = not failures
-    write_results("probe_training", results, args.json)
-    for line in failures:
-        print("WRONG:", line)
-    for line in missed:
-        print("target missed:", line)
-    if failures:
-        return 1
-    return 2 if missed and args.strict else 0
+    return finish("probe_training", results, args.json, failures, missed, args.strict)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,10 @@ def table(rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
 
 
-def target_rows(checks: list[tuple[str, float | None, str]]) -> list[list[str]]:
+Check = tuple[str, float | None, str]
+
+
+def target_rows(checks: list[Check]) -> list[list[str]]:
     """Rows of (target, measured, verdict) for checks of (name in TARGETS, figure or None, how it was measured)."""
     rows = [["target", "measured", "verdict"]]
     for name, value, shown in checks:
@@ -184,9 +187,6 @@ def target_rows(checks: list[tuple[str, float | None, str]]) -> list[list[str]]:
         met = value >= limit if kind == "min" else value <= limit
         rows.append([name, shown, "met" if met else "**not met**"])
     return rows
-
-
-Check = tuple[str, float | None, str]
 
 
 def judged(rec: dict[str, Any], checks_of: Callable[[dict[str, Any]], list[Check]]) -> list[Check]:
@@ -213,6 +213,19 @@ def judged(rec: dict[str, Any], checks_of: Callable[[dict[str, Any]], list[Check
         runs = ", ".join(fmt(v) + suffix for v in values)
         out.append((name, middle, f"{label}median {fmt(middle)}{suffix} of {len(values)} runs ({runs})"))
     return out
+
+
+def sized(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-size records of a benchmark's results (``{"10000": {"items": 10000, ...}, ...}``)."""
+    return [x for x in r.values() if isinstance(x, dict) and "items" in x]
+
+
+def judged_section(
+    rec: dict[str, Any], head: str, rows: list[list[str]], checks_of: Callable[[dict[str, Any]], list[Check]]
+) -> list[str]:
+    """A section's text: its description, the runs behind it, its figures, and its targets (:func:`judged`)."""
+    checks = judged(rec, checks_of)
+    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
 
 
 def repeats_line(rec: dict[str, Any]) -> list[str]:
@@ -415,8 +428,7 @@ def render_disk_tier(rec: dict[str, Any], every: dict[str, Any]) -> list[str]:
         f"{r['items']:,} items of (768,) float32, `max_memory_cache_size=0`, {r.get('rounds', 1)} rounds, each "
         "with a new cache; every hit checked against its row."
     )
-    checks = judged(rec, _disk_tier_checks)
-    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+    return judged_section(rec, head, rows, _disk_tier_checks)
 
 
 def _disk_tier_checks(r: dict[str, Any]) -> list[Check]:
@@ -574,7 +586,7 @@ def render_redis(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
 
 def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
     r = rec["results"]
-    sizes = [x for x in r.values() if isinstance(x, dict) and "items" in x]
+    sizes = sized(r)
     rows = [
         [
             "samples",
@@ -616,13 +628,12 @@ def render_linear_probe(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
         f"Features of (512,) float32, DataLoader batch 256, {sizes[0]['workers'] if sizes else 0} workers; "
         f"times in seconds, median [min-max]; sizes with a wrong sample: {wrong}."
     )
-    checks = judged(rec, _linear_probe_checks)
-    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+    return judged_section(rec, head, rows, _linear_probe_checks)
 
 
 def _linear_probe_checks(r: dict[str, Any]) -> list[Check]:
     checks: list[Check] = []
-    for x in (x for x in r.values() if isinstance(x, dict) and "items" in x):
+    for x in sized(r):
         n = f"{x['items']:,}"
         checks += [
             (
@@ -663,7 +674,7 @@ def _linear_probe_checks(r: dict[str, Any]) -> list[Check]:
 
 def render_probe_training(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
     r = rec["results"]
-    sizes = [x for x in r.values() if isinstance(x, dict) and "items" in x]
+    sizes = sized(r)
     rows = [["samples", "batched gather epoch, ms", "features.loader epoch, ms", "loader / gather, median of rounds"]]
     for x in sizes:
         rows.append(
@@ -679,8 +690,7 @@ def render_probe_training(rec: dict[str, Any], _: dict[str, Any]) -> list[str]:
         f"Features of (512,) float32, batch 256, {sizes[0]['epochs'] if sizes else 0} rounds of one epoch each, "
         f"a linear head trained every epoch; sizes with a check failed (labels, trained heads): {wrong}."
     )
-    checks = judged(rec, _probe_training_checks)
-    return [head, "", *repeats_line(rec), *table(rows), "", *table(target_rows(checks)), ""]
+    return judged_section(rec, head, rows, _probe_training_checks)
 
 
 def _probe_training_checks(r: dict[str, Any]) -> list[Check]:
@@ -690,8 +700,7 @@ def _probe_training_checks(r: dict[str, Any]) -> list[Check]:
             x["loader_over_gather"],
             f"{x['items']:,}: {x['loader_over_gather']:.2f}x",
         )
-        for x in r.values()
-        if isinstance(x, dict) and "items" in x
+        for x in sized(r)
     ]
 
 
