@@ -399,7 +399,6 @@ def _field(name: str, kind: str, leaf: Any, features: bool) -> Field:
 
 def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
     """Field ``f`` of every row as one contiguous tensor, the batch first."""
-    raw = rows[:, f.offset : f.offset + f.nbytes]
     if f.kind in ("features", "tensor"):
         if not f.nbytes:
             return torch.zeros((count, *f.shape), dtype=_TENSOR[f.dtype])
@@ -407,7 +406,7 @@ def _batch(f: Field, rows: np.ndarray[Any, Any], count: int) -> torch.Tensor:
         return copied.view(_TENSOR[f.dtype]).reshape(count, *f.shape)
     if not f.nbytes:
         return torch.from_numpy(np.zeros((count, *f.shape), f.numpy_dtype))
-    values = np.ascontiguousarray(raw).view(f.numpy_dtype)
+    values = np.ascontiguousarray(rows[:, f.offset : f.offset + f.nbytes]).view(f.numpy_dtype)
     return torch.from_numpy(values.reshape(count, *f.shape))
 
 
