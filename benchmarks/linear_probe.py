@@ -19,11 +19,13 @@ is a ``DataLoader(batch_size=256, num_workers=--workers)`` pass, timed from
 - first epoch: ``extract_features`` into a fresh cache directory (the backbone over the
   dataset, rows written), timed alone (the extraction, which the target is about) and
   with one shuffled pass over the features it returns (what a training loop's first
-  epoch costs); run in ``--rounds`` pairs with an uncached epoch, back to back in
-  alternating order, after the untimed pass that warms the process up, and
-  judged on the median of the pairs' ratios; then again in ``--busy-rounds`` pairs while
-  ``--busy`` processes (default one per core) spin in pure Python, as other jobs on a
-  shared machine would (the extra work of an extraction shows when cores are scarce);
+  epoch costs); run in ``--rounds`` rounds with an uncached epoch and a hand-written
+  extraction (the backbone's rows written into an ``np.memmap``, the labels saved, as an
+  engineer writes it: the floor of an extraction that keeps its rows), back to back in
+  rotating order, after the untimed pass that warms the process up, and judged on the
+  median of the rounds' ratios; then again in ``--busy-rounds`` rounds while ``--busy``
+  processes (default one per core) spin in pure Python, as other jobs on a shared
+  machine would (the extra work of an extraction shows when cores are scarce);
 - memmap: the hand-written alternative, the same features written to an ``np.memmap``
   with the labels in an array, read by a ``Dataset`` whose ``__getitem__`` copies one
   row, through the same DataLoader settings, ``shuffle=True``;
@@ -274,24 +276,65 @@ class Busy:
             spinner.wait()
 
 
-def first_epochs(
-    n: int, data: Images, backbone: Backbone, workers: int, rounds: int, scratch: Path, tag: str, failures: list[str]
-) -> tuple[dict[str, list[float]], Any]:
-    """``rounds`` pairs of an uncached epoch and an extraction (with one read epoch over its output).
+def hand_extraction(backbone: Backbone, data: Images, workers: int, path: Path) -> float:
+    """Seconds for the extraction an engineer writes by hand: the backbone's rows into an ``np.memmap``, labels saved.
 
-    Back to back, in alternating order: a slow spell weighs on both. Returns the times
-    (``uncached``, ``extract``, ``first``, and the pairs' ratios ``first_ratio`` and
-    ``extract_ratio``) and the last round's features (open; the others closed and removed).
+    The file is not flushed (``extract_features`` does not sync either): the kernel writes
+    both back when it will.
     """
-    times: dict[str, list[float]] = {k: [] for k in ("uncached", "extract", "first", "first_ratio", "extract_ratio")}
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=workers)
+    start = time.perf_counter()
+    rows = np.memmap(path, np.float32, "w+", shape=(len(data), 512))
+    labels, at = [], 0
+    with torch.no_grad():
+        for x, y in loader:
+            out = backbone(x)
+            rows[at : at + len(out)] = out.numpy()
+            labels.append(y.numpy())
+            at += len(out)
+    np.save(path.with_suffix(".labels.npy"), np.concatenate(labels))
+    del rows
+    return time.perf_counter() - start
+
+
+def first_epochs(
+    n: int,
+    data: Images,
+    backbone: Backbone,
+    reference: torch.Tensor,
+    workers: int,
+    rounds: int,
+    scratch: Path,
+    tag: str,
+    failures: list[str],
+) -> tuple[dict[str, list[float]], Any]:
+    """``rounds`` rounds of an uncached epoch, an extraction (and one read epoch) and a hand-written extraction.
+
+    Back to back, in rotating order: a slow spell weighs on all three. Returns the times
+    (``uncached``, ``extract``, ``first``, ``hand``, and the rounds' ratios ``first_ratio``,
+    ``extract_ratio`` and ``hand_ratio``, each over the round's uncached epoch) and the last
+    round's features (open; the others closed and removed). The hand-written rows are
+    checked against ``reference`` (untimed).
+    """
+    keys = ("uncached", "extract", "first", "hand", "first_ratio", "extract_ratio", "hand_ratio")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     label_sum = sum(data.labels)
     features = None
+    names = ("uncached", "first", "hand")
     for r in range(rounds):
         pair = {}
-        for name in ("uncached", "first") if r % 2 == 0 else ("first", "uncached"):
+        for name in names[r % 3 :] + names[: r % 3]:
             if name == "uncached":
                 seconds, _ = uncached_epoch(backbone, data, workers)
                 times["uncached"].append(seconds)
+            elif name == "hand":
+                path = scratch / f"hand-{tag}{n}.f32"
+                seconds = hand_extraction(backbone, data, workers, path)
+                times["hand"].append(seconds)
+                if not np.array_equal(np.memmap(path, np.float32, "r", shape=(n, 512)), reference.numpy()):
+                    failures.append(f"{n}: the hand-written extraction's rows differ from the uncached backbone's")
+                path.unlink()
+                path.with_suffix(".labels.npy").unlink()
             else:
                 if features is not None:  # the previous round's cache: closed and removed, untimed
                     features.close()
@@ -314,6 +357,7 @@ def first_epochs(
             pair[name] = seconds
         times["first_ratio"].append(pair["first"] / pair["uncached"])
         times["extract_ratio"].append(times["extract"][-1] / pair["uncached"])
+        times["hand_ratio"].append(pair["hand"] / pair["uncached"])
     return times, features
 
 
@@ -331,10 +375,12 @@ def run_size(
     loaded: dict[str, list[float]] = {}
     if busy and busy_rounds:  # every core busy with other work: extraction must not cost more than it does quiet
         with Busy(busy):
-            loaded, features = first_epochs(n, data, backbone, workers, busy_rounds, scratch, "busy-", failures)
+            loaded, features = first_epochs(
+                n, data, backbone, reference, workers, busy_rounds, scratch, "busy-", failures
+            )
         assert features is not None
         features.close()
-    quiet, features = first_epochs(n, data, backbone, workers, rounds, scratch, "", failures)
+    quiet, features = first_epochs(n, data, backbone, reference, workers, rounds, scratch, "", failures)
     uncached_times, firsts, extracts = quiet["uncached"], quiet["first"], quiet["extract"]
     first_ratios, extract_ratios = quiet["first_ratio"], quiet["extract_ratio"]
     assert features is not None and features.path is not None
@@ -429,6 +475,10 @@ def run_size(
         "first_epochs_s": firsts,
         "extracts_s": extracts,
         "extract_over_uncached": statistics.median(extract_ratios),
+        "hand_extracts_s": quiet["hand"],
+        "hand_extract_over_uncached": statistics.median(quiet["hand_ratio"]),
+        "busy_hand_extracts_s": loaded.get("hand", []),
+        "busy_hand_extract_over_uncached": statistics.median(loaded["hand_ratio"]) if loaded else None,
         "busy_processes": busy if loaded else 0,
         "busy_uncached_epochs_s": loaded.get("uncached", []),
         "busy_extracts_s": loaded.get("extract", []),
@@ -465,12 +515,14 @@ def main() -> int:
     parser.add_argument("--items", type=int, action="append", help="samples (repeatable; default 10,000 and 100,000)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers in every epoch (default 0)")
     parser.add_argument("--epochs", type=int, help="rounds of later epochs (default 8; 4 with --quick)")
-    parser.add_argument("--rounds", type=int, help="pairs of uncached and first epochs (default 9; 1 with --quick)")
+    parser.add_argument(
+        "--rounds", type=int, help="rounds of uncached, first and hand-written epochs (default 9; 1 with --quick)"
+    )
     parser.add_argument("--children", type=int, help="second processes, each timed once (default 5; 1 with --quick)")
     parser.add_argument(
         "--busy", type=int, help="processes spinning while extractions are timed again (default: one per core; 0: none)"
     )
-    parser.add_argument("--busy-rounds", type=int, help="pairs of epochs timed while they spin (default 5; 1 quick)")
+    parser.add_argument("--busy-rounds", type=int, help="rounds timed while they spin (default 5; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2,000 samples, 3 pairs")
     parser.add_argument("--json", help="default: benchmarks/results/linear_probe.json")
     parser.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
@@ -498,7 +550,8 @@ def main() -> int:
                 f"{n:>7,} samples: uncached epoch {result['uncached_epoch_s']:.2f} s | extraction "
                 f"{result['extract_s']:.2f} s ({result['extract_over_uncached']:.2f}x uncached; with a read epoch "
                 f"{result['first_epoch_s']:.2f} s, {result['first_over_uncached']:.2f}x; with {busy} cores busy "
-                f"{result['busy_extract_over_uncached'] or float('nan'):.2f}x) | later epochs: memmap "
+                f"{result['busy_extract_over_uncached'] or float('nan'):.2f}x; by hand into an np.memmap "
+                f"{result['hand_extract_over_uncached']:.2f}x) | later epochs: memmap "
                 f"{result['memmap_epoch_s'] * 1e3:.1f} ms, "
                 f"features {result['features_epoch_s'] * 1e3:.1f} ms ({result['later_over_memmap']:.2f}x); batched: "
                 f"gather {result['gather_epoch_s'] * 1e3:.1f} ms, loader {result['loader_epoch_s'] * 1e3:.1f} ms "
