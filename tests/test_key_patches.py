@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
 import subprocess
 import sys
 import warnings
+from os import getenv as read_variable
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +257,67 @@ def test_a_global_rebound_after_the_key_is_seen_in_later_processes_keys(
     monkeypatch.setattr(f"{__name__}.SCALE", 2.0)
     reader = torchcache(persistent=True, persistent_cache_dir=tmp_path)(Scaled())
     assert torch.equal(reader(x), x * 2.0)
+
+
+class ReadsTheEnvironment(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(os.environ.get("TC_TEST_SCALE", "1"))
+
+
+class AsksTheEnvironment(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(os.getenv("TC_TEST_SCALE", "1"))
+
+
+class ReadsAVariableImportedByName(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(read_variable("TC_TEST_SCALE", "1"))
+
+
+class ReadsTheCommandLine(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * len(sys.argv)
+
+
+def _set_scale(monkeypatch: pytest.MonkeyPatch, cls: type, scale: int) -> None:
+    """A run whose environment (or command line) gives ``scale``."""
+    if cls is ReadsTheCommandLine:
+        monkeypatch.setattr(sys, "argv", ["train.py", *["--more"] * (scale - 1)])
+    else:
+        monkeypatch.setenv("TC_TEST_SCALE", str(scale))
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [ReadsTheEnvironment, AsksTheEnvironment, ReadsAVariableImportedByName, ReadsTheCommandLine],
+    ids=["environ", "getenv", "getenv-imported-by-name", "argv"],
+)
+def test_the_environment_and_command_line_forward_reads_are_keyed_by_their_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type[nn.Module]
+) -> None:
+    x = torch.randn(4, 3)
+    _set_scale(monkeypatch, cls, 1)
+    first = torchcache(persistent=True, persistent_cache_dir=tmp_path)(cls())
+    assert torch.equal(first(x), x)
+    first.cache_instance.flush()
+    again = torchcache(persistent=True, persistent_cache_dir=tmp_path)(cls())
+    assert torch.equal(again(x), x)
+    assert again.cache_instance.module_hash == first.cache_instance.module_hash  # the same run's key: hits
+    assert again.cache_instance.stats().disk.hits == 4
+    _set_scale(monkeypatch, cls, 2)  # a later run (another process) with another environment or command line
+    second = torchcache(persistent=True, persistent_cache_dir=tmp_path)(cls())
+    assert torch.equal(second(x), x * 2)  # computed, not the first run's rows read from disk
+    assert second.cache_instance.module_hash != first.cache_instance.module_hash
+
+
+def test_the_environment_named_in_key_ignore_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TC_TEST_SCALE", "1")
+    first = torchcache(key_ignore=("os",))(ReadsTheEnvironment())
+    first(torch.ones(2, 3))
+    monkeypatch.setenv("TC_TEST_SCALE", "2")
+    second = torchcache(key_ignore=("os",))(ReadsTheEnvironment())
+    second(torch.ones(2, 3))
+    assert second.cache_instance.module_hash == first.cache_instance.module_hash
 
 
 class ListScaled(nn.Module):

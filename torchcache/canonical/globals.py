@@ -4,11 +4,18 @@ Each global read (and each attribute of a user module read through one) is noted
 :class:`~.objects.Binding`, so that rebinding it later (``SCALE = 3``, ``F.gelu = F.silu``)
 makes whoever holds the key take it again; a global the function assigns itself (a call
 counter) is keyed as it first was.
+
+The process's environment and command line are data of the process, not of the installed
+module they are read through: code that reads ``os.environ``, ``os.getenv`` or
+``sys.argv`` is keyed by their content as the key is taken (the whole environment, in
+name order: which variable the code reads is known only when it runs), as a global bound
+by ``from os import environ`` is.
 """
 
 from __future__ import annotations
 
 import builtins as builtins_module
+import os
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -121,15 +128,17 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
         if origin_of_module(value.__name__) is not None:  # installed: by version, unless what is read was put there
             member: object = value
             scope: dict[str, Any] = {}
+            state = b""  # os.environ, sys.argv: by content
             for name in attributes[i:]:  # through its submodules (torch.nn.functional.gelu); no module code runs
                 scope = vars(member) if isinstance(member, types.ModuleType) else {}
                 member = scope.get(name, sys.modules.get(f"{scope.get('__name__')}.{name}"))
+                state = state or _process_state(encoder, member, f"{path}.{name}", depth)
             if attributes[-1] in scope:  # F.gelu = F.silu after the key was taken: the key is taken again
                 collect(Binding(scope, attributes[-1], member))
             note_mode_read(member)  # torch.is_inference_mode_enabled: its calls are keyed by the mode
             put = _put_there(member, attributes[-1], str(scope.get("__name__", "")))
             keyed = encoder.child(value, path, depth) + (_put(encoder, member, f"{path}.<put>", depth) if put else b"")
-            return made + keyed
+            return made + keyed + state
         if attribute not in namespace:
             submodule = f"{value.__name__}.{attribute}"
             maker = namespace.get("__getattr__")
@@ -152,7 +161,24 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
         value = namespace[attribute]
         collect(Binding(namespace, attribute, value))  # helpers.SCALE = 3 later: the key is taken again
         path = f"{path}.{attribute}"
-    return made + encoder.child(value, path, depth)
+    return made + encoder.child(value, path, depth) + _process_state(encoder, value, path, depth)
+
+
+def _process_state(encoder: Encoder, value: object, path: str, depth: int) -> bytes:
+    """The content of the environment or command line that ``value`` reads or is, else nothing.
+
+    ``os.environ`` and ``os.getenv`` read the environment, ``os.environb`` and
+    ``os.getenvb`` its bytes, ``sys.argv`` and ``sys.orig_argv`` are the command line.
+    """
+    if value is os.environ or value is os.getenv:
+        content: object = sorted(os.environ.items())
+    elif value is getattr(os, "environb", None) or value is getattr(os, "getenvb", None):
+        content = sorted(os.environb.items())
+    elif value is sys.argv or value is sys.orig_argv:
+        content = list(value)  # type: ignore[call-overload]
+    else:
+        return b""
+    return tagged(Tag.PROCESS_STATE, encoder.child(content, f"{path}.<content>", depth))
 
 
 def _put_there(member: object, name: str, module: str) -> bool:

@@ -98,6 +98,7 @@ class Tag:
     EMPTY_CELL = b"0"
     WRAPPER = b"~"
     OPERATOR = b"^"
+    PROCESS_STATE = b"<"  # the environment or the command line, read through an installed module
 
 
 #: Every tag, by the name of its kind.
