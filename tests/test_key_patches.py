@@ -310,6 +310,27 @@ def test_the_environment_and_command_line_forward_reads_are_keyed_by_their_conte
     assert second.cache_instance.module_hash != first.cache_instance.module_hash
 
 
+@pytest.mark.parametrize(
+    "cls",
+    [ReadsTheEnvironment, AsksTheEnvironment, ReadsAVariableImportedByName, ReadsTheCommandLine],
+    ids=["environ", "getenv", "getenv-imported-by-name", "argv"],
+)
+def test_the_environment_and_command_line_written_after_the_key_was_taken_are_seen(
+    monkeypatch: pytest.MonkeyPatch, cls: type[nn.Module]
+) -> None:
+    x = torch.randn(4, 3)
+    _set_scale(monkeypatch, cls, 1)
+    model = torchcache()(cls())
+    assert torch.equal(model(x), x) and torch.equal(model(x), x)
+    key = model.cache_instance.module_hash
+    if cls is ReadsTheCommandLine:
+        sys.argv.append("--more")  # in place: the same list
+    else:
+        os.environ["TC_TEST_SCALE"] = "2"  # (monkeypatch restores it)
+    assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.module_hash != key
+
+
 def test_the_environment_named_in_key_ignore_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TC_TEST_SCALE", "1")
     first = torchcache(key_ignore=("os",))(ReadsTheEnvironment())

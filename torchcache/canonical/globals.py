@@ -9,7 +9,8 @@ The process's environment and command line are data of the process, not of the i
 module they are read through: code that reads ``os.environ``, ``os.getenv`` or
 ``sys.argv`` is keyed by their content as the key is taken (the whole environment, in
 name order: which variable the code reads is known only when it runs), as a global bound
-by ``from os import environ`` is.
+by ``from os import environ`` is, and whoever holds the key compares them at each call
+(:class:`ProcessState`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import builtins as builtins_module
 import os
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import KeyingError
 from .notes import note_mode_read
@@ -31,7 +33,7 @@ from .tags import Tag, tagged, text
 if TYPE_CHECKING:
     from .code import Encoder, Scan
 
-__all__ = ["encode_globals"]
+__all__ = ["ProcessState", "encode_globals"]
 
 #: Builtins that read or run what is named at run time: code that calls them reaches state a key cannot follow.
 _DYNAMIC_BUILTINS = frozenset({"globals", "eval", "exec", "__import__"})
@@ -164,18 +166,37 @@ def _follow(encoder: Encoder, value: object, attributes: tuple[str, ...], path: 
     return made + encoder.child(value, path, depth) + _process_state(encoder, value, path, depth)
 
 
+class ProcessState(NamedTuple):
+    """The environment or the command line as a key read it: whoever holds the key sees it written later."""
+
+    current: Callable[[], object]  #: the live object (no copy: compared at every call)
+    seen: object  #: a copy, as the key read it
+
+    def changed(self) -> bool:
+        """Whether it was written since the key read it (``os.environ["MODE"] = "b"``, ``sys.argv.append(...)``)."""
+        return bool(self.current() != self.seen)
+
+
+def _environment() -> Mapping[Any, Any]:
+    """The environment as the process holds it: ``os.environ``'s own dict where it has one (CPython's)."""
+    data = getattr(os.environ, "_data", None)
+    return data if isinstance(data, dict) else dict(os.environ)
+
+
 def _process_state(encoder: Encoder, value: object, path: str, depth: int) -> bytes:
     """The content of the environment or command line that ``value`` reads or is, else nothing.
 
     ``os.environ`` and ``os.getenv`` read the environment, ``os.environb`` and
     ``os.getenvb`` its bytes, ``sys.argv`` and ``sys.orig_argv`` are the command line.
     """
-    if value is os.environ or value is os.getenv:
-        content: object = sorted(os.environ.items())
-    elif value is getattr(os, "environb", None) or value is getattr(os, "getenvb", None):
-        content = sorted(os.environb.items())
+    bytes_readers = (getattr(os, "environb", os.environ), getattr(os, "getenvb", os.getenv))
+    if value is os.environ or value is os.getenv or value is bytes_readers[0] or value is bytes_readers[1]:
+        content: object = sorted(os.environ.items())  # (os.environb holds the same variables)
+        collect(ProcessState(_environment, dict(_environment())))
     elif value is sys.argv or value is sys.orig_argv:
         content = list(value)  # type: ignore[call-overload]
+        read = (lambda: sys.argv) if value is sys.argv else (lambda: sys.orig_argv)
+        collect(ProcessState(read, list(content)))
     else:
         return b""
     return tagged(Tag.PROCESS_STATE, encoder.child(content, f"{path}.<content>", depth))

@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from ..canonical.code import EMPTY
+from ..canonical.globals import ProcessState
 from ..canonical.modules import WeakState
 from ..canonical.objects import Binding
 from ..errors import ConfigError, KeyingError
@@ -297,6 +298,7 @@ class HeldValues:
         "_members",
         "_modules",
         "_ptrs",
+        "_states",
         "_tensors",
         "_total",
         "_types",
@@ -313,6 +315,7 @@ class HeldValues:
         self._bindings = sorted(bindings.values(), key=lambda b: type(b.namespace) is not dict)
         self._lookups = self._index()
         unique = list({id(value): value for value in values if not isinstance(value, Binding)}.values())
+        self._states = [v for v in unique if isinstance(v, ProcessState)]  # os.environ, sys.argv: by content
         tensors = [v for v in unique if isinstance(v, torch.Tensor)]
         self._tensors = [t for t in tensors if t.layout == torch.strided]  # sparse ones have no data pointer
         self._versioned = [t for t in tensors if not t.is_inference()]
@@ -340,7 +343,7 @@ class HeldValues:
                 self._arrays.append((array, _array_digest(array)))
 
     def __bool__(self) -> bool:
-        return bool(self._tensors or self._arrays or self._modules or self._bindings)
+        return bool(self._tensors or self._arrays or self._modules or self._bindings or self._states)
 
     def frozen(self, name: str) -> HeldValues:
         """These values; a ConfigError naming ``name`` if a tensor held (or a held module's) requires grad."""
@@ -355,6 +358,8 @@ class HeldValues:
     def changed(self) -> bool:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
+            return True
+        if self._states and any(state.changed() for state in self._states):
             return True
         spaces, names, values = self._lookups[:3]
         moved = any(map(operator.is_not, map(dict.get, spaces, names), values)) or self._others_moved()
