@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import random
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import REPO, python_env
 from torchcache import CacheWarning, torchcache
+from torchcache.module import rebinding
 
 SCALE = 2.0
 
@@ -329,6 +331,39 @@ def test_the_environment_and_command_line_written_after_the_key_was_taken_are_se
         os.environ["TC_TEST_SCALE"] = "2"  # (monkeypatch restores it)
     assert torch.equal(model(x), x * 2)
     assert model.cache_instance.module_hash != key
+
+
+def test_an_environment_written_at_every_call_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rebinding, "_rebound", collections.Counter())  # counts of other tests' writes left out
+    monkeypatch.setenv("TC_TEST_SCALE", "1")
+    model = torchcache()(ReadsTheEnvironment())
+    x = torch.randn(4, 3)
+    model(x)
+    for scale in range(2, 2 + rebinding.REBOUND_WARN - 1):
+        os.environ["TC_TEST_SCALE"] = str(scale)
+        assert torch.equal(model(x), x * scale)
+    os.environ["TC_TEST_SCALE"] = "9"
+    with pytest.warns(CacheWarning, match=r"the environment \(os.environ\), which a cached forward reads, was writ"):
+        assert torch.equal(model(x), x * 9)
+
+
+class WritesTheEnvironment(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        os.environ["TC_TEST_SCALE"] = "2"
+        return x * float(os.environ["TC_TEST_SCALE"])
+
+
+def test_rows_of_a_forward_that_writes_the_environment_it_reads_are_not_stored_under_the_key_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TC_TEST_SCALE", "1")
+    model = torchcache()(WritesTheEnvironment())
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), x * 2)
+    assert model.cache_instance.stats().memory.entries == 0  # made with the environment written, not the keyed one
+    assert torch.equal(model(x), x * 2)  # the key taken again, with the environment written: stored
+    assert model.cache_instance.stats().memory.entries == 4
+    assert torch.equal(model(x), x * 2) and model.cache_instance.stats().hits == 4
 
 
 def test_the_environment_named_in_key_ignore_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,7 +170,9 @@ class ProcessState(NamedTuple):
     """The environment or the command line as a key read it: whoever holds the key sees it written later."""
 
     current: Callable[[], object]  #: the live object (no copy: compared at every call)
-    seen: object  #: a copy, as the key read it
+    seen: object  #: a copy, as the key read it (a dict or a list)
+    what: str  #: what it is, for a warning: ``the environment (os.environ)``
+    where: str  #: the path the key read it at (its writes are counted there)
 
     def changed(self) -> bool:
         """Whether it was written since the key read it (``os.environ["MODE"] = "b"``, ``sys.argv.append(...)``)."""
@@ -192,11 +194,11 @@ def _process_state(encoder: Encoder, value: object, path: str, depth: int) -> by
     bytes_readers = (getattr(os, "environb", os.environ), getattr(os, "getenvb", os.getenv))
     if value is os.environ or value is os.getenv or value is bytes_readers[0] or value is bytes_readers[1]:
         content: object = sorted(os.environ.items())  # (os.environb holds the same variables)
-        collect(ProcessState(_environment, dict(_environment())))
+        collect(ProcessState(_environment, dict(_environment()), "the environment (os.environ)", path))
     elif value is sys.argv or value is sys.orig_argv:
         content = list(value)  # type: ignore[call-overload]
         read = (lambda: sys.argv) if value is sys.argv else (lambda: sys.orig_argv)
-        collect(ProcessState(read, list(content)))
+        collect(ProcessState(read, list(content), "the command line (sys.argv)", path))
     else:
         return b""
     return tagged(Tag.PROCESS_STATE, encoder.child(content, f"{path}.<content>", depth))

@@ -141,7 +141,7 @@ class ItemCheck:
         error = next((e for e in errors if e is not None), None)
         if error is None:  # state set by assignment as it ran (from its first batch): rows not stored under this key
             watch, held = watches
-            moved = held is not None and held.rebound(note=False, same=_unchanged)
+            moved = held is not None and (held.rebound(note=False, same=_unchanged) or held.states_written())
             switched = watch is not None and mode_switched(watch.module(), training)
             return not (moved or switched or (watch is not None and watch.changed(verify=False)))
         if not training:

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from ..canonical.globals import ProcessState
 from ..canonical.objects import Binding
 from ..errors import CacheWarning
 from ..faults import user_stacklevel
 
-__all__ = ["ALIKE_WARN", "REBOUND_WARN", "alike", "note_alike", "note_rebound"]
+__all__ = ["ALIKE_WARN", "REBOUND_WARN", "alike", "note_alike", "note_rebound", "note_written"]
 
 _rebound: collections.Counter[tuple[object, str]] = collections.Counter()
 #: Rebinding a global this often takes the key as often: a warning says so, once.
@@ -53,6 +54,23 @@ def note_rebound(binding: Binding) -> None:
             CacheWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def note_written(state: ProcessState) -> ProcessState:
+    """``state`` as it is now; a write to it counted, and said once it was written :data:`REBOUND_WARN` times."""
+    if not state.changed():
+        return state
+    _rebound[(state.what, state.where)] += 1
+    if _rebound[(state.what, state.where)] == REBOUND_WARN:
+        warnings.warn(
+            f"torchcache: {state.what}, which a cached forward reads, was written {REBOUND_WARN} times; each time "
+            "the module key is taken again (its weights hashed) and earlier entries no longer match. Read what it "
+            "needs in __init__ (an attribute is keyed by its value), or, if outputs do not depend on it, name the "
+            "module your code reads it through in key_ignore (such as 'os')",
+            CacheWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return state._replace(seen=type(state.seen)(state.current()))  # type: ignore[call-arg]
 
 
 #: Key retakes in a row that gave the same key, after which a warning says what they cost.

@@ -35,7 +35,7 @@ from ..errors import ConfigError, KeyingError
 from ..keys import tensor_digest
 from ..policy import plural
 from .fingerprint import tensor_attributes, unignored
-from .rebinding import alike, note_rebound
+from .rebinding import alike, note_rebound, note_written
 
 __all__ = ["HeldValues", "VersionWatch"]
 
@@ -359,7 +359,8 @@ class HeldValues:
         """Whether one of them was written in place (or given new storage), or a global rebound, since collected."""
         if sum(map(_version, self._versioned)) != self._total or list(map(_data_ptr, self._tensors)) != self._ptrs:
             return True
-        if self._states and any(state.changed() for state in self._states):
+        if self._states and self.states_written():
+            self._states = list(map(note_written, self._states))  # counted, and taken as they are now
             return True
         spaces, names, values = self._lookups[:3]
         moved = any(map(operator.is_not, map(dict.get, spaces, names), values)) or self._others_moved()
@@ -380,6 +381,10 @@ class HeldValues:
                 return True
             self._generation = _Generation.value
         return any(_array_digest(array) != digest for array, digest in self._arrays)
+
+    def states_written(self) -> bool:
+        """Whether the environment or command line the key read was written since (not counted, not taken)."""
+        return any(state.changed() for state in self._states)
 
     def _others_moved(self) -> bool:
         """Whether a binding outside a plain dict (a slot, a class's value, a function's code) holds another value."""
