@@ -503,3 +503,28 @@ def test_rows_computed_while_the_module_was_switched_to_the_other_mode_are_not_s
     model, x = torchcache()(_SwitchedAsItRuns().eval()), torch.randn(4, 3)
     assert torch.equal(model(x), x * 2)
     assert model.cache_instance.stats().memory.entries == 0  # not filed under eval: the mode moved as it ran
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _scaled(self: nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * scale
+
+
+@pytest.mark.parametrize(
+    ("kind", "forward"),
+    [
+        ("staticmethod", staticmethod(_doubled)),
+        ("classmethod", classmethod(lambda cls, x: x * 2)),
+        ("partialmethod", functools.partialmethod(_scaled, scale=2.0)),
+    ],
+)
+def test_a_forward_that_is_not_a_method_is_refused_naming_the_way_out(kind: str, forward: Any) -> None:
+    plain = type("Plain", (nn.Module,), {"forward": forward})
+    assert torch.equal(plain()(torch.ones(2, 3)), torch.full((2, 3), 2.0))  # torch runs it
+    with pytest.raises(ConfigError, match=rf"Plain.forward is a {kind}, .* 'def forward\(self, x\): \.\.\.'"):
+        torchcache()(plain())
+    with pytest.raises(ConfigError, match=rf"Plain.forward is a {kind}"):
+        torchcache()(type("Plain", (nn.Module,), {"forward": forward}))

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from .callables import CachedMethod, decorate_function
 from .engine import Cache
 from .fingerprint import check_instance, describe_init
-from .guards import check_frozen
+from .guards import check_forward, check_frozen
 from .instances import InstanceBinding, attach, bind, cached_method, forwards, patch
 from .subclass import BINDING, compile_graph, graph_methods, make_subclass, plain_namespace, rebuild_plain
 
@@ -251,6 +251,7 @@ def _decorate_class(cls: type[torch.nn.Module], settings: Settings) -> type[torc
             f"decorated in place; for a second configuration, decorate a subclass (class Other({cls.__name__}): "
             "pass) or wrap instances (torchcache(...)(instance))"
         )
+    check_forward(cls)
     _decorated[cls] = settings  # not a class attribute: it would be part of the module key
     original_init, original_forward = cls.__init__, cls.forward
     name = f"{cls.__module__}.{cls.__qualname__}"
@@ -351,6 +352,7 @@ def _wrap_instance(module: torch.nn.Module, settings: Settings) -> torch.nn.Modu
             "(torch.compile(torchcache()(model)), or model.compile() after wrapping it)"
         )
     name = f"{cls.__module__}.{cls.__qualname__}"
+    check_forward(cls)
     check_frozen(module, cls.__qualname__)
     if settings.persistent_module_hash is None:  # else the user gave the key
         check_instance(module, settings.key_ignore)  # a refusal comes when the model is wrapped

@@ -1,6 +1,7 @@
 """Checks and wrappers shared by every kind of cached callable.
 
-A cached module must be frozen (cached outputs carry no gradient), should not run in
+A cached module must be frozen (cached outputs carry no gradient), have a ``forward``
+defined as a method (calls are bound to its signature without ``self``), should not run in
 training mode when it holds dropout or batch norm (the cache would replay one dropout
 mask), and its lookup must stay out of ``torch.compile`` graphs (it is host-side
 Python: hashing, locks, files).
@@ -9,6 +10,7 @@ Python: hashing, locks, files).
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +22,7 @@ from ..faults import Fault
 from .engine import Cache
 from .fingerprint import tensor_attributes
 
-__all__ = ["check_frozen", "outside_compile", "warn_if_training"]
+__all__ = ["check_forward", "check_frozen", "outside_compile", "warn_if_training"]
 
 T = TypeVar("T")
 _STOCHASTIC = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
@@ -28,6 +30,20 @@ _COMPILE_REASON = (
     "torchcache looks cached outputs up in host-side Python, outside compiled graphs; with "
     "fullgraph=True, compile the modules around the cached one (or leave fullgraph off)"
 )
+
+
+def check_forward(cls: type) -> None:
+    """Refuse a class whose ``forward`` is not a method taking ``self`` (a ``staticmethod``, for one).
+
+    Raises:
+        ConfigError: If ``cls.forward`` is a ``staticmethod``, ``classmethod`` or ``functools.partialmethod``.
+    """
+    found = inspect.getattr_static(cls, "forward", None)
+    if isinstance(found, (staticmethod, classmethod, functools.partialmethod)):
+        raise ConfigError(
+            f"{cls.__qualname__}.forward is a {type(found).__name__}, and torchcache caches a forward defined as a "
+            "method taking self: define it as 'def forward(self, x): ...' (it may call the function it wraps)"
+        )
 
 
 def check_frozen(module: torch.nn.Module, name: str) -> None:
