@@ -198,7 +198,7 @@ def _process_state(encoder: Encoder, value: object, path: str, depth: int) -> by
     elif value is sys.argv or value is sys.orig_argv:
         content = list(value)  # type: ignore[call-overload]
         read = (lambda: sys.argv) if value is sys.argv else (lambda: sys.orig_argv)
-        collect(ProcessState(read, list(content), "the command line (sys.argv)", path))
+        collect(ProcessState(read, content, "the command line (sys.argv)", path))  # (the encoder only reads it)
     else:
         return b""
     return tagged(Tag.PROCESS_STATE, encoder.child(content, f"{path}.<content>", depth))
